@@ -1,0 +1,41 @@
+# Set-up and the two jobs of a fresh machine: `make demo` and `make test`.
+# Each step is skipped when already done. VENV overrides the environment path.
+
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+SOURCES := CMakeLists.txt pyproject.toml $(shell find csrc include -type f 2>/dev/null)
+
+.PHONY: demo test build bench clean
+
+demo: $(VENV)/.built
+	$(PY) -m stagewise.bench kernels
+
+test: $(VENV)/.built
+	$(PY) -m pytest -q tests
+
+build: $(VENV)/.built
+
+# The venv sees the system's site-packages, so a machine that already has a
+# (CUDA) torch uses it instead of downloading another.
+$(PY):
+	python3 -m venv --system-site-packages $(VENV)
+
+# torch: the build this machine offers; then the build and test tools.
+$(VENV)/.deps: $(PY) Makefile
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
+	$(PIP) install "scikit-build-core>=0.10" "pytest>=7" expecttest
+	@command -v ninja >/dev/null || $(PIP) install ninja
+	touch $@
+
+# The extension, built against the torch installed above (no build isolation).
+$(VENV)/.built: $(VENV)/.deps $(SOURCES)
+	$(PIP) install --no-build-isolation --no-deps -e .
+	touch $@
+
+bench: demo
+
+clean:
+	rm -rf build $(VENV)/.built

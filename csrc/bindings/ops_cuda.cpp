@@ -1,0 +1,108 @@
+// CUDA implementations of the stagewise ops: check arguments, guard the
+// device, take the current stream, launch the kernel of csrc/cuda/.
+// Compiled only when the torch being built against has CUDA.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "bindings/params.h"
+
+namespace stagewise::glue {
+namespace {
+
+void check_launch(const char* op, cudaError_t err) {
+  TORCH_CHECK(err == cudaSuccess, "stagewise.", op, ": CUDA launch failed: ", cudaGetErrorString(err));
+}
+
+#define STAGEWISE_CUDA_CALL(op, tensor, call)                      \
+  do {                                                             \
+    const c10::cuda::CUDAGuard guard_((tensor).device());          \
+    cudaStream_t stream_ = at::cuda::getCurrentCUDAStream();       \
+    check_launch(op, call);                                        \
+  } while (0)
+
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  auto p = make_rms_norm_params(out, x, weight, eps);
+  STAGEWISE_CUDA_CALL("rms_norm", x, cuda::rms_norm(p, stream_));
+}
+
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  auto p = make_fused_add_rms_norm_params(x, residual, weight, eps);
+  STAGEWISE_CUDA_CALL("fused_add_rms_norm", x, cuda::fused_add_rms_norm(p, stream_));
+}
+
+void rope(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
+          const at::Tensor& cos_sin_cache, bool is_neox) {
+  auto p = make_rope_params("rope", q, k, positions, cos_sin_cache, is_neox);
+  STAGEWISE_CUDA_CALL("rope", q, cuda::rope(p, stream_));
+}
+
+void qk_norm_rope(at::Tensor& q, at::Tensor& k, const at::Tensor& q_weight,
+                  const at::Tensor& k_weight, const at::Tensor& positions,
+                  const at::Tensor& cos_sin_cache, double eps, bool is_neox) {
+  auto p = make_qk_norm_rope_params(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox);
+  STAGEWISE_CUDA_CALL("qk_norm_rope", q, cuda::qk_norm_rope(p, stream_));
+}
+
+void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                       at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  auto p = make_reshape_and_cache_params(k, v, k_cache, v_cache, slot_mapping);
+  STAGEWISE_CUDA_CALL("reshape_and_cache", k, cuda::reshape_and_cache(p, stream_));
+}
+
+at::Tensor slot_mapping(const at::Tensor& block_tables, const at::Tensor& seq_index,
+                        const at::Tensor& positions, int64_t block_size, int64_t cp_world_size,
+                        int64_t cp_rank, int64_t interleave_size) {
+  at::Tensor out;
+  const c10::cuda::CUDAGuard guard(block_tables.device());
+  auto p = make_slot_mapping_params(out, block_tables, seq_index, positions, block_size,
+                                    cp_world_size, cp_rank, interleave_size);
+  STAGEWISE_CUDA_CALL("slot_mapping", block_tables, cuda::slot_mapping(p, stream_));
+  return out;
+}
+
+void decode_attention(at::Tensor& out, at::Tensor& lse, const at::Tensor& q,
+                      const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                      const std::optional<at::Tensor>& k_new,
+                      const std::optional<at::Tensor>& v_new, int64_t num_splits) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  DecodeAttentionParams p = make_decode_attention_params(
+      out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits);
+  TORCH_CHECK_VALUE(p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256,
+                    "stagewise.decode_attention: on CUDA head_dim must be 64, 128 or 256, got ",
+                    p.head_dim);
+  if (p.num_splits == 0) {
+    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    p.num_splits = cuda::decode_attention_num_splits(
+        p.batch, p.num_kv_heads, p.max_blocks_per_seq * p.block_size, p.block_size, sms);
+  }
+  // Partial outputs of the splits; from the caching allocator, so capturable.
+  at::Tensor workspace = at::empty(
+      {static_cast<int64_t>(cuda::decode_attention_workspace_floats(p.batch, p.num_q_heads,
+                                                                    p.head_dim, p.num_splits))},
+      q.options().dtype(at::kFloat));
+  p.workspace = workspace.data_ptr<float>();
+  STAGEWISE_CUDA_CALL("decode_attention", q, cuda::decode_attention(p, stream_));
+}
+
+void merge_attn_states(at::Tensor& out, at::Tensor& lse, const at::Tensor& out_a,
+                       const at::Tensor& lse_a, const at::Tensor& out_b, const at::Tensor& lse_b) {
+  auto p = make_merge_attn_states_params(out, lse, out_a, lse_a, out_b, lse_b);
+  STAGEWISE_CUDA_CALL("merge_attn_states", out_a, cuda::merge_attn_states(p, stream_));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(stagewise, CUDA, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rope", &rope);
+  m.impl("qk_norm_rope", &qk_norm_rope);
+  m.impl("reshape_and_cache", &reshape_and_cache);
+  m.impl("slot_mapping", &slot_mapping);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("merge_attn_states", &merge_attn_states);
+}
+
+}  // namespace stagewise::glue

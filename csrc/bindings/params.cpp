@@ -1,0 +1,453 @@
+#include "bindings/params.h"
+
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+namespace stagewise::glue {
+namespace {
+
+std::string shape_of(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.sizes();
+  return s.str();
+}
+
+DType float_dtype(const char* op, const char* name, const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, "stagewise.", op, ": argument '", name,
+                       "' must be float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+  return DType::kFloat32;
+}
+
+IndexType index_dtype(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, "stagewise.", op,
+                   ": argument '", name, "' must be int32 or int64, got ", t.scalar_type());
+  return t.scalar_type() == at::kInt ? IndexType::kInt32 : IndexType::kInt64;
+}
+
+void check_dtype_is(const char* op, const char* name, const at::Tensor& t, at::ScalarType want,
+                    const char* why) {
+  TORCH_CHECK_TYPE(t.scalar_type() == want, "stagewise.", op, ": argument '", name, "' must be ",
+                   want, " (", why, "), got ", t.scalar_type());
+}
+
+void check_dim(const char* op, const char* name, const at::Tensor& t, int64_t dim,
+               const char* layout) {
+  TORCH_CHECK_VALUE(t.dim() == dim, "stagewise.", op, ": argument '", name, "' must have ", dim,
+                    " dims ", layout, ", got ", t.dim(), " dims with shape ", shape_of(t));
+}
+
+void check_size(const char* op, const char* name, const at::Tensor& t, int64_t d, int64_t want,
+                const char* what) {
+  TORCH_CHECK_VALUE(t.size(d) == want, "stagewise.", op, ": argument '", name, "' dim ", d, " (",
+                    what, ") must be ", want, ", got ", t.size(d), " (shape ", shape_of(t), ")");
+}
+
+void check_same_device(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                       const at::Tensor& ref) {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), "stagewise.", op, ": argument '", name,
+                    "' must be on the device of '", ref_name, "' (", ref.device(), "), got ",
+                    t.device());
+}
+
+void check_same_dtype(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                      const at::Tensor& ref) {
+  TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), "stagewise.", op, ": argument '", name,
+                   "' must have the dtype of '", ref_name, "' (", ref.scalar_type(), "), got ",
+                   t.scalar_type());
+}
+
+void check_last_contiguous(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.dim() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1, "stagewise.", op,
+                    ": argument '", name, "' must have a contiguous last dim (stride 1), got strides ",
+                    t.strides());
+}
+
+void check_contiguous(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.is_contiguous(), "stagewise.", op, ": argument '", name,
+                    "' must be contiguous, got shape ", shape_of(t), " with strides ", t.strides());
+}
+
+void check_index_vector(const char* op, const char* name, const at::Tensor& t, int64_t n,
+                        const char* what, const at::Tensor& ref, const char* ref_name) {
+  check_dim(op, name, t, 1, what);
+  check_size(op, name, t, 0, n, what);
+  check_contiguous(op, name, t);
+  check_same_device(op, name, t, ref_name, ref);
+}
+
+// Rows of a tensor whose leading dims collapse into one strided row dim.
+struct Rows {
+  int64_t rows;
+  int64_t stride;
+};
+
+Rows rows_of(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.dim() >= 1, "stagewise.", op, ": argument '", name,
+                    "' must have at least 1 dim [..., hidden], got a scalar");
+  check_last_contiguous(op, name, t);
+  const int64_t hidden = t.size(-1);
+  int64_t rows = 1, stride = hidden;
+  bool have_stride = false;
+  for (int64_t d = t.dim() - 2; d >= 0; --d) {
+    rows *= t.size(d);
+    if (t.size(d) == 1) continue;
+    if (!have_stride) {
+      stride = t.stride(d);
+      have_stride = true;
+    } else {
+      TORCH_CHECK_VALUE(t.stride(d) == stride * rows / t.size(d), "stagewise.", op,
+                        ": argument '", name,
+                        "' must have leading dims that collapse into one strided row dim, got shape ",
+                        shape_of(t), " with strides ", t.strides());
+    }
+  }
+  return {rows, stride};
+}
+
+void check_float_like(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                      const at::Tensor& ref) {
+  check_same_device(op, name, t, ref_name, ref);
+  check_same_dtype(op, name, t, ref_name, ref);
+}
+
+}  // namespace
+
+RmsNormParams make_rms_norm_params(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                                   double eps) {
+  const char* op = "rms_norm";
+  RmsNormParams p{};
+  p.dtype = float_dtype(op, "x", x);
+  const Rows xr = rows_of(op, "x", x);
+  const int64_t hidden = x.size(-1);
+  TORCH_CHECK_VALUE(hidden >= 1, "stagewise.rms_norm: argument 'x' must have a non-empty last dim");
+  check_float_like(op, "out", out, "x", x);
+  TORCH_CHECK_VALUE(out.sizes() == x.sizes(), "stagewise.rms_norm: argument 'out' must have the shape of 'x' ",
+                    shape_of(x), ", got ", shape_of(out));
+  const Rows outr = rows_of(op, "out", out);
+  check_float_like(op, "weight", weight, "x", x);
+  check_dim(op, "weight", weight, 1, "[hidden]");
+  check_size(op, "weight", weight, 0, hidden, "hidden");
+  check_contiguous(op, "weight", weight);
+  p.out = out.data_ptr();
+  p.out_row_stride = outr.stride;
+  p.x = x.data_ptr();
+  p.x_row_stride = xr.stride;
+  p.weight = weight.data_ptr();
+  p.rows = xr.rows;
+  p.hidden = hidden;
+  p.eps = static_cast<float>(eps);
+  return p;
+}
+
+FusedAddRmsNormParams make_fused_add_rms_norm_params(at::Tensor& x, at::Tensor& residual,
+                                                     const at::Tensor& weight, double eps) {
+  const char* op = "fused_add_rms_norm";
+  FusedAddRmsNormParams p{};
+  p.dtype = float_dtype(op, "x", x);
+  const Rows xr = rows_of(op, "x", x);
+  const int64_t hidden = x.size(-1);
+  TORCH_CHECK_VALUE(hidden >= 1, "stagewise.fused_add_rms_norm: argument 'x' must have a non-empty last dim");
+  check_float_like(op, "residual", residual, "x", x);
+  TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "stagewise.fused_add_rms_norm: argument 'residual' must have the shape of 'x' ",
+                    shape_of(x), ", got ", shape_of(residual));
+  const Rows rr = rows_of(op, "residual", residual);
+  check_float_like(op, "weight", weight, "x", x);
+  check_dim(op, "weight", weight, 1, "[hidden]");
+  check_size(op, "weight", weight, 0, hidden, "hidden");
+  check_contiguous(op, "weight", weight);
+  p.x = x.data_ptr();
+  p.x_row_stride = xr.stride;
+  p.residual = residual.data_ptr();
+  p.residual_row_stride = rr.stride;
+  p.weight = weight.data_ptr();
+  p.rows = xr.rows;
+  p.hidden = hidden;
+  p.eps = static_cast<float>(eps);
+  return p;
+}
+
+RopeParams make_rope_params(const char* op, at::Tensor& q, at::Tensor& k,
+                            const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                            bool is_neox) {
+  RopeParams p{};
+  p.dtype = float_dtype(op, "q", q);
+  check_dim(op, "q", q, 3, "[num_tokens, num_q_heads, head_dim]");
+  check_last_contiguous(op, "q", q);
+  check_float_like(op, "k", k, "q", q);
+  check_dim(op, "k", k, 3, "[num_tokens, num_k_heads, head_dim]");
+  check_size(op, "k", k, 0, q.size(0), "num_tokens, as in q");
+  check_size(op, "k", k, 2, q.size(2), "head_dim, as in q");
+  check_last_contiguous(op, "k", k);
+  p.position_type = index_dtype(op, "positions", positions);
+  check_index_vector(op, "positions", positions, q.size(0), "[num_tokens]", q, "q");
+  p.cache_dtype = float_dtype(op, "cos_sin_cache", cos_sin_cache);
+  TORCH_CHECK_TYPE(p.cache_dtype == DType::kFloat32 || p.cache_dtype == p.dtype, "stagewise.", op,
+                   ": argument 'cos_sin_cache' must be float32 or the dtype of 'q' (",
+                   q.scalar_type(), "), got ", cos_sin_cache.scalar_type());
+  check_same_device(op, "cos_sin_cache", cos_sin_cache, "q", q);
+  check_dim(op, "cos_sin_cache", cos_sin_cache, 2, "[max_position, rotary_dim]");
+  check_contiguous(op, "cos_sin_cache", cos_sin_cache);
+  const int64_t rotary_dim = cos_sin_cache.size(1);
+  TORCH_CHECK_VALUE(rotary_dim >= 2 && rotary_dim % 2 == 0 && rotary_dim <= q.size(2), "stagewise.",
+                    op, ": argument 'cos_sin_cache' dim 1 (rotary_dim) must be even and in [2, head_dim=",
+                    q.size(2), "], got ", rotary_dim);
+  p.q = q.data_ptr();
+  p.q_token_stride = q.stride(0);
+  p.q_head_stride = q.stride(1);
+  p.k = k.data_ptr();
+  p.k_token_stride = k.stride(0);
+  p.k_head_stride = k.stride(1);
+  p.positions = positions.data_ptr();
+  p.cos_sin_cache = cos_sin_cache.data_ptr();
+  p.max_position = cos_sin_cache.size(0);
+  p.num_tokens = q.size(0);
+  p.num_q_heads = q.size(1);
+  p.num_k_heads = k.size(1);
+  p.head_dim = q.size(2);
+  p.rotary_dim = rotary_dim;
+  p.is_neox = is_neox;
+  return p;
+}
+
+RopeParams make_qk_norm_rope_params(at::Tensor& q, at::Tensor& k, const at::Tensor& q_weight,
+                                    const at::Tensor& k_weight, const at::Tensor& positions,
+                                    const at::Tensor& cos_sin_cache, double eps, bool is_neox) {
+  const char* op = "qk_norm_rope";
+  RopeParams p = make_rope_params(op, q, k, positions, cos_sin_cache, is_neox);
+  for (auto [name, w] : {std::pair<const char*, const at::Tensor*>{"q_weight", &q_weight},
+                         {"k_weight", &k_weight}}) {
+    check_float_like(op, name, *w, "q", q);
+    check_dim(op, name, *w, 1, "[head_dim]");
+    check_size(op, name, *w, 0, q.size(2), "head_dim");
+    check_contiguous(op, name, *w);
+  }
+  p.q_weight = q_weight.data_ptr();
+  p.k_weight = k_weight.data_ptr();
+  p.eps = static_cast<float>(eps);
+  return p;
+}
+
+ReshapeAndCacheParams make_reshape_and_cache_params(const at::Tensor& k, const at::Tensor& v,
+                                                    at::Tensor& k_cache, at::Tensor& v_cache,
+                                                    const at::Tensor& slot_mapping) {
+  const char* op = "reshape_and_cache";
+  ReshapeAndCacheParams p{};
+  p.dtype = float_dtype(op, "k", k);
+  check_dim(op, "k", k, 3, "[num_tokens, num_heads, head_dim]");
+  check_last_contiguous(op, "k", k);
+  check_float_like(op, "v", v, "k", k);
+  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "stagewise.reshape_and_cache: argument 'v' must have the shape of 'k' ",
+                    shape_of(k), ", got ", shape_of(v));
+  check_last_contiguous(op, "v", v);
+  for (auto [name, c] : {std::pair<const char*, at::Tensor*>{"k_cache", &k_cache},
+                         {"v_cache", &v_cache}}) {
+    check_float_like(op, name, *c, "k", k);
+    check_dim(op, name, *c, 4, "[num_blocks, block_size, num_heads, head_dim]");
+    check_size(op, name, *c, 2, k.size(1), "num_heads, as in k");
+    check_size(op, name, *c, 3, k.size(2), "head_dim, as in k");
+    check_contiguous(op, name, *c);
+  }
+  TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "stagewise.reshape_and_cache: argument 'v_cache' must have the shape of 'k_cache' ",
+                    shape_of(k_cache), ", got ", shape_of(v_cache));
+  p.slot_type = index_dtype(op, "slot_mapping", slot_mapping);
+  check_index_vector(op, "slot_mapping", slot_mapping, k.size(0), "[num_tokens]", k, "k");
+  p.k = k.data_ptr();
+  p.k_token_stride = k.stride(0);
+  p.k_head_stride = k.stride(1);
+  p.v = v.data_ptr();
+  p.v_token_stride = v.stride(0);
+  p.v_head_stride = v.stride(1);
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.slot_mapping = slot_mapping.data_ptr();
+  p.num_tokens = k.size(0);
+  p.num_heads = k.size(1);
+  p.head_dim = k.size(2);
+  p.num_slots = k_cache.size(0) * k_cache.size(1);
+  return p;
+}
+
+SlotMappingParams make_slot_mapping_params(at::Tensor& out, const at::Tensor& block_tables,
+                                           const at::Tensor& seq_index,
+                                           const at::Tensor& positions, int64_t block_size,
+                                           int64_t cp_world_size, int64_t cp_rank,
+                                           int64_t interleave_size) {
+  const char* op = "slot_mapping";
+  SlotMappingParams p{};
+  p.block_table_type = index_dtype(op, "block_tables", block_tables);
+  check_dim(op, "block_tables", block_tables, 2, "[num_seqs, max_blocks]");
+  check_last_contiguous(op, "block_tables", block_tables);
+  p.position_type = index_dtype(op, "positions", positions);
+  check_dim(op, "positions", positions, 1, "[num_tokens]");
+  check_contiguous(op, "positions", positions);
+  check_same_device(op, "positions", positions, "block_tables", block_tables);
+  p.seq_index_type = index_dtype(op, "seq_index", seq_index);
+  check_index_vector(op, "seq_index", seq_index, positions.size(0), "[num_tokens]", block_tables,
+                     "block_tables");
+  TORCH_CHECK_VALUE(block_size >= 1, "stagewise.slot_mapping: argument 'block_size' must be >= 1, got ",
+                    block_size);
+  TORCH_CHECK_VALUE(cp_world_size >= 1, "stagewise.slot_mapping: argument 'cp_world_size' must be >= 1, got ",
+                    cp_world_size);
+  TORCH_CHECK_VALUE(cp_rank >= 0 && cp_rank < cp_world_size,
+                    "stagewise.slot_mapping: argument 'cp_rank' must be in [0, cp_world_size=",
+                    cp_world_size, "), got ", cp_rank);
+  TORCH_CHECK_VALUE(interleave_size >= 1 && block_size % interleave_size == 0,
+                    "stagewise.slot_mapping: argument 'interleave_size' must divide block_size=",
+                    block_size, ", got ", interleave_size);
+  out = at::empty({positions.size(0)}, positions.options().dtype(at::kLong));
+  p.out = out.data_ptr<int64_t>();
+  p.block_tables = block_tables.data_ptr();
+  p.block_table_row_stride = block_tables.stride(0);
+  p.num_seqs = block_tables.size(0);
+  p.max_blocks = block_tables.size(1);
+  p.seq_index = seq_index.data_ptr();
+  p.positions = positions.data_ptr();
+  p.num_tokens = positions.size(0);
+  p.block_size = block_size;
+  p.cp_world_size = cp_world_size;
+  p.cp_rank = cp_rank;
+  p.interleave_size = interleave_size;
+  return p;
+}
+
+DecodeAttentionParams make_decode_attention_params(
+    at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    double scale, const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+    int64_t num_splits) {
+  const char* op = "decode_attention";
+  DecodeAttentionParams p{};
+  p.dtype = float_dtype(op, "q", q);
+  check_dim(op, "q", q, 3, "[batch, num_q_heads, head_dim]");
+  check_last_contiguous(op, "q", q);
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  TORCH_CHECK_VALUE(D >= 1, "stagewise.decode_attention: argument 'q' must have head_dim >= 1");
+  for (auto [name, c] : {std::pair<const char*, const at::Tensor*>{"k_cache", &k_cache},
+                         {"v_cache", &v_cache}}) {
+    check_float_like(op, name, *c, "q", q);
+    check_dim(op, name, *c, 4, "[num_blocks, block_size, num_kv_heads, head_dim]");
+    check_size(op, name, *c, 3, D, "head_dim, as in q");
+    check_contiguous(op, name, *c);
+  }
+  TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "stagewise.decode_attention: argument 'v_cache' must have the shape of 'k_cache' ",
+                    shape_of(k_cache), ", got ", shape_of(v_cache));
+  const int64_t Hk = k_cache.size(2);
+  TORCH_CHECK_VALUE(Hk >= 1 && Hq % Hk == 0, "stagewise.decode_attention: num_q_heads (q dim 1) = ",
+                    Hq, " must be a multiple of num_kv_heads (k_cache dim 2) = ", Hk);
+  TORCH_CHECK_VALUE(k_cache.size(1) >= 1, "stagewise.decode_attention: argument 'k_cache' must have block_size >= 1");
+  p.block_table_type = index_dtype(op, "block_tables", block_tables);
+  check_dim(op, "block_tables", block_tables, 2, "[batch, max_blocks_per_seq]");
+  check_size(op, "block_tables", block_tables, 0, B, "batch, as in q");
+  check_last_contiguous(op, "block_tables", block_tables);
+  check_same_device(op, "block_tables", block_tables, "q", q);
+  p.seq_lens_type = index_dtype(op, "seq_lens", seq_lens);
+  check_index_vector(op, "seq_lens", seq_lens, B, "[batch]", q, "q");
+  TORCH_CHECK_VALUE(k_new.has_value() == v_new.has_value(),
+                    "stagewise.decode_attention: arguments 'k_new' and 'v_new' must be given together, got ",
+                    k_new.has_value() ? "k_new only" : "v_new only");
+  if (k_new.has_value()) {
+    for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"k_new", &*k_new},
+                           {"v_new", &*v_new}}) {
+      check_float_like(op, name, *t, "q", q);
+      check_dim(op, name, *t, 3, "[batch, num_kv_heads, head_dim]");
+      check_size(op, name, *t, 0, B, "batch, as in q");
+      check_size(op, name, *t, 1, Hk, "num_kv_heads, as in k_cache");
+      check_size(op, name, *t, 2, D, "head_dim, as in q");
+      check_last_contiguous(op, name, *t);
+    }
+    p.k_new = k_new->data_ptr();
+    p.k_new_batch_stride = k_new->stride(0);
+    p.k_new_head_stride = k_new->stride(1);
+    p.v_new = v_new->data_ptr();
+    p.v_new_batch_stride = v_new->stride(0);
+    p.v_new_head_stride = v_new->stride(1);
+  }
+  check_float_like(op, "out", out, "q", q);
+  TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "stagewise.decode_attention: argument 'out' must have the shape of 'q' ",
+                    shape_of(q), ", got ", shape_of(out));
+  check_last_contiguous(op, "out", out);
+  check_dtype_is(op, "lse", lse, at::kFloat, "log-sum-exp is kept in float32");
+  check_same_device(op, "lse", lse, "q", q);
+  TORCH_CHECK_VALUE(lse.dim() == 2 && lse.size(0) == B && lse.size(1) == Hq,
+                    "stagewise.decode_attention: argument 'lse' must have shape [", B, ", ", Hq,
+                    "] (batch, num_q_heads), got ", shape_of(lse));
+  check_contiguous(op, "lse", lse);
+  TORCH_CHECK_VALUE(num_splits >= 0, "stagewise.decode_attention: argument 'num_splits' must be >= 1 (or 0/None for the heuristic), got ",
+                    num_splits);
+  p.out = out.data_ptr();
+  p.out_batch_stride = out.stride(0);
+  p.out_head_stride = out.stride(1);
+  p.lse = lse.data_ptr<float>();
+  p.q = q.data_ptr();
+  p.q_batch_stride = q.stride(0);
+  p.q_head_stride = q.stride(1);
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.block_tables = block_tables.data_ptr();
+  p.block_table_row_stride = block_tables.stride(0);
+  p.max_blocks_per_seq = block_tables.size(1);
+  p.seq_lens = seq_lens.data_ptr();
+  p.batch = B;
+  p.num_q_heads = Hq;
+  p.num_kv_heads = Hk;
+  p.head_dim = D;
+  p.block_size = k_cache.size(1);
+  p.num_blocks = k_cache.size(0);
+  p.scale = static_cast<float>(scale);
+  p.num_splits = static_cast<int>(num_splits);
+  return p;
+}
+
+MergeAttnStatesParams make_merge_attn_states_params(at::Tensor& out, at::Tensor& lse,
+                                                    const at::Tensor& out_a,
+                                                    const at::Tensor& lse_a,
+                                                    const at::Tensor& out_b,
+                                                    const at::Tensor& lse_b) {
+  const char* op = "merge_attn_states";
+  MergeAttnStatesParams p{};
+  p.dtype = float_dtype(op, "out_a", out_a);
+  check_dim(op, "out_a", out_a, 3, "[num_tokens, num_heads, head_dim]");
+  check_last_contiguous(op, "out_a", out_a);
+  const int64_t N = out_a.size(0), H = out_a.size(1), D = out_a.size(2);
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"out_b", &out_b}, {"out", &out}}) {
+    check_float_like(op, name, *t, "out_a", out_a);
+    TORCH_CHECK_VALUE(t->sizes() == out_a.sizes(), "stagewise.merge_attn_states: argument '", name,
+                      "' must have the shape of 'out_a' ", shape_of(out_a), ", got ", shape_of(*t));
+    check_last_contiguous(op, name, *t);
+  }
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"lse_a", &lse_a},
+                         {"lse_b", &lse_b}, {"lse", &lse}}) {
+    check_dtype_is(op, name, *t, at::kFloat, "log-sum-exp is kept in float32");
+    check_same_device(op, name, *t, "out_a", out_a);
+    TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == N && t->size(1) == H, "stagewise.merge_attn_states: argument '",
+                      name, "' must have shape [", N, ", ", H, "] (num_tokens, num_heads), got ",
+                      shape_of(*t));
+    check_contiguous(op, name, *t);
+  }
+  p.out = out.data_ptr();
+  p.out_token_stride = out.stride(0);
+  p.out_head_stride = out.stride(1);
+  p.lse = lse.data_ptr<float>();
+  p.a = out_a.data_ptr();
+  p.a_token_stride = out_a.stride(0);
+  p.a_head_stride = out_a.stride(1);
+  p.lse_a = lse_a.data_ptr<float>();
+  p.b = out_b.data_ptr();
+  p.b_token_stride = out_b.stride(0);
+  p.b_head_stride = out_b.stride(1);
+  p.lse_b = lse_b.data_ptr<float>();
+  p.num_tokens = N;
+  p.num_heads = H;
+  p.head_dim = D;
+  return p;
+}
+
+}  // namespace stagewise::glue

@@ -1,0 +1,48 @@
+// Argument checking and params filling shared by the CPU and CUDA glue: each
+// make_*_params() checks every tensor argument (dtype, device, rank, shape,
+// strides) and fills the torch-free params struct of include/stagewise/.
+// Errors are Python exceptions naming the op, the argument, what was expected
+// and what was given: TypeError for dtypes, ValueError for shapes/strides/devices.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include "stagewise/attention.h"
+#include "stagewise/cache.h"
+#include "stagewise/norm.h"
+#include "stagewise/rope.h"
+
+namespace stagewise::glue {
+
+RmsNormParams make_rms_norm_params(at::Tensor& out, const at::Tensor& x,
+                                   const at::Tensor& weight, double eps);
+FusedAddRmsNormParams make_fused_add_rms_norm_params(at::Tensor& x, at::Tensor& residual,
+                                                     const at::Tensor& weight, double eps);
+RopeParams make_rope_params(const char* op, at::Tensor& q, at::Tensor& k,
+                            const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                            bool is_neox);
+RopeParams make_qk_norm_rope_params(at::Tensor& q, at::Tensor& k, const at::Tensor& q_weight,
+                                    const at::Tensor& k_weight, const at::Tensor& positions,
+                                    const at::Tensor& cos_sin_cache, double eps, bool is_neox);
+ReshapeAndCacheParams make_reshape_and_cache_params(const at::Tensor& k, const at::Tensor& v,
+                                                    at::Tensor& k_cache, at::Tensor& v_cache,
+                                                    const at::Tensor& slot_mapping);
+// Checks the inputs and allocates the output ([num_tokens] int64 on their device).
+SlotMappingParams make_slot_mapping_params(at::Tensor& out, const at::Tensor& block_tables,
+                                           const at::Tensor& seq_index,
+                                           const at::Tensor& positions, int64_t block_size,
+                                           int64_t cp_world_size, int64_t cp_rank,
+                                           int64_t interleave_size);
+// num_splits < 0 is an error; 0 is left for the device glue to resolve.
+DecodeAttentionParams make_decode_attention_params(
+    at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    double scale, const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+    int64_t num_splits);
+MergeAttnStatesParams make_merge_attn_states_params(at::Tensor& out, at::Tensor& lse,
+                                                    const at::Tensor& out_a,
+                                                    const at::Tensor& lse_a,
+                                                    const at::Tensor& out_b,
+                                                    const at::Tensor& lse_b);
+
+}  // namespace stagewise::glue

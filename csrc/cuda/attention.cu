@@ -1,0 +1,2 @@
+#include "stagewise/attention.h"
+namespace stagewise::cuda {}

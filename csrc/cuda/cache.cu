@@ -1,0 +1,2 @@
+#include "stagewise/cache.h"
+namespace stagewise::cuda {}

@@ -1,0 +1,2 @@
+#include "stagewise/norm.h"
+namespace stagewise::cuda {}

@@ -1,0 +1,2 @@
+#include "stagewise/rope.h"
+namespace stagewise::cuda {}

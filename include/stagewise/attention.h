@@ -1,0 +1,95 @@
+// Flash-decoding over a paged KV cache, and the log-sum-exp merge of partial
+// attention results (seed 002's two-part attention: cache part + new-token part).
+//
+// For sequence b and query head h (kv head g = h / (num_q_heads / num_kv_heads)):
+//   keys = the first seq_lens[b] cached tokens of b (token t lives in block
+//          block_tables[b][t / block_size], offset t % block_size), then k_new[b]
+//          when k_new is given;
+//   s_t  = scale * dot(q[b,h], key_t[g])        (float32)
+//   lse[b,h] = log(sum_t exp(s_t))                (natural log; -inf if no keys)
+//   out[b,h] = sum_t softmax(s)_t * value_t[g]    (0 if no keys), rounded to dtype.
+// The cached context is cut into num_splits chunks computed independently and
+// merged by LSE; the new token is a further part merged the same way.
+#pragma once
+#include <cstddef>
+#include "stagewise/common.h"
+
+namespace stagewise {
+
+struct DecodeAttentionParams {
+  void* out;               // [batch, num_q_heads, head_dim], last dim contiguous
+  int64_t out_batch_stride;
+  int64_t out_head_stride;
+  float* lse;              // [batch, num_q_heads] contiguous
+  const void* q;           // [batch, num_q_heads, head_dim], last dim contiguous
+  int64_t q_batch_stride;
+  int64_t q_head_stride;
+  const void* k_cache;     // [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+  const void* v_cache;     // same shape as k_cache
+  const void* block_tables;  // [batch, max_blocks_per_seq], row stride block_table_row_stride
+  IndexType block_table_type;
+  int64_t block_table_row_stride;
+  int64_t max_blocks_per_seq;
+  const void* seq_lens;    // [batch] cached tokens per sequence
+  IndexType seq_lens_type;
+  const void* k_new;       // [batch, num_kv_heads, head_dim] or null (then v_new is null too)
+  int64_t k_new_batch_stride;
+  int64_t k_new_head_stride;
+  const void* v_new;       // [batch, num_kv_heads, head_dim] or null
+  int64_t v_new_batch_stride;
+  int64_t v_new_head_stride;
+  DType dtype;             // of out, q, caches, k_new, v_new
+  int64_t batch;
+  int64_t num_q_heads;
+  int64_t num_kv_heads;
+  int64_t head_dim;
+  int64_t block_size;
+  int64_t num_blocks;
+  float scale;
+  int num_splits;          // >= 1, resolved by the glue (0 is never passed to a kernel)
+  float* workspace;        // device kernels only: decode_attention_workspace_floats() floats
+};
+
+struct MergeAttnStatesParams {
+  void* out;               // [num_tokens, num_heads, head_dim], last dim contiguous
+  int64_t out_token_stride;
+  int64_t out_head_stride;
+  float* lse;              // [num_tokens, num_heads] contiguous
+  const void* a;           // [num_tokens, num_heads, head_dim]
+  int64_t a_token_stride;
+  int64_t a_head_stride;
+  const float* lse_a;      // [num_tokens, num_heads] contiguous
+  const void* b;
+  int64_t b_token_stride;
+  int64_t b_head_stride;
+  const float* lse_b;
+  DType dtype;             // of out, a and b
+  int64_t num_tokens;
+  int64_t num_heads;
+  int64_t head_dim;
+};
+
+namespace cpu {
+// Raises c10::IndexError before computing anything when a block id needed by a
+// sequence is outside [0, num_blocks) or seq_lens[b] exceeds the block table.
+void decode_attention(const DecodeAttentionParams& p);
+void merge_attn_states(const MergeAttnStatesParams& p);
+// Heuristic split count: enough (batch x kv head x split) work items for the
+// thread pool, never more than the context has blocks.
+int decode_attention_num_splits(int64_t batch, int64_t num_kv_heads, int64_t max_context,
+                                int64_t block_size, int num_threads);
+}  // namespace cpu
+
+#ifdef STAGEWISE_HAS_CUDA_DECLS
+namespace cuda {
+int decode_attention_num_splits(int64_t batch, int64_t num_kv_heads, int64_t max_context,
+                                int64_t block_size, int num_sms);
+size_t decode_attention_workspace_floats(int64_t batch, int64_t num_q_heads, int64_t head_dim,
+                                         int num_splits);
+// Out-of-range block ids and lengths are clamped/skipped on the GPU (no host sync).
+cudaError_t decode_attention(const DecodeAttentionParams& p, cudaStream_t stream);
+cudaError_t merge_attn_states(const MergeAttnStatesParams& p, cudaStream_t stream);
+}  // namespace cuda
+#endif
+
+}  // namespace stagewise

@@ -1,0 +1,156 @@
+"""The decode-path ops of stagewise, as typed Python functions.
+
+Each op is a torch custom op (``torch.ops.stagewise.*``) with a C++ CPU kernel,
+a CUDA kernel (when the extension was built against a CUDA torch), a fake
+implementation for ``torch.compile`` and a pure-PyTorch reference in
+:mod:`stagewise.ops.reference`. Shapes below are the contract other modules
+rely on; in-place ops say so.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stagewise import _C  # noqa: F401  (loads the library; registers torch.ops.stagewise)
+from stagewise.ops import _fake  # noqa: F401  (registers the fake implementations)
+
+__all__ = [
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rope",
+    "qk_norm_rope",
+    "reshape_and_cache",
+    "slot_mapping",
+    "decode_attention",
+    "merge_attn_states",
+]
+
+_ops = torch.ops.stagewise
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x [..., hidden]`` with ``weight [hidden]``."""
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _ops.rms_norm(out, x, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: ``residual += x; x = rms_norm(residual)``."""
+    _ops.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    rotary_dim: int | None = None,
+) -> None:
+    """In place rotary embedding of ``q [T, Hq, D]`` and ``k [T, Hk, D]`` at ``positions [T]``.
+
+    ``cos_sin_cache [max_position, rotary_dim]`` holds cos in its first half of
+    columns and sin in the second; features from ``rotary_dim`` on are untouched.
+    """
+    if rotary_dim is not None and cos_sin_cache.dim() == 2 and rotary_dim != cos_sin_cache.size(1):
+        raise ValueError(
+            f"stagewise.rope: argument 'rotary_dim' must equal cos_sin_cache.size(1)="
+            f"{cos_sin_cache.size(1)}, got {rotary_dim}"
+        )
+    _ops.rope(q, k, positions, cos_sin_cache, is_neox)
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    eps: float,
+    is_neox: bool,
+) -> None:
+    """In place per-head RMSNorm of q and k (weights ``[D]``) followed by :func:`rope`."""
+    _ops.qk_norm_rope(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox)
+
+
+def reshape_and_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write ``k, v [T, Hk, D]`` into the paged caches ``[num_blocks, block_size, Hk, D]``.
+
+    ``slot_mapping[t] = block * block_size + offset``; -1 skips the token (padding).
+    """
+    _ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def slot_mapping(
+    block_tables: torch.Tensor,
+    seq_index: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+    cp_world_size: int = 1,
+    cp_rank: int = 0,
+    interleave_size: int = 1,
+) -> torch.Tensor:
+    """Cache slot of each token: ``[T]`` int64, -1 where the token is padding or another CP rank's.
+
+    ``block_tables [num_seqs, max_blocks]``, ``seq_index [T]`` (row of each token),
+    ``positions [T]``. With ``cp_world_size > 1`` the interleaved layout of seed 003.
+    """
+    return _ops.slot_mapping(block_tables, seq_index, positions, block_size, cp_world_size, cp_rank, interleave_size)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash-decoding of ``q [B, Hq, D]`` over the paged cache (and the new token).
+
+    Attends over the first ``seq_lens[b]`` cached tokens of each sequence and,
+    when given, the token ``k_new/v_new [B, Hk, D]`` not yet in the cache; the
+    parts are merged by log-sum-exp. Returns ``out [B, Hq, D]`` (q's dtype) and
+    ``lse [B, Hq]`` float32; a sequence with nothing to attend to gets
+    ``lse = -inf`` and ``out = 0``. ``num_splits=None`` picks a split count.
+    """
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"stagewise.decode_attention: argument 'num_splits' must be >= 1 or None, got {num_splits}")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    _ops.decode_attention(out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits or 0)
+    return out, lse
+
+
+def merge_attn_states(
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attention results ``[N, H, D]`` by their LSEs ``[N, H]`` (float32).
+
+    A side with ``lse = -inf`` contributes nothing: the other side is returned exactly.
+    """
+    if out is None:
+        out = torch.empty(out_a.shape, dtype=out_a.dtype, device=out_a.device)
+    if lse is None:
+        lse = torch.empty(lse_a.shape, dtype=torch.float32, device=lse_a.device)
+    _ops.merge_attn_states(out, lse, out_a, lse_a, out_b, lse_b)
+    return out, lse

@@ -1,0 +1,125 @@
+"""Pure-PyTorch references of the stagewise ops: short, obviously right, slow.
+
+They define the maths the C++ and CUDA kernels are held to, including where
+values are rounded to the storage dtype (the same places as HF transformers'
+LlamaRMSNorm / Qwen3 attention). They return new tensors instead of writing
+in place, so a test can compute the reference before running an in-place op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (normed.float() * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (new x, new residual) for ``residual += x; x = rms_norm(residual)``."""
+    new_residual = (residual.float() + x.float()).to(residual.dtype)
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    """x: [T, H, rotary_dim] float32; cos, sin: [T, 1, rotary_dim // 2]."""
+    if is_neox:
+        x1, x2 = x.chunk(2, dim=-1)
+    else:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox:
+        return torch.cat([o1, o2], dim=-1)
+    return torch.stack([o1, o2], dim=-1).flatten(-2)
+
+
+def rope(q, k, positions, cos_sin_cache, is_neox) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns rotated copies of q ``[T, Hq, D]`` and k ``[T, Hk, D]``."""
+    rot = cos_sin_cache.size(1)
+    cos, sin = cos_sin_cache[positions.long()].float().unsqueeze(1).chunk(2, dim=-1)
+    outs = []
+    for x in (q, k):
+        y = x.clone()
+        y[..., :rot] = _rotate(x[..., :rot].float(), cos, sin, is_neox).to(x.dtype)
+        outs.append(y)
+    return outs[0], outs[1]
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox):
+    """Per-head RMSNorm of q and k, then rope; returns new (q, k)."""
+    return rope(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), positions, cos_sin_cache, is_neox)
+
+
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns updated copies of the caches."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+    return k_cache, v_cache
+
+
+def slot_mapping(block_tables, seq_index, positions, block_size, cp_world_size=1, cp_rank=0, interleave_size=1):
+    """Seed 003's interleaved slot mapping (the plain paged slot when cp_world_size == 1)."""
+    if block_size % interleave_size:
+        raise ValueError(f"block_size {block_size} must be a multiple of interleave_size {interleave_size}")
+    pos = positions.long()
+    virtual_block_size = block_size * cp_world_size
+    vblock = pos.clamp(min=0) // virtual_block_size
+    offset = pos.clamp(min=0) % virtual_block_size
+    local_block = offset // interleave_size
+    owner = local_block % cp_world_size
+    local_offset = (local_block // cp_world_size) * interleave_size + offset % interleave_size
+    block = block_tables.long()[seq_index.long(), vblock]
+    slot = block * block_size + local_offset
+    return torch.where((owner == cp_rank) & (pos >= 0), slot, torch.full_like(slot, -1))
+
+
+def gather_kv(k_cache, v_cache, block_table_row, seq_len) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``seq_len`` cached tokens of one sequence, unpaged: ``[seq_len, Hk, D]`` each."""
+    block_size = k_cache.size(1)
+    t = torch.arange(seq_len, device=k_cache.device)
+    blocks = block_table_row.long()[t // block_size]
+    return k_cache[blocks, t % block_size], v_cache[blocks, t % block_size]
+
+
+def attention_with_lse(q, k, v, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[Hq, D]`` over k, v ``[N, Hk, D]`` (GQA); returns out ``[Hq, D]`` float32, lse ``[Hq]``."""
+    hq, hk = q.size(0), k.size(1)
+    if k.size(0) == 0:
+        return q.new_zeros(q.shape, dtype=torch.float32), q.new_full((hq,), float("-inf"), dtype=torch.float32)
+    kf = k.float().repeat_interleave(hq // hk, dim=1)  # [N, Hq, D]
+    vf = v.float().repeat_interleave(hq // hk, dim=1)
+    scores = torch.einsum("hd,nhd->hn", q.float(), kf) * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), vf)
+    return out, lse
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_new=None, v_new=None):
+    """Returns (out ``[B, Hq, D]`` in q's dtype, lse ``[B, Hq]`` float32)."""
+    outs, lses = [], []
+    for b in range(q.size(0)):
+        k, v = gather_kv(k_cache, v_cache, block_tables[b], int(seq_lens[b]))
+        if k_new is not None:
+            k, v = torch.cat([k, k_new[b : b + 1]]), torch.cat([v, v_new[b : b + 1]])
+        out, lse = attention_with_lse(q[b], k, v, scale)
+        outs.append(out)
+        lses.append(lse)
+    return torch.stack(outs).to(q.dtype), torch.stack(lses)
+
+
+def merge_attn_states(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
+    """LSE merge of two partial results; a -inf side contributes nothing."""
+    m = torch.maximum(lse_a, lse_b)
+    m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
+    wa, wb = torch.exp(lse_a - m_safe), torch.exp(lse_b - m_safe)
+    total = wa + wb
+    lse = torch.where(total > 0, m_safe + torch.log(total), torch.full_like(m, float("-inf")))
+    denom = torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)
+    out = (out_a.float() * wa.unsqueeze(-1) + out_b.float() * wb.unsqueeze(-1)) / denom
+    return out.to(out_a.dtype), lse
