@@ -13,16 +13,19 @@
 
 #include <algorithm>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "cpu/attention_rows.h"
 #include "stagewise/attention.h"
 
 // The token loop is compiled twice: for the baseline ISA and, on x86-64, for
-// AVX2+FMA, picked at run time, so the build needs no -march flag.
+// AVX2+FMA, picked at run time like ATen's own kernels (so ATEN_CPU_CAPABILITY=
+// default selects the baseline), and the build needs no -march flag.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <ATen/Version.h>
 #define STAGEWISE_HAVE_AVX2_PATH 1
-#define STAGEWISE_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define STAGEWISE_TARGET_AVX2 __attribute__((target("avx2,fma")))
 #endif
 
 namespace stagewise::cpu {
@@ -78,47 +81,6 @@ struct Scratch {
   std::vector<float> buf;
   float *q, *k, *v, *p, *m, *l;
 };
-
-// acc[d0, d0 + NV * kVec) += sum_{i<n} w[i] * rows[i][same columns], the NV
-// vectors held in registers across the n rows.
-template <int NV>
-STAGEWISE_ALWAYS_INLINE void accumulate_columns(float* acc, const float* w,
-                                                const float* const* rows, int64_t n, int64_t d0) {
-  VecF r[NV], x;
-  for (int j = 0; j < NV; ++j) vload(r[j], acc + d0 + j * kVec);
-  for (int64_t i = 0; i < n; ++i) {
-    const float wi = w[i];
-    for (int j = 0; j < NV; ++j) {
-      vload(x, rows[i] + d0 + j * kVec);
-      r[j] += wi * x;
-    }
-  }
-  for (int j = 0; j < NV; ++j) vstore(acc + d0 + j * kVec, r[j]);
-}
-
-// acc[0..D) += sum_{i<n} w[i] * rows[i][0..D). Eight vectors of columns at a
-// time: eight independent FMA chains hide the FMA latency.
-STAGEWISE_ALWAYS_INLINE void accumulate_rows(float* acc, const float* w, const float* const* rows,
-                                             int64_t n, int64_t D) {
-  int64_t d = 0;
-  for (; d + 8 * kVec <= D; d += 8 * kVec) accumulate_columns<8>(acc, w, rows, n, d);
-  for (; d + 2 * kVec <= D; d += 2 * kVec) accumulate_columns<2>(acc, w, rows, n, d);
-  for (; d + kVec <= D; d += kVec) accumulate_columns<1>(acc, w, rows, n, d);
-  for (; d < D; ++d) {
-    float r = acc[d];
-    for (int64_t i = 0; i < n; ++i) r += w[i] * rows[i][d];
-    acc[d] = r;
-  }
-}
-
-// s[i] = scale * dot(q, rows[i]) for i < n, eight rows at a time.
-STAGEWISE_ALWAYS_INLINE void score_rows(float* s, const float* q, const float* const* rows,
-                                        int64_t n, int64_t D, float scale) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) dot_rows<8>(q, rows + i, D, s + i);
-  for (; i < n; ++i) dot_rows<1>(q, rows + i, D, s + i);
-  for (i = 0; i < n; ++i) s[i] *= scale;
-}
 
 // Walks the cache rows of kv head g of sequence b, token by token from t0:
 // yields element offsets into k_cache/v_cache [num_blocks, block_size, Hk, D],
@@ -242,8 +204,12 @@ STAGEWISE_TARGET_AVX2 void attend_tokens_avx2(const DecodeAttentionParams& p, in
 template <typename T>
 AttendFn pick_attend_tokens() {
 #ifdef STAGEWISE_HAVE_AVX2_PATH
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                           __builtin_cpu_supports("f16c");
+  // ATen's capability: the CPU's, capped by ATEN_CPU_CAPABILITY. Both AVX2 and
+  // AVX512 imply AVX2 + FMA.
+  static const bool avx2 = [] {
+    const std::string capability = at::get_cpu_capability();
+    return capability == "AVX2" || capability == "AVX512";
+  }();
   if (avx2) return &attend_tokens_avx2<T>;
 #endif
   return &attend_tokens_baseline<T>;

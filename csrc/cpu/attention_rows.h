@@ -1,6 +1,7 @@
-// Float32 row helpers shared by the CPU attention kernels (attention.cpp,
-// merge.cpp): dtype <-> float32 row conversion, the dot product, and the
-// pairwise log-sum-exp merge of two partial attention results.
+// Float32 row helpers of the CPU attention kernels (attention.cpp, merge.cpp):
+// dtype <-> float32 rows, dot products and p·V accumulation over a tile of
+// rows, exp of softmax numerators, and the pairwise log-sum-exp merge of two
+// partial attention results (the one merge both kernels use).
 //
 // Everything here is force-inlined so that a caller compiled for a wider ISA
 // (see STAGEWISE_TARGET_AVX2 in attention.cpp) gets these loops vectorised for
@@ -89,12 +90,6 @@ STAGEWISE_ALWAYS_INLINE void exp8_nonpositive(const float* x, float* out) {
   __builtin_memcpy(out, &bits, sizeof(VecU));
 }
 
-// The storage type of each DType.
-template <DType> struct StorageOf;
-template <> struct StorageOf<DType::kFloat32> { using type = float; };
-template <> struct StorageOf<DType::kBFloat16> { using type = c10::BFloat16; };
-template <> struct StorageOf<DType::kFloat16> { using type = c10::Half; };
-
 // Calls fn(T{}) with T the storage type of `dtype`.
 template <typename Fn>
 void dispatch_dtype(DType dtype, Fn&& fn) {
@@ -178,6 +173,47 @@ STAGEWISE_ALWAYS_INLINE float dot(const float* a, const float* b, int64_t n) {
   float s;
   dot_rows<1>(a, &b, n, &s);
   return s;
+}
+
+// acc[d0, d0 + NV * kVec) += sum_{i<n} w[i] * rows[i][same columns], the NV
+// vectors held in registers across the n rows.
+template <int NV>
+STAGEWISE_ALWAYS_INLINE void accumulate_columns(float* acc, const float* w,
+                                                const float* const* rows, int64_t n, int64_t d0) {
+  VecF r[NV], x;
+  for (int j = 0; j < NV; ++j) vload(r[j], acc + d0 + j * kVec);
+  for (int64_t i = 0; i < n; ++i) {
+    const float wi = w[i];
+    for (int j = 0; j < NV; ++j) {
+      vload(x, rows[i] + d0 + j * kVec);
+      r[j] += wi * x;
+    }
+  }
+  for (int j = 0; j < NV; ++j) vstore(acc + d0 + j * kVec, r[j]);
+}
+
+// acc[0..D) += sum_{i<n} w[i] * rows[i][0..D). Eight vectors of columns at a
+// time: eight independent FMA chains hide the FMA latency.
+STAGEWISE_ALWAYS_INLINE void accumulate_rows(float* acc, const float* w, const float* const* rows,
+                                             int64_t n, int64_t D) {
+  int64_t d = 0;
+  for (; d + 8 * kVec <= D; d += 8 * kVec) accumulate_columns<8>(acc, w, rows, n, d);
+  for (; d + 2 * kVec <= D; d += 2 * kVec) accumulate_columns<2>(acc, w, rows, n, d);
+  for (; d + kVec <= D; d += kVec) accumulate_columns<1>(acc, w, rows, n, d);
+  for (; d < D; ++d) {
+    float r = acc[d];
+    for (int64_t i = 0; i < n; ++i) r += w[i] * rows[i][d];
+    acc[d] = r;
+  }
+}
+
+// s[i] = scale * dot(q, rows[i]) for i < n, eight rows at a time.
+STAGEWISE_ALWAYS_INLINE void score_rows(float* s, const float* q, const float* const* rows,
+                                        int64_t n, int64_t D, float scale) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) dot_rows<8>(q, rows + i, D, s + i);
+  for (; i < n; ++i) dot_rows<1>(q, rows + i, D, s + i);
+  for (i = 0; i < n; ++i) s[i] *= scale;
 }
 
 // Pairwise LSE merge of two partial attention results over disjoint key sets:
