@@ -41,7 +41,8 @@ def _rms_norm(dev):
 
 
 def _fused_add_rms_norm(dev):
-    return dict(x=_f(T, HIDDEN, device=dev), residual=_f(T, HIDDEN, device=dev), weight=_f(HIDDEN, device=dev), eps=1e-6)
+    x, residual = _f(T, HIDDEN, device=dev), _f(T, HIDDEN, device=dev)
+    return dict(x=x, residual=residual, weight=_f(HIDDEN, device=dev), eps=1e-6)
 
 
 def _rope(dev):
@@ -177,13 +178,15 @@ _ROPE = [
      ("dtype", "q", torch.bfloat16), ("dtype", "k", torch.bfloat16), ("dtype", "cos_sin_cache", torch.float16)),
     (ValueError, "argument 'q' must have 3 dims [num_tokens, num_q_heads, head_dim], got 2 dims with shape [3, 32]",
      ("shape", "q", (T, HQ * D))),
-    (ValueError, "argument 'k' must have 3 dims [num_tokens, num_k_heads, head_dim], got 4 dims with shape [3, 2, 8, 1]",
+    (ValueError,
+     "argument 'k' must have 3 dims [num_tokens, num_k_heads, head_dim], got 4 dims with shape [3, 2, 8, 1]",
      ("shape", "k", (T, HK, D, 1))),
     (ValueError, "argument 'positions' must have 1 dims [num_tokens], got 2 dims with shape [3, 1]",
      ("shape", "positions", (T, 1))),
     (ValueError, "argument 'cos_sin_cache' must have 2 dims [max_position, rotary_dim], got 1 dims with shape [128]",
      ("shape", "cos_sin_cache", (MAX_POSITION * D,))),
-    (ValueError, "argument 'k' dim 0 (num_tokens, as in q) must be 3, got 2 (shape [2, 2, 8])", ("shape", "k", (2, HK, D))),
+    (ValueError, "argument 'k' dim 0 (num_tokens, as in q) must be 3, got 2 (shape [2, 2, 8])",
+     ("shape", "k", (2, HK, D))),
     (ValueError, "argument 'k' dim 2 (head_dim, as in q) must be 8, got 6", ("shape", "k", (T, HK, 6))),
     (ValueError, "argument 'positions' dim 0 ([num_tokens]) must be 3, got 4", ("shape", "positions", (4,))),
     (ValueError, "argument 'cos_sin_cache' dim 1 (rotary_dim) must be even and in [2, head_dim=8], got 10",
@@ -199,26 +202,32 @@ _ROPE = [
 
 CASES = [
     # rms_norm(out, x, weight, eps)
-    _case("rms_norm", TypeError, "argument 'x' must be float32, float16 or bfloat16, got Int", ("dtype", "x", torch.int32)),
+    _case("rms_norm", TypeError, "argument 'x' must be float32, float16 or bfloat16, got Int",
+          ("dtype", "x", torch.int32)),
     _case("rms_norm", TypeError, "argument 'weight' must have the dtype of 'x' (Float), got Half",
           ("dtype", "weight", torch.float16)),
     _case("rms_norm", TypeError, "argument 'out' must have the dtype of 'x' (Float), got BFloat16",
           ("dtype", "out", torch.bfloat16)),
-    _case("rms_norm", ValueError, "argument 'x' must have at least 1 dim [..., hidden], got a scalar", ("shape", "x", ())),
+    _case("rms_norm", ValueError, "argument 'x' must have at least 1 dim [..., hidden], got a scalar",
+          ("shape", "x", ())),
     _case("rms_norm", ValueError, "argument 'weight' must have 1 dims [hidden], got 2 dims with shape [8, 1]",
           ("shape", "weight", (HIDDEN, 1))),
-    _case("rms_norm", ValueError, "argument 'weight' dim 0 (hidden) must be 8, got 7 (shape [7])", ("shape", "weight", (7,))),
-    _case("rms_norm", ValueError, "argument 'out' must have the shape of 'x' [3, 8], got [3, 7]", ("shape", "out", (T, 7))),
+    _case("rms_norm", ValueError, "argument 'weight' dim 0 (hidden) must be 8, got 7 (shape [7])",
+          ("shape", "weight", (7,))),
+    _case("rms_norm", ValueError, "argument 'out' must have the shape of 'x' [3, 8], got [3, 7]",
+          ("shape", "out", (T, 7))),
     _case("rms_norm", ValueError, "argument 'x' must have a non-empty last dim",
           ("shape", "x", (T, 0)), ("shape", "out", (T, 0)), ("shape", "weight", (0,))),
     _case("rms_norm", ValueError, "argument 'x' must have a contiguous last dim (stride 1), got strides [16, 2]",
           ("last_dim", "x")),
     _case("rms_norm", ValueError, "argument 'out' must have a contiguous last dim (stride 1), got strides [16, 2]",
           ("last_dim", "out")),
-    _case("rms_norm", ValueError, "argument 'weight' must be contiguous, got shape [8] with strides [4]", ("rows", "weight")),
+    _case("rms_norm", ValueError, "argument 'weight' must be contiguous, got shape [8] with strides [4]",
+          ("rows", "weight")),
     # [3, 2, 8] whose dims 0 and 1 are swapped in memory: no single row stride
     _case("rms_norm", ValueError,
-          "argument 'x' must have leading dims that collapse into one strided row dim, got shape [3, 2, 8] with strides [8, 24, 1]",
+          "argument 'x' must have leading dims that collapse into one strided row dim, "
+          "got shape [3, 2, 8] with strides [8, 24, 1]",
           ("set", "x", torch.randn(2, T, HIDDEN).transpose(0, 1)), ("shape", "out", (T, 2, HIDDEN))),
     # fused_add_rms_norm(x, residual, weight, eps)
     _case("fused_add_rms_norm", TypeError, "argument 'x' must be float32, float16 or bfloat16, got Long",
@@ -233,11 +242,14 @@ CASES = [
           ("shape", "weight", ())),
     _case("fused_add_rms_norm", ValueError, "argument 'residual' must have the shape of 'x' [3, 8], got [2, 8]",
           ("shape", "residual", (2, HIDDEN))),
-    _case("fused_add_rms_norm", ValueError, "argument 'weight' dim 0 (hidden) must be 8, got 9", ("shape", "weight", (9,))),
-    _case("fused_add_rms_norm", ValueError, "argument 'x' must have a contiguous last dim (stride 1), got strides [16, 2]",
+    _case("fused_add_rms_norm", ValueError, "argument 'weight' dim 0 (hidden) must be 8, got 9",
+          ("shape", "weight", (9,))),
+    _case("fused_add_rms_norm", ValueError,
+          "argument 'x' must have a contiguous last dim (stride 1), got strides [16, 2]",
           ("last_dim", "x")),
     _case("fused_add_rms_norm", ValueError,
-          "argument 'residual' must have a contiguous last dim (stride 1), got strides [16, 2]", ("last_dim", "residual")),
+          "argument 'residual' must have a contiguous last dim (stride 1), got strides [16, 2]",
+          ("last_dim", "residual")),
     _case("fused_add_rms_norm", ValueError, "argument 'weight' must be contiguous, got shape [8] with strides [4]",
           ("rows", "weight")),
     # rope(q, k, positions, cos_sin_cache, is_neox) and the same checks of qk_norm_rope
@@ -247,7 +259,8 @@ CASES = [
           ("dtype", "q_weight", torch.float16)),
     _case("qk_norm_rope", ValueError, "argument 'k_weight' must have 1 dims [head_dim], got 2 dims with shape [1, 8]",
           ("shape", "k_weight", (1, D))),
-    _case("qk_norm_rope", ValueError, "argument 'k_weight' dim 0 (head_dim) must be 8, got 7", ("shape", "k_weight", (7,))),
+    _case("qk_norm_rope", ValueError, "argument 'k_weight' dim 0 (head_dim) must be 8, got 7",
+          ("shape", "k_weight", (7,))),
     _case("qk_norm_rope", ValueError, "argument 'q_weight' must be contiguous, got shape [8] with strides [4]",
           ("rows", "q_weight")),
     # reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
@@ -265,9 +278,11 @@ CASES = [
           "argument 'k' must have 3 dims [num_tokens, num_heads, head_dim], got 2 dims with shape [3, 16]",
           ("shape", "k", (T, HK * D))),
     _case("reshape_and_cache", ValueError,
-          "argument 'k_cache' must have 4 dims [num_blocks, block_size, num_heads, head_dim], got 3 dims with shape [16, 2, 8]",
+          "argument 'k_cache' must have 4 dims [num_blocks, block_size, num_heads, head_dim], "
+          "got 3 dims with shape [16, 2, 8]",
           ("shape", "k_cache", (NUM_BLOCKS * BLOCK_SIZE, HK, D))),
-    _case("reshape_and_cache", ValueError, "argument 'slot_mapping' must have 1 dims [num_tokens], got 2 dims with shape [3, 1]",
+    _case("reshape_and_cache", ValueError,
+          "argument 'slot_mapping' must have 1 dims [num_tokens], got 2 dims with shape [3, 1]",
           ("shape", "slot_mapping", (T, 1))),
     _case("reshape_and_cache", ValueError, "argument 'v' must have the shape of 'k' [3, 2, 8], got [3, 3, 8]",
           ("shape", "v", (T, 3, D))),
@@ -282,14 +297,18 @@ CASES = [
           ("shape", "v_cache", (5, BLOCK_SIZE, HK, D))),
     _case("reshape_and_cache", ValueError, "argument 'slot_mapping' dim 0 ([num_tokens]) must be 3, got 2",
           ("shape", "slot_mapping", (2,))),
-    _case("reshape_and_cache", ValueError, "argument 'k' must have a contiguous last dim (stride 1), got strides [32, 16, 2]",
+    _case("reshape_and_cache", ValueError,
+          "argument 'k' must have a contiguous last dim (stride 1), got strides [32, 16, 2]",
           ("last_dim", "k")),
-    _case("reshape_and_cache", ValueError, "argument 'v' must have a contiguous last dim (stride 1), got strides [32, 16, 2]",
+    _case("reshape_and_cache", ValueError,
+          "argument 'v' must have a contiguous last dim (stride 1), got strides [32, 16, 2]",
           ("last_dim", "v")),
     _case("reshape_and_cache", ValueError,
-          "argument 'k_cache' must be contiguous, got shape [4, 4, 2, 8] with strides [67, 16, 8, 1]", ("rows", "k_cache")),
+          "argument 'k_cache' must be contiguous, got shape [4, 4, 2, 8] with strides [67, 16, 8, 1]",
+          ("rows", "k_cache")),
     _case("reshape_and_cache", ValueError,
-          "argument 'v_cache' must be contiguous, got shape [4, 4, 2, 8] with strides [67, 16, 8, 1]", ("rows", "v_cache")),
+          "argument 'v_cache' must be contiguous, got shape [4, 4, 2, 8] with strides [67, 16, 8, 1]",
+          ("rows", "v_cache")),
     _case("reshape_and_cache", ValueError, "argument 'slot_mapping' must be contiguous, got shape [3] with strides [4]",
           ("rows", "slot_mapping")),
     # slot_mapping(block_tables, seq_index, positions, block_size, cp_world_size, cp_rank, interleave_size)
@@ -297,15 +316,21 @@ CASES = [
           ("dtype", "block_tables", torch.float32)),
     _case("slot_mapping", TypeError, "argument 'seq_index' must be int32 or int64, got Float",
           ("dtype", "seq_index", torch.float32)),
-    _case("slot_mapping", TypeError, "argument 'positions' must be int32 or int64, got Half", ("dtype", "positions", torch.float16)),
-    _case("slot_mapping", ValueError, "argument 'block_tables' must have 2 dims [num_seqs, max_blocks], got 1 dims with shape [4]",
+    _case("slot_mapping", TypeError, "argument 'positions' must be int32 or int64, got Half",
+          ("dtype", "positions", torch.float16)),
+    _case("slot_mapping", ValueError,
+          "argument 'block_tables' must have 2 dims [num_seqs, max_blocks], got 1 dims with shape [4]",
           ("shape", "block_tables", (4,))),
-    _case("slot_mapping", ValueError, "argument 'positions' must have 1 dims [num_tokens], got 2 dims with shape [3, 1]",
+    _case("slot_mapping", ValueError,
+          "argument 'positions' must have 1 dims [num_tokens], got 2 dims with shape [3, 1]",
           ("shape", "positions", (T, 1))),
-    _case("slot_mapping", ValueError, "argument 'seq_index' must have 1 dims [num_tokens], got 2 dims with shape [3, 1]",
+    _case("slot_mapping", ValueError,
+          "argument 'seq_index' must have 1 dims [num_tokens], got 2 dims with shape [3, 1]",
           ("shape", "seq_index", (T, 1))),
-    _case("slot_mapping", ValueError, "argument 'seq_index' dim 0 ([num_tokens]) must be 3, got 4", ("shape", "seq_index", (4,))),
-    _case("slot_mapping", ValueError, "argument 'block_tables' must have a contiguous last dim (stride 1), got strides [4, 2]",
+    _case("slot_mapping", ValueError, "argument 'seq_index' dim 0 ([num_tokens]) must be 3, got 4",
+          ("shape", "seq_index", (4,))),
+    _case("slot_mapping", ValueError,
+          "argument 'block_tables' must have a contiguous last dim (stride 1), got strides [4, 2]",
           ("last_dim", "block_tables")),
     _case("slot_mapping", ValueError, "argument 'positions' must be contiguous, got shape [3] with strides [4]",
           ("rows", "positions")),
@@ -315,7 +340,8 @@ CASES = [
     _case("slot_mapping", ValueError, "argument 'cp_world_size' must be >= 1, got 0", ("set", "cp_world_size", 0)),
     _case("slot_mapping", ValueError, "argument 'cp_rank' must be in [0, cp_world_size=2), got 2",
           ("set", "cp_world_size", 2), ("set", "cp_rank", 2)),
-    _case("slot_mapping", ValueError, "argument 'cp_rank' must be in [0, cp_world_size=1), got -1", ("set", "cp_rank", -1)),
+    _case("slot_mapping", ValueError, "argument 'cp_rank' must be in [0, cp_world_size=1), got -1",
+          ("set", "cp_rank", -1)),
     _case("slot_mapping", ValueError, "argument 'interleave_size' must divide block_size=4, got 3",
           ("set", "interleave_size", 3)),
     _case("slot_mapping", ValueError, "argument 'interleave_size' must divide block_size=4, got 0",
@@ -340,10 +366,12 @@ CASES = [
     # the likely slip: lse allocated like q
     _case("decode_attention", TypeError, "argument 'lse' must be Float (log-sum-exp is kept in float32), got BFloat16",
           *[("dtype", n, torch.bfloat16) for n in ("out", "lse", "q", "k_cache", "v_cache", "k_new", "v_new")]),
-    _case("decode_attention", ValueError, "argument 'q' must have 3 dims [batch, num_q_heads, head_dim], got 2 dims with shape [2, 32]",
+    _case("decode_attention", ValueError,
+          "argument 'q' must have 3 dims [batch, num_q_heads, head_dim], got 2 dims with shape [2, 32]",
           ("shape", "q", (B, HQ * D))),
     _case("decode_attention", ValueError,
-          "argument 'k_cache' must have 4 dims [num_blocks, block_size, num_kv_heads, head_dim], got 3 dims with shape [16, 2, 8]",
+          "argument 'k_cache' must have 4 dims [num_blocks, block_size, num_kv_heads, head_dim], "
+          "got 3 dims with shape [16, 2, 8]",
           ("shape", "k_cache", (NUM_BLOCKS * BLOCK_SIZE, HK, D))),
     _case("decode_attention", ValueError,
           "argument 'block_tables' must have 2 dims [batch, max_blocks_per_seq], got 1 dims with shape [4]",
@@ -370,7 +398,8 @@ CASES = [
           ("shape", "q", (B, HQ, 0)), ("shape", "out", (B, HQ, 0))),
     _case("decode_attention", ValueError, "argument 'block_tables' dim 0 (batch, as in q) must be 2, got 3",
           ("shape", "block_tables", (3, MAX_BLOCKS))),
-    _case("decode_attention", ValueError, "argument 'seq_lens' dim 0 ([batch]) must be 2, got 3", ("shape", "seq_lens", (3,))),
+    _case("decode_attention", ValueError, "argument 'seq_lens' dim 0 ([batch]) must be 2, got 3",
+          ("shape", "seq_lens", (3,))),
     _case("decode_attention", ValueError, "argument 'k_new' dim 0 (batch, as in q) must be 2, got 3",
           ("shape", "k_new", (3, HK, D))),
     _case("decode_attention", ValueError, "argument 'k_new' dim 1 (num_kv_heads, as in k_cache) must be 2, got 1",
@@ -383,20 +412,27 @@ CASES = [
           ("shape", "out", (B, HQ, 4))),
     _case("decode_attention", ValueError, "argument 'lse' must have shape [2, 4] (batch, num_q_heads), got [4, 2]",
           ("shape", "lse", (HQ, B))),
-    _case("decode_attention", ValueError, "argument 'q' must have a contiguous last dim (stride 1), got strides [64, 16, 2]",
+    _case("decode_attention", ValueError,
+          "argument 'q' must have a contiguous last dim (stride 1), got strides [64, 16, 2]",
           ("last_dim", "q")),
-    _case("decode_attention", ValueError, "argument 'k_new' must have a contiguous last dim (stride 1), got strides [32, 16, 2]",
+    _case("decode_attention", ValueError,
+          "argument 'k_new' must have a contiguous last dim (stride 1), got strides [32, 16, 2]",
           ("last_dim", "k_new")),
-    _case("decode_attention", ValueError, "argument 'v_new' must have a contiguous last dim (stride 1), got strides [32, 16, 2]",
+    _case("decode_attention", ValueError,
+          "argument 'v_new' must have a contiguous last dim (stride 1), got strides [32, 16, 2]",
           ("last_dim", "v_new")),
-    _case("decode_attention", ValueError, "argument 'out' must have a contiguous last dim (stride 1), got strides [64, 16, 2]",
+    _case("decode_attention", ValueError,
+          "argument 'out' must have a contiguous last dim (stride 1), got strides [64, 16, 2]",
           ("last_dim", "out")),
     _case("decode_attention", ValueError,
-          "argument 'block_tables' must have a contiguous last dim (stride 1), got strides [4, 2]", ("last_dim", "block_tables")),
+          "argument 'block_tables' must have a contiguous last dim (stride 1), got strides [4, 2]",
+          ("last_dim", "block_tables")),
     _case("decode_attention", ValueError,
-          "argument 'k_cache' must be contiguous, got shape [4, 4, 2, 8] with strides [67, 16, 8, 1]", ("rows", "k_cache")),
+          "argument 'k_cache' must be contiguous, got shape [4, 4, 2, 8] with strides [67, 16, 8, 1]",
+          ("rows", "k_cache")),
     _case("decode_attention", ValueError,
-          "argument 'v_cache' must be contiguous, got shape [4, 4, 2, 8] with strides [67, 16, 8, 1]", ("rows", "v_cache")),
+          "argument 'v_cache' must be contiguous, got shape [4, 4, 2, 8] with strides [67, 16, 8, 1]",
+          ("rows", "v_cache")),
     _case("decode_attention", ValueError, "argument 'seq_lens' must be contiguous, got shape [2] with strides [4]",
           ("rows", "seq_lens")),
     _case("decode_attention", ValueError, "argument 'lse' must be contiguous, got shape [2, 4] with strides [7, 1]",
@@ -416,7 +452,8 @@ CASES = [
           ("dtype", "out", torch.bfloat16)),
     _case("merge_attn_states", TypeError, "argument 'lse_a' must be Float (log-sum-exp is kept in float32), got Half",
           ("dtype", "lse_a", torch.float16)),
-    _case("merge_attn_states", TypeError, "argument 'lse_b' must be Float (log-sum-exp is kept in float32), got BFloat16",
+    _case("merge_attn_states", TypeError,
+          "argument 'lse_b' must be Float (log-sum-exp is kept in float32), got BFloat16",
           ("dtype", "lse_b", torch.bfloat16)),
     _case("merge_attn_states", TypeError, "argument 'lse' must be Float (log-sum-exp is kept in float32), got Double",
           ("dtype", "lse", torch.float64)),
@@ -429,14 +466,18 @@ CASES = [
           ("shape", "out_b", (T, 2, D))),
     _case("merge_attn_states", ValueError, "argument 'out' must have the shape of 'out_a' [3, 4, 8], got [2, 4, 8]",
           ("shape", "out", (2, HQ, D))),
-    _case("merge_attn_states", ValueError, "argument 'lse_b' must have shape [3, 4] (num_tokens, num_heads), got [4, 3]",
+    _case("merge_attn_states", ValueError,
+          "argument 'lse_b' must have shape [3, 4] (num_tokens, num_heads), got [4, 3]",
           ("shape", "lse_b", (HQ, T))),
-    _case("merge_attn_states", ValueError, "argument 'lse' must have shape [3, 4] (num_tokens, num_heads), got [3, 4, 1]",
+    _case("merge_attn_states", ValueError,
+          "argument 'lse' must have shape [3, 4] (num_tokens, num_heads), got [3, 4, 1]",
           ("shape", "lse", (T, HQ, 1))),
     _case("merge_attn_states", ValueError,
-          "argument 'out_a' must have a contiguous last dim (stride 1), got strides [64, 16, 2]", ("last_dim", "out_a")),
+          "argument 'out_a' must have a contiguous last dim (stride 1), got strides [64, 16, 2]",
+          ("last_dim", "out_a")),
     _case("merge_attn_states", ValueError,
-          "argument 'out_b' must have a contiguous last dim (stride 1), got strides [64, 16, 2]", ("last_dim", "out_b")),
+          "argument 'out_b' must have a contiguous last dim (stride 1), got strides [64, 16, 2]",
+          ("last_dim", "out_b")),
     _case("merge_attn_states", ValueError,
           "argument 'out' must have a contiguous last dim (stride 1), got strides [64, 16, 2]", ("last_dim", "out")),
     _case("merge_attn_states", ValueError, "argument 'lse_a' must be contiguous, got shape [3, 4] with strides [7, 1]",
@@ -489,7 +530,10 @@ DEVICE_CASES = [
 
 DEVICE_PAIRS = [
     pytest.param("cpu", "meta", id="cpu+meta"),
-    pytest.param("cuda", "cpu", id="cuda+cpu", marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]),
+    pytest.param(
+        "cuda", "cpu", id="cuda+cpu",
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")],
+    ),
 ]
 
 
@@ -510,7 +554,8 @@ def test_wrong_device(op, name, base, other):
 @pytest.mark.parametrize("num_splits", [0, -2])
 def test_decode_attention_num_splits(num_splits):
     a = _decode_attention("cpu")
-    with pytest.raises(ValueError, match=rf"^stagewise\.decode_attention: argument 'num_splits' must be >= 1 or None, got {num_splits}$"):
+    message = rf"^stagewise\.decode_attention: argument 'num_splits' must be >= 1 or None, got {num_splits}$"
+    with pytest.raises(ValueError, match=message):
         ops.decode_attention(a["q"], a["k_cache"], a["v_cache"], a["block_tables"], a["seq_lens"], a["scale"],
                              a["k_new"], a["v_new"], num_splits=num_splits)
 
@@ -518,6 +563,7 @@ def test_decode_attention_num_splits(num_splits):
 def test_rope_rotary_dim_mismatch():
     a = _rope("cpu")
     q, k = a["q"].clone(), a["k"].clone()
-    with pytest.raises(ValueError, match=r"^stagewise\.rope: argument 'rotary_dim' must equal cos_sin_cache\.size\(1\)=8, got 6$"):
+    message = r"^stagewise\.rope: argument 'rotary_dim' must equal cos_sin_cache\.size\(1\)=8, got 6$"
+    with pytest.raises(ValueError, match=message):
         ops.rope(a["q"], a["k"], a["positions"], a["cos_sin_cache"], True, rotary_dim=6)
     assert torch.equal(a["q"], q) and torch.equal(a["k"], k)

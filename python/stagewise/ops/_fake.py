@@ -24,7 +24,8 @@ def _fake(op: str, ref: str) -> Callable:
 
         @functools.wraps(fn)
         def checked(*args, **kwargs):
-            tensors = {n: v for n, v in signature.bind(*args, **kwargs).arguments.items() if isinstance(v, torch.Tensor)}
+            arguments = signature.bind(*args, **kwargs).arguments
+            tensors = {n: v for n, v in arguments.items() if isinstance(v, torch.Tensor)}  # k_new=None is no tensor
             device = tensors[ref].device
             for name, t in tensors.items():
                 if t.device != device:
