@@ -1,45 +1,81 @@
-"""Fake (meta) implementations: shapes only, so the ops trace under torch.compile."""
+"""Fake (meta) implementations: shapes only, so the ops trace under torch.compile.
+
+A call that mixes devices reaches these instead of a real kernel when one of
+its tensors is on "meta" (the dispatcher picks the Meta kernel), and a fake
+tensor may carry any device, so the one-device rule of the C++ glue
+(csrc/bindings/params.cpp) is checked here as well, with the same message.
+"""
 
 from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable
 
 import torch
 
 
-@torch.library.register_fake("stagewise::rms_norm")
+def _fake(op: str, ref: str) -> Callable:
+    """Register the decorated function as the fake of ``stagewise::<op>``, after checking
+    that every tensor argument is on the device of argument ``ref`` (as the C++ glue does)."""
+
+    def register(fn: Callable) -> Callable:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def checked(*args, **kwargs):
+            arguments = signature.bind(*args, **kwargs).arguments
+            tensors = {n: v for n, v in arguments.items() if isinstance(v, torch.Tensor)}  # k_new=None is no tensor
+            device = tensors[ref].device
+            for name, t in tensors.items():
+                if t.device != device:
+                    raise ValueError(
+                        f"stagewise.{op}: argument '{name}' must be on the device of '{ref}' ({device}), got {t.device}"
+                    )
+            return fn(*args, **kwargs)
+
+        torch.library.register_fake(f"stagewise::{op}")(checked)
+        return fn
+
+    return register
+
+
+@_fake("rms_norm", ref="x")
 def _rms_norm(out, x, weight, eps):
     return None
 
 
-@torch.library.register_fake("stagewise::fused_add_rms_norm")
+@_fake("fused_add_rms_norm", ref="x")
 def _fused_add_rms_norm(x, residual, weight, eps):
     return None
 
 
-@torch.library.register_fake("stagewise::rope")
+@_fake("rope", ref="q")
 def _rope(q, k, positions, cos_sin_cache, is_neox):
     return None
 
 
-@torch.library.register_fake("stagewise::qk_norm_rope")
+@_fake("qk_norm_rope", ref="q")
 def _qk_norm_rope(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox):
     return None
 
 
-@torch.library.register_fake("stagewise::reshape_and_cache")
+@_fake("reshape_and_cache", ref="k")
 def _reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     return None
 
 
-@torch.library.register_fake("stagewise::slot_mapping")
+@_fake("slot_mapping", ref="block_tables")
 def _slot_mapping(block_tables, seq_index, positions, block_size, cp_world_size, cp_rank, interleave_size):
+    # [num_tokens] int64 on the inputs' device, as the kernels allocate it.
     return positions.new_empty(positions.shape, dtype=torch.int64)
 
 
-@torch.library.register_fake("stagewise::decode_attention")
+@_fake("decode_attention", ref="q")
 def _decode_attention(out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits):
     return None
 
 
-@torch.library.register_fake("stagewise::merge_attn_states")
+@_fake("merge_attn_states", ref="out_a")
 def _merge_attn_states(out, lse, out_a, lse_a, out_b, lse_b):
     return None
