@@ -8,6 +8,23 @@
 namespace stagewise::glue {
 namespace {
 
+// Python's names for dtypes, so messages read as the user's code does.
+const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kDouble: return "float64";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kShort: return "int16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kBool: return "bool";
+    default: return c10::toString(t);
+  }
+}
+
 std::string shape_of(const at::Tensor& t) {
   std::ostringstream s;
   s << t.sizes();
@@ -21,21 +38,21 @@ DType float_dtype(const char* op, const char* name, const at::Tensor& t) {
     case at::kBFloat16: return DType::kBFloat16;
     default:
       TORCH_CHECK_TYPE(false, "stagewise.", op, ": argument '", name,
-                       "' must be float32, float16 or bfloat16, got ", t.scalar_type());
+                       "' must be float32, float16 or bfloat16, got ", dtype_name(t.scalar_type()));
   }
   return DType::kFloat32;
 }
 
 IndexType index_dtype(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK_TYPE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, "stagewise.", op,
-                   ": argument '", name, "' must be int32 or int64, got ", t.scalar_type());
+                   ": argument '", name, "' must be int32 or int64, got ", dtype_name(t.scalar_type()));
   return t.scalar_type() == at::kInt ? IndexType::kInt32 : IndexType::kInt64;
 }
 
 void check_dtype_is(const char* op, const char* name, const at::Tensor& t, at::ScalarType want,
                     const char* why) {
   TORCH_CHECK_TYPE(t.scalar_type() == want, "stagewise.", op, ": argument '", name, "' must be ",
-                   want, " (", why, "), got ", t.scalar_type());
+                   dtype_name(want), " (", why, "), got ", dtype_name(t.scalar_type()));
 }
 
 void check_dim(const char* op, const char* name, const at::Tensor& t, int64_t dim,
@@ -60,8 +77,8 @@ void check_same_device(const char* op, const char* name, const at::Tensor& t, co
 void check_same_dtype(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
                       const at::Tensor& ref) {
   TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), "stagewise.", op, ": argument '", name,
-                   "' must have the dtype of '", ref_name, "' (", ref.scalar_type(), "), got ",
-                   t.scalar_type());
+                   "' must have the dtype of '", ref_name, "' (", dtype_name(ref.scalar_type()),
+                   "), got ", dtype_name(t.scalar_type()));
 }
 
 void check_last_contiguous(const char* op, const char* name, const at::Tensor& t) {
@@ -75,9 +92,11 @@ void check_contiguous(const char* op, const char* name, const at::Tensor& t) {
                     "' must be contiguous, got shape ", shape_of(t), " with strides ", t.strides());
 }
 
+// A 1-d index tensor of n elements; `what` names its one dim, e.g. "num_tokens, as in q".
 void check_index_vector(const char* op, const char* name, const at::Tensor& t, int64_t n,
-                        const char* what, const at::Tensor& ref, const char* ref_name) {
-  check_dim(op, name, t, 1, what);
+                        const char* layout, const char* what, const at::Tensor& ref,
+                        const char* ref_name) {
+  check_dim(op, name, t, 1, layout);
   check_size(op, name, t, 0, n, what);
   check_contiguous(op, name, t);
   check_same_device(op, name, t, ref_name, ref);
@@ -127,7 +146,8 @@ RmsNormParams make_rms_norm_params(at::Tensor& out, const at::Tensor& x, const a
   p.dtype = float_dtype(op, "x", x);
   const Rows xr = rows_of(op, "x", x);
   const int64_t hidden = x.size(-1);
-  TORCH_CHECK_VALUE(hidden >= 1, "stagewise.rms_norm: argument 'x' must have a non-empty last dim");
+  TORCH_CHECK_VALUE(hidden >= 1, "stagewise.rms_norm: argument 'x' must have a non-empty last dim (hidden >= 1), got shape ",
+                    shape_of(x));
   check_float_like(op, "out", out, "x", x);
   TORCH_CHECK_VALUE(out.sizes() == x.sizes(), "stagewise.rms_norm: argument 'out' must have the shape of 'x' ",
                     shape_of(x), ", got ", shape_of(out));
@@ -154,7 +174,8 @@ FusedAddRmsNormParams make_fused_add_rms_norm_params(at::Tensor& x, at::Tensor& 
   p.dtype = float_dtype(op, "x", x);
   const Rows xr = rows_of(op, "x", x);
   const int64_t hidden = x.size(-1);
-  TORCH_CHECK_VALUE(hidden >= 1, "stagewise.fused_add_rms_norm: argument 'x' must have a non-empty last dim");
+  TORCH_CHECK_VALUE(hidden >= 1, "stagewise.fused_add_rms_norm: argument 'x' must have a non-empty last dim (hidden >= 1), got shape ",
+                    shape_of(x));
   check_float_like(op, "residual", residual, "x", x);
   TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "stagewise.fused_add_rms_norm: argument 'residual' must have the shape of 'x' ",
                     shape_of(x), ", got ", shape_of(residual));
@@ -187,11 +208,11 @@ RopeParams make_rope_params(const char* op, at::Tensor& q, at::Tensor& k,
   check_size(op, "k", k, 2, q.size(2), "head_dim, as in q");
   check_last_contiguous(op, "k", k);
   p.position_type = index_dtype(op, "positions", positions);
-  check_index_vector(op, "positions", positions, q.size(0), "[num_tokens]", q, "q");
+  check_index_vector(op, "positions", positions, q.size(0), "[num_tokens]", "num_tokens, as in q", q, "q");
   p.cache_dtype = float_dtype(op, "cos_sin_cache", cos_sin_cache);
   TORCH_CHECK_TYPE(p.cache_dtype == DType::kFloat32 || p.cache_dtype == p.dtype, "stagewise.", op,
                    ": argument 'cos_sin_cache' must be float32 or the dtype of 'q' (",
-                   q.scalar_type(), "), got ", cos_sin_cache.scalar_type());
+                   dtype_name(q.scalar_type()), "), got ", dtype_name(cos_sin_cache.scalar_type()));
   check_same_device(op, "cos_sin_cache", cos_sin_cache, "q", q);
   check_dim(op, "cos_sin_cache", cos_sin_cache, 2, "[max_position, rotary_dim]");
   check_contiguous(op, "cos_sin_cache", cos_sin_cache);
@@ -258,7 +279,7 @@ ReshapeAndCacheParams make_reshape_and_cache_params(const at::Tensor& k, const a
   TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "stagewise.reshape_and_cache: argument 'v_cache' must have the shape of 'k_cache' ",
                     shape_of(k_cache), ", got ", shape_of(v_cache));
   p.slot_type = index_dtype(op, "slot_mapping", slot_mapping);
-  check_index_vector(op, "slot_mapping", slot_mapping, k.size(0), "[num_tokens]", k, "k");
+  check_index_vector(op, "slot_mapping", slot_mapping, k.size(0), "[num_tokens]", "num_tokens, as in k", k, "k");
   p.k = k.data_ptr();
   p.k_token_stride = k.stride(0);
   p.k_head_stride = k.stride(1);
@@ -290,8 +311,8 @@ SlotMappingParams make_slot_mapping_params(at::Tensor& out, const at::Tensor& bl
   check_contiguous(op, "positions", positions);
   check_same_device(op, "positions", positions, "block_tables", block_tables);
   p.seq_index_type = index_dtype(op, "seq_index", seq_index);
-  check_index_vector(op, "seq_index", seq_index, positions.size(0), "[num_tokens]", block_tables,
-                     "block_tables");
+  check_index_vector(op, "seq_index", seq_index, positions.size(0), "[num_tokens]",
+                     "num_tokens, as in positions", block_tables, "block_tables");
   TORCH_CHECK_VALUE(block_size >= 1, "stagewise.slot_mapping: argument 'block_size' must be >= 1, got ",
                     block_size);
   TORCH_CHECK_VALUE(cp_world_size >= 1, "stagewise.slot_mapping: argument 'cp_world_size' must be >= 1, got ",
@@ -329,7 +350,8 @@ DecodeAttentionParams make_decode_attention_params(
   check_dim(op, "q", q, 3, "[batch, num_q_heads, head_dim]");
   check_last_contiguous(op, "q", q);
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  TORCH_CHECK_VALUE(D >= 1, "stagewise.decode_attention: argument 'q' must have head_dim >= 1");
+  TORCH_CHECK_VALUE(D >= 1, "stagewise.decode_attention: argument 'q' dim 2 (head_dim) must be >= 1, got ", D,
+                    " (shape ", shape_of(q), ")");
   for (auto [name, c] : {std::pair<const char*, const at::Tensor*>{"k_cache", &k_cache},
                          {"v_cache", &v_cache}}) {
     check_float_like(op, name, *c, "q", q);
@@ -342,14 +364,15 @@ DecodeAttentionParams make_decode_attention_params(
   const int64_t Hk = k_cache.size(2);
   TORCH_CHECK_VALUE(Hk >= 1 && Hq % Hk == 0, "stagewise.decode_attention: num_q_heads (q dim 1) = ",
                     Hq, " must be a multiple of num_kv_heads (k_cache dim 2) = ", Hk);
-  TORCH_CHECK_VALUE(k_cache.size(1) >= 1, "stagewise.decode_attention: argument 'k_cache' must have block_size >= 1");
+  TORCH_CHECK_VALUE(k_cache.size(1) >= 1, "stagewise.decode_attention: argument 'k_cache' dim 1 (block_size) must be >= 1, got ",
+                    k_cache.size(1), " (shape ", shape_of(k_cache), ")");
   p.block_table_type = index_dtype(op, "block_tables", block_tables);
   check_dim(op, "block_tables", block_tables, 2, "[batch, max_blocks_per_seq]");
   check_size(op, "block_tables", block_tables, 0, B, "batch, as in q");
   check_last_contiguous(op, "block_tables", block_tables);
   check_same_device(op, "block_tables", block_tables, "q", q);
   p.seq_lens_type = index_dtype(op, "seq_lens", seq_lens);
-  check_index_vector(op, "seq_lens", seq_lens, B, "[batch]", q, "q");
+  check_index_vector(op, "seq_lens", seq_lens, B, "[batch]", "batch, as in q", q, "q");
   TORCH_CHECK_VALUE(k_new.has_value() == v_new.has_value(),
                     "stagewise.decode_attention: arguments 'k_new' and 'v_new' must be given together, got ",
                     k_new.has_value() ? "k_new only" : "v_new only");
