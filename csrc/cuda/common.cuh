@@ -161,7 +161,7 @@ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 // Whether a row/head stride of `stride` elements of `elem_bytes` keeps 16-byte alignment.
 inline bool stride_aligned16(int64_t stride, int elem_bytes) { return (stride * elem_bytes) % 16 == 0; }
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+__host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Calls f(T{}) with T the storage type of d; returns what f returns.
 template <typename F>
