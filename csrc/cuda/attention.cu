@@ -128,11 +128,18 @@ __device__ __forceinline__ void copy_chunk(unsigned char* dst, const T* cache, i
   }
 }
 
+// What the host resolves once per launch, beside the params.
+struct DecodeLaunch {
+  int group;                       // query heads per KV head
+  int head_chunks;                 // CTAs per KV head: ceil(group / GC)
+  bool async_copy;                 // caches 16-byte aligned: cp.async, else plain copies
+  detail::FastDivmod block_size;   // token -> (block index, offset); tokens < 2^31
+};
+
 // Workspace: partial outputs [batch, num_q_heads, num_splits, D] f32, then
 // their LSEs [batch, num_q_heads, num_splits] f32 (natural log, -inf: empty).
 template <typename T, int D, int GC>
-__global__ void __launch_bounds__(kThreads)
-    decode_split_kernel(DecodeAttentionParams p, int group, int head_chunks, bool async_copy) {
+__global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeAttentionParams p, DecodeLaunch l) {
   using S = DecodeShape<T, D, GC>;
   extern __shared__ __align__(16) unsigned char smem[];
   float* q_s = reinterpret_cast<float*>(smem + S::kOffQ);
@@ -149,18 +156,19 @@ __global__ void __launch_bounds__(kThreads)
   const int num_splits = p.num_splits;
   const int64_t b = blockIdx.x / num_splits;
   const int split = static_cast<int>(blockIdx.x % num_splits);
-  const int kv_head = static_cast<int>(blockIdx.y) / head_chunks;
-  const int head_chunk = static_cast<int>(blockIdx.y) % head_chunks;
-  const int64_t head0 = int64_t{kv_head} * group + head_chunk * GC;  // first query head
-  const int num_heads = min(GC, group - head_chunk * GC);           // valid heads of this CTA
+  const int kv_head = static_cast<int>(blockIdx.y) / l.head_chunks;
+  const int head_chunk = static_cast<int>(blockIdx.y) % l.head_chunks;
+  const int64_t head0 = int64_t{kv_head} * l.group + head_chunk * GC;  // first query head
+  const int num_heads = min(GC, l.group - head_chunk * GC);           // valid heads of this CTA
 
-  // This split's tokens [begin, end): tile-aligned chunks of the clamped length.
+  // This split's tokens [begin, end): tile-aligned chunks of the clamped length
+  // (the capacity, max_blocks_per_seq * block_size, is < 2^31: checked at launch).
   const int64_t capacity = p.max_blocks_per_seq * p.block_size;
   const int64_t seq_len =
       min(max(load_index(p.seq_lens, p.seq_lens_type, b), int64_t{0}), capacity);
   const int64_t per_split = ceil_div(ceil_div(seq_len, num_splits), kTile) * kTile;
-  const int64_t begin = min(split * per_split, seq_len);
-  const int64_t end = min(begin + per_split, seq_len);
+  const uint32_t begin = static_cast<uint32_t>(min(split * per_split, seq_len));
+  const uint32_t end = static_cast<uint32_t>(min(begin + per_split, seq_len));
   const int num_tiles = static_cast<int>(ceil_div(end - begin, kTile));
 
   // q of the CTA's heads, pre-multiplied by scale * log2(e): scores come out in
@@ -179,23 +187,23 @@ __global__ void __launch_bounds__(kThreads)
   auto issue_tile = [&](int tile, int stage) {
     unsigned char* k_tile = smem + stage * S::kStageBytes;
     unsigned char* v_tile = k_tile + kTile * S::kKStride;
-    // Partly unrolled: fully unrolled, the 16 copies of a float32 row spill registers.
-#pragma unroll 4
+#pragma unroll
     for (int r = 0; r < S::kCopiesPerThread; ++r) {
       const int t = row0 + r * S::kRowStep;
-      const int64_t token = begin + int64_t{tile} * kTile + t;
+      const uint32_t token = begin + static_cast<uint32_t>(tile * kTile + t);
       int64_t src = -1;  // element offset of the chunk in either cache; -1: masked
       if (token < end) {
+        uint32_t block_index, offset;
+        l.block_size.divmod(token, block_index, offset);
         const int64_t block = load_index(p.block_tables, p.block_table_type,
-                                         b * p.block_table_row_stride + token / p.block_size);
+                                         b * p.block_table_row_stride + block_index);
         if (block >= 0 && block < p.num_blocks) {  // else masked, never read
-          src = ((block * p.block_size + token % p.block_size) * p.num_kv_heads + kv_head) * D +
-                chunk_col * S::kVec;
+          src = ((block * p.block_size + offset) * p.num_kv_heads + kv_head) * D + chunk_col * S::kVec;
         }
       }
       if (chunk_col == 0) valid_s[stage * kTile + t] = src >= 0;
-      copy_chunk(k_tile + t * S::kKStride + chunk_col * 16, k_cache, src, async_copy);
-      copy_chunk(v_tile + t * S::kRowBytes + chunk_col * 16, v_cache, src, async_copy);
+      copy_chunk(k_tile + t * S::kKStride + chunk_col * 16, k_cache, src, l.async_copy);
+      copy_chunk(v_tile + t * S::kRowBytes + chunk_col * 16, v_cache, src, l.async_copy);
     }
   };
 
@@ -401,9 +409,15 @@ __global__ void __launch_bounds__(kThreads) decode_combine_kernel(DecodeAttentio
 template <typename T, int D, int GC>
 cudaError_t launch_decode(const DecodeAttentionParams& p, int group, cudaStream_t stream) {
   using S = DecodeShape<T, D, GC>;
-  const int head_chunks = static_cast<int>(ceil_div(group, GC));
+  if (p.max_blocks_per_seq * p.block_size > INT32_MAX) return cudaErrorInvalidValue;
+  DecodeLaunch l;
+  l.group = group;
+  l.head_chunks = static_cast<int>(ceil_div(group, GC));
+  // cp.async needs 16-byte aligned sources: true for any cache allocated whole.
+  l.async_copy = detail::aligned16(p.k_cache) && detail::aligned16(p.v_cache);
+  l.block_size = detail::FastDivmod(static_cast<uint32_t>(p.block_size));
   const int64_t grid_x = p.batch * p.num_splits;
-  const int64_t grid_y = p.num_kv_heads * head_chunks;
+  const int64_t grid_y = p.num_kv_heads * l.head_chunks;
   if (grid_x > INT32_MAX || grid_y > 65535) return cudaErrorInvalidConfiguration;
   auto* kernel = decode_split_kernel<T, D, GC>;
   if (S::kSmemBytes > 48 * 1024) {
@@ -411,10 +425,8 @@ cudaError_t launch_decode(const DecodeAttentionParams& p, int group, cudaStream_
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes);
     if (err != cudaSuccess) return err;
   }
-  // cp.async needs 16-byte aligned sources: true for any cache allocated whole.
-  const bool async_copy = detail::aligned16(p.k_cache) && detail::aligned16(p.v_cache);
   kernel<<<dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y)), kThreads,
-           S::kSmemBytes, stream>>>(p, group, head_chunks, async_copy);
+           S::kSmemBytes, stream>>>(p, l);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int64_t combine_blocks = ceil_div(p.batch * p.num_q_heads, kWarps);
