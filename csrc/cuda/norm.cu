@@ -2,12 +2,14 @@
 // include/stagewise/norm.h:  y = T(T(x * rsqrt(mean(x^2) + eps)) * w),
 // fused: r = T(r + x) first, then y = rms_norm(r) written over x.
 //
-// One CTA per row (a grid-stride loop when rows exceed the grid). Two kernels:
+// Two kernels, each a grid-stride loop over rows:
 //  * vectorised: every pointer, row stride and `hidden` allow 16-byte accesses
 //    and the row fits in registers (kVecsPerThread vectors per thread); the row
-//    is read once, all its loads issued before the first use;
-//  * scalar: anything else (hidden 7, 83, ..., odd strides, huge rows); two
-//    passes over the row, the second mostly served from cache.
+//    is read once, all its loads issued before the first use. A row of at most
+//    32 * kVecsPerThread vectors takes one warp (kWarpsPerBlock rows per CTA,
+//    shuffle reduction, no barrier), a longer one a whole CTA;
+//  * scalar: anything else (hidden 7, 83, ..., odd strides, huge rows), one
+//    CTA per row; two passes over the row, the second mostly served from cache.
 #include "stagewise/norm.h"
 
 #include <algorithm>
@@ -25,6 +27,7 @@ using detail::to_float;
 
 constexpr int kVecsPerThread = 4;
 constexpr int kMaxThreads = 1024;
+constexpr int kWarpsPerBlock = 4;  // rows per CTA in warp-per-row mode
 constexpr int kScalarThreads = 256;
 constexpr int64_t kMaxGrid = int64_t{1} << 20;  // more rows loop inside the kernel
 constexpr int kWords = 4;                       // one 16-byte vector
@@ -32,14 +35,21 @@ constexpr int kWords = 4;                       // one 16-byte vector
 // out may alias x (rms_norm in place, and always for the fused op), so no
 // __restrict__: each element is read before the same thread writes it.
 // residual is null unless kFused. Rows: [rows, hidden] with the given strides.
-template <typename T, bool kFused>
+// kWarpPerRow: each warp owns its rows (its trip count may differ from its
+// neighbours': no barrier in that mode); else the CTA owns a row.
+template <typename T, bool kFused, bool kWarpPerRow>
 __global__ void rms_norm_vec_kernel(T* out, int64_t out_stride, const T* x, int64_t x_stride,
                                     T* residual, int64_t residual_stride, const T* weight,
                                     int64_t rows, int hidden, float eps) {
   constexpr int kN = detail::kValuesIn<T, kWords>;
   __shared__ float scratch[32];
   const int num_vecs = hidden / kN;
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+  const int row_thread = kWarpPerRow ? threadIdx.x & 31 : threadIdx.x;
+  const int row_threads = kWarpPerRow ? 32 : blockDim.x;
+  const int64_t first_row = kWarpPerRow ? int64_t{blockIdx.x} * kWarpsPerBlock + (threadIdx.x >> 5)
+                                        : int64_t{blockIdx.x};
+  const int64_t row_step = kWarpPerRow ? int64_t{gridDim.x} * kWarpsPerBlock : int64_t{gridDim.x};
+  for (int64_t row = first_row; row < rows; row += row_step) {
     const T* x_row = x + row * x_stride;
     T* r_row = kFused ? residual + row * residual_stride : nullptr;
     uint32_t xw[kVecsPerThread][kWords];
@@ -48,7 +58,7 @@ __global__ void rms_norm_vec_kernel(T* out, int64_t out_stride, const T* x, int6
     // Issue every load of this thread before using any of them.
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
-      const int j = threadIdx.x + i * blockDim.x;
+      const int j = row_thread + i * row_threads;
       if (j < num_vecs) {
         detail::load_words(x_row + j * kN, xw[i]);
         if constexpr (kFused) detail::load_words(r_row + j * kN, rw[i]);
@@ -58,7 +68,7 @@ __global__ void rms_norm_vec_kernel(T* out, int64_t out_stride, const T* x, int6
     float sum_sq = 0.f;
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
-      const int j = threadIdx.x + i * blockDim.x;
+      const int j = row_thread + i * row_threads;
       if (j < num_vecs) {
         float v[kN];
         detail::unpack<T>(xw[i], v);
@@ -74,11 +84,12 @@ __global__ void rms_norm_vec_kernel(T* out, int64_t out_stride, const T* x, int6
         for (int e = 0; e < kN; ++e) sum_sq += v[e] * v[e];
       }
     }
-    const float inv_rms = rsqrtf(block_sum(sum_sq, scratch) / static_cast<float>(hidden) + eps);
+    const float total = kWarpPerRow ? detail::warp_sum(sum_sq) : block_sum(sum_sq, scratch);
+    const float inv_rms = rsqrtf(total / static_cast<float>(hidden) + eps);
     T* out_row = out + row * out_stride;
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
-      const int j = threadIdx.x + i * blockDim.x;
+      const int j = row_thread + i * row_threads;
       if (j < num_vecs) {
         float v[kN], w[kN];
         detail::unpack<T>(xw[i], v);
@@ -139,9 +150,14 @@ cudaError_t launch(T* out, int64_t out_stride, const T* x, int64_t x_stride, T* 
       detail::stride_aligned16(out_stride, kBytes) && detail::stride_aligned16(x_stride, kBytes) &&
       (!kFused || (detail::aligned16(residual) && detail::stride_aligned16(residual_stride, kBytes)));
   const dim3 grid(static_cast<unsigned>(std::min(rows, kMaxGrid)));
-  if (vec_ok) {
+  if (vec_ok && num_vecs <= 32 * kVecsPerThread) {
+    const dim3 warp_grid(static_cast<unsigned>(std::min(detail::ceil_div(rows, kWarpsPerBlock), kMaxGrid)));
+    rms_norm_vec_kernel<T, kFused, true><<<warp_grid, 32 * kWarpsPerBlock, 0, stream>>>(
+        out, out_stride, x, x_stride, residual, residual_stride, weight, rows,
+        static_cast<int>(hidden), eps);
+  } else if (vec_ok) {
     const int threads = round_up_warp(detail::ceil_div(num_vecs, kVecsPerThread));
-    rms_norm_vec_kernel<T, kFused><<<grid, threads, 0, stream>>>(
+    rms_norm_vec_kernel<T, kFused, false><<<grid, threads, 0, stream>>>(
         out, out_stride, x, x_stride, residual, residual_stride, weight, rows,
         static_cast<int>(hidden), eps);
   } else {
