@@ -1,8 +1,13 @@
 // CUDA implementations of the stagewise ops: check arguments, guard the
 // device, take the current stream, launch the kernel of csrc/cuda/.
-// Compiled only when the torch being built against has CUDA.
-#include <ATen/cuda/CUDAContext.h>
+// Compiled only when the torch being built against has CUDA. Only c10's CUDA
+// headers are used (not ATen/cuda/CUDAContext.h, which also needs the
+// cuBLAS/cuSPARSE/cuSOLVER headers): the glue needs a guard, the current
+// stream and the multiprocessor count, nothing more.
+#include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #include <torch/library.h>
 
 #include "bindings/params.h"
@@ -17,7 +22,7 @@ void check_launch(const char* op, cudaError_t err) {
 #define STAGEWISE_CUDA_CALL(op, tensor, call)                      \
   do {                                                             \
     const c10::cuda::CUDAGuard guard_((tensor).device());          \
-    cudaStream_t stream_ = at::cuda::getCurrentCUDAStream();       \
+    cudaStream_t stream_ = c10::cuda::getCurrentCUDAStream();      \
     check_launch(op, call);                                        \
   } while (0)
 
@@ -73,7 +78,9 @@ void decode_attention(at::Tensor& out, at::Tensor& lse, const at::Tensor& q,
                     "stagewise.decode_attention: on CUDA head_dim must be 64, 128 or 256, got ",
                     p.head_dim);
   if (p.num_splits == 0) {
-    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    int sms = 0;
+    check_launch("decode_attention",
+                 cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.device().index()));
     p.num_splits = cuda::decode_attention_num_splits(
         p.batch, p.num_kv_heads, p.max_blocks_per_seq * p.block_size, p.block_size, sms);
   }
