@@ -58,8 +58,7 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_c
 at::Tensor slot_mapping(const at::Tensor& block_tables, const at::Tensor& seq_index,
                         const at::Tensor& positions, int64_t block_size, int64_t cp_world_size,
                         int64_t cp_rank, int64_t interleave_size) {
-  at::Tensor out;
-  const c10::cuda::CUDAGuard guard(block_tables.device());
+  at::Tensor out;  // allocated by the checks, on the device of `positions`
   auto p = make_slot_mapping_params(out, block_tables, seq_index, positions, block_size,
                                     cp_world_size, cp_rank, interleave_size);
   STAGEWISE_CUDA_CALL("slot_mapping", block_tables, cuda::slot_mapping(p, stream_));
@@ -71,9 +70,10 @@ void decode_attention(at::Tensor& out, at::Tensor& lse, const at::Tensor& q,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                       const std::optional<at::Tensor>& k_new,
                       const std::optional<at::Tensor>& v_new, int64_t num_splits) {
-  const c10::cuda::CUDAGuard guard(q.device());
   DecodeAttentionParams p = make_decode_attention_params(
       out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits);
+  // After the checks, so a CPU tensor among the arguments gets the device message.
+  const c10::cuda::CUDAGuard guard(q.device());
   TORCH_CHECK_VALUE(p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256,
                     "stagewise.decode_attention: on CUDA head_dim must be 64, 128 or 256, got ",
                     p.head_dim);
