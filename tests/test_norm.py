@@ -21,19 +21,20 @@ HIDDEN = [7, 83, 769, 5125]
 ROWS = [0, 1, 3, 17, 200]
 
 
-def _rows(rows: int, hidden: int, dtype, device, layout: str) -> torch.Tensor:
+def _rows(rows: int, hidden: int, dtype, device, layout: str, second: bool = False) -> torch.Tensor:
+    """[rows, hidden]; "mixed" makes the first tensor of a test strided and the second contiguous."""
     x = torch.randn(rows, hidden, dtype=dtype, device=device)
-    return strided(x) if layout == "strided" else x
+    return strided(x) if layout == "strided" or (layout == "mixed" and not second) else x
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "mixed"])
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("hidden", HIDDEN)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm(device, dtype, hidden, rows, layout):
     x = _rows(rows, hidden, dtype, device, layout)
     weight = torch.randn(hidden, dtype=dtype, device=device)
-    out = poison_(_rows(rows, hidden, dtype, device, layout))
+    out = poison_(_rows(rows, hidden, dtype, device, layout, second=True))
     expected = reference.rms_norm(x, weight, EPS)
     x_before = x.clone()
 
@@ -80,13 +81,13 @@ def test_rms_norm_large_and_small_magnitudes(device, dtype):
     assert_close(ops.rms_norm(x, weight, EPS), reference.rms_norm(x, weight, EPS))
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "mixed"])
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("hidden", HIDDEN)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_add_rms_norm(device, dtype, hidden, rows, layout):
     x = _rows(rows, hidden, dtype, device, layout)
-    residual = _rows(rows, hidden, dtype, device, layout)
+    residual = _rows(rows, hidden, dtype, device, layout, second=True)
     weight = torch.randn(hidden, dtype=dtype, device=device)
     expected_x, expected_residual = reference.fused_add_rms_norm(x.clone(), residual.clone(), weight, EPS)
 

@@ -30,7 +30,7 @@
 
 #define STAGEWISE_ALWAYS_INLINE inline __attribute__((always_inline))
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__)
 #define STAGEWISE_CPU_MULTIVERSION __attribute__((target_clones("avx2", "default")))
 #else
 #define STAGEWISE_CPU_MULTIVERSION
