@@ -45,7 +45,7 @@ def test_rms_norm(device, dtype, hidden, rows, layout):
     torch.testing.assert_close(x, x_before, rtol=0, atol=0)  # the input is only read
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 5, 83), (4, 1, 3, 769), (1, 1, 7)])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 83), (4, 1, 3, 769), (1, 1, 7), (0, 3, 7), (2, 0, 7)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_leading_dims(device, dtype, shape):
     x = torch.randn(shape, dtype=dtype, device=device)

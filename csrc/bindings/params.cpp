@@ -113,7 +113,10 @@ Rows rows_of(const char* op, const char* name, const at::Tensor& t) {
                     "' must have at least 1 dim [..., hidden], got a scalar");
   check_last_contiguous(op, name, t);
   const int64_t hidden = t.size(-1);
-  int64_t rows = 1, stride = hidden;
+  if (t.numel() == 0) return {t.dim() == 1 ? 1 : 0, hidden};  // nothing to read or write
+  // Walk the leading dims inwards-out: each non-trivial dim must step over
+  // exactly the rows inside it, so all of them collapse into one strided dim.
+  int64_t rows = 1, stride = hidden, inner_rows = 1;
   bool have_stride = false;
   for (int64_t d = t.dim() - 2; d >= 0; --d) {
     rows *= t.size(d);
@@ -122,11 +125,11 @@ Rows rows_of(const char* op, const char* name, const at::Tensor& t) {
       stride = t.stride(d);
       have_stride = true;
     } else {
-      TORCH_CHECK_VALUE(t.stride(d) == stride * rows / t.size(d), "stagewise.", op,
-                        ": argument '", name,
+      TORCH_CHECK_VALUE(t.stride(d) == stride * inner_rows, "stagewise.", op, ": argument '", name,
                         "' must have leading dims that collapse into one strided row dim, got shape ",
                         shape_of(t), " with strides ", t.strides());
     }
+    inner_rows *= t.size(d);
   }
   return {rows, stride};
 }
