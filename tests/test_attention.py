@@ -190,7 +190,8 @@ def test_nothing_to_attend_to(device, dtype):
 def test_empty_batch(device):
     k_cache, v_cache, tables, _ = paged_kv([5], 2, 64, 16, torch.float32, device)
     q = torch.empty(0, 4, 64, device=device)
-    out, lse = ops.decode_attention(q, k_cache, v_cache, tables[:0], torch.zeros(0, dtype=torch.int32, device=device), 0.1)
+    no_lens = torch.zeros(0, dtype=torch.int32, device=device)
+    out, lse = ops.decode_attention(q, k_cache, v_cache, tables[:0], no_lens, 0.1)
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
 
 

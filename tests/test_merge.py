@@ -74,6 +74,19 @@ def test_empty_side_returns_other_exactly(device, dtype, empty_side):
     assert_bits_equal(lse, kept_lse)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_empty_side_keeps_every_value(device, dtype):
+    """Every non-NaN bit pattern of the dtype (subnormals, infinities, -0.0) comes back unchanged."""
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    values = values[~values.isnan()]
+    values = values[: values.numel() // 64 * 64].view(-1, 4, 16).to(device)
+    other = torch.randn(values.shape).to(dtype).to(device)
+    lse_kept = torch.zeros(values.shape[:2], device=device)
+    lse_empty = torch.full(values.shape[:2], -math.inf, device=device)
+    out, _ = ops.merge_attn_states(other, lse_empty, values, lse_kept)
+    assert_bits_equal(out, values)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_both_empty(device, dtype):
     a, lse_a, b, lse_b = partials(3, 2, 64, dtype, device)
