@@ -9,7 +9,9 @@ from stagewise.bench import add_arguments, run
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stagewise.bench", description="microbenchmarks against their baselines")
+    parser = argparse.ArgumentParser(
+        prog="python -m stagewise.bench", description="microbenchmarks against their baselines"
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

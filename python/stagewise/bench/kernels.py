@@ -68,7 +68,7 @@ class Case:
     validate: Callable[[], float]
     """Runs ours once on clones of the inputs; returns its max abs error against the reference."""
     flashinfer: Callable[[], object] | None = None
-    flashinfer_note: str = ""
+    flashinfer_note: str = "not compared"
     """Why there is no FlashInfer timing, when there is none."""
 
 
@@ -79,13 +79,18 @@ def case_specs(device: str, ops_wanted: list[str], preset: str) -> list[tuple[st
         sizes = SIZES[op]["tiny" if preset == "tiny" else device]
         if preset == "quick":
             sizes = sizes[:1] + sizes[1:][-1:]  # the decode size and the largest one
-        dtypes = NORM_DTYPES if "norm" in op and op != "qk_norm_rope" and preset != "quick" else (torch.bfloat16,)
+        dtypes = NORM_DTYPES if op in ("rms_norm", "fused_add_rms_norm") and preset != "quick" else (torch.bfloat16,)
         specs += [(op, dt, size) for size in sizes for dt in dtypes]
     return specs
 
 
 def build_case(op: str, dtype: torch.dtype, size: dict, device: str) -> Case:
     return _BUILDERS[op](dtype=dtype, dev=torch.device(device), **size)
+
+
+def _same(ours_fn: Callable, ref_fn: Callable, args: tuple) -> Callable[[], float]:
+    """Validation of an op that returns its results (ours allocates them)."""
+    return lambda: max_abs_err(ours_fn(*args), ref_fn(*args))
 
 
 def max_abs_err(actual, expected) -> float:
@@ -135,7 +140,7 @@ def _norm(dtype, dev, T, H, fused=False) -> Case:
         out = torch.empty_like(x)
         return Case(op="rms_norm", name=f"x[{T},{H}]", dtype=dtype, nbytes=(2 * T * H + H) * es,
                     ours=lambda: ops.rms_norm(x, w, EPS, out=out), baseline=ref.rms_norm, baseline_args=(x, w, EPS),
-                    validate=lambda: max_abs_err(ops.rms_norm(x, w, EPS), ref.rms_norm(x, w, EPS)),
+                    validate=_same(ops.rms_norm, ref.rms_norm, (x, w, EPS)),
                     **fi.rmsnorm(x, w, EPS, out))  # fmt: skip
     res = _randn(T, H, dtype=dtype, dev=dev)
 
@@ -178,8 +183,7 @@ def _rope(dtype, dev, T, Hq=32, Hk=8, D=128, norm=False) -> Case:
         return max_abs_err((qa, ka), expected)
 
     return Case(op="qk_norm_rope" if norm else "rope", name=f"T={T} q{Hq}/k{Hk}x{D}", dtype=dtype, nbytes=nbytes,
-                ours=lambda: fn(*args), baseline=ref_fn, baseline_args=args, validate=validate,
-                flashinfer_note="not compared")  # fmt: skip
+                ours=lambda: fn(*args), baseline=ref_fn, baseline_args=args, validate=validate)  # fmt: skip
 
 
 def _reshape_and_cache(dtype, dev, T, Hk=8, D=128) -> Case:
@@ -197,9 +201,10 @@ def _reshape_and_cache(dtype, dev, T, Hk=8, D=128) -> Case:
         return max_abs_err((ka, va), expected)
 
     # Read k, v and the slots (int64); write the same K/V rows into the caches.
-    return Case(op="reshape_and_cache", name=f"T={T} k/v{Hk}x{D}", dtype=dtype, nbytes=4 * T * Hk * D * k.element_size() + T * 8,
+    nbytes = 4 * T * Hk * D * k.element_size() + T * 8
+    return Case(op="reshape_and_cache", name=f"T={T} k/v{Hk}x{D}", dtype=dtype, nbytes=nbytes,
                 ours=lambda: ops.reshape_and_cache(*args), baseline=ref.reshape_and_cache, baseline_args=args,
-                validate=validate, flashinfer_note="not compared")  # fmt: skip
+                validate=validate)  # fmt: skip
 
 
 def _slot_mapping(dtype, dev, T, seqs=64, max_blocks=256) -> Case:
@@ -210,8 +215,7 @@ def _slot_mapping(dtype, dev, T, seqs=64, max_blocks=256) -> Case:
     # Read seq_index and position (int64) and one block-table entry (int32) per token; write the slot (int64).
     return Case(op="slot_mapping", name=f"T={T} seqs={seqs}", dtype=torch.int64, nbytes=T * (8 + 8 + 4 + 8),
                 ours=lambda: ops.slot_mapping(*args), baseline=ref.slot_mapping, baseline_args=args,
-                validate=lambda: max_abs_err(ops.slot_mapping(*args), ref.slot_mapping(*args)),
-                flashinfer_note="not compared")  # fmt: skip
+                validate=_same(ops.slot_mapping, ref.slot_mapping, args))  # fmt: skip
 
 
 def _decode_attention(dtype, dev, B, ctx, Hq=32, Hk=8, D=128) -> Case:
@@ -230,7 +234,7 @@ def _decode_attention(dtype, dev, B, ctx, Hq=32, Hk=8, D=128) -> Case:
     nbytes = 2 * B * Hq * D * es + 2 * B * (ctx + 1) * Hk * D * es + B * per_seq * 4 + B * 4 + B * Hq * 4
     return Case(op="decode_attention", name=f"B={B} ctx={ctx} q{Hq}/kv{Hk}x{D}", dtype=dtype, nbytes=nbytes,
                 ours=lambda: ops.decode_attention(*args, out=out, lse=lse), baseline=torch_decode_attention,
-                baseline_args=args, validate=lambda: max_abs_err(ops.decode_attention(*args), ref.decode_attention(*args)),
+                baseline_args=args, validate=_same(ops.decode_attention, ref.decode_attention, args),
                 **fi.decode(q, kc, vc, tables, seq_lens, D**-0.5, BLOCK))  # fmt: skip
 
 
@@ -240,10 +244,10 @@ def _merge(dtype, dev, N, H=32, D=128) -> Case:
     out, lse = torch.empty_like(a), torch.empty_like(lse_a)
     args = (a, lse_a, b, lse_b)
     # Read both parts and their LSEs, write the merged part and LSE.
-    return Case(op="merge_attn_states", name=f"[{N},{H},{D}]", dtype=dtype, nbytes=3 * N * H * (D * a.element_size() + 4),
+    nbytes = 3 * N * H * (D * a.element_size() + 4)
+    return Case(op="merge_attn_states", name=f"[{N},{H},{D}]", dtype=dtype, nbytes=nbytes,
                 ours=lambda: ops.merge_attn_states(*args, out=out, lse=lse), baseline=ref.merge_attn_states,
-                baseline_args=args, validate=lambda: max_abs_err(ops.merge_attn_states(*args), ref.merge_attn_states(*args)),
-                flashinfer_note="not compared")  # fmt: skip
+                baseline_args=args, validate=_same(ops.merge_attn_states, ref.merge_attn_states, args))  # fmt: skip
 
 
 _BUILDERS = {
