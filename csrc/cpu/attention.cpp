@@ -1,7 +1,304 @@
+// CPU flash-decoding over the paged KV cache (maths in include/stagewise/attention.h).
+//
+// Work item = (sequence b, kv head g, split s). The G = Hq / Hk query heads of
+// group g are handled together, so each cached K/V row is read (and converted
+// to float32) once per group, not once per query head. A split walks its tokens
+// in tiles of kTile: scores of the whole tile for all G heads, one running-max
+// update and accumulator rescale per head per tile (online softmax), then p·V.
+// Each split leaves its normalised partial output and lse in a float32
+// workspace; a second pass per (b, g) folds the splits, then the new token
+// (k_new/v_new), in with merge_lse_rows and writes out and lse.
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cpu/attention_rows.h"
 #include "stagewise/attention.h"
+
+// The token loop is compiled twice: for the baseline ISA and, on x86-64, for
+// AVX2+FMA, picked at run time like ATen's own kernels (so ATEN_CPU_CAPABILITY=
+// default selects the baseline), and the build needs no -march flag.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <ATen/Version.h>
+#define STAGEWISE_HAVE_AVX2_PATH 1
+#define STAGEWISE_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#endif
+
 namespace stagewise::cpu {
-void decode_attention(const DecodeAttentionParams&) { TORCH_CHECK(false, "TODO"); }
-void merge_attn_states(const MergeAttnStatesParams&) { TORCH_CHECK(false, "TODO"); }
-int decode_attention_num_splits(int64_t, int64_t, int64_t, int64_t, int) { return 1; }
+namespace {
+
+// Cached tokens scored together: one max/rescale per head per tile; the tile's
+// converted K and V rows (2 * kTile * head_dim floats) stay in L1/L2.
+constexpr int64_t kTile = 32;
+// decode_attention_num_splits: see there.
+constexpr int64_t kMinSplitBlocks = 4;
+constexpr int64_t kMinSplitTokens = 64;
+constexpr int64_t kMaxSplits = 16;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int64_t seq_len_of(const DecodeAttentionParams& p, int64_t b) {
+  return load_index(p.seq_lens, p.seq_lens_type, b);
 }
+
+int64_t block_id(const DecodeAttentionParams& p, int64_t b, int64_t j) {
+  return load_index(p.block_tables, p.block_table_type, b * p.block_table_row_stride + j);
+}
+
+// Every length and every block id a sequence uses is checked before any work,
+// so bad metadata raises instead of reading out of bounds, and leaves out/lse as
+// they were. Table entries beyond a sequence's blocks are never read.
+void check_lengths_and_blocks(const DecodeAttentionParams& p) {
+  const int64_t capacity = p.max_blocks_per_seq * p.block_size;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t len = seq_len_of(p, b);
+    TORCH_CHECK_VALUE(len >= 0 && len <= capacity, "stagewise.decode_attention: seq_lens[", b,
+                      "] = ", len, " is out of range [0, ", capacity,
+                      "] (block_tables holds max_blocks_per_seq = ", p.max_blocks_per_seq,
+                      " blocks of block_size = ", p.block_size, " tokens)");
+    for (int64_t j = 0, n = ceil_div(len, p.block_size); j < n; ++j) {
+      const int64_t id = block_id(p, b, j);
+      TORCH_CHECK_INDEX(id >= 0 && id < p.num_blocks, "stagewise.decode_attention: block_tables[",
+                        b, "][", j, "] = ", id, " is out of range [0, ", p.num_blocks, ")");
+    }
+  }
+}
+
+// Float32 scratch of one thread's chunk of work items, sized for one group.
+struct Scratch {
+  Scratch(int64_t G, int64_t D) : buf(static_cast<size_t>(G * D + 2 * kTile * D + G * kTile + 2 * G)) {
+    q = buf.data();          // [G, D] the group's query rows
+    k = q + G * D;           // [kTile, D] the tile's K rows (half dtypes only)
+    v = k + kTile * D;       // [kTile, D] the tile's V rows (half dtypes only)
+    p = v + kTile * D;       // [G, kTile] scores, then softmax numerators
+    m = p + G * kTile;       // [G] running max
+    l = m + G;               // [G] running sum of exp(score - max)
+  }
+  std::vector<float> buf;
+  float *q, *k, *v, *p, *m, *l;
+};
+
+// Walks the cache rows of kv head g of sequence b, token by token from t0:
+// yields element offsets into k_cache/v_cache [num_blocks, block_size, Hk, D],
+// reading only the block table entries of the tokens it yields.
+class RowCursor {
+ public:
+  RowCursor(const DecodeAttentionParams& p, int64_t b, int64_t g, int64_t t0)
+      : p_(p), b_(b), g_(g), block_index_(t0 / p.block_size), offset_(t0 % p.block_size) {}
+
+  void next(int64_t n, int64_t* rows) {
+    for (int64_t i = 0; i < n; ++i, ++offset_) {
+      if (offset_ == p_.block_size) {
+        offset_ = 0;
+        ++block_index_;
+        block_ = -1;
+      }
+      if (block_ < 0) block_ = block_id(p_, b_, block_index_);
+      rows[i] = ((block_ * p_.block_size + offset_) * p_.num_kv_heads + g_) * p_.head_dim;
+    }
+  }
+
+ private:
+  const DecodeAttentionParams& p_;
+  int64_t b_, g_, block_index_, offset_, block_ = -1;
+};
+
+// Blocks are scattered, and a kv head's rows inside a block are Hk * D apart,
+// so the hardware prefetcher does not see the next tile coming: ask for it.
+template <typename T>
+STAGEWISE_ALWAYS_INLINE void prefetch_rows(const T* base, const int64_t* rows, int64_t n,
+                                           int64_t D) {
+  constexpr int64_t kLine = 64;
+  const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int64_t i = 0; i < n; ++i) {
+    const char* row = reinterpret_cast<const char*>(base + rows[i]);
+    for (int64_t off = 0; off < bytes; off += kLine) __builtin_prefetch(row + off);
+  }
+}
+
+// Attends the G query rows sc.q [G, D] of group g of sequence b over its cached
+// tokens [t0, t1). Writes out [G, D] (normalised, float32) and lse [G]; an
+// empty range gives zeros and -inf.
+template <typename T>
+STAGEWISE_ALWAYS_INLINE void attend_tokens(const DecodeAttentionParams& p, int64_t b, int64_t g,
+                                           int64_t t0, int64_t t1, Scratch& sc, float* out,
+                                           float* lse) {
+  const int64_t G = p.num_q_heads / p.num_kv_heads, D = p.head_dim;
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+  std::fill(out, out + G * D, 0.f);
+  std::fill(sc.m, sc.m + G, kNegInf);
+  std::fill(sc.l, sc.l + G, 0.f);
+  int64_t rows[2][kTile];  // this tile's and the next tile's row offsets
+  const float* krows[kTile];
+  const float* vrows[kTile];
+  RowCursor cursor(p, b, g, t0);
+  int64_t n = std::min(kTile, t1 - t0);
+  if (n > 0) cursor.next(n, rows[0]);
+  for (int64_t t = t0, cur = 0; t < t1; t += n, cur ^= 1) {
+    n = std::min(kTile, t1 - t);
+    const int64_t n_next = std::min(kTile, t1 - t - n);
+    if (n_next > 0) {
+      cursor.next(n_next, rows[cur ^ 1]);
+      prefetch_rows(k_cache, rows[cur ^ 1], n_next, D);
+      prefetch_rows(v_cache, rows[cur ^ 1], n_next, D);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      krows[i] = row_as_float(k_cache + rows[cur][i], sc.k + i * D, D);
+      vrows[i] = row_as_float(v_cache + rows[cur][i], sc.v + i * D, D);
+    }
+    for (int64_t h = 0; h < G; ++h) score_rows(sc.p + h * kTile, sc.q + h * D, krows, n, D, p.scale);
+    for (int64_t h = 0; h < G; ++h) {
+      float* s = sc.p + h * kTile;
+      const float m_new = std::max(sc.m[h], *std::max_element(s, s + n));
+      const float alpha = std::exp(sc.m[h] - m_new);  // 0 on the first tile (m = -inf)
+      for (int64_t i = 0; i < n; ++i) s[i] -= m_new;
+      int64_t i = 0;
+      for (; i + kVec <= n; i += kVec) exp8_nonpositive(s + i, s + i);
+      for (; i < n; ++i) s[i] = std::exp(s[i]);
+      float sum = 0.f;
+      for (i = 0; i < n; ++i) sum += s[i];
+      sc.l[h] = sc.l[h] * alpha + sum;
+      sc.m[h] = m_new;
+      float* acc = out + h * D;
+      if (alpha != 1.f) {
+        for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+      }
+      accumulate_rows(acc, s, vrows, n, D);
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    if (sc.l[h] > 0.f) {
+      float* acc = out + h * D;
+      const float inv = 1.f / sc.l[h];
+      for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
+      lse[h] = sc.m[h] + std::log(sc.l[h]);
+    } else {
+      lse[h] = kNegInf;
+    }
+  }
+}
+
+using AttendFn = void (*)(const DecodeAttentionParams&, int64_t, int64_t, int64_t, int64_t,
+                          Scratch&, float*, float*);
+
+template <typename T>
+void attend_tokens_baseline(const DecodeAttentionParams& p, int64_t b, int64_t g, int64_t t0,
+                            int64_t t1, Scratch& sc, float* out, float* lse) {
+  attend_tokens<T>(p, b, g, t0, t1, sc, out, lse);
+}
+
+#ifdef STAGEWISE_HAVE_AVX2_PATH
+template <typename T>
+STAGEWISE_TARGET_AVX2 void attend_tokens_avx2(const DecodeAttentionParams& p, int64_t b,
+                                              int64_t g, int64_t t0, int64_t t1, Scratch& sc,
+                                              float* out, float* lse) {
+  attend_tokens<T>(p, b, g, t0, t1, sc, out, lse);
+}
+#endif
+
+template <typename T>
+AttendFn pick_attend_tokens() {
+#ifdef STAGEWISE_HAVE_AVX2_PATH
+  // ATen's capability: the CPU's, capped by ATEN_CPU_CAPABILITY. Both AVX2 and
+  // AVX512 imply AVX2 + FMA.
+  static const bool avx2 = [] {
+    const std::string capability = at::get_cpu_capability();
+    return capability == "AVX2" || capability == "AVX512";
+  }();
+  if (avx2) return &attend_tokens_avx2<T>;
+#endif
+  return &attend_tokens_baseline<T>;
+}
+
+template <typename T>
+void decode_attention_typed(const DecodeAttentionParams& p) {
+  const int64_t B = p.batch, Hq = p.num_q_heads, Hk = p.num_kv_heads, G = Hq / Hk;
+  const int64_t D = p.head_dim, S = p.num_splits;
+  const T* q = static_cast<const T*>(p.q);
+  // Per-split partial results: out [B, Hk, S, G, D], lse [B, Hk, S, G].
+  std::unique_ptr<float[]> part_out(new float[B * Hq * S * D]);
+  std::unique_ptr<float[]> part_lse(new float[B * Hq * S]);
+  const AttendFn attend = pick_attend_tokens<T>();
+
+  at::parallel_for(0, B * Hk * S, 1, [&](int64_t begin, int64_t end) {
+    Scratch sc(G, D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (Hk * S), g = item / S % Hk, s = item % S;
+      const int64_t len = seq_len_of(p, b);
+      // Splits are whole blocks: ceil(blocks / S) each, the last ones possibly empty.
+      const int64_t split_tokens = ceil_div(ceil_div(len, p.block_size), S) * p.block_size;
+      const int64_t t0 = std::min(len, s * split_tokens), t1 = std::min(len, t0 + split_tokens);
+      for (int64_t h = 0; h < G; ++h) {
+        const T* q_row = q + b * p.q_batch_stride + (g * G + h) * p.q_head_stride;
+        for (int64_t d = 0; d < D; ++d) sc.q[h * D + d] = static_cast<float>(q_row[d]);
+      }
+      attend(p, b, g, t0, t1, sc, part_out.get() + item * G * D, part_lse.get() + item * G);
+    }
+  });
+
+  T* out = static_cast<T*>(p.out);
+  const T* k_new = static_cast<const T*>(p.k_new);
+  const T* v_new = static_cast<const T*>(p.v_new);
+  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(static_cast<size_t>(3 * D));
+    for (int64_t bg = begin; bg < end; ++bg) {
+      const int64_t b = bg / Hk, g = bg % Hk;
+      const float *k_new_f = nullptr, *v_new_f = nullptr;
+      if (k_new != nullptr) {
+        k_new_f = row_as_float(k_new + b * p.k_new_batch_stride + g * p.k_new_head_stride,
+                               buf.data() + D, D);
+        v_new_f = row_as_float(v_new + b * p.v_new_batch_stride + g * p.v_new_head_stride,
+                               buf.data() + 2 * D, D);
+      }
+      for (int64_t h = 0; h < G; ++h) {
+        const int64_t hq = g * G + h;
+        float* acc = part_out.get() + (bg * S * G + h) * D;  // split 0 collects the rest
+        float lse = part_lse[bg * S * G + h];
+        for (int64_t s = 1; s < S; ++s) {
+          const int64_t i = (bg * S + s) * G + h;
+          lse = merge_lse_rows(lse, acc, part_lse[i], part_out.get() + i * D, acc, D);
+        }
+        if (k_new != nullptr) {
+          const float* q_f = row_as_float(q + b * p.q_batch_stride + hq * p.q_head_stride,
+                                          buf.data(), D);
+          const float lse_new = p.scale * dot(q_f, k_new_f, D);  // one key: lse = its score
+          lse = merge_lse_rows(lse, acc, lse_new, v_new_f, acc, D);
+        }
+        store_row(out + b * p.out_batch_stride + hq * p.out_head_stride, acc, D);
+        p.lse[b * Hq + hq] = lse;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void decode_attention(const DecodeAttentionParams& p) {
+  TORCH_CHECK(p.num_splits >= 1, "stagewise.decode_attention: num_splits must be resolved to >= 1 "
+              "before the CPU kernel, got ", p.num_splits);
+  check_lengths_and_blocks(p);
+  if (p.batch == 0 || p.num_q_heads == 0) return;
+  dispatch_dtype(p.dtype, [&](auto tag) { decode_attention_typed<decltype(tag)>(p); });
+}
+
+// Splits only pay when the (batch x kv head) work items alone cannot keep every
+// thread busy: aim for about two items per thread (slack for sequences of
+// unequal length, since items are handed out in equal-count chunks), but keep
+// each split at least kMinSplitBlocks blocks and kMinSplitTokens tokens, so
+// short contexts get 1 and the per-split merge stays a small fraction of the
+// work, and never more than kMaxSplits.
+int decode_attention_num_splits(int64_t batch, int64_t num_kv_heads, int64_t max_context,
+                                int64_t block_size, int num_threads) {
+  const int64_t items = std::max<int64_t>(1, batch * num_kv_heads);
+  const int64_t wanted = ceil_div(2 * std::max(1, num_threads), items);
+  const int64_t min_split = std::max(kMinSplitBlocks * block_size, kMinSplitTokens);
+  const int64_t by_length = std::max<int64_t>(1, max_context / min_split);
+  return static_cast<int>(std::clamp<int64_t>(std::min(wanted, by_length), 1, kMaxSplits));
+}
+
+}  // namespace stagewise::cpu

@@ -1,6 +1,95 @@
-#include <c10/util/Exception.h>
+// RMSNorm and residual-add + RMSNorm on the CPU: one parallel_for over rows.
+// A row is read twice while it is in cache (sum of squares, then scale), a
+// block of kBlock elements at a time through float32 scratch.
 #include "stagewise/norm.h"
+
+#include <ATen/Parallel.h>
+
+#include "cpu/cpu_utils.h"
+
 namespace stagewise::cpu {
-void rms_norm(const RmsNormParams&) { TORCH_CHECK(false, "TODO rms_norm"); }
-void fused_add_rms_norm(const FusedAddRmsNormParams&) { TORCH_CHECK(false, "TODO"); }
+namespace {
+
+// out[0, n) = D(float(D(x * inv_rms)) * w), a block at a time; out may be x.
+template <typename D>
+STAGEWISE_ALWAYS_INLINE void normalise_row(const Storage<D>* x, Storage<D>* out, const float* w,
+                                           float inv_rms, int64_t n) {
+  float buf[kBlock];
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t m = std::min(kBlock, n - b);
+    float* y = out_block<D>(out + b, buf);
+    rms_norm_block<D>(load_block<D>(x + b, buf, m), y, inv_rms, w + b, m);
+    store_block<D>(y, out + b, m);
+  }
 }
+
+// Rows [begin, end) of out = rms_norm(x); w is float32 [hidden].
+template <typename D>
+STAGEWISE_CPU_MULTIVERSION void rms_norm_rows(const RmsNormParams& p, const float* w, int64_t begin,
+                                              int64_t end) {
+  using S = Storage<D>;
+  const int64_t n = p.hidden;
+  float buf[kBlock];
+  for (int64_t r = begin; r < end; ++r) {
+    const S* x = static_cast<const S*>(p.x) + r * p.x_row_stride;
+    float acc[kLanes] = {};
+    for (int64_t b = 0; b < n; b += kBlock) {
+      const int64_t m = std::min(kBlock, n - b);
+      add_squares(load_block<D>(x + b, buf, m), m, acc);
+    }
+    normalise_row<D>(x, static_cast<S*>(p.out) + r * p.out_row_stride, w,
+                     inv_rms(sum_lanes(acc), n, p.eps), n);
+  }
+}
+
+// Rows [begin, end) of residual = D(residual + x), then x = rms_norm(residual).
+template <typename D>
+STAGEWISE_CPU_MULTIVERSION void fused_add_rms_norm_rows(const FusedAddRmsNormParams& p, const float* w,
+                                                        int64_t begin, int64_t end) {
+  using S = Storage<D>;
+  const int64_t n = p.hidden;
+  float res_buf[kBlock], x_buf[kBlock];
+  for (int64_t r = begin; r < end; ++r) {
+    S* x = static_cast<S*>(p.x) + r * p.x_row_stride;
+    S* res = static_cast<S*>(p.residual) + r * p.residual_row_stride;
+    // The statistics are those of the rounded sums, the new residual.
+    float acc[kLanes] = {};
+    for (int64_t b = 0; b < n; b += kBlock) {
+      const int64_t m = std::min(kBlock, n - b);
+      const float* r_old = load_block<D>(res + b, res_buf, m);
+      const float* add = load_block<D>(x + b, x_buf, m);
+      float* sum = out_block<D>(res + b, res_buf);
+      for (int64_t i = 0; i < m; ++i) sum[i] = r_old[i] + add[i];
+      round_block<D>(sum, m);
+      add_squares(sum, m, acc);
+      store_block<D>(sum, res + b, m);
+    }
+    normalise_row<D>(res, x, w, inv_rms(sum_lanes(acc), n, p.eps), n);
+  }
+}
+
+}  // namespace
+
+void rms_norm(const RmsNormParams& p) {
+  if (p.rows == 0) return;
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    using D = decltype(tag);
+    std::vector<float> w_buf;
+    const float* w = as_float<D>(p.weight, p.hidden, w_buf);
+    at::parallel_for(0, p.rows, grain_for(p.hidden),
+                     [&](int64_t begin, int64_t end) { rms_norm_rows<D>(p, w, begin, end); });
+  });
+}
+
+void fused_add_rms_norm(const FusedAddRmsNormParams& p) {
+  if (p.rows == 0) return;
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    using D = decltype(tag);
+    std::vector<float> w_buf;
+    const float* w = as_float<D>(p.weight, p.hidden, w_buf);
+    at::parallel_for(0, p.rows, grain_for(p.hidden),
+                     [&](int64_t begin, int64_t end) { fused_add_rms_norm_rows<D>(p, w, begin, end); });
+  });
+}
+
+}  // namespace stagewise::cpu

@@ -1,0 +1,246 @@
+// Float32 row helpers of the CPU attention kernels (attention.cpp, merge.cpp):
+// dtype <-> float32 rows, dot products and p·V accumulation over a tile of
+// rows, exp of softmax numerators, and the pairwise log-sum-exp merge of two
+// partial attention results (the one merge both kernels use).
+//
+// Everything here is force-inlined so that a caller compiled for a wider ISA
+// (see STAGEWISE_TARGET_AVX2 in attention.cpp) gets these loops vectorised for
+// that ISA too.
+#pragma once
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "stagewise/common.h"
+
+#if defined(__GNUC__) || defined(__clang__)
+#define STAGEWISE_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define STAGEWISE_ALWAYS_INLINE inline
+#endif
+
+namespace stagewise::cpu {
+
+inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Eight floats: one AVX2 register, two SSE/NEON registers. GCC/Clang vector
+// extensions keep the loops below vectorised for whatever ISA the caller is
+// compiled for. Vectors only live in locals and references, never as by-value
+// parameters (their ABI depends on the ISA).
+typedef float VecF __attribute__((vector_size(32)));
+typedef uint32_t VecU __attribute__((vector_size(32)));
+typedef int32_t VecI __attribute__((vector_size(32)));
+typedef uint16_t VecH __attribute__((vector_size(16)));
+inline constexpr int64_t kVec = 8;
+
+STAGEWISE_ALWAYS_INLINE void vload(VecF& v, const float* p) { __builtin_memcpy(&v, p, sizeof(VecF)); }
+STAGEWISE_ALWAYS_INLINE void vstore(float* p, const VecF& v) { __builtin_memcpy(p, &v, sizeof(VecF)); }
+STAGEWISE_ALWAYS_INLINE float hsum(const VecF& v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+#if defined(__clang__)
+#define STAGEWISE_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define STAGEWISE_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, VecI{__VA_ARGS__})
+#endif
+
+// out[i] = sum of the lanes of v[i] for i < 8: a transposing add tree (7 adds)
+// instead of 8 separate horizontal sums.
+STAGEWISE_ALWAYS_INLINE void hsum8(const VecF* v, float* out) {
+  VecF pair[4], quad[2];
+  for (int k = 0; k < 4; ++k) {  // lane 2m + r: lanes 2m, 2m+1 of row 2k + r
+    pair[k] = STAGEWISE_SHUFFLE(v[2 * k], v[2 * k + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+              STAGEWISE_SHUFFLE(v[2 * k], v[2 * k + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  }
+  for (int k = 0; k < 2; ++k) {  // lane 4m + r: lanes 4m..4m+3 of row 4k + r
+    quad[k] = STAGEWISE_SHUFFLE(pair[2 * k], pair[2 * k + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+              STAGEWISE_SHUFFLE(pair[2 * k], pair[2 * k + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  const VecF sums = STAGEWISE_SHUFFLE(quad[0], quad[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+                    STAGEWISE_SHUFFLE(quad[0], quad[1], 4, 5, 6, 7, 12, 13, 14, 15);
+  vstore(out, sums);
+}
+
+// out[i] = exp(x[i]) for 8 values x <= 0 (softmax numerators), about 2 ulp
+// (Cephes' expf: Cody-Waite reduction by ln 2, degree-6 polynomial, 2^n from
+// the exponent bits); below -87 the result would be subnormal and is 0.
+STAGEWISE_ALWAYS_INLINE void exp8_nonpositive(const float* x, float* out) {
+  VecF v;
+  vload(v, x);
+  const VecU underflow = (VecU)(v < -87.f);
+  v = (VecF)(((VecU)v & ~underflow) | ((VecU)(VecF{} - 87.f) & underflow));
+  // v = n ln2 + r, |r| <= ln2 / 2; v <= 0, so truncating fx - 0.5 rounds to nearest.
+  const VecF fx = v * 1.44269504088896341f - 0.5f;
+  const VecI n = __builtin_convertvector(fx, VecI);
+  const VecF nf = __builtin_convertvector(n, VecF);
+  const VecF r = (v - nf * 0.693359375f) + nf * 2.12194440e-4f;
+  VecF p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const VecF pow2n = (VecF)((n + 127) << 23);  // n >= -126: a normal number
+  const VecU bits = (VecU)(p * pow2n) & ~underflow;
+  __builtin_memcpy(out, &bits, sizeof(VecU));
+}
+
+// Calls fn(T{}) with T the storage type of `dtype`.
+template <typename Fn>
+void dispatch_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat32: fn(float{}); break;
+    case DType::kBFloat16: fn(c10::BFloat16{}); break;
+    case DType::kFloat16: fn(c10::Half{}); break;
+  }
+}
+
+// IEEE half -> float32 for 8 values at once, in integer vector ops (c10::Half's
+// conversion only vectorises with -mf16c). Same algorithm as c10's
+// fp16_ieee_to_fp32_value: exact for every input, subnormals, inf and nan included.
+STAGEWISE_ALWAYS_INLINE void half8_to_float(const c10::Half* src, float* dst) {
+  VecH h;
+  __builtin_memcpy(&h, src, sizeof(VecH));
+  const VecU w = __builtin_convertvector(h, VecU) << 16;
+  const VecU sign = w & 0x80000000u;
+  const VecU two_w = w + w;
+  // Normal numbers (and inf/nan): shift into place and rebias the exponent by 2^-112.
+  const VecF normal = (VecF)((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  // Subnormals: put the mantissa under the exponent of 0.5, then subtract 0.5.
+  const VecF subnormal = (VecF)((two_w >> 17) | (126u << 23)) - 0.5f;
+  const VecU is_subnormal = (VecU)(two_w < (1u << 27));
+  const VecU bits = sign | ((VecU)subnormal & is_subnormal) | ((VecU)normal & ~is_subnormal);
+  __builtin_memcpy(dst, &bits, sizeof(VecU));
+}
+
+// src[0..n) as float32. For float input the row itself is returned (no copy);
+// otherwise it is converted into `buf` (n floats) and `buf` is returned.
+template <typename T>
+STAGEWISE_ALWAYS_INLINE const float* row_as_float(const T* src, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    int64_t i = 0;
+    for (; i + kVec <= n; i += kVec) half8_to_float(src + i, buf + i);
+    for (; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+    return buf;
+  } else {
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+    return buf;
+  }
+}
+
+// dst[0..n) = src rounded to T (round to nearest even, as torch's .to(dtype)).
+template <typename T>
+STAGEWISE_ALWAYS_INLINE void store_row(T* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// out[i] = dot(q, rows[i][0..n)) for i < NR (1 or 8). Eight rows keep eight
+// independent FMA chains in flight (enough to hide the FMA latency) and load
+// q once per step for all of them.
+template <int NR>
+STAGEWISE_ALWAYS_INLINE void dot_rows(const float* q, const float* const* rows, int64_t n,
+                                      float* out) {
+  static_assert(NR == 1 || NR == 8, "dot_rows: 1 or 8 rows");
+  VecF acc[NR];
+  for (int i = 0; i < NR; ++i) acc[i] = VecF{};
+  int64_t d = 0;
+  for (; d + kVec <= n; d += kVec) {
+    VecF qv, kv;
+    vload(qv, q + d);
+    for (int i = 0; i < NR; ++i) {
+      vload(kv, rows[i] + d);
+      acc[i] += qv * kv;
+    }
+  }
+  if constexpr (NR == 8) {
+    hsum8(acc, out);
+  } else {
+    out[0] = hsum(acc[0]);
+  }
+  for (; d < n; ++d) {
+    for (int i = 0; i < NR; ++i) out[i] += q[d] * rows[i][d];
+  }
+}
+
+STAGEWISE_ALWAYS_INLINE float dot(const float* a, const float* b, int64_t n) {
+  float s;
+  dot_rows<1>(a, &b, n, &s);
+  return s;
+}
+
+// acc[d0, d0 + NV * kVec) += sum_{i<n} w[i] * rows[i][same columns], the NV
+// vectors held in registers across the n rows.
+template <int NV>
+STAGEWISE_ALWAYS_INLINE void accumulate_columns(float* acc, const float* w,
+                                                const float* const* rows, int64_t n, int64_t d0) {
+  VecF r[NV], x;
+  for (int j = 0; j < NV; ++j) vload(r[j], acc + d0 + j * kVec);
+  for (int64_t i = 0; i < n; ++i) {
+    const float wi = w[i];
+    for (int j = 0; j < NV; ++j) {
+      vload(x, rows[i] + d0 + j * kVec);
+      r[j] += wi * x;
+    }
+  }
+  for (int j = 0; j < NV; ++j) vstore(acc + d0 + j * kVec, r[j]);
+}
+
+// acc[0..D) += sum_{i<n} w[i] * rows[i][0..D). Eight vectors of columns at a
+// time: eight independent FMA chains hide the FMA latency.
+STAGEWISE_ALWAYS_INLINE void accumulate_rows(float* acc, const float* w, const float* const* rows,
+                                             int64_t n, int64_t D) {
+  int64_t d = 0;
+  for (; d + 8 * kVec <= D; d += 8 * kVec) accumulate_columns<8>(acc, w, rows, n, d);
+  for (; d + 2 * kVec <= D; d += 2 * kVec) accumulate_columns<2>(acc, w, rows, n, d);
+  for (; d + kVec <= D; d += kVec) accumulate_columns<1>(acc, w, rows, n, d);
+  for (; d < D; ++d) {
+    float r = acc[d];
+    for (int64_t i = 0; i < n; ++i) r += w[i] * rows[i][d];
+    acc[d] = r;
+  }
+}
+
+// s[i] = scale * dot(q, rows[i]) for i < n, eight rows at a time.
+STAGEWISE_ALWAYS_INLINE void score_rows(float* s, const float* q, const float* const* rows,
+                                        int64_t n, int64_t D, float scale) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) dot_rows<8>(q, rows + i, D, s + i);
+  for (; i < n; ++i) dot_rows<1>(q, rows + i, D, s + i);
+  for (i = 0; i < n; ++i) s[i] *= scale;
+}
+
+// Pairwise LSE merge of two partial attention results over disjoint key sets:
+//   w_x = exp(lse_x - max(lse_a, lse_b)),
+//   out = (w_a * a + w_b * b) / (w_a + w_b),   returns max + log(w_a + w_b),
+// the maths of reference.merge_attn_states. A side with lse = -inf attended to
+// nothing: the other side is copied bit for bit, whatever the empty side holds
+// (its row is never read); both empty gives out = 0 and -inf. `out` may alias
+// `a` or `b` (element-wise).
+STAGEWISE_ALWAYS_INLINE float merge_lse_rows(float lse_a, const float* a, float lse_b,
+                                             const float* b, float* out, int64_t n) {
+  if (lse_b == kNegInf || lse_a == kNegInf) {
+    const bool a_empty = lse_a == kNegInf;
+    if (a_empty && lse_b == kNegInf) {
+      std::fill(out, out + n, 0.f);
+      return kNegInf;
+    }
+    const float* src = a_empty ? b : a;
+    if (out != src) std::copy(src, src + n, out);
+    return a_empty ? lse_b : lse_a;
+  }
+  const float m = std::max(lse_a, lse_b);
+  const float wa = std::exp(lse_a - m);
+  const float wb = std::exp(lse_b - m);
+  const float total = wa + wb;
+  for (int64_t i = 0; i < n; ++i) out[i] = (a[i] * wa + b[i] * wb) / total;
+  return m + std::log(total);
+}
+
+}  // namespace stagewise::cpu

@@ -1,0 +1,256 @@
+"""decode_attention: split-KV flash-decoding over the paged cache (+ the new token).
+
+Held against stagewise.ops.reference.decode_attention, and against a plain
+float64 softmax attention over unpaged K/V built here: each sequence's K/V is
+made contiguous first, then scattered into randomly permuted cache blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import DTYPES, TOLERANCES, assert_close, poison_, strided
+
+import stagewise.ops as ops
+from stagewise.ops import reference
+
+# The kernel and both oracles get the same half values, exact in float32, so
+# lse differs only by float32 accumulation order (~1e-6 relative of an lse of a
+# few units). For half inputs 1e-4 absolute leaves room for device kernels that
+# fold scale * log2(e) into the scores and work in base 2.
+LSE_TOL = {torch.float32: TOLERANCES[torch.float32], torch.bfloat16: dict(rtol=1e-5, atol=1e-4)}
+LSE_TOL[torch.float16] = LSE_TOL[torch.bfloat16]
+
+SEQ_LENS = [0, 1, 15, 16, 17, 100, 333]  # mixed in one batch: empty, one token, block edges
+HEADS = [(4, 4), (8, 2), (4, 1)]  # (num_q_heads, num_kv_heads): MHA, GQA 4:1, MQA
+DEVICE_HEAD_DIMS = (64, 128, 256)  # what the CUDA kernel supports; the CPU takes any
+
+
+def skip_unsupported(device: str, head_dim: int) -> None:
+    if device == "cuda" and head_dim not in DEVICE_HEAD_DIMS:
+        pytest.skip(f"the CUDA kernel supports head_dim {DEVICE_HEAD_DIMS}, not {head_dim}")
+
+
+def paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, table_dtype=torch.int32,
+             spare_columns=1):
+    """Per-sequence K/V ``[L_b, Hk, D]`` scattered into randomly permuted cache blocks.
+
+    Returns ``k_cache, v_cache [num_blocks, block_size, Hk, D], block_tables
+    [B, max_blocks], seqs`` with ``seqs[b] = (k_b, v_b)`` unpaged. Blocks (and
+    block tails) no sequence uses hold noise of another scale; table entries
+    beyond a sequence's blocks point at random valid blocks or are -1.
+    """
+    shape = (num_kv_heads, head_dim)
+    blocks_needed = [math.ceil(n / block_size) for n in seq_lens]
+    max_blocks = max(blocks_needed + [0]) + spare_columns
+    num_blocks = sum(blocks_needed) + 3
+    k_cache = (5 * torch.randn(num_blocks, block_size, *shape)).to(dtype)
+    v_cache = (5 * torch.randn(num_blocks, block_size, *shape)).to(dtype)
+    perm = torch.randperm(num_blocks)
+    tables = torch.where(torch.rand(len(seq_lens), max_blocks) < 0.5,
+                         torch.randint(0, num_blocks, (len(seq_lens), max_blocks)), -1)
+    seqs, first = [], 0
+    for b, n in enumerate(seq_lens):
+        k, v = torch.randn(n, *shape).to(dtype), torch.randn(n, *shape).to(dtype)
+        ids = perm[first : first + blocks_needed[b]]
+        first += blocks_needed[b]
+        tables[b, : len(ids)] = ids
+        t = torch.arange(n)
+        k_cache[ids[t // block_size], t % block_size] = k
+        v_cache[ids[t // block_size], t % block_size] = v
+        seqs.append((k.to(device), v.to(device)))
+    return k_cache.to(device), v_cache.to(device), tables.to(device, table_dtype), seqs
+
+
+def plain_attention(q, seqs, scale, k_new=None, v_new=None):
+    """Softmax attention of q ``[B, Hq, D]`` over unpaged K/V (+ new token) in float64.
+
+    Query head h uses kv head h // (Hq / Hk). Returns out ``[B, Hq, D]`` and lse ``[B, Hq]``, float64.
+    """
+    batch, hq, d = q.shape
+    outs, lses = [], []
+    for b, (k, v) in enumerate(seqs):
+        if k_new is not None:
+            k, v = torch.cat([k, k_new[b : b + 1]]), torch.cat([v, v_new[b : b + 1]])
+        hk = k.size(1)
+        if k.size(0) == 0:
+            outs.append(torch.zeros(hq, d, dtype=torch.float64, device=q.device))
+            lses.append(torch.full((hq,), -math.inf, dtype=torch.float64, device=q.device))
+            continue
+        qg = q[b].double().reshape(hk, hq // hk, d)  # [Hk, G, D]
+        scores = torch.einsum("kgd,nkd->kgn", qg, k.double()) * scale
+        outs.append(torch.einsum("kgn,nkd->kgd", torch.softmax(scores, -1), v.double()).reshape(hq, d))
+        lses.append(torch.logsumexp(scores, -1).reshape(hq))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def poisoned_outputs(batch, hq, d, dtype, device):
+    """NaN-filled out ``[B, Hq, D]`` (rows strided) and lse ``[B, Hq]``."""
+    out = strided(poison_(torch.empty(batch, hq, d, dtype=dtype, device=device)))
+    return out, poison_(torch.empty(batch, hq, dtype=torch.float32, device=device))
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
+@pytest.mark.parametrize("with_new", [False, True])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hq{h[0]}-hk{h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 91, 7])  # 91: every vector width + a scalar tail
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_reference_and_plain_attention(device, dtype, head_dim, heads, with_new, num_splits):
+    skip_unsupported(device, head_dim)
+    hq, hk = heads
+    seq_lens = SEQ_LENS[::-1] if with_new else SEQ_LENS  # vary which row is which length
+    k_cache, v_cache, tables, seqs = paged_kv(seq_lens, hk, head_dim, 16, dtype, device)
+    batch = len(seq_lens)
+    q = strided((2 * torch.randn(batch, hq, head_dim)).to(dtype).to(device))  # peaked softmax
+    k_new = v_new = None
+    if with_new:
+        k_new = strided(torch.randn(batch, hk, head_dim).to(dtype).to(device))
+        v_new = strided(torch.randn(batch, hk, head_dim).to(dtype).to(device))
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    out, lse = poisoned_outputs(batch, hq, head_dim, dtype, device)
+
+    ops.decode_attention(q, k_cache, v_cache, tables, lens, scale, k_new, v_new, num_splits, out=out, lse=lse)
+
+    ref_out, ref_lse = reference.decode_attention(q, k_cache, v_cache, tables, lens, scale, k_new, v_new)
+    assert_close(out, ref_out)
+    assert_close(lse, ref_lse, **LSE_TOL[dtype])
+    plain_out, plain_lse = plain_attention(q, seqs, scale, k_new, v_new)
+    assert_close(out, plain_out.to(dtype))
+    assert_close(lse, plain_lse.float(), **LSE_TOL[dtype])
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("lens_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+def test_index_dtypes_and_block_sizes(device, table_dtype, lens_dtype, block_size):
+    seq_lens = [40, 0, 7, 64]  # the longest fills its table row exactly
+    k_cache, v_cache, tables, seqs = paged_kv(seq_lens, 2, 64, block_size, torch.float32, device,
+                                              table_dtype, spare_columns=0)
+    q = torch.randn(len(seq_lens), 4, 64, device=device)
+    lens = torch.tensor(seq_lens, dtype=lens_dtype, device=device)
+    out, lse = poisoned_outputs(len(seq_lens), 4, 64, torch.float32, device)
+    ops.decode_attention(q, k_cache, v_cache, tables, lens, 0.125, num_splits=2, out=out, lse=lse)
+    plain_out, plain_lse = plain_attention(q, seqs, 0.125)
+    assert_close(out, plain_out.float())
+    assert_close(lse, plain_lse.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_independent_of_num_splits(device, dtype):
+    seq_lens = [1, 250, 1000, 31]
+    k_cache, v_cache, tables, _ = paged_kv(seq_lens, 2, 128, 16, dtype, device)
+    q = torch.randn(len(seq_lens), 8, 128).to(dtype).to(device)
+    lens = torch.tensor(seq_lens, device=device)
+    base_out, base_lse = ops.decode_attention(q, k_cache, v_cache, tables, lens, 0.1, num_splits=1)
+    for num_splits in [*range(2, 9), 16, None]:
+        out, lse = ops.decode_attention(q, k_cache, v_cache, tables, lens, 0.1, num_splits=num_splits)
+        assert_close(out, base_out, msg=lambda m: f"num_splits={num_splits}: {m}")
+        assert_close(lse, base_lse, **LSE_TOL[dtype], msg=lambda m: f"num_splits={num_splits}: {m}")
+
+
+def test_single_long_sequence_heuristic_splits(device):
+    """Batch 1, one kv head: the split heuristic is what spreads the work; the result must not change."""
+    k_cache, v_cache, tables, seqs = paged_kv([3000], 1, 128, 16, torch.float32, device)
+    q = torch.randn(1, 8, 128, device=device)
+    lens = torch.tensor([3000], device=device)
+    out, lse = ops.decode_attention(q, k_cache, v_cache, tables, lens, 0.09)
+    plain_out, plain_lse = plain_attention(q, seqs, 0.09)
+    assert_close(out, plain_out.float())
+    assert_close(lse, plain_lse.float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nothing_to_attend_to(device, dtype):
+    """seq_len 0 and no new token: out = 0, lse = -inf; with only the new token: out = v_new."""
+    k_cache, v_cache, tables, _ = paged_kv([0, 0, 0], 2, 64, 16, dtype, device)
+    lens = torch.zeros(3, dtype=torch.int32, device=device)
+    q = torch.randn(3, 4, 64).to(dtype).to(device)
+    for num_splits in [None, 1, 4]:
+        out, lse = poisoned_outputs(3, 4, 64, dtype, device)
+        ops.decode_attention(q, k_cache, v_cache, tables, lens, 0.125, num_splits=num_splits, out=out, lse=lse)
+        assert torch.equal(out, torch.zeros_like(out))
+        assert torch.equal(lse, torch.full_like(lse, -math.inf))
+
+        k_new = torch.randn(3, 2, 64).to(dtype).to(device)
+        v_new = torch.randn(3, 2, 64).to(dtype).to(device)
+        out, lse = poisoned_outputs(3, 4, 64, dtype, device)
+        ops.decode_attention(q, k_cache, v_cache, tables, lens, 0.125, k_new, v_new, num_splits, out=out, lse=lse)
+        # One key: softmax weight 1, so out is v_new of the head's group and lse its score.
+        assert_close(out, v_new.repeat_interleave(2, dim=1), rtol=0, atol=0)
+        score = torch.einsum("bhd,bhd->bh", q.float(), k_new.float().repeat_interleave(2, dim=1)) * 0.125
+        assert_close(lse, score, **LSE_TOL[dtype])
+
+
+def test_empty_batch(device):
+    k_cache, v_cache, tables, _ = paged_kv([5], 2, 64, 16, torch.float32, device)
+    q = torch.empty(0, 4, 64, device=device)
+    out, lse = ops.decode_attention(q, k_cache, v_cache, tables[:0], torch.zeros(0, dtype=torch.int32, device=device), 0.1)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+
+
+BAD_METADATA = {
+    # name: (seq_lens, (row, column, block id) to write, exception, message pattern)
+    "block_id_too_big": ([3, 60], (1, 3, 999), IndexError, r"block_tables\[1\]\[3\] = 999 is out of range \[0, 64\)"),
+    "block_id_negative": ([3, 60], (1, 0, -1), IndexError, r"block_tables\[1\]\[0\] = -1 is out of range \[0, 64\)"),
+    "seq_len_too_long": ([3, 129], None, ValueError, r"seq_lens\[1\] = 129 is out of range \[0, 128\]"),
+    "seq_len_negative": ([-1, 60], None, ValueError, r"seq_lens\[0\] = -1 is out of range \[0, 128\]"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_METADATA)
+def test_bad_metadata_raises_and_leaves_outputs(device, case):
+    if device == "cuda":
+        pytest.skip("the CUDA kernel clamps/skips bad metadata instead of raising (no host sync)")
+    seq_lens, bad_entry, error, pattern = BAD_METADATA[case]
+    k_cache = torch.randn(64, 16, 2, 64, device=device)
+    v_cache = torch.randn(64, 16, 2, 64, device=device)
+    tables = torch.randperm(64, device=device)[:16].view(2, 8).int()  # capacity 8 * 16 = 128 tokens
+    if bad_entry is not None:
+        row, column, block = bad_entry
+        tables[row, column] = block
+    q = torch.randn(2, 4, 64, device=device)
+    out, lse = poisoned_outputs(2, 4, 64, torch.float32, device)
+    with pytest.raises(error, match=pattern):
+        ops.decode_attention(q, k_cache, v_cache, tables, torch.tensor(seq_lens, device=device), 0.1,
+                             num_splits=2, out=out, lse=lse)
+    assert out.isnan().all() and lse.isnan().all(), "outputs written before the error"
+
+
+BASELINE_ISA_CHECK = """
+import torch
+from conftest import TOLERANCES
+import stagewise.ops as ops
+from stagewise.ops import reference
+
+assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+torch.manual_seed(0)
+for dtype in TOLERANCES:
+    for d in (7, 91, 128):
+        k_cache, v_cache = torch.randn(40, 16, 2, d).to(dtype), torch.randn(40, 16, 2, d).to(dtype)
+        tables, lens = torch.randperm(40).view(4, 10), torch.tensor([0, 1, 77, 160])
+        q = torch.randn(4, 8, d).to(dtype)
+        k_new, v_new = torch.randn(4, 2, d).to(dtype), torch.randn(4, 2, d).to(dtype)
+        for num_splits in (1, 3):
+            args = (q, k_cache, v_cache, tables, lens, d**-0.5, k_new, v_new)
+            out, lse = ops.decode_attention(*args, num_splits)
+            ref_out, ref_lse = reference.decode_attention(*args)
+            torch.testing.assert_close(out, ref_out, **TOLERANCES[dtype])
+            torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-4)
+"""
+
+
+def test_baseline_isa_path(device):
+    """The token loop built for the baseline ISA (no AVX2), as picked when ATen's CPU capability is default."""
+    if device == "cuda":
+        pytest.skip("checks the CPU kernel's instruction-set dispatch")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    run = subprocess.run([sys.executable, "-c", BASELINE_ISA_CHECK], env=env, cwd=tests_dir,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
