@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--repeats", type=int, default=None, help="most timed calls per measurement")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls before timing")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"),
                         help="directory for <device>-kernels.json and .md (default: bench/results)")  # fmt: skip
 
@@ -136,6 +137,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"stagewise bench: {e}", file=sys.stderr)
         return 2
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"stagewise bench: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
     preset = "tiny" if args.tiny else "quick" if args.quick else "full"
     compiled = None if args.no_compile else {}
     if compiled is not None:
