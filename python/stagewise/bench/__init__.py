@@ -1,0 +1,183 @@
+"""`stagewise bench kernels`: each op against its baselines, into a JSON + Markdown table.
+
+For every case: validate OURS against the reference once (max abs error), then
+time OURS, the pure-torch baseline, torch.compile of that baseline and
+FlashInfer when available (median after warm-up), and express OURS as GB/s and
+as a percentage of the copy bandwidth measured in the same run. An op that
+raises becomes an error row and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from stagewise.bench import kernels, report
+from stagewise.bench.timing import TimingPolicy, copy_bandwidth, time_fn
+
+SUITES = ("kernels",)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("suite", choices=SUITES, help="what to benchmark")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="default: cuda if available, else cpu")
+    parser.add_argument("--ops", default=None,
+                        help=f"comma-separated subset of: {','.join(kernels.OPS)} (default: all)")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes, dtypes and repeats")
+    parser.add_argument("--tiny", action="store_true",
+                        help="toy shapes for smoke tests (the timings mean nothing)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    parser.add_argument("--repeats", type=int, default=None, help="most timed calls per measurement")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed calls before timing")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"),
+                        help="directory for <device>-kernels.json and .md (default: bench/results)")  # fmt: skip
+
+
+def _policy(args, device: str) -> TimingPolicy:
+    if args.quick or args.tiny:
+        policy = TimingPolicy(warmup=2, min_repeats=3, max_repeats=20, budget_s=0.1)
+    elif device == "cuda":
+        policy = TimingPolicy(warmup=5, min_repeats=10, max_repeats=200, budget_s=0.5)
+    else:
+        policy = TimingPolicy(warmup=3, min_repeats=5, max_repeats=100, budget_s=0.3)
+    if args.warmup is not None:
+        policy.warmup = args.warmup
+    if args.repeats is not None:
+        policy.max_repeats = args.repeats
+        policy.min_repeats = min(policy.min_repeats, args.repeats)
+    policy.__post_init__()  # re-check the overrides
+    return policy
+
+
+def _describe(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:200] if lines else ''}".rstrip(": ")
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _raise_recompile_limit() -> None:
+    """dynamic=False compiles one graph per shape and dtype; past dynamo's limit
+    (8 per function) it would silently run the baseline eagerly instead."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
+
+
+def measure(
+    case: kernels.Case, device: str, policy: TimingPolicy, compiled: dict | None, copy_gbps: float
+) -> report.Row:
+    """One table row. ``compiled`` maps op -> compiled baseline (None: no compile baseline)."""
+    row = report.Row(op=case.op, case=case.name, dtype=str(case.dtype).removeprefix("torch."), nbytes=case.nbytes)
+    notes: dict = {}
+    try:  # validate before timing: a wrong kernel's speed means nothing
+        err = case.validate()
+        if not math.isfinite(err):
+            raise ValueError(f"output differs from the reference by {err}")
+        row.max_err = err
+        t = time_fn(case.ours, device, policy)
+        row.ours_ms, notes["repeats"], notes["ours_min_ms"] = t.median_ms, t.repeats, t.min_ms
+        row.gbps = case.nbytes / t.median_ms / 1e6
+        row.pct_copy = 100 * row.gbps / copy_gbps
+    except Exception as e:
+        row.error = _describe(e)
+    try:
+        row.ref_ms = time_fn(lambda: case.baseline(*case.baseline_args), device, policy).median_ms
+    except Exception as e:
+        notes["ref"] = f"n/a: {_describe(e)}"
+    if compiled is None:
+        notes["compile"] = "skipped"
+    else:
+        try:
+            if case.op not in compiled:  # once per op; each new shape is a recompile
+                compiled[case.op] = torch.compile(case.baseline, dynamic=False)
+            fn = compiled[case.op]
+            t0 = time.perf_counter()
+            fn(*case.baseline_args)
+            _sync(device)
+            notes["compile_s"] = round(time.perf_counter() - t0, 2)
+            row.compile_ms = time_fn(lambda: fn(*case.baseline_args), device, policy).median_ms
+        except Exception as e:
+            notes["compile"] = f"n/a: {_describe(e)}"
+    if case.flashinfer is None:
+        notes["flashinfer"] = case.flashinfer_note
+    else:
+        try:
+            row.flashinfer_ms = time_fn(case.flashinfer, device, policy).median_ms
+        except Exception as e:
+            notes["flashinfer"] = f"n/a: {_describe(e)}"
+    row.notes = notes
+    return row
+
+
+def run(args: argparse.Namespace) -> int:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("stagewise bench: --device cuda was asked for, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    ops_wanted = list(kernels.OPS) if not args.ops else [o.strip() for o in args.ops.split(",") if o.strip()]
+    unknown = [o for o in ops_wanted if o not in kernels.OPS]
+    if unknown or not ops_wanted:
+        print(f"stagewise bench: --ops must name ops among {', '.join(kernels.OPS)}, got {args.ops!r}", file=sys.stderr)
+        return 2
+    try:
+        policy = _policy(args, device)
+    except ValueError as e:
+        print(f"stagewise bench: {e}", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"stagewise bench: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
+    preset = "tiny" if args.tiny else "quick" if args.quick else "full"
+    compiled = None if args.no_compile else {}
+    if compiled is not None:
+        _raise_recompile_limit()
+
+    info = report.machine_info(device)
+    # Far beyond the last-level cache: 1 GiB on a GPU, 256 MiB on a CPU (16 MiB for --tiny).
+    copy_bytes = 2**30 if device == "cuda" else 2**24 if args.tiny else 2**28
+    copy_bw = copy_bandwidth(device, copy_bytes, policy)
+    print(f"{info['device_name']}: copy bandwidth {copy_bw['gbps']:.1f} GB/s", file=sys.stderr)
+
+    rows = []
+    specs = kernels.case_specs(device, ops_wanted, preset)
+    for i, (op, dtype, size) in enumerate(specs, 1):
+        dtype_name = str(dtype).removeprefix("torch.")
+        print(f"[{i}/{len(specs)}] {op} {size} {dtype_name}", file=sys.stderr, flush=True)
+        torch.manual_seed(i)
+        try:
+            case = kernels.build_case(op, dtype, size, device)
+        except Exception as e:  # e.g. out of memory: report it, go on
+            rows.append(report.Row(op=op, case=str(size), dtype=dtype_name, nbytes=0, error=f"setup: {_describe(e)}"))
+            continue
+        rows.append(measure(case, device, policy, compiled, copy_bw["gbps"]))
+        del case
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    print(report.format_table(rows))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"{info['device']}-kernels"
+    info.update(preset=preset, timing=policy_dict(policy))
+    report.write_json(stem.with_suffix(".json"), info, copy_bw, rows)
+    report.write_markdown(stem.with_suffix(".md"), info, copy_bw, rows)
+    print(f"wrote {stem}.json and {stem}.md", file=sys.stderr)
+    return 0
+
+
+def policy_dict(policy: TimingPolicy) -> dict:
+    return {k: getattr(policy, k) for k in ("warmup", "min_repeats", "max_repeats", "budget_s")}
