@@ -1,0 +1,201 @@
+"""Per-request KV bookkeeping of one stage: block ids, token counts, block tables
+and slot mappings.
+
+Lifecycle (seed 000 §2.2): a stage calls :meth:`KVCacheManager.add` when it first
+sees a request (blocks for the prompt), :meth:`~KVCacheManager.append` for every
+new token, and :meth:`~KVCacheManager.free` on finish, cancel or abort. It never
+asks another stage for KV.
+
+Context parallelism (seed 003, ``include/stagewise/cache.h``): with
+``cp_world_size = cp`` a block-table entry is a *virtual* block of
+``block_size * cp`` positions, of which this rank stores only its share in one
+local block of ``block_size`` slots. Every rank keeps the same token counts and
+its own block ids; only :func:`stagewise.ops.slot_mapping` knows which positions
+a rank stores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+
+import torch
+
+from stagewise import ops
+from stagewise.kv.block_pool import BlockPool
+
+# Block-table entries past a request's blocks. decode_attention reads only the
+# entries a sequence's length covers, and slot_mapping raises (CPU) or writes
+# nothing (CUDA) for a negative id, so a position past a request's blocks can
+# never land in block 0 of another request.
+PAD_BLOCK_ID = -1
+
+
+class KVCacheManager:
+    """Block ids and token counts of every live request on one stage (one CP rank)."""
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        num_blocks: int,
+        max_blocks_per_seq: int,
+        cp_world_size: int = 1,
+        cp_rank: int = 0,
+        interleave_size: int = 1,
+    ) -> None:
+        for name, value, low in (
+            ("block_size", block_size, 1),
+            ("num_blocks", num_blocks, 0),
+            ("max_blocks_per_seq", max_blocks_per_seq, 1),
+            ("cp_world_size", cp_world_size, 1),
+            ("interleave_size", interleave_size, 1),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"KVCacheManager: {name} must be an int >= {low}, got {value!r}")
+        if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_world_size:
+            raise ValueError(f"KVCacheManager: cp_rank must be in [0, cp_world_size={cp_world_size}), got {cp_rank!r}")
+        if block_size % interleave_size:
+            raise ValueError(
+                f"KVCacheManager: interleave_size must divide block_size={block_size}, got {interleave_size}"
+            )
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.cp_world_size = cp_world_size
+        self.cp_rank = cp_rank
+        self.interleave_size = interleave_size
+        self.pool = BlockPool(num_blocks)
+        self._blocks: dict[Hashable, list[int]] = {}
+        self._num_tokens: dict[Hashable, int] = {}
+
+    # ---- sizes ---------------------------------------------------------------
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Positions one block-table entry covers: ``block_size * cp_world_size``."""
+        return self.block_size * self.cp_world_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.max_blocks_per_seq * self.tokens_per_block
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Block-table entries that ``num_tokens`` positions need: ``ceil(n / tokens_per_block)``."""
+        return -(-num_tokens // self.tokens_per_block)
+
+    def can_admit(self, num_tokens: int) -> bool:
+        """Whether :meth:`add` of a ``num_tokens`` prompt would succeed now."""
+        need = self.blocks_for(num_tokens)
+        return 0 <= num_tokens and need <= self.max_blocks_per_seq and need <= self.pool.num_free
+
+    # ---- lifecycle -----------------------------------------------------------
+
+    def add(self, request_id: Hashable, num_prompt_tokens: int) -> None:
+        """Register a new request with blocks for its prompt. Raises ValueError for a
+        known id or a prompt over ``max_model_len``, :class:`OutOfKVBlocks` when the
+        pool is short; on error nothing changes."""
+        if request_id in self._num_tokens:
+            raise ValueError(f"KVCacheManager.add: request {request_id!r} is already registered")
+        if not isinstance(num_prompt_tokens, int) or num_prompt_tokens < 0:
+            raise ValueError(
+                f"KVCacheManager.add: num_prompt_tokens of request {request_id!r} must be an int >= 0, "
+                f"got {num_prompt_tokens!r}"
+            )
+        self._check_capacity("add", request_id, num_prompt_tokens)
+        self._blocks[request_id] = self.pool.allocate(self.blocks_for(num_prompt_tokens))
+        self._num_tokens[request_id] = num_prompt_tokens
+
+    def append(self, request_id: Hashable, n: int = 1) -> None:
+        """Grow a request by ``n`` slots, taking a block whenever a boundary is crossed.
+        All or nothing, with the errors of :meth:`add`."""
+        have = self.num_tokens(request_id)
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"KVCacheManager.append: n for request {request_id!r} must be an int >= 0, got {n!r}")
+        self._check_capacity("append", request_id, have + n)
+        blocks = self._blocks[request_id]
+        blocks.extend(self.pool.allocate(self.blocks_for(have + n) - len(blocks)))
+        self._num_tokens[request_id] = have + n
+
+    def free(self, request_id: Hashable) -> None:
+        """Release every block of a finished, cancelled or aborted request."""
+        self.num_tokens(request_id)  # raises for an unknown id
+        self.pool.free(self._blocks.pop(request_id))
+        del self._num_tokens[request_id]
+
+    def _check_capacity(self, op: str, request_id: Hashable, total: int) -> None:
+        if self.blocks_for(total) > self.max_blocks_per_seq:
+            raise ValueError(
+                f"KVCacheManager.{op}: request {request_id!r} would hold {total} tokens, over max_model_len="
+                f"{self.max_model_len} ({self.max_blocks_per_seq} blocks x {self.tokens_per_block} tokens)"
+            )
+
+    # ---- queries -------------------------------------------------------------
+
+    def __contains__(self, request_id: Hashable) -> bool:
+        return request_id in self._num_tokens
+
+    def __len__(self) -> int:
+        return len(self._num_tokens)
+
+    def num_tokens(self, request_id: Hashable) -> int:
+        """Positions allocated to the request (on every CP rank alike)."""
+        try:
+            return self._num_tokens[request_id]
+        except KeyError:
+            raise ValueError(f"KVCacheManager: unknown request {request_id!r}") from None
+
+    def block_ids(self, request_id: Hashable) -> list[int]:
+        self.num_tokens(request_id)
+        return list(self._blocks[request_id])
+
+    def num_local_tokens(self, request_id: Hashable) -> int:
+        """Of the request's positions, how many this CP rank stores. They fill its
+        blocks in order (local token j at block j // block_size, offset
+        j % block_size), so this is the rank's ``seq_lens`` for decode_attention."""
+        n, cp, inter = self.num_tokens(request_id), self.cp_world_size, self.interleave_size
+        full, rest = divmod(n, self.tokens_per_block)
+        chunks, partial = divmod(rest, inter)  # whole interleave chunks of the last virtual block
+        owned_chunks = max(0, -(-(chunks - self.cp_rank) // cp))
+        return full * self.block_size + owned_chunks * inter + (partial if chunks % cp == self.cp_rank else 0)
+
+    def block_tables(self, request_ids: Sequence[Hashable], device: torch.device | str = "cpu") -> torch.Tensor:
+        """int32 ``[len(request_ids), max_blocks_per_seq]``: row i holds request i's
+        block ids, then :data:`PAD_BLOCK_ID`. The width is fixed so the shape does
+        not change from step to step."""
+        table = torch.full((len(request_ids), self.max_blocks_per_seq), PAD_BLOCK_ID, dtype=torch.int32)
+        for row, request_id in enumerate(request_ids):
+            ids = self.block_ids(request_id)
+            table[row, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        return table.to(device)
+
+    def slot_mapping(
+        self, spans: Iterable[tuple[Hashable, int, int]], device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """Cache slots ``[T]`` int64 of a batch given as spans ``(request_id, first_position,
+        num_tokens)`` (a prefill chunk, or one decode token), in span order; -1 where
+        another CP rank stores the position. Positions must already be allocated."""
+        rows: dict[Hashable, int] = {}
+        seq_index: list[int] = []
+        positions: list[int] = []
+        for request_id, first, count in spans:
+            have = self.num_tokens(request_id)
+            if first < 0 or count < 0 or first + count > have:
+                raise ValueError(
+                    f"KVCacheManager.slot_mapping: positions [{first}, {first + count}) of request "
+                    f"{request_id!r} are outside its {have} allocated tokens (append first)"
+                )
+            row = rows.setdefault(request_id, len(rows))
+            seq_index.extend([row] * count)
+            positions.extend(range(first, first + count))
+        return ops.slot_mapping(
+            self.block_tables(list(rows), device),
+            torch.tensor(seq_index, dtype=torch.int32, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            self.block_size,
+            self.cp_world_size,
+            self.cp_rank,
+            self.interleave_size,
+        )
