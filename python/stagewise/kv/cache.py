@@ -1,0 +1,123 @@
+"""The paged K/V tensors of one stage's layer range ``[layer_start, layer_end)``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stagewise import ops
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class KVCacheSpec:
+    """Shape of a stage's cache, independent of how many blocks it gets."""
+
+    layer_start: int
+    """First layer (global model index) this stage runs."""
+    layer_end: int
+    """One past its last layer."""
+    num_kv_heads: int
+    """KV heads stored by this rank (after any TP split)."""
+    head_dim: int
+    block_size: int
+    """Token slots per block."""
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for name, low in (("layer_start", 0), ("num_kv_heads", 1), ("head_dim", 1), ("block_size", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"KVCacheSpec: {name} must be an int >= {low}, got {value!r}")
+        if not isinstance(self.layer_end, int) or self.layer_end <= self.layer_start:
+            raise ValueError(
+                f"KVCacheSpec: layer_end must be an int > layer_start={self.layer_start}, got {self.layer_end!r}"
+            )
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"KVCacheSpec: dtype must be one of {_DTYPES}, got {self.dtype!r}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    def bytes_per_block(self) -> int:
+        """K and V of one block in every layer: 2 * layers * block_size * Hk * D * dtype size."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def num_blocks_for_bytes(self, kv_cache_bytes: int) -> int:
+        """The most blocks that fit in ``kv_cache_bytes``; ValueError if not even one."""
+        n = kv_cache_bytes // self.bytes_per_block()
+        if n < 1:
+            raise ValueError(
+                f"KVCacheSpec: kv_cache_bytes={kv_cache_bytes} holds no block; one block of layers "
+                f"[{self.layer_start}, {self.layer_end}) needs {self.bytes_per_block()} bytes"
+            )
+        return n
+
+    def num_blocks_for_tokens(self, max_num_tokens: int) -> int:
+        """Blocks for ``max_num_tokens`` stored token slots: ``ceil(n / block_size)``."""
+        if max_num_tokens < 1:
+            raise ValueError(f"KVCacheSpec: max_num_tokens must be >= 1, got {max_num_tokens}")
+        return -(-max_num_tokens // self.block_size)
+
+
+class KVCache:
+    """K and V caches ``[num_blocks, block_size, Hk, D]`` for each layer of the range.
+
+    Storage is one tensor ``[num_layers, 2, num_blocks, block_size, Hk, D]``: a
+    single allocation is exactly :meth:`KVCacheSpec.bytes_per_block` x num_blocks
+    (no per-layer rounding or fragmentation), and each layer's K and V are
+    contiguous views of it, as the cache ops require. Give exactly one of
+    ``num_blocks``, ``kv_cache_bytes`` or ``max_num_tokens``.
+    """
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        *,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        max_num_tokens: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        sizes = {"num_blocks": num_blocks, "kv_cache_bytes": kv_cache_bytes, "max_num_tokens": max_num_tokens}
+        given = [name for name, value in sizes.items() if value is not None]
+        if len(given) != 1:
+            raise ValueError(f"KVCache: give exactly one of num_blocks, kv_cache_bytes, max_num_tokens; got {given}")
+        if kv_cache_bytes is not None:
+            num_blocks = spec.num_blocks_for_bytes(kv_cache_bytes)
+        elif max_num_tokens is not None:
+            num_blocks = spec.num_blocks_for_tokens(max_num_tokens)
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise ValueError(f"KVCache: num_blocks must be an int >= 1, got {num_blocks!r}")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        # Zeroed rather than empty: slots no request has written stay finite, so a
+        # kernel that multiplies them by a zero weight cannot produce NaN.
+        self.storage = torch.zeros(
+            (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
+            dtype=spec.dtype,
+            device=device,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_cache, v_cache)`` of global layer ``i``, each ``[num_blocks, block_size, Hk, D]``."""
+        if not self.spec.layer_start <= i < self.spec.layer_end:
+            raise ValueError(
+                f"KVCache.layer: layer {i} is outside this stage's range "
+                f"[{self.spec.layer_start}, {self.spec.layer_end})"
+            )
+        kv = self.storage[i - self.spec.layer_start]
+        return kv[0], kv[1]
+
+    def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store ``k, v [T, Hk, D]`` of layer ``i`` at ``slot_mapping [T]`` (-1 = skip)."""
+        k_cache, v_cache = self.layer(i)
+        ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
