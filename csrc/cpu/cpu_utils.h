@@ -7,7 +7,8 @@
 // do their maths there in plain loops the compiler vectorises, and convert
 // back. Entry points carry STAGEWISE_CPU_MULTIVERSION, which on x86-64 GCC
 // also emits an AVX2 copy picked at load time; every helper they use is
-// always-inline so that it is compiled into each copy. The copies do the same
+// always-inline so that it is compiled into each copy. Element-wise kernels
+// are called through call_best_isa instead, which adds an AVX-512 copy. The copies do the same
 // float32 operations in the same order (no FMA), so they give the same bits.
 // float16 <-> float32 block conversion uses the F16C instructions when the CPU
 // has them (checked once at run time), else exact branch-free bit arithmetic.
@@ -32,11 +33,45 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__)
 #define STAGEWISE_CPU_MULTIVERSION __attribute__((target_clones("avx2", "default")))
+// The AVX-512 copy of an element-wise kernel (see call_best_isa), 16 floats
+// wide: GCC's generic tuning would otherwise vectorise 8 wide even there.
+// AVX-512 carries FMA instructions, which the compiler would use to fuse a
+// multiply and an add; contraction is off so every copy gives the same bits.
+#define STAGEWISE_CPU_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,prefer-vector-width=512"), optimize("fp-contract=off")))
 #else
 #define STAGEWISE_CPU_MULTIVERSION
 #endif
 
 namespace stagewise::cpu {
+
+// --- ISA copies -------------------------------------------------------------------
+
+namespace detail {
+template <typename Kernel, typename... Args>
+STAGEWISE_CPU_MULTIVERSION void call_multiversion(const Args&... args) {
+  Kernel::run(args...);
+}
+#ifdef STAGEWISE_CPU_AVX512
+template <typename Kernel, typename... Args>
+STAGEWISE_CPU_AVX512 void call_avx512(const Args&... args) {
+  Kernel::run(args...);
+}
+#endif
+}  // namespace detail
+
+// Kernel::run(args...) (a static always-inline function) compiled for the best
+// ISA this CPU has: AVX-512 where built and present, else as
+// STAGEWISE_CPU_MULTIVERSION picks.
+template <typename Kernel, typename... Args>
+void call_best_isa(const Args&... args) {
+#ifdef STAGEWISE_CPU_AVX512
+  static const bool has_avx512 = __builtin_cpu_supports("avx512f") &&
+                                 __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  if (has_avx512) return detail::call_avx512<Kernel>(args...);
+#endif
+  detail::call_multiversion<Kernel>(args...);
+}
 
 // --- scalar float32 <-> storage conversion ------------------------------------
 
@@ -233,6 +268,14 @@ STAGEWISE_ALWAYS_INLINE void round_block(float* x, int64_t n) {
   }
 }
 
+// Whether kernels convert D element by element inside their maths loops
+// rather than a block at a time through float32 scratch. True for float32 and
+// bfloat16, whose conversions are a few integer vector ops (a bf16 load is a
+// 16-bit shift), so one pass over the data beats a pass per step; false for
+// float16, whose block conversion can use F16C.
+template <typename D>
+inline constexpr bool kConvertInline = !std::is_same_v<D, F16>;
+
 // Calls f(D{}) with D the tag of d (F32, F16 or BF16).
 template <typename F>
 void dispatch_dtype(DType d, F&& f) {
@@ -267,6 +310,27 @@ STAGEWISE_ALWAYS_INLINE void add_squares(const float* x, int64_t n, float (&acc)
   for (int j = 0; i < n; ++i, ++j) acc[j] += x[i] * x[i];
 }
 
+// acc[i % kLanes] += float(x[i])^2 for i in [0, n): add_squares with the
+// conversion from D done inline (same float32 operations, same order).
+template <typename D>
+STAGEWISE_ALWAYS_INLINE void add_squares_of(const Storage<D>* __restrict x, int64_t n,
+                                            float (&acc)[kLanes]) {
+  float a[kLanes];  // a local copy the compiler keeps in vector registers
+  for (int j = 0; j < kLanes; ++j) a[j] = acc[j];
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const float v = to_float<D>(x[i + j]);
+      a[j] += v * v;
+    }
+  }
+  for (int j = 0; i < n; ++i, ++j) {
+    const float v = to_float<D>(x[i]);
+    a[j] += v * v;
+  }
+  for (int j = 0; j < kLanes; ++j) acc[j] = a[j];
+}
+
 STAGEWISE_ALWAYS_INLINE float sum_lanes(const float (&acc)[kLanes]) {
   float s = 0.f;
   for (int j = 0; j < kLanes; ++j) s += acc[j];
@@ -294,6 +358,17 @@ STAGEWISE_ALWAYS_INLINE void rms_norm_block(const float* x, float* y, float inv_
   }
 #endif
   for (int64_t i = 0; i < n; ++i) y[i] = round_to<D>(x[i] * inv_rms) * w[i];
+}
+
+// out[i] = D(float(D(x[i] * inv_rms)) * w[i]) for i in [0, n), converting
+// inline (kConvertInline types): the whole rounding of norm.h in one pass.
+template <typename D>
+STAGEWISE_ALWAYS_INLINE void rms_norm_store(const Storage<D>* x, Storage<D>* out, float inv_rms,
+                                            const float* __restrict w, int64_t n) {
+  static_assert(kConvertInline<D>);
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = from_float<D>(round_to<D>(to_float<D>(x[i]) * inv_rms) * w[i]);
+  }
 }
 
 // --- parallel grain ------------------------------------------------------------

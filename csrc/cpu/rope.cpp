@@ -30,12 +30,57 @@ STAGEWISE_ALWAYS_INLINE void rotate(const float* __restrict in, float* __restric
   }
 }
 
+// x[0, 2 * half) = D(rotation of in by (cos, sin)): rotate with the rounding
+// to D done inline (kConvertInline types).
+template <typename D>
+STAGEWISE_ALWAYS_INLINE void rotate_store(const float* __restrict in, Storage<D>* __restrict x,
+                                          const float* __restrict cos, const float* __restrict sin,
+                                          int64_t half, bool is_neox) {
+  if (is_neox) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = in[i], x2 = in[i + half];
+      x[i] = from_float<D>(x1 * cos[i] - x2 * sin[i]);
+      x[i + half] = from_float<D>(x2 * cos[i] + x1 * sin[i]);
+    }
+  } else {
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = in[2 * i], x2 = in[2 * i + 1];
+      x[2 * i] = from_float<D>(x1 * cos[i] - x2 * sin[i]);
+      x[2 * i + 1] = from_float<D>(x2 * cos[i] + x1 * sin[i]);
+    }
+  }
+}
+
+// rope_head for kConvertInline types: the same maths, each step converting
+// inline, so a head takes one pass to load (and normalise) and one to rotate.
+template <typename D, bool kNorm>
+STAGEWISE_ALWAYS_INLINE void rope_head_inline(Storage<D>* x, const float* __restrict w,
+                                              const float* cos, const float* sin,
+                                              const RopeParams& p, float* __restrict in_buf) {
+  const int64_t rot = p.rotary_dim;
+  if constexpr (kNorm) {
+    const int64_t n = p.head_dim;
+    float acc[kLanes] = {};
+    add_squares_of<D>(x, n, acc);
+    const float inv = inv_rms(sum_lanes(acc), n, p.eps);
+    // The normed values as stored: rope's input below rot, the output above.
+    for (int64_t i = 0; i < rot; ++i) {
+      in_buf[i] = round_to<D>(round_to<D>(to_float<D>(x[i]) * inv) * w[i]);
+    }
+    rms_norm_store<D>(x + rot, x + rot, inv, w + rot, n - rot);
+  } else {
+    for (int64_t i = 0; i < rot; ++i) in_buf[i] = to_float<D>(x[i]);
+  }
+  rotate_store<D>(in_buf, x, cos, sin, rot / 2, p.is_neox);
+}
+
 // One head x [head_dim] in place: with kNorm, x = D(D(x * inv_rms) * w) first;
 // then features [0, rotary_dim) are rotated in float32 and rounded once.
 template <typename D, bool kNorm>
 STAGEWISE_ALWAYS_INLINE void rope_head(Storage<D>* x, const float* w, const float* cos,
                                        const float* sin, const RopeParams& p, float* in_buf,
                                        float* out_buf) {
+  if constexpr (kConvertInline<D>) return rope_head_inline<D, kNorm>(x, w, cos, sin, p, in_buf);
   const int64_t rot = p.rotary_dim;
   if constexpr (kNorm) {
     const int64_t n = p.head_dim;
@@ -58,30 +103,32 @@ STAGEWISE_ALWAYS_INLINE void rope_head(Storage<D>* x, const float* w, const floa
 // Tokens [begin, end) of q and k; D is the dtype of q/k, C that of cos_sin_cache;
 // q_w, k_w are the float32 norm weights (kNorm only).
 template <typename D, typename C, bool kNorm>
-STAGEWISE_CPU_MULTIVERSION void rope_tokens(const RopeParams& p, const float* q_w, const float* k_w,
-                                            int64_t begin, int64_t end) {
-  using S = Storage<D>;
-  const int64_t rot = p.rotary_dim;
-  // Float32 scratch: a head's input [head_dim], its rotated part [rot], a cos/sin row [rot].
-  std::vector<float> scratch(p.head_dim + 2 * rot);
-  float* in_buf = scratch.data();
-  float* out_buf = in_buf + p.head_dim;
-  float* cos_sin_buf = out_buf + rot;
-  for (int64_t t = begin; t < end; ++t) {
-    const int64_t pos = load_index(p.positions, p.position_type, t);
-    const float* cos = load_block<C>(static_cast<const Storage<C>*>(p.cos_sin_cache) + pos * rot,
-                                     cos_sin_buf, rot);
-    const float* sin = cos + rot / 2;
-    S* q = static_cast<S*>(p.q) + t * p.q_token_stride;
-    for (int64_t h = 0; h < p.num_q_heads; ++h) {
-      rope_head<D, kNorm>(q + h * p.q_head_stride, q_w, cos, sin, p, in_buf, out_buf);
-    }
-    S* k = static_cast<S*>(p.k) + t * p.k_token_stride;
-    for (int64_t h = 0; h < p.num_k_heads; ++h) {
-      rope_head<D, kNorm>(k + h * p.k_head_stride, k_w, cos, sin, p, in_buf, out_buf);
+struct RopeTokens {
+  static STAGEWISE_ALWAYS_INLINE void run(const RopeParams& p, const float* q_w, const float* k_w,
+                                          int64_t begin, int64_t end) {
+    using S = Storage<D>;
+    const int64_t rot = p.rotary_dim;
+    // Float32 scratch: a head's input [head_dim], its rotated part [rot], a cos/sin row [rot].
+    std::vector<float> scratch(p.head_dim + 2 * rot);
+    float* in_buf = scratch.data();
+    float* out_buf = in_buf + p.head_dim;
+    float* cos_sin_buf = out_buf + rot;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t pos = load_index(p.positions, p.position_type, t);
+      const float* cos = load_block<C>(static_cast<const Storage<C>*>(p.cos_sin_cache) + pos * rot,
+                                       cos_sin_buf, rot);
+      const float* sin = cos + rot / 2;
+      S* q = static_cast<S*>(p.q) + t * p.q_token_stride;
+      for (int64_t h = 0; h < p.num_q_heads; ++h) {
+        rope_head<D, kNorm>(q + h * p.q_head_stride, q_w, cos, sin, p, in_buf, out_buf);
+      }
+      S* k = static_cast<S*>(p.k) + t * p.k_token_stride;
+      for (int64_t h = 0; h < p.num_k_heads; ++h) {
+        rope_head<D, kNorm>(k + h * p.k_head_stride, k_w, cos, sin, p, in_buf, out_buf);
+      }
     }
   }
-}
+};
 
 template <bool kNorm>
 void run(const char* op, const RopeParams& p) {
@@ -98,7 +145,7 @@ void run(const char* op, const RopeParams& p) {
     auto tokens = [&](auto cache_tag) {
       using C = decltype(cache_tag);
       at::parallel_for(0, p.num_tokens, grain, [&](int64_t begin, int64_t end) {
-        rope_tokens<D, C, kNorm>(p, q_w, k_w, begin, end);
+        call_best_isa<RopeTokens<D, C, kNorm>>(p, q_w, k_w, begin, end);
       });
     };
     // The cache is float32 or the dtype of q/k (checked by the glue).
