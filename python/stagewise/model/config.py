@@ -1,0 +1,212 @@
+"""The model description shared by the runtime and the planner.
+
+:class:`ModelConfig` says everything about a decoder-only LM that decides the
+shape of its weights, its KV cache and its maths; :class:`RopeConfig` says how
+its rotary tables are built. Both validate themselves; the parsing of HF
+``config.json`` files lives in :mod:`stagewise.model.hf_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ARCHITECTURES = ("llama", "qwen3", "qwen3_moe", "falcon")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+NORMS = ("rms", "layer")
+
+
+def _fail(owner: str, name: str, value: Any, expected: str) -> ValueError:
+    return ValueError(f"{owner}.{name}: expected {expected}, got {value!r}")
+
+
+def _positive(owner: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise _fail(owner, name, value, "a positive integer")
+
+
+@dataclass(kw_only=True, slots=True)
+class RopeConfig:
+    """Rotary position embedding, with the parameters of each scaling type."""
+
+    theta: float = 10000.0
+    """Base of the inverse frequencies ``theta ** (-2i / rotary_dim)``."""
+    type: str = "default"
+    """Scaling of the frequencies: default (none), linear, llama3 or yarn."""
+    factor: float = 1.0
+    """Context extension factor (linear, llama3, yarn)."""
+    original_max_position_embeddings: int | None = None
+    """Pretraining context length (llama3, yarn)."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max / low_freq_factor are divided by factor."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max / high_freq_factor are kept."""
+    beta_fast: float = 32.0
+    """yarn: rotations that bound the extrapolated (unscaled) band."""
+    beta_slow: float = 1.0
+    """yarn: rotations that bound the interpolated (scaled) band."""
+    truncate: bool = True
+    """yarn: round the correction range outwards to whole dimensions."""
+    attention_factor: float = 1.0
+    """Multiplies cos and sin (yarn's mscale; 1 for the other types)."""
+    partial_rotary_factor: float = 1.0
+    """Fraction of head_dim that is rotated; the rest passes through."""
+    is_neox: bool = True
+    """Rotation pairs (i, i + d/2) as in NeoX/HF rotate_half; False pairs (2i, 2i+1)."""
+    mrope_section: tuple[int, ...] | None = None
+    """Qwen3-VL multimodal rope: frequency bands for the (t, h, w) position axes."""
+    mrope_interleaved: bool = False
+    """Qwen3-VL: the mrope bands are interleaved rather than contiguous."""
+
+    def __post_init__(self) -> None:
+        if self.type not in ROPE_TYPES:
+            raise _fail("RopeConfig", "type", self.type, f"one of {ROPE_TYPES}")
+        if not self.theta > 0:
+            raise _fail("RopeConfig", "theta", self.theta, "a positive number")
+        if not self.factor > 0:
+            raise _fail("RopeConfig", "factor", self.factor, "a positive number")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise _fail("RopeConfig", "partial_rotary_factor", self.partial_rotary_factor, "a number in (0, 1]")
+        if self.type in ("llama3", "yarn"):
+            _positive("RopeConfig", self, "original_max_position_embeddings")
+        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
+            raise _fail(
+                "RopeConfig", "high_freq_factor", (self.low_freq_factor, self.high_freq_factor),
+                "high_freq_factor > low_freq_factor > 0",
+            )
+        if self.mrope_section is not None:
+            self.mrope_section = tuple(self.mrope_section)
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """A decoder-only LM: embedding, ``num_layers`` decoder layers, final norm, LM head."""
+
+    architecture: str
+    """Which layer code runs it: llama, qwen3, qwen3_moe or falcon."""
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (GQA; 1 for multi-query attention)."""
+    head_dim: int
+    intermediate_size: int
+    """Width of the dense MLP."""
+    norm: str = "rms"
+    """rms (RMSNorm, no bias) or layer (LayerNorm with bias)."""
+    norm_eps: float = 1e-6
+    activation: str = "silu"
+    """HF name of the MLP activation (gated for llama/qwen3, plain for falcon)."""
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    """The LM head reuses the embedding matrix."""
+    attention_bias: bool = False
+    """q/k/v (and for falcon o) projections carry a bias."""
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    """Per-head RMSNorm of q and k before rope (Qwen3)."""
+    sliding_window: int | None = None
+    """Attention window when the checkpoint asks for one (None: full attention)."""
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    """Every token id that ends generation (HF eos_token_id may be a list)."""
+    dtype: torch.dtype | None = None
+    """dtype the config states for the weights; None when it states none."""
+
+    # Mixture of experts (qwen3_moe).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    """Width of each expert's MLP."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k router probabilities to sum to one."""
+    decoder_sparse_step: int = 1
+    """Every decoder_sparse_step-th layer is sparse (see :meth:`is_moe_layer`)."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers that keep a dense MLP whatever decoder_sparse_step says."""
+
+    # Falcon.
+    new_decoder_architecture: bool = False
+    """Falcon-40B/180B layout: grouped KV heads, fused qkv per group."""
+    multi_query: bool = False
+    """Falcon-7B layout: one shared KV head."""
+    parallel_attn: bool = False
+    """Attention and MLP both read the layer input; their outputs are summed."""
+    num_ln_in_parallel_attn: int = 1
+    """With parallel_attn: 2 = separate input norms for attention and MLP, 1 = shared."""
+
+    # Multimodal (Qwen3-VL): the text model above plus an untouched vision tower description.
+    is_multimodal: bool = False
+    vision_config: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise _fail("ModelConfig", "architecture", self.architecture, f"one of {ARCHITECTURES}")
+        _positive("ModelConfig", self, "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                  "head_dim", "intermediate_size", "max_position_embeddings", "decoder_sparse_step")
+        if self.norm not in NORMS:
+            raise _fail("ModelConfig", "norm", self.norm, f"one of {NORMS}")
+        if not self.norm_eps > 0:
+            raise _fail("ModelConfig", "norm_eps", self.norm_eps, "a positive number")
+        if self.num_heads % self.num_kv_heads:
+            raise _fail("ModelConfig", "num_kv_heads", self.num_kv_heads,
+                        f"a divisor of num_heads={self.num_heads}")
+        rotary_dim = self.rotary_dim
+        if rotary_dim < 2 or rotary_dim % 2:
+            raise _fail("ModelConfig", "rope.partial_rotary_factor", self.rope.partial_rotary_factor,
+                        f"a factor giving an even rotary_dim >= 2 of head_dim={self.head_dim}, got {rotary_dim}")
+        self.eos_token_ids = tuple(self.eos_token_ids)
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        if self.architecture == "qwen3_moe":
+            _positive("ModelConfig", self, "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+            if self.num_experts_per_tok > self.num_experts:
+                raise _fail("ModelConfig", "num_experts_per_tok", self.num_experts_per_tok,
+                            f"at most num_experts={self.num_experts}")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise _fail("ModelConfig", "mlp_only_layers", list(self.mlp_only_layers),
+                        f"layer indices in [0, {self.num_layers})")
+        if self.num_ln_in_parallel_attn not in (1, 2):
+            raise _fail("ModelConfig", "num_ln_in_parallel_attn", self.num_ln_in_parallel_attn, "1 or 2")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading features of each head that rope rotates (HF: ``int(head_dim * partial_rotary_factor)``)."""
+        return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has a sparse MoE block (Qwen3-MoE's rule)."""
+        if not 0 <= layer < self.num_layers:
+            raise _fail("ModelConfig.is_moe_layer", "layer", layer, f"an index in [0, {self.num_layers})")
+        return (
+            layer not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A validated copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Parse an HF ``config.json`` dict (classic or transformers 5 rope keys)."""
+        from stagewise.model.hf_config import parse_hf_config
+
+        return parse_hf_config(hf)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        """Parse ``path``: a ``config.json`` file or a folder holding one."""
+        from stagewise.model.hf_config import read_config_json
+
+        return cls.from_hf(read_config_json(path))
