@@ -23,10 +23,11 @@ build: $(VENV)/.built
 $(PY):
 	python3 -m venv --system-site-packages $(VENV)
 
-# torch: the build this machine offers; then the build and test tools.
+# torch: the build this machine offers; then the build tools, the runtime
+# dependencies and the test tools (transformers is the tests' reference).
 $(VENV)/.deps: $(PY) Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
-	$(PIP) install "scikit-build-core>=0.10" "pytest>=7" expecttest
+	$(PIP) install "scikit-build-core>=0.10" "pytest>=7" expecttest "tokenizers>=0.20" "transformers>=5,<6"
 	@command -v ninja >/dev/null || $(PIP) install ninja
 	touch $@
 
