@@ -1,0 +1,106 @@
+"""One pipeline stage of a model: the embedding (first stage), layers ``[start, end)``, and the
+final norm and LM head (last stage)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stagewise.kv import KVCache, KVCacheSpec
+from stagewise.model import falcon, llama, qwen3, qwen3_moe
+from stagewise.model.attention import Rotary
+from stagewise.model.batch import KVMetadata, StepBatch
+from stagewise.model.config import ModelConfig
+from stagewise.model.layers import Weights, local_kv_heads
+
+_ARCHITECTURES: dict[str, ModuleType] = {"llama": llama, "qwen3": qwen3, "qwen3_moe": qwen3_moe, "falcon": falcon}
+
+
+class StageModel(nn.Module):
+    """Runs a :class:`StepBatch` through this stage's layers against this stage's KV cache."""
+
+    def __init__(self, config: ModelConfig, start_layer: int, end_layer: int, layers: list[nn.Module],
+                 embedding: torch.Tensor | None, final_norm: nn.Module | None, lm_head: torch.Tensor | None,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.config, self.start_layer, self.end_layer = config, start_layer, end_layer
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.layers = nn.ModuleList(layers)
+        self.embedding = None if embedding is None else nn.Parameter(embedding, requires_grad=False)
+        self.final_norm = final_norm
+        self.lm_head = None if lm_head is None else nn.Parameter(lm_head, requires_grad=False)
+
+    @classmethod
+    def from_weights(cls, config: ModelConfig, start_layer: int, end_layer: int, weights: Mapping[str, torch.Tensor],
+                     dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                     tp_rank: int = 0, tp_size: int = 1) -> StageModel:
+        """Build from HF-named tensors (only this stage's are read; others may be absent)."""
+        if not 0 <= start_layer < end_layer <= config.num_layers:
+            raise ValueError(f"StageModel: layer range [{start_layer}, {end_layer}) must be non-empty and within "
+                             f"[0, num_layers={config.num_layers})")
+        if tp_size != 1 or tp_rank != 0:
+            # Linears already shard per rank; the all-reduce after row-parallel linears is not wired yet.
+            raise ValueError(f"StageModel: tp_size must be 1 and tp_rank 0 for now, got {tp_size} and {tp_rank}")
+        arch = _ARCHITECTURES[config.architecture]
+        w = Weights(weights, dtype, device)
+        rotary = Rotary(config, dtype, device)
+        layers = [arch.build_layer(config, i, w, rotary, tp_rank, tp_size) for i in range(start_layer, end_layer)]
+        embedding = w(arch.EMBED) if start_layer == 0 else None
+        final_norm = lm_head = None
+        if end_layer == config.num_layers:
+            final_norm = arch.final_norm(config, w)
+            if not config.tie_word_embeddings:
+                lm_head = w(arch.LM_HEAD)
+            elif embedding is not None:
+                lm_head = embedding  # one tensor for both
+            else:
+                # Checkpoints of tied models usually store only the embedding.
+                lm_head = w(arch.EMBED) if arch.EMBED in w else w(arch.LM_HEAD)
+        return cls(config, start_layer, end_layer, layers, embedding, final_norm, lm_head, tp_rank, tp_size)
+
+    @property
+    def is_first(self) -> bool:
+        return self.start_layer == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.end_layer == self.config.num_layers
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """The shape of the KV cache this stage's layers write (this TP rank's KV heads)."""
+        return KVCacheSpec(layer_start=self.start_layer, layer_end=self.end_layer,
+                           num_kv_heads=local_kv_heads(self.config.num_kv_heads, self.tp_size),
+                           head_dim=self.config.head_dim, block_size=block_size, dtype=dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, kv_cache: KVCache, meta: KVMetadata) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` for the next stage, or on the last stage logits:
+        ``[R, vocab]`` at each request's last token, ``[T, vocab]`` with ``batch.all_logits``."""
+        if kv_cache.spec.layer_start != self.start_layer or kv_cache.spec.layer_end != self.end_layer:
+            raise ValueError(f"StageModel.forward: kv_cache holds layers [{kv_cache.spec.layer_start}, "
+                             f"{kv_cache.spec.layer_end}), expected [{self.start_layer}, {self.end_layer})")
+        if self.is_first:
+            if batch.token_ids is None:
+                raise ValueError("StageModel.forward: the first stage needs batch.token_ids, got None")
+            x, residual = F.embedding(batch.token_ids, self.embedding), None
+        else:
+            if batch.hidden_states is None:
+                raise ValueError("StageModel.forward: a later stage needs batch.hidden_states, got None")
+            # Layers update x and residual in place: work on copies, never on the caller's tensors.
+            x = batch.hidden_states.clone()
+            residual = None if batch.residual is None else batch.residual.clone()
+        for i, layer in enumerate(self.layers, start=self.start_layer):
+            x, residual = layer(x, residual, batch, meta, kv_cache.layer(i))
+        if not self.is_last:
+            # Sending x + residual rather than both halves the bytes; the next layer's norm sees
+            # the same sum, rounded the same way, as fused_add_rms_norm would form.
+            return x if residual is None else x + residual
+        if not batch.all_logits:
+            rows = torch.tensor(batch.last_token_rows(), dtype=torch.int64, device=x.device)
+            x, residual = x[rows], None if residual is None else residual[rows]
+        x, _ = self.final_norm(x, residual)
+        return F.linear(x, self.lm_head)
