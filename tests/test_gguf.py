@@ -155,6 +155,16 @@ def test_stage_reads_only_its_tensors(tmp_path):
     assert len(got) == len(own) and "model.embed_tokens.weight" not in got
 
 
+def test_tensor_parallel_shards_of_permuted_q_k(tmp_path):
+    write_gguf(tmp_path / "m.gguf")
+    full = load_stage_weights(tmp_path / "m.gguf", 0, 1)
+    shards = [load_stage_weights(tmp_path / "m.gguf", 0, 1, tp_rank=r, tp_size=2) for r in range(2)]
+    for suffix, dim in [("q_proj.weight", 0), ("k_proj.weight", 0), ("o_proj.weight", 1)]:
+        name = "model.layers.0.self_attn." + suffix
+        assert shards[0][name].shape[dim] == full[name].shape[dim] // 2
+        assert torch.equal(torch.cat([s[name] for s in shards], dim), full[name]), name
+
+
 def test_tied_gguf_uses_embedding_as_head(tmp_path):
     state = write_gguf(tmp_path / "m.gguf", tied=True)
     ckpt = GGUFCheckpoint(tmp_path / "m.gguf")
