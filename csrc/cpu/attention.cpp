@@ -19,15 +19,6 @@
 #include "cpu/attention_rows.h"
 #include "stagewise/attention.h"
 
-// The token loop is compiled twice: for the baseline ISA and, on x86-64, for
-// AVX2+FMA, picked at run time like ATen's own kernels (so ATEN_CPU_CAPABILITY=
-// default selects the baseline), and the build needs no -march flag.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <ATen/Version.h>
-#define STAGEWISE_HAVE_AVX2_PATH 1
-#define STAGEWISE_TARGET_AVX2 __attribute__((target("avx2,fma")))
-#endif
-
 namespace stagewise::cpu {
 namespace {
 
@@ -204,13 +195,7 @@ STAGEWISE_TARGET_AVX2 void attend_tokens_avx2(const DecodeAttentionParams& p, in
 template <typename T>
 AttendFn pick_attend_tokens() {
 #ifdef STAGEWISE_HAVE_AVX2_PATH
-  // ATen's capability: the CPU's, capped by ATEN_CPU_CAPABILITY. Both AVX2 and
-  // AVX512 imply AVX2 + FMA.
-  static const bool avx2 = [] {
-    const std::string capability = at::get_cpu_capability();
-    return capability == "AVX2" || capability == "AVX512";
-  }();
-  if (avx2) return &attend_tokens_avx2<T>;
+  if (use_avx2_path()) return &attend_tokens_avx2<T>;
 #endif
   return &attend_tokens_baseline<T>;
 }

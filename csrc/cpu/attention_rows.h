@@ -18,6 +18,17 @@
 
 #include "stagewise/common.h"
 
+// The hot loops are compiled twice: for the baseline ISA and, on x86-64, for
+// AVX2+FMA, picked at run time like ATen's own kernels (so ATEN_CPU_CAPABILITY=
+// default selects the baseline), and the build needs no -march flag.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <ATen/Version.h>
+
+#include <string>
+#define STAGEWISE_HAVE_AVX2_PATH 1
+#define STAGEWISE_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#endif
+
 #if defined(__GNUC__) || defined(__clang__)
 #define STAGEWISE_ALWAYS_INLINE inline __attribute__((always_inline))
 #else
@@ -25,6 +36,18 @@
 #endif
 
 namespace stagewise::cpu {
+
+#ifdef STAGEWISE_HAVE_AVX2_PATH
+// ATen's capability: the CPU's, capped by ATEN_CPU_CAPABILITY. Both AVX2 and
+// AVX512 imply AVX2 + FMA.
+inline bool use_avx2_path() {
+  static const bool avx2 = [] {
+    const std::string capability = at::get_cpu_capability();
+    return capability == "AVX2" || capability == "AVX512";
+  }();
+  return avx2;
+}
+#endif
 
 inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Eight floats: one AVX2 register, two SSE/NEON registers. GCC/Clang vector
@@ -239,7 +262,8 @@ STAGEWISE_ALWAYS_INLINE float merge_lse_rows(float lse_a, const float* a, float 
   const float wa = std::exp(lse_a - m);
   const float wb = std::exp(lse_b - m);
   const float total = wa + wb;
-  for (int64_t i = 0; i < n; ++i) out[i] = (a[i] * wa + b[i] * wb) / total;
+  const float sa = wa / total, sb = wb / total;
+  for (int64_t i = 0; i < n; ++i) out[i] = a[i] * sa + b[i] * sb;
   return m + std::log(total);
 }
 
