@@ -110,30 +110,27 @@ struct FusedAddRmsNormRows {
 
 }  // namespace
 
-void rms_norm(const RmsNormParams& p) {
+namespace {
+
+// Rows of p through Rows<D>::run (D = the storage dtype), the weight converted
+// to float32 once.
+template <template <typename> class Rows, typename Params>
+void run_rows(const Params& p) {
   if (p.rows == 0) return;
   dispatch_dtype(p.dtype, [&](auto tag) {
     using D = decltype(tag);
     std::vector<float> w_buf;
     const float* w = as_float<D>(p.weight, p.hidden, w_buf);
-    at::parallel_for(0, p.rows, grain_for(p.hidden),
-                     [&](int64_t begin, int64_t end) {
-                       call_best_isa<RmsNormRows<D>>(p, w, begin, end);
-                     });
+    at::parallel_for(0, p.rows, grain_for(p.hidden), [&](int64_t begin, int64_t end) {
+      call_best_isa<Rows<D>>(p, w, begin, end);
+    });
   });
 }
 
-void fused_add_rms_norm(const FusedAddRmsNormParams& p) {
-  if (p.rows == 0) return;
-  dispatch_dtype(p.dtype, [&](auto tag) {
-    using D = decltype(tag);
-    std::vector<float> w_buf;
-    const float* w = as_float<D>(p.weight, p.hidden, w_buf);
-    at::parallel_for(0, p.rows, grain_for(p.hidden),
-                     [&](int64_t begin, int64_t end) {
-                       call_best_isa<FusedAddRmsNormRows<D>>(p, w, begin, end);
-                     });
-  });
-}
+}  // namespace
+
+void rms_norm(const RmsNormParams& p) { run_rows<RmsNormRows>(p); }
+
+void fused_add_rms_norm(const FusedAddRmsNormParams& p) { run_rows<FusedAddRmsNormRows>(p); }
 
 }  // namespace stagewise::cpu
