@@ -1,3 +1,20 @@
 """stagewise: one large language model across several GPUs, processes and machines."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+__all__ = ["Completion", "Pipeline", "__version__"]
+
+if TYPE_CHECKING:
+    from stagewise.api import Completion, Pipeline
+
+
+def __getattr__(name: str):
+    # Loaded on first use, so that `import stagewise` stays light (no torch, no extension).
+    if name in ("Pipeline", "Completion"):
+        from stagewise import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'stagewise' has no attribute {name!r}")

@@ -13,11 +13,16 @@ def main(argv: list[str] | None = None) -> int:
     from stagewise.bench import add_arguments
 
     add_arguments(bench)
+    from stagewise import cli_generate
+
+    cli_generate.add_arguments(sub.add_parser("generate", help="generate text with a model in this process"))
     args = parser.parse_args(argv)
     if args.command == "bench":
         from stagewise.bench import run
 
         return run(args)
+    if args.command == "generate":
+        return cli_generate.run(args)
     return 2
 
 

@@ -1,0 +1,225 @@
+"""The public Python API: :class:`Pipeline` loads a model and generates, :class:`Completion` is
+one prompt's result.
+
+    with stagewise.Pipeline("smollm2-135m") as pipe:
+        [c] = pipe.generate(["What is the capital of France?"], chat=True, max_new_tokens=20)
+        print(c.text, c.finish_reason)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any
+
+import torch
+
+from stagewise.model.checkpoint import Checkpoint, open_checkpoint
+from stagewise.model.stage import StageModel
+from stagewise.model.weights import DTYPES, load_stage_weights
+from stagewise.runtime.engine import Engine, RequestOutput
+from stagewise.runtime.sampling import SamplingParams
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclass(kw_only=True, slots=True)
+class Completion:
+    """The result of one prompt."""
+
+    text: str
+    """Generated text (stop strings and stop tokens not included)."""
+    token_ids: list[int]
+    """Generated token ids only (a stop token that ended generation included)."""
+    finish_reason: str
+    """'stop' (EOS, stop token or stop string), 'length', 'cancelled' or 'error'."""
+    error: str | None = None
+    """What went wrong when finish_reason is 'error'."""
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"Completion.finish_reason: expected one of {FINISH_REASONS}, got {self.finish_reason!r}")
+
+
+class Pipeline:
+    """A model loaded for generation. ``stages=1`` runs every layer in this process."""
+
+    def __init__(self, model: str | Checkpoint, *, stages: int = 1, device: str = "cpu", dtype: str = "auto",
+                 max_num_seqs: int = 32, max_model_len: int | None = None, kv_cache_bytes: int | None = None,
+                 max_num_tokens: int | None = None, **parallel_options: Any) -> None:
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            raise ValueError(f"Pipeline: stages must be an int >= 1, got {stages!r}")
+        if stages > 1:
+            raise ValueError(f"Pipeline: stages={stages} is not available yet: pipeline stages come with the "
+                             "pipeline-parallel runtime; use stages=1")
+        if parallel_options:
+            raise ValueError(f"Pipeline: unknown options {sorted(parallel_options)}; parallel options come "
+                             "with the pipeline-parallel runtime")
+        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"Pipeline: max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
+        dev = _device(device)
+        start = time.perf_counter()
+        ckpt = open_checkpoint(model)
+        cfg = ckpt.config
+        torch_dtype = _dtype(dtype, cfg.dtype)
+        weights = load_stage_weights(ckpt, 0, cfg.num_layers, dtype=torch_dtype)
+        stage = StageModel.from_weights(cfg, 0, cfg.num_layers, weights, dtype=torch_dtype, device=dev)
+        del weights
+        try:
+            tokenizer = ckpt.tokenizer()
+        except FileNotFoundError:
+            tokenizer = None  # token ids in and out only
+        self.checkpoint, self.config, self.tokenizer = ckpt, cfg, tokenizer
+        self.device, self.dtype = dev, torch_dtype
+        self.engine = Engine(stage, tokenizer=tokenizer, device=dev, max_num_seqs=max_num_seqs,
+                             max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
+                             max_num_tokens=max_num_tokens)
+        self.load_s = time.perf_counter() - start
+        self.last_stats: dict[str, float | int] = {}
+        self._ids = count()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop the model and its KV cache (the object cannot generate afterwards)."""
+        self.engine = None
+
+    def generate(self, prompts: str | Sequence[str] | None = None, *,
+                 prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                 max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int | None = None, stop: str | Sequence[str] | None = None, chat: bool = False,
+                 on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
+        """One :class:`Completion` per prompt, in order. Argument errors raise ValueError before
+        anything runs; a prompt's own problem (empty, ids outside the vocabulary, longer than
+        max_model_len, out of KV blocks) gives that prompt finish_reason 'error'. With ``seed``,
+        prompt i samples from seed + i. ``on_text(i, delta)`` streams prompt i's text."""
+        if self.engine is None:
+            raise ValueError("Pipeline.generate: the pipeline is closed")
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        # Checks every sampling value (ValueError) before anything runs.
+        SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                       seed=seed, stop=stop)
+        encoded = self._encode(prompts, prompt_token_ids, chat)
+        if stop and self.tokenizer is None:
+            raise ValueError("Pipeline.generate: stop strings need a tokenizer; this checkpoint has none")
+        engine, start = self.engine, time.perf_counter()
+        prefill0, decode0 = engine.num_prefill_tokens, engine.num_decode_tokens
+        results: dict[int, Completion] = {}
+        rids: dict[int, int] = {}
+        try:
+            for i, ids in enumerate(encoded):
+                params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                        top_p=top_p, seed=None if seed is None else (seed + i) % 2**64, stop=stop)
+                rid = next(self._ids)
+                callback = None if on_text is None else (lambda _rid, text, i=i: on_text(i, text))
+                try:
+                    engine.add_request(rid, ids, params, callback)
+                except ValueError as err:
+                    results[i] = Completion(text="", token_ids=[], finish_reason="error", error=str(err),
+                                            prompt_token_ids=list(ids))
+                    continue
+                rids[rid] = i
+            outputs: list[RequestOutput] = []
+            while engine.has_unfinished():
+                outputs += engine.step()
+        finally:
+            for rid in rids:  # an interrupted call leaves nothing queued and no KV held
+                engine.cancel(rid)
+        for out in outputs:
+            results[rids[out.request_id]] = Completion(text=out.text, token_ids=out.token_ids,
+                                                       finish_reason=out.finish_reason, error=out.error,
+                                                       prompt_token_ids=out.prompt_ids)
+        self.last_stats = _stats(outputs, start, engine.num_prefill_tokens - prefill0,
+                                 engine.num_decode_tokens - decode0)
+        return [results[i] for i in range(len(encoded))]
+
+    def _encode(self, prompts, prompt_token_ids, chat: bool) -> list[list[int]]:
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("Pipeline.generate: give exactly one of prompts and prompt_token_ids")
+        if prompt_token_ids is not None:
+            if chat:
+                raise ValueError("Pipeline.generate: chat=True needs text prompts, not prompt_token_ids")
+            ids = list(prompt_token_ids)
+            if ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                ids = [ids]  # one prompt given as a flat list
+            if not all(isinstance(p, (list, tuple)) for p in ids):
+                raise ValueError("Pipeline.generate: prompt_token_ids must be a list of ints or a list of "
+                                 f"lists of ints, got {prompt_token_ids!r:.200}")
+            return [list(p) for p in ids]
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not all(isinstance(p, str) for p in texts):
+            raise ValueError(f"Pipeline.generate: prompts must be a string or a list of strings, got {prompts!r:.200}")
+        if self.tokenizer is None:
+            raise ValueError("Pipeline.generate: this checkpoint has no tokenizer; pass prompt_token_ids")
+        if chat:
+            texts = [self.render_chat([{"role": "user", "content": t}]) for t in texts]
+        # A chat template writes the special tokens itself (as transformers' apply_chat_template assumes).
+        return [self.tokenizer.encode(t, add_special_tokens=not chat).ids for t in texts]
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The checkpoint's chat template applied to ``messages``, with the assistant turn opened."""
+        template = self.checkpoint.chat_template
+        if not template:
+            raise ValueError(f"Pipeline: checkpoint {str(self.checkpoint.path)!r} has no chat template; "
+                             "use chat=False")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals.update(raise_exception=raise_exception,
+                           strftime_now=lambda fmt: time.strftime(fmt))
+        special = {}
+        for name, token_id in (("bos_token", self.config.bos_token_id),
+                               ("eos_token", self.config.eos_token_ids[0] if self.config.eos_token_ids else None)):
+            if token_id is not None:
+                special[name] = self.tokenizer.id_to_token(token_id) or ""
+        return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special)
+
+
+def _device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"Pipeline: device must be 'cpu' or 'cuda[:N]', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"Pipeline: device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("Pipeline: device 'cuda' was asked for but no CUDA device is available")
+    return dev
+
+
+def _dtype(dtype: str | torch.dtype, stated: torch.dtype | None) -> torch.dtype:
+    if dtype == "auto":
+        return stated if stated in DTYPES.values() else torch.float32
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype.removeprefix("torch."), dtype)
+    if dtype not in DTYPES.values():
+        raise ValueError(f"Pipeline: dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+    return dtype
+
+
+def _stats(outputs: list[RequestOutput], start: float, prefill_tokens: int, decode_tokens: int) -> dict:
+    """Timings of one generate call; decode time runs from the first token to the end."""
+    end = time.perf_counter()
+    firsts = [o.first_token_s for o in outputs if o.first_token_s is not None]
+    first = min(firsts, default=end)
+    decode_s = end - first
+    return {
+        "wall_s": end - start,
+        "prefill_tokens": prefill_tokens,
+        "decode_tokens": decode_tokens,
+        "ttft_s": first - start,
+        "mean_ttft_s": sum(f - start for f in firsts) / len(firsts) if firsts else 0.0,
+        "decode_s": decode_s,
+        "decode_tokens_per_s": decode_tokens / decode_s if decode_tokens and decode_s > 0 else 0.0,
+    }

@@ -1,0 +1,107 @@
+"""``stagewise generate``: load a model in this process and generate for one or more prompts.
+
+Plain output streams each prompt's text as it is generated; ``--json`` prints one
+object ``{"completions": [{"text", "token_ids", "finish_reason"}], "stats": {...}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="an HF folder, a .gguf file, or an embedded model name (smollm2-135m)")
+    parser.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                        help="a prompt (repeat for several, generated as one batch)")
+    parser.add_argument("--prompt-ids", action="append", default=[], metavar="1,2,3", type=_ids,
+                        help="a prompt as comma-separated token ids (repeatable; not with --prompt)")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="1 = off")
+    parser.add_argument("--seed", type=int, default=None, metavar="S")
+    parser.add_argument("--stop", action="append", default=[], metavar="S", help="a stop string (repeatable)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--max-num-seqs", type=int, default=32, metavar="N", help="requests run at once")
+    parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                        help="most tokens (prompt + generated) per request; default: the model's")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from stagewise.api import Pipeline
+
+    if bool(args.prompt) == bool(args.prompt_ids):
+        print("stagewise generate: give --prompt TEXT or --prompt-ids 1,2,3 (not both)", file=sys.stderr)
+        return 2
+    if args.prompt_ids and args.chat:
+        print("stagewise generate: --chat needs --prompt TEXT, not --prompt-ids", file=sys.stderr)
+        return 2
+    # Loading takes seconds; say so on a terminal (stderr, so piped output stays clean).
+    chatty = sys.stderr.isatty()
+    if chatty:
+        print(f"stagewise: loading {args.model} on {args.device} ...", file=sys.stderr, end="", flush=True)
+    try:
+        pipe = Pipeline(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                        max_model_len=args.max_model_len)
+    except (ValueError, FileNotFoundError, KeyError) as err:
+        print(f"\nstagewise generate: cannot load {args.model!r}: {err}", file=sys.stderr)
+        return 1
+    if chatty:
+        print(f" {pipe.load_s:.1f} s ({pipe.config.num_layers} layers, {str(pipe.dtype).removeprefix('torch.')})",
+              file=sys.stderr)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
+    if args.prompt:
+        kwargs["prompts"] = args.prompt
+    else:
+        kwargs["prompt_token_ids"] = args.prompt_ids
+    stream = None if args.json else _Streamer(len(args.prompt or args.prompt_ids))
+    try:
+        with pipe:
+            completions = pipe.generate(**kwargs, on_text=None if stream is None else stream)
+            stats = {"load_s": pipe.load_s, **pipe.last_stats}
+    except ValueError as err:
+        print(f"stagewise generate: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = {"completions": [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                                **({"error": c.error} if c.error else {})} for c in completions],
+               "stats": stats}
+        print(json.dumps(out))
+    else:
+        stream.finish(completions)
+    return 1 if any(c.finish_reason == "error" for c in completions) else 0
+
+
+class _Streamer:
+    """Prints text as it arrives. One prompt streams live; with several, each prompt's text is
+    printed as a block once it is complete (their tokens arrive interleaved)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __call__(self, index: int, text: str) -> None:
+        if self.n == 1:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    def finish(self, completions) -> None:
+        for i, c in enumerate(completions):
+            if self.n > 1:
+                sys.stdout.write(f"--- [{i}] {c.finish_reason}\n{c.text}")
+            if c.error:
+                print(f"\nstagewise generate: prompt {i}: {c.error}", file=sys.stderr)
+            sys.stdout.write("\n")
+        sys.stdout.flush()

@@ -1,0 +1,172 @@
+"""Which requests run in the next step, and their KV blocks.
+
+The engine has ``max_num_seqs`` user rows. A request waits in a FIFO queue until a
+row is free and the KV pool holds blocks for its whole prompt; it then runs its
+prefill in one step and one decode token per step after that. Every step is one
+:class:`~stagewise.model.batch.StepBatch`: the new prefills first, then the decodes
+of the running rows.
+
+KV lifecycle (seed 000 §2.2): blocks for the prompt when a request joins, one slot
+per fed token (a block whenever a boundary is crossed), all freed at once when the
+request finishes, is cancelled or fails. Running requests take their decode slot
+before new requests are admitted, so a request in flight is never starved by a
+newcomer; when the pool is still short, that one request fails with finish_reason
+"error" and its blocks go back to the pool for the others.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from stagewise.kv import KVCacheManager, OutOfKVBlocks
+
+
+@dataclass(kw_only=True, slots=True)
+class SeqState:
+    """What the scheduler tracks of one request: its tokens and where it runs."""
+
+    request_id: Hashable
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    """Generated tokens; the last one is fed back in the next decode step."""
+    row: int | None = None
+    """User row in [0, max_num_seqs) while running; None while waiting or after it ends."""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"SeqState.prompt_ids: request {self.request_id!r} needs at least one token, got []")
+
+    @property
+    def num_cached(self) -> int:
+        """Tokens in the KV cache between steps: the prompt and every generated token already fed
+        back (all but the last, which the next decode step feeds at position ``num_cached``)."""
+        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
+
+@dataclass(kw_only=True, slots=True)
+class ScheduledStep:
+    """The outcome of :meth:`Scheduler.schedule`."""
+
+    prefills: list[SeqState]
+    """Requests that run their whole prompt this step (KV allocated)."""
+    decodes: list[SeqState]
+    """Running requests that feed their last generated token (slot allocated)."""
+    failed: list[tuple[SeqState, str]]
+    """Requests that could not get KV blocks, with the reason; their blocks are already freed."""
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SchedulerStatus:
+    waiting: int
+    """Requests in the queue (queue depth)."""
+    running: int
+    """Active user rows."""
+    max_num_seqs: int
+    free_blocks: int
+    total_blocks: int
+
+
+class Scheduler:
+    """FIFO admission into a fixed number of rows, KV blocks from one :class:`KVCacheManager`."""
+
+    def __init__(self, manager: KVCacheManager, *, max_num_seqs: int, max_model_len: int,
+                 max_prefill_tokens: int = 8192) -> None:
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
+                            ("max_prefill_tokens", max_prefill_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Scheduler: {name} must be an int >= 1, got {value!r}")
+        if manager.max_model_len < max_model_len:
+            raise ValueError(f"Scheduler: the KV manager holds at most {manager.max_model_len} tokens per request, "
+                             f"less than max_model_len={max_model_len}")
+        self.manager = manager
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[SeqState] = deque()
+        self.running: dict[Hashable, SeqState] = {}  # in admission order
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    # ---- requests ------------------------------------------------------------
+
+    def add(self, seq: SeqState) -> None:
+        """Queue a request. ValueError (nothing queued) for a known id or a prompt that can
+        never run: not shorter than max_model_len or needing more blocks than the whole pool."""
+        if seq.request_id in self.running or any(s.request_id == seq.request_id for s in self.waiting):
+            raise ValueError(f"Scheduler.add: request id {seq.request_id!r} is already in use")
+        n = len(seq.prompt_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt of request {seq.request_id!r} has {n} tokens: too long for max_model_len="
+                             f"{self.max_model_len} (prompt + generated tokens), which leaves no room to generate")
+        need, total = self.manager.blocks_for(n), self.manager.pool.num_blocks
+        if need > total:
+            raise ValueError(f"prompt of request {seq.request_id!r} has {n} tokens and needs {need} KV blocks, "
+                             f"more than the {total} blocks of the whole KV cache")
+        self.waiting.append(seq)
+
+    def finish(self, request_id: Hashable) -> SeqState | None:
+        """Remove a finished, cancelled or failed request and free its blocks and row at once.
+        Returns its state, or None for an unknown id."""
+        for i, seq in enumerate(self.waiting):
+            if seq.request_id == request_id:
+                del self.waiting[i]
+                return seq
+        seq = self.running.pop(request_id, None)
+        if seq is None:
+            return None
+        if request_id in self.manager:
+            self.manager.free(request_id)
+        self._free_rows.append(seq.row)
+        seq.row = None
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def status(self) -> SchedulerStatus:
+        return SchedulerStatus(waiting=len(self.waiting), running=len(self.running), max_num_seqs=self.max_num_seqs,
+                               free_blocks=self.manager.num_free_blocks, total_blocks=self.manager.pool.num_blocks)
+
+    # ---- one step ------------------------------------------------------------
+
+    def schedule(self) -> ScheduledStep:
+        """Allocate this step's KV: a slot for each running request's fed-back token, then
+        the prompts of queued requests while rows, blocks and the prefill budget allow."""
+        step = ScheduledStep(prefills=[], decodes=[], failed=[])
+        for seq in list(self.running.values()):
+            if not seq.output_ids:
+                continue  # cannot happen after a completed step; guards a step that raised
+            try:
+                self.manager.append(seq.request_id, 1)
+            except OutOfKVBlocks as err:
+                step.failed.append((seq, f"out of KV cache blocks: request {seq.request_id!r} at "
+                                         f"{seq.num_cached} tokens needs another block ({err})"))
+                self.finish(seq.request_id)
+                continue
+            step.decodes.append(seq)
+        budget = self.max_prefill_tokens
+        while self.waiting and self._free_rows:
+            seq = self.waiting[0]
+            n = len(seq.prompt_ids)
+            if step.prefills and n > budget:
+                break  # the step is full; a single long prompt still runs alone
+            try:
+                self.manager.add(seq.request_id, n)
+            except OutOfKVBlocks as err:
+                if self.running or step.prefills:
+                    break  # blocks come back when running requests end: wait in the queue
+                self.waiting.popleft()
+                step.failed.append((seq, f"out of KV cache blocks for the prompt of request "
+                                         f"{seq.request_id!r} ({n} tokens): {err}"))
+                continue
+            self.waiting.popleft()
+            seq.row = self._free_rows.pop()
+            self.running[seq.request_id] = seq
+            step.prefills.append(seq)
+            budget -= n
+        return step
