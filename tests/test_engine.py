@@ -108,9 +108,14 @@ def test_eos_stops_and_is_not_shown(checkpoint, tmp_path):
     (copy / "config.json").write_text(json.dumps(config))
     with stagewise.Pipeline(str(copy)) as pipe:
         [c] = pipe.generate(prompt_token_ids=[prompt], max_new_tokens=NEW)
+        # ignore_eos generates past the EOS ids: the whole greedy continuation, shown in full.
+        [full] = pipe.generate(prompt_token_ids=[prompt], max_new_tokens=NEW, ignore_eos=True)
     assert c.finish_reason == "stop"
     assert c.token_ids == ref[: k + 1]
     assert c.text == new_text(prompt, ref[:k])
+    assert full.finish_reason == "length"
+    assert full.token_ids == ref
+    assert full.text == new_text(prompt, ref)
 
 
 def test_stop_strings_truncate_text(checkpoint):

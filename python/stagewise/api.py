@@ -95,17 +95,18 @@ class Pipeline:
                  prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, stop: str | Sequence[str] | None = None, chat: bool = False,
-                 on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
+                 ignore_eos: bool = False, on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
         """One :class:`Completion` per prompt, in order. Argument errors raise ValueError before
         anything runs; a prompt's own problem (empty, ids outside the vocabulary, longer than
         max_model_len, out of KV blocks) gives that prompt finish_reason 'error'. With ``seed``,
-        prompt i samples from seed + i. ``on_text(i, delta)`` streams prompt i's text."""
+        prompt i samples from seed + i. ``on_text(i, delta)`` streams prompt i's text. ``ignore_eos``
+        generates past the model's EOS ids (for benchmarks: every prompt gets max_new_tokens)."""
         if self.engine is None:
             raise ValueError("Pipeline.generate: the pipeline is closed")
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         # Checks every sampling value (ValueError) before anything runs.
         SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                       seed=seed, stop=stop)
+                       seed=seed, stop=stop, ignore_eos=ignore_eos)
         encoded = self._encode(prompts, prompt_token_ids, chat)
         if stop and self.tokenizer is None:
             raise ValueError("Pipeline.generate: stop strings need a tokenizer; this checkpoint has none")
@@ -116,7 +117,8 @@ class Pipeline:
         try:
             for i, ids in enumerate(encoded):
                 params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                        top_p=top_p, seed=None if seed is None else (seed + i) % 2**64, stop=stop)
+                                        top_p=top_p, seed=None if seed is None else (seed + i) % 2**64, stop=stop,
+                                        ignore_eos=ignore_eos)
                 rid = next(self._ids)
                 callback = None if on_text is None else (lambda _rid, text, i=i: on_text(i, text))
                 try:

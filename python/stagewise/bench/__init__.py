@@ -1,4 +1,5 @@
 """`stagewise bench kernels`: each op against its baselines, into a JSON + Markdown table.
+`stagewise bench e2e`: whole-model generation against transformers (see :mod:`stagewise.bench.e2e`).
 
 For every case: validate OURS against the reference once (max abs error), then
 time OURS, the pure-torch baseline, torch.compile of that baseline and
@@ -20,7 +21,7 @@ import torch
 from stagewise.bench import kernels, report
 from stagewise.bench.timing import TimingPolicy, copy_bandwidth, time_fn
 
-SUITES = ("kernels",)
+SUITES = ("kernels", "e2e")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,11 +34,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true",
                         help="toy shapes for smoke tests (the timings mean nothing)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    parser.add_argument("--repeats", type=int, default=None, help="most timed calls per measurement")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="most timed calls per measurement (e2e: timed runs per batch size, default 3)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls before timing")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"),
-                        help="directory for <device>-kernels.json and .md (default: bench/results)")  # fmt: skip
+                        help="directory for <device>-<suite>.json and .md (default: bench/results)")  # fmt: skip
+    e2e_args = parser.add_argument_group("e2e")
+    e2e_args.add_argument("--model", default="smollm2-135m", help="e2e: folder, .gguf file or smollm2-135m")
+    e2e_args.add_argument("--batch-sizes", default="1,16", help="e2e: comma-separated batch sizes (default: 1,16)")
+    e2e_args.add_argument("--prompt-len", type=int, default=128, help="e2e: prompt tokens per row (default: 128)")
+    e2e_args.add_argument("--new-tokens", type=int, default=64, help="e2e: generated tokens per row (default: 64)")
 
 
 def _policy(args, device: str) -> TimingPolicy:
@@ -123,6 +130,15 @@ def measure(
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"stagewise bench: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
+    if args.suite == "e2e":
+        from stagewise.bench import e2e
+
+        return e2e.run(args, log=lambda line: print(line, file=sys.stderr, flush=True))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("stagewise bench: --device cuda was asked for, but torch sees no CUDA device", file=sys.stderr)
@@ -137,11 +153,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"stagewise bench: {e}", file=sys.stderr)
         return 2
-    if args.threads is not None:
-        if args.threads < 1:
-            print(f"stagewise bench: --threads must be >= 1, got {args.threads}", file=sys.stderr)
-            return 2
-        torch.set_num_threads(args.threads)
     preset = "tiny" if args.tiny else "quick" if args.quick else "full"
     compiled = None if args.no_compile else {}
     if compiled is not None:

@@ -137,9 +137,10 @@ class Engine:
         seq = SeqState(request_id=request_id, prompt_ids=ids)
         self.scheduler.add(seq)  # raises for a prompt that can never run
         detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, ids)
+        eos = () if params.ignore_eos else self.config.eos_token_ids
         self._requests[request_id] = _Request(
             seq=seq, params=params, generator=make_generator(params, self.device), detok=detok,
-            stop=StopChecker(params.stop, params.stop_token_ids, self.config.eos_token_ids), on_text=on_text)
+            stop=StopChecker(params.stop, params.stop_token_ids, eos), on_text=on_text)
 
     def cancel(self, request_id: Hashable) -> RequestOutput | None:
         """End a queued or running request now ('cancelled'); its KV blocks are freed at once."""

@@ -54,6 +54,9 @@ class SamplingParams:
     """Generation ends before the first occurrence of any of these strings."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Generation ends at any of these tokens (in addition to the model's EOS ids)."""
+    ignore_eos: bool = False
+    """Keep generating past the model's EOS ids (stop_token_ids and stop strings still apply);
+    benchmarks use it so that every row decodes exactly max_new_tokens."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -76,6 +79,8 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams.stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}"
             )
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
 

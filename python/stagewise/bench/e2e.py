@@ -1,0 +1,255 @@
+"""`stagewise bench e2e`: time to first token and decode tokens/s of stagewise.Pipeline against
+transformers ``generate`` on the same weights, dtype, threads and prompts, in the same process.
+
+Every row of a batch gets a prompt of exactly ``prompt_len`` tokens (windows of one fixed text)
+and decodes exactly ``new_tokens`` tokens (EOS ignored on both sides), greedy, float32. Runs of
+ours and transformers alternate so that a noisy machine slows both alike; each figure is the
+median over the timed runs, after one short untimed warm-up of each.
+
+TTFT is the time from submitting the batch to its first sampled token (the prefill). Decode
+tokens/s counts every token after each row's first, summed over the batch, over the time from
+the first token to the last. The memory floor is the decode time if every step only had to read
+its bytes (weights + KV cache) at the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from stagewise.model.checkpoint import Checkpoint
+from stagewise.model.config import ModelConfig
+
+TEXT = ("The history of the lighthouse begins with fires lit on hilltops to guide ships into harbour. "
+        "Over the centuries, towers of stone replaced the hills, oil lamps replaced the open flames, and "
+        "lenses of polished glass sent the light far out to sea. Keepers lived in small houses beside the "
+        "towers, trimming wicks, winding clockwork and writing the weather into their logbooks each night. ")
+
+
+@dataclass(kw_only=True, slots=True)
+class Run:
+    """One timed generate call of a whole batch."""
+
+    ttft_s: float
+    decode_s: float
+    decode_tokens: int
+    """Generated tokens after each row's first, summed over the batch."""
+    token_ids: list[list[int]]
+
+
+def make_prompts(ckpt: Checkpoint, batch: int, prompt_len: int) -> list[list[int]]:
+    """``batch`` prompts of exactly ``prompt_len`` ids: windows of the tokenized TEXT (repeated),
+    row i starting 7 * i tokens in; deterministic ids when the checkpoint has no tokenizer."""
+    vocab = ckpt.config.vocab_size
+    need = prompt_len + 7 * batch
+    try:
+        ids = ckpt.tokenizer().encode(TEXT, add_special_tokens=False).ids
+    except FileNotFoundError:
+        ids = []
+    if len(set(ids)) < 8:  # a tokenizer that knows none of the words: fall back to fixed ids
+        ids = [(31 * i + 7) % vocab for i in range(need)]
+    ids = (ids * (need // len(ids) + 1))[:need]
+    return [ids[7 * i : 7 * i + prompt_len] for i in range(batch)]
+
+
+def run_ours(pipe, prompts: list[list[int]], new_tokens: int) -> Run:
+    completions = pipe.generate(prompt_token_ids=prompts, max_new_tokens=new_tokens, ignore_eos=True)
+    bad = [c.error or c.finish_reason for c in completions if len(c.token_ids) != new_tokens]
+    if bad:
+        raise RuntimeError(f"bench e2e: stagewise rows ended early ({bad[:2]}); expected {new_tokens} tokens each")
+    s = pipe.last_stats
+    return Run(ttft_s=s["ttft_s"], decode_s=s["decode_s"], decode_tokens=s["decode_tokens"],
+               token_ids=[c.token_ids for c in completions])
+
+
+class _Clock:
+    """A transformers streamer that only notes when each step's tokens arrive."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:  # first call: the prompt; then one call per generated step
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        self.times.append(time.perf_counter())
+
+
+def load_transformers(ckpt: Checkpoint, dtype: torch.dtype, device: str):
+    """The same checkpoint through transformers (a GGUF file is dequantized by transformers itself),
+    set up for greedy decoding that never stops at EOS."""
+    from transformers import AutoModelForCausalLM
+
+    path = ckpt.path
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.to(device).eval()
+    # Greedy, exactly new_tokens per row: no EOS and no sampling defaults. generate() fills every
+    # unset value from model.generation_config, so that is the one to change.
+    config = model.generation_config
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    config.update(do_sample=False, eos_token_id=None, temperature=None, top_k=None, top_p=None, pad_token_id=pad)
+    return model
+
+
+def run_transformers(model, prompts: list[list[int]], new_tokens: int) -> Run:
+    # All prompts have one length, so the left-padded batch has no padding; the mask is explicit anyway.
+    ids = torch.tensor(prompts, dtype=torch.int64, device=model.device)
+    mask = torch.ones_like(ids)
+    clock = _Clock()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, streamer=clock)
+    end = time.perf_counter()  # the streamer's end() came after the last token's copy to the host
+    if out.shape != (len(prompts), ids.size(1) + new_tokens):
+        raise RuntimeError(f"bench e2e: transformers returned shape {tuple(out.shape)}, "
+                           f"expected {(len(prompts), ids.size(1) + new_tokens)}")
+    first = clock.times[1]  # times[0] is the prompt itself
+    return Run(ttft_s=first - start, decode_s=end - first, decode_tokens=len(prompts) * (new_tokens - 1),
+               token_ids=out[:, ids.size(1):].tolist())
+
+
+def weight_bytes_per_step(cfg: ModelConfig, batch: int, elem: int) -> int:
+    """Weight bytes one decode step must read (Llama/Qwen3 dense layout): every linear and norm
+    of every layer, the final norm, the LM head, and ``batch`` rows of the embedding."""
+    h, d, hq, hk, inter = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    if cfg.architecture not in ("llama", "qwen3"):
+        raise ValueError(f"bench e2e: the byte count covers llama and qwen3 layouts, got {cfg.architecture!r}")
+    attn = h * (hq + 2 * hk) * d + hq * d * h + (2 * d if cfg.qk_norm else 0)
+    mlp = 3 * h * inter  # gate, up, down
+    norms = 2 * h
+    per_layer = attn + mlp + norms
+    elems = cfg.num_layers * per_layer + h + cfg.vocab_size * h + batch * h
+    return elems * elem
+
+
+def kv_bytes_per_token(cfg: ModelConfig, elem: int) -> int:
+    """K and V of one token in every layer."""
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def memory_floor(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int, elem: int, gbps: float) -> dict:
+    """The least time the decode (new_tokens - 1 steps) could take at ``gbps``: each step reads
+    every weight once and each row's cached K/V (prompt_len + s - 1 tokens at step s), and writes
+    one new token's K/V per row."""
+    steps = new_tokens - 1
+    weights = weight_bytes_per_step(cfg, batch, elem)
+    kv_tok = kv_bytes_per_token(cfg, elem)
+    kv_total = sum(batch * (prompt_len + s - 1 + 1) * kv_tok for s in range(1, steps + 1))
+    total = steps * weights + kv_total
+    floor_s = total / (gbps * 1e9)
+    return {"weight_bytes_per_step": weights, "kv_bytes_per_step_mean": kv_total / max(steps, 1),
+            "bytes_per_step_mean": total / max(steps, 1), "floor_step_ms": 1e3 * floor_s / max(steps, 1),
+            "floor_tokens_per_s": batch * steps / floor_s if floor_s > 0 else None}
+
+
+def summarise(runs: list[Run]) -> dict:
+    return {"ttft_ms": 1e3 * statistics.median(r.ttft_s for r in runs),
+            "decode_tokens_per_s": statistics.median(r.decode_tokens / r.decode_s for r in runs),
+            "decode_step_ms": 1e3 * statistics.median(r.decode_s / (r.decode_tokens / len(r.token_ids))
+                                                      for r in runs),
+            "runs": len(runs)}
+
+
+def bench_batch(pipe, hf, ckpt: Checkpoint, batch: int, prompt_len: int, new_tokens: int,
+                repeats: int, gbps: float, log=print) -> dict:
+    """One result row: ours and transformers at one batch size, alternating runs."""
+    prompts = make_prompts(ckpt, batch, prompt_len)
+    run_ours(pipe, prompts, 2)  # warm-up: allocator, first-call costs, page faults
+    run_transformers(hf, prompts, 2)
+    ours, theirs = [], []
+    for i in range(repeats):
+        ours.append(run_ours(pipe, prompts, new_tokens))
+        theirs.append(run_transformers(hf, prompts, new_tokens))
+        log(f"  batch {batch} run {i + 1}/{repeats}: ours {ours[-1].decode_tokens / ours[-1].decode_s:.1f} tok/s, "
+            f"transformers {theirs[-1].decode_tokens / theirs[-1].decode_s:.1f} tok/s")
+    row = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+           "ours": summarise(ours), "transformers": summarise(theirs)}
+    o, t = row["ours"], row["transformers"]
+    row["decode_speedup"] = o["decode_tokens_per_s"] / t["decode_tokens_per_s"]
+    row["ttft_speedup"] = t["ttft_ms"] / o["ttft_ms"]
+    row["floor"] = memory_floor(ckpt.config, batch, prompt_len, new_tokens, pipe.dtype.itemsize, gbps)
+    best = row["floor"]["floor_tokens_per_s"]
+    row["ours_pct_floor"] = 100 * o["decode_tokens_per_s"] / best if best else None
+    row["transformers_pct_floor"] = 100 * t["decode_tokens_per_s"] / best if best else None
+    # Greedy rows identical to transformers' (fp32 rounding may let long continuations drift apart).
+    row["rows_matching_transformers"] = sum(a == b for a, b in zip(ours[-1].token_ids, theirs[-1].token_ids))
+    return row
+
+
+def run(args, log=print) -> int:
+    """The `stagewise bench e2e` command: measure, print the table, write <device>-e2e.json/.md."""
+    import json
+    import sys
+
+    from stagewise.api import Pipeline
+    from stagewise.bench import report
+    from stagewise.bench.timing import TimingPolicy, copy_bandwidth
+    from stagewise.model.checkpoint import open_checkpoint
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    sizes = [int(b) for b in str(args.batch_sizes).split(",") if b.strip()]
+    repeats = args.repeats or 3
+    if not sizes or min(sizes) < 1 or args.prompt_len < 1 or args.new_tokens < 2 or repeats < 1:
+        print(f"stagewise bench e2e: need batch sizes >= 1, --prompt-len >= 1, --new-tokens >= 2, --repeats >= 1; "
+              f"got {args.batch_sizes!r}, {args.prompt_len}, {args.new_tokens}, {repeats}", file=sys.stderr)
+        return 2
+    info = report.machine_info(device)
+    policy = TimingPolicy(warmup=2, min_repeats=3, max_repeats=20, budget_s=0.5)
+    copy_bytes = 2**24 if args.tiny else 2**30 if device == "cuda" else 2**28  # far beyond the caches
+    copy_bw = copy_bandwidth(device, copy_bytes, policy)
+    log(f"{info['device_name']}: copy bandwidth {copy_bw['gbps']:.1f} GB/s, {torch.get_num_threads()} torch threads")
+    try:
+        ckpt = open_checkpoint(args.model)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"stagewise bench e2e: {err}", file=sys.stderr)
+        return 2
+    max_len = args.prompt_len + args.new_tokens + 1
+    pipe = Pipeline(ckpt, device=device, dtype="float32", max_num_seqs=max(sizes), max_model_len=max_len,
+                    max_num_tokens=max(sizes) * max_len)
+    hf = load_transformers(ckpt, torch.float32, device)
+    rows = [bench_batch(pipe, hf, ckpt, b, args.prompt_len, args.new_tokens, repeats, copy_bw["gbps"], log)
+            for b in sizes]
+    info.update(model=str(args.model), dtype="float32", repeats=repeats)
+    table = format_table(rows)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"{info['device']}-e2e"
+    stem.with_suffix(".json").write_text(json.dumps({"machine": info, "copy_bandwidth": copy_bw, "rows": rows},
+                                                    indent=2) + "\n")
+    stem.with_suffix(".md").write_text("\n".join([
+        "# stagewise end to end: SmolLM2 decode", "",
+        f"Machine: {info['device_name']} ({info['device']}), {info['cpu_count']} CPUs, {info['torch_threads']} "
+        f"torch threads; torch {info['torch']}  ", f"Date (UTC): {info['date_utc']}; commit: {info['git_commit']}  ",
+        f"Model: {info['model']}, float32, greedy, EOS ignored; median of {repeats} runs  ",
+        f"Copy bandwidth (read + write): {copy_bw['gbps']:.1f} GB/s", "",
+        "ours = stagewise.Pipeline, hf = transformers generate on the same weights, threads and prompts. "
+        "TTFT = submit to first token; decode tok/s = tokens after each row's first, summed over the batch, "
+        "over the time from first to last token. floor = tokens/s if each decode step only read its weights "
+        "and KV cache at the copy bandwidth. Targets: >= 1.5x transformers at batch 1, >= 3x at batch 16.", "",
+        table, ""]))
+    log(f"wrote {stem}.json and {stem}.md")
+    return 0
+
+
+COLUMNS = ["batch", "prompt", "new", "ours TTFT ms", "hf TTFT ms", "TTFT x", "ours tok/s", "hf tok/s",
+           "decode x", "floor tok/s", "ours % floor", "hf % floor", "MB/step", "rows = hf"]
+
+
+def format_table(rows: list[dict]) -> str:
+    """A Markdown table (also what the console shows)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    for r in rows:
+        o, t, f = r["ours"], r["transformers"], r["floor"]
+        cells = [r["batch"], r["prompt_len"], r["new_tokens"], f"{o['ttft_ms']:.1f}", f"{t['ttft_ms']:.1f}",
+                 f"{r['ttft_speedup']:.2f}x", f"{o['decode_tokens_per_s']:.1f}", f"{t['decode_tokens_per_s']:.1f}",
+                 f"{r['decode_speedup']:.2f}x", f"{f['floor_tokens_per_s']:.1f}", f"{r['ours_pct_floor']:.0f}%",
+                 f"{r['transformers_pct_floor']:.0f}%", f"{f['bytes_per_step_mean'] / 1e6:.1f}",
+                 f"{r['rows_matching_transformers']}/{r['batch']}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""`stagewise bench e2e` on a tiny random Llama saved with save_pretrained: the JSON and Markdown
+it writes, the transformers baseline in every row, and the byte count of the memory floor."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from stagewise.bench import e2e
+from stagewise.bench.__main__ import main
+from stagewise.model.checkpoint import open_checkpoint
+from stagewise.model.stage import StageModel
+from stagewise.model.weights import load_stage_weights
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+SMALL = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=96, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    path = tmp_path_factory.mktemp("llama")
+    hf.save_pretrained(path)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, SMALL["vocab_size"])}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_e2e_writes_rows_with_the_transformers_baseline(folder, tmp_path):
+    out = tmp_path / "results"
+    argv = ["e2e", "--model", str(folder), "--batch-sizes", "1,3", "--prompt-len", "6", "--new-tokens", "5",
+            "--repeats", "2", "--threads", "1", "--tiny", "--out", str(out)]
+    assert main(argv) == 0
+    [js] = list(out.glob("*-e2e.json"))
+    md = js.with_suffix(".md")
+    data = json.loads(js.read_text())
+    assert data["machine"]["torch_threads"] == 1 and data["copy_bandwidth"]["gbps"] > 0
+    assert [r["batch"] for r in data["rows"]] == [1, 3]
+    for row in data["rows"]:
+        assert (row["prompt_len"], row["new_tokens"]) == (6, 5)
+        for side in ("ours", "transformers"):
+            s = row[side]
+            assert s["runs"] == 2 and s["ttft_ms"] > 0 and s["decode_tokens_per_s"] > 0 and s["decode_step_ms"] > 0
+        o, t = row["ours"], row["transformers"]
+        assert row["decode_speedup"] == pytest.approx(o["decode_tokens_per_s"] / t["decode_tokens_per_s"])
+        assert row["ttft_speedup"] == pytest.approx(t["ttft_ms"] / o["ttft_ms"])
+        assert row["ours_pct_floor"] > 0 and row["transformers_pct_floor"] > 0
+        # Same weights, prompts and greedy decoding in float32: the same tokens, row by row.
+        assert row["rows_matching_transformers"] == row["batch"]
+    text = md.read_text()
+    assert "| batch |" in text and "hf tok/s" in text
+    assert text.count("\n| 1 | 6 | 5 |") == 1 and text.count("\n| 3 | 6 | 5 |") == 1
+
+
+def test_prompts_have_the_asked_length_and_differ(folder):
+    ckpt = open_checkpoint(str(folder))
+    prompts = e2e.make_prompts(ckpt, 4, 10)
+    assert [len(p) for p in prompts] == [10] * 4
+    assert len({tuple(p) for p in prompts}) == 4
+    assert all(0 <= t < SMALL["vocab_size"] for p in prompts for t in p)
+
+
+def test_floor_bytes_match_the_model_tensors(folder):
+    ckpt = open_checkpoint(str(folder))
+    cfg = ckpt.config
+    stage = StageModel.from_weights(cfg, 0, cfg.num_layers, load_stage_weights(ckpt, 0, cfg.num_layers))
+    # Every parameter is read once per decode step, except the embedding: only the batch's rows
+    # (its untied copy is the LM head, read whole, and counted among the parameters).
+    params = sum(p.numel() * p.element_size() for name, p in stage.named_parameters() if name != "embedding")
+    for batch in (1, 5):
+        assert e2e.weight_bytes_per_step(cfg, batch, 4) == params + batch * cfg.hidden_size * 4
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    assert e2e.kv_bytes_per_token(cfg, 4) == kv
+    floor = e2e.memory_floor(cfg, 2, 10, 3, 4, gbps=1.0)
+    # Two steps at contexts 10 and 11, each reading those tokens and writing one more, for 2 rows.
+    total = 2 * (params + 2 * cfg.hidden_size * 4) + 2 * (11 + 12) * kv
+    assert floor["bytes_per_step_mean"] == pytest.approx(total / 2)
+    assert floor["floor_tokens_per_s"] == pytest.approx(2 * 2 / (total / 1e9))
