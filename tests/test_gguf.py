@@ -257,6 +257,17 @@ def test_smollm2_stage_reads_only_its_layers(smollm2):
 
 
 @needs_smollm2
+def test_smollm2_progress_counts_the_quantized_bytes(smollm2):
+    calls = []
+    load_stage_weights(smollm2, 28, 30, progress=lambda *args: calls.append(args))
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(smollm2.path)).tensors}
+    # Tied: the head is token_embd, read once. The bytes are the file's (Q4_1), not the float32 tensors'.
+    want = [n for n in sizes if n.startswith(("blk.28.", "blk.29.", "output_norm", "token_embd"))]
+    assert [c[:2] for c in calls] == [(i, len(want)) for i in range(len(want) + 1)]
+    assert calls[-1][2] == sum(sizes[n] for n in want)
+
+
+@needs_smollm2
 def test_smollm2_answers_in_transformers(smollm2):
     """End to end through an independent implementation: the loaded (Q4_1, un-permuted) weights,
     config, tokenizer and chat template in transformers' Llama answer a factual question."""

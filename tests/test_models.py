@@ -19,6 +19,10 @@ BLOCK_SIZE = 4  # small, so that every prompt spans several blocks
 SMALL = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64)
 LLAMA3 = dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=16)
+# YaRN with a small theta and narrow betas, so that head_dim 16's eight frequencies span all three bands
+# (extrapolated, ramp, interpolated) and the default attention factor 0.1 ln(4) + 1 scales cos and sin.
+YARN = dict(rope_type="yarn", rope_theta=100.0, factor=4.0, original_max_position_embeddings=16,
+            beta_fast=2.0, beta_slow=0.1)
 
 MODELS = {
     "llama-gqa-llama3": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -26,6 +30,13 @@ MODELS = {
     "llama-mqa-tied-linear": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **SMALL, num_key_value_heads=1, intermediate_size=96, tie_word_embeddings=True, attention_bias=True,
         mlp_bias=True, rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0))),
+    "llama-default-rope": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **SMALL, num_key_value_heads=2, intermediate_size=96, rope_parameters=dict(rope_type="default",
+                                                                                   rope_theta=1e4))),
+    "llama-yarn": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **SMALL, num_key_value_heads=2, intermediate_size=96, rope_parameters=YARN)),
+    "llama-yarn-untruncated": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **SMALL, num_key_value_heads=4, intermediate_size=96, rope_parameters=dict(YARN, truncate=False))),
     "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         **SMALL, num_key_value_heads=2, head_dim=32, intermediate_size=96)),
     "qwen3-moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(

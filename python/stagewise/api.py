@@ -49,7 +49,9 @@ class Pipeline:
 
     def __init__(self, model: str | Checkpoint, *, stages: int = 1, device: str = "cpu", dtype: str = "auto",
                  max_num_seqs: int = 32, max_model_len: int | None = None, kv_cache_bytes: int | None = None,
-                 max_num_tokens: int | None = None, **parallel_options: Any) -> None:
+                 max_num_tokens: int | None = None, load_progress: Callable[[int, int, int], None] | None = None,
+                 **parallel_options: Any) -> None:
+        """``load_progress(done, total, nbytes)`` follows the weight reading (see load_stage_weights)."""
         if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
             raise ValueError(f"Pipeline: stages must be an int >= 1, got {stages!r}")
         if stages > 1:
@@ -65,7 +67,7 @@ class Pipeline:
         ckpt = open_checkpoint(model)
         cfg = ckpt.config
         torch_dtype = _dtype(dtype, cfg.dtype)
-        weights = load_stage_weights(ckpt, 0, cfg.num_layers, dtype=torch_dtype)
+        weights = load_stage_weights(ckpt, 0, cfg.num_layers, dtype=torch_dtype, progress=load_progress)
         stage = StageModel.from_weights(cfg, 0, cfg.num_layers, weights, dtype=torch_dtype, device=dev)
         del weights
         try:

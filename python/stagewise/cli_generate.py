@@ -48,19 +48,22 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt_ids and args.chat:
         print("stagewise generate: --chat needs --prompt TEXT, not --prompt-ids", file=sys.stderr)
         return 2
-    # Loading takes seconds; say so on a terminal (stderr, so piped output stays clean).
+    # Loading takes seconds; show a progress bar on a terminal (stderr, so piped output stays clean).
     chatty = sys.stderr.isatty()
-    if chatty:
-        print(f"stagewise: loading {args.model} on {args.device} ...", file=sys.stderr, end="", flush=True)
+    bar = _LoadBar(f"stagewise: loading {args.model} on {args.device}") if chatty else None
     try:
-        pipe = Pipeline(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                        max_model_len=args.max_model_len)
+        try:
+            pipe = Pipeline(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                            max_model_len=args.max_model_len, load_progress=bar)
+        finally:  # before any message, so that the bar's line is finished first
+            if bar is not None:
+                bar.close()
     except (ValueError, FileNotFoundError, KeyError) as err:
-        print(f"\nstagewise generate: cannot load {args.model!r}: {err}", file=sys.stderr)
+        print(f"stagewise generate: cannot load {args.model!r}: {err}", file=sys.stderr)
         return 1
     if chatty:
-        print(f" {pipe.load_s:.1f} s ({pipe.config.num_layers} layers, {str(pipe.dtype).removeprefix('torch.')})",
-              file=sys.stderr)
+        print(f"stagewise: loaded {args.model} in {pipe.load_s:.1f} s ({pipe.config.num_layers} layers, "
+              f"{str(pipe.dtype).removeprefix('torch.')})", file=sys.stderr)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
     if args.prompt:
@@ -83,6 +86,26 @@ def run(args: argparse.Namespace) -> int:
     else:
         stream.finish(completions)
     return 1 if any(c.finish_reason == "error" for c in completions) else 0
+
+
+class _LoadBar:
+    """A tqdm bar on stderr over the tensors read; the bytes read so far are shown after it."""
+
+    def __init__(self, description: str) -> None:
+        self.description = description
+        self.bar = None
+
+    def __call__(self, done: int, total: int, nbytes: int) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=self.description, unit="tensor", file=sys.stderr)
+        self.bar.set_postfix_str(f"{nbytes / 2**20:.0f} MiB", refresh=False)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 class _Streamer:

