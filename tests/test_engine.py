@@ -215,6 +215,29 @@ def test_out_of_kv_blocks_fails_only_that_request(checkpoint):
     assert status.free_blocks == status.total_blocks == 3
 
 
+def test_failing_stream_callback_ends_only_its_request(checkpoint):
+    folder, hf = checkpoint
+    a, b = random_prompts((5, 7), seed=21)
+
+    def on_text(i, text):
+        if i == 0:
+            raise RuntimeError("consumer went away")
+
+    with stagewise.Pipeline(str(folder), max_num_seqs=2) as pipe:
+        first, second = pipe.generate(prompt_token_ids=[a, b], max_new_tokens=NEW, on_text=on_text)
+        status = pipe.engine.status()
+        assert not pipe.engine.has_unfinished()
+    assert first.finish_reason == "error" and "consumer went away" in first.error
+    assert second.finish_reason == "length" and second.token_ids == reference(hf, b)
+    assert status.running == 0 and status.free_blocks == status.total_blocks
+
+
+def test_max_model_len_beyond_rotary_table_is_refused(checkpoint):
+    folder, _ = checkpoint
+    with pytest.raises(ValueError, match=r"max_model_len must be <= .*max_position_embeddings \(64\), got 65"):
+        stagewise.Pipeline(str(folder), max_model_len=65)
+
+
 def test_engine_queue_status_and_cancel(checkpoint):
     folder, _ = checkpoint
     with stagewise.Pipeline(str(folder), max_num_seqs=2) as pipe:

@@ -81,6 +81,10 @@ class Engine:
             max_model_len = cfg.max_position_embeddings
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
             raise ValueError(f"Engine: max_model_len must be an int >= 1 or None, got {max_model_len!r}")
+        if max_model_len > cfg.max_position_embeddings:
+            # The rotary table has max_position_embeddings rows; later positions have no rotation.
+            raise ValueError(f"Engine: max_model_len must be <= the model's max_position_embeddings "
+                             f"({cfg.max_position_embeddings}), got {max_model_len}")
         self.model, self.config, self.tokenizer = model, cfg, tokenizer
         self.device = torch.device(device)
         dtype = model.embedding.dtype
@@ -176,7 +180,14 @@ class Engine:
         self.num_decode_tokens += len(plan.decodes)
         now = time.perf_counter()
         for seq, token in zip(seqs, tokens):
-            reason = self._append_token(self._requests[seq.request_id], token, now)
+            req = self._requests.get(seq.request_id)
+            if req is None:
+                continue  # ended during this loop (a streaming callback cancelled it)
+            try:
+                reason = self._append_token(req, token, now)
+            except Exception as err:  # noqa: BLE001 - e.g. a streaming callback that raised
+                done.append(self._finish(seq.request_id, "error", f"{type(err).__name__}: {err}"))
+                continue
             if reason is not None:
                 done.append(self._finish(seq.request_id, reason))
         return done
@@ -231,7 +242,10 @@ class Engine:
         req = self._requests.pop(request_id)
         self.scheduler.finish(request_id)
         if reason in ("cancelled", "error"):
-            self._emit(req, self._finish_text(req))  # text held back for a possible stop string
+            try:
+                self._emit(req, self._finish_text(req))  # text held back for a possible stop string
+            except Exception:  # noqa: BLE001 - the request ends either way; its KV is already free
+                pass
         seq = req.seq
         return RequestOutput(request_id=request_id, prompt_ids=seq.prompt_ids, token_ids=list(seq.output_ids),
                              text="".join(req.text), finish_reason=reason, error=error, arrival_s=req.arrival_s,
