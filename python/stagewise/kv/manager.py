@@ -172,11 +172,16 @@ class KVCacheManager:
         return table.to(device)
 
     def slot_mapping(
-        self, spans: Iterable[tuple[Hashable, int, int]], device: torch.device | str = "cpu"
+        self,
+        spans: Iterable[tuple[Hashable, int, int]],
+        device: torch.device | str = "cpu",
+        block_tables: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Cache slots ``[T]`` int64 of a batch given as spans ``(request_id, first_position,
         num_tokens)`` (a prefill chunk, or one decode token), in span order; -1 where
-        another CP rank stores the position. Positions must already be allocated."""
+        another CP rank stores the position. Positions must already be allocated.
+        ``block_tables``, when the caller already built it, must be
+        ``self.block_tables(distinct request ids in span order)``."""
         rows: dict[Hashable, int] = {}
         seq_index: list[int] = []
         positions: list[int] = []
@@ -190,8 +195,15 @@ class KVCacheManager:
             row = rows.setdefault(request_id, len(rows))
             seq_index.extend([row] * count)
             positions.extend(range(first, first + count))
+        if block_tables is None:
+            block_tables = self.block_tables(list(rows), device)
+        elif block_tables.size(0) != len(rows):
+            raise ValueError(
+                f"KVCacheManager.slot_mapping: block_tables has {block_tables.size(0)} rows, "
+                f"the spans name {len(rows)} requests"
+            )
         return ops.slot_mapping(
-            self.block_tables(list(rows), device),
+            block_tables,
             torch.tensor(seq_index, dtype=torch.int32, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device),
             self.block_size,

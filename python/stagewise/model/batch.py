@@ -136,9 +136,12 @@ class KVMetadata:
     @classmethod
     def build(cls, batch: StepBatch, manager: KVCacheManager, device: torch.device | str) -> KVMetadata:
         """From this stage's manager, which must already hold ``context + query`` tokens of each request."""
-        spans = zip(batch.request_ids, batch.context_lens, batch.query_lens, strict=True)
+        spans = list(zip(batch.request_ids, batch.context_lens, batch.query_lens, strict=True))
+        block_tables = manager.block_tables(list(batch.request_ids), device)
+        # One table per step: the slot mapping reads the same rows (a request appears once).
+        shared = block_tables if len(set(batch.request_ids)) == len(spans) else None
         return cls(
-            slot_mapping=manager.slot_mapping(spans, device),
-            block_tables=manager.block_tables(list(batch.request_ids), device),
+            slot_mapping=manager.slot_mapping(spans, device, block_tables=shared),
+            block_tables=block_tables,
             seq_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=device),
         )

@@ -214,8 +214,7 @@ class Engine:
         if req.first_token_s is None:
             req.first_token_s = now
         if req.stop.is_stop_token(token):  # EOS / stop ids: their own text is not shown
-            tail = self._finish_text(req)
-            self._emit(req, tail)
+            self._emit(req, self._finish_text(req)[0])
             return "stop"
         piece = req.detok.push(token) if req.detok is not None else ""
         text, reason = req.stop.feed(piece)
@@ -223,14 +222,15 @@ class Engine:
         out_of_room = (len(seq.output_ids) >= params.max_new_tokens
                        or len(seq.prompt_ids) + len(seq.output_ids) >= self.max_model_len)
         if reason is None and out_of_room:
-            tail, reason = req.stop.finish(req.detok.flush() if req.detok is not None else "")
+            tail, reason = self._finish_text(req)
             text, reason = text + tail, reason or "length"
         self._emit(req, text)
         return reason
 
-    def _finish_text(self, req: _Request) -> str:
-        tail, _ = req.stop.finish(req.detok.flush() if req.detok is not None else "")
-        return tail
+    def _finish_text(self, req: _Request) -> tuple[str, str | None]:
+        """The text held back (detokenizer tail, possible stop-string prefix), and 'stop'
+        if a stop string completes in it."""
+        return req.stop.finish(req.detok.flush() if req.detok is not None else "")
 
     def _emit(self, req: _Request, text: str) -> None:
         if text:
@@ -243,7 +243,7 @@ class Engine:
         self.scheduler.finish(request_id)
         if reason in ("cancelled", "error"):
             try:
-                self._emit(req, self._finish_text(req))  # text held back for a possible stop string
+                self._emit(req, self._finish_text(req)[0])  # text held back for a possible stop string
             except Exception:  # noqa: BLE001 - the request ends either way; its KV is already free
                 pass
         seq = req.seq
