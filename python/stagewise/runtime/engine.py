@@ -20,7 +20,7 @@ from stagewise.model.batch import KVMetadata, StepBatch
 from stagewise.model.stage import StageModel
 from stagewise.runtime.detokenize import IncrementalDetokenizer, StopChecker
 from stagewise.runtime.sampling import Sampler, SamplingParams, make_generator
-from stagewise.runtime.scheduler import ScheduledStep, Scheduler, SchedulerStatus, SeqState
+from stagewise.runtime.scheduler import GroupedScheduler, ScheduledStep, Scheduler, SchedulerStatus, SeqState
 
 TextCallback = Callable[[Hashable, str], None]
 """Called with (request_id, text delta) whenever a request's visible text grows."""
@@ -70,8 +70,11 @@ class Engine:
     def __init__(self, model: StageModel, *, tokenizer=None, device: torch.device | str = "cpu",
                  max_num_seqs: int = 32, max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                  max_num_tokens: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                 max_prefill_tokens: int = 8192) -> None:
-        if not (model.is_first and model.is_last):
+                 max_prefill_tokens: int = 8192, pipeline_groups: int | None = None) -> None:
+        """``pipeline_groups``: this engine is stage 0 of a pipeline (see
+        :class:`~stagewise.runtime.pipeline_head.PipelineHead`): its model may end before the last
+        layer and its requests are dealt to that many microbatch groups."""
+        if not model.is_first or (pipeline_groups is None and not model.is_last):
             raise ValueError(f"Engine: the model must hold every layer [0, {model.config.num_layers}), "
                              f"got [{model.start_layer}, {model.end_layer})")
         if kv_cache_bytes is not None and max_num_tokens is not None:
@@ -95,8 +98,12 @@ class Engine:
                                 device=self.device)
         self.manager = KVCacheManager(block_size=block_size, num_blocks=self.kv_cache.num_blocks,
                                       max_blocks_per_seq=-(-max_model_len // block_size))
-        self.scheduler = Scheduler(self.manager, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                   max_prefill_tokens=max_prefill_tokens)
+        if pipeline_groups is None:
+            self.scheduler = Scheduler(self.manager, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                       max_prefill_tokens=max_prefill_tokens)
+        else:
+            self.scheduler = GroupedScheduler(self.manager, num_groups=pipeline_groups, max_num_seqs=max_num_seqs,
+                                              max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens)
         self.sampler = Sampler()
         self.max_model_len = max_model_len
         self._requests: dict[Hashable, _Request] = {}
@@ -176,10 +183,16 @@ class Engine:
         except Exception as err:  # noqa: BLE001 - a failed step ends its requests, not the engine
             message = f"step failed: {type(err).__name__}: {err}"
             return done + [self._finish(s.request_id, "error", message) for s in seqs]
+        return done + self._record_tokens(plan, tokens)
+
+    def _record_tokens(self, plan: ScheduledStep, tokens: list[int]) -> list[RequestOutput]:
+        """Append each request's sampled token (one per request of ``plan``, in row order) and
+        return the requests that ended with it. Requests that ended meanwhile are skipped."""
+        seqs, done = plan.prefills + plan.decodes, []
         self.num_prefill_tokens += sum(len(s.prompt_ids) for s in plan.prefills)
         self.num_decode_tokens += len(plan.decodes)
         now = time.perf_counter()
-        for seq, token in zip(seqs, tokens):
+        for seq, token in zip(seqs, tokens, strict=True):
             req = self._requests.get(seq.request_id)
             if req is None:
                 continue  # ended during this loop (a streaming callback cancelled it)

@@ -17,7 +17,7 @@ newcomer; when the pool is still short, that one request fails with finish_reaso
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from stagewise.kv import KVCacheManager, OutOfKVBlocks
@@ -76,7 +76,9 @@ class Scheduler:
     """FIFO admission into a fixed number of rows, KV blocks from one :class:`KVCacheManager`."""
 
     def __init__(self, manager: KVCacheManager, *, max_num_seqs: int, max_model_len: int,
-                 max_prefill_tokens: int = 8192) -> None:
+                 max_prefill_tokens: int = 8192, pool_busy_elsewhere: Callable[[], bool] | None = None) -> None:
+        """``pool_busy_elsewhere`` tells whether others hold blocks of the same pool (microbatch
+        groups of a pipeline): a prompt that does not fit then waits instead of failing."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                             ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -91,6 +93,7 @@ class Scheduler:
         self.waiting: deque[SeqState] = deque()
         self.running: dict[Hashable, SeqState] = {}  # in admission order
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self._busy_elsewhere = pool_busy_elsewhere or (lambda: False)
 
     # ---- requests ------------------------------------------------------------
 
@@ -158,7 +161,7 @@ class Scheduler:
             try:
                 self.manager.add(seq.request_id, n)
             except OutOfKVBlocks as err:
-                if self.running or step.prefills:
+                if self.running or step.prefills or self._busy_elsewhere():
                     break  # blocks come back when running requests end: wait in the queue
                 self.waiting.popleft()
                 step.failed.append((seq, f"out of KV cache blocks for the prompt of request "
@@ -170,3 +173,67 @@ class Scheduler:
             step.prefills.append(seq)
             budget -= n
         return step
+
+
+class GroupedScheduler:
+    """``num_groups`` schedulers (the microbatches of a pipeline) over one KV pool.
+
+    A new request joins the group with the fewest requests (lowest index on ties) and stays
+    there; each group is scheduled on its own, so up to ``num_groups`` steps can be in flight.
+    The ``max_num_seqs`` rows are dealt out to the groups as evenly as possible."""
+
+    def __init__(self, manager: KVCacheManager, *, num_groups: int, max_num_seqs: int, max_model_len: int,
+                 max_prefill_tokens: int = 8192) -> None:
+        if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
+            raise ValueError(f"GroupedScheduler: num_groups must be an int >= 1, got {num_groups!r}")
+        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"GroupedScheduler: max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
+        num_groups = min(num_groups, max_num_seqs)
+        base, extra = divmod(max_num_seqs, num_groups)
+        self.manager = manager
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.groups: list[Scheduler] = []
+        for g in range(num_groups):
+            self.groups.append(Scheduler(manager, max_num_seqs=base + (g < extra), max_model_len=max_model_len,
+                                         max_prefill_tokens=max_prefill_tokens,
+                                         pool_busy_elsewhere=lambda g=g: self._busy_besides(g)))
+        self._owner: dict[Hashable, int] = {}
+
+    def _busy_besides(self, group: int) -> bool:
+        return any(s.running for i, s in enumerate(self.groups) if i != group)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def group_of(self, request_id: Hashable) -> int | None:
+        return self._owner.get(request_id)
+
+    def add(self, seq: SeqState) -> None:
+        if seq.request_id in self._owner:
+            raise ValueError(f"Scheduler.add: request id {seq.request_id!r} is already in use")
+        loads = [len(s.running) + len(s.waiting) for s in self.groups]
+        g = loads.index(min(loads))
+        self.groups[g].add(seq)
+        self._owner[seq.request_id] = g
+
+    def finish(self, request_id: Hashable) -> SeqState | None:
+        g = self._owner.pop(request_id, None)
+        return None if g is None else self.groups[g].finish(request_id)
+
+    def schedule(self, group: int) -> ScheduledStep:
+        step = self.groups[group].schedule()
+        for seq, _ in step.failed:
+            self._owner.pop(seq.request_id, None)
+        return step
+
+    def has_work(self, group: int) -> bool:
+        return self.groups[group].has_unfinished()
+
+    def has_unfinished(self) -> bool:
+        return any(s.has_unfinished() for s in self.groups)
+
+    def status(self) -> SchedulerStatus:
+        return SchedulerStatus(waiting=sum(len(s.waiting) for s in self.groups),
+                               running=sum(len(s.running) for s in self.groups), max_num_seqs=self.max_num_seqs,
+                               free_blocks=self.manager.num_free_blocks, total_blocks=self.manager.pool.num_blocks)
