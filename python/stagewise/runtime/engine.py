@@ -33,6 +33,23 @@ DEFAULT_KV_FRACTION = {"cpu": 0.25, "cuda": 0.5}
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
+def default_num_tokens(spec, device: torch.device, max_num_seqs: int, max_model_len: int) -> int:
+    """KV tokens when no size is given: every row at full length, capped (see
+    DEFAULT_KV_FRACTION), but room for one full row."""
+    want = max_num_seqs * max_model_len
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cap_bytes = int(free * DEFAULT_KV_FRACTION["cuda"])
+    else:
+        import os
+
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        cap_bytes = min(int(free * DEFAULT_KV_FRACTION["cpu"]), DEFAULT_CPU_KV_BYTES)
+    per_token = spec.bytes_per_block() // spec.block_size
+    cap = cap_bytes // per_token
+    return max(min(want, cap), min(want, max_model_len), spec.block_size)
+
+
 @dataclass(kw_only=True, slots=True)
 class RequestOutput:
     """A request that ended: its generated ids (the stop token included), text and why it ended."""
@@ -93,7 +110,7 @@ class Engine:
         dtype = model.embedding.dtype
         spec = model.kv_cache_spec(block_size, dtype)
         if kv_cache_bytes is None and max_num_tokens is None:
-            max_num_tokens = self._default_num_tokens(spec, max_num_seqs, max_model_len)
+            max_num_tokens = default_num_tokens(spec, self.device, max_num_seqs, max_model_len)
         self.kv_cache = KVCache(spec, kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens,
                                 device=self.device)
         self.manager = KVCacheManager(block_size=block_size, num_blocks=self.kv_cache.num_blocks,
@@ -109,21 +126,6 @@ class Engine:
         self._requests: dict[Hashable, _Request] = {}
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
-
-    def _default_num_tokens(self, spec, max_num_seqs: int, max_model_len: int) -> int:
-        """Every row at full length, capped (see DEFAULT_KV_FRACTION), but room for one full row."""
-        want = max_num_seqs * max_model_len
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            cap_bytes = int(free * DEFAULT_KV_FRACTION["cuda"])
-        else:
-            import os
-
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            cap_bytes = min(int(free * DEFAULT_KV_FRACTION["cpu"]), DEFAULT_CPU_KV_BYTES)
-        per_token = spec.bytes_per_block() // spec.block_size
-        cap = cap_bytes // per_token
-        return max(min(want, cap), min(want, max_model_len), spec.block_size)
 
     # ---- requests ------------------------------------------------------------
 
