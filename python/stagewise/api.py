@@ -54,12 +54,12 @@ class Pipeline:
         """``load_progress(done, total, nbytes)`` follows the weight reading (see load_stage_weights)."""
         if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
             raise ValueError(f"Pipeline: stages must be an int >= 1, got {stages!r}")
-        if stages > 1:
-            raise ValueError(f"Pipeline: stages={stages} is not available yet: pipeline stages come with the "
-                             "pipeline-parallel runtime; use stages=1")
+        pipeline_options = {k: parallel_options.pop(k) for k in PIPELINE_OPTIONS if k in parallel_options}
         if parallel_options:
-            raise ValueError(f"Pipeline: unknown options {sorted(parallel_options)}; parallel options come "
-                             "with the pipeline-parallel runtime")
+            raise ValueError(f"Pipeline: unknown options {sorted(parallel_options)}; expected some of "
+                             f"{sorted(PIPELINE_OPTIONS)}")
+        if stages == 1 and pipeline_options:
+            raise ValueError(f"Pipeline: {sorted(pipeline_options)} apply to stages > 1, got stages=1")
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"Pipeline: max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
         dev = _device(device)
@@ -67,21 +67,59 @@ class Pipeline:
         ckpt = open_checkpoint(model)
         cfg = ckpt.config
         torch_dtype = _dtype(dtype, cfg.dtype)
+        self.engine = self.driver = None
+        self.last_stats: dict[str, Any] = {}
+        self._ids = count()
+        if stages > 1:
+            self.checkpoint, self.config, self.device, self.dtype = ckpt, cfg, dev, torch_dtype
+            self.tokenizer = _tokenizer(ckpt)
+            self._start_pipeline(model, stages, dev, dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                 kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens, **pipeline_options)
+            self.load_s = time.perf_counter() - start
+            return
         weights = load_stage_weights(ckpt, 0, cfg.num_layers, dtype=torch_dtype, progress=load_progress)
         stage = StageModel.from_weights(cfg, 0, cfg.num_layers, weights, dtype=torch_dtype, device=dev)
         del weights
-        try:
-            tokenizer = ckpt.tokenizer()
-        except FileNotFoundError:
-            tokenizer = None  # token ids in and out only
+        tokenizer = _tokenizer(ckpt)
         self.checkpoint, self.config, self.tokenizer = ckpt, cfg, tokenizer
         self.device, self.dtype = dev, torch_dtype
         self.engine = Engine(stage, tokenizer=tokenizer, device=dev, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
                              max_num_tokens=max_num_tokens)
         self.load_s = time.perf_counter() - start
-        self.last_stats: dict[str, float | int] = {}
-        self._ids = count()
+
+    def _start_pipeline(self, model, stages: int, dev: torch.device, dtype: str, *, partition="even",
+                        transport: str = "auto", checksum: bool = True, auth_token: str | None = None,
+                        threads: int | None = None, **limits: Any) -> None:
+        """Spawn one process per stage on this machine and connect to them."""
+        import os
+
+        from stagewise.launch.local import spawn_stages
+        from stagewise.launch.planfile import RunPlan
+        from stagewise.parallel.plan import decode_layer_costs
+        from stagewise.runtime.driver import PipelineDriver
+
+        cfg = self.config
+        if not isinstance(model, str):
+            model = str(model.path)
+        if dev.type == "cuda":
+            count_ = torch.cuda.device_count()
+            devices = [f"cuda:{i % count_}" for i in range(stages)]
+        else:
+            devices = ["cpu"] * stages
+        threads = threads or max(1, (os.cpu_count() or 1) // stages)
+        plan = RunPlan.build(model, cfg.num_layers, stages, partition,
+                             costs=decode_layer_costs(cfg) if partition == "balanced" else None, devices=devices,
+                             dtype=dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
+                             transport=transport, checksum=checksum, **limits)
+        from dataclasses import replace
+
+        plan = replace(plan, stages=tuple(replace(s, threads=threads) for s in plan.stages))
+        procs, addresses, _ = spawn_stages(plan, auth_token=auth_token)
+        self.plan = plan
+        self.driver = PipelineDriver(plan, addresses, fingerprint=plan.fingerprint(self.checkpoint.hf_config),
+                                     auth_token=auth_token, processes=procs,
+                                     hop_transports=[_hop_transport(transport)] * stages)
 
     def __enter__(self) -> Pipeline:
         return self
@@ -90,8 +128,12 @@ class Pipeline:
         self.close()
 
     def close(self) -> None:
-        """Drop the model and its KV cache (the object cannot generate afterwards)."""
+        """Drop the model and its KV cache, stop the stage processes (the object cannot generate
+        afterwards)."""
         self.engine = None
+        if self.driver is not None:
+            driver, self.driver = self.driver, None
+            driver.close()
 
     def generate(self, prompts: str | Sequence[str] | None = None, *,
                  prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
@@ -103,7 +145,7 @@ class Pipeline:
         max_model_len, out of KV blocks) gives that prompt finish_reason 'error'. With ``seed``,
         prompt i samples from seed + i. ``on_text(i, delta)`` streams prompt i's text. ``ignore_eos``
         generates past the model's EOS ids (for benchmarks: every prompt gets max_new_tokens)."""
-        if self.engine is None:
+        if self.engine is None and self.driver is None:
             raise ValueError("Pipeline.generate: the pipeline is closed")
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         # Checks every sampling value (ValueError) before anything runs.
@@ -112,6 +154,9 @@ class Pipeline:
         encoded = self._encode(prompts, prompt_token_ids, chat)
         if stop and self.tokenizer is None:
             raise ValueError("Pipeline.generate: stop strings need a tokenizer; this checkpoint has none")
+        if self.driver is not None:
+            return self._generate_pipeline(encoded, on_text, max_new_tokens=max_new_tokens, temperature=temperature,
+                                           top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos)
         engine, start = self.engine, time.perf_counter()
         prefill0, decode0 = engine.num_prefill_tokens, engine.num_decode_tokens
         results: dict[int, Completion] = {}
@@ -142,6 +187,54 @@ class Pipeline:
                                                        prompt_token_ids=out.prompt_ids)
         self.last_stats = _stats(outputs, start, engine.num_prefill_tokens - prefill0,
                                  engine.num_decode_tokens - decode0)
+        return [results[i] for i in range(len(encoded))]
+
+    def _generate_pipeline(self, encoded: list[list[int]], on_text, *, seed, **sampling) -> list[Completion]:
+        """generate() over the stage processes: requests go to stage 0, results come back."""
+        import dataclasses
+
+        driver, start = self.driver, time.perf_counter()
+        if driver.broken:
+            raise ValueError(f"Pipeline.generate: the pipeline is broken ({driver.broken}); create a new one")
+        driver.stage_stats(reset=True)
+        index: dict[int, int] = {}
+        results: dict[int, Completion] = {}
+        try:
+            for i, ids in enumerate(encoded):
+                params = SamplingParams(seed=None if seed is None else (seed + i) % 2**64, **sampling)
+                rid = next(self._ids)
+                index[rid] = i
+                driver.add(rid, list(ids), dataclasses.asdict(params))
+            callback = None if on_text is None else (lambda rid, text: on_text(index[rid], text))
+            outputs = []
+            while len(outputs) < len(encoded):
+                for out in driver.pump(0.05, callback):
+                    outputs.append(out)
+        except BaseException:
+            for rid in index:
+                try:
+                    driver.cancel(rid)
+                except Exception:  # noqa: BLE001 - broken pipeline: nothing left to cancel
+                    pass
+            raise
+        for out in outputs:
+            i = index[out["id"]]
+            results[i] = Completion(text=out["text"], token_ids=out["token_ids"], finish_reason=out["finish_reason"],
+                                    error=out["error"], prompt_token_ids=list(encoded[i]))
+        end = time.perf_counter()
+        firsts = [o["first_token_s"] for o in outputs if o.get("first_token_s") is not None]
+        first = min(firsts, default=end)
+        decode_tokens = sum(max(len(c.token_ids) - 1, 0) for c in results.values())
+        stats = {"wall_s": end - start, "prefill_tokens": sum(len(e) for e in encoded), "decode_tokens": decode_tokens,
+                 "ttft_s": first - start, "mean_ttft_s": sum(f - start for f in firsts) / len(firsts) if firsts else 0.0,
+                 "decode_s": end - first,
+                 "decode_tokens_per_s": decode_tokens / (end - first) if decode_tokens and end > first else 0.0}
+        if not driver.broken:
+            stages = driver.stage_stats()
+            for s in stages:
+                s["busy_fraction"] = s["busy_s"] / s["wall_s"] if s["wall_s"] > 0 else 0.0
+            stats["stages"] = stages
+        self.last_stats = stats
         return [results[i] for i in range(len(encoded))]
 
     def _encode(self, prompts, prompt_token_ids, chat: bool) -> list[list[int]]:
@@ -188,6 +281,23 @@ class Pipeline:
             if token_id is not None:
                 special[name] = self.tokenizer.id_to_token(token_id) or ""
         return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special)
+
+
+PIPELINE_OPTIONS = ("partition", "transport", "checksum", "auth_token", "threads")
+
+
+def _tokenizer(ckpt: Checkpoint):
+    try:
+        return ckpt.tokenizer()
+    except FileNotFoundError:
+        return None  # token ids in and out only
+
+
+def _hop_transport(transport: str) -> str:
+    """The transport of each activation hop (every stage is on this machine)."""
+    if transport in ("auto", "tcp"):
+        return "tcp"
+    raise ValueError(f"Pipeline: transport {transport!r} is not available; use 'auto' or 'tcp'")
 
 
 def _device(device: str | torch.device) -> torch.device:

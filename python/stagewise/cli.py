@@ -16,6 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     from stagewise import cli_generate
 
     cli_generate.add_arguments(sub.add_parser("generate", help="generate text with a model in this process"))
+    from stagewise.runtime import stage_process
+
+    stage_process.add_arguments(sub.add_parser("stage", help="run one pipeline stage of a run plan (a process)"))
     args = parser.parse_args(argv)
     if args.command == "bench":
         from stagewise.bench import run
@@ -23,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "generate":
         return cli_generate.run(args)
+    if args.command == "stage":
+        return stage_process.main(args)
     return 2
 
 

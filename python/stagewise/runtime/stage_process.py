@@ -1,0 +1,446 @@
+"""A pipeline stage as an OS process: ``stagewise stage --plan PLAN --stage I``.
+
+Life of a stage (seed 000 §4.2):
+
+1. listen on the plan's address (loopback unless one is given) and print
+   ``STAGEWISE-LISTENING host port`` on stdout, so a local launcher learns an ephemeral port;
+2. load only this stage's layers;
+3. accept the driver's control connection and report ``ready`` (how many KV blocks it can hold);
+4. on ``setup`` (the block count every stage uses, the next stage's address, the transport):
+   allocate the KV cache, connect to the next stage (the last stage connects back to stage 0,
+   the token feedback edge), accept the previous one, report ``connected``;
+5. serve steps until ``shutdown``, the driver's disconnection or a dead neighbour.
+
+Stage 0 runs the :class:`~stagewise.runtime.pipeline_head.PipelineHead` (requests, scheduling,
+detokenisation, stop rules, up to S microbatches in flight); later stages run a
+:class:`~stagewise.runtime.stage_runtime.StageRuntime`. A heartbeat goes to the driver every
+``HEARTBEAT_S`` so that it notices a hung stage.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from stagewise.launch.planfile import RunPlan, parse_address
+from stagewise.runtime import links
+from stagewise.runtime.engine import DEFAULT_BLOCK_SIZE, RequestOutput, default_num_tokens
+from stagewise.runtime.sampling import SamplingParams
+from stagewise.runtime.stage_runtime import StepRow, rows_of
+from stagewise.transport.frame import Frame, Row, RowFlags, StepKind
+
+HEARTBEAT_S = 0.5
+READY_LINE = "STAGEWISE-LISTENING"
+MAX_TRACE_EVENTS = 200_000
+
+
+@dataclass(slots=True)
+class StageStats:
+    """What a stage reports: time computing, sending and waiting, bytes moved, and trace events."""
+
+    busy_s: float = 0.0
+    send_s: float = 0.0
+    recv_wait_s: float = 0.0
+    steps: int = 0
+    tokens: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    started_s: float = field(default_factory=time.perf_counter)
+    trace: list[tuple[str, float, float]] = field(default_factory=list)
+    """(name, start, duration) in seconds since ``started_s``: compute, send, recv-wait."""
+
+    def event(self, name: str, start: float, end: float) -> None:
+        if len(self.trace) < MAX_TRACE_EVENTS:
+            self.trace.append((name, start - self.started_s, end - start))
+
+    def as_dict(self) -> dict:
+        return {"busy_s": self.busy_s, "send_s": self.send_s, "recv_wait_s": self.recv_wait_s, "steps": self.steps,
+                "tokens": self.tokens, "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "wall_s": time.perf_counter() - self.started_s}
+
+
+def _step_kind(rows: list[StepRow]) -> StepKind:
+    prefills = sum(r.prefill for r in rows)
+    return StepKind.PREFILL if prefills == len(rows) else StepKind.DECODE if prefills == 0 else StepKind.MIXED
+
+
+def step_frame(rows: list[StepRow], hidden: torch.Tensor, *, group: int, step_id: int, stage: int,
+               sampling: dict | None) -> Frame:
+    wire_rows = [Row(int(r.request_id), r.first_position, r.num_tokens,
+                     RowFlags.PREFILL | RowFlags.LAST_PREFILL_CHUNK if r.prefill else RowFlags.NONE) for r in rows]
+    control = {"sampling": {str(k): v for k, v in sampling.items()}} if sampling else None
+    return Frame(step_kind=_step_kind(rows), step_id=step_id, microbatch=group, stage_from=stage,
+                 stage_to=stage + 1, token_index=max(r.first_position + r.num_tokens - 1 for r in rows),
+                 rows=wire_rows, tensors={"hidden": hidden.contiguous()}, control=control)
+
+
+def rows_from_frame(frame: Frame) -> list[StepRow]:
+    return [StepRow(r.request_id, r.first_position, r.num_tokens, bool(r.flags & RowFlags.PREFILL))
+            for r in frame.rows]
+
+
+class StageProcess:
+    def __init__(self, plan: RunPlan, index: int, *, listen: str | None = None, auth_token: str | None = None,
+                 driver_timeout_s: float = 600.0) -> None:
+        if not 0 <= index < plan.num_stages:
+            raise ValueError(f"stagewise stage: --stage must be in [0, {plan.num_stages}), got {index}")
+        self.plan, self.index = plan, index
+        self.spec = plan.stages[index]
+        self.listen_address = parse_address(listen or self.spec.listen)
+        self.auth_token = auth_token
+        self.driver_timeout_s = driver_timeout_s
+        self.is_first, self.is_last = index == 0, index == plan.num_stages - 1
+        self.stats = StageStats()
+        self._send_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.control = self.upstream = self.downstream = self.feedback = None
+        self.head = self.runtime = None
+        self.fingerprint = ""
+
+    # ---- start-up --------------------------------------------------------------
+
+    def _open(self) -> None:
+        """The checkpoint's config (cheap): enough for the fingerprint before the weights load."""
+        from stagewise.model.checkpoint import open_checkpoint
+
+        self.checkpoint = open_checkpoint(self.plan.model)
+        cfg = self.checkpoint.config
+        if cfg.num_layers != self.plan.num_layers:
+            raise ValueError(f"stage {self.index}: the plan has {self.plan.num_layers} layers but "
+                             f"{self.plan.model!r} has {cfg.num_layers}")
+        self.fingerprint = self.plan.fingerprint(self.checkpoint.hf_config)
+
+    def _load(self):
+        from stagewise.api import _dtype
+        from stagewise.model.stage import StageModel
+        from stagewise.model.weights import load_stage_weights
+
+        if self.spec.threads:
+            torch.set_num_threads(self.spec.threads)
+        ckpt, cfg = self.checkpoint, self.checkpoint.config
+        dtype = _dtype(self.plan.dtype, cfg.dtype)
+        weights = load_stage_weights(ckpt, self.spec.start_layer, self.spec.end_layer, dtype=dtype)
+        self.model = StageModel.from_weights(cfg, self.spec.start_layer, self.spec.end_layer, weights, dtype=dtype,
+                                             device=self.spec.device)
+        del weights
+        self.config, self.dtype = cfg, dtype
+        self.device = torch.device(self.spec.device)
+        self.max_model_len = self.plan.max_model_len or cfg.max_position_embeddings
+
+    def _capacity_blocks(self) -> int:
+        block = self.plan.block_size or DEFAULT_BLOCK_SIZE
+        spec = self.model.kv_cache_spec(block, self.dtype)
+        if self.plan.kv_cache_bytes is not None:
+            return spec.num_blocks_for_bytes(self.plan.kv_cache_bytes)
+        tokens = self.plan.max_num_tokens or default_num_tokens(spec, self.device, self.plan.max_num_seqs,
+                                                                self.max_model_len)
+        return spec.num_blocks_for_tokens(tokens)
+
+    def _setup(self, msg: dict) -> None:
+        from stagewise.runtime.pipeline_head import PipelineHead
+        from stagewise.runtime.stage_runtime import StageRuntime
+
+        num_blocks, block = int(msg["num_blocks"]), self.plan.block_size
+        if self.is_first:
+            try:
+                tokenizer = self.checkpoint.tokenizer()
+            except FileNotFoundError:
+                tokenizer = None
+            self.head = PipelineHead(self.model, num_groups=int(msg.get("microbatches", self.plan.num_stages)),
+                                     num_blocks=num_blocks, tokenizer=tokenizer, device=self.device,
+                                     max_num_seqs=self.plan.max_num_seqs, max_model_len=self.max_model_len,
+                                     block_size=block)
+        else:
+            self.runtime = StageRuntime(self.model, num_blocks=num_blocks, block_size=block,
+                                        max_model_len=self.max_model_len, device=self.device)
+        transport = msg.get("transport", "tcp")
+        peer = self.index + 1 if not self.is_last else 0
+        address = msg.get("next")
+        if address is not None:
+            out = links.dial(tuple(address), transport=transport, stage=self.index, peer=peer,
+                             role="feedback" if self.is_last else "activations", fingerprint=self.fingerprint,
+                             auth_token=self.auth_token, checksum=self.plan.checksum)
+            if self.is_last:
+                self.feedback = out
+            else:
+                self.downstream = out
+        expect = "activations" if not self.is_first else ("feedback" if self.plan.num_stages > 1 else None)
+        if expect is not None:
+            channel = self.pending.get(expect)
+            deadline = time.monotonic() + 60.0
+            while channel is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"stage {self.index}: no {expect} connection within 60 s")
+                self._accept_one(timeout=0.5)
+                channel = self.pending.get(expect)
+            if expect == "activations":
+                self.upstream = channel
+            else:
+                self.feedback = channel
+
+    def _accept_one(self, timeout: float) -> None:
+        try:
+            channel, role = links.accept(self.listener, timeout=timeout)
+        except TimeoutError:
+            return
+        self.pending[role] = channel
+
+    # ---- messages to the driver ---------------------------------------------------
+
+    def tell_driver(self, control: dict) -> None:
+        with self._send_lock:
+            self.control.send(Frame(step_kind=StepKind.CONTROL, stage_from=self.index, control=control))
+
+    def _heartbeats(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self.tell_driver({"op": "heartbeat"})
+            except Exception:  # noqa: BLE001 - the main loop notices a dead driver
+                return
+
+    def _send(self, channel, frame: Frame) -> None:
+        start, before = time.perf_counter(), channel.stats.bytes_sent
+        channel.send(frame)
+        end = time.perf_counter()
+        self.stats.send_s += end - start
+        self.stats.bytes_sent += channel.stats.bytes_sent - before
+        self.stats.event("send", start, end)
+
+    def _recv(self, channel, timeout: float) -> Frame | None:
+        start = time.perf_counter()
+        try:
+            frame = channel.recv(timeout=timeout)
+        except TimeoutError:
+            frame = None
+        end = time.perf_counter()
+        self.stats.recv_wait_s += end - start
+        if frame is not None:
+            self.stats.bytes_received += frame.payload_bytes
+            self.stats.event("recv-wait", start, end)
+        return frame
+
+    # ---- serving -----------------------------------------------------------------
+
+    def run(self) -> int:
+        self._open()
+        self.listener = links.listen(self.listen_address, fingerprint=self.fingerprint, auth_token=self.auth_token,
+                                     checksum=self.plan.checksum)
+        host, port = self.listener.address
+        print(f"{READY_LINE} {host} {port}", flush=True)
+        self._load()
+        self.pending: dict[str, object] = {}
+        deadline = time.monotonic() + self.driver_timeout_s
+        while "driver" not in self.pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stage {self.index}: no driver connected within {self.driver_timeout_s:.0f} s")
+            self._accept_one(timeout=0.5)
+        self.control = self.pending.pop("driver")
+        self.tell_driver({"op": "ready", "stage": self.index, "capacity_blocks": self._capacity_blocks(),
+                          "layers": [self.spec.start_layer, self.spec.end_layer], "pid": os.getpid(),
+                          "fingerprint": self.fingerprint})
+        msg = self.control.recv(timeout=self.driver_timeout_s).control or {}
+        if msg.get("op") != "setup":
+            raise ValueError(f"stage {self.index}: expected the driver's setup, got {msg.get('op')!r}")
+        self._setup(msg)
+        self.tell_driver({"op": "connected", "stage": self.index})
+        threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
+        self.stats = StageStats()
+        try:
+            if self.is_first:
+                self._serve_head()
+            else:
+                self._serve_later()
+        finally:
+            self._stop.set()
+        return 0
+
+    def _control_messages(self) -> list[dict]:
+        messages = []
+        while self.control.poll(0):
+            frame = self.control.recv(timeout=0)
+            if frame.control is not None:
+                messages.append(frame.control)
+        return messages
+
+    def _common_control(self, msg: dict) -> bool:
+        """Handles shutdown and stats; True when the stage must stop."""
+        op = msg.get("op")
+        if op == "shutdown":
+            return True
+        if op == "stats":
+            body = {"op": "stats", "stage": self.index, "layers": [self.spec.start_layer, self.spec.end_layer],
+                    **self.stats.as_dict()}
+            if msg.get("trace"):
+                body["trace"] = self.stats.trace
+            if msg.get("reset"):
+                self.stats = StageStats()
+            self.tell_driver(body)
+        return False
+
+    # -- stage 0
+
+    def _serve_head(self) -> None:
+        head, events = self.head, {"text": [], "tokens": {}, "done": []}
+
+        def on_text(rid: Hashable, delta: str) -> None:
+            events["text"].append([rid, delta])
+
+        def finished(outs: list[RequestOutput]) -> None:
+            for out in outs:
+                events["done"].append({"id": out.request_id, "token_ids": out.token_ids, "text": out.text,
+                                       "finish_reason": out.finish_reason, "error": out.error})
+
+        while True:
+            for msg in self._control_messages():
+                op = msg.get("op")
+                if op == "add":
+                    try:
+                        params = SamplingParams(**msg["params"])
+                        head.add_request(int(msg["id"]), list(msg["prompt_ids"]), params, on_text)
+                    except (ValueError, TypeError, KeyError) as err:
+                        events["done"].append({"id": msg.get("id"), "token_ids": [], "text": "",
+                                               "finish_reason": "error", "error": str(err)})
+                elif op == "cancel":
+                    out = head.cancel(int(msg["id"]))
+                    if out is not None:
+                        finished([out])
+                elif self._common_control(msg):
+                    return
+            if self.plan.num_stages == 1:
+                raise ValueError("a one-stage plan runs in the driver's process")
+            for g in head.idle_groups_with_work():
+                start = time.perf_counter()
+                step, done = head.launch(g)
+                end = time.perf_counter()
+                finished(done)
+                if step is None:
+                    continue
+                self.stats.busy_s += end - start
+                self.stats.steps += 1
+                self.stats.tokens += step.batch.num_tokens
+                self.stats.event("compute", start, end)
+                self._send(self.downstream, step_frame(rows_of(step.batch), step.hidden_states, group=g,
+                                                       step_id=step.step_id, stage=0, sampling=step.sampling))
+            if head.has_freed:
+                freed = head.take_freed()
+                self._send(self.downstream, Frame(step_kind=StepKind.CONTROL, stage_from=0, stage_to=1,
+                                                  rows=[Row(int(r), 0, 0, RowFlags.FINISHED) for r in freed],
+                                                  control={"op": "free"}))
+            if events["text"] or events["done"] or events["tokens"]:
+                self.tell_driver({"op": "events", "text": events["text"], "done": events["done"],
+                                  "tokens": [[k, v] for k, v in events["tokens"].items()]})
+                events = {"text": [], "tokens": {}, "done": []}
+            if not head.inflight:
+                if not head.has_unfinished():
+                    self.control.poll(0.05)
+                continue
+            frame = self._recv(self.feedback, timeout=0.002)
+            if frame is None:
+                continue
+            if frame.step_kind == StepKind.TOKENS:
+                rids = [r.request_id for r in frame.rows]
+                outs = head.on_tokens(frame.microbatch, frame.step_id, rids, frame.tensors["token_ids"].tolist())
+                for rid in rids:
+                    req = head._requests.get(rid)
+                    events["tokens"][rid] = len(req.seq.output_ids) if req is not None else -1
+                finished(outs)
+            elif frame.control and frame.control.get("op") == "step_failed":
+                finished(head.on_step_failed(frame.microbatch, frame.step_id, frame.control["message"]))
+
+    # -- stages 1 .. S-1
+
+    def _serve_later(self) -> None:
+        runtime = self.runtime
+        while True:
+            for msg in self._control_messages():
+                if self._common_control(msg):
+                    return
+            frame = self._recv(self.upstream, timeout=0.05)
+            if frame is None:
+                continue
+            if frame.step_kind == StepKind.CONTROL:
+                op = (frame.control or {}).get("op")
+                if op == "free":
+                    runtime.free([r.request_id for r in frame.rows])
+                    if not self.is_last:
+                        self._send(self.downstream, frame)
+                elif op == "step_failed":
+                    self._send(self.feedback if self.is_last else self.downstream, frame)
+                continue
+            rows = rows_from_frame(frame)
+            sampling = {int(k): v for k, v in ((frame.control or {}).get("sampling") or {}).items()}
+            start = time.perf_counter()
+            try:
+                out = runtime.run(rows, frame.tensors["hidden"], sampling)
+            except Exception as err:  # noqa: BLE001 - the step's requests fail, the stage serves on
+                message = f"stage {self.index} step failed: {type(err).__name__}: {err}"
+                failed = Frame(step_kind=StepKind.CONTROL, step_id=frame.step_id, microbatch=frame.microbatch,
+                               stage_from=self.index, control={"op": "step_failed", "message": message})
+                self._send(self.feedback if self.is_last else self.downstream, failed)
+                continue
+            end = time.perf_counter()
+            self.stats.busy_s += end - start
+            self.stats.steps += 1
+            self.stats.tokens += sum(r.num_tokens for r in rows)
+            self.stats.event("compute", start, end)
+            if self.is_last:
+                self._send(self.feedback, Frame(step_kind=StepKind.TOKENS, step_id=frame.step_id,
+                                                microbatch=frame.microbatch, stage_from=self.index, stage_to=0,
+                                                rows=[Row(int(r.request_id), 0, 1) for r in rows],
+                                                tensors={"token_ids": out.to("cpu", torch.int64)}))
+            else:
+                self._send(self.downstream, step_frame(rows, out, group=frame.microbatch, step_id=frame.step_id,
+                                                       stage=self.index, sampling=sampling))
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGTERM when the process that started it exits (no orphans)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--plan", required=True, help="run plan (YAML/JSON) naming every stage")
+    parser.add_argument("--stage", type=int, required=True, help="this process's stage index")
+    parser.add_argument("--listen", default=None, help="HOST:PORT to listen on (default: the plan's)")
+    parser.add_argument("--auth-token", default=None,
+                        help="shared secret for the hello (default: $STAGEWISE_AUTH_TOKEN)")
+    parser.add_argument("--die-with-parent", action="store_true", help=argparse_suppress())
+
+
+def argparse_suppress():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+def main(args) -> int:
+    if args.die_with_parent:
+        _die_with_parent()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    token = args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None
+    try:
+        plan = RunPlan.load(args.plan)
+        return StageProcess(plan, args.stage, listen=args.listen, auth_token=token).run()
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:  # noqa: BLE001 - one line for the operator, not a traceback
+        from stagewise.transport.errors import ChannelClosed
+
+        if isinstance(err, ChannelClosed):
+            print(f"stagewise stage {args.stage}: {err}; exiting", file=sys.stderr, flush=True)
+            return 1
+        print(f"stagewise stage {args.stage}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        return 1
