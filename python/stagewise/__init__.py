@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["Completion", "Pipeline", "__version__"]
+__all__ = ["Completion", "FrameError", "Pipeline", "__version__"]
 
 if TYPE_CHECKING:
     from stagewise.api import Completion, Pipeline
+    from stagewise.transport.errors import FrameError
 
 
 def __getattr__(name: str):
@@ -17,4 +18,8 @@ def __getattr__(name: str):
         from stagewise import api
 
         return getattr(api, name)
+    if name == "FrameError":
+        from stagewise.transport.errors import FrameError
+
+        return FrameError
     raise AttributeError(f"module 'stagewise' has no attribute {name!r}")
