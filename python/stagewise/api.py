@@ -237,6 +237,23 @@ class Pipeline:
         self.last_stats = stats
         return [results[i] for i in range(len(encoded))]
 
+    def write_trace(self, path) -> None:
+        """The stages' timeline of the last generate() call as a Chrome trace (Perfetto): one
+        track per stage with compute, send and receive-wait spans."""
+        if self.driver is None:
+            raise ValueError("Pipeline.write_trace: traces come from pipeline stages (stages > 1)")
+        from stagewise.trace import TraceEvent, write_chrome_trace
+
+        stages = self.driver.stage_stats(trace=True)
+        spans = [(s["stage"], *e) for s in stages for e in s.get("trace", [])]
+        t0 = min((start for _, _, start, _, _ in spans), default=0.0)
+        kinds = {"compute": "compute", "send": "comm", "recv-wait": "bubble"}
+        events = [TraceEvent(stage, f"{name} mb{mb}" if mb >= 0 else name, kinds[name], start - t0, dur,
+                             {"microbatch": mb}) for stage, name, start, dur, mb in spans]
+        write_chrome_trace(path, events, num_stages=len(stages), process="measured",
+                           other={"model": self.plan.model, "layers": str(self.plan.stage_plan),
+                                  "transport": self.plan.transport})
+
     def _encode(self, prompts, prompt_token_ids, chat: bool) -> list[list[int]]:
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("Pipeline.generate: give exactly one of prompts and prompt_token_ids")

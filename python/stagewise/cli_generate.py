@@ -30,6 +30,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
                         help="most tokens (prompt + generated) per request; default: the model's")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    pp = parser.add_argument_group("pipeline (stages as processes)")
+    pp.add_argument("--stages", type=int, default=1, metavar="S", help="pipeline stages, one process each")
+    pp.add_argument("--partition", default="even", metavar="P",
+                    help="even | ceil | balanced | explicit ranges such as 0-10,10-22,22-30")
+    pp.add_argument("--transport", default="auto", choices=["auto", "tcp", "shm", "cuda-ipc", "torch"],
+                    help="how stages pass activations (auto: shared memory / CUDA IPC on one host)")
+    pp.add_argument("--no-checksum", action="store_true", help="skip frame checksums (on by default)")
+    pp.add_argument("--auth-token", default=None, metavar="TOKEN",
+                    help="shared secret for stage connections (default: $STAGEWISE_AUTH_TOKEN)")
+    pp.add_argument("--trace", default=None, metavar="FILE.json",
+                    help="write a Chrome-trace timeline of the stages (open in Perfetto)")
 
 
 def _ids(text: str) -> list[int]:
@@ -51,14 +62,25 @@ def run(args: argparse.Namespace) -> int:
     # Loading takes seconds; show a progress bar on a terminal (stderr, so piped output stays clean).
     chatty = sys.stderr.isatty()
     bar = _LoadBar(f"stagewise: loading {args.model} on {args.device}") if chatty else None
+    options = {}
+    if args.stages > 1:
+        import os
+
+        options = dict(partition=args.partition, transport=args.transport, checksum=not args.no_checksum,
+                       auth_token=args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None)
+        bar = None  # the stages load in their own processes
+    elif args.trace:
+        print("stagewise generate: --trace needs --stages > 1", file=sys.stderr)
+        return 2
     try:
         try:
-            pipe = Pipeline(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                            max_model_len=args.max_model_len, load_progress=bar)
+            pipe = Pipeline(args.model, stages=args.stages, device=args.device, dtype=args.dtype,
+                            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, load_progress=bar,
+                            **options)
         finally:  # before any message, so that the bar's line is finished first
             if bar is not None:
                 bar.close()
-    except (ValueError, FileNotFoundError, KeyError) as err:
+    except (ValueError, FileNotFoundError, KeyError, RuntimeError, TimeoutError, OSError) as err:
         print(f"stagewise generate: cannot load {args.model!r}: {err}", file=sys.stderr)
         return 1
     if chatty:
@@ -75,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         with pipe:
             completions = pipe.generate(**kwargs, on_text=None if stream is None else stream)
             stats = {"load_s": pipe.load_s, **pipe.last_stats}
+            if args.trace:
+                pipe.write_trace(args.trace)
     except ValueError as err:
         print(f"stagewise generate: {err}", file=sys.stderr)
         return 2

@@ -200,20 +200,21 @@ class PipelineDriver:
         return [self._expect(i, "stats", 30.0) for i in range(self.plan.num_stages)]
 
     def close(self, force: bool = False) -> None:
-        """Stop every stage (politely first), close the connections, reap the processes."""
-        for control in self.controls:
-            if not force:
+        """Stop every stage: ask politely (``shutdown``) and wait for the processes, then close
+        the connections; ``force`` skips the asking. Stragglers get SIGTERM, then SIGKILL."""
+        if not force:
+            for control in self.controls:
                 try:
                     control.send(Frame(step_kind=StepKind.CONTROL, control={"op": "shutdown"}))
                 except Exception:  # noqa: BLE001 - already gone
                     pass
+        if self.processes is not None:
+            from stagewise.launch.local import stop_processes
+
+            stop_processes(self.processes, grace_s=0.2 if force else 5.0)
         for control in self.controls:
             try:
                 control.close()
             except Exception:  # noqa: BLE001
                 pass
-        self.controls = [] if force else self.controls
-        if self.processes is not None:
-            from stagewise.launch.local import stop_processes
-
-            stop_processes(self.processes, grace_s=0.5 if force else 5.0)
+        self.controls = []

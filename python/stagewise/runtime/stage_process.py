@@ -53,12 +53,13 @@ class StageStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     started_s: float = field(default_factory=time.perf_counter)
-    trace: list[tuple[str, float, float]] = field(default_factory=list)
-    """(name, start, duration) in seconds since ``started_s``: compute, send, recv-wait."""
+    trace: list[tuple[str, float, float, int]] = field(default_factory=list)
+    """(name, start, duration, microbatch): name is compute, send or recv-wait; start is
+    ``time.perf_counter()`` (CLOCK_MONOTONIC: one time base for all processes of a host)."""
 
-    def event(self, name: str, start: float, end: float) -> None:
+    def event(self, name: str, start: float, end: float, microbatch: int = -1) -> None:
         if len(self.trace) < MAX_TRACE_EVENTS:
-            self.trace.append((name, start - self.started_s, end - start))
+            self.trace.append((name, start, end - start, microbatch))
 
     def as_dict(self) -> dict:
         return {"busy_s": self.busy_s, "send_s": self.send_s, "recv_wait_s": self.recv_wait_s, "steps": self.steps,
@@ -161,6 +162,13 @@ class StageProcess:
             self.runtime = StageRuntime(self.model, num_blocks=num_blocks, block_size=block,
                                         max_model_len=self.max_model_len, device=self.device)
         transport = msg.get("transport", "tcp")
+        expect = "activations" if not self.is_first else ("feedback" if self.plan.num_stages > 1 else None)
+        # Accept the previous stage while dialling the next: every stage dials first, and a
+        # hello needs the other end to be accepting.
+        accepter = None
+        if expect is not None:
+            accepter = threading.Thread(target=self._accept_until, args=(expect, 120.0), daemon=True)
+            accepter.start()
         peer = self.index + 1 if not self.is_last else 0
         address = msg.get("next")
         if address is not None:
@@ -171,19 +179,23 @@ class StageProcess:
                 self.feedback = out
             else:
                 self.downstream = out
-        expect = "activations" if not self.is_first else ("feedback" if self.plan.num_stages > 1 else None)
-        if expect is not None:
-            channel = self.pending.get(expect)
-            deadline = time.monotonic() + 60.0
-            while channel is None:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"stage {self.index}: no {expect} connection within 60 s")
-                self._accept_one(timeout=0.5)
-                channel = self.pending.get(expect)
+        if accepter is not None:
+            accepter.join()
+            channel = self.pending.pop(expect, None)
+            if channel is None:
+                raise TimeoutError(f"stage {self.index}: no {expect} connection within 120 s")
             if expect == "activations":
                 self.upstream = channel
             else:
                 self.feedback = channel
+
+    def _accept_until(self, role: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while role not in self.pending and time.monotonic() < deadline:
+            try:
+                self._accept_one(timeout=0.5)
+            except Exception as err:  # noqa: BLE001 - a bad connector must not stop the stage
+                print(f"stagewise stage {self.index}: refused a connection: {err}", file=sys.stderr, flush=True)
 
     def _accept_one(self, timeout: float) -> None:
         try:
@@ -211,7 +223,7 @@ class StageProcess:
         end = time.perf_counter()
         self.stats.send_s += end - start
         self.stats.bytes_sent += channel.stats.bytes_sent - before
-        self.stats.event("send", start, end)
+        self.stats.event("send", start, end, frame.microbatch)
 
     def _recv(self, channel, timeout: float) -> Frame | None:
         start = time.perf_counter()
@@ -223,7 +235,7 @@ class StageProcess:
         self.stats.recv_wait_s += end - start
         if frame is not None:
             self.stats.bytes_received += frame.payload_bytes
-            self.stats.event("recv-wait", start, end)
+            self.stats.event("recv-wait", start, end, frame.microbatch)
         return frame
 
     # ---- serving -----------------------------------------------------------------
@@ -237,10 +249,9 @@ class StageProcess:
         self._load()
         self.pending: dict[str, object] = {}
         deadline = time.monotonic() + self.driver_timeout_s
-        while "driver" not in self.pending:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"stage {self.index}: no driver connected within {self.driver_timeout_s:.0f} s")
-            self._accept_one(timeout=0.5)
+        self._accept_until("driver", self.driver_timeout_s)
+        if "driver" not in self.pending:
+            raise TimeoutError(f"stage {self.index}: no driver connected within {self.driver_timeout_s:.0f} s")
         self.control = self.pending.pop("driver")
         self.tell_driver({"op": "ready", "stage": self.index, "capacity_blocks": self._capacity_blocks(),
                           "layers": [self.spec.start_layer, self.spec.end_layer], "pid": os.getpid(),
@@ -325,7 +336,7 @@ class StageProcess:
                 self.stats.busy_s += end - start
                 self.stats.steps += 1
                 self.stats.tokens += step.batch.num_tokens
-                self.stats.event("compute", start, end)
+                self.stats.event("compute", start, end, g)
                 self._send(self.downstream, step_frame(rows_of(step.batch), step.hidden_states, group=g,
                                                        step_id=step.step_id, stage=0, sampling=step.sampling))
             if head.has_freed:
@@ -389,7 +400,7 @@ class StageProcess:
             self.stats.busy_s += end - start
             self.stats.steps += 1
             self.stats.tokens += sum(r.num_tokens for r in rows)
-            self.stats.event("compute", start, end)
+            self.stats.event("compute", start, end, frame.microbatch)
             if self.is_last:
                 self._send(self.feedback, Frame(step_kind=StepKind.TOKENS, step_id=frame.step_id,
                                                 microbatch=frame.microbatch, stage_from=self.index, stage_to=0,
@@ -431,16 +442,17 @@ def main(args) -> int:
         _die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     token = args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None
+    code = 1
     try:
         plan = RunPlan.load(args.plan)
-        return StageProcess(plan, args.stage, listen=args.listen, auth_token=token).run()
+        code = StageProcess(plan, args.stage, listen=args.listen, auth_token=token).run()
     except KeyboardInterrupt:
-        return 130
+        code = 130
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
     except Exception as err:  # noqa: BLE001 - one line for the operator, not a traceback
-        from stagewise.transport.errors import ChannelClosed
-
-        if isinstance(err, ChannelClosed):
-            print(f"stagewise stage {args.stage}: {err}; exiting", file=sys.stderr, flush=True)
-            return 1
         print(f"stagewise stage {args.stage}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
-        return 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: the heartbeat and accept threads may still be blocked in I/O.
+    os._exit(code)
