@@ -97,7 +97,6 @@ class Pipeline:
         from stagewise.launch.local import spawn_stages
         from stagewise.launch.planfile import RunPlan
         from stagewise.parallel.plan import decode_layer_costs
-        from stagewise.runtime.driver import PipelineDriver
 
         cfg = self.config
         if not isinstance(model, str):
@@ -116,10 +115,45 @@ class Pipeline:
 
         plan = replace(plan, stages=tuple(replace(s, threads=threads) for s in plan.stages))
         procs, addresses, _ = spawn_stages(plan, auth_token=auth_token)
+        self._connect(plan, addresses, auth_token=auth_token, processes=procs)
+
+    def _connect(self, plan, addresses, *, auth_token: str | None, processes=None) -> None:
+        from stagewise.runtime.driver import PipelineDriver
+
         self.plan = plan
         self.driver = PipelineDriver(plan, addresses, fingerprint=plan.fingerprint(self.checkpoint.hf_config),
-                                     auth_token=auth_token, processes=procs,
-                                     hop_transports=[_hop_transport(transport)] * stages)
+                                     auth_token=auth_token, processes=processes,
+                                     hop_transports=hop_transports(plan, local=processes is not None))
+
+    @classmethod
+    def attach(cls, plan, *, addresses: Sequence[tuple[str, int]] | None = None,
+               auth_token: str | None = None) -> Pipeline:
+        """Drive stage processes that are already running (``stagewise stage --plan PLAN --stage I``
+        on their hosts, e.g. started by ``stagewise launch``): connect to each stage's listen
+        address from the plan (or ``addresses``). The model must be readable here too: the driver
+        reads its config, tokenizer and chat template."""
+        from stagewise.launch.planfile import RunPlan, parse_address
+
+        if not isinstance(plan, RunPlan):
+            plan = RunPlan.load(plan)
+        if addresses is None:
+            addresses = [parse_address(s.listen) for s in plan.stages]
+            zero = [s.index for s, (_, port) in zip(plan.stages, addresses) if port == 0]
+            if zero:
+                raise ValueError(f"Pipeline.attach: stages {zero} listen on port 0 in the plan; give their "
+                                 "addresses or fixed ports")
+        self = cls.__new__(cls)
+        start = time.perf_counter()
+        ckpt = open_checkpoint(plan.model)
+        self.checkpoint, self.config = ckpt, ckpt.config
+        self.device = torch.device(plan.stages[0].device)
+        self.dtype = _dtype(plan.dtype, ckpt.config.dtype)
+        self.tokenizer = _tokenizer(ckpt)
+        self.engine = self.driver = None
+        self.last_stats, self._ids = {}, count()
+        self._connect(plan, list(addresses), auth_token=auth_token)
+        self.load_s = time.perf_counter() - start
+        return self
 
     def __enter__(self) -> Pipeline:
         return self
@@ -310,11 +344,11 @@ def _tokenizer(ckpt: Checkpoint):
         return None  # token ids in and out only
 
 
-def _hop_transport(transport: str) -> str:
-    """The transport of each activation hop (every stage is on this machine)."""
-    if transport in ("auto", "tcp"):
-        return "tcp"
-    raise ValueError(f"Pipeline: transport {transport!r} is not available; use 'auto' or 'tcp'")
+def hop_transports(plan, *, local: bool) -> list[str]:
+    """The transport of each stage's outgoing hop (stage i -> i + 1, the last -> 0)."""
+    if plan.transport in ("auto", "tcp"):
+        return ["tcp"] * plan.num_stages
+    raise ValueError(f"Pipeline: transport {plan.transport!r} is not available; use 'auto' or 'tcp'")
 
 
 def _device(device: str | torch.device) -> torch.device:
