@@ -34,6 +34,7 @@ from stagewise.runtime import links
 from stagewise.runtime.engine import DEFAULT_BLOCK_SIZE, RequestOutput, default_num_tokens
 from stagewise.runtime.sampling import SamplingParams
 from stagewise.runtime.stage_runtime import StepRow, rows_of
+from stagewise.transport.errors import ChannelClosed
 from stagewise.transport.frame import Frame, Row, RowFlags, StepKind
 
 HEARTBEAT_S = 0.5
@@ -231,6 +232,13 @@ class StageProcess:
             frame = channel.recv(timeout=timeout)
         except TimeoutError:
             frame = None
+        except ChannelClosed:
+            # A neighbour that exits on shutdown closes its links before this stage reads its
+            # own shutdown: not an error then.
+            time.sleep(0.05)
+            if any(m.get("op") == "shutdown" for m in self._control_messages()):
+                raise _Shutdown() from None
+            raise
         end = time.perf_counter()
         self.stats.recv_wait_s += end - start
         if frame is not None:
@@ -268,6 +276,8 @@ class StageProcess:
                 self._serve_head()
             else:
                 self._serve_later()
+        except _Shutdown:
+            pass
         finally:
             self._stop.set()
         return 0
@@ -409,6 +419,10 @@ class StageProcess:
             else:
                 self._send(self.downstream, step_frame(rows, out, group=frame.microbatch, step_id=frame.step_id,
                                                        stage=self.index, sampling=sampling))
+
+
+class _Shutdown(Exception):
+    """The driver asked this stage to stop."""
 
 
 def _die_with_parent() -> None:
