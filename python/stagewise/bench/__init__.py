@@ -1,5 +1,6 @@
 """`stagewise bench kernels`: each op against its baselines, into a JSON + Markdown table.
 `stagewise bench e2e`: whole-model generation against transformers (see :mod:`stagewise.bench.e2e`).
+`stagewise bench transport`: latency and GB/s of each transport (see :mod:`stagewise.bench.transport`).
 
 For every case: validate OURS against the reference once (max abs error), then
 time OURS, the pure-torch baseline, torch.compile of that baseline and
@@ -21,7 +22,7 @@ import torch
 from stagewise.bench import kernels, report
 from stagewise.bench.timing import TimingPolicy, copy_bandwidth, time_fn
 
-SUITES = ("kernels", "e2e")
+SUITES = ("kernels", "e2e", "transport")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e_args.add_argument("--batch-sizes", default="1,16", help="e2e: comma-separated batch sizes (default: 1,16)")
     e2e_args.add_argument("--prompt-len", type=int, default=128, help="e2e: prompt tokens per row (default: 128)")
     e2e_args.add_argument("--new-tokens", type=int, default=64, help="e2e: generated tokens per row (default: 64)")
+    transport_args = parser.add_argument_group("transport")
+    transport_args.add_argument("--transports", default=None, help="transport: comma-separated subset of tcp,torch (default: all)")
 
 
 def _policy(args, device: str) -> TimingPolicy:
@@ -139,6 +142,10 @@ def run(args: argparse.Namespace) -> int:
         from stagewise.bench import e2e
 
         return e2e.run(args, log=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.suite == "transport":
+        from stagewise.bench import transport
+
+        return transport.run(args, log=lambda line: print(line, file=sys.stderr, flush=True))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("stagewise bench: --device cuda was asked for, but torch sees no CUDA device", file=sys.stderr)

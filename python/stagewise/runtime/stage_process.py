@@ -34,7 +34,7 @@ from stagewise.runtime import links
 from stagewise.runtime.engine import DEFAULT_BLOCK_SIZE, RequestOutput, default_num_tokens
 from stagewise.runtime.sampling import SamplingParams
 from stagewise.runtime.stage_runtime import StepRow, rows_of
-from stagewise.transport.errors import ChannelClosed
+from stagewise.transport.errors import ChannelClosed, FrameError
 from stagewise.transport.frame import Frame, Row, RowFlags, StepKind
 
 HEARTBEAT_S = 0.5
@@ -53,6 +53,7 @@ class StageStats:
     tokens: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    rejected_frames: int = 0
     started_s: float = field(default_factory=time.perf_counter)
     trace: list[tuple[str, float, float, int]] = field(default_factory=list)
     """(name, start, duration, microbatch): name is compute, send or recv-wait; start is
@@ -65,6 +66,7 @@ class StageStats:
     def as_dict(self) -> dict:
         return {"busy_s": self.busy_s, "send_s": self.send_s, "recv_wait_s": self.recv_wait_s, "steps": self.steps,
                 "tokens": self.tokens, "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "rejected_frames": self.rejected_frames,
                 "wall_s": time.perf_counter() - self.started_s}
 
 
@@ -232,6 +234,11 @@ class StageProcess:
             frame = channel.recv(timeout=timeout)
         except TimeoutError:
             frame = None
+        except FrameError as err:
+            self.reject(f"from {channel.peer_name}: {err}")
+            if channel.closed:
+                raise
+            frame = None
         except ChannelClosed:
             # A neighbour that exits on shutdown closes its links before this stage reads its
             # own shutdown: not an error then.
@@ -245,6 +252,36 @@ class StageProcess:
             self.stats.bytes_received += frame.payload_bytes
             self.stats.event("recv-wait", start, end, frame.microbatch)
         return frame
+
+    def reject(self, why: str) -> None:
+        """Log a frame that was not accepted; the stage serves on."""
+        self.stats.rejected_frames += 1
+        if self.stats.rejected_frames <= 20 or self.stats.rejected_frames % 1000 == 0:
+            print(f"stagewise stage {self.index}: rejected frame #{self.stats.rejected_frames} {why}",
+                  file=sys.stderr, flush=True)
+
+    def check_step(self, frame: Frame) -> str | None:
+        """Why a step frame does not fit this stage (None when it does)."""
+        if frame.stage_to != self.index:
+            return f"stage_to is {frame.stage_to}, this is stage {self.index}"
+        if frame.step_kind not in (StepKind.PREFILL, StepKind.DECODE, StepKind.MIXED):
+            return f"step_kind {frame.step_kind!r} does not carry a step"
+        if not frame.rows:
+            return "rows: a step needs at least one row"
+        hidden = frame.tensors.get("hidden")
+        tokens = sum(r.num_tokens for r in frame.rows)
+        want = (tokens, self.config.hidden_size)
+        if hidden is None or tuple(hidden.shape) != want:
+            return f"tensors['hidden']: expected shape {want}, got {None if hidden is None else tuple(hidden.shape)}"
+        if hidden.dtype != self.dtype:
+            return f"tensors['hidden']: expected dtype {self.dtype}, got {hidden.dtype}"
+        for i, r in enumerate(frame.rows):
+            prefill = bool(r.flags & RowFlags.PREFILL)
+            if r.num_tokens < 1 or (not prefill and r.num_tokens != 1) or (prefill and r.first_position != 0):
+                return f"rows[{i}]: {r.num_tokens} tokens from position {r.first_position} (prefill={prefill})"
+            if r.first_position + r.num_tokens > self.max_model_len:
+                return f"rows[{i}]: position {r.first_position + r.num_tokens} beyond max_model_len"
+        return None
 
     # ---- serving -----------------------------------------------------------------
 
@@ -278,6 +315,12 @@ class StageProcess:
                 self._serve_later()
         except _Shutdown:
             pass
+        except Exception as err:
+            try:
+                self.tell_driver({"op": "fatal", "message": f"{type(err).__name__}: {err}"})
+            except Exception:  # noqa: BLE001 - the driver notices the exit anyway
+                pass
+            raise
         finally:
             self._stop.set()
         return 0
@@ -365,15 +408,23 @@ class StageProcess:
             frame = self._recv(self.feedback, timeout=0.002)
             if frame is None:
                 continue
-            if frame.step_kind == StepKind.TOKENS:
-                rids = [r.request_id for r in frame.rows]
-                outs = head.on_tokens(frame.microbatch, frame.step_id, rids, frame.tensors["token_ids"].tolist())
-                for rid in rids:
-                    req = head._requests.get(rid)
-                    events["tokens"][rid] = len(req.seq.output_ids) if req is not None else -1
-                finished(outs)
-            elif frame.control and frame.control.get("op") == "step_failed":
-                finished(head.on_step_failed(frame.microbatch, frame.step_id, frame.control["message"]))
+            try:
+                if frame.step_kind == StepKind.TOKENS:
+                    rids = [r.request_id for r in frame.rows]
+                    ids = frame.tensors.get("token_ids")
+                    if ids is None or tuple(ids.shape) != (len(rids),):
+                        raise ValueError(f"tensors['token_ids']: expected shape ({len(rids)},), "
+                                         f"got {None if ids is None else tuple(ids.shape)}")
+                    finished(head.on_tokens(frame.microbatch, frame.step_id, rids, ids.tolist()))
+                    for rid in rids:
+                        req = head._requests.get(rid)
+                        events["tokens"][rid] = len(req.seq.output_ids) if req is not None else -1
+                elif frame.control and frame.control.get("op") == "step_failed":
+                    finished(head.on_step_failed(frame.microbatch, frame.step_id, str(frame.control["message"])))
+                else:
+                    raise ValueError(f"step_kind {frame.step_kind!r} is not expected on the feedback link")
+            except (ValueError, TypeError, KeyError) as err:
+                self.reject(f"(feedback step {frame.step_id}): {err}")
 
     # -- stages 1 .. S-1
 
@@ -395,8 +446,19 @@ class StageProcess:
                 elif op == "step_failed":
                     self._send(self.feedback if self.is_last else self.downstream, frame)
                 continue
+            why = self.check_step(frame)
+            if why is not None:
+                self.reject(f"(step {frame.step_id}): {why}")
+                continue
             rows = rows_from_frame(frame)
-            sampling = {int(k): v for k, v in ((frame.control or {}).get("sampling") or {}).items()}
+            try:
+                sampling = {int(k): v for k, v in ((frame.control or {}).get("sampling") or {}).items()}
+                bad = [r.request_id for r in rows if not r.prefill and r.request_id not in runtime.manager]
+                if bad:
+                    raise LookupError(f"unknown request ids {bad[:4]} in decode rows")
+            except (ValueError, TypeError, AttributeError, LookupError) as err:
+                self.reject(f"(step {frame.step_id}): {err}")
+                continue
             start = time.perf_counter()
             try:
                 out = runtime.run(rows, frame.tensors["hidden"], sampling)

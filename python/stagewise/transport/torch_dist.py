@@ -17,6 +17,8 @@ work (within a host, the cuda-ipc ring is the fast path).
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 
 import torch
@@ -26,7 +28,7 @@ from stagewise.transport.channel import Channel, ChannelStats, describe_peer
 from stagewise.transport.codec import ALIGN, decode_frame, encode_parts
 from stagewise.transport.errors import ChannelClosed, FrameError, HandshakeError
 from stagewise.transport.frame import DEFAULT_MAX_PAYLOAD_BYTES, MAX_TENSORS, Frame
-from stagewise.transport.hello import Hello, handshake
+from stagewise.transport.hello import HELLO_MAX_BYTES, Hello, handshake
 
 _SIZES = 2 + MAX_TENSORS
 
@@ -48,16 +50,23 @@ class TorchChannel(Channel):
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.checksum, self.verify_checksum, self.max_payload_bytes = checksum, verify_checksum, max_payload_bytes
         self.peer_name = self._base = f"rank {peer_rank}"
-        self._pending: tuple[torch.Tensor, dist.Work] | None = None
         self._closed_why: str | None = None
+        self._start_receiver()
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device.type == "cpu" else t.to(self.device)
 
     def send(self, frame: Frame, *, timeout: float | None = None) -> None:
+        head, parts = encode_parts(frame, checksum=self.checksum)
+        self._send_parts(head, parts)
+
+    def send_bytes(self, data) -> None:
+        """Send an already encoded frame (or, in tests, any bytes) as the head of a frame."""
+        self._send_parts(bytearray(data), [])
+
+    def _send_parts(self, head: bytearray, parts: list) -> None:
         self._check_open()
         t0 = time.perf_counter()
-        head, parts = encode_parts(frame, checksum=self.checksum)
         # parts: memoryviews of tensor bytes, and bytes objects for the alignment padding
         data = [torch.frombuffer(p, dtype=torch.uint8) for p in parts if isinstance(p, memoryview)]
         sizes = torch.zeros(_SIZES, dtype=torch.int64)
@@ -75,52 +84,66 @@ class TorchChannel(Channel):
         self.stats.bytes_sent += len(head) + sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
         self.stats.send_s += time.perf_counter() - t0
 
-    def _post(self) -> tuple[torch.Tensor, dist.Work]:
-        if self._pending is None:
-            buf = torch.empty(_SIZES, dtype=torch.int64, device=self.device)
-            self._pending = (buf, dist.irecv(buf, self.peer_rank, group=self.group, tag=self.tag))
-        return self._pending
+    # -- receiving: a thread does the blocking receives (a gloo receive that times out tears the
+    # pair down, so timeouts are taken on the queue instead); the queue's bound is back-pressure.
+    def _start_receiver(self) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=2)
+        self._peeked = None
+        threading.Thread(target=self._receive_loop, name=f"stagewise-recv-{self.peer_name}", daemon=True).start()
 
-    def _wait_sizes(self, deadline: float | None) -> torch.Tensor:
-        buf, work = self._post()
+    def _receive_loop(self) -> None:
+        count = 0
+        while True:
+            try:
+                limit = HELLO_MAX_BYTES if count < 2 else None  # the two hello frames every side receives
+                self._queue.put(self._receive_one(limit))
+                count += 1
+            except FrameError as e:
+                self._queue.put(e)
+                if e.field.startswith("record."):
+                    return
+            except ChannelClosed as e:
+                self._queue.put(e)
+                return
+
+    def _receive_one(self, max_frame_bytes: int | None) -> tuple[Frame, int]:
+        sizes = torch.empty(_SIZES, dtype=torch.int64, device=self.device)
         try:
-            if deadline is None:
-                work.wait()
-            else:
-                spin = 2e-5
-                while not work.is_completed():
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError(f"stagewise.transport: recv from {self.peer_name} timed out")
-                    time.sleep(spin)
-                    spin = min(spin * 2, 1e-3)
-                work.wait()
+            dist.recv(sizes, self.peer_rank, group=self.group, tag=self.tag)
         except RuntimeError as e:
             raise self._lost(e) from None
-        self._pending = None
-        return buf.cpu()
+        sizes = sizes.cpu().tolist()
+        head_len, n, lengths = sizes[0], sizes[1], sizes[2 : 2 + max(0, min(sizes[1], MAX_TENSORS))]
+        limit = max_frame_bytes or self.max_payload_bytes + (64 << 20)
+        if not 0 <= n <= MAX_TENSORS or head_len < 0 or min(lengths, default=0) < 0 or head_len + sum(lengths) > limit:
+            self._closed_why = "an impossible sizes message"
+            raise FrameError("record.length", f"sizes message from {self.peer_name} describes {n} tensors / "
+                                              f"{head_len + sum(lengths)} bytes (limit {limit}); closing the channel")  # fmt: skip
+        buf = self._recv_into_frame(head_len, lengths)
+        payload_limit = self.max_payload_bytes if max_frame_bytes is None else min(self.max_payload_bytes, max_frame_bytes)
+        frame = decode_frame(buf, verify_checksum=self.verify_checksum, max_payload_bytes=payload_limit, copy=False)
+        return frame, buf.numel()
 
     def recv(self, timeout: float | None = None, *, max_frame_bytes: int | None = None) -> Frame:
-        self._check_open()
         t0 = time.perf_counter()
-        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            sizes = self._wait_sizes(deadline).tolist()
-            head_len, n, lengths = sizes[0], sizes[1], sizes[2 : 2 + max(0, min(sizes[1], MAX_TENSORS))]
-            limit = max_frame_bytes or self.max_payload_bytes + (64 << 20)
-            if not 0 <= n <= MAX_TENSORS or head_len < 0 or min(lengths, default=0) < 0 or head_len + sum(lengths) > limit:
-                self._closed_why = f"impossible sizes message {sizes[:2 + MAX_TENSORS // 8]}..."
+            if self._peeked is not None:
+                item, self._peeked = self._peeked, None
+            else:
+                if self._closed_why is not None and self._queue.empty():
+                    self._check_open()
+                try:
+                    item = self._queue.get(timeout=timeout)
+                except queue.Empty:
+                    raise TimeoutError(f"stagewise.transport: recv from {self.peer_name} timed out") from None
+            if isinstance(item, FrameError):
                 self.stats.bad_frames += 1
-                raise FrameError("record.length", f"sizes message from {self.peer_name} describes {n} tensors / "
-                                                  f"{head_len + sum(lengths)} bytes (limit {limit}); closing the channel")  # fmt: skip
-            buf = self._recv_into_frame(head_len, lengths)
-            self.stats.bytes_received += buf.numel()
-            limit = self.max_payload_bytes if max_frame_bytes is None else min(self.max_payload_bytes, max_frame_bytes)
-            try:
-                frame = decode_frame(buf, verify_checksum=self.verify_checksum, max_payload_bytes=limit, copy=False)
-            except FrameError:
-                self.stats.bad_frames += 1
-                raise
+                raise item
+            if isinstance(item, Exception):
+                raise item
+            frame, nbytes = item
             self.stats.frames_received += 1
+            self.stats.bytes_received += nbytes
             return frame
         finally:
             self.stats.recv_wait_s += time.perf_counter() - t0
@@ -152,14 +175,11 @@ class TorchChannel(Channel):
         return buf
 
     def poll(self, timeout: float | None = 0.0) -> bool:
-        if self._closed_why is not None:
-            return True
-        _, work = self._post()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not work.is_completed():
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(1e-4)
+        if self._peeked is None:
+            try:
+                self._peeked = self._queue.get(timeout=timeout) if timeout != 0 else self._queue.get_nowait()
+            except queue.Empty:
+                return self._closed_why is not None
         return True
 
     def _lost(self, err: Exception) -> ChannelClosed:

@@ -1,0 +1,203 @@
+"""`stagewise bench transport`: one-way latency and GB/s of each transport, 8 KB ... 64 MB frames.
+
+Every transport is a row family of :data:`TRANSPORTS`: a function that starts an echo peer in a
+spawned process and returns this side's channel (the shm and cuda-ipc rings add theirs here).
+Frames carry one bfloat16 "hidden" tensor of the given size, like a decode or prefill step.
+
+- latency: ping-pong, the peer sends each frame back; one-way = median round trip / 2 (includes
+  encode, checksum, send, receive, decode on both sides);
+- stream GB/s: 4 frames back to back, the peer acknowledges the last with an empty frame; bytes of
+  the 4 frames over the median time of that burst.
+
+Both with the checksum on (computed by the sender, verified by the receiver) and off. The copy
+bandwidth of this machine and the checksum's own rate are measured in the same run, as ceilings.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from stagewise.bench import report
+from stagewise.transport import Frame, Hello, StepKind, checksum
+from stagewise.transport import tcp, torch_dist
+
+SIZES = [8 << 10, 64 << 10, 512 << 10, 4 << 20, 32 << 20, 64 << 20]
+QUICK_SIZES = [8 << 10, 1 << 20, 16 << 20]
+HIDDEN = 1024
+WINDOW = 4
+HELLO = Hello(fingerprint="bench/transport", stage_from=0, stage_to=1)
+
+
+def _peer(kind: str, port: int, check: bool) -> None:
+    """The echo side, in its own process."""
+    torch.set_num_threads(1)
+    if kind == "tcp":
+        ch = tcp.connect("127.0.0.1", port, hello=HELLO, timeout=60, checksum=check, verify_checksum=check)
+    else:
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+        ch = torch_dist.open_channel(0, hello=HELLO, timeout=60, checksum=check, verify_checksum=check)
+    while True:
+        f = ch.recv()
+        ctl = f.control or {}
+        if ctl.get("stop"):
+            break
+        if "set_checksum" in ctl:  # takes effect from the next frame on, on both sides
+            ch.checksum = ch.verify_checksum = ctl["set_checksum"]
+            ch.send(Frame(step_kind=StepKind.HEARTBEAT))
+            continue
+        if "ack" not in ctl:
+            ch.send(f)
+        elif ctl["ack"]:
+            ch.send(Frame(step_kind=StepKind.HEARTBEAT))
+    ch.close()
+
+
+def _start_tcp(check: bool):
+    import multiprocessing as mp
+
+    lis = tcp.listen(hello=HELLO, checksum=check, verify_checksum=check)
+    proc = mp.get_context("spawn").Process(target=_peer, args=("tcp", lis.address[1], check), daemon=True)
+    proc.start()
+    ch = lis.accept(120)
+    lis.close()
+    return ch, proc
+
+
+def _start_torch(check: bool):
+    import multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = mp.get_context("spawn").Process(target=_peer, args=("torch", port, check), daemon=True)
+    proc.start()
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+    return torch_dist.open_channel(1, hello=HELLO, timeout=120, checksum=check, verify_checksum=check), proc
+
+
+TRANSPORTS: dict[str, Callable] = {"tcp": _start_tcp, "torch": _start_torch}
+"""name -> start(checksum) -> (channel to an echo peer, peer process). The peer follows
+{"set_checksum": bool} control frames, so one peer serves both settings."""
+
+
+def _frame(nbytes: int, ack: bool | None = None) -> Frame:
+    hidden = torch.randn(1, nbytes // (2 * HIDDEN), HIDDEN).to(torch.bfloat16)
+    return Frame(step_kind=StepKind.PREFILL, tensors={"hidden": hidden}, control=None if ack is None else {"ack": ack})
+
+
+def _repeats(est_s: float, quick: bool) -> int:
+    return max(3, min(30 if quick else 200, int((0.2 if quick else 0.5) / max(est_s, 1e-6))))
+
+
+def measure(ch, nbytes: int, quick: bool) -> dict:
+    f = _frame(nbytes)
+    for _ in range(2):
+        ch.send(f)
+        ch.recv()
+    t0 = time.perf_counter()
+    ch.send(f)
+    ch.recv()
+    rtts = []
+    for _ in range(_repeats(time.perf_counter() - t0, quick)):
+        t0 = time.perf_counter()
+        ch.send(f)
+        ch.recv()
+        rtts.append(time.perf_counter() - t0)
+    burst = [_frame(nbytes, ack=False)] * (WINDOW - 1) + [_frame(nbytes, ack=True)]
+    times = []
+    for _ in range(max(3, min(10, _repeats(WINDOW * statistics.median(rtts) / 2, quick) // 4))):
+        t0 = time.perf_counter()
+        for b in burst:
+            ch.send(b)
+        ch.recv()
+        times.append(time.perf_counter() - t0)
+    one_way = statistics.median(rtts) / 2
+    return {"bytes": nbytes, "one_way_us": one_way * 1e6, "pingpong_gbps": nbytes / one_way / 1e9,
+            "stream_gbps": WINDOW * nbytes / statistics.median(times) / 1e9, "repeats": len(rtts)}  # fmt: skip
+
+
+def checksum_gbps(nbytes: int = 64 << 20) -> float:
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy()
+    checksum.digest([data])
+    t = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        checksum.digest([data])
+        t.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(t) / 1e9
+
+
+def run(args, log: Callable[[str], None]) -> int:
+    names = [n.strip() for n in (args.transports or ",".join(TRANSPORTS)).split(",") if n.strip()]
+    unknown = [n for n in names if n not in TRANSPORTS]
+    if unknown or not names:
+        log(f"stagewise bench: --transports must name some of {', '.join(TRANSPORTS)}, got {args.transports!r}")
+        return 2
+    sizes = [8 << 10, 64 << 10] if args.tiny else QUICK_SIZES if args.quick else SIZES
+    info = report.machine_info("cpu")
+    from stagewise.bench.timing import TimingPolicy, copy_bandwidth
+
+    copy_bw = copy_bandwidth("cpu", 1 << 28, TimingPolicy(warmup=2, min_repeats=5, max_repeats=20))
+    hash_gbps = checksum_gbps()
+    log(f"{info['device_name']}: copy bandwidth {copy_bw['gbps']:.1f} GB/s, {checksum.NAME} {hash_gbps:.2f} GB/s")
+    rows = []
+    for name in names:
+        ch, proc = TRANSPORTS[name](True)
+        try:
+            for check in (True, False):
+                ch.send(Frame(step_kind=StepKind.CONTROL, control={"set_checksum": check}))
+                ch.recv()
+                ch.checksum = ch.verify_checksum = check
+                for nbytes in sizes:
+                    log(f"{name} checksum={'on' if check else 'off'} {nbytes} bytes")
+                    rows.append({"transport": name, "checksum": check, **measure(ch, nbytes, args.quick or args.tiny)})
+            ch.send(Frame(step_kind=StepKind.CONTROL, control={"stop": True}))
+            proc.join(30)
+        finally:
+            ch.close()
+            if proc.is_alive():
+                proc.kill()
+    for r in rows:
+        r["pct_copy"] = 100 * r["stream_gbps"] / copy_bw["gbps"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"{info['device']}-transport"
+    info.update(checksum=checksum.NAME, checksum_gbps=hash_gbps)
+    stem.with_suffix(".json").write_text(json.dumps({"machine": info, "copy_bandwidth": copy_bw, "rows": rows}, indent=2) + "\n")
+    md = _markdown(info, copy_bw, rows)
+    stem.with_suffix(".md").write_text(md)
+    print(md)
+    log(f"wrote {stem}.json and {stem}.md")
+    return 0
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
+
+
+def _markdown(info: dict, copy_bw: dict, rows: list[dict]) -> str:
+    lines = [
+        "# stagewise transports", "",
+        f"Machine: {info['device_name']} ({info['device']}), {info['cpu_count']} CPUs, "
+        f"{info['torch_threads']} torch threads; torch {info['torch']}  ",
+        f"Date (UTC): {info['date_utc']}; commit: {info['git_commit'] or 'unknown'}  ",
+        f"Copy bandwidth (read + write): {copy_bw['gbps']:.1f} GB/s; checksum {info['checksum']}: "
+        f"{info['checksum_gbps']:.2f} GB/s (one core)", "",
+        "Frames of one bfloat16 hidden tensor, sender and echo peer in two processes on this machine. "
+        "One-way = median ping-pong round trip / 2, encode + checksum + send + receive + decode included; "
+        "pingpong GB/s = bytes / one-way; stream GB/s = 4 frames back to back, acknowledged, median. "
+        "% copy = stream GB/s over the copy bandwidth.", "",
+        "| transport | checksum | size | one-way µs | pingpong GB/s | stream GB/s | % copy |",
+        "|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['transport']} | {'on' if r['checksum'] else 'off'} | {_size(r['bytes'])} | "
+                     f"{r['one_way_us']:.1f} | {r['pingpong_gbps']:.2f} | {r['stream_gbps']:.2f} | {r['pct_copy']:.0f}% |")  # fmt: skip
+    return "\n".join(lines) + "\n"
