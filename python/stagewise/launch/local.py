@@ -62,17 +62,20 @@ def _read_address(proc: subprocess.Popen, index: int, timeout_s: float) -> tuple
     raise TimeoutError(f"stage {index} did not start listening within {timeout_s:.0f} s")
 
 
-def stop_processes(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    """Wait for each to exit, then SIGTERM, then SIGKILL: no orphans."""
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = 5.0, term_s: float | None = None) -> None:
+    """Wait up to ``grace_s`` for each to exit, then SIGTERM, then after ``term_s`` (default 2 s,
+    or ``grace_s`` when shorter) SIGKILL: no orphans."""
+    term_s = min(2.0, grace_s) if term_s is None else term_s
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.terminate()
+    deadline = time.monotonic() + term_s
     for p in procs:
         try:
-            p.wait(timeout=2.0)
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()

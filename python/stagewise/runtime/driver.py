@@ -68,6 +68,7 @@ class PipelineDriver:
         now = time.monotonic()
         self.last_seen = [now] * plan.num_stages
         self.requests: dict[int, RequestState] = {}
+        self._problems: list[tuple[int, int, str]] = []
 
     # ---- low level --------------------------------------------------------------
 
@@ -135,29 +136,49 @@ class PipelineDriver:
         except TimeoutError:
             frame = None
         except (ChannelClosed, OSError) as err:
-            self._break(f"stage 0 closed its connection ({err})")
+            self._problems.append((3, 0, f"stage 0 closed its connection ({err})"))
+            self._break(self._diagnose())
             return self._drain_broken()
         now = time.monotonic()
         if frame is not None:
             self.last_seen[0] = now
-            done += self._events(frame.control or {}, now, on_text)
+            msg = frame.control or {}
+            if msg.get("op") == "fatal":
+                self._problems.append((2 if msg.get("neighbour") else 1, 0, f"stage 0 failed: {msg.get('message')}"))
+            done += self._events(msg, now, on_text)
         for i in range(1, self.plan.num_stages):
             try:
                 while self.controls[i].poll(0):
                     msg = self.controls[i].recv(timeout=0).control or {}
                     self.last_seen[i] = now
                     if msg.get("op") == "fatal":
-                        self._break(f"stage {i} failed: {msg.get('message')}")
+                        self._problems.append((2 if msg.get("neighbour") else 1, i,
+                                               f"stage {i} failed: {msg.get('message')}"))
             except (ChannelClosed, OSError) as err:
-                self._break(f"stage {i} closed its connection ({err})")
+                self._problems.append((3, i, f"stage {i} closed its connection ({err})"))
         for i in range(self.plan.num_stages):
-            if self.processes is not None and self.processes[i].poll() is not None:
-                self._break(f"stage {i} process exited with code {self.processes[i].poll()}")
+            code = None if self.processes is None else self.processes[i].poll()
+            if code is not None:
+                self._problems.append((0 if code < 0 else 3, i, f"stage {i} process exited with "
+                                       + (f"signal {-code}" if code < 0 else f"code {code}")))
             elif now - self.last_seen[i] > HEARTBEAT_TIMEOUT_S:
-                self._break(f"stage {i} sent nothing for {now - self.last_seen[i]:.1f} s (hung or unreachable)")
-        if self.broken:
+                self._problems.append((0, i, f"stage {i} sent nothing for {now - self.last_seen[i]:.1f} s "
+                                             "(hung or unreachable)"))
+        if self._problems:
+            self._break(self._diagnose())
             return done + self._drain_broken()
         return done
+
+    def _diagnose(self) -> str:
+        """The most likely cause among the problems seen: a stage killed or silent first, then one
+        that failed on its own, then one that only lost a neighbour or exited."""
+        time.sleep(0.3)  # let the other stages notice and report
+        if self.processes is not None:
+            for i, proc in enumerate(self.processes):
+                code = proc.poll()
+                if code is not None and code < 0:
+                    self._problems.append((0, i, f"stage {i} process exited with signal {-code}"))
+        return min(self._problems)[2]
 
     def _drain_broken(self) -> list[dict]:
         out = []

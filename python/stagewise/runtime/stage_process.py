@@ -317,7 +317,8 @@ class StageProcess:
             pass
         except Exception as err:
             try:
-                self.tell_driver({"op": "fatal", "message": f"{type(err).__name__}: {err}"})
+                self.tell_driver({"op": "fatal", "message": f"{type(err).__name__}: {err}",
+                                  "neighbour": isinstance(err, ChannelClosed)})
             except Exception:  # noqa: BLE001 - the driver notices the exit anyway
                 pass
             raise
