@@ -16,6 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     from stagewise import cli_generate
 
     cli_generate.add_arguments(sub.add_parser("generate", help="generate text with a model in this process"))
+    plan = sub.add_parser("plan", add_help=False, help="memory and latency of TP/PP/DP/EP layouts "
+                          "(plan MODEL ..., plan memory, plan ranks, plan validate; plan --help)")
+    plan.add_argument("plan_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "bench":
         from stagewise.bench import run
@@ -23,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "generate":
         return cli_generate.run(args)
+    if args.command == "plan":
+        from stagewise.planner.cli import main as plan_main
+
+        return plan_main(args.plan_args)
     return 2
 
 

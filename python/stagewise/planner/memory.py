@@ -89,8 +89,8 @@ def _rough_gib(nbytes: float) -> str:
     return f"~{gib:.1f} GiB" if gib >= 1 else f"~{gib:.3g} GiB"
 
 
-def _exact(nbytes: int) -> str:
-    return f"{nbytes:,} ({nbytes / 2**30:.2f} GiB)"
+def _exact(nbytes: int, unit: str = "GiB") -> str:
+    return f"{nbytes:,} ({nbytes / 1e9:.2f} GB)" if unit == "GB" else f"{nbytes:,} ({nbytes / 2**30:.2f} GiB)"
 
 
 def _md(header: list[str], rows: list[list[str]], align: list[str]) -> list[str]:
@@ -107,7 +107,7 @@ def format_tables(stages: list[StageMemory], *, weight_dtype: str, kv_dtype: str
                   _rough_gib(s.kv_bytes)] for s in stages], ["---:", ":---", "---:", "---:", "---:"])
     exact = _md(["Stage", "Decoder layers", "#layers", f"Weights ({wd}, exact bytes)", f"KV @ {ctx_label} ({kd}, bytes)",
                  "Non-layer parts"],
-                [[str(s.stage), f"[{s.start_layer}, {s.end_layer})", str(s.num_layers), _exact(s.weight_bytes_exact),
+                [[str(s.stage), f"[{s.start_layer}, {s.end_layer})", str(s.num_layers), _exact(s.weight_bytes_exact, "GB"),
                   _exact(s.kv_bytes), ", ".join(s.owns) or "-"] for s in stages],
                 ["---:", ":---", "---:", "---:", "---:", ":---"])
     largest = max(stages, key=lambda s: s.weight_bytes_exact + s.kv_bytes)
