@@ -7,6 +7,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "plan":  # its own parser: `plan MODEL ...`, `plan memory ...`, options first
+        from stagewise.planner.cli import main as plan_main
+
+        return plan_main(argv[1:])
     parser = argparse.ArgumentParser(prog="stagewise", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="microbenchmarks against their baselines")

@@ -394,7 +394,8 @@ def run_validate(argv: list[str]) -> int:
     p.add_argument("--stages", type=int, nargs="+", default=[1])
     p.add_argument("--transport", default=None, help="the runtime's transport between stages (e.g. tcp)")
     p.add_argument("--device-profile", default=None,
-                   help="measured profile JSON (default: bench/results/<device>-profile.json, measured now if absent)")
+                   help="profile JSON (default: measure this machine now, in this process, just before the runs: "
+                        "on a shared machine a stored profile may describe other conditions)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--microbatches", type=int, default=None)
     p.add_argument("--input-length", type=int, default=128)
@@ -417,16 +418,13 @@ def run_validate(argv: list[str]) -> int:
     torch.set_num_threads(args.threads)
     log = (lambda line: print(line, file=sys.stderr, flush=True))
     info = report.machine_info("cpu")
-    default_profile = args.out / f"{info['device']}-profile.json"
     if args.device_profile:
         profile = load_profile(args.device_profile)
-    elif default_profile.is_file():
-        profile = load_profile(default_profile)
     else:
         from stagewise.bench.profile import measure_profile
 
-        log(f"no measured profile at {default_profile}: measuring this machine now")
-        profile = profile_from_dict(measure_profile("cpu", log=log), "measured now")
+        log("measuring this machine's profile now")
+        profile = profile_from_dict(measure_profile("cpu", log=log), "measured in the same run")
     profile = profile.with_transport(args.transport) if args.transport and args.transport in profile.transports \
         else profile
     from stagewise.model.checkpoint import open_checkpoint
