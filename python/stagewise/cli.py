@@ -7,6 +7,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "plan":  # its own parser: `plan MODEL ...`, `plan memory ...`, options first
+        from stagewise.planner.cli import main as plan_main
+
+        return plan_main(argv[1:])
     parser = argparse.ArgumentParser(prog="stagewise", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="microbenchmarks against their baselines")
@@ -19,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     from stagewise.runtime import stage_process
 
     stage_process.add_arguments(sub.add_parser("stage", help="run one pipeline stage of a run plan (a process)"))
+    plan = sub.add_parser("plan", add_help=False, help="memory and latency of TP/PP/DP/EP layouts "
+                          "(plan MODEL ..., plan memory, plan ranks, plan validate; plan --help)")
+    plan.add_argument("plan_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "bench":
         from stagewise.bench import run
@@ -28,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         return cli_generate.run(args)
     if args.command == "stage":
         return stage_process.main(args)
+    if args.command == "plan":
+        from stagewise.planner.cli import main as plan_main
+
+        return plan_main(args.plan_args)
     return 2
 
 

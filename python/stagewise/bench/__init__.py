@@ -1,6 +1,7 @@
 """`stagewise bench kernels`: each op against its baselines, into a JSON + Markdown table.
 `stagewise bench e2e`: whole-model generation against transformers (see :mod:`stagewise.bench.e2e`).
 `stagewise bench transport`: latency and GB/s of each transport (see :mod:`stagewise.bench.transport`).
+`stagewise bench profile`: this machine as a planner device profile (see :mod:`stagewise.bench.profile`).
 
 For every case: validate OURS against the reference once (max abs error), then
 time OURS, the pure-torch baseline, torch.compile of that baseline and
@@ -22,7 +23,7 @@ import torch
 from stagewise.bench import kernels, report
 from stagewise.bench.timing import TimingPolicy, copy_bandwidth, time_fn
 
-SUITES = ("kernels", "e2e", "transport")
+SUITES = ("kernels", "e2e", "transport", "profile")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,6 +139,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"stagewise bench: --threads must be >= 1, got {args.threads}", file=sys.stderr)
             return 2
         torch.set_num_threads(args.threads)
+    if args.suite == "profile":
+        from stagewise.bench import profile
+
+        return profile.run(args, log=lambda line: print(line, file=sys.stderr, flush=True))
     if args.suite == "e2e":
         from stagewise.bench import e2e
 

@@ -169,18 +169,13 @@ def _balanced(num_stages: int, layer_costs: Sequence[float], first_cost: float,
 
 def decode_layer_costs(config: ModelConfig) -> tuple[list[float], float, float]:
     """Weights read per decoded token (parameters, active experts only) of each decoder layer,
-    of stage 0's extras (one embedding row) and of the last stage's extras (final norm + LM head)."""
-    h, d = config.hidden_size, config.head_dim
-    attn = h * d * (2 * config.num_heads + 2 * config.num_kv_heads)
-    dense_mlp = (3 if config.architecture != "falcon" else 2) * h * config.intermediate_size
-    costs = []
-    for layer in range(config.num_layers):
-        if config.is_moe_layer(layer):
-            mlp = h * config.num_experts + config.num_experts_per_tok * 3 * h * config.moe_intermediate_size
-        else:
-            mlp = dense_mlp
-        costs.append(float(attn + mlp))
-    return costs, float(h), float(h + config.vocab_size * h)
+    of stage 0's extras (one embedding row) and of the last stage's extras (final norm + LM head).
+    The counts come from the tensor shapes of :mod:`stagewise.model.shapes`."""
+    from stagewise.model import shapes
+
+    costs = [float(shapes.decode_read_params(config, layer)) for layer in range(config.num_layers)]
+    last = shapes.count(config, shapes.final_norm_tensors(config) + shapes.lm_head_tensors(config))
+    return costs, float(config.hidden_size), float(last)
 
 
 def partition_layers(total_layers: int, num_stages: int, policy: str | Sequence[tuple[int, int]] = "even", *,

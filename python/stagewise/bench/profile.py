@@ -1,0 +1,179 @@
+"""`stagewise bench profile`: measure this machine into a device profile the planner reads
+(:mod:`stagewise.planner.profiles` describes the fields).
+
+- matmul FLOP/s per dtype: ``torch.mm`` of square matrices (median of repeats);
+- memory bandwidth: ``dst.copy_(src)`` far beyond the caches (read + write bytes);
+- op overhead: the median time of a tiny op (dispatch cost every operator pays);
+- transports: latency (half a 64-byte round trip) and bandwidth (one 16 MiB message one way)
+  per transport in :data:`TRANSPORTS`; each entry is one function, so a new transport (shared
+  memory ring, torch.distributed) adds one row.
+
+The measured rates are achieved ones: the profile's efficiencies are 1.0.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from stagewise.bench.timing import TimingPolicy, copy_bandwidth, time_fn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def matmul_flops(dtype: torch.dtype, device: str, n: int, policy: TimingPolicy) -> dict:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    t = time_fn(lambda: torch.mm(a, b), device, policy)
+    return {"n": n, "median_ms": t.median_ms, "flops": 2 * n**3 / (t.median_ms / 1e3)}
+
+
+def op_overhead(device: str, policy: TimingPolicy) -> float:
+    x = torch.ones(64, device=device)
+    return time_fn(lambda: torch.add(x, x), device, policy).median_ms / 1e3
+
+
+def _recv_exact(sock: socket.socket, n: int, buf: bytearray) -> None:
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:n])
+        if k == 0:
+            raise ConnectionError("bench profile: peer closed the connection")
+        got += k
+
+
+def measure_tcp(message_bytes: int = 16 * 2**20, pings: int = 200, repeats: int = 5) -> dict:
+    """TCP loopback between two threads of this process: 64-byte ping-pong and one-way bulk."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    buf_small = bytearray(64)
+    payload = bytes(message_bytes)
+
+    def peer() -> None:
+        conn, _ = server.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        b, big = bytearray(64), bytearray(message_bytes)
+        with conn:
+            for _ in range(pings + 10):
+                _recv_exact(conn, 64, b)
+                conn.sendall(b)
+            for _ in range(repeats + 1):
+                _recv_exact(conn, message_bytes, big)
+                conn.sendall(b"k")
+
+    th = threading.Thread(target=peer, daemon=True)
+    th.start()
+    cli = socket.create_connection(("127.0.0.1", port))
+    cli.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    ack = bytearray(1)
+    try:
+        rtts = []
+        for i in range(pings + 10):
+            t0 = time.perf_counter()
+            cli.sendall(buf_small)
+            _recv_exact(cli, 64, buf_small)
+            if i >= 10:
+                rtts.append(time.perf_counter() - t0)
+        bulk = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            cli.sendall(payload)
+            _recv_exact(cli, 1, ack)
+            if i:
+                bulk.append(time.perf_counter() - t0)
+    finally:
+        cli.close()
+        th.join(timeout=10)
+        server.close()
+    latency = statistics.median(rtts) / 2
+    t = statistics.median(bulk)
+    return {"latency_s": latency, "bandwidth": message_bytes / max(t - latency, 1e-9),
+            "message_bytes": message_bytes, "what": "TCP loopback, plain sockets, two threads"}
+
+
+# One function per transport; each returns {"latency_s", "bandwidth", ...}.
+TRANSPORTS: dict[str, Callable[[], dict]] = {"tcp": measure_tcp}
+
+
+def measure_profile(device: str, *, quick: bool = False, log=print) -> dict:
+    """A profile dict of this machine (see :mod:`stagewise.planner.profiles`)."""
+    from stagewise.bench import report
+
+    policy = TimingPolicy(warmup=2, min_repeats=3, max_repeats=20 if quick else 50, budget_s=0.2 if quick else 0.5)
+    info = report.machine_info(device)
+    is_cuda = torch.device(device).type == "cuda"
+    peaks, raw = {}, {}
+    for name, dtype in DTYPES.items():
+        n = (4096 if not quick else 2048) if is_cuda else (256 if quick else 512) if dtype != torch.float32 else \
+            (512 if quick else 1024)
+        try:
+            r = matmul_flops(dtype, device, n, policy)
+        except RuntimeError as err:  # a dtype the device cannot multiply
+            log(f"  matmul {name}: n/a ({err})")
+            continue
+        peaks[name], raw[f"matmul_{name}"] = r["flops"], r
+        log(f"  matmul {name} n={n}: {r['flops'] / 1e9:.1f} GFLOP/s")
+    copy_bytes = 2**30 if is_cuda else 2**26 if quick else 2**28
+    bw = copy_bandwidth(device, copy_bytes, policy)
+    raw["copy"] = bw
+    log(f"  copy bandwidth: {bw['gbps']:.1f} GB/s")
+    overhead = op_overhead(device, policy)
+    raw["op_overhead_s"] = overhead
+    log(f"  op overhead: {overhead * 1e6:.1f} us")
+    transports = {}
+    for name, fn in TRANSPORTS.items():
+        try:
+            transports[name] = fn()
+            log(f"  transport {name}: latency {transports[name]['latency_s'] * 1e6:.1f} us, "
+                f"bandwidth {transports[name]['bandwidth'] / 1e9:.2f} GB/s")
+        except OSError as err:
+            log(f"  transport {name}: n/a ({err})")
+    link = transports.get("tcp") or {"latency_s": 50e-6, "bandwidth": 1e9}
+    link = {"latency_s": link["latency_s"], "bandwidth": link["bandwidth"]}
+    if is_cuda:
+        memory_bytes = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    else:
+        import os
+
+        memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "name": f"measured-{info['device']}",
+        "description": f"measured on {info['device_name']} with {info['torch_threads']} torch threads "
+                       f"({info['date_utc']})",
+        "kind": "gpu" if is_cuda else "cpu",
+        "memory_bytes": int(memory_bytes),
+        "peak_flops": peaks,
+        "memory_bandwidth": bw["gbps"] * 1e9,
+        "efficiency": {"matmul": 1.0, "attention": 1.0, "memory": 1.0},
+        "op_overhead_s": overhead,
+        "links": {"tp": link, "pp": link, "ep": link},
+        "transports": {k: {"latency_s": v["latency_s"], "bandwidth": v["bandwidth"]} for k, v in transports.items()},
+        "measured": {"machine": info, "raw": raw, "quick": quick},
+    }
+
+
+def run(args, log=print) -> int:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from stagewise.bench import report
+
+    log(f"measuring {report.machine_info(device)['device_name']} ({torch.get_num_threads()} torch threads)")
+    profile = measure_profile(device, quick=args.quick or args.tiny, log=log)
+    from stagewise.planner.profiles import profile_from_dict
+
+    profile_from_dict(profile, "measured")  # the planner must be able to read it
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / f"{profile['measured']['machine']['device']}-profile.json"
+    path.write_text(json.dumps(profile, indent=2) + "\n")
+    print(json.dumps({k: profile[k] for k in ("name", "peak_flops", "memory_bandwidth", "op_overhead_s",
+                                              "transports")}, indent=2))
+    log(f"wrote {path} (use it with: stagewise plan ... --device-profile {path})")
+    return 0

@@ -1,0 +1,270 @@
+"""Every weight tensor of a model, by shape, from its config alone: the one place that knows how
+many parameters a stage, a layer or a tensor-parallel shard holds.
+
+Names and shapes follow the HF checkpoints (``[out, in]`` linears, fused ``gate_up_proj`` experts
+of transformers 5, Falcon's fused ``query_key_value``, the Qwen3-VL vision tower), so the totals
+equal the parameter count of the transformers model built from the same config.json.
+
+Ownership by pipeline stage (seed 000 §1, seed 001 §2.4.4): stage 0 holds the embedding and the
+vision tower, every stage its decoder layers, the last stage the final norm and the LM head. With
+tied embeddings a single stage stores the matrix once; a pipeline's last stage holds its own copy.
+
+Tensor parallel shards (seed 004, Megatron): q/k/v, gate/up column-parallel, o/down row-parallel,
+KV heads replicated when TP exceeds them, norms, router, embedding and vision tower replicated, LM
+head vocab-parallel. Experts: ``num_experts / ep`` per rank, each ``moe_intermediate / moe_tp`` wide.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stagewise.model.config import ModelConfig
+    from stagewise.parallel.plan import PipelineStageInfo
+
+PARTS = ("vision", "embedding", "layer", "final_norm", "lm_head")
+SPLITS = ("replicated", "column", "row", "kv_column", "fused_qkv", "vocab", "expert")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorShape:
+    """One weight tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    part: str
+    """vision, embedding, layer, final_norm or lm_head."""
+    split: str = "replicated"
+    """How tensor parallelism shards it (see the module docstring)."""
+    layer: int | None = None
+    kind: str = "linear"
+    """linear (a matmul weight), bias, norm, expert (read only for the experts a token picks),
+    router, embedding or conv/pos (vision stem)."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class Sharding:
+    """Tensor-parallel sizes of one rank: dense TP, expert parallel and MoE tensor parallel."""
+
+    tp: int = 1
+    ep: int = 1
+    moe_tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "ep", "moe_tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Sharding.{name}: expected an int >= 1, got {value!r}")
+
+
+def check_sharding(config: ModelConfig, sharding: Sharding) -> None:
+    """ValueError when ``config`` cannot be split as ``sharding`` asks (heads, KV heads, experts)."""
+    tp, hq, hk = sharding.tp, config.num_heads, config.num_kv_heads
+    if hq % tp:
+        raise ValueError(f"tensor parallel: tp={tp} must divide num_attention_heads={hq}")
+    if hk % tp and tp % hk:
+        raise ValueError(f"tensor parallel: tp={tp} and num_key_value_heads={hk} must divide one another "
+                         "(KV heads are split, or replicated when TP exceeds them)")
+    if config.num_experts:
+        if config.num_experts % sharding.ep:
+            raise ValueError(f"expert parallel: ep={sharding.ep} must divide num_experts={config.num_experts}")
+        if config.moe_intermediate_size % sharding.moe_tp:
+            raise ValueError(f"expert parallel: moe_tp={sharding.moe_tp} must divide "
+                             f"moe_intermediate_size={config.moe_intermediate_size}")
+
+
+def kv_heads_per_rank(config: ModelConfig, tp: int = 1) -> int:
+    """KV heads one TP rank stores: ``num_kv_heads / tp``, at least one (replicated beyond)."""
+    return max(1, config.num_kv_heads // tp)
+
+
+def _norm(name: str, width: int, part: str, layer: int | None, layer_norm: bool) -> list[TensorShape]:
+    out = [TensorShape(f"{name}.weight", (width,), part, layer=layer, kind="norm")]
+    if layer_norm:
+        out.append(TensorShape(f"{name}.bias", (width,), part, layer=layer, kind="norm"))
+    return out
+
+
+def _linear(name: str, out_f: int, in_f: int, split: str, layer: int | None, bias: bool,
+            part: str = "layer") -> list[TensorShape]:
+    out = [TensorShape(f"{name}.weight", (out_f, in_f), part, split, layer)]
+    if bias:  # a row-parallel bias is added once, after the reduction: replicated
+        out.append(TensorShape(f"{name}.bias", (out_f,), part, "replicated" if split == "row" else split, layer,
+                               kind="bias"))
+    return out
+
+
+def layer_tensors(config: ModelConfig, layer: int) -> list[TensorShape]:
+    """The weights of decoder layer ``layer``."""
+    if not 0 <= layer < config.num_layers:
+        raise ValueError(f"layer_tensors: layer must be in [0, {config.num_layers}), got {layer}")
+    h, d, hq, hk = config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads
+    ln = config.norm == "layer"
+    p = f"layers.{layer}."
+    t: list[TensorShape] = []
+    if config.architecture == "falcon":
+        if config.parallel_attn and config.num_ln_in_parallel_attn == 2:
+            t += _norm(p + "ln_attn", h, "layer", layer, ln) + _norm(p + "ln_mlp", h, "layer", layer, ln)
+        else:
+            t += _norm(p + "input_layernorm", h, "layer", layer, ln)
+            if not config.parallel_attn:
+                t += _norm(p + "post_attention_layernorm", h, "layer", layer, ln)
+        t += _linear(p + "self_attention.query_key_value", (hq + 2 * hk) * d, h, "fused_qkv", layer,
+                     config.attention_bias)
+        t += _linear(p + "self_attention.dense", h, hq * d, "row", layer, config.attention_bias)
+        t += _linear(p + "mlp.dense_h_to_4h", config.intermediate_size, h, "column", layer, config.mlp_bias)
+        t += _linear(p + "mlp.dense_4h_to_h", h, config.intermediate_size, "row", layer, config.mlp_bias)
+        return t
+    t += _norm(p + "input_layernorm", h, "layer", layer, ln)
+    t += _norm(p + "post_attention_layernorm", h, "layer", layer, ln)
+    bias = config.attention_bias
+    t += _linear(p + "self_attn.q_proj", hq * d, h, "column", layer, bias)
+    t += _linear(p + "self_attn.k_proj", hk * d, h, "kv_column", layer, bias)
+    t += _linear(p + "self_attn.v_proj", hk * d, h, "kv_column", layer, bias)
+    t += _linear(p + "self_attn.o_proj", h, hq * d, "row", layer, bias)
+    if config.qk_norm:
+        t += [TensorShape(p + "self_attn.q_norm.weight", (d,), "layer", layer=layer, kind="norm"),
+              TensorShape(p + "self_attn.k_norm.weight", (d,), "layer", layer=layer, kind="norm")]
+    if config.is_moe_layer(layer):
+        e, mi = config.num_experts, config.moe_intermediate_size
+        t += [TensorShape(p + "mlp.gate.weight", (e, h), "layer", layer=layer, kind="router"),
+              TensorShape(p + "mlp.experts.gate_up_proj", (e, 2 * mi, h), "layer", "expert", layer, kind="expert"),
+              TensorShape(p + "mlp.experts.down_proj", (e, h, mi), "layer", "expert", layer, kind="expert")]
+    else:
+        inter, mb = config.intermediate_size, config.mlp_bias
+        t += _linear(p + "mlp.gate_proj", inter, h, "column", layer, mb)
+        t += _linear(p + "mlp.up_proj", inter, h, "column", layer, mb)
+        t += _linear(p + "mlp.down_proj", h, inter, "row", layer, mb)
+    return t
+
+
+def _vision_int(vision: dict[str, Any], key: str) -> int:
+    value = vision.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"config.json: vision_config.{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def vision_tensors(config: ModelConfig) -> list[TensorShape]:
+    """The Qwen3-VL vision tower: patch embedding, position embedding, blocks, merger and the
+    deepstack mergers (empty for a text-only model)."""
+    v = config.vision_config
+    if not config.is_multimodal or not v:
+        return []
+    c, pt, ps = _vision_int(v, "in_channels"), _vision_int(v, "temporal_patch_size"), _vision_int(v, "patch_size")
+    vh, vi, depth = _vision_int(v, "hidden_size"), _vision_int(v, "intermediate_size"), _vision_int(v, "depth")
+    out_h, merge = _vision_int(v, "out_hidden_size"), _vision_int(v, "spatial_merge_size")
+    t = [TensorShape("visual.patch_embed.proj.weight", (vh, c, pt, ps, ps), "vision", kind="conv"),
+         TensorShape("visual.patch_embed.proj.bias", (vh,), "vision", kind="bias"),
+         TensorShape("visual.pos_embed.weight", (_vision_int(v, "num_position_embeddings"), vh), "vision",
+                     kind="embedding")]
+    for b in range(depth):
+        p = f"visual.blocks.{b}."
+        t += _norm(p + "norm1", vh, "vision", None, True) + _norm(p + "norm2", vh, "vision", None, True)
+        t += _linear(p + "attn.qkv", 3 * vh, vh, "replicated", None, True, "vision")
+        t += _linear(p + "attn.proj", vh, vh, "replicated", None, True, "vision")
+        t += _linear(p + "mlp.linear_fc1", vi, vh, "replicated", None, True, "vision")
+        t += _linear(p + "mlp.linear_fc2", vh, vi, "replicated", None, True, "vision")
+    merged = vh * merge * merge
+    deepstack = v.get("deepstack_visual_indexes") or []
+    for name, norm_width in [("visual.merger", vh)] + [(f"visual.deepstack_merger_list.{i}", merged)
+                                                        for i in range(len(deepstack))]:
+        t += _norm(name + ".norm", norm_width, "vision", None, True)
+        t += _linear(name + ".linear_fc1", merged, merged, "replicated", None, True, "vision")
+        t += _linear(name + ".linear_fc2", out_h, merged, "replicated", None, True, "vision")
+    return t
+
+
+def embedding_tensors(config: ModelConfig) -> list[TensorShape]:
+    return [TensorShape("embed_tokens.weight", (config.vocab_size, config.hidden_size), "embedding",
+                        kind="embedding")]
+
+
+def final_norm_tensors(config: ModelConfig) -> list[TensorShape]:
+    return _norm("norm", config.hidden_size, "final_norm", None, config.norm == "layer")
+
+
+def lm_head_tensors(config: ModelConfig) -> list[TensorShape]:
+    return [TensorShape("lm_head.weight", (config.vocab_size, config.hidden_size), "lm_head", "vocab")]
+
+
+def model_tensors(config: ModelConfig) -> list[TensorShape]:
+    """Every stored tensor of the whole model (a tied LM head is the embedding: not listed twice)."""
+    t = vision_tensors(config) + embedding_tensors(config)
+    for layer in range(config.num_layers):
+        t += layer_tensors(config, layer)
+    t += final_norm_tensors(config)
+    if not config.tie_word_embeddings:
+        t += lm_head_tensors(config)
+    return t
+
+
+def stage_tensors(config: ModelConfig, stage: PipelineStageInfo) -> list[TensorShape]:
+    """The tensors pipeline stage ``stage`` stores (seed 001 §2.4.4, seed 000 §1 for the vision tower)."""
+    t: list[TensorShape] = []
+    if stage.is_first_stage:
+        t += vision_tensors(config) + embedding_tensors(config)
+    for layer in stage.active_layer_indices:
+        t += layer_tensors(config, layer)
+    if stage.is_last_stage:
+        t += final_norm_tensors(config)
+        if not config.tie_word_embeddings or not stage.is_first_stage:
+            t += lm_head_tensors(config)  # tied, on its own stage: a copy of the embedding
+    return t
+
+
+def rank_numel(config: ModelConfig, tensor: TensorShape, sharding: Sharding = Sharding()) -> int:
+    """Elements of ``tensor`` one rank holds under ``sharding``."""
+    tp, n = sharding.tp, tensor.numel
+    if tp == 1 and tensor.split != "expert":
+        return n
+    split = tensor.split
+    if split == "replicated":
+        return n
+    if split in ("column", "row"):
+        return n // tp
+    if split == "kv_column":
+        return n // config.num_kv_heads * kv_heads_per_rank(config, tp)
+    if split == "fused_qkv":
+        per_head = n // (config.num_heads + 2 * config.num_kv_heads)
+        return per_head * (config.num_heads // tp + 2 * kv_heads_per_rank(config, tp))
+    if split == "vocab":
+        return math.ceil(config.vocab_size / tp) * (n // config.vocab_size)
+    if split == "expert":
+        return n // (sharding.ep * sharding.moe_tp)
+    raise ValueError(f"rank_numel: unknown split {split!r}; expected one of {SPLITS}")
+
+
+def count(config: ModelConfig, tensors: Iterable[TensorShape], sharding: Sharding = Sharding()) -> int:
+    """Elements one rank holds of ``tensors``."""
+    return sum(rank_numel(config, t, sharding) for t in tensors)
+
+
+def stage_param_counts(config: ModelConfig, stages: Sequence[PipelineStageInfo],
+                       sharding: Sharding = Sharding()) -> list[int]:
+    """Parameters one rank of each stage holds."""
+    return [count(config, stage_tensors(config, s), sharding) for s in stages]
+
+
+def decode_read_params(config: ModelConfig, layer: int) -> int:
+    """Weights one decoded token reads in ``layer``'s matmuls: every dense matrix and its bias, the
+    router, and ``num_experts_per_tok`` of the experts (norms left out: read too, but tiny)."""
+    total = 0
+    for t in layer_tensors(config, layer):
+        if t.kind == "expert":
+            total += t.numel // config.num_experts * config.num_experts_per_tok
+        elif t.kind in ("linear", "bias", "router"):
+            total += t.numel
+    return total
+
+
+def kv_bytes_per_token_layer(config: ModelConfig, kv_bytes: int, tp: int = 1) -> int:
+    """K and V of one token in one layer on one TP rank (seed 000 §2.5: ``2 * kv_heads * head_dim * bytes``)."""
+    return 2 * kv_heads_per_rank(config, tp) * config.head_dim * kv_bytes

@@ -1,0 +1,167 @@
+"""The analytic per-operator model of one stage's forward pass on one rank.
+
+Each operator of our model code (norms, fused QKV, q/k norm + rope, KV write, attention, output
+projection, gate/up, activation, down, router and experts, TP all-reduces, embedding, final norm,
+LM head, sampling) becomes an :class:`Op` with the FLOPs it computes and the bytes it moves, for a
+microbatch of ``rows`` sequences that each add ``new_tokens`` tokens after ``context`` cached ones
+(prefill: ``new_tokens = I, context = 0``; decode: ``new_tokens = 1, context = c``). A device
+profile turns an op into time by the roofline ``max(flops / achievable FLOP/s, bytes / achievable
+bytes/s) + op_overhead``; a collective costs ``2 (n - 1) / n * bytes / bandwidth + 2 (n - 1) * latency``
+(ring all-reduce over the profile's TP link).
+
+What grows with what: attention FLOPs with the (causal, windowed) query-key pairs, its bytes with
+the cached context; MoE layers compute ``num_experts_per_tok`` experts per token and read the
+experts the microbatch touches (``E * (1 - (1 - k/E)^T)`` expected under uniform routing).
+Per-rank work under TP: heads, MLP width and vocab divided by ``tp`` (KV heads replicated beyond);
+expert FLOPs are shared by the stage's ``tp`` ranks, expert bytes by ``ep * moe_tp`` (seed 001 keeps
+MoE groups global). Text only: the vision tower is stored on stage 0 but not timed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stagewise.model import shapes
+from stagewise.model.config import ModelConfig
+from stagewise.parallel.plan import PipelineStageInfo
+from stagewise.planner.profiles import DeviceProfile
+
+KINDS = ("matmul", "attention", "vec", "comm")
+BOUNDS = ("mem", "comm", "cube", "vec")
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    name: str
+    kind: str
+    flops: float = 0.0
+    bytes: float = 0.0
+    layer: int | None = None
+    link: str = ""
+    """comm ops: tp or ep."""
+    group: int = 1
+    """comm ops: ranks in the collective."""
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    weight: int = 2
+    act: int = 2
+    kv: int = 2
+    compute_dtype: str = "bfloat16"
+
+
+def _causal_pairs(context: int, new: int, window: int | None) -> int:
+    """Query-key pairs of ``new`` queries at positions ``context..context+new-1`` (each sees itself
+    and everything before, at most ``window`` keys)."""
+    def upto(n: int) -> int:  # sum over p < n of min(p + 1, window)
+        if window is None or n <= window:
+            return n * (n + 1) // 2
+        return window * (window + 1) // 2 + (n - window) * window
+    return upto(context + new) - upto(context)
+
+
+def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, context: int, prec: Precision,
+              sharding: shapes.Sharding) -> list[Op]:
+    tp = sharding.tp
+    h, d = config.hidden_size, config.head_dim
+    hq, hk = config.num_heads // tp, shapes.kv_heads_per_rank(config, tp)
+    w, a, kv = prec.weight, prec.act, prec.kv
+    T = rows * new_tokens
+    ops = [Op("input_norm", "vec", 4 * T * h, 2 * T * h * a + h * w, layer)]
+    n_qkv = (hq + 2 * hk) * d
+    ops.append(Op("qkv_proj", "matmul", 2 * T * h * n_qkv, h * n_qkv * w + T * (h + n_qkv) * a, layer))
+    ops.append(Op("qk_norm_rope", "vec", 8 * T * (hq + hk) * d, 2 * T * (hq + hk) * d * a, layer))
+    ops.append(Op("kv_write", "vec", 0, T * 2 * hk * d * (a + kv), layer))
+    pairs = rows * _causal_pairs(context, new_tokens, config.sliding_window)
+    keys = min(context + new_tokens, config.sliding_window or context + new_tokens)
+    ops.append(Op("attention", "attention", 4 * hq * d * pairs, rows * keys * 2 * hk * d * kv + 2 * T * hq * d * a,
+                  layer))
+    ops.append(Op("o_proj", "matmul", 2 * T * hq * d * h, hq * d * h * w + T * (hq * d + h) * a, layer))
+    if tp > 1:
+        ops.append(Op("attn_all_reduce", "comm", 0, T * h * a, layer, "tp", tp))
+    ops.append(Op("post_attn_norm", "vec", 5 * T * h, 3 * T * h * a + h * w, layer))
+    if config.is_moe_layer(layer):
+        e, k, mi = config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
+        ops.append(Op("router", "matmul", 2 * T * h * e, h * e * w + T * (h + e) * a, layer))
+        touched = 1.0 - (1.0 - k / e) ** T
+        expert_bytes = touched * (e // sharding.ep) * 3 * h * (mi // sharding.moe_tp) * w
+        if sharding.ep > 1:
+            a2a = T * k * h * a / tp * (sharding.ep - 1) / sharding.ep
+            ops.append(Op("moe_dispatch", "comm", 0, a2a, layer, "ep", sharding.ep))
+        ops.append(Op("experts", "matmul", 2 * T * k * 3 * h * mi / tp, expert_bytes + T * k * (2 * h + 3 * mi) * a / tp,
+                      layer))
+        if sharding.ep > 1:
+            ops.append(Op("moe_combine", "comm", 0, a2a, layer, "ep", sharding.ep))
+    else:
+        inter = config.intermediate_size // tp
+        gated = config.architecture != "falcon"
+        n_up = (2 if gated else 1) * inter
+        ops.append(Op("gate_up_proj", "matmul", 2 * T * h * n_up, h * n_up * w + T * (h + n_up) * a, layer))
+        ops.append(Op("act", "vec", 8 * T * inter, (n_up + inter) * T * a, layer))
+        ops.append(Op("down_proj", "matmul", 2 * T * inter * h, inter * h * w + T * (inter + h) * a, layer))
+    if tp > 1:
+        ops.append(Op("mlp_all_reduce", "comm", 0, T * h * a, layer, "tp", tp))
+    return ops
+
+
+def stage_ops(config: ModelConfig, stage: PipelineStageInfo, *, rows: int, new_tokens: int, context: int,
+              prec: Precision = Precision(), sharding: shapes.Sharding = shapes.Sharding()) -> list[Op]:
+    """Every op of ``stage`` for one microbatch (logits only for each row's last token)."""
+    for name, value in (("rows", rows), ("new_tokens", new_tokens), ("context", context)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"stage_ops: {name} must be an int >= 0, got {value!r}")
+    h, T, a, w = config.hidden_size, rows * new_tokens, prec.act, prec.weight
+    ops: list[Op] = []
+    if stage.is_first_stage:
+        ops.append(Op("embedding", "vec", 0, T * h * (w + a)))
+    for layer in stage.active_layer_indices:
+        ops += layer_ops(config, layer, rows=rows, new_tokens=new_tokens, context=context, prec=prec, sharding=sharding)
+    if stage.is_last_stage:
+        tp, v = sharding.tp, config.vocab_size
+        vr = -(-v // tp)
+        ops.append(Op("final_norm", "vec", 4 * rows * h, 2 * rows * h * a + h * w))
+        ops.append(Op("lm_head", "matmul", 2 * rows * h * vr, vr * h * w + rows * (h + vr) * a))
+        if tp > 1:
+            ops.append(Op("logits_all_gather", "comm", 0, rows * v * 4 / tp * (tp - 1), None, "tp", tp))
+        ops.append(Op("sampling", "vec", 4 * rows * v, rows * v * 4))
+    return ops
+
+
+def op_time(op: Op, profile: DeviceProfile, dtype: str) -> tuple[float, str]:
+    """Seconds and the bound (mem, comm, cube or vec) of ``op`` on one rank of ``profile``."""
+    if op.kind == "comm":
+        link = profile.links[op.link]
+        n = op.group
+        if op.link == "tp":  # ring all-reduce / all-gather
+            t = 2 * (n - 1) / n * op.bytes / link.bandwidth + 2 * (n - 1) * link.latency_s
+        else:  # all-to-all: bytes already the off-rank share
+            t = op.bytes / link.bandwidth + (n - 1) * link.latency_s
+        return t + profile.op_overhead_s, "comm"
+    mem_t = op.bytes / profile.bandwidth
+    if op.kind == "matmul":
+        flop_t, bound = op.flops / profile.flops(dtype), "cube"
+    elif op.kind == "attention":
+        flop_t, bound = op.flops / profile.attention_flops(dtype), "cube"
+    else:  # vector work: a fraction of the matmul rate (no tensor cores / FMA chains)
+        flop_t, bound = op.flops / (profile.flops(dtype) * 0.1), "vec"
+    if mem_t >= flop_t:
+        return mem_t + profile.op_overhead_s, "mem"
+    return flop_t + profile.op_overhead_s, bound
+
+
+@dataclass(frozen=True, slots=True)
+class StageCompute:
+    time_s: float
+    by_bound: dict[str, float]
+    flops: float
+    bytes: float
+    num_ops: int
+
+
+def stage_compute(ops: list[Op], profile: DeviceProfile, dtype: str) -> StageCompute:
+    by_bound = dict.fromkeys(BOUNDS, 0.0)
+    for op in ops:
+        t, bound = op_time(op, profile, dtype)
+        by_bound[bound] += t
+    return StageCompute(sum(by_bound.values()), by_bound, sum(o.flops for o in ops), sum(o.bytes for o in ops), len(ops))

@@ -1,0 +1,166 @@
+"""One layout, one workload: memory per rank, prefill and decode pipelines, TTFT, TPOT, tokens/s.
+
+Workload: each DP replica serves ``batch`` sequences of ``input_length`` prompt tokens and
+``output_length`` generated tokens, split into ``m`` microbatches (default ``min(batch, pp)``,
+as the runtime keeps up to one microbatch per stage in flight). TTFT is the prefill's pipeline
+latency; TPOT the latency of one decode step of every microbatch at the mean context
+``input_length + output_length // 2``; tokens/s = ``dp * batch * output_length /
+(TTFT + (output_length - 1) * TPOT)``. A layout fits when every stage's weights plus KV (at the
+full ``input_length + output_length``) fit in ``memory_fraction`` of a device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from stagewise.model import shapes
+from stagewise.model.config import ModelConfig
+from stagewise.parallel.plan import StagePlan
+from stagewise.parallel.ranks import ParallelConfig
+from stagewise.planner import compute, memory
+from stagewise.planner.pipeline import (
+    PipelineRuntimeEstimate,
+    build_pipeline_send_recv_events,
+    estimate_hidden_states_message_bytes,
+    estimate_pipeline_runtime_from_stage_times,
+    format_breakdowns,
+    stage_comm_times,
+)
+from stagewise.planner.profiles import DTYPE_BYTES, DeviceProfile, dtype_name
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    input_length: int
+    output_length: int
+    batch: int = 1
+    microbatches: int | None = None
+    weight_dtype: str = "bfloat16"
+    kv_dtype: str = "bfloat16"
+    memory_fraction: float = 0.9
+
+    def __post_init__(self) -> None:
+        for name in ("input_length", "output_length", "batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"workload: {name} must be an int >= 1, got {value!r}")
+        if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
+            raise ValueError(f"workload: microbatches must be an int >= 1, got {self.microbatches!r}")
+        object.__setattr__(self, "weight_dtype", dtype_name(self.weight_dtype))
+        object.__setattr__(self, "kv_dtype", dtype_name(self.kv_dtype))
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"workload: memory_fraction must be in (0, 1], got {self.memory_fraction}")
+
+    def precision(self) -> compute.Precision:
+        w = DTYPE_BYTES[self.weight_dtype]
+        # Activations and compute in the weights' dtype (fp8 weights compute in bf16).
+        act_dtype = self.weight_dtype if self.weight_dtype != "float8" else "bfloat16"
+        return compute.Precision(weight=w, act=DTYPE_BYTES[act_dtype], kv=DTYPE_BYTES[self.kv_dtype],
+                                 compute_dtype=self.weight_dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseEstimate:
+    """One phase (prefill or one decode step) through the pipeline."""
+
+    pipeline: PipelineRuntimeEstimate
+    rows_per_microbatch: int
+    new_tokens: int
+    context: int
+    op_bound: dict[str, float]
+    """Seconds by bound over every stage (mem, comm, cube, vec)."""
+
+    def breakdown_line(self) -> str:
+        return format_breakdowns(self.op_bound, self.pipeline.breakdown())
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutEstimate:
+    layout: ParallelConfig
+    plan: StagePlan
+    stage_memory: list[memory.StageMemory]
+    weight_bytes_per_rank: int
+    kv_bytes_per_rank: int
+    memory_per_rank: int
+    fits: bool
+    prefill: PhaseEstimate
+    decode: PhaseEstimate
+    ttft_s: float
+    tpot_s: float
+    tokens_per_s: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        lay = self.layout
+
+        def phase(p: PhaseEstimate) -> dict:
+            e = p.pipeline
+            return {"latency_s": e.latency_s, "num_microbatches": e.num_microbatches,
+                    "rows_per_microbatch": p.rows_per_microbatch, "new_tokens": p.new_tokens, "context": p.context,
+                    "stage_compute_times_s": list(e.stage_compute_times_s),
+                    "stage_comm_times_s": list(e.stage_comm_times_s), "stage_times_s": list(e.stage_times_s),
+                    "bubble_s": e.bubble_s, "breakdown_s": e.breakdown(), "op_bound_s": p.op_bound,
+                    "breakdown": p.breakdown_line(),
+                    "send_recv_events": [{"src_stage": s.src_stage, "dst_stage": s.dst_stage,
+                                          "message_bytes": s.message_bytes, "latency_s": s.latency_s}
+                                         for s in e.send_recv_events]}
+
+        return {"parallel": lay.label(), "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep,
+                "moe_tp": lay.moe_tp, "moe_dp": lay.moe_dp, "partition": self.plan.policy,
+                "stage_ranges": self.plan.ranges, "stages": [s.to_dict() for s in self.stage_memory],
+                "weight_bytes_per_rank": self.weight_bytes_per_rank, "kv_bytes_per_rank": self.kv_bytes_per_rank,
+                "memory_per_rank": self.memory_per_rank, "fits": self.fits, "ttft_s": self.ttft_s,
+                "tpot_s": self.tpot_s, "tokens_per_s": self.tokens_per_s, "prefill": phase(self.prefill),
+                "decode": phase(self.decode), "notes": self.notes}
+
+
+def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: compute.Precision,
+           sharding: shapes.Sharding, *, batch: int, m: int, new_tokens: int, context: int) -> PhaseEstimate:
+    rows = math.ceil(batch / m)
+    comp, bounds = [], dict.fromkeys(compute.BOUNDS, 0.0)
+    for info in plan.stages:
+        ops = compute.stage_ops(config, info, rows=rows, new_tokens=new_tokens, context=context, prec=prec,
+                                sharding=sharding)
+        sc = compute.stage_compute(ops, profile, prec.compute_dtype)
+        comp.append(sc.time_s)
+        for k, v in sc.by_bound.items():
+            bounds[k] += v
+    nbytes = estimate_hidden_states_message_bytes(rows * new_tokens, config.hidden_size, prec.act)
+    events = build_pipeline_send_recv_events(plan.num_stages, nbytes, profile.links["pp"])
+    in_out = stage_comm_times(plan.num_stages, events)
+    est = estimate_pipeline_runtime_from_stage_times(comp, [a + b for a, b in in_out], m, events, in_out)
+    return PhaseEstimate(est, rows, new_tokens, context, bounds)
+
+
+def estimate_layout(config: ModelConfig, layout: ParallelConfig, workload: Workload, profile: DeviceProfile, *,
+                    partition: str = "even", total_params: float | None = None) -> LayoutEstimate:
+    """Everything the planner predicts for ``layout`` (ValueError when the model cannot take it)."""
+    sharding = shapes.Sharding(layout.tp, layout.ep, layout.moe_tp if config.num_experts else 1)
+    shapes.check_sharding(config, sharding)
+    plan = StagePlan.for_model(config, layout.pp, partition)
+    prec = workload.precision()
+    total_tokens = workload.input_length + workload.output_length
+    stage_mem = memory.stage_memory(config, plan, tokens=total_tokens, batch=workload.batch,
+                                    weight_bytes=prec.weight, kv_bytes_per_elem=prec.kv,
+                                    total_params=total_params, sharding=sharding)
+    per_stage = [s.weight_bytes_exact + s.kv_bytes for s in stage_mem]
+    need = max(per_stage)
+    m = workload.microbatches or min(workload.batch, layout.pp)
+    m = min(m, workload.batch)
+    prefill = _phase(config, plan, profile, prec, sharding, batch=workload.batch, m=m,
+                     new_tokens=workload.input_length, context=0)
+    decode = _phase(config, plan, profile, prec, sharding, batch=workload.batch, m=m, new_tokens=1,
+                    context=workload.input_length + workload.output_length // 2)
+    ttft, tpot = prefill.pipeline.latency_s, decode.pipeline.latency_s
+    total = ttft + (workload.output_length - 1) * tpot
+    notes = []
+    if plan.num_stages > 1 and config.is_multimodal:
+        notes.append("vision tower stored on stage 0, not timed (text requests)")
+    return LayoutEstimate(
+        layout=layout, plan=plan, stage_memory=stage_mem,
+        weight_bytes_per_rank=max(s.weight_bytes_exact for s in stage_mem),
+        kv_bytes_per_rank=max(s.kv_bytes for s in stage_mem), memory_per_rank=need,
+        fits=need <= workload.memory_fraction * profile.memory_bytes, prefill=prefill, decode=decode,
+        ttft_s=ttft, tpot_s=tpot, tokens_per_s=layout.dp * workload.batch * workload.output_length / total,
+        notes=notes)

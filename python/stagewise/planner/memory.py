@@ -1,0 +1,117 @@
+"""Memory of each pipeline stage (seed 001 §2.5-2.6, seed 000 §2.5).
+
+Two weight estimates per stage:
+
+- ``rough`` (seed 000 §2.5): layer-proportional, ``total_params * bytes * L_s / L``, where
+  ``total_params`` is the nominal size in the model's name ("235B") when there is one;
+- ``exact``: the tensors the stage stores (:mod:`stagewise.model.shapes`): its decoder layers,
+  plus embedding and vision tower on stage 0, final norm and LM head on the last stage.
+
+KV cache (seed 000 §2.5, seed 001 §2.6): only the stage's own layers,
+``2 * L_s * kv_heads * head_dim * bytes * batch * T``. A rank must hold its stage's weights and KV:
+the largest stage is what a layout needs per rank.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+from stagewise.model import shapes
+from stagewise.model.config import ModelConfig
+from stagewise.parallel.plan import StagePlan
+
+_NOMINAL = re.compile(r"(?:^|[-_/\s])(\d+(?:\.\d+)?)[bB](?=$|[-_/\s.])")
+
+
+def nominal_params(name: str | None) -> float | None:
+    """Parameters a model's name states (``Qwen3-VL-235B-A22B`` -> 235e9; ``A22B`` is the active
+    count and is skipped); None when the name states none."""
+    if not name:
+        return None
+    m = _NOMINAL.search(str(name))
+    return float(m.group(1)) * 1e9 if m else None
+
+
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    stage: int
+    start_layer: int
+    end_layer: int
+    num_layers: int
+    weight_bytes_rough: int
+    weight_bytes_exact: int
+    kv_bytes: int
+    owns: tuple[str, ...]
+    """Non-layer parts: vision, embedding, final_norm, lm_head."""
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["owns"] = list(self.owns)
+        return d
+
+
+def kv_bytes(config: ModelConfig, num_layers: int, *, tokens: int, batch: int = 1, kv_bytes_per_elem: int = 2,
+             tp: int = 1) -> int:
+    """KV cache of ``num_layers`` layers for ``batch`` sequences of ``tokens`` tokens on one TP rank."""
+    if tokens < 0 or batch < 0:
+        raise ValueError(f"kv_bytes: tokens and batch must be >= 0, got {tokens}, {batch}")
+    return num_layers * shapes.kv_bytes_per_token_layer(config, kv_bytes_per_elem, tp) * batch * tokens
+
+
+def stage_memory(config: ModelConfig, plan: StagePlan, *, tokens: int, batch: int = 1, weight_bytes: int = 2,
+                 kv_bytes_per_elem: int = 2, total_params: float | None = None,
+                 sharding: shapes.Sharding = shapes.Sharding()) -> list[StageMemory]:
+    """Per stage, one rank's weights (rough and exact) and KV at ``tokens`` tokens per sequence."""
+    exact_total = shapes.count(config, shapes.model_tensors(config))
+    total = exact_total if total_params is None else total_params
+    out = []
+    for info in plan.stages:
+        tensors = shapes.stage_tensors(config, info)
+        owns = tuple(p for p in ("vision", "embedding", "final_norm", "lm_head") if any(t.part == p for t in tensors))
+        rough = round(total * weight_bytes * info.num_layers / config.num_layers / sharding.tp)
+        out.append(StageMemory(
+            stage=info.stage_id, start_layer=info.start_layer, end_layer=info.end_layer, num_layers=info.num_layers,
+            weight_bytes_rough=rough, weight_bytes_exact=shapes.count(config, tensors, sharding) * weight_bytes,
+            kv_bytes=kv_bytes(config, info.num_layers, tokens=tokens, batch=batch,
+                              kv_bytes_per_elem=kv_bytes_per_elem, tp=sharding.tp),
+            owns=owns))
+    return out
+
+
+def _rough_gb(nbytes: float) -> str:
+    gb = nbytes / 1e9
+    return f"~{gb:.0f} GB" if gb >= 10 else f"~{gb:.2g} GB"
+
+
+def _rough_gib(nbytes: float) -> str:
+    gib = nbytes / 2**30
+    return f"~{gib:.1f} GiB" if gib >= 1 else f"~{gib:.3g} GiB"
+
+
+def _exact(nbytes: int, unit: str = "GiB") -> str:
+    return f"{nbytes:,} ({nbytes / 1e9:.2f} GB)" if unit == "GB" else f"{nbytes:,} ({nbytes / 2**30:.2f} GiB)"
+
+
+def _md(header: list[str], rows: list[list[str]], align: list[str]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def format_tables(stages: list[StageMemory], *, weight_dtype: str, kv_dtype: str, ctx_label: str,
+                  nominal_label: str) -> str:
+    """Seed 000's table (rough) followed by the exact count, Markdown."""
+    wd, kd = weight_dtype.upper(), kv_dtype.upper()
+    S = len(stages)
+    rough = _md(["Stage", "Decoder layers", "#layers", f"Weights ({wd}, rough)", f"KV @ {ctx_label} ({kd}, rough)"],
+                [[str(s.stage), f"[{s.start_layer}, {s.end_layer})", str(s.num_layers), _rough_gb(s.weight_bytes_rough),
+                  _rough_gib(s.kv_bytes)] for s in stages], ["---:", ":---", "---:", "---:", "---:"])
+    exact = _md(["Stage", "Decoder layers", "#layers", f"Weights ({wd}, exact bytes)", f"KV @ {ctx_label} ({kd}, bytes)",
+                 "Non-layer parts"],
+                [[str(s.stage), f"[{s.start_layer}, {s.end_layer})", str(s.num_layers), _exact(s.weight_bytes_exact, "GB"),
+                  _exact(s.kv_bytes), ", ".join(s.owns) or "-"] for s in stages],
+                ["---:", ":---", "---:", "---:", "---:", ":---"])
+    largest = max(stages, key=lambda s: s.weight_bytes_exact + s.kv_bytes)
+    return "\n".join([f"#### S = {S}", "", f"Rough (layer-proportional, {nominal_label}):", "", *rough, "",
+                      "Exact (from the config's tensor shapes):", "", *exact, "",
+                      f"Largest stage: {largest.stage} needs {_exact(largest.weight_bytes_exact + largest.kv_bytes)} "
+                      "per rank (weights + KV)."])

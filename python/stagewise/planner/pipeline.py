@@ -1,0 +1,103 @@
+"""Pipeline communication, fill-drain latency, bubble and the breakdown line (seed 001 §2.7-2.8)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from stagewise.planner.profiles import Link
+
+
+def estimate_hidden_states_message_bytes(num_tokens: int, hidden_size: int, dtype_size: int) -> int:
+    """Seed 001 §2.7.1: ``num_tokens * hidden_size * dtype_size``."""
+    for name, value in (("num_tokens", num_tokens), ("hidden_size", hidden_size), ("dtype_size", dtype_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"estimate_hidden_states_message_bytes: {name} must be an int >= 0, got {value!r}")
+    return num_tokens * hidden_size * dtype_size
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineSendRecvEvent:
+    src_stage: int
+    dst_stage: int
+    message_bytes: int
+    latency_s: float
+
+
+def build_pipeline_send_recv_events(num_stages: int, message_bytes: int, link: Link) -> list[PipelineSendRecvEvent]:
+    """One hidden-states hop per adjacent pair ``i -> i + 1`` (none for one stage)."""
+    if num_stages < 1:
+        raise ValueError(f"build_pipeline_send_recv_events: num_stages must be >= 1, got {num_stages}")
+    t = link.one_way_s(message_bytes)
+    return [PipelineSendRecvEvent(i, i + 1, message_bytes, t) for i in range(num_stages - 1)]
+
+
+def stage_comm_times(num_stages: int, events: Sequence[PipelineSendRecvEvent]) -> list[tuple[float, float]]:
+    """``(incoming, outgoing)`` per stage (seed 001 §2.7.2 table): the first stage only sends, the
+    last only receives, middle stages both; one stage or empty messages: zero."""
+    comm = [[0.0, 0.0] for _ in range(num_stages)]
+    for e in events:
+        if not (0 <= e.src_stage < num_stages and 0 <= e.dst_stage < num_stages):
+            raise ValueError(f"stage_comm_times: event {e} names a stage outside [0, {num_stages})")
+        comm[e.src_stage][1] += e.latency_s
+        comm[e.dst_stage][0] += e.latency_s
+    return [(a, b) for a, b in comm]
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineRuntimeEstimate:
+    """Seed 001 §2.7.4."""
+
+    latency_s: float
+    stage_compute_times_s: tuple[float, ...]
+    stage_comm_times_s: tuple[float, ...]
+    stage_times_s: tuple[float, ...]
+    num_microbatches: int
+    send_recv_events: tuple[PipelineSendRecvEvent, ...] = ()
+    stage_comm_in_out_s: tuple[tuple[float, float], ...] = field(default=())
+
+    @property
+    def bubble_s(self) -> float:
+        """Seed 001 §2.8: ``max(0, latency - sum(stage_times))``."""
+        return max(0.0, self.latency_s - sum(self.stage_times_s))
+
+    def breakdown(self) -> dict[str, float]:
+        """Seed 001 §2.8's ``{model}_pipeline_parallel`` entry, in seconds."""
+        return {"compute": sum(self.stage_compute_times_s), "communication": sum(self.stage_comm_times_s),
+                "bubble": self.bubble_s}
+
+
+def estimate_pipeline_runtime_from_stage_times(compute_s: Sequence[float], comm_s: Sequence[float],
+                                               num_microbatches: int = 1,
+                                               events: Sequence[PipelineSendRecvEvent] = (),
+                                               comm_in_out: Sequence[tuple[float, float]] = ()
+                                               ) -> PipelineRuntimeEstimate:
+    """``stage_time = compute + comm``; ``latency = sum(stage_times) + (m - 1) * max(stage_times)``."""
+    if len(compute_s) != len(comm_s) or not compute_s:
+        raise ValueError(f"estimate_pipeline_runtime_from_stage_times: need one compute and one comm time per stage, "
+                         f"got {len(compute_s)} and {len(comm_s)}")
+    if any(t < 0 for t in (*compute_s, *comm_s)):
+        raise ValueError("estimate_pipeline_runtime_from_stage_times: times must be >= 0")
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"estimate_pipeline_runtime_from_stage_times: num_microbatches must be an int >= 1, "
+                         f"got {num_microbatches!r}")
+    stage_times = tuple(a + b for a, b in zip(compute_s, comm_s))
+    latency = sum(stage_times) + (num_microbatches - 1) * max(stage_times)
+    return PipelineRuntimeEstimate(latency, tuple(compute_s), tuple(comm_s), stage_times, num_microbatches,
+                                   tuple(events), tuple(comm_in_out))
+
+
+def format_breakdowns(op_bound: Mapping[str, float] | None, pipeline: Mapping[str, float] | None) -> str:
+    """Seed 001 §2.8: ``Mem 25.00 | Comm 25.00 | Cube 50.00 | Vec 0.00 | PP Compute 50.00 | PP Comm 16.67 |
+    PP Bubble 33.33``; each group in percent of its own total (op-bound: of the summed op times;
+    PP: of compute + communication + bubble, which is the latency)."""
+    parts = []
+    if op_bound:
+        total = sum(op_bound.values())
+        for key, label in (("mem", "Mem"), ("comm", "Comm"), ("cube", "Cube"), ("vec", "Vec")):
+            parts.append(f"{label} {100 * op_bound.get(key, 0.0) / total if total else 0.0:.2f}")
+    if pipeline:
+        total = sum(pipeline.values())
+        for key, label in (("compute", "PP Compute"), ("communication", "PP Comm"), ("bubble", "PP Bubble")):
+            parts.append(f"{label} {100 * pipeline.get(key, 0.0) / total if total else 0.0:.2f}")
+    return " | ".join(parts)

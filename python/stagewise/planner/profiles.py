@@ -1,0 +1,176 @@
+"""Device profiles: what one rank can do, as data (JSON files).
+
+Built-in profiles live in ``planner/profiles/*.json`` (h100-sxm, h200, a100, cpu-generic);
+``stagewise bench profile`` writes one measured on this machine. Fields:
+
+- ``memory_bytes``: memory of one device (a rank);
+- ``peak_flops``: matmul FLOP/s by dtype name (float32, bfloat16, float16, float8);
+- ``memory_bandwidth``: bytes/s of device memory;
+- ``efficiency``: fractions of those peaks reached by ``matmul``, ``attention`` and ``memory``-bound
+  ops (1.0 in a measured profile: its peaks are already achieved rates);
+- ``op_overhead_s``: fixed cost of each operator (kernel launch, dispatch);
+- ``links``: ``{"tp"|"pp"|"ep": {"latency_s", "bandwidth"}}`` used for TP all-reduces, PP hops and
+  expert all-to-alls;
+- ``transports``: measured ``{"tcp"|"shm"|...: {"latency_s", "bandwidth"}}``; ``--transport``
+  makes one of them the PP link.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BUILTIN_DIR = Path(__file__).resolve().parent / "profiles"
+LINK_KINDS = ("tp", "pp", "ep")
+DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+               "fp16": "float16", "float16": "float16", "half": "float16", "fp8": "float8", "float8": "float8",
+               "int8": "float8"}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+
+
+def dtype_name(value: str) -> str:
+    """Canonical dtype name (``bf16`` -> ``bfloat16``); ValueError for anything else."""
+    key = str(value).lower().removeprefix("torch.")
+    if key not in DTYPE_NAMES:
+        raise ValueError(f"dtype: expected one of {sorted(DTYPE_NAMES)}, got {value!r}")
+    return DTYPE_NAMES[key]
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    latency_s: float
+    bandwidth: float
+    """bytes/s, one direction."""
+
+    def one_way_s(self, nbytes: float) -> float:
+        """Seed 001 §2.7.2: ``latency + message_bytes / bandwidth`` (0 for an empty message)."""
+        return 0.0 if nbytes <= 0 else self.latency_s + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceProfile:
+    name: str
+    memory_bytes: int
+    peak_flops: dict[str, float]
+    memory_bandwidth: float
+    efficiency: dict[str, float]
+    op_overhead_s: float
+    links: dict[str, Link]
+    transports: dict[str, Link] = field(default_factory=dict)
+    kind: str = "gpu"
+    description: str = ""
+    source: str = "built-in"
+    measured: dict[str, Any] = field(default_factory=dict)
+
+    def flops(self, dtype: str) -> float:
+        """Achievable matmul FLOP/s in ``dtype`` (peak times efficiency)."""
+        name = dtype_name(dtype)
+        peak = self.peak_flops.get(name)
+        if peak is None:  # e.g. fp8 on an A100: computed in the next wider type
+            peak = self.peak_flops.get("bfloat16") or self.peak_flops["float32"]
+        return peak * self.efficiency.get("matmul", 1.0)
+
+    def attention_flops(self, dtype: str) -> float:
+        return self.flops(dtype) / self.efficiency.get("matmul", 1.0) * self.efficiency.get("attention", 1.0)
+
+    @property
+    def bandwidth(self) -> float:
+        """Achievable memory bytes/s."""
+        return self.memory_bandwidth * self.efficiency.get("memory", 1.0)
+
+    def with_transport(self, transport: str | None) -> DeviceProfile:
+        """This profile with the measured ``transport`` as its PP link."""
+        if transport is None:
+            return self
+        if transport not in self.transports:
+            raise ValueError(f"device profile {self.name!r}: transport {transport!r} was not measured; "
+                             f"it has {sorted(self.transports) or 'none'}")
+        links = {**self.links, "pp": self.transports[transport]}
+        return DeviceProfile(**{**_fields(self), "links": links})
+
+    def to_dict(self) -> dict[str, Any]:
+        d = _fields(self)
+        d["links"] = {k: {"latency_s": v.latency_s, "bandwidth": v.bandwidth} for k, v in self.links.items()}
+        d["transports"] = {k: {"latency_s": v.latency_s, "bandwidth": v.bandwidth} for k, v in self.transports.items()}
+        return d
+
+
+def _fields(p: DeviceProfile) -> dict[str, Any]:
+    return {f: getattr(p, f) for f in DeviceProfile.__slots__}
+
+
+def _number(where: str, d: dict, key: str, positive: bool = True) -> float:
+    value = d.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (value <= 0 if positive else value < 0):
+        raise ValueError(f"{where}: field {key!r} must be a {'positive' if positive else 'non-negative'} number, "
+                         f"got {value!r}")
+    return float(value)
+
+
+def _link(where: str, d: Any) -> Link:
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected an object with latency_s and bandwidth, got {d!r}")
+    return Link(_number(where, d, "latency_s", positive=False), _number(where, d, "bandwidth"))
+
+
+def profile_from_dict(d: Any, source: str = "built-in") -> DeviceProfile:
+    """A validated profile; ValueError names the field."""
+    where = f"device profile {source}"
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(d).__name__}")
+    name = d.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: field 'name' must be a non-empty string, got {name!r}")
+    peaks = d.get("peak_flops")
+    if not isinstance(peaks, dict) or not peaks:
+        raise ValueError(f"{where}: field 'peak_flops' must map dtype names to FLOP/s, got {peaks!r}")
+    peak_flops = {dtype_name(k): _number(f"{where} peak_flops", peaks, k) for k in peaks}
+    if "float32" not in peak_flops and "bfloat16" not in peak_flops:
+        raise ValueError(f"{where}: peak_flops needs float32 or bfloat16, got {sorted(peak_flops)}")
+    eff = d.get("efficiency", {})
+    if not isinstance(eff, dict):
+        raise ValueError(f"{where}: field 'efficiency' must be an object, got {eff!r}")
+    for k, v in eff.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+            raise ValueError(f"{where}: efficiency.{k} must be in (0, 1], got {v!r}")
+    links_in = d.get("links")
+    if not isinstance(links_in, dict) or any(k not in links_in for k in LINK_KINDS):
+        raise ValueError(f"{where}: field 'links' must give {list(LINK_KINDS)}, got {links_in!r}")
+    links = {k: _link(f"{where} links.{k}", links_in[k]) for k in LINK_KINDS}
+    transports_in = d.get("transports") or {}
+    if not isinstance(transports_in, dict):
+        raise ValueError(f"{where}: field 'transports' must be an object, got {transports_in!r}")
+    transports = {k: _link(f"{where} transports.{k}", v) for k, v in transports_in.items()}
+    return DeviceProfile(name=name, memory_bytes=int(_number(where, d, "memory_bytes")), peak_flops=peak_flops,
+                         memory_bandwidth=_number(where, d, "memory_bandwidth"), efficiency=dict(eff),
+                         op_overhead_s=_number(where, d, "op_overhead_s", positive=False), links=links,
+                         transports=transports, kind=str(d.get("kind", "gpu")),
+                         description=str(d.get("description", "")), source=source,
+                         measured=dict(d.get("measured") or {}))
+
+
+def builtin_profiles() -> list[str]:
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.json"))
+
+
+ALIASES = {"h100": "h100-sxm", "cpu": "cpu-generic"}
+
+
+def load_profile(name_or_file: str | Path) -> DeviceProfile:
+    """A built-in profile by name (``h100-sxm``, ``h200``, ``a100``, ``cpu-generic``) or a JSON file."""
+    text = str(name_or_file)
+    name = ALIASES.get(text.lower(), text.lower())
+    path = BUILTIN_DIR / f"{name}.json"
+    source = f"built-in {name!r}"
+    if not path.is_file():
+        path, source = Path(text), repr(text)
+        if not path.is_file():
+            raise ValueError(f"device profile: {text!r} is neither a built-in profile ({', '.join(builtin_profiles())}) "
+                             "nor a JSON file")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"device profile {source}: not valid JSON: {err}") from None
+    return profile_from_dict(data, source)

@@ -1,0 +1,170 @@
+"""Predictions checked against measured runs of the runtime, and what the planner learns from them.
+
+``stagewise plan validate MODEL --stages 1 2 3`` runs the real pipeline for each stage count,
+predicts the same run with a measured device profile, and prints predicted vs measured per-stage
+busy time, TPOT, TTFT and bubble with the error in %. The results go to
+``bench/results/<device>-plan-validate.{json,md}`` and, as the planner's latest validation, to
+``planner/validation.json`` (:data:`STORE`), which every later ``stagewise plan`` reads to state
+its expected error and to flag predictions outside the validated range.
+
+Measurement lives in one function, :func:`measure`; everything else only sees
+:class:`MeasuredRun`. Definitions (both sides): ``ttft_s`` = submit to first token (the prefill);
+``tpot_s`` = decode time / decode steps; ``per_stage_busy_s`` = seconds each stage computes (and
+communicates) per decode step of all microbatches; ``bubble_s`` = per decode step, the time the
+pipeline is not busy with the stage work of seed 001 §2.8 (``latency - sum(stage_times)``; the
+runtime reports it from its per-stage idle time). Bubble errors are stated in % of TPOT, as
+the bubble itself may be zero.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+STORE = Path(__file__).resolve().parent / "validation.json"
+
+
+@dataclass(kw_only=True, slots=True)
+class MeasuredRun:
+    stages: int
+    per_stage_busy_s: list[float]
+    tpot_s: float
+    ttft_s: float
+    bubble_s: float
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def measure(model: str, stages: int, *, batch: int, input_length: int, output_length: int,
+            transport: str | None = None, repeats: int = 3, log=print) -> MeasuredRun:
+    """Run ``model`` split into ``stages`` stages on this machine and time it (median of ``repeats``).
+
+    The one place that talks to the runtime: S = 1 runs the single-process engine
+    (:class:`stagewise.Pipeline`); S > 1 needs the pipeline-parallel runtime.
+    """
+    if stages > 1:
+        raise NotImplementedError(
+            f"plan validate: measuring stages={stages} needs the pipeline runtime (stagewise.Pipeline with "
+            "stages > 1 and per-stage stats), which is not available in this build; validate --stages 1 for now")
+    from stagewise.api import Pipeline
+    from stagewise.bench.e2e import make_prompts
+
+    if transport not in (None, "tcp"):
+        raise ValueError(f"plan validate: --transport {transport!r} needs the pipeline runtime; with one stage "
+                         "nothing is sent")
+    max_len = input_length + output_length + 1
+    pipe = Pipeline(model, dtype="float32", max_num_seqs=batch, max_model_len=max_len,
+                    max_num_tokens=batch * max_len)
+    prompts = make_prompts(pipe.checkpoint, batch, input_length)
+    pipe.generate(prompt_token_ids=prompts, max_new_tokens=2, ignore_eos=True)  # warm-up
+    ttfts, tpots = [], []
+    for i in range(repeats):
+        pipe.generate(prompt_token_ids=prompts, max_new_tokens=output_length, ignore_eos=True)
+        s = pipe.last_stats
+        steps = s["decode_tokens"] / batch
+        ttfts.append(s["ttft_s"])
+        tpots.append(s["decode_s"] / steps)
+        log(f"  S=1 run {i + 1}/{repeats}: TTFT {1e3 * ttfts[-1]:.1f} ms, TPOT {1e3 * tpots[-1]:.2f} ms")
+    tpot = statistics.median(tpots)
+    return MeasuredRun(stages=1, per_stage_busy_s=[tpot], tpot_s=tpot, ttft_s=statistics.median(ttfts),
+                       bubble_s=0.0, details={"ttft_runs_s": ttfts, "tpot_runs_s": tpots})
+
+
+def _err(pred: float, meas: float) -> float | None:
+    return None if meas == 0 else 100.0 * (pred - meas) / meas
+
+
+def compare(predicted, measured: MeasuredRun) -> list[dict]:
+    """Rows ``{stages, metric, predicted_s, measured_s, error_pct}`` for one configuration;
+    ``predicted`` is a :class:`~stagewise.planner.estimate.LayoutEstimate`."""
+    dec = predicted.decode.pipeline
+    m = dec.num_microbatches
+    rows = [{"metric": "ttft", "predicted_s": predicted.ttft_s, "measured_s": measured.ttft_s},
+            {"metric": "tpot", "predicted_s": predicted.tpot_s, "measured_s": measured.tpot_s}]
+    for i, (p, b) in enumerate(zip(dec.stage_times_s, measured.per_stage_busy_s)):
+        rows.append({"metric": f"stage{i}_busy", "predicted_s": p * m, "measured_s": b})
+    rows.append({"metric": "bubble", "predicted_s": dec.bubble_s, "measured_s": measured.bubble_s})
+    for r in rows:
+        r["stages"] = measured.stages
+        if r["metric"] == "bubble":  # relative to the step: the bubble itself may be 0
+            r["error_pct"] = 100.0 * (r["predicted_s"] - r["measured_s"]) / measured.tpot_s
+            r["error_of"] = "tpot"
+        else:
+            r["error_pct"] = _err(r["predicted_s"], r["measured_s"])
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = ["| S | metric | predicted ms | measured ms | error % |", "|---:|:---|---:|---:|---:|"]
+    for r in rows:
+        err = "-" if r["error_pct"] is None else f"{r['error_pct']:+.1f}" + (" (of TPOT)" if r.get("error_of") else "")
+        lines.append(f"| {r['stages']} | {r['metric']} | {1e3 * r['predicted_s']:.3f} | {1e3 * r['measured_s']:.3f} | "
+                     f"{err} |")
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict], *, model: str, architecture: str, profile: dict, workload: dict,
+            machine: dict) -> dict:
+    """The store's content: the rows, the range they cover and the largest errors per metric."""
+    stages = sorted({r["stages"] for r in rows})
+    worst: dict[str, float] = {}
+    for r in rows:
+        if r["error_pct"] is None:
+            continue
+        key = "stage_busy" if r["metric"].startswith("stage") else r["metric"]
+        worst[key] = max(worst.get(key, 0.0), abs(r["error_pct"]))
+    return {"date_utc": machine.get("date_utc"), "machine": machine, "model": model, "profile": profile,
+            "workload": workload, "rows": rows, "expected_error_pct": worst,
+            "range": {"stages": [stages[0], stages[-1]], "batch": [workload["batch"]] * 2,
+                      "input_length": [workload["input_length"]] * 2,
+                      "output_length": [workload["output_length"]] * 2,
+                      "architectures": [architecture], "device_kind": profile.get("kind"),
+                      "profiles": [profile.get("name")]}}
+
+
+@dataclass(frozen=True, slots=True)
+class Validation:
+    data: dict
+
+    @property
+    def expected_error_pct(self) -> dict[str, float]:
+        return self.data.get("expected_error_pct", {})
+
+    def describe(self) -> str:
+        e, r = self.expected_error_pct, self.data.get("range", {})
+        errs = ", ".join(f"{k.upper()} ±{v:.0f}%" for k, v in sorted(e.items()) if k in ("ttft", "tpot", "bubble"))
+        s = r.get("stages", [1, 1])
+        return (f"expected error {errs or 'unknown'} (latest validation {self.data.get('date_utc', '?')}: "
+                f"{self.data.get('model')} on {self.data.get('profile', {}).get('name')}, S={s[0]}..{s[1]})")
+
+    def flags(self, *, stages: int, batch: int, input_length: int, output_length: int, architecture: str,
+              profile_name: str, profile_kind: str) -> list[str]:
+        """Why a prediction lies outside the validated range (empty: inside)."""
+        r, out = self.data.get("range", {}), []
+        for name, value in (("PP", stages), ("batch", batch), ("input", input_length), ("output", output_length)):
+            key = {"PP": "stages", "input": "input_length", "output": "output_length"}.get(name, name)
+            lo, hi = r.get(key, [value, value])
+            if not lo <= value <= hi:
+                out.append(f"{name}={value} outside validated {lo}..{hi}")
+        if architecture not in r.get("architectures", [architecture]):
+            out.append(f"{architecture} not validated")
+        if profile_name not in r.get("profiles", [profile_name]):
+            kind = r.get("device_kind")
+            out.append(f"profile {profile_name} not validated" + (f" ({kind} only)" if kind != profile_kind else ""))
+        return out
+
+
+def load_latest(path: Path | None = None) -> Validation | None:
+    """The planner's latest validation (None if it has none or the file is unreadable)."""
+    path = path or STORE
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return Validation(data) if isinstance(data, dict) else None
+
+
+def measured_to_dict(m: MeasuredRun) -> dict:
+    return asdict(m)
