@@ -122,8 +122,8 @@ def test_plot_and_trace(capsys, tmp_path):
      "neither a built-in profile"),
     (["memory", "qwen3-4b", "--stages", "0"], "must be positive integers"),
     (["memory", "qwen3-4b", "--stages", "40"], "without layers"),
-    (["validate", "smollm2-135m", "--stages", "2", "--device-profile", "cpu-generic"],
-     "needs the pipeline runtime"),
+    (["validate", "smollm2-135m", "--stages", "0", "--device-profile", "cpu-generic"],
+     "--stages, --batch, --input-length, --repeats must be >= 1"),
 ])
 def test_bad_input_is_a_clear_error(capsys, argv, message):
     code, _, err = _run(capsys, *argv)

@@ -440,7 +440,7 @@ def run_validate(argv: list[str]) -> int:
             measured = val.measure(args.model, S, batch=args.batch, input_length=args.input_length,
                                    output_length=args.output_length, transport=args.transport,
                                    repeats=args.repeats, log=log)
-        except NotImplementedError as err:
+        except (NotImplementedError, ValueError, RuntimeError, TimeoutError) as err:
             raise PlanError(str(err)) from None
         rows += val.compare(est, measured)
     table = val.format_rows(rows)

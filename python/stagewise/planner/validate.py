@@ -41,35 +41,49 @@ def measure(model: str, stages: int, *, batch: int, input_length: int, output_le
             transport: str | None = None, repeats: int = 3, log=print) -> MeasuredRun:
     """Run ``model`` split into ``stages`` stages on this machine and time it (median of ``repeats``).
 
-    The one place that talks to the runtime: S = 1 runs the single-process engine
-    (:class:`stagewise.Pipeline`); S > 1 needs the pipeline-parallel runtime.
+    The one place that talks to the runtime: S = 1 runs the single-process engine, S > 1 the
+    stage processes (:class:`stagewise.Pipeline` with ``stages=S``, one torch thread per stage),
+    whose per-stage busy time comes from the stages' own stats (prefill taken off).
     """
-    if stages > 1:
-        raise NotImplementedError(
-            f"plan validate: measuring stages={stages} needs the pipeline runtime (stagewise.Pipeline with "
-            "stages > 1 and per-stage stats), which is not available in this build; validate --stages 1 for now")
     from stagewise.api import Pipeline
     from stagewise.bench.e2e import make_prompts
 
-    if transport not in (None, "tcp"):
-        raise ValueError(f"plan validate: --transport {transport!r} needs the pipeline runtime; with one stage "
+    if stages == 1 and transport not in (None, "tcp"):
+        raise ValueError(f"plan validate: --transport {transport!r} applies to stages > 1; with one stage "
                          "nothing is sent")
     max_len = input_length + output_length + 1
-    pipe = Pipeline(model, dtype="float32", max_num_seqs=batch, max_model_len=max_len,
-                    max_num_tokens=batch * max_len)
-    prompts = make_prompts(pipe.checkpoint, batch, input_length)
-    pipe.generate(prompt_token_ids=prompts, max_new_tokens=2, ignore_eos=True)  # warm-up
-    ttfts, tpots = [], []
-    for i in range(repeats):
-        pipe.generate(prompt_token_ids=prompts, max_new_tokens=output_length, ignore_eos=True)
-        s = pipe.last_stats
-        steps = s["decode_tokens"] / batch
-        ttfts.append(s["ttft_s"])
-        tpots.append(s["decode_s"] / steps)
-        log(f"  S=1 run {i + 1}/{repeats}: TTFT {1e3 * ttfts[-1]:.1f} ms, TPOT {1e3 * tpots[-1]:.2f} ms")
+    options = {} if stages == 1 else {"transport": transport or "auto", "threads": 1}
+    pipe = Pipeline(model, stages=stages, dtype="float32", max_num_seqs=batch, max_model_len=max_len,
+                    max_num_tokens=batch * max_len, **options)
+    try:
+        prompts = make_prompts(pipe.checkpoint, batch, input_length)
+        pipe.generate(prompt_token_ids=prompts, max_new_tokens=2, ignore_eos=True)  # warm-up
+        ttfts, tpots, busy_runs, prefill_busy = [], [], [], None
+        if stages > 1:  # what the stages spend on the prefill alone, taken off the decode busy time
+            pipe.generate(prompt_token_ids=prompts, max_new_tokens=1, ignore_eos=True)
+            prefill_busy = [st["busy_s"] for st in pipe.last_stats["stages"]]
+        for i in range(repeats):
+            pipe.generate(prompt_token_ids=prompts, max_new_tokens=output_length, ignore_eos=True)
+            s = pipe.last_stats
+            steps = s["decode_tokens"] / batch
+            ttfts.append(s["ttft_s"])
+            tpots.append(s["decode_s"] / steps)
+            if prefill_busy is not None:
+                busy_runs.append([(st["busy_s"] - p) / steps for st, p in zip(s["stages"], prefill_busy)])
+            log(f"  S={stages} run {i + 1}/{repeats}: TTFT {1e3 * ttfts[-1]:.1f} ms, TPOT {1e3 * tpots[-1]:.2f} ms")
+    finally:
+        pipe.close()
     tpot = statistics.median(tpots)
-    return MeasuredRun(stages=1, per_stage_busy_s=[tpot], tpot_s=tpot, ttft_s=statistics.median(ttfts),
-                       bubble_s=0.0, details={"ttft_runs_s": ttfts, "tpot_runs_s": tpots})
+    if stages == 1:
+        busy = [tpot]
+    else:
+        busy = [statistics.median(run[i] for run in busy_runs) for i in range(stages)]
+    microbatches = min(batch, stages)
+    # Seed 001 §2.8: the bubble is the step's latency beyond the sum of one microbatch's stage times.
+    bubble = max(0.0, tpot - sum(busy) / microbatches) if stages > 1 else 0.0
+    return MeasuredRun(stages=stages, per_stage_busy_s=busy, tpot_s=tpot, ttft_s=statistics.median(ttfts),
+                       bubble_s=bubble, details={"ttft_runs_s": ttfts, "tpot_runs_s": tpots,
+                                                 "busy_runs_s": busy_runs, "microbatches": microbatches})
 
 
 def _err(pred: float, meas: float) -> float | None:
