@@ -125,3 +125,126 @@ def test_auth_token_and_fingerprint_are_checked(folder):
         driver.close()
     finally:
         stop_processes(procs, grace_s=5.0)
+
+
+def test_a_live_stage_rejects_thousands_of_bad_frames_and_serves_on(folder, tmp_path):
+    """This test plays the driver and stage 0 (an in-process PipelineHead) against a real last
+    stage process. Between valid steps it sends bursts of corrupted, truncated and mismatched
+    frames; each is rejected and counted, and the valid steps still give the engine's tokens."""
+    import threading
+
+    from stagewise.launch.local import _read_address
+    from stagewise.model.checkpoint import open_checkpoint
+    from stagewise.model.stage import StageModel
+    from stagewise.model.weights import load_stage_weights
+    from stagewise.runtime.engine import Engine
+    from stagewise.runtime.pipeline_head import PipelineHead
+    from stagewise.runtime.sampling import SamplingParams
+    from stagewise.runtime.stage_process import step_frame
+    from stagewise.runtime.stage_runtime import rows_of
+
+    ckpt = open_checkpoint(str(folder))
+
+    def model(a, b):
+        return StageModel.from_weights(ckpt.config, a, b, load_stage_weights(ckpt, a, b, dtype=torch.float32))
+
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    engine = Engine(model(0, 4), max_num_seqs=4, max_model_len=64, max_num_tokens=256)
+    for rid, p in enumerate(prompts):
+        engine.add_request(rid, p, params)
+    expected = {}
+    while engine.has_unfinished():
+        expected.update({o.request_id: o.token_ids for o in engine.step()})
+
+    plan = RunPlan.build(str(folder), 4, 2, max_model_len=64, max_num_tokens=256)
+    path = plan.dump(tmp_path / "plan.json")
+    proc = subprocess.Popen([sys.executable, "-m", "stagewise.cli", "stage", "--plan", str(path), "--stage", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        address = _read_address(proc, 1, 120)
+        fp = plan.fingerprint(ckpt.hf_config)
+        back = links.listen(("127.0.0.1", 0), fingerprint=fp)
+        control = links.dial(address, transport="tcp", stage=-1, peer=1, role="driver", fingerprint=fp)
+        ready = control.recv(timeout=120).control
+        control.send(Frame(step_kind=StepKind.CONTROL, control={
+            "op": "setup", "num_blocks": ready["capacity_blocks"], "next": list(back.address), "transport": "tcp"}))
+        accepted = {}
+        acceptor = threading.Thread(target=lambda: accepted.update(ch=links.accept(back, timeout=60)[0]))
+        acceptor.start()
+        up = links.dial(address, transport="tcp", stage=0, peer=1, role="activations", fingerprint=fp)
+        acceptor.join()
+        feedback = accepted["ch"]
+        while (control.recv(timeout=60).control or {}).get("op") != "connected":
+            pass
+
+        head = PipelineHead(model(0, 2), num_groups=1, num_blocks=ready["capacity_blocks"], max_num_seqs=4,
+                            max_model_len=64)
+        for rid, p in enumerate(prompts):
+            head.add_request(rid, p, params)
+        rng, bad_sent, results = random.Random(0), 0, {}
+        while head.has_unfinished():
+            step, _ = head.launch(0)
+            frame = step_frame(rows_of(step.batch), step.hidden_states, group=0, step_id=step.step_id, stage=0,
+                               sampling=step.sampling)
+            good = encode_frame(frame)
+            for _ in range(250):
+                up.send_bytes(_mutate(rng, good, frame))
+                bad_sent += 1
+            up.send(frame)
+            reply = feedback.recv(timeout=60)
+            assert reply.step_kind == StepKind.TOKENS and reply.step_id == step.step_id
+            outs = head.on_tokens(0, reply.step_id, [r.request_id for r in reply.rows],
+                                  reply.tensors["token_ids"].tolist())
+            results.update({o.request_id: o.token_ids for o in outs})
+            freed = head.take_freed()
+            if freed:
+                up.send(Frame(step_kind=StepKind.CONTROL, stage_from=0, stage_to=1,
+                              rows=[Row(r, 0, 0, RowFlags.FINISHED) for r in freed], control={"op": "free"}))
+        assert results == expected
+        assert bad_sent >= 1000
+        control.send(Frame(step_kind=StepKind.CONTROL, control={"op": "stats"}))
+        while (stats := control.recv(timeout=30).control or {}).get("op") != "stats":
+            pass
+        assert stats["rejected_frames"] == bad_sent
+        assert proc.poll() is None
+        control.send(Frame(step_kind=StepKind.CONTROL, control={"op": "shutdown"}))
+        assert proc.wait(timeout=30) == 0
+        err = proc.stderr.read()
+        assert "rejected frame #1 " in err and "bad frame" in err, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def _mutate(rng: random.Random, good: bytes, frame: Frame) -> bytes:
+    """A frame the stage must refuse: corrupted, truncated, or well formed but not fitting the
+    plan (wrong stage, shape, dtype, unknown request, inconsistent rows)."""
+    import dataclasses
+
+    kind = rng.randrange(8)
+    if kind == 0:  # flipped bits anywhere (the checksum or a field check catches them)
+        data = bytearray(good)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        return bytes(data)
+    if kind == 1:
+        return good[: rng.randrange(len(good))]
+    if kind == 2:  # a header claiming a payload far above the maximum
+        data = bytearray(good)
+        data[64:72] = (1 << 40).to_bytes(8, "little")
+        return bytes(data)
+    hidden = frame.tensors["hidden"]
+    if kind == 3:
+        bad = dataclasses.replace(frame, stage_to=7)
+    elif kind == 4:
+        bad = dataclasses.replace(frame, tensors={"hidden": hidden[:, :-1].contiguous()})
+    elif kind == 5:
+        bad = dataclasses.replace(frame, tensors={"hidden": hidden.double()})
+    elif kind == 6:  # a decode row of a request this stage never saw
+        bad = dataclasses.replace(frame, rows=[Row(10_000 + rng.randrange(1000), 5, 1)],
+                                  tensors={"hidden": hidden[:1].contiguous()})
+    else:  # rows that do not add up to the tensor
+        bad = dataclasses.replace(frame, rows=frame.rows + [Row(3, 2, 1)])
+    return encode_frame(bad)
