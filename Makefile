@@ -11,7 +11,7 @@ SOURCES := CMakeLists.txt pyproject.toml $(shell find csrc include -type f 2>/de
 .PHONY: demo test build bench clean
 
 demo: $(VENV)/.built
-	$(PY) -m stagewise.bench kernels
+	$(PY) -m stagewise.demo
 
 test: $(VENV)/.built
 	$(PY) -m pytest -q tests
