@@ -47,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e_args.add_argument("--batch-sizes", default="1,16", help="e2e: comma-separated batch sizes (default: 1,16)")
     e2e_args.add_argument("--prompt-len", type=int, default=128, help="e2e: prompt tokens per row (default: 128)")
     e2e_args.add_argument("--new-tokens", type=int, default=64, help="e2e: generated tokens per row (default: 64)")
+    e2e_args.add_argument("--stages", default=None, metavar="1,2,3",
+                          help="e2e: run the pipeline with these stage counts instead (batch 1 and S x 4 requests)")
+    e2e_args.add_argument("--pipeline-partition", dest="partition", default="balanced",
+                          help="e2e --stages: the partition policy (default: balanced)")
+    e2e_args.add_argument("--pipeline-transport", dest="transport", default="auto",
+                          help="e2e --stages: the transport between stages (default: auto)")
     transport_args = parser.add_argument_group("transport")
     transport_args.add_argument("--transports", default=None, help="transport: comma-separated subset of tcp,torch (default: all)")
 
@@ -143,6 +149,10 @@ def run(args: argparse.Namespace) -> int:
         from stagewise.bench import profile
 
         return profile.run(args, log=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.suite == "e2e" and args.stages:
+        from stagewise.bench import e2e_stages
+
+        return e2e_stages.run(args, log=lambda line: print(line, file=sys.stderr, flush=True))
     if args.suite == "e2e":
         from stagewise.bench import e2e
 

@@ -85,10 +85,12 @@ class PipelineDriver:
             except ChannelClosed as err:
                 raise PipelineBroken(f"stage {stage} closed its connection before {op!r}: {err}") from None
             msg = frame.control or {}
+            if self.last_seen:
+                self.last_seen[stage] = time.monotonic()
             if msg.get("op") == op:
                 return msg
-            if msg.get("op") == "heartbeat":
-                continue
+            if msg.get("op") in ("heartbeat", "events"):
+                continue  # (events only arrive here after every request has ended)
             raise ValueError(f"stage {stage}: expected {op!r}, got {msg.get('op')!r}")
 
     def _check_process(self, stage: int) -> None:
@@ -131,29 +133,23 @@ class PipelineDriver:
         done: list[dict] = []
         if self.broken:
             return self._drain_broken()
-        try:
-            frame = self.controls[0].recv(timeout=timeout)
-        except TimeoutError:
-            frame = None
-        except (ChannelClosed, OSError) as err:
-            self._problems.append((3, 0, f"stage 0 closed its connection ({err})"))
-            self._break(self._diagnose())
-            return self._drain_broken()
+        self.controls[0].poll(timeout)  # wait for stage 0's events (or the timeout)
         now = time.monotonic()
-        if frame is not None:
-            self.last_seen[0] = now
-            msg = frame.control or {}
-            if msg.get("op") == "fatal":
-                self._problems.append((2 if msg.get("neighbour") else 1, 0, f"stage 0 failed: {msg.get('message')}"))
-            done += self._events(msg, now, on_text)
-        for i in range(1, self.plan.num_stages):
+        for i in range(self.plan.num_stages):
             try:
                 while self.controls[i].poll(0):
-                    msg = self.controls[i].recv(timeout=0).control or {}
+                    try:
+                        msg = self.controls[i].recv(timeout=0.5).control or {}
+                    except TimeoutError:
+                        break  # a frame still arriving: read it next time
+                    # Every message, heartbeats included, shows the stage alive; messages read
+                    # late (between generate calls) count from when they are read.
                     self.last_seen[i] = now
                     if msg.get("op") == "fatal":
                         self._problems.append((2 if msg.get("neighbour") else 1, i,
                                                f"stage {i} failed: {msg.get('message')}"))
+                    elif i == 0:
+                        done += self._events(msg, now, on_text)
             except (ChannelClosed, OSError) as err:
                 self._problems.append((3, i, f"stage {i} closed its connection ({err})"))
         for i in range(self.plan.num_stages):

@@ -1,0 +1,30 @@
+"""`stagewise bench e2e --stages` on a tiny random model: it runs, compares tokens with S = 1 and
+writes its table (the SmolLM2 figures are committed under bench/results/)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from stagewise.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_bench_e2e_stages_writes_results(tmp_path, capsys):
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, max_position_embeddings=64))
+    hf.save_pretrained(tmp_path / "m")
+    code = main(["bench", "e2e", "--model", str(tmp_path / "m"), "--stages", "2", "--prompt-len", "4",
+                 "--new-tokens", "3", "--repeats", "1", "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads(next(tmp_path.glob("*-e2e-stages.json")).read_text())
+    rows = {(r["stages"], r["requests"]): r for r in data["rows"]}
+    assert set(rows) == {(1, 1), (1, 4), (2, 1), (2, 8)}
+    assert rows[(2, 1)]["tokens_equal_s1"] is True
+    assert len(rows[(2, 8)]["busy_pct"]) == 2 and all(0 < b <= 100 for b in rows[(2, 8)]["busy_pct"])
+    assert "overhead %" in capsys.readouterr().out
