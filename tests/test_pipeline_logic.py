@@ -170,3 +170,34 @@ def test_a_failing_later_stage_ends_only_that_step(folder):
         head.on_tokens(step1.group, 99, [1], [3])
     assert head.on_tokens(step1.group, step1.step_id, [1], [42]) == []
     assert head.has_unfinished()
+
+
+def test_kv_handoff_moves_a_request_between_two_stage_instances(folder):
+    """Run a request on one instance of the last stage, move its KV (through the wire codec) to
+    a second instance, continue there: the tokens are those of the engine, with seeded sampling."""
+    from stagewise.runtime.kv_handoff import export_kv, import_kv
+    from stagewise.transport import decode_frame, encode_frame
+
+    prompt, params = [5, 9, 14, 3, 77, 21], SamplingParams(max_new_tokens=10, temperature=0.7, top_k=30, seed=5,
+                                                            ignore_eos=True)
+    expected = run_engine(folder, [(prompt, params)], {})[0][0]
+    head = PipelineHead(stage_model(folder, 0, 2), num_groups=1, num_blocks=NUM_BLOCKS, max_num_seqs=2,
+                        max_model_len=64, block_size=BLOCK)
+    first, second = (StageRuntime(stage_model(folder, 2, 5), num_blocks=NUM_BLOCKS, block_size=BLOCK,
+                                  max_model_len=64) for _ in range(2))
+    second.manager.add("someone-else", 7)  # a busy instance: the request lands on other blocks
+    head.add_request(0, prompt, params)
+    stage, tokens = first, []
+    while head.has_unfinished():
+        step, _ = head.launch(0)
+        out = stage.run(rows_of(step.batch), step.hidden_states, step.sampling).tolist()
+        tokens += out
+        head.on_tokens(0, step.step_id, [0], out)
+        if len(tokens) == 4:  # move mid-generation
+            frame = decode_frame(encode_frame(export_kv(first, 0, stage=1)))
+            first.free([0])
+            import_kv(second, frame)
+            stage = second
+    assert tokens == expected
+    with pytest.raises(ValueError, match="holds layers"):
+        import_kv(StageRuntime(stage_model(folder, 1, 5), num_blocks=8, block_size=BLOCK, max_model_len=64), frame)
