@@ -19,6 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     from stagewise.runtime import stage_process
 
     stage_process.add_arguments(sub.add_parser("stage", help="run one pipeline stage of a run plan (a process)"))
+    from stagewise import cli_launch
+
+    cli_launch.add_arguments(sub.add_parser("launch", help="start a run plan's stages on their hosts (printed "
+                                            "commands, ssh) and drive them"))
     args = parser.parse_args(argv)
     if args.command == "bench":
         from stagewise.bench import run
@@ -28,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         return cli_generate.run(args)
     if args.command == "stage":
         return stage_process.main(args)
+    if args.command == "launch":
+        return cli_launch.run(args)
     return 2
 
 
