@@ -139,11 +139,11 @@ class Pipeline:
         wait for a stage that does not accept yet. ``processes`` (Popen-like, one per stage, e.g.
         ssh clients) are watched and stopped with the pipeline. The model must be readable here
         too: the driver reads its config, tokenizer and chat template."""
-        from stagewise.launch.multihost import connect_address
+        from stagewise.launch.multihost import connect_address, load_plan
         from stagewise.launch.planfile import RunPlan
 
         if not isinstance(plan, RunPlan):
-            plan = RunPlan.load(plan)
+            plan = load_plan(plan)
         if addresses is not None and store is not None:
             raise ValueError("Pipeline.attach: give addresses or store, not both")
         if addresses is None and store is None:

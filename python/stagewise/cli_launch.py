@@ -36,23 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prompt_arguments(parser)
 
 
-def load_plan(path: str, *, need_model: bool):
-    """The plan, with its layer count checked against the model when the model is readable here."""
-    from stagewise.launch.planfile import RunPlan, read_plan_data
-    from stagewise.model.checkpoint import open_checkpoint
-
-    data = read_plan_data(path)
-    if not isinstance(data, dict):
-        return RunPlan.from_dict(data)  # raises, naming the problem
-    stages, model = data.get("stages"), data.get("model")
-    ranges_given = isinstance(stages, list) and all(isinstance(s, dict) and "layers" in s for s in stages)
-    if (need_model or not ranges_given) and isinstance(model, str) and model:
-        return RunPlan.from_dict(data, open_checkpoint(model).config.num_layers)
-    return RunPlan.from_dict(data)
-
-
 def run(args: argparse.Namespace) -> int:
-    from stagewise.launch.multihost import check_plan, printed_command, ssh_spawn
+    from stagewise.launch.multihost import check_plan, load_plan, printed_command, ssh_spawn
 
     interactive = not args.prompt and not args.prompt_ids
     problem = None if interactive else check_prompts(args, PROG)

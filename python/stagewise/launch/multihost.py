@@ -114,10 +114,9 @@ def stage_argv(plan: RunPlan, index: int, *, program: Sequence[str] = ("stagewis
 
 def printed_command(plan: RunPlan, index: int, *, auth: bool, **options) -> str:
     """One shell line for the operator; with auth, the token comes from the host's environment."""
-    extra = ["--auth-token", "$STAGEWISE_AUTH_TOKEN"] if auth else []
     line = shlex.join(stage_argv(plan, index, **options))
-    # "$STAGEWISE_AUTH_TOKEN" must stay expandable: append it outside shlex's single quotes.
-    return line + (' --auth-token "$STAGEWISE_AUTH_TOKEN"' if extra else "")
+    # "$STAGEWISE_AUTH_TOKEN" must stay expandable: appended outside shlex's single quotes.
+    return line + (' --auth-token "$STAGEWISE_AUTH_TOKEN"' if auth else "")
 
 
 def ssh_argv(host: str, argv: Sequence[str], *, auth: bool, ssh: Sequence[str] = ("ssh",),
@@ -161,6 +160,23 @@ def ssh_spawn(plan: RunPlan, *, auth_token: str | None, program: Sequence[str], 
     return procs, addresses
 
 
+def load_plan(source, *, need_model: bool = True) -> RunPlan:
+    """A plan from a file path or a parsed document. A plan without per-stage ``layers`` takes
+    the layer count from its model (which must then be readable here); ``need_model`` also
+    checks the layer ranges against the model."""
+    from stagewise.launch.planfile import read_plan_data
+    from stagewise.model.checkpoint import open_checkpoint
+
+    data = source if isinstance(source, dict) else read_plan_data(source)
+    if not isinstance(data, dict):
+        return RunPlan.from_dict(data)  # raises, naming the problem
+    stages, model = data.get("stages"), data.get("model")
+    ranges_given = isinstance(stages, list) and all(isinstance(s, dict) and "layers" in s for s in stages)
+    if (need_model or not ranges_given) and isinstance(model, str) and model:
+        return RunPlan.from_dict(data, open_checkpoint(model).config.num_layers)
+    return RunPlan.from_dict(data)
+
+
 def stage_from_args(args) -> tuple[RunPlan, int, object]:
     """``stagewise stage``'s plan, stage index and on-listening hook from its arguments
     (``--plan`` or ``--plan-json``; ``--stage`` or ``--torchrun``)."""
@@ -169,9 +185,9 @@ def stage_from_args(args) -> tuple[RunPlan, int, object]:
             data = json.loads(args.plan_json)
         except json.JSONDecodeError as err:
             raise ValueError(f"run plan: --plan-json is not valid JSON: {err}") from None
-        plan = RunPlan.from_dict(data)
+        plan = load_plan(data, need_model=False)
     else:
-        plan = RunPlan.load(args.plan)
+        plan = load_plan(args.plan, need_model=False)
     if args.torchrun:
         from stagewise.launch.torchrun import publish, torchrun_stage
 

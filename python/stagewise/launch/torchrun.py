@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -106,6 +107,9 @@ def publish(stage, *, timeout_s: float = 300.0):
     value = {"host": advertised_host(bound_host, host), "port": int(bound_port), "pid": os.getpid(),
              "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
     store.set(store_key(stage.fingerprint, index), json.dumps(value))
+    if index == 0:  # the driver needs this address: say it where the operator looks
+        print(f"stagewise stage 0: stage addresses are in torch.distributed's store at {host}:{port} "
+              f"(driver: stagewise generate --plan PLAN --store {host}:{port})", file=sys.stderr, flush=True)
     return store
 
 

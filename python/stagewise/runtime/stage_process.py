@@ -34,6 +34,7 @@ from stagewise.runtime import links
 from stagewise.runtime.engine import DEFAULT_BLOCK_SIZE, RequestOutput, default_num_tokens
 from stagewise.runtime.sampling import SamplingParams
 from stagewise.runtime.stage_runtime import StepRow, rows_of
+from stagewise.transport.errors import ChannelClosed
 from stagewise.transport.frame import Frame, Row, RowFlags, StepKind
 
 HEARTBEAT_S = 0.5
@@ -286,6 +287,18 @@ class StageProcess:
                     break  # the driver may close right after it: its EOF is no error
         return messages
 
+    def _shutdown_follows(self, wait_s: float) -> bool:
+        """Whether the driver's shutdown arrives within ``wait_s`` (other messages are dropped)."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                if any(m.get("op") == "shutdown" for m in self._control_messages()):
+                    return True
+            except ChannelClosed:
+                return False
+            self.control.poll(0.05)
+        return False
+
     def _common_control(self, msg: dict) -> bool:
         """Handles shutdown and stats; True when the stage must stop."""
         op = msg.get("op")
@@ -379,7 +392,12 @@ class StageProcess:
             for msg in self._control_messages():
                 if self._common_control(msg):
                     return
-            frame = self._recv(self.upstream, timeout=0.05)
+            try:
+                frame = self._recv(self.upstream, timeout=0.05)
+            except ChannelClosed:
+                if self._shutdown_follows(2.0):
+                    return  # the previous stage got the same shutdown first and closed its link
+                raise
             if frame is None:
                 continue
             if frame.step_kind == StepKind.CONTROL:
