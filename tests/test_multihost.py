@@ -113,8 +113,8 @@ def test_bad_stage_entries_name_the_field(stages, message):
         plan_of(stages)
 
 
-def test_unknown_plan_keys_are_refused(tmp_path, capsys):
-    path = write_plan(tmp_path / "p.json", "smollm2-135m", [{"listen": "127.0.0.1:7000"}], hosts=["a"])
+def test_unknown_plan_keys_are_refused(tiny, tmp_path, capsys):
+    path = write_plan(tmp_path / "p.json", tiny[0], [{"listen": "127.0.0.1:7000"}], hosts=["a"])
     assert cli_main(["launch", str(path), "--print-only"]) == 2
     assert "unknown keys ['hosts']" in capsys.readouterr().err
 
@@ -122,8 +122,8 @@ def test_unknown_plan_keys_are_refused(tmp_path, capsys):
 # ---- printed commands and ssh -------------------------------------------------------------------
 
 
-def test_launch_prints_one_runnable_command_per_stage(tmp_path, capsys):
-    path = write_plan(tmp_path / "p.json", "smollm2-135m", [
+def test_launch_prints_one_runnable_command_per_stage(tiny, tmp_path, capsys):
+    path = write_plan(tmp_path / "p.json", tiny[0], [
         {"host": "192.0.2.7", "listen": "0.0.0.0:7100", "threads": 2},
         {"host": "192.0.2.8", "listen": "192.0.2.8:7100", "device": "cuda:1"}], max_model_len=256)
     assert cli_main(["launch", str(path), "--print-only", "--auth-token", TOKEN]) == 0
@@ -132,14 +132,14 @@ def test_launch_prints_one_runnable_command_per_stage(tmp_path, capsys):
     commands = [line for line in out.splitlines() if not line.startswith("#")]
     assert len(commands) == 2
     plan = load_plan(str(path))
-    assert [s.end_layer for s in plan.stages] == [15, 30]  # even split of SmolLM2's 30 layers
+    assert [s.end_layer for s in plan.stages] == [2, 4]  # even split of the model's 4 layers
     for i, line in enumerate(commands):
         argv = shlex.split(line)
         assert argv[:3] == ["stagewise", "stage", "--plan-json"]
         assert argv[4:] == ["--stage", str(i), "--auth-token", "$STAGEWISE_AUTH_TOKEN"]
         assert RunPlan.from_dict(json.loads(argv[3])) == plan  # the inline plan is the plan
         assert line.endswith('--auth-token "$STAGEWISE_AUTH_TOKEN"')  # expanded by the host's shell
-    assert "# stage 1 on 192.0.2.8: layers 15-30, listens on 192.0.2.8:7100, device cuda:1" in out
+    assert "# stage 1 on 192.0.2.8: layers 2-4, listens on 192.0.2.8:7100, device cuda:1" in out
 
     assert cli_main(["launch", str(path), "--print-only", "--remote-plan", "/srv/plan.json",
                      "--remote-command", "/opt/venv/bin/python -m stagewise.cli"]) == 0
@@ -391,4 +391,4 @@ def test_launch_over_ssh_into_namespaces(netns, tiny, tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["completions"][0]["token_ids"][:8] == ref
     log = (tmp_path / "ssh.log").read_text().splitlines()
-    assert [line.split()[0] for line in log] == hosts
+    assert sorted(line.split()[0] for line in log) == sorted(hosts)  # the two ssh calls run at once
