@@ -117,27 +117,37 @@ class Pipeline:
         procs, addresses, _ = spawn_stages(plan, auth_token=auth_token)
         self._connect(plan, addresses, auth_token=auth_token, processes=procs)
 
-    def _connect(self, plan, addresses, *, auth_token: str | None, processes=None) -> None:
+    def _connect(self, plan, addresses, *, auth_token: str | None, processes=None,
+                 connect_timeout_s: float = 60.0) -> None:
         from stagewise.runtime.driver import PipelineDriver
 
         self.plan = plan
         self.driver = PipelineDriver(plan, addresses, fingerprint=plan.fingerprint(self.checkpoint.hf_config),
                                      auth_token=auth_token, processes=processes,
-                                     hop_transports=hop_transports(plan, local=processes is not None))
+                                     hop_transports=hop_transports(plan, local=processes is not None),
+                                     connect_timeout_s=connect_timeout_s)
 
     @classmethod
     def attach(cls, plan, *, addresses: Sequence[tuple[str, int]] | None = None,
-               auth_token: str | None = None) -> Pipeline:
+               auth_token: str | None = None, store: tuple[str, int] | str | None = None,
+               connect_timeout: float = 60.0, processes: Sequence | None = None) -> Pipeline:
         """Drive stage processes that are already running (``stagewise stage --plan PLAN --stage I``
-        on their hosts, e.g. started by ``stagewise launch``): connect to each stage's listen
-        address from the plan (or ``addresses``). The model must be readable here too: the driver
-        reads its config, tokenizer and chat template."""
-        from stagewise.launch.planfile import RunPlan, parse_address
+        on their hosts, e.g. started by ``stagewise launch`` or torchrun): connect to each stage's
+        listen address from the plan (its ``host`` when it listens on 0.0.0.0), or ``addresses``,
+        or the addresses the stages published in torch.distributed's ``store`` (``(host, port)``
+        or ``"host:port"``, torchrun's MASTER_ADDR:MASTER_PORT). ``connect_timeout``: how long to
+        wait for a stage that does not accept yet. ``processes`` (Popen-like, one per stage, e.g.
+        ssh clients) are watched and stopped with the pipeline. The model must be readable here
+        too: the driver reads its config, tokenizer and chat template."""
+        from stagewise.launch.multihost import connect_address, load_plan
+        from stagewise.launch.planfile import RunPlan
 
         if not isinstance(plan, RunPlan):
-            plan = RunPlan.load(plan)
-        if addresses is None:
-            addresses = [parse_address(s.listen) for s in plan.stages]
+            plan = load_plan(plan)
+        if addresses is not None and store is not None:
+            raise ValueError("Pipeline.attach: give addresses or store, not both")
+        if addresses is None and store is None:
+            addresses = [connect_address(s) for s in plan.stages]
             zero = [s.index for s, (_, port) in zip(plan.stages, addresses) if port == 0]
             if zero:
                 raise ValueError(f"Pipeline.attach: stages {zero} listen on port 0 in the plan; give their "
@@ -151,7 +161,12 @@ class Pipeline:
         self.tokenizer = _tokenizer(ckpt)
         self.engine = self.driver = None
         self.last_stats, self._ids = {}, count()
-        self._connect(plan, list(addresses), auth_token=auth_token)
+        if store is not None:
+            from stagewise.launch.torchrun import store_addresses
+
+            addresses = store_addresses(plan, plan.fingerprint(ckpt.hf_config), store, timeout_s=connect_timeout)
+        self._connect(plan, list(addresses), auth_token=auth_token,
+                      processes=None if processes is None else list(processes), connect_timeout_s=connect_timeout)
         self.load_s = time.perf_counter() - start
         return self
 

@@ -27,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = sub.add_parser("plan", add_help=False, help="memory and latency of TP/PP/DP/EP layouts "
                           "(plan MODEL ..., plan memory, plan ranks, plan validate; plan --help)")
     plan.add_argument("plan_args", nargs=argparse.REMAINDER)
+    from stagewise import cli_launch
+
+    cli_launch.add_arguments(sub.add_parser("launch", help="start a run plan's stages on their hosts (printed "
+                                            "commands, ssh) and drive them"))
     args = parser.parse_args(argv)
     if args.command == "bench":
         from stagewise.bench import run
@@ -40,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         from stagewise.planner.cli import main as plan_main
 
         return plan_main(args.plan_args)
+    if args.command == "launch":
+        return cli_launch.run(args)
     return 2
 
 

@@ -12,24 +12,15 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="an HF folder, a .gguf file, or an embedded model name (smollm2-135m)")
-    parser.add_argument("--prompt", action="append", default=[], metavar="TEXT",
-                        help="a prompt (repeat for several, generated as one batch)")
-    parser.add_argument("--prompt-ids", action="append", default=[], metavar="1,2,3", type=_ids,
-                        help="a prompt as comma-separated token ids (repeatable; not with --prompt)")
-    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
-    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="1 = off")
-    parser.add_argument("--seed", type=int, default=None, metavar="S")
-    parser.add_argument("--stop", action="append", default=[], metavar="S", help="a stop string (repeatable)")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="an HF folder, a .gguf file, or an embedded model name (smollm2-135m); "
+                             "with --plan, the plan's model")
+    add_prompt_arguments(parser)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--max-num-seqs", type=int, default=32, metavar="N", help="requests run at once")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
                         help="most tokens (prompt + generated) per request; default: the model's")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     pp = parser.add_argument_group("pipeline (stages as processes)")
     pp.add_argument("--stages", type=int, default=1, metavar="S", help="pipeline stages, one process each")
     pp.add_argument("--partition", default="even", metavar="P",
@@ -41,6 +32,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="shared secret for stage connections (default: $STAGEWISE_AUTH_TOKEN)")
     pp.add_argument("--trace", default=None, metavar="FILE.json",
                     help="write a Chrome-trace timeline of the stages (open in Perfetto)")
+    mh = parser.add_argument_group("stages already running (see docs/multi-host.md)")
+    mh.add_argument("--plan", default=None, metavar="PLAN.yaml",
+                    help="attach to the stages of this run plan instead of starting any")
+    mh.add_argument("--store", default=None, metavar="HOST:PORT",
+                    help="with --plan: read the stages' addresses from torch.distributed's store (torchrun's "
+                         "MASTER_ADDR:MASTER_PORT) instead of the plan's listen addresses")
+    mh.add_argument("--connect-timeout", type=float, default=60.0, metavar="S",
+                    help="with --plan: how long to wait for the stages (default 60)")
+
+
+def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                        help="a prompt (repeat for several, generated as one batch)")
+    parser.add_argument("--prompt-ids", action="append", default=[], metavar="1,2,3", type=_ids,
+                        help="a prompt as comma-separated token ids (repeatable; not with --prompt)")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="1 = off")
+    parser.add_argument("--seed", type=int, default=None, metavar="S")
+    parser.add_argument("--stop", action="append", default=[], metavar="S", help="a stop string (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
 
 def _ids(text: str) -> list[int]:
@@ -50,15 +64,50 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def check_prompts(args: argparse.Namespace, prog: str = "stagewise generate") -> str | None:
+    """The reason the prompt arguments cannot work, or None."""
+    if bool(args.prompt) == bool(args.prompt_ids):
+        return f"{prog}: give --prompt TEXT or --prompt-ids 1,2,3 (not both)"
+    if args.prompt_ids and args.chat:
+        return f"{prog}: --chat needs --prompt TEXT, not --prompt-ids"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    problem = check_prompts(args)
+    if problem is None and (args.model is None) == (args.plan is None):
+        problem = "stagewise generate: give a model, or --plan PLAN to attach to running stages (not both)"
+    if problem is None and args.store and not args.plan:
+        problem = "stagewise generate: --store needs --plan"
+    if problem is None and args.plan and args.stages > 1:
+        problem = "stagewise generate: --stages starts local stages; with --plan the plan's stages are used"
+    if problem is None and args.trace and args.stages == 1 and not args.plan:
+        problem = "stagewise generate: --trace needs --stages > 1"
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    pipe = _attach(args) if args.plan else _load(args)
+    if pipe is None:
+        return 1
+    return generate_and_print(pipe, args, prog="stagewise generate")
+
+
+def _attach(args: argparse.Namespace):
+    import os
+
     from stagewise.api import Pipeline
 
-    if bool(args.prompt) == bool(args.prompt_ids):
-        print("stagewise generate: give --prompt TEXT or --prompt-ids 1,2,3 (not both)", file=sys.stderr)
-        return 2
-    if args.prompt_ids and args.chat:
-        print("stagewise generate: --chat needs --prompt TEXT, not --prompt-ids", file=sys.stderr)
-        return 2
+    token = args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None
+    try:
+        return Pipeline.attach(args.plan, store=args.store, auth_token=token, connect_timeout=args.connect_timeout)
+    except (ValueError, FileNotFoundError, KeyError, RuntimeError, TimeoutError, OSError) as err:
+        print(f"stagewise generate: cannot attach to the stages of {args.plan!r}: {err}", file=sys.stderr)
+        return None
+
+
+def _load(args: argparse.Namespace):
+    from stagewise.api import Pipeline
+
     # Loading takes seconds; show a progress bar on a terminal (stderr, so piped output stays clean).
     chatty = sys.stderr.isatty()
     bar = _LoadBar(f"stagewise: loading {args.model} on {args.device}") if chatty else None
@@ -69,9 +118,6 @@ def run(args: argparse.Namespace) -> int:
         options = dict(partition=args.partition, transport=args.transport, checksum=not args.no_checksum,
                        auth_token=args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None)
         bar = None  # the stages load in their own processes
-    elif args.trace:
-        print("stagewise generate: --trace needs --stages > 1", file=sys.stderr)
-        return 2
     try:
         try:
             pipe = Pipeline(args.model, stages=args.stages, device=args.device, dtype=args.dtype,
@@ -82,10 +128,16 @@ def run(args: argparse.Namespace) -> int:
                 bar.close()
     except (ValueError, FileNotFoundError, KeyError, RuntimeError, TimeoutError, OSError) as err:
         print(f"stagewise generate: cannot load {args.model!r}: {err}", file=sys.stderr)
-        return 1
+        return None
     if chatty:
         print(f"stagewise: loaded {args.model} in {pipe.load_s:.1f} s ({pipe.config.num_layers} layers, "
               f"{str(pipe.dtype).removeprefix('torch.')})", file=sys.stderr)
+    return pipe
+
+
+def generate_and_print(pipe, args: argparse.Namespace, *, prog: str, close: bool = True) -> int:
+    """Generate for the prompts of ``args`` and print them (streamed text or ``--json``);
+    closes ``pipe`` afterwards unless ``close`` is False."""
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
     if args.prompt:
@@ -93,20 +145,24 @@ def run(args: argparse.Namespace) -> int:
     else:
         kwargs["prompt_token_ids"] = args.prompt_ids
     stream = None if args.json else _Streamer(len(args.prompt or args.prompt_ids))
+    trace = getattr(args, "trace", None)
     try:
-        with pipe:
+        try:
             completions = pipe.generate(**kwargs, on_text=None if stream is None else stream)
             stats = {"load_s": pipe.load_s, **pipe.last_stats}
-            if args.trace:
-                pipe.write_trace(args.trace)
+            if trace:
+                pipe.write_trace(trace)
+        finally:
+            if close:
+                pipe.close()
     except ValueError as err:
-        print(f"stagewise generate: {err}", file=sys.stderr)
+        print(f"{prog}: {err}", file=sys.stderr)
         return 2
     if args.json:
         out = {"completions": [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
                                 **({"error": c.error} if c.error else {})} for c in completions],
                "stats": stats}
-        print(json.dumps(out))
+        print(json.dumps(out), flush=True)
     else:
         stream.finish(completions)
     return 1 if any(c.finish_reason == "error" for c in completions) else 0

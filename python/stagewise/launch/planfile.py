@@ -42,9 +42,26 @@ def parse_address(text: str, what: str = "listen") -> tuple[str, int]:
         raise _fail(what, text, "'host:port'")
     host, _, port = text.rpartition(":")
     host = host.strip("[]")
-    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+    if not host or any(c.isspace() for c in host) or not port.isdigit() or not 0 <= int(port) < 65536:
         raise _fail(what, text, "'host:port' with a port in [0, 65535]")
     return host, int(port)
+
+
+def read_plan_data(path: str | Path) -> Any:
+    """The parsed YAML/JSON document of a plan file, not yet checked."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ValueError(f"run plan: cannot read {str(path)!r}: {err.strerror}") from None
+    try:
+        import yaml
+
+        return yaml.safe_load(text)
+    except ImportError:  # JSON plans need no YAML parser
+        return json.loads(text)
+    except Exception as err:  # noqa: BLE001 - yaml.YAMLError and friends
+        raise ValueError(f"run plan: {str(path)!r} is not valid YAML: {err}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,20 +145,7 @@ class RunPlan:
     def load(cls, path: str | Path, num_layers: int | None = None) -> RunPlan:
         """Read a YAML/JSON plan. ``num_layers`` (from the model's config) is needed when the plan
         uses ``partition`` instead of per-stage ``layers``, and checks them otherwise."""
-        path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as err:
-            raise ValueError(f"run plan: cannot read {str(path)!r}: {err.strerror}") from None
-        try:
-            import yaml
-
-            data = yaml.safe_load(text)
-        except ImportError:  # JSON plans need no YAML parser
-            data = json.loads(text)
-        except Exception as err:  # noqa: BLE001 - yaml.YAMLError and friends
-            raise ValueError(f"run plan: {str(path)!r} is not valid YAML: {err}") from None
-        return cls.from_dict(data, num_layers)
+        return cls.from_dict(read_plan_data(path), num_layers)
 
     @classmethod
     def from_dict(cls, data: Any, num_layers: int | None = None) -> RunPlan:
@@ -216,4 +220,6 @@ class RunPlan:
             raise ValueError("run plan: give at most one of kv_cache_bytes and max_num_tokens")
         for s in self.stages:
             parse_address(s.listen, f"stages[{s.index}].listen")
+            if not s.host or s.host.startswith("-") or any(c.isspace() or c in "'\"`$;&|<>" for c in s.host):
+                raise _fail(f"stages[{s.index}].host", s.host, "a host name or address")
         return self

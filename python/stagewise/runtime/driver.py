@@ -37,7 +37,7 @@ class RequestState:
 class PipelineDriver:
     def __init__(self, plan: RunPlan, addresses: list[tuple[str, int]], *, fingerprint: str,
                  auth_token: str | None = None, processes: list | None = None, ready_timeout_s: float = 600.0,
-                 hop_transports: list[str] | None = None) -> None:
+                 hop_transports: list[str] | None = None, connect_timeout_s: float = 60.0) -> None:
         self.plan, self.addresses, self.processes = plan, addresses, processes
         self.fingerprint = fingerprint
         self.controls = []
@@ -46,7 +46,8 @@ class PipelineDriver:
         try:
             for i, address in enumerate(addresses):
                 self.controls.append(links.dial(address, transport="tcp", stage=-1, peer=i, role="driver",
-                                                fingerprint=fingerprint, auth_token=auth_token, timeout=60.0))
+                                                fingerprint=fingerprint, auth_token=auth_token,
+                                                timeout=connect_timeout_s))
             ready = [self._expect(i, "ready", ready_timeout_s) for i in range(plan.num_stages)]
             for i, msg in enumerate(ready):
                 if msg.get("fingerprint") != fingerprint:

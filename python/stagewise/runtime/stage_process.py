@@ -107,6 +107,8 @@ class StageProcess:
         self.control = self.upstream = self.downstream = self.feedback = None
         self.head = self.runtime = None
         self.fingerprint = ""
+        self.on_listening = None
+        """Called with this object once the listener is bound (torchrun publishes the address)."""
 
     # ---- start-up --------------------------------------------------------------
 
@@ -242,8 +244,7 @@ class StageProcess:
         except ChannelClosed:
             # A neighbour that exits on shutdown closes its links before this stage reads its
             # own shutdown: not an error then.
-            time.sleep(0.05)
-            if any(m.get("op") == "shutdown" for m in self._control_messages()):
+            if self._shutdown_follows(2.0):
                 raise _Shutdown() from None
             raise
         end = time.perf_counter()
@@ -291,6 +292,8 @@ class StageProcess:
                                      checksum=self.plan.checksum)
         host, port = self.listener.address
         print(f"{READY_LINE} {host} {port}", flush=True)
+        if self.on_listening is not None:
+            self.on_listening(self)
         self._load()
         self.pending: dict[str, object] = {}
         deadline = time.monotonic() + self.driver_timeout_s
@@ -332,7 +335,21 @@ class StageProcess:
             frame = self.control.recv(timeout=0)
             if frame.control is not None:
                 messages.append(frame.control)
+                if frame.control.get("op") == "shutdown":
+                    break  # the driver may close right after it: its EOF is no error
         return messages
+
+    def _shutdown_follows(self, wait_s: float) -> bool:
+        """Whether the driver's shutdown arrives within ``wait_s`` (other messages are dropped)."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                if any(m.get("op") == "shutdown" for m in self._control_messages()):
+                    return True
+            except ChannelClosed:
+                return False
+            self.control.poll(0.05)
+        return False
 
     def _common_control(self, msg: dict) -> bool:
         """Handles shutdown and stats; True when the stage must stop."""
@@ -500,8 +517,14 @@ def _die_with_parent() -> None:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--plan", required=True, help="run plan (YAML/JSON) naming every stage")
-    parser.add_argument("--stage", type=int, required=True, help="this process's stage index")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--plan", help="run plan (YAML/JSON) naming every stage")
+    source.add_argument("--plan-json", metavar="JSON", help="the run plan itself, as JSON (what 'stagewise launch' "
+                        "prints, so that no file needs copying)")
+    parser.add_argument("--stage", type=int, default=None, help="this process's stage index")
+    parser.add_argument("--torchrun", action="store_true",
+                        help="under torchrun: the stage index is RANK, and the listen address is published in "
+                             "torch.distributed's store at MASTER_ADDR:MASTER_PORT")
     parser.add_argument("--listen", default=None, help="HOST:PORT to listen on (default: the plan's)")
     parser.add_argument("--auth-token", default=None,
                         help="shared secret for the hello (default: $STAGEWISE_AUTH_TOKEN)")
@@ -521,14 +544,19 @@ def main(args) -> int:
     token = args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None
     code = 1
     try:
-        plan = RunPlan.load(args.plan)
-        code = StageProcess(plan, args.stage, listen=args.listen, auth_token=token).run()
+        from stagewise.launch.multihost import stage_from_args
+
+        plan, index, on_listening = stage_from_args(args)
+        stage = StageProcess(plan, index, listen=args.listen, auth_token=token)
+        stage.on_listening = on_listening
+        code = stage.run()
     except KeyboardInterrupt:
         code = 130
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
     except Exception as err:  # noqa: BLE001 - one line for the operator, not a traceback
-        print(f"stagewise stage {args.stage}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        which = args.stage if args.stage is not None else os.environ.get("RANK", "?")
+        print(f"stagewise stage {which}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: the heartbeat and accept threads may still be blocked in I/O.

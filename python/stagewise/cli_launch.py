@@ -1,0 +1,111 @@
+"""``stagewise launch PLAN``: start the stages of a run plan on their hosts, then drive them.
+
+Without ``--ssh`` it prints the command each host must run (and waits for those stages to accept
+the driver); with ``--ssh`` it runs them over ssh itself. Then, as the driver, it generates for
+the ``--prompt`` arguments, or for each line read from stdin, and stops the stages at the end.
+See docs/multi-host.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+from stagewise.cli_generate import add_prompt_arguments, check_prompts, generate_and_print
+
+PROG = "stagewise launch"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan", metavar="PLAN.yaml", help="run plan: model, and per stage host, listen, layers")
+    parser.add_argument("--ssh", action="store_true", help="run each stage on its host with ssh")
+    parser.add_argument("--ssh-command", default="ssh", metavar="CMD",
+                        help="ssh client and its options, as shell words (default: ssh; BatchMode=yes is added)")
+    parser.add_argument("--remote-command", default="stagewise", metavar="CMD",
+                        help="how the hosts run stagewise, as shell words (default: stagewise; e.g. "
+                             "'/opt/venv/bin/python -m stagewise.cli')")
+    parser.add_argument("--remote-plan", default=None, metavar="PATH",
+                        help="hosts read the plan from PATH (copy it there) instead of getting it inline")
+    parser.add_argument("--print-only", action="store_true", help="print the commands and exit")
+    parser.add_argument("--auth-token", default=None, metavar="TOKEN",
+                        help="shared secret for every connection (default: $STAGEWISE_AUTH_TOKEN)")
+    parser.add_argument("--connect-timeout", type=float, default=600.0, metavar="S",
+                        help="how long to wait for the stages to start (default 600)")
+    add_prompt_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from stagewise.launch.multihost import check_plan, load_plan, printed_command, ssh_spawn
+
+    interactive = not args.prompt and not args.prompt_ids
+    problem = None if interactive else check_prompts(args, PROG)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    token = args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None
+    program = shlex.split(args.remote_command)
+    try:
+        plan = load_plan(args.plan, need_model=not args.print_only)
+        check_plan(plan, fixed_ports=not args.ssh)
+    except (ValueError, FileNotFoundError, KeyError, OSError) as err:
+        print(f"{PROG}: {err}", file=sys.stderr)
+        return 2
+    procs = None
+    if args.ssh and not args.print_only:
+        print(f"{PROG}: starting {plan.num_stages} stages over ssh", file=sys.stderr)
+        try:
+            procs, addresses = ssh_spawn(plan, auth_token=token, program=program, remote_plan=args.remote_plan,
+                                         ssh=shlex.split(args.ssh_command), timeout_s=args.connect_timeout)
+        except (RuntimeError, TimeoutError, OSError, ValueError) as err:
+            print(f"{PROG}: {err}", file=sys.stderr)
+            return 1
+    else:
+        out = sys.stdout if args.print_only else sys.stderr
+        if token is not None:
+            print("# every host needs STAGEWISE_AUTH_TOKEN set to the same token", file=out)
+        for spec in plan.stages:
+            print(f"# stage {spec.index} on {spec.host}: layers {spec.start_layer}-{spec.end_layer}, "
+                  f"listens on {spec.listen}, device {spec.device}", file=out)
+            print(printed_command(plan, spec.index, auth=token is not None, program=program,
+                                  remote_plan=args.remote_plan), file=out)
+        if args.remote_plan:
+            print(f"# copy {args.plan} to {args.remote_plan} on every host first", file=out)
+        if args.print_only:
+            return 0
+        addresses = None
+        print(f"{PROG}: waiting up to {args.connect_timeout:.0f} s for the stages", file=sys.stderr)
+    return _drive(plan, args, token=token, addresses=addresses, procs=procs, interactive=interactive)
+
+
+def _drive(plan, args, *, token, addresses, procs, interactive: bool) -> int:
+    from stagewise.api import Pipeline
+
+    try:
+        pipe = Pipeline.attach(plan, addresses=addresses, auth_token=token, connect_timeout=args.connect_timeout,
+                               processes=procs)
+    except (ValueError, FileNotFoundError, KeyError, RuntimeError, TimeoutError, OSError) as err:
+        if procs is not None:
+            from stagewise.launch.local import stop_processes
+
+            stop_processes(procs, grace_s=0.5)
+        print(f"{PROG}: cannot connect to the stages: {err}", file=sys.stderr)
+        return 1
+    print(f"{PROG}: connected to {plan.num_stages} stages", file=sys.stderr)
+    if not interactive:
+        return generate_and_print(pipe, args, prog=PROG)
+    code = 0
+    try:
+        if sys.stdin.isatty():
+            print("one prompt per line; Ctrl-D ends", file=sys.stderr)
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            args.prompt = [line.rstrip("\n")]
+            code = max(code, generate_and_print(pipe, args, prog=PROG, close=False))
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        pipe.close()
+    return code

@@ -1,0 +1,202 @@
+"""Stages on many machines: checking a plan for reachability, the command each host runs, and
+running those commands over ssh.
+
+The plan travels inside the command (``stagewise stage --plan-json '{...}' --stage I``), so
+nothing needs copying to the hosts but the model itself; ``remote_plan`` prints
+``--plan PATH`` instead, for operators who distribute the file. The auth token never appears
+on a command line: printed commands read ``$STAGEWISE_AUTH_TOKEN``, and over ssh the token is
+written to the remote shell's standard input.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import shlex
+import socket
+import subprocess
+from collections.abc import Sequence
+
+from stagewise.launch.planfile import RunPlan, StageSpec, parse_address
+from stagewise.launch.torchrun import WILDCARD_HOSTS
+
+LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
+# Reads the token from the first line of stdin into the environment, then runs the stage.
+TOKEN_FROM_STDIN = 'IFS= read -r STAGEWISE_AUTH_TOKEN && export STAGEWISE_AUTH_TOKEN && exec "$@"'
+
+
+class PlanError(ValueError):
+    """A run plan that cannot work across its hosts; the message lists every problem."""
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_this_machine(host: str) -> bool:
+    """Loopback, this machine's name, or an address bound on one of its interfaces (in this
+    network namespace): binding to it succeeds only then."""
+    if is_loopback(host) or host in (socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def connect_address(spec: StageSpec) -> tuple[str, int]:
+    """Where the driver and the previous stage dial stage ``spec``: its listen address, or its
+    ``host`` when it listens on every interface."""
+    host, port = parse_address(spec.listen, f"stages[{spec.index}].listen")
+    return (spec.host if host in WILDCARD_HOSTS else host), port
+
+
+def check_plan(plan: RunPlan, *, fixed_ports: bool) -> None:
+    """Raise PlanError naming each stage that its peers (the driver here, the previous stage on
+    its host) could not reach. ``fixed_ports``: the driver learns addresses from the plan only
+    (printed commands), so port 0 cannot work."""
+    problems: list[str] = []
+    n = plan.num_stages
+    for spec in plan.stages:
+        where = f"stages[{spec.index}]"
+        host, port = parse_address(spec.listen, f"{where}.listen")
+        dialler = plan.stages[(spec.index - 1) % n]
+        if spec.host in WILDCARD_HOSTS:
+            problems.append(f"{where}: listens on {spec.listen!r} and has no 'host': give the host "
+                            "(name or address) that the others dial")
+        elif is_loopback(host):
+            if not is_this_machine(spec.host):
+                problems.append(f"{where}: runs on {spec.host!r} but listens on loopback {spec.listen!r}, which "
+                                "no other machine can reach; listen on that host's address (or 0.0.0.0)")
+            elif n > 1 and dialler.host != spec.host and not (is_this_machine(dialler.host)):
+                problems.append(f"{where}: listens on loopback {spec.listen!r} but stage {dialler.index} on "
+                                f"{dialler.host!r} must dial it")
+        if port == 0 and fixed_ports:
+            problems.append(f"{where}: listens on port 0 (any free port); the driver finds stages by the plan, so "
+                            "give a fixed port (or use --ssh, or torchrun with --store)")
+    seen: dict[tuple[str, int], int] = {}
+    for spec in plan.stages:
+        address = connect_address(spec)
+        if address[1] and address in seen:
+            problems.append(f"stages[{spec.index}]: listens on {address[0]}:{address[1]} like stage "
+                            f"{seen[address]}; give each stage on a host its own port")
+        seen.setdefault(address, spec.index)
+    if problems:
+        raise PlanError("run plan: " + "; ".join(problems))
+
+
+def plan_json(plan: RunPlan) -> str:
+    """The plan on one line; unset (null) options are left out, as in a plan file."""
+    data = {k: v for k, v in plan.to_dict().items() if v is not None}
+    data["stages"] = [{k: v for k, v in s.items() if v is not None} for s in data["stages"]]
+    return json.dumps(data, separators=(",", ":"), sort_keys=True)
+
+
+def stage_argv(plan: RunPlan, index: int, *, program: Sequence[str] = ("stagewise",), remote_plan: str | None = None,
+               extra: Sequence[str] = ()) -> list[str]:
+    """The argv that runs stage ``index`` on its host."""
+    source = ["--plan", remote_plan] if remote_plan else ["--plan-json", plan_json(plan)]
+    return [*program, "stage", *source, "--stage", str(index), *extra]
+
+
+def printed_command(plan: RunPlan, index: int, *, auth: bool, **options) -> str:
+    """One shell line for the operator; with auth, the token comes from the host's environment."""
+    line = shlex.join(stage_argv(plan, index, **options))
+    # "$STAGEWISE_AUTH_TOKEN" must stay expandable: appended outside shlex's single quotes.
+    return line + (' --auth-token "$STAGEWISE_AUTH_TOKEN"' if auth else "")
+
+
+def ssh_argv(host: str, argv: Sequence[str], *, auth: bool, ssh: Sequence[str] = ("ssh",),
+             ssh_options: Sequence[str] = ("-o", "BatchMode=yes")) -> list[str]:
+    """``ssh [options] -- HOST 'quoted command'``: ssh hands the remote shell one string, so each
+    argument is shell-quoted; ``--`` ends ssh's options (a host cannot pass for one). With auth,
+    the remote ``sh`` reads the token from stdin before running the stage."""
+    if not host or host.startswith("-") or any(c.isspace() for c in host):
+        raise ValueError(f"stagewise launch: ssh host must be a host name or address, got {host!r}")
+    remote = ["sh", "-c", TOKEN_FROM_STDIN, "stagewise-stage", *argv] if auth else list(argv)
+    return [*ssh, *ssh_options, "--", host, shlex.join(remote)]
+
+
+def ssh_spawn(plan: RunPlan, *, auth_token: str | None, program: Sequence[str], ssh: Sequence[str],
+              remote_plan: str | None = None, timeout_s: float = 300.0
+              ) -> tuple[list[subprocess.Popen], list[tuple[str, int]]]:
+    """Start every stage on its host over ssh; wait for each ``STAGEWISE-LISTENING`` line (ssh
+    forwards the remote stdout) and return the ssh processes and the stages' dial addresses.
+    The stages get ``--die-with-parent``: when ssh goes, the remote session ends and so do they."""
+    from stagewise.launch.local import _read_address, stop_processes
+
+    procs: list[subprocess.Popen] = []
+    try:
+        for spec in plan.stages:
+            argv = stage_argv(plan, spec.index, program=program, remote_plan=remote_plan,
+                              extra=["--die-with-parent"])
+            proc = subprocess.Popen(ssh_argv(spec.host, argv, auth=auth_token is not None, ssh=ssh),
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            if auth_token is not None:
+                proc.stdin.write(auth_token + "\n")
+                proc.stdin.flush()
+            proc.stdin.close()
+            procs.append(proc)
+        addresses = []
+        for spec, proc in zip(plan.stages, procs):
+            host, port = _read_address(proc, spec.index, timeout_s)
+            addresses.append((spec.host if host in WILDCARD_HOSTS else host, port))
+    except BaseException:
+        stop_processes(procs, grace_s=0.5)
+        raise
+    return procs, addresses
+
+
+def load_plan(source, *, need_model: bool = True) -> RunPlan:
+    """A plan from a file path or a parsed document. A plan without per-stage ``layers`` takes
+    the layer count from its model (which must then be readable here); ``need_model`` also
+    checks the layer ranges against the model."""
+    from stagewise.launch.planfile import read_plan_data
+    from stagewise.model.checkpoint import open_checkpoint
+
+    data = source if isinstance(source, dict) else read_plan_data(source)
+    if not isinstance(data, dict):
+        return RunPlan.from_dict(data)  # raises, naming the problem
+    stages, model = data.get("stages"), data.get("model")
+    ranges_given = isinstance(stages, list) and all(isinstance(s, dict) and "layers" in s for s in stages)
+    if (need_model or not ranges_given) and isinstance(model, str) and model:
+        return RunPlan.from_dict(data, open_checkpoint(model).config.num_layers)
+    return RunPlan.from_dict(data)
+
+
+def stage_from_args(args) -> tuple[RunPlan, int, object]:
+    """``stagewise stage``'s plan, stage index and on-listening hook from its arguments
+    (``--plan`` or ``--plan-json``; ``--stage`` or ``--torchrun``)."""
+    if args.plan_json is not None:
+        try:
+            data = json.loads(args.plan_json)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"run plan: --plan-json is not valid JSON: {err}") from None
+        plan = load_plan(data, need_model=False)
+    else:
+        plan = load_plan(args.plan, need_model=False)
+    if args.torchrun:
+        from stagewise.launch.torchrun import publish, torchrun_stage
+
+        plan, index = torchrun_stage(plan, args.stage)
+
+        def on_listening(stage) -> None:
+            stage.store = publish(stage, timeout_s=stage.driver_timeout_s)  # kept: stage 0 may host it
+
+        return plan, index, on_listening
+    if args.stage is None:
+        raise ValueError("stagewise stage: give --stage I (or --torchrun, which takes it from RANK)")
+    return plan, args.stage, None

@@ -1,0 +1,133 @@
+"""Stages under ``torchrun``: the stage index is ``RANK``, the number of stages ``WORLD_SIZE``,
+and stages publish their listen addresses in torch.distributed's TCPStore at
+``MASTER_ADDR:MASTER_PORT`` (no rendezvous of our own).
+
+    torchrun --nproc-per-node 2 --master-port 29511 -m stagewise.cli stage --plan plan.yaml --torchrun
+    stagewise generate --plan plan.yaml --store 127.0.0.1:29511 --prompt "..."
+
+Which process hosts the store follows torch's own ``env://`` rule
+(``torch.distributed.rendezvous._create_c10d_store``): with ``TORCHELASTIC_USE_AGENT_STORE=True``
+(torchrun's default) the torchrun agent of node 0 hosts it and every stage is a client; otherwise
+stage 0 hosts it. Each stage sets ``stagewise/<fingerprint>/stage/<i>`` to
+``{"host", "port", "pid", "restart"}``; the driver connects to the same store as a client and
+waits for all S keys. The fingerprint in the key keeps two different models or plans that share a
+store apart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from datetime import timedelta
+from typing import Any
+
+from stagewise.launch.planfile import RunPlan, parse_address
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+ADVERTISE_ENV = "STAGEWISE_ADVERTISE_HOST"
+
+
+def store_key(fingerprint: str, index: int) -> str:
+    return f"stagewise/{fingerprint}/stage/{index}"
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None or not value.lstrip("-").isdigit():
+        raise ValueError(f"stagewise stage --torchrun: environment variable {name} must be an integer "
+                         f"(set by torchrun), got {value!r}")
+    return int(value)
+
+
+def torchrun_stage(plan: RunPlan, stage: int | None) -> tuple[RunPlan, int]:
+    """The stage index from ``RANK``, checked against ``WORLD_SIZE`` and ``--stage``. A plan
+    device of plain ``cuda`` becomes ``cuda:LOCAL_RANK``."""
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if world != plan.num_stages:
+        raise ValueError(f"stagewise stage --torchrun: WORLD_SIZE is {world} but the plan has {plan.num_stages} "
+                         f"stages; start torchrun with {plan.num_stages} processes in all")
+    if stage is not None and stage != rank:
+        raise ValueError(f"stagewise stage --torchrun: --stage {stage} disagrees with RANK {rank}; leave --stage out")
+    if plan.stages[rank].device == "cuda":
+        plan = plan.with_stage(rank, device=f"cuda:{_env_int('LOCAL_RANK')}")
+    return plan, rank
+
+
+def _master() -> tuple[str, int]:
+    host = os.environ.get("MASTER_ADDR")
+    if not host:
+        raise ValueError("stagewise stage --torchrun: MASTER_ADDR is not set (run under torchrun)")
+    return host, _env_int("MASTER_PORT")
+
+
+def advertised_host(bound_host: str, toward: str) -> str:
+    """The address other hosts should dial: the bound one, or for a wildcard bind
+    ``$STAGEWISE_ADVERTISE_HOST`` or this host's address on the route to ``toward`` (the store's
+    host: what reaches the store is reachable from there)."""
+    if bound_host not in WILDCARD_HOSTS:
+        return bound_host
+    if os.environ.get(ADVERTISE_ENV):
+        return os.environ[ADVERTISE_ENV]
+    family = socket.AF_INET6 if ":" in toward else socket.AF_INET
+    try:
+        info = socket.getaddrinfo(toward, 9, family, socket.SOCK_DGRAM)[0][4]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(info)  # UDP: picks a route and a source address, sends nothing
+            return probe.getsockname()[0]
+    except OSError as err:
+        raise ValueError(f"stagewise stage: listening on {bound_host or 'all interfaces'} and no address to "
+                         f"advertise (no route to {toward!r}: {err}); set {ADVERTISE_ENV}") from None
+
+
+def _open_store(host: str, port: int, *, world_size: int | None, master: bool, timeout_s: float):
+    from torch.distributed import TCPStore
+
+    options: dict[str, Any] = dict(timeout=timedelta(seconds=timeout_s))
+    if master:
+        options.update(multi_tenant=True)
+    else:
+        options.update(wait_for_workers=False)
+    try:
+        return TCPStore(host, port, world_size, master, **options)
+    except (RuntimeError, OSError) as err:
+        raise ConnectionError(f"cannot reach torch.distributed's store at {host}:{port}: {err}") from None
+
+
+def publish(stage, *, timeout_s: float = 300.0):
+    """``on_listening`` hook of a StageProcess under torchrun: put its address in the store.
+    Returns the store, which the stage must keep (stage 0 may host it)."""
+    host, port = _master()
+    index = stage.index
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = _open_store(host, port, world_size=stage.plan.num_stages, master=not agent and index == 0,
+                        timeout_s=timeout_s)
+    bound_host, bound_port = stage.listener.address[:2]
+    value = {"host": advertised_host(bound_host, host), "port": int(bound_port), "pid": os.getpid(),
+             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
+    store.set(store_key(stage.fingerprint, index), json.dumps(value))
+    if index == 0:  # the driver needs this address: say it where the operator looks
+        print(f"stagewise stage 0: stage addresses are in torch.distributed's store at {host}:{port} "
+              f"(driver: stagewise generate --plan PLAN --store {host}:{port})", file=sys.stderr, flush=True)
+    return store
+
+
+def store_addresses(plan: RunPlan, fingerprint: str, store: tuple[str, int] | str, *,
+                    timeout_s: float = 300.0) -> list[tuple[str, int]]:
+    """The driver's side: every stage's published address, waiting up to ``timeout_s`` for all."""
+    host, port = parse_address(store, "store") if isinstance(store, str) else (store[0], int(store[1]))
+    client = _open_store(host, port, world_size=None, master=False, timeout_s=timeout_s)
+    keys = [store_key(fingerprint, i) for i in range(plan.num_stages)]
+    try:
+        client.wait(keys, timedelta(seconds=timeout_s))
+    except RuntimeError as err:  # torch raises DistStoreError (a RuntimeError) on timeout
+        missing = [i for i, k in enumerate(keys) if not client.check([k])]
+        raise TimeoutError(f"stages {missing} did not publish their address under {store_key(fingerprint, 0)[:-1]}"
+                           f"<i> in the store at {host}:{port} within {timeout_s:.0f} s (a different model or "
+                           f"plan gives a different fingerprint): {err}") from None
+    out = []
+    for key in keys:
+        value = json.loads(client.get(key).decode())
+        out.append((str(value["host"]), int(value["port"])))
+    return out
