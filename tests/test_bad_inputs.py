@@ -110,6 +110,12 @@ def _merge_attn_states(dev):
     )
 
 
+def _quant_linear(dev):
+    # Q4_1 blocks of zeros (d = m = 0) are valid blocks; 64 inputs = 2 blocks of 20 bytes a row.
+    return dict(out=_f(T, 6, device=dev), x=_f(T, 64, device=dev),
+                qweight=torch.zeros(6, 40, dtype=torch.uint8, device=dev), qtype=3, bias=_f(6, device=dev))
+
+
 VALID = {
     "rms_norm": _rms_norm,
     "fused_add_rms_norm": _fused_add_rms_norm,
@@ -119,6 +125,7 @@ VALID = {
     "slot_mapping": _slot_mapping,
     "decode_attention": _decode_attention,
     "merge_attn_states": _merge_attn_states,
+    "quant_linear": _quant_linear,
 }
 
 # The argument whose device every other tensor argument must share.
@@ -131,6 +138,7 @@ DEVICE_REF = {
     "slot_mapping": "block_tables",
     "decode_attention": "q",
     "merge_attn_states": "out_a",
+    "quant_linear": "x",
 }
 
 # ---------------------------------------------------------------------------
@@ -484,6 +492,26 @@ CASES = [
           ("rows", "lse_a")),
     _case("merge_attn_states", ValueError, "argument 'lse' must be contiguous, got shape [3, 4] with strides [7, 1]",
           ("rows", "lse")),
+    # quant_linear(out, x, qweight, qtype, bias)
+    _case("quant_linear", TypeError, "argument 'x' must be float32, float16 or bfloat16, got int32",
+          ("dtype", "x", torch.int32)),
+    _case("quant_linear", TypeError, "argument 'qweight' must be uint8 (the raw GGUF blocks), got int8",
+          ("dtype", "qweight", torch.int8)),
+    _case("quant_linear", TypeError, "argument 'out' must have the dtype of 'x' (float32), got bfloat16",
+          ("dtype", "out", torch.bfloat16)),
+    _case("quant_linear", TypeError, "argument 'bias' must have the dtype of 'x' (float32), got float16",
+          ("dtype", "bias", torch.float16)),
+    _case("quant_linear", ValueError, "argument 'x' last dim (in_features) must be a positive multiple of the block size 32",
+          ("shape", "x", (T, 40))),
+    _case("quant_linear", ValueError, "argument 'qweight' dim 1 (bytes per row) must be in_features / 32 * 20 = 40",
+          ("shape", "qweight", (6, 36))),
+    _case("quant_linear", ValueError, "argument 'out' must have shape [3, 6] (x's leading dims, out_features)",
+          ("shape", "out", (T, 7))),
+    _case("quant_linear", ValueError, "argument 'bias' dim 0 (out_features, as qweight dim 0) must be 6, got 5",
+          ("shape", "bias", (5,))),
+    _case("quant_linear", ValueError, "argument 'x' must have a contiguous last dim (stride 1)", ("last_dim", "x")),
+    _case("quant_linear", ValueError, "argument 'qweight' must be contiguous", ("rows", "qweight")),
+    _case("quant_linear", ValueError, "argument 'bias' must be contiguous", ("last_dim", "bias")),
 ]
 
 

@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from stagewise.model import checkpoint as checkpoint_module  # noqa: E402
 from stagewise.model.checkpoint import GGUFCheckpoint, open_checkpoint  # noqa: E402
+from stagewise.model.quant import QuantizedWeight  # noqa: E402
 from stagewise.model.weights import load_stage_weights  # noqa: E402
 
 HF_TO_GGUF = {
@@ -125,7 +126,7 @@ def test_tiny_gguf_gives_back_hf_weights(tmp_path, arch):
             c.vocab_size, c.norm_eps, c.rope.theta, c.max_position_embeddings, c.tie_word_embeddings) == \
         (arch, 3, 64, 4, 2, 96, len(TOKENS), pytest.approx(1e-5), 50000.0, 256, False)
     assert c.head_dim == (16 if arch == "llama" else 32) and c.qk_norm == (arch == "qwen3")
-    got = load_stage_weights(ckpt, 0, 3)
+    got = load_stage_weights(ckpt, 0, 3, quantized=False)
     assert sorted(got) == sorted(state)
     for name, want in state.items():
         kind = TYPES.get(gguf_name(name), Q.F32)
@@ -253,7 +254,7 @@ def test_smollm2_stage_reads_only_its_layers(smollm2):
     sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(smollm2.path)).tensors}
     read = smollm2.bytes_read - before
     assert read == sum(s for n, s in sizes.items() if n.startswith(("token_embd", "blk.0.", "blk.1.")))
-    assert all(torch.isfinite(v).all() for v in got.values())
+    assert all(torch.isfinite(v.dequantize() if isinstance(v, QuantizedWeight) else v).all() for v in got.values())
 
 
 @needs_smollm2
@@ -274,7 +275,7 @@ def test_smollm2_answers_in_transformers(smollm2):
     jinja2 = pytest.importorskip("jinja2")
     hf = {k: v for k, v in smollm2.hf_config.items() if k != "model_type"}
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf)).eval()
-    model.load_state_dict(load_stage_weights(smollm2, 0, 30), strict=True)
+    model.load_state_dict(load_stage_weights(smollm2, 0, 30, quantized=False), strict=True)
     tok = smollm2.tokenizer()
     text = jinja2.Template(smollm2.chat_template).render(
         messages=[{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
@@ -282,3 +283,58 @@ def test_smollm2_answers_in_transformers(smollm2):
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in tok.decode(out[0, ids.shape[1]:].tolist())
+
+
+@pytest.mark.parametrize("dtype, quantized, kept", [("auto", None, True), (torch.float32, None, True),
+                                                    (torch.bfloat16, None, False), (torch.bfloat16, True, True),
+                                                    ("auto", False, False)])
+def test_quantized_matrices_stay_in_blocks(tmp_path, dtype, quantized, kept):
+    """The rule: Q8_0/Q4_x matrices keep their blocks for a float32 stage (or when asked), with
+    exactly the values the dequantising path gives."""
+    write_gguf(tmp_path / "m.gguf")
+    dense = load_stage_weights(tmp_path / "m.gguf", 0, 3, quantized=False)
+    got = load_stage_weights(tmp_path / "m.gguf", 0, 3, dtype=dtype, quantized=quantized)
+    for name, kind in [("model.layers.1.mlp.down_proj.weight", Q.Q8_0), ("model.layers.2.self_attn.q_proj.weight",
+                                                                        Q.Q8_0)]:
+        w = got[name]
+        assert isinstance(w, QuantizedWeight) == kept, name
+        values = w.dequantize(torch.float32) if kept else w.float()
+        want = dense[name] if kept else dense[name].to(w.dtype).float()
+        assert torch.equal(values, want), name  # q_proj also went through the Q/K row un-permutation
+    assert not isinstance(got["model.layers.0.self_attn.k_proj.weight"], QuantizedWeight)  # F16: not blocks
+
+
+def test_quantized_slice_off_block_boundary_is_an_error(tmp_path):
+    write_gguf(tmp_path / "m.gguf")
+    w = load_stage_weights(tmp_path / "m.gguf", 1, 2)["model.layers.1.mlp.down_proj.weight"]  # [64, 96] Q8_0
+    assert w.narrow(1, 32, 64).shape == (64, 64)
+    with pytest.raises(ValueError, match=r"must fall on block boundaries; got \[16, 48\) of 96"):
+        w.narrow(1, 16, 32)
+
+
+@needs_smollm2
+def test_smollm2_tensor_parallel_shards_of_quantized_rows(smollm2):
+    """tp_size=3 (9 heads, 3 KV heads, 1536 = 3 * 512, 576 = 3 * 192: every cut on a block boundary):
+    column shards are whole rows, row-parallel shards whole blocks; together they are the matrix."""
+    full = load_stage_weights(smollm2, 0, 1)
+    shards = [load_stage_weights(smollm2, 0, 1, tp_rank=r, tp_size=3) for r in range(3)]
+    p = "model.layers.0."
+    for suffix, dim in [("self_attn.q_proj.weight", 0), ("self_attn.k_proj.weight", 0), ("mlp.up_proj.weight", 0),
+                        ("self_attn.o_proj.weight", 1), ("mlp.down_proj.weight", 1)]:
+        parts = [s[p + suffix] for s in shards]
+        assert all(isinstance(w, QuantizedWeight) and w.qtype_name == "Q4_1" for w in parts), suffix
+        assert parts[0].shape[dim] == full[p + suffix].shape[dim] // 3
+        joined = torch.cat([w.dequantize() for w in parts], dim)
+        assert torch.equal(joined, full[p + suffix].dequantize()), suffix
+
+
+@needs_smollm2
+def test_smollm2_quantized_embedding_rows(smollm2):
+    """The embedding (Q8_0, tied to the LM head) looks rows up by dequantising only them."""
+    w = load_stage_weights(smollm2, 0, 1)["model.embed_tokens.weight"]
+    assert isinstance(w, QuantizedWeight) and w.qtype_name == "Q8_0" and w.shape == (49152, 576)
+    ids = torch.tensor([[1, 2, 49151], [0, 7042, 3]])
+    want = torch.from_numpy(gguf.quants.dequantize(
+        next(t for t in gguf.GGUFReader(str(smollm2.path)).tensors if t.name == "token_embd.weight").data,
+        Q.Q8_0).copy())
+    assert torch.equal(w.embedding(ids), want[ids])

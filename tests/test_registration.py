@@ -99,6 +99,15 @@ def _merge_attn_states(dev):
     return (torch.empty_like(out_a), torch.empty_like(lse_a), out_a, lse_a, out_b, lse_b)
 
 
+def _quant_linear(dev):
+    # Random bytes are valid blocks except where an fp16 scale is inf/NaN: clear the exponent's top bit.
+    qweight = torch.randint(0, 256, (6, 2 * 20), dtype=torch.uint8)
+    qweight.view(6, 2, 20)[:, :, 1] &= 0x3F  # Q4_1: d and m of each block finite
+    qweight.view(6, 2, 20)[:, :, 3] &= 0x3F
+    x = torch.randn(T, 64, device=dev)
+    return (torch.empty(T, 6, device=dev), x, qweight.to(dev), 3, torch.randn(6, device=dev))
+
+
 OPCHECK_CASES = [
     pytest.param("rms_norm", _rms_norm, id="rms_norm"),
     pytest.param("fused_add_rms_norm", _fused_add_rms_norm, id="fused_add_rms_norm"),
@@ -109,6 +118,7 @@ OPCHECK_CASES = [
     pytest.param("decode_attention", lambda dev: _decode_attention(dev, False), id="decode_attention"),
     pytest.param("decode_attention", lambda dev: _decode_attention(dev, True), id="decode_attention-k_new"),
     pytest.param("merge_attn_states", _merge_attn_states, id="merge_attn_states"),
+    pytest.param("quant_linear", _quant_linear, id="quant_linear"),
 ]
 
 

@@ -76,6 +76,16 @@ def test_chat_prompt_ids_equal_transformers(reference, pipe):
             [{"role": "user", "content": question}])
 
 
+def test_pipeline_runs_the_quantized_blocks(pipe):
+    """dtype float32 keeps the GGUF blocks (quant_linear), so the comparisons here test that path."""
+    from stagewise.model.quant import QuantizedWeight
+
+    model = pipe.engine.model
+    assert isinstance(model.embedding, QuantizedWeight) and model.lm_head is model.embedding
+    assert isinstance(model.layers[0].attn.qkv.weight, QuantizedWeight)
+    assert isinstance(model.layers[0].mlp.down.weight, QuantizedWeight)
+
+
 def test_greedy_tokens_equal_transformers_generate(reference, pipe):
     tok, model = reference
     outs = pipe.generate(QUESTIONS, chat=True, max_new_tokens=NEW_TOKENS)  # one batch of three

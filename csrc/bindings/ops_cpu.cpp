@@ -62,6 +62,11 @@ void merge_attn_states(at::Tensor& out, at::Tensor& lse, const at::Tensor& out_a
   cpu::merge_attn_states(make_merge_attn_states_params(out, lse, out_a, lse_a, out_b, lse_b));
 }
 
+void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,
+                  const std::optional<at::Tensor>& bias) {
+  cpu::quant_linear(make_quant_linear_params(out, x, qweight, qtype, bias));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(stagewise, CPU, m) {
@@ -73,6 +78,7 @@ TORCH_LIBRARY_IMPL(stagewise, CPU, m) {
   m.impl("slot_mapping", &slot_mapping);
   m.impl("decode_attention", &decode_attention);
   m.impl("merge_attn_states", &merge_attn_states);
+  m.impl("quant_linear", &quant_linear);
 }
 
 }  // namespace stagewise::glue

@@ -99,6 +99,12 @@ void merge_attn_states(at::Tensor& out, at::Tensor& lse, const at::Tensor& out_a
   STAGEWISE_CUDA_CALL("merge_attn_states", out_a, cuda::merge_attn_states(p, stream_));
 }
 
+void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,
+                  const std::optional<at::Tensor>& bias) {
+  auto p = make_quant_linear_params(out, x, qweight, qtype, bias);
+  STAGEWISE_CUDA_CALL("quant_linear", x, cuda::quant_linear(p, stream_));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(stagewise, CUDA, m) {
@@ -110,6 +116,7 @@ TORCH_LIBRARY_IMPL(stagewise, CUDA, m) {
   m.impl("slot_mapping", &slot_mapping);
   m.impl("decode_attention", &decode_attention);
   m.impl("merge_attn_states", &merge_attn_states);
+  m.impl("quant_linear", &quant_linear);
 }
 
 }  // namespace stagewise::glue

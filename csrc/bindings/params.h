@@ -10,6 +10,7 @@
 #include "stagewise/attention.h"
 #include "stagewise/cache.h"
 #include "stagewise/norm.h"
+#include "stagewise/quant.h"
 #include "stagewise/rope.h"
 
 namespace stagewise::glue {
@@ -44,5 +45,9 @@ MergeAttnStatesParams make_merge_attn_states_params(at::Tensor& out, at::Tensor&
                                                     const at::Tensor& lse_a,
                                                     const at::Tensor& out_b,
                                                     const at::Tensor& lse_b);
+// qtype: a GGML type id (QType); bias: [out_features] in x's dtype, or none.
+QuantLinearParams make_quant_linear_params(at::Tensor& out, const at::Tensor& x,
+                                           const at::Tensor& qweight, int64_t qtype,
+                                           const std::optional<at::Tensor>& bias);
 
 }  // namespace stagewise::glue

@@ -27,4 +27,5 @@ TORCH_LIBRARY(stagewise, m) {
   m.def(
       "merge_attn_states(Tensor(a!) out, Tensor(b!) lse, Tensor out_a, Tensor lse_a, "
       "Tensor out_b, Tensor lse_b) -> ()");
+  m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor qweight, int qtype, Tensor? bias) -> ()");
 }

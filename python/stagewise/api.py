@@ -50,8 +50,13 @@ class Pipeline:
     def __init__(self, model: str | Checkpoint, *, stages: int = 1, device: str = "cpu", dtype: str = "auto",
                  max_num_seqs: int = 32, max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                  max_num_tokens: int | None = None, load_progress: Callable[[int, int, int], None] | None = None,
-                 **parallel_options: Any) -> None:
-        """``load_progress(done, total, nbytes)`` follows the weight reading (see load_stage_weights)."""
+                 quantized: bool | None = None, **parallel_options: Any) -> None:
+        """``load_progress(done, total, nbytes)`` follows the weight reading (see load_stage_weights).
+
+        ``quantized``: whether block-quantised GGUF matrices stay in their blocks (run by
+        ``stagewise.ops.quant_linear`` with their exact values); None (the default) keeps them when
+        the stage computes in float32, which ``dtype="auto"`` is for a quantised GGUF. See
+        :func:`stagewise.model.weights.load_stage_weights`."""
         if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
             raise ValueError(f"Pipeline: stages must be an int >= 1, got {stages!r}")
         pipeline_options = {k: parallel_options.pop(k) for k in PIPELINE_OPTIONS if k in parallel_options}
@@ -74,10 +79,12 @@ class Pipeline:
             self.checkpoint, self.config, self.device, self.dtype = ckpt, cfg, dev, torch_dtype
             self.tokenizer = _tokenizer(ckpt)
             self._start_pipeline(model, stages, dev, dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                 kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens, **pipeline_options)
+                                 kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens, quantized=quantized,
+                                 **pipeline_options)
             self.load_s = time.perf_counter() - start
             return
-        weights = load_stage_weights(ckpt, 0, cfg.num_layers, dtype=torch_dtype, progress=load_progress)
+        weights = load_stage_weights(ckpt, 0, cfg.num_layers, dtype=torch_dtype, quantized=quantized,
+                                     progress=load_progress)
         stage = StageModel.from_weights(cfg, 0, cfg.num_layers, weights, dtype=torch_dtype, device=dev)
         del weights
         tokenizer = _tokenizer(ckpt)

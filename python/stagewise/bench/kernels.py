@@ -27,7 +27,7 @@ from stagewise.bench import _flashinfer as fi
 EPS = 1e-6
 BLOCK = 16
 OPS = ("rms_norm", "fused_add_rms_norm", "rope", "qk_norm_rope", "reshape_and_cache", "slot_mapping",
-       "decode_attention", "merge_attn_states")  # fmt: skip
+       "decode_attention", "merge_attn_states", "quant_linear")  # fmt: skip
 
 # Sizes per preset and device. Attention shapes are Llama-3-8B / Qwen3-8B like
 # (32 query heads, 8 KV heads, head_dim 128) unless a size says otherwise.
@@ -48,6 +48,11 @@ SIZES = {
                          "tiny": [dict(B=2, ctx=40, Hq=4, Hk=2, D=32)]},
     "merge_attn_states": {"cpu": [dict(N=64)], "cuda": [dict(N=64), dict(N=16384)],
                           "tiny": [dict(N=3, H=4, D=32)]},
+    # SmolLM2-135M's fused gate/up (Q4_1) and tied LM head (Q8_0) at decode batch 1 and 16.
+    "quant_linear": {"cpu": [dict(T=1, N=3072, K=576, q="Q4_1"), dict(T=16, N=3072, K=576, q="Q4_1"),
+                             dict(T=1, N=49152, K=576, q="Q8_0"), dict(T=16, N=49152, K=576, q="Q8_0")],
+                     "cuda": [dict(T=1, N=14336, K=4096, q="Q4_1"), dict(T=16, N=14336, K=4096, q="Q4_1")],
+                     "tiny": [dict(T=3, N=40, K=64, q="Q4_1")]},
 }  # fmt: skip
 NORM_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -80,6 +85,8 @@ def case_specs(device: str, ops_wanted: list[str], preset: str) -> list[tuple[st
         if preset == "quick":
             sizes = sizes[:1] + sizes[1:][-1:]  # the decode size and the largest one
         dtypes = NORM_DTYPES if op in ("rms_norm", "fused_add_rms_norm") and preset != "quick" else (torch.bfloat16,)
+        if op == "quant_linear":
+            dtypes = (torch.float32,)  # the dtype a quantised GGUF runs in
         specs += [(op, dt, size) for size in sizes for dt in dtypes]
     return specs
 
@@ -250,6 +257,42 @@ def _merge(dtype, dev, N, H=32, D=128) -> Case:
                 baseline_args=args, validate=_same(ops.merge_attn_states, ref.merge_attn_states, args))  # fmt: skip
 
 
+def dense_linear(x, w):
+    """The baseline of quant_linear: F.linear over the weights dequantised beforehand (float32)."""
+    return torch.nn.functional.linear(x, w)
+
+
+def _quant_linear(dtype, dev, T, N, K, q) -> Case:
+    qtype = ops.QTYPES[q]
+    # Real blocks with finite scales: quantise a random matrix the way llama.cpp's Q8_0/Q4_x do.
+    w = torch.randn(N, K, device=dev)
+    blocks = w.reshape(N, K // 32, 32)
+    if q == "Q4_1":
+        lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+        d = ((hi - lo) / 15).half()
+        qv = ((blocks - lo) / d.float().clamp_min(1e-8)).round().clamp(0, 15).to(torch.uint8)
+        head = torch.cat([d.view(torch.uint8), lo.half().view(torch.uint8)], -1)
+    elif q == "Q8_0":
+        d = (blocks.abs().amax(-1, keepdim=True) / 127).half()
+        qv = (blocks / d.float().clamp_min(1e-8)).round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
+        head = d.view(torch.uint8)
+    else:
+        raise ValueError(f"bench quant_linear: q must be Q4_1 or Q8_0, got {q!r}")
+    if q == "Q4_1":
+        qv = qv[..., :16] | (qv[..., 16:] << 4)
+    qweight = torch.cat([head, qv], -1).reshape(N, -1).contiguous()
+    dense = ref.dequantize(qweight, qtype)
+    x = _randn(T, K, dtype=dtype, dev=dev)
+    out = torch.empty(T, N, dtype=dtype, device=dev)
+    # Read the blocks and x, write out.
+    nbytes = qweight.numel() + (T * K + T * N) * x.element_size()
+    return Case(op="quant_linear", name=f"{q} W[{N},{K}] x[{T}]", dtype=dtype, nbytes=nbytes,
+                ours=lambda: ops.quant_linear(x, qweight, qtype, out=out), baseline=dense_linear,
+                baseline_args=(x, dense),
+                validate=lambda: max_abs_err(ops.quant_linear(x, qweight, qtype), ref.quant_linear(x, qweight, qtype)),
+                flashinfer_note="FlashInfer has no GGUF block GEMM")  # fmt: skip
+
+
 _BUILDERS = {
     "rms_norm": _norm,
     "fused_add_rms_norm": lambda **kw: _norm(fused=True, **kw),
@@ -259,4 +302,5 @@ _BUILDERS = {
     "slot_mapping": _slot_mapping,
     "decode_attention": _decode_attention,
     "merge_attn_states": _merge,
+    "quant_linear": _quant_linear,
 }

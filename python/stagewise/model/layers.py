@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stagewise import ops
+from stagewise.model.quant import QuantizedWeight, cat_rows
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -35,7 +36,9 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class Weights:
-    """HF-named tensors, cast to the stage's dtype and moved to its device when taken."""
+    """HF-named tensors, cast to the stage's dtype and moved to its device when taken.
+
+    A :class:`QuantizedWeight` keeps its blocks and takes the stage's dtype as its compute dtype."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str) -> None:
         self.tensors, self.dtype, self.device = tensors, dtype, torch.device(device)
@@ -43,17 +46,23 @@ class Weights:
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def __call__(self, name: str) -> torch.Tensor | QuantizedWeight:
         if name not in self.tensors:
             raise ValueError(f"Weights: the checkpoint has no tensor {name!r}")
         return self.tensors[name].to(device=self.device, dtype=self.dtype)
+
+    def dense(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` as a dense tensor, dequantised if it is held in blocks."""
+        w = self(name)
+        return w.dequantize() if isinstance(w, QuantizedWeight) else w
 
     def get(self, name: str) -> torch.Tensor | None:
         return self(name) if name in self.tensors else None
 
 
-def split(w: torch.Tensor, dim: int, tp_rank: int, tp_size: int, what: str = "weight") -> torch.Tensor:
-    """This rank's ``1 / tp_size`` of ``w`` along ``dim`` (contiguous copy)."""
+def split(w, dim: int, tp_rank: int, tp_size: int, what: str = "weight"):
+    """This rank's ``1 / tp_size`` of ``w`` along ``dim`` (contiguous copy; a tensor or a
+    :class:`QuantizedWeight`, whose column slices must fall on block boundaries)."""
     if w.size(dim) % tp_size:
         raise ValueError(f"split: {what} size {w.size(dim)} along dim {dim} is not divisible by tp_size={tp_size}")
     n = w.size(dim) // tp_size
@@ -69,7 +78,7 @@ def kv_head_shard(w: torch.Tensor, num_kv_heads: int, tp_rank: int, tp_size: int
         raise ValueError(f"kv_head_shard: tp_size={tp_size} must be a multiple of num_kv_heads={num_kv_heads}")
     head_dim = w.size(0) // num_kv_heads
     head = tp_rank * num_kv_heads // tp_size
-    return w[head * head_dim : (head + 1) * head_dim].contiguous()
+    return w.narrow(0, head * head_dim, head_dim).contiguous()
 
 
 def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
@@ -77,11 +86,15 @@ def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
 
 
 class Linear(nn.Module):
-    """``y = x @ W.T + b`` with this rank's shard ``W [out_local, in_local]``."""
+    """``y = x @ W.T + b`` with this rank's shard ``W [out_local, in_local]``: a dense tensor
+    (F.linear) or a :class:`QuantizedWeight` (stagewise.ops.quant_linear)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        if isinstance(weight, QuantizedWeight):
+            self.weight = weight  # its blocks, not a parameter
+        else:
+            self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
@@ -89,7 +102,7 @@ class Linear(nn.Module):
                tp_rank: int, tp_size: int) -> Linear:
         """Column parallel over ``parts`` fused along the output dim (e.g. gate and up): each part
         is split on its own, so rank r holds ``[gate_r; up_r]``, not a slice of ``[gate; up]``."""
-        weight = torch.cat([split(p, 0, tp_rank, tp_size) for p in parts])
+        weight = cat_rows([split(p, 0, tp_rank, tp_size) for p in parts])
         if biases is None or all(b is None for b in biases):
             return cls(weight)
         return cls(weight, torch.cat([split(b, 0, tp_rank, tp_size, "bias") for b in biases]))
@@ -101,6 +114,8 @@ class Linear(nn.Module):
         return cls(split(weight, 1, tp_rank, tp_size), bias if tp_rank == 0 else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedWeight):
+            return self.weight.linear(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

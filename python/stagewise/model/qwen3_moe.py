@@ -42,11 +42,11 @@ class SparseMoE(nn.Module):
             down = w(f"{prefix}experts.down_proj")
         else:
             def stack(name: str) -> torch.Tensor:
-                return torch.stack([w(f"{prefix}experts.{i}.{name}.weight") for i in range(e)])
+                return torch.stack([w.dense(f"{prefix}experts.{i}.{name}.weight") for i in range(e)])
             gate, up, down = stack("gate_proj"), stack("up_proj"), stack("down_proj")
         gate_up = torch.cat([split(gate, 1, tp_rank, tp_size, "moe_intermediate_size"),
                              split(up, 1, tp_rank, tp_size, "moe_intermediate_size")], dim=1)
-        return cls(w(f"{prefix}gate.weight"), gate_up, split(down, 2, tp_rank, tp_size, "moe_intermediate_size"),
+        return cls(w.dense(f"{prefix}gate.weight"), gate_up, split(down, 2, tp_rank, tp_size, "moe_intermediate_size"),
                    config.num_experts_per_tok, config.norm_topk_prob, config.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from stagewise.model.attention import Rotary
 from stagewise.model.batch import KVMetadata, StepBatch
 from stagewise.model.config import ModelConfig
 from stagewise.model.layers import Weights, local_kv_heads
+from stagewise.model.quant import QuantizedWeight
 
 _ARCHITECTURES: dict[str, ModuleType] = {"llama": llama, "qwen3": qwen3, "qwen3_moe": qwen3_moe, "falcon": falcon}
 
@@ -30,9 +31,9 @@ class StageModel(nn.Module):
         self.config, self.start_layer, self.end_layer = config, start_layer, end_layer
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.layers = nn.ModuleList(layers)
-        self.embedding = None if embedding is None else nn.Parameter(embedding, requires_grad=False)
+        self.embedding = _frozen(embedding)
         self.final_norm = final_norm
-        self.lm_head = None if lm_head is None else nn.Parameter(lm_head, requires_grad=False)
+        self.lm_head = _frozen(lm_head)
 
     @classmethod
     def from_weights(cls, config: ModelConfig, start_layer: int, end_layer: int, weights: Mapping[str, torch.Tensor],
@@ -86,7 +87,10 @@ class StageModel(nn.Module):
         if self.is_first:
             if batch.token_ids is None:
                 raise ValueError("StageModel.forward: the first stage needs batch.token_ids, got None")
-            x, residual = F.embedding(batch.token_ids, self.embedding), None
+            if isinstance(self.embedding, QuantizedWeight):
+                x, residual = self.embedding.embedding(batch.token_ids), None
+            else:
+                x, residual = F.embedding(batch.token_ids, self.embedding), None
         else:
             if batch.hidden_states is None:
                 raise ValueError("StageModel.forward: a later stage needs batch.hidden_states, got None")
@@ -103,4 +107,11 @@ class StageModel(nn.Module):
             rows = torch.tensor(batch.last_token_rows(), dtype=torch.int64, device=x.device)
             x, residual = x[rows], None if residual is None else residual[rows]
         x, _ = self.final_norm(x, residual)
+        if isinstance(self.lm_head, QuantizedWeight):
+            return self.lm_head.linear(x)
         return F.linear(x, self.lm_head)
+
+
+def _frozen(w: torch.Tensor | QuantizedWeight | None) -> nn.Parameter | QuantizedWeight | None:
+    """A dense weight as a frozen parameter; blocks (or nothing) as they are."""
+    return w if w is None or isinstance(w, QuantizedWeight) else nn.Parameter(w, requires_grad=False)

@@ -21,6 +21,7 @@ import torch
 
 from stagewise.model.checkpoint import Checkpoint, open_checkpoint
 from stagewise.model.config import ModelConfig
+from stagewise.model.quant import QuantizedWeight
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -150,16 +151,33 @@ def _target_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
     return dtype
 
 
+def keeps_quantized(dtype: torch.dtype | None, quantized: bool | None) -> bool:
+    """Whether block-quantised GGUF matrices stay in their blocks (see :func:`load_stage_weights`)."""
+    if quantized is not None and not isinstance(quantized, bool):
+        raise ValueError(f"load_stage_weights: quantized must be True, False or None, got {quantized!r}")
+    return quantized if quantized is not None else dtype in (None, torch.float32)
+
+
 def load_stage_weights(checkpoint: Checkpoint | str | Path, start_layer: int, end_layer: int, *,
                        tp_rank: int = 0, tp_size: int = 1,
-                       dtype: str | torch.dtype = "auto",
-                       progress: Callable[[int, int, int], None] | None = None) -> dict[str, torch.Tensor]:
+                       dtype: str | torch.dtype = "auto", quantized: bool | None = None,
+                       progress: Callable[[int, int, int], None] | None = None
+                       ) -> dict[str, torch.Tensor | QuantizedWeight]:
     """HF name -> tensor for decoder layers ``[start_layer, end_layer)`` of ``checkpoint``.
 
     Includes the embedding when ``start_layer == 0`` and the final norm + ``lm_head.weight``
     when ``end_layer == num_layers`` (tied: the embedding matrix, read once). Only these
     tensors, and with ``tp_size > 1`` only rank's shard of them where the format allows,
     are read. ``dtype="auto"`` keeps the stored dtype (quantized GGUF: float32).
+
+    Block-quantised GGUF matrices (Q4_0, Q4_1, Q8_0: linears, embedding, LM head) come back as
+    :class:`QuantizedWeight` — their blocks as stored, run by ``stagewise.ops.quant_linear`` with
+    the exact dequantised values — when ``quantized`` is True, or by default (``None``) when the
+    stage computes in float32 (``dtype`` "auto", which is float32 for a quantised GGUF, or
+    "float32"): float32 maths on the same values as dequantising first, with 1/6 (Q4_1) of the
+    bytes. With bfloat16/float16 they are dequantised and rounded to that dtype, as with
+    ``quantized=False``. A row-parallel shard of a quantised matrix must split ``in`` on block
+    boundaries (32 weights), else ValueError.
 
     ``progress(done, total, nbytes)``, when given, is called once before the first read and
     after each tensor read: ``done`` of ``total`` tensors read so far (a tied matrix counts
@@ -176,6 +194,7 @@ def load_stage_weights(checkpoint: Checkpoint | str | Path, start_layer: int, en
                          f"and within [0, {n})")
     _check_tp(cfg, tp_rank, tp_size)
     target = _target_dtype(dtype)
+    keep = keeps_quantized(target, quantized)
     plan = stage_shapes(cfg, start_layer, end_layer)
     stored = ckpt.names()
     missing = sorted({src for src, _ in plan.values()} - stored)
@@ -186,16 +205,20 @@ def load_stage_weights(checkpoint: Checkpoint | str | Path, start_layer: int, en
         if ckpt.shape(src) != expected:
             raise ValueError(f"checkpoint {str(ckpt.path)!r}: tensor {src!r} has shape {list(ckpt.shape(src))}, "
                              f"but the config expects {list(expected)}")
-    out: dict[str, torch.Tensor] = {}
-    read: dict[str, torch.Tensor] = {}  # by source name, so a tied matrix is read once
+    out: dict[str, torch.Tensor | QuantizedWeight] = {}
+    read: dict[str, torch.Tensor | QuantizedWeight] = {}  # by source name, so a tied matrix is read once
     total, start_bytes = len({src for src, _ in plan.values()}), ckpt.bytes_read
     if progress is not None:
         progress(0, total, 0)
     for name, (src, shape) in plan.items():
         if src not in read:
             piece = tp_slice(cfg, name, shape, tp_rank, tp_size)
-            tensor = ckpt.read(src) if piece is None else ckpt.read(src, *piece)
-            read[src] = tensor if target is None else tensor.to(target)
+            if keep and ckpt.qtype(src) is not None:
+                tensor = ckpt.read_quantized(src, *(piece or ()))
+                read[src] = tensor if target is None else tensor.to(dtype=target)
+            else:
+                tensor = ckpt.read(src) if piece is None else ckpt.read(src, *piece)
+                read[src] = tensor if target is None else tensor.to(target)
             if progress is not None:
                 progress(len(read), total, ckpt.bytes_read - start_bytes)
         out[name] = read[src]

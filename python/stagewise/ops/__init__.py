@@ -23,7 +23,14 @@ __all__ = [
     "slot_mapping",
     "decode_attention",
     "merge_attn_states",
+    "quant_linear",
 ]
+
+# GGUF block types quant_linear takes: name -> GGML type id (ggml.h), and the block layout
+# (32 weights a block; bytes per block) of include/stagewise/quant.h.
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+QUANT_BLOCK = 32
+QUANT_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
 
 _ops = torch.ops.stagewise
 
@@ -154,3 +161,25 @@ def merge_attn_states(
         lse = torch.empty(lse_a.shape, dtype=torch.float32, device=lse_a.device)
     _ops.merge_attn_states(out, lse, out_a, lse_a, out_b, lse_b)
     return out, lse
+
+
+def quant_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qtype: int,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x [..., in] @ dequant(qweight).T + bias`` -> ``[..., out_features]`` in x's dtype.
+
+    ``qweight [out_features, in / 32 * block_bytes]`` uint8 holds the GGUF blocks of
+    ``W [out_features, in]`` row by row, ``qtype`` their GGML type id (:data:`QTYPES`).
+    The weights are their exact float32 dequantised values and the sums are float32,
+    rounded once to x's dtype with the bias added (bias ``[out_features]`` in x's dtype).
+    """
+    if out is None:
+        n = qweight.shape[0] if qweight.dim() >= 1 else 0
+        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    _ops.quant_linear(out, x, qweight, qtype, bias)
+    return out

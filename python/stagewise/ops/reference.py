@@ -9,6 +9,7 @@ in place, so a test can compute the reference before running an in-place op.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -123,3 +124,35 @@ def merge_attn_states(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.T
     denom = torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)
     out = (out_a.float() * wa.unsqueeze(-1) + out_b.float() * wb.unsqueeze(-1)) / denom
     return out.to(out_a.dtype), lse
+
+
+_Q4_0, _Q4_1, _Q8_0 = 2, 3, 8  # GGML type ids
+_BLOCK_BYTES = {_Q4_0: 18, _Q4_1: 20, _Q8_0: 34}
+
+
+def dequantize(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
+    """GGUF blocks ``[rows, nblocks * block_bytes]`` uint8 -> ``[rows, nblocks * 32]`` float32.
+
+    Q4_0: ``d * (q - 8)``; Q4_1: ``d * q + m``; Q8_0: ``d * q`` (fp16 d and m first in each
+    block; 4-bit q: low nibbles are weights 0-15, high nibbles 16-31).
+    """
+    if qtype not in _BLOCK_BYTES:
+        raise ValueError(f"dequantize: qtype must be one of {sorted(_BLOCK_BYTES)} (Q4_0, Q4_1, Q8_0), got {qtype!r}")
+    rows = qweight.shape[0]
+    blocks = qweight.reshape(rows, -1, _BLOCK_BYTES[qtype])
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [rows, nblocks, 1]
+    if qtype == _Q8_0:
+        return (blocks[..., 2:].contiguous().view(torch.int8).float() * d).reshape(rows, -1)
+    qs = blocks[..., 4:] if qtype == _Q4_1 else blocks[..., 2:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()
+    if qtype == _Q4_1:
+        w = d * q + blocks[..., 2:4].contiguous().view(torch.float16).float()
+    else:
+        w = d * (q - 8)
+    return w.reshape(rows, -1)
+
+
+def quant_linear(x, qweight, qtype, bias=None) -> torch.Tensor:
+    """``x @ dequantize(qweight).T + bias`` in float32, rounded to x's dtype."""
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), dequantize(qweight, qtype), b).to(x.dtype)

@@ -132,7 +132,8 @@ class StageProcess:
             torch.set_num_threads(self.spec.threads)
         ckpt, cfg = self.checkpoint, self.checkpoint.config
         dtype = _dtype(self.plan.dtype, cfg.dtype)
-        weights = load_stage_weights(ckpt, self.spec.start_layer, self.spec.end_layer, dtype=dtype)
+        weights = load_stage_weights(ckpt, self.spec.start_layer, self.spec.end_layer, dtype=dtype,
+                                     quantized=self.plan.quantized)
         self.model = StageModel.from_weights(cfg, self.spec.start_layer, self.spec.end_layer, weights, dtype=dtype,
                                              device=self.spec.device)
         del weights

@@ -1,0 +1,58 @@
+// Linear layers over GGUF block-quantised weights: out = x @ dequant(W).T + bias.
+//
+// Weight layout (llama.cpp / GGUF, ggml-common.h): each row of W [out, in] is
+// in / 32 blocks of 32 weights, stored back to back; a block is
+//   Q4_0 (18 bytes): fp16 d, 16 bytes qs;  w[i] = d * (q[i] - 8)
+//   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes qs;  w[i] = d * q[i] + m
+//   Q8_0 (34 bytes): fp16 d, 32 int8 qs;  w[i] = d * qs[i]
+// where for the 4-bit types q[i] = qs[i] & 15 and q[i + 16] = qs[i] >> 4 (i < 16).
+// The fp16 scales are little-endian IEEE half.
+//
+// Maths and rounding: every weight is its exact float32 dequantised value
+// (d * q is exact in float32: an 11-bit by 8-bit product, so the Q4_1 "+ m"
+// rounds once, as in gguf.quants.dequantize); products are summed in float32
+// (the order is the kernel's own); the bias (in x's dtype) is added in float32
+// and the sum is rounded once to x's dtype on store.
+#pragma once
+#include "stagewise/common.h"
+
+namespace stagewise {
+
+// GGML tensor type ids (ggml.h `enum ggml_type`), the block types the op accepts.
+enum class QType : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+
+inline constexpr int64_t kQuantBlock = 32;  // weights per block, every type above
+
+// Bytes of one block of `t`; 0 for a type the op does not know.
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline constexpr int64_t quant_block_bytes(QType t) {
+  return t == QType::kQ4_0 ? 18 : t == QType::kQ4_1 ? 20 : t == QType::kQ8_0 ? 34 : 0;
+}
+
+struct QuantLinearParams {
+  void* out;                  // [rows, out_features], row stride out_row_stride (elements), dtype
+  int64_t out_row_stride;
+  const void* x;              // [rows, in_features], row stride x_row_stride (elements), dtype
+  int64_t x_row_stride;
+  const uint8_t* qweight;     // [out_features, in_features / 32 * block bytes] contiguous
+  const void* bias;           // [out_features] contiguous, dtype; nullptr: no bias
+  DType dtype;                // of out, x and bias
+  QType qtype;
+  int64_t rows;
+  int64_t in_features;        // a multiple of kQuantBlock
+  int64_t out_features;
+};
+
+namespace cpu {
+void quant_linear(const QuantLinearParams& p);
+}  // namespace cpu
+
+#ifdef STAGEWISE_HAS_CUDA_DECLS
+namespace cuda {
+cudaError_t quant_linear(const QuantLinearParams& p, cudaStream_t stream);
+}  // namespace cuda
+#endif
+
+}  // namespace stagewise

@@ -1,0 +1,149 @@
+"""quant_linear against a dequantisation written from the GGUF block layout (gguf.quants.dequantize).
+
+Weights are real GGUF blocks made by gguf.quants.quantize from random matrices (plus hand-built
+blocks for the layout itself); sizes are awkward (in_features one block, odd block counts; output
+features not a multiple of any panel or tile); batches 1, 3, 16, 33; inputs contiguous, row-strided
+and with leading dims; outputs poisoned with NaN. The reference is float64 over the gguf-dequantised
+weights: what is left is float32 summation order, a few ulps of the sum of |x * w|.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import stagewise.ops as ops
+from conftest import poison_, strided
+from stagewise.ops import reference
+
+QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
+SHAPES = [(1, 32), (7, 96), (37, 224), (70, 576)]  # (out_features, in_features)
+BATCHES = [1, 3, 16, 33]
+
+
+def _quantize(name: str, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    w = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
+    return torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[name]).copy())
+
+
+def _dequantize(qweight: torch.Tensor, name: str) -> torch.Tensor:
+    """The GGUF project's own dequantisation: the independent reference of the block layout."""
+    return torch.from_numpy(gguf.quants.dequantize(qweight.numpy(), gguf.GGMLQuantizationType[name]).copy())
+
+
+def _expected(x, w, bias):
+    y = x.double() @ w.double().T
+    if bias is not None:
+        y += bias.double()
+    return y
+
+
+def _check(actual: torch.Tensor, x, w, bias) -> None:
+    """float32 sums in any order stay within a few float32 ulps (2^-23) of sum |x * w| (16 allowed);
+    a half output then adds its one rounding (half an ulp of the value: 2^-9 bf16, 2^-12 fp16)."""
+    scale = x.double().abs() @ w.double().abs().T + (0 if bias is None else bias.double().abs())
+    expected = _expected(x, w, bias)
+    rounding = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[actual.dtype]
+    err = (actual.double() - expected).abs()
+    bound = 16 * 2.0**-23 * scale + rounding * expected.abs()
+    assert torch.all(err <= bound), f"max error {err.max().item():.3g}, worst excess {(err - bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("name", QTYPES)
+def test_reference_dequantize_matches_gguf(name):
+    qweight = _quantize(name, 37, 224)
+    torch.testing.assert_close(reference.dequantize(qweight, ops.QTYPES[name]), _dequantize(qweight, name),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("name", QTYPES)
+def test_quant_linear_float32(name, shape, batch):
+    qweight = _quantize(name, *shape)
+    w = _dequantize(qweight, name)
+    x = torch.randn(batch, shape[1])
+    bias = torch.randn(shape[0]) if batch % 2 else None
+    out = poison_(torch.empty(batch, shape[0]))
+
+    result = ops.quant_linear(x, qweight, ops.QTYPES[name], bias, out=out)
+
+    assert result is out
+    _check(out, x, w, bias)
+    _check(reference.quant_linear(x, qweight, ops.QTYPES[name], bias), x, w, bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", QTYPES)
+def test_quant_linear_half_activations(name, dtype):
+    qweight = _quantize(name, 37, 224)
+    x, bias = torch.randn(16, 224).to(dtype), torch.randn(37).to(dtype)
+
+    out = ops.quant_linear(x, qweight, ops.QTYPES[name], bias)
+
+    assert out.dtype == dtype
+    _check(out, x, _dequantize(qweight, name), bias)
+
+
+@pytest.mark.parametrize("name", QTYPES)
+def test_quant_linear_strided_rows_and_leading_dims(name):
+    qweight = _quantize(name, 37, 96)
+    w = _dequantize(qweight, name)
+    x = strided(torch.randn(16, 96), pad=5)  # rows 101 floats apart
+    out = strided(poison_(torch.empty(16, 37)), pad=3)
+    ops.quant_linear(x, qweight, ops.QTYPES[name], out=out)
+    _check(out, x, w, None)
+
+    x3 = torch.randn(2, 3, 96)
+    y3 = ops.quant_linear(x3, qweight, ops.QTYPES[name])
+    assert y3.shape == (2, 3, 37)
+    _check(y3.reshape(6, 37), x3.reshape(6, 96), w, None)
+
+
+def test_quant_linear_hand_built_blocks():
+    """The layout itself: Q4_1 block with d=0.5, m=-1, nibbles i % 16 (low) and 15 - i % 16 (high)."""
+    d, m = np.float16(0.5).tobytes(), np.float16(-1.0).tobytes()
+    qs = bytes((i % 16) | ((15 - i % 16) << 4) for i in range(16))
+    qweight = torch.tensor(list(d + m + qs), dtype=torch.uint8).reshape(1, 20)
+    weights = [0.5 * (i % 16) - 1 for i in range(16)] + [0.5 * (15 - i % 16) - 1 for i in range(16)]
+    x = torch.zeros(1, 32)
+    for i in range(32):
+        x.zero_()
+        x[0, i] = 1.0
+        assert ops.quant_linear(x, qweight, ops.QTYPES["Q4_1"]).item() == weights[i]
+
+
+def test_quant_linear_empty():
+    qweight = _quantize("Q8_0", 5, 64)
+    assert ops.quant_linear(torch.randn(0, 64), qweight, 8).shape == (0, 5)
+
+
+def test_quant_linear_bad_inputs():
+    qweight = _quantize("Q4_1", 8, 64)
+    x = torch.randn(3, 64)
+    with pytest.raises(ValueError, match=r"'qtype' must be a GGML type id of Q4_0 \(2\), Q4_1 \(3\) or Q8_0 \(8\), got 12"):
+        ops.quant_linear(x, qweight, 12)
+    with pytest.raises(TypeError, match="argument 'x' must be float32, float16 or bfloat16, got int32"):
+        ops.quant_linear(x.int(), qweight, 3)
+    with pytest.raises(TypeError, match="argument 'qweight' must be uint8"):
+        ops.quant_linear(x, qweight.view(torch.int8), 3)
+    with pytest.raises(ValueError, match=r"'qweight' dim 1 \(bytes per row\) must be in_features / 32 \* 20 = 40 for Q4_1"):
+        ops.quant_linear(torch.randn(3, 64), qweight[:, :30].contiguous(), 3)
+    with pytest.raises(ValueError, match=r"bytes per row\) must be in_features / 32 \* 34 = 68 for Q8_0"):
+        ops.quant_linear(x, qweight, 8)
+    with pytest.raises(ValueError, match="last dim \\(in_features\\) must be a positive multiple of the block size 32"):
+        ops.quant_linear(torch.randn(3, 48), qweight, 3)
+    with pytest.raises(ValueError, match="'qweight' must have 2 dims"):
+        ops.quant_linear(x, qweight.reshape(-1), 3)
+    with pytest.raises(ValueError, match="'qweight' must be contiguous"):
+        ops.quant_linear(torch.randn(3, 32), qweight[:, ::2], 3)
+    with pytest.raises(ValueError, match="'x' must have a contiguous last dim"):
+        ops.quant_linear(torch.randn(64, 3).T, qweight, 3)
+    with pytest.raises(ValueError, match=r"argument 'bias' dim 0 \(out_features"):
+        ops.quant_linear(x, qweight, 3, torch.randn(7))
+    with pytest.raises(TypeError, match="argument 'bias' must have the dtype of 'x'"):
+        ops.quant_linear(x, qweight, 3, torch.randn(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"argument 'out' must have shape \[3, 8\]"):
+        ops.quant_linear(x, qweight, 3, out=torch.empty(3, 9))
