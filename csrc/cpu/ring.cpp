@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -27,6 +28,8 @@ using Clock = std::chrono::steady_clock;
 
 // A sleeper wakes at least this often to look at its peer's liveness.
 constexpr int64_t kLivenessCheckNs = 20'000'000;
+// Busy-wait polls before the spinner starts yielding its CPU (about a microsecond).
+constexpr int kPauseSpins = 64;
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -79,8 +82,14 @@ int64_t wait_for(RingHeader* h, std::atomic<uint32_t>* seq, std::atomic<uint32_t
   for (int i = 0;; ++i) {
     if (ready()) return 1;
     if (h->closed.load(std::memory_order_acquire)) return ready() ? 1 : kRingClosed;
-    if ((i & 63) == 0 && Clock::now() >= spin_end) break;
-    cpu_relax();
+    if (i < kPauseSpins) {
+      cpu_relax();
+      continue;
+    }
+    if (Clock::now() >= spin_end) break;
+    // Yield rather than burn: when the peer waits for a CPU (more runnable
+    // processes than cores), it may be the one queued behind this spinner.
+    sched_yield();
   }
   for (;;) {
     const auto now = Clock::now();

@@ -1,0 +1,71 @@
+"""Results of ``python -m stagewise.bench.transport_shm``: console table, JSON and Markdown."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from stagewise.bench.report import machine_info
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
+
+
+def _num(v, fmt: str) -> str:
+    return "—" if v is None else format(v, fmt)
+
+
+def format_table(rows: list, idle: list, summary: dict) -> str:
+    rows = [r if isinstance(r, dict) else _asdict(r) for r in rows]
+    tcp = {r["nbytes"]: r for r in rows if r["transport"] == "tcp"}
+    lines = [
+        "| transport | size | one-way µs (median) | one-way µs (min) | GB/s | GB/s vs tcp |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        base = tcp.get(r["nbytes"])
+        vs = r["gbps"] / base["gbps"] if r["gbps"] and base and base["gbps"] else None
+        lines.append(
+            f"| {r['transport']} | {_size(r['nbytes'])} | {_num(r['one_way_us'], '.1f')} | "
+            f"{_num(r['one_way_us_min'], '.1f')} | {_num(r['gbps'], '.2f')} | {_num(vs, '.2f') + 'x' if vs else '—'} |"
+        )
+    if idle:
+        lines += ["", "| waiting end | waited s | CPU s | CPU use |", "|---|---|---|---|"]
+        lines += [f"| {i['transport']} | {i['waited_s']:.2f} | {i['cpu_s']:.4f} | {100 * i['cpu_fraction']:.2f}% |" for i in idle]
+    lines += ["", f"Targets: {json.dumps(summary)}"]
+    return "\n".join(lines)
+
+
+def _asdict(row) -> dict:
+    return {k: getattr(row, k) for k in row.__slots__}
+
+
+def write(out_dir: str, config: dict, rows: list[dict], idle: list, summary: dict) -> tuple[Path, Path]:
+    info = machine_info("cpu")
+    info.update(config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{info['device']}-shm"
+    json_path, md_path = stem.with_suffix(".json"), stem.with_suffix(".md")
+    json_path.write_text(json.dumps({"machine": info, "rows": rows, "idle": idle, "summary": summary}, indent=1) + "\n")
+    md = [
+        "# stagewise transport: shared-memory ring vs sockets",
+        "",
+        f"Machine: {info['device_name']} ({info['device']}), {info['cpu_count']} CPUs, shared with other work; "
+        f"torch {info['torch']}, Python {info['python']}  ",
+        f"Date (UTC): {info['date_utc']}; commit: {info['git_commit']}  ",
+        f"Ring: {config['num_slots']} slots of the largest size, spin {config['spin_us']} µs then futex; "
+        f"median of {config['repeats']} rounds after a warm-up round.",
+        "",
+        "One-way = ping-pong round trip / 2 (the echo copies the message once each way). GB/s = a stream of "
+        "messages, each acknowledged with one byte. shm: sender copies into the slot, receiver reads the slot "
+        "in place; shm+copy: the receiver also copies each message out; shm/ops: through the torch ops "
+        "(dispatcher); tcp: loopback, TCP_NODELAY; unix: a Unix stream socketpair. Sockets carry raw "
+        "payloads with no framing.",
+        "",
+        format_table(rows, idle, summary),
+        "",
+    ]
+    md_path.write_text("\n".join(md))
+    return json_path, md_path
