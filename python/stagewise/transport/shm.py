@@ -44,7 +44,7 @@ import torch
 
 from stagewise import _C
 
-__all__ = ["ShmRing", "RingClosedError", "SHM_DIR"]
+__all__ = ["ShmRing", "HostRing", "RingClosedError", "SHM_DIR"]
 
 SHM_DIR = "/dev/shm"
 TIMED_OUT, CLOSED = -1, -2  # results of the ring ops besides a slot index (kRingTimedOut, kRingClosed)
@@ -62,7 +62,7 @@ class RingClosedError(ConnectionError):
 def _check_name(op: str, name: str) -> str:
     if not isinstance(name, str) or not _NAME.fullmatch(name) or name.startswith("."):
         raise ValueError(
-            f"stagewise.ShmRing.{op}: argument 'name' must be 1-200 characters of letters, digits, '_', '.', '-' "
+            f"stagewise.{op}: argument 'name' must be 1-200 characters of letters, digits, '_', '.', '-' "
             f"not starting with '.', got {name!r}"
         )
     return os.path.join(SHM_DIR, name)
@@ -92,21 +92,22 @@ class _Segment:
             pass
 
 
-class ShmRing:
-    """One end of a shared-memory ring; make it with :meth:`create` or :meth:`attach`."""
+class HostRing:
+    """What both ring kinds share: the control segment, its counters, waiting, closing.
+
+    Subclasses say where the slots are (:class:`ShmRing`: in the segment; ``CudaIpcRing``:
+    in GPU memory) and what a slot view is (a memoryview, a CUDA tensor).
+    """
+
+    _external_slots = False  # kRingExternalSlots: the slots are not in the segment
 
     def __init__(self, name: str, segment: _Segment):
         self.name = name
         self._segment = segment
         self._finalizer = weakref.finalize(self, _Segment.close, segment)  # also at interpreter exit
         info = _ops.ring_info(segment.tensor)
-        self.slot_bytes, self.num_slots, stride, offset, flags = info[:5]
-        if flags & _EXTERNAL_SLOTS:
-            raise ValueError(f"stagewise.ShmRing: ring {name!r} keeps its slots in GPU memory; use CudaIpcRing")
-        whole = memoryview(segment.mm)
-        self._slots = [whole[offset + i * stride : offset + i * stride + self.slot_bytes] for i in range(self.num_slots)]
-        self._reserved: tuple[int, memoryview] | None = None  # (slot, view handed out)
-        self._acquired: tuple[int, memoryview] | None = None
+        self.slot_bytes, self.num_slots, self._stride, self._data_offset = info[:4]
+        self._user_offset = info[8]
         self._bind(_C.ring_reserve, _C.ring_commit, _C.ring_acquire, _C.ring_release, segment.tensor.data_ptr(), len(segment.mm))
 
     def _bind(self, reserve, commit, acquire, release, *ring) -> None:
@@ -118,48 +119,37 @@ class ShmRing:
         same C++ underneath. For tests and the benchmark that prices the dispatcher."""
         self._bind(_ops.ring_reserve, _ops.ring_commit, _ops.ring_acquire, _ops.ring_release, self._segment.tensor)
 
-    # ---- making and ending -----------------------------------------------------
-
     @staticmethod
     def unique_name(prefix: str = "stagewise") -> str:
         """A fresh segment name: ``<prefix>-<pid>-<random hex>``."""
         return f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
 
     @classmethod
-    def create(cls, name: str, slot_bytes: int, num_slots: int = 4, *, spin_us: int = 50) -> ShmRing:
-        """Create the segment ``/dev/shm/<name>`` for ``num_slots`` messages of up to ``slot_bytes`` bytes.
-
-        ``spin_us``: how long a waiter (on either end) spins before it sleeps; more lowers the latency
-        of a busy ring at the price of CPU. Raises ``FileExistsError`` if the name is taken.
-        """
-        path = _check_name("create", name)
+    def _create_segment(cls, name: str, slot_bytes: int, num_slots: int, spin_us: int, user: bytes = b"") -> _Segment:
+        kind = cls.__name__
+        path = _check_name(f"{kind}.create", name)
         for field, value in (("slot_bytes", slot_bytes), ("num_slots", num_slots), ("spin_us", spin_us)):
             if not isinstance(value, int) or value < (0 if field == "spin_us" else 1):
-                raise ValueError(f"stagewise.ShmRing.create: argument '{field}' must be a positive int, got {value!r}")
-        size = _ops.ring_bytes(slot_bytes, num_slots, False)
-        return cls(name, _make_segment("create", path, size, lambda t: _ops.ring_init(t, slot_bytes, num_slots, False, spin_us)))
+                raise ValueError(f"stagewise.{kind}.create: argument '{field}' must be a positive int, got {value!r}")
+        size = _ops.ring_bytes(slot_bytes, num_slots, cls._external_slots)
 
-    @classmethod
-    def attach(cls, name: str, timeout: float = 0.0) -> ShmRing:
-        """Attach to the ring another process created, waiting up to ``timeout`` seconds for it to appear.
+        def init(t: torch.Tensor) -> None:
+            _ops.ring_init(t, slot_bytes, num_slots, cls._external_slots, spin_us)
+            if user:
+                offset = _ops.ring_info(t)[8]
+                t[offset : offset + len(user)] = torch.frombuffer(bytearray(user), dtype=torch.uint8)
 
-        Removes the name: the two ends now hold the only references. Raises ``FileNotFoundError``
-        when there is no such ring, ``ValueError`` when the segment is not a ring.
-        """
-        return cls(name, _open_segment("attach", name, timeout))
+        return _make_segment(f"{kind}.create", path, size, init)
+
+    def _user_bytes(self, n: int) -> bytes:
+        """The first n of the header's opaque bytes (what the creator stored there)."""
+        return bytes(self._segment.mm[self._user_offset : self._user_offset + n])
 
     def close(self) -> None:
         """End the ring for both sides (idempotent). Views handed out become invalid."""
-        for held in (self._reserved, self._acquired):
-            if held is not None:
-                _release_view(held[1])
-        self._reserved = self._acquired = None
-        for view in self._slots:
-            view.release()
-        self._slots = []
         self._finalizer()
 
-    def __enter__(self) -> ShmRing:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
@@ -171,18 +161,84 @@ class ShmRing:
         return not self._finalizer.alive or bool(_ops.ring_info(self._segment.tensor)[7])
 
     def __repr__(self) -> str:
-        return f"ShmRing({self.name!r}, slot_bytes={self.slot_bytes}, num_slots={self.num_slots})"
+        return f"{type(self).__name__}({self.name!r}, slot_bytes={self.slot_bytes}, num_slots={self.num_slots})"
+
+    def _check_nbytes(self, nbytes: int) -> None:
+        if not 0 <= nbytes <= self.slot_bytes:
+            raise ValueError(
+                f"stagewise.{type(self).__name__}.reserve: argument 'nbytes' must be in [0, slot_bytes="
+                f"{self.slot_bytes}] for ring {self.name!r}, got {nbytes} (a message must fit one slot; create "
+                f"the ring with a larger slot_bytes)"
+            )
+
+    def _wait(self, op: str, fn, timeout: float | None):
+        """Call ``fn(timeout_us)`` until it has a slot; long waits go in chunks so signals get handled."""
+        if not self._finalizer.alive:
+            raise RingClosedError(f"stagewise.{type(self).__name__}.{op}: ring {self.name!r} was closed by this end")
+        if timeout is not None and timeout <= 0:
+            return self._result(op, fn(0), timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            chunk = _WAIT_CHUNK_US if deadline is None else max(0, min(_WAIT_CHUNK_US, int((deadline - time.monotonic()) * 1e6)))
+            result = fn(chunk)
+            slot = result[0] if isinstance(result, tuple) else result
+            if slot != TIMED_OUT or (deadline is not None and time.monotonic() >= deadline):
+                return self._result(op, result, timeout)
+
+    def _result(self, op: str, result, timeout: float | None):
+        slot = result[0] if isinstance(result, tuple) else result
+        if slot >= 0:
+            return result
+        where = f"stagewise.{type(self).__name__}.{op}: ring {self.name!r}"
+        if slot == CLOSED:
+            raise RingClosedError(f"{where} was closed by the other end")
+        waited = "no free slot (the reader is behind)" if op == "reserve" else "no message"
+        raise TimeoutError(f"{where}: {waited} within {timeout} s")
+
+
+class ShmRing(HostRing):
+    """One end of a shared-memory ring; make it with :meth:`create` or :meth:`attach`."""
+
+    def __init__(self, name: str, segment: _Segment):
+        super().__init__(name, segment)
+        whole, offset, stride = memoryview(segment.mm), self._data_offset, self._stride
+        self._slots = [whole[offset + i * stride : offset + i * stride + self.slot_bytes] for i in range(self.num_slots)]
+        self._reserved: tuple[int, memoryview] | None = None  # (slot, view handed out)
+        self._acquired: tuple[int, memoryview] | None = None
+
+    @classmethod
+    def create(cls, name: str, slot_bytes: int, num_slots: int = 4, *, spin_us: int = 50) -> ShmRing:
+        """Create the segment ``/dev/shm/<name>`` for ``num_slots`` messages of up to ``slot_bytes`` bytes.
+
+        ``spin_us``: how long a waiter (on either end) polls, yielding its CPU, before it sleeps; more
+        lowers the latency of a busy ring at the price of CPU. Raises ``FileExistsError`` if the name is taken.
+        """
+        return cls(name, cls._create_segment(name, slot_bytes, num_slots, spin_us))
+
+    @classmethod
+    def attach(cls, name: str, timeout: float = 0.0) -> ShmRing:
+        """Attach to the ring another process created, waiting up to ``timeout`` seconds for it to appear.
+
+        Removes the name: the two ends now hold the only references. Raises ``FileNotFoundError``
+        when there is no such ring, ``ValueError`` when the segment is not a ring.
+        """
+        return cls(name, _open_segment(f"{cls.__name__}.attach", name, timeout, cls._external_slots))
+
+    def close(self) -> None:
+        for held in (self._reserved, self._acquired):
+            if held is not None:
+                _release_view(held[1])
+        self._reserved = self._acquired = None
+        for view in self._slots:
+            view.release()
+        self._slots = []
+        super().close()
 
     # ---- writer ----------------------------------------------------------------
 
     def reserve(self, nbytes: int, timeout: float | None = None) -> memoryview:
         """Wait for a free slot and return a writable view of its first ``nbytes`` bytes."""
-        if not 0 <= nbytes <= self.slot_bytes:
-            raise ValueError(
-                f"stagewise.ShmRing.reserve: argument 'nbytes' must be in [0, slot_bytes={self.slot_bytes}] "
-                f"for ring {self.name!r}, got {nbytes} (a message must fit one slot; create the ring with a "
-                f"larger slot_bytes)"
-            )
+        self._check_nbytes(nbytes)
         if self._reserved is not None:
             raise RuntimeError(f"stagewise.ShmRing.reserve: ring {self.name!r} already has a reserved slot; commit it first")
         slot = self._wait("reserve", self._reserve_fn, timeout)
@@ -231,31 +287,6 @@ class ShmRing:
         self.release()
         return data
 
-    # ---- waiting ---------------------------------------------------------------
-
-    def _wait(self, op: str, fn, timeout: float | None):
-        """Call ``fn(timeout_us)`` until it has a slot; long waits go in chunks so signals get handled."""
-        if not self._finalizer.alive:
-            raise RingClosedError(f"stagewise.ShmRing.{op}: ring {self.name!r} was closed by this end")
-        if timeout is not None and timeout <= 0:
-            return self._result(op, fn(0), timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            chunk = _WAIT_CHUNK_US if deadline is None else max(0, min(_WAIT_CHUNK_US, int((deadline - time.monotonic()) * 1e6)))
-            result = fn(chunk)
-            slot = result[0] if isinstance(result, tuple) else result
-            if slot != TIMED_OUT or (deadline is not None and time.monotonic() >= deadline):
-                return self._result(op, result, timeout)
-
-    def _result(self, op: str, result, timeout: float | None):
-        slot = result[0] if isinstance(result, tuple) else result
-        if slot >= 0:
-            return result
-        if slot == CLOSED:
-            raise RingClosedError(f"stagewise.ShmRing.{op}: ring {self.name!r} was closed by the other end")
-        waited = "no free slot (the reader is behind)" if op == "reserve" else "no message"
-        raise TimeoutError(f"stagewise.ShmRing.{op}: {waited} on ring {self.name!r} within {timeout} s")
-
 
 def _release_view(view: memoryview) -> None:
     """Invalidate a view handed out, so a use after commit/release fails instead of racing the peer."""
@@ -266,37 +297,45 @@ def _release_view(view: memoryview) -> None:
 
 
 def _make_segment(op: str, path: str, size: int, init) -> _Segment:
-    """Create a segment under a temporary name, initialise it, then publish it under `path` with
-    link(), which fails if the name exists: an attacher never sees a half-written header."""
-    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    """Create an unnamed segment (O_TMPFILE), initialise it, then give it its name with link(),
+    which fails if the name exists: an attacher never sees a half-written header, and a
+    creator killed before that leaves nothing behind."""
+    fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, size)
         mm = mmap.mmap(fd, size)
+        segment = _Segment(path, mm, owner=False)
+        try:
+            init(segment.tensor)
+            _link_unnamed(fd, path)
+        except BaseException as e:
+            segment.tensor = None
+            mm.close()
+            if isinstance(e, FileExistsError):
+                raise FileExistsError(
+                    f"stagewise.{op}: a shared-memory segment named {os.path.basename(path)!r} already "
+                    f"exists ({path}); choose another name, or remove it if it is stale"
+                ) from None
+            raise
+        segment.owner = True
     finally:
         os.close(fd)
-    segment = _Segment(path, mm, owner=False)
-    try:
-        init(segment.tensor)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            raise FileExistsError(
-                f"stagewise.ShmRing.{op}: a shared-memory segment named {os.path.basename(path)!r} already exists "
-                f"({path}); choose another name, or remove it if it is stale"
-            ) from None
-        segment.owner = True
-    except BaseException:
-        segment.tensor = None
-        mm.close()
-        raise
-    finally:
-        os.unlink(tmp)
     return segment
 
 
-def _open_segment(op: str, name: str, timeout: float) -> _Segment:
-    """Map an existing ring segment, record this process as its attacher and remove its name."""
+def _link_unnamed(fd: int, path: str) -> None:
+    """Name the O_TMPFILE file `fd`: linkat(/proc/self/fd/N, path, AT_SYMLINK_FOLLOW). A dir fd
+    makes os.link use linkat (with plain link() the magic link itself would be linked)."""
+    dir_fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.link(f"/proc/self/fd/{fd}", os.path.basename(path), dst_dir_fd=dir_fd, follow_symlinks=True)
+    finally:
+        os.close(dir_fd)
+
+
+def _open_segment(op: str, name: str, timeout: float, external_slots: bool) -> _Segment:
+    """Map an existing ring segment, check its kind, record this process as its attacher and
+    remove its name. A segment of the wrong kind is left as it was."""
     path = _check_name(op, name)
     deadline = time.monotonic() + timeout
     while True:
@@ -306,24 +345,28 @@ def _open_segment(op: str, name: str, timeout: float) -> _Segment:
         except FileNotFoundError:
             if time.monotonic() >= deadline:
                 raise FileNotFoundError(
-                    f"stagewise.ShmRing.{op}: no ring named {name!r} ({path} does not exist: not created yet, "
+                    f"stagewise.{op}: no ring named {name!r} ({path} does not exist: not created yet, "
                     f"already attached by another process, or closed)"
                 ) from None
             time.sleep(0.001)
     try:
         size = os.fstat(fd).st_size
         if size == 0:
-            raise ValueError(f"stagewise.ShmRing.{op}: {path} is empty, not a stagewise ring")
+            raise ValueError(f"stagewise.{op}: {path} is empty, not a stagewise ring")
         mm = mmap.mmap(fd, size)
     finally:
         os.close(fd)
     segment = _Segment(path, mm, owner=False)
     try:
+        flags = _ops.ring_info(segment.tensor)[4]
+        if bool(flags & _EXTERNAL_SLOTS) != external_slots:
+            kind = "CudaIpcRing (its slots are in GPU memory)" if flags & _EXTERNAL_SLOTS else "ShmRing"
+            raise ValueError(f"it is a {kind}")
         _ops.ring_attach(segment.tensor)
     except ValueError as e:
         segment.tensor = None
         mm.close()
-        raise ValueError(f"stagewise.ShmRing.{op}: {path} is not a stagewise ring: {e}") from None
+        raise ValueError(f"stagewise.{op}: {path} is not a ring of this kind: {e}") from None
     try:
         os.unlink(path)
     except FileNotFoundError:
