@@ -7,6 +7,8 @@ Modes:
   echo IN OUT                       attach both, send every message of IN back on OUT until IN closes
   hold-attached NAME                attach, then wait to be killed
   hold-created NAME SLOT NUM        create, then wait to be killed
+  cuda-read NAME SEED COUNT         as read, for a CudaIpcRing (checks on the GPU)
+  cuda-write NAME SEED COUNT        as write, for a CudaIpcRing
 Exit status 0 means every check passed; a failure prints why and exits 1.
 """
 
@@ -25,6 +27,12 @@ def messages(seed: int, count: int, slot_bytes: int):
     for _ in range(count):
         size = rng.choice([0, 1, slot_bytes, rng.randrange(slot_bytes + 1), rng.randrange(slot_bytes + 1)])
         yield rng.randbytes(size)
+
+
+def as_tensor(data: bytes, device: str = "cpu"):
+    import torch
+
+    return (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)).to(device)
 
 
 def _ops(ring: ShmRing, argv: list[str]) -> ShmRing:
@@ -74,6 +82,33 @@ def main(argv: list[str]) -> int:
     elif mode == "hold-created":
         ring = ShmRing.create(argv[1], int(argv[2]), int(argv[3]))
         time.sleep(600)
+    elif mode == "cuda-read":
+        import torch
+
+        from stagewise.transport.cuda_ipc import CudaIpcRing
+
+        ring = CudaIpcRing.attach(argv[1], timeout=60)
+        for i, expected in enumerate(messages(int(argv[2]), int(argv[3]), ring.slot_bytes)):
+            view = ring.acquire(timeout=60)
+            ok = view.is_cuda and torch.equal(view, as_tensor(expected, "cuda"))  # on the stream that waited
+            ring.release()
+            if not ok:
+                print(f"message {i}: {view.numel()} bytes, expected {len(expected)} (or differing bytes)")
+                return 1
+        try:
+            ring.acquire(timeout=60)
+            print("a message beyond the last one")
+            return 1
+        except RingClosedError:
+            pass
+        ring.close()
+    elif mode == "cuda-write":
+        from stagewise.transport.cuda_ipc import CudaIpcRing
+
+        ring = CudaIpcRing.attach(bytes.fromhex(argv[1]), timeout=60)  # by handle
+        for data in messages(int(argv[2]), int(argv[3]), ring.slot_bytes):
+            ring.send(as_tensor(data, "cuda"), timeout=60)
+        ring.close()  # after this process's GPU work, which the reader's stream waits for
     else:
         print(f"unknown mode {mode!r}")
         return 2

@@ -315,8 +315,11 @@ def test_torch_ops_on_a_plain_tensor():
     assert size == 4096 + 3 * 128  # a page of header and sizes, then slots of 100 bytes padded to 128
     ring = torch.zeros(size, dtype=torch.uint8)
     ops.ring_init(ring, 100, 3, False, 0)
-    slot_bytes, num_slots, stride, offset, flags, head, tail, closed, user_offset = ops.ring_info(ring)
+    slot_bytes, num_slots, stride, offset, flags, head, tail, closed, user_offset, creator, attacher = ops.ring_info(ring)
     assert (slot_bytes, num_slots, stride, flags, head, tail, closed) == (100, 3, 128, 0, 0, 0, 0)
+    assert (creator, attacher) == (os.getpid(), 0)
+    ops.ring_attach(ring)
+    assert ops.ring_info(ring)[10] == os.getpid()
     assert 0 < user_offset and user_offset + 128 <= offset
     assert offset % 4096 == 0 and offset + 3 * stride == size
     for i in range(7):  # wraps around twice

@@ -101,15 +101,17 @@ void ring_init(at::Tensor& ring, int64_t slot_bytes, int64_t num_slots, bool ext
 
 void ring_attach(at::Tensor& ring) { cpu::ring_attach(ring_header("ring_attach", ring)); }
 
-// [slot_bytes, num_slots, slot_stride, data_offset, flags, head, tail, closed, user_offset]
-// user_offset: where the header's kRingUserBytes opaque bytes start.
+// [slot_bytes, num_slots, slot_stride, data_offset, flags, head, tail, closed, user_offset,
+//  creator_pid, attacher_pid]; user_offset: where the header's kRingUserBytes opaque bytes
+// start; attacher_pid: 0 until the peer attached.
 std::vector<int64_t> ring_info(const at::Tensor& ring) {
   const RingHeader* h = ring_header("ring_info", ring);
   const int64_t user_offset = reinterpret_cast<const uint8_t*>(h->user) - reinterpret_cast<const uint8_t*>(h);
   return {static_cast<int64_t>(h->slot_bytes), static_cast<int64_t>(h->num_slots),
           static_cast<int64_t>(h->slot_stride), static_cast<int64_t>(h->data_offset),
           static_cast<int64_t>(h->flags), static_cast<int64_t>(h->head.load()),
-          static_cast<int64_t>(h->tail.load()), static_cast<int64_t>(h->closed.load()), user_offset};
+          static_cast<int64_t>(h->tail.load()), static_cast<int64_t>(h->closed.load()), user_offset,
+          h->creator_pid, h->attacher_pid.load()};
 }
 
 int64_t ring_reserve(at::Tensor& ring, int64_t timeout_us) {

@@ -44,7 +44,11 @@ import torch
 
 from stagewise import _C
 
-__all__ = ["ShmRing", "HostRing", "RingClosedError", "SHM_DIR"]
+__all__ = ["ShmRing", "HostRing", "RingClosedError", "SHM_DIR", "RING_OPS"]
+
+# The torch ops behind this module (schema: csrc/bindings/schema.cpp).
+RING_OPS = ("ring_bytes", "ring_init", "ring_attach", "ring_info", "ring_reserve", "ring_commit",
+            "ring_acquire", "ring_release", "ring_close")  # fmt: skip
 
 SHM_DIR = "/dev/shm"
 TIMED_OUT, CLOSED = -1, -2  # results of the ring ops besides a slot index (kRingTimedOut, kRingClosed)
@@ -125,7 +129,9 @@ class HostRing:
         return f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
 
     @classmethod
-    def _create_segment(cls, name: str, slot_bytes: int, num_slots: int, spin_us: int, user: bytes = b"") -> _Segment:
+    def _create_segment(cls, name: str, slot_bytes: int, num_slots: int, spin_us: int, user=None) -> _Segment:
+        """The initialised control segment; ``user(ring_info) -> bytes`` (optional) gives what to store in
+        the header's opaque bytes before the segment is published."""
         kind = cls.__name__
         path = _check_name(f"{kind}.create", name)
         for field, value in (("slot_bytes", slot_bytes), ("num_slots", num_slots), ("spin_us", spin_us)):
@@ -135,9 +141,10 @@ class HostRing:
 
         def init(t: torch.Tensor) -> None:
             _ops.ring_init(t, slot_bytes, num_slots, cls._external_slots, spin_us)
-            if user:
-                offset = _ops.ring_info(t)[8]
-                t[offset : offset + len(user)] = torch.frombuffer(bytearray(user), dtype=torch.uint8)
+            if user is not None:
+                info = _ops.ring_info(t)
+                data = user(info)
+                t[info[8] : info[8] + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
         return _make_segment(f"{kind}.create", path, size, init)
 
