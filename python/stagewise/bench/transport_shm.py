@@ -19,8 +19,9 @@ Transports, measured side by side in one run:
 * ``unix``: a Unix-domain stream socketpair, likewise.
 
 Sockets carry raw payloads (both sides know the size): no framing cost, which favours them.
-Every timing is the median of ``repeats`` rounds after one warm-up round; the peer is a
-separate ``python -m stagewise.bench.transport_shm --peer PLAN`` process (PLAN is JSON).
+Every timing is the median of ``repeats`` rounds after one warm-up round; each transport's
+peer is a separate ``python -m stagewise.bench.transport_shm --peer PLAN`` process (PLAN is
+JSON); all run at once and the transports take turns round by round.
 The first echo of each size is checked byte for byte before timing.
 """
 
@@ -161,89 +162,96 @@ def _open_peer_end(plan: dict):
     return _SocketEnd(socket.socket(fileno=plan["fd"]))
 
 
-def _measure_one(transport: str, sizes: list[int], repeats: int, spin_us: int, num_slots: int, idle_s: float):
-    """Rows for one transport (and, with idle_s, the peer's CPU use while it waited idle_s)."""
-    plan = {"transport": transport, "sizes": sizes, "repeats": repeats, "idle_s": idle_s}
-    pass_fds, listener, mine = (), None, None
-    if transport.startswith("shm"):
-        from stagewise.transport.shm import ShmRing
+class _Link:
+    """The driver's side of one transport: its peer process, its end, its timings."""
 
-        names = [ShmRing.unique_name("bench-shm") for _ in range(2)]
-        rings = [ShmRing.create(nm, max(sizes), num_slots, spin_us=spin_us) for nm in names]
-        plan["rings"] = names
-    elif transport == "tcp":
-        listener = socket.create_server(("127.0.0.1", 0))
-        plan["port"] = listener.getsockname()[1]
-    else:
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        plan["fd"], pass_fds = theirs.fileno(), (theirs.fileno(),)
-    proc = subprocess.Popen([sys.executable, "-m", "stagewise.bench.transport_shm", "--peer", json.dumps(plan)],
-                            pass_fds=pass_fds)  # fmt: skip
-    try:
+    def __init__(self, transport: str, sizes: list[int], repeats: int, spin_us: int, num_slots: int, idle_s: float):
+        self.transport = transport
+        self.plan = {"transport": transport, "sizes": sizes, "repeats": repeats, "idle_s": idle_s}
+        self.times: dict[int, tuple[list, list]] = {n: ([], []) for n in sizes}
+        pass_fds, listener, theirs = (), None, None
         if transport.startswith("shm"):
-            end = _RingEnd(tx=rings[0], rx=rings[1])
+            from stagewise.transport.shm import ShmRing
+
+            self.plan["rings"] = [ShmRing.unique_name("bench-shm") for _ in range(2)]
+            rings = [ShmRing.create(nm, max(sizes), num_slots, spin_us=spin_us) for nm in self.plan["rings"]]
             if transport == "shm/ops":
                 for ring in rings:
                     ring._use_torch_ops()
+            self.end = _RingEnd(tx=rings[0], rx=rings[1])
         elif transport == "tcp":
-            sock, _ = listener.accept()
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            end = _SocketEnd(sock)
+            listener = socket.create_server(("127.0.0.1", 0))
+            self.plan["port"] = listener.getsockname()[1]
         else:
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.plan["fd"], pass_fds = theirs.fileno(), (theirs.fileno(),)
+            self.end = _SocketEnd(mine)
+        cmd = [sys.executable, "-m", "stagewise.bench.transport_shm", "--peer", json.dumps(self.plan)]
+        self.proc = subprocess.Popen(cmd, pass_fds=pass_fds)
+        if theirs is not None:
             theirs.close()
-            end = _SocketEnd(mine)
-        rows, idle = _drive(end, plan), None
-        if idle_s:
-            time.sleep(idle_s)
-            end.send(memoryview(bytes(8)))
-            reply = memoryview(bytearray(16))
-            end.recv(reply)
-            cpu, wall = struct.unpack("<dd", reply)
-            idle = {"transport": transport, "waited_s": wall, "cpu_s": cpu, "cpu_fraction": cpu / wall}
-        end.close()
-        if proc.wait(timeout=120) != 0:
-            raise RuntimeError(f"stagewise.bench.transport_shm: the {transport} peer exited with {proc.returncode}")
-        return rows, idle
-    finally:
-        if proc.poll() is None:
-            proc.kill()
         if listener is not None:
-            listener.close()
+            listener.settimeout(120)
+            with listener:
+                sock, _ = listener.accept()
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.end = _SocketEnd(sock)
 
+    def rounds(self):
+        """Run the plan's rounds, yielding after each, so that transports can take turns."""
+        plan = self.plan
+        src = memoryview(bytearray((i * 131 + 7) & 0xFF for i in range(256)) * (max(plan["sizes"]) // 256 + 1))
+        dst, ack = memoryview(bytearray(len(src))), memoryview(bytearray(1))
+        end = self.end
+        for n, iters, messages, timed in _plan_rounds(plan):
+            if not timed:  # check the echo once, before timing
+                end.send(src[:n])
+                end.recv(dst[:n])
+                if dst[:n] != src[:n]:
+                    raise RuntimeError(f"stagewise.bench.transport_shm: {self.transport} echo of {n} bytes differs")
+                iters -= 1
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                end.send(src[:n])
+                end.recv(dst[:n])
+            t1 = time.perf_counter()
+            for _ in range(messages):
+                end.send(src[:n])
+                end.recv(ack)
+            t2 = time.perf_counter()
+            if timed:
+                self.times[n][0].append((t1 - t0) / iters / 2 * 1e6)
+                if messages:
+                    self.times[n][1].append(messages * n / (t2 - t1) / 1e9)
+            yield
 
-def _drive(end, plan: dict) -> list[TransportRow]:
-    src = memoryview(bytearray((i * 131 + 7) & 0xFF for i in range(256)) * (max(plan["sizes"]) // 256 + 1))
-    dst = memoryview(bytearray(len(src)))
-    ack = memoryview(bytearray(1))
-    times: dict[int, tuple[list, list]] = {n: ([], []) for n in plan["sizes"]}
-    for n, iters, messages, timed in _plan_rounds(plan):
-        if not timed:  # check the echo once, before timing
-            end.send(src[:n])
-            end.recv(dst[:n])
-            if dst[:n] != src[:n]:
-                raise RuntimeError(f"stagewise.bench.transport_shm: {plan['transport']} echo of {n} bytes differs")
-            iters -= 1
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            end.send(src[:n])
-            end.recv(dst[:n])
-        t1 = time.perf_counter()
-        for _ in range(messages):
-            end.send(src[:n])
-            end.recv(ack)
-        t2 = time.perf_counter()
-        if timed:
-            times[n][0].append((t1 - t0) / iters / 2 * 1e6)
-            if messages:
-                times[n][1].append(messages * n / (t2 - t1) / 1e9)
-    rows = []
-    for n, (lat, bw) in times.items():
-        rows.append(TransportRow(
-            transport=plan["transport"], nbytes=n, one_way_us=statistics.median(lat), one_way_us_min=min(lat),
-            gbps=statistics.median(bw) if bw else None, pingpong_iters=_pingpong_iters(n),
-            stream_messages=_stream_messages(n) if bw else 0, repeats=len(lat),
-        ))  # fmt: skip
-    return rows
+    def idle(self) -> dict:
+        """The peer's CPU use while it waited idle_s on an empty channel."""
+        time.sleep(self.plan["idle_s"])
+        self.end.send(memoryview(bytes(8)))
+        reply = memoryview(bytearray(16))
+        self.end.recv(reply)
+        cpu, wall = struct.unpack("<dd", reply)
+        return {"transport": self.transport, "waited_s": wall, "cpu_s": cpu, "cpu_fraction": cpu / wall}
+
+    def rows(self) -> list[TransportRow]:
+        return [
+            TransportRow(
+                transport=self.transport, nbytes=n, one_way_us=statistics.median(lat), one_way_us_min=min(lat),
+                gbps=statistics.median(bw) if bw else None, pingpong_iters=_pingpong_iters(n),
+                stream_messages=_stream_messages(n) if bw else 0, repeats=len(lat),
+            )  # fmt: skip
+            for n, (lat, bw) in self.times.items()
+        ]
+
+    def close(self, ok: bool) -> None:
+        if hasattr(self, "end"):
+            self.end.close()
+        if ok and self.proc.wait(timeout=120) != 0:
+            raise RuntimeError(f"stagewise.bench.transport_shm: the {self.transport} peer exited with {self.proc.returncode}")
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def measure_shm(
@@ -258,23 +266,32 @@ def measure_shm(
 ) -> list[TransportRow]:
     """Measure each transport between this process and a peer process; one row per (transport, size).
 
-    With ``idle`` a list, the shm and tcp peers' CPU use while blocked ``idle_s`` seconds on an
-    empty channel is appended to it (``cpu_fraction`` = CPU seconds / wall seconds).
+    All peers run at once and the transports take turns round by round, so that a change in the
+    machine's load during the run touches them alike. With ``idle`` a list, the shm and tcp peers'
+    CPU use while blocked ``idle_s`` seconds on an empty channel is appended to it
+    (``cpu_fraction`` = CPU seconds / wall seconds).
     """
     for t in transports:
         if t not in TRANSPORTS:
             raise ValueError(f"stagewise.bench.transport_shm: transport must be one of {TRANSPORTS}, got {t!r}")
-    rows = []
-    for t in transports:
-        ts = [n for n in sizes if n <= _OPS_MAX_BYTES] if t == "shm/ops" else list(sizes)
-        if not ts:
-            continue
-        want_idle = idle is not None and t in ("shm", "tcp")
-        got, idle_row = _measure_one(t, ts, repeats, spin_us, num_slots, idle_s if want_idle else 0.0)
-        rows += got
-        if idle_row is not None:
-            idle.append(idle_row)
-    return rows
+    links, ok = [], False
+    try:
+        for t in transports:
+            ts = [n for n in sizes if n <= _OPS_MAX_BYTES] if t == "shm/ops" else list(sizes)
+            if ts:
+                want_idle = idle is not None and t in ("shm", "tcp")
+                links.append(_Link(t, ts, repeats, spin_us, num_slots, idle_s if want_idle else 0.0))
+        turns = [link.rounds() for link in links]
+        while turns:
+            turns = [turn for turn in turns if next(turn, StopIteration) is not StopIteration]
+        for link in links:
+            if link.plan["idle_s"]:
+                idle.append(link.idle())
+        ok = True
+    finally:
+        for link in links:
+            link.close(ok)
+    return [row for link in links for row in link.rows()]
 
 
 def summary(rows: list[TransportRow]) -> dict:
