@@ -3,9 +3,9 @@
 ``python -m stagewise.bench.transport_shm [--out DIR]``. Per message size (8 KB ... 64 MB):
 
 * one-way latency: ping-pong (send n bytes, the peer sends n bytes back), round trip / 2;
-* bandwidth: the sender streams messages back to back, the receiver acknowledges each
-  with one byte after consuming it (a ring can hold ``num_slots`` messages in flight,
-  a socket its buffers); bytes / time.
+* bandwidth: the sender streams messages back to back (a ring holds ``num_slots`` of
+  them in flight, a socket its buffers); the receiver consumes them and answers the last
+  with one byte; bytes / (first send to that answer).
 
 Transports, measured side by side in one run:
 
@@ -138,6 +138,7 @@ def _peer(plan: dict) -> None:
             end.echo(buf[:n])
         for _ in range(messages):
             end.recv(None if zero_copy else buf[:n])
+        if messages:
             end.send(ack)
     if plan.get("idle_s"):
         cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -217,6 +218,7 @@ class _Link:
             t1 = time.perf_counter()
             for _ in range(messages):
                 end.send(src[:n])
+            if messages:
                 end.recv(ack)
             t2 = time.perf_counter()
             if timed:

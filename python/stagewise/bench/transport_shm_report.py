@@ -59,7 +59,7 @@ def write(out_dir: str, config: dict, rows: list[dict], idle: list, summary: dic
         f"median of {config['repeats']} rounds after a warm-up round.",
         "",
         "One-way = ping-pong round trip / 2 (the echo copies the message once each way). GB/s = a stream of "
-        "messages, each acknowledged with one byte. shm: sender copies into the slot, receiver reads the slot "
+        "messages sent back to back, the last one answered with one byte. shm: sender copies into the slot, receiver reads the slot "
         "in place; shm+copy: the receiver also copies each message out; shm/ops: through the torch ops "
         "(dispatcher); tcp: loopback, TCP_NODELAY; unix: a Unix stream socketpair. Sockets carry raw "
         "payloads with no framing.",
