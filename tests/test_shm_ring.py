@@ -189,6 +189,15 @@ def test_reader_close_stops_a_blocked_writer(name):
     writer.close()
 
 
+def test_closing_an_end_from_another_thread_ends_its_wait(name):
+    writer = ShmRing.create(name, 16, 1)
+    reader = ShmRing.attach(name)
+    threading.Timer(0.1, reader.close).start()
+    with pytest.raises(RingClosedError):
+        reader.acquire(timeout=10)
+    writer.close()
+
+
 def test_oversize_messages_are_refused(pair):
     writer, reader = pair
     with pytest.raises(ValueError, match=r"'nbytes' must be in \[0, slot_bytes=256\].*got 257"):

@@ -196,7 +196,7 @@ class CudaIpcRing(HostRing):
                     _KEPT.append(self._buf)
                     break
                 time.sleep(0.001)
-        self._slots = []
+        self._slots, self._reserved, self._acquired = [], None, None
         self._buf = None  # freed (creator) or unmapped (peer) once no view holds it
         super().close()
 

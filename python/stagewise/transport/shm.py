@@ -27,7 +27,8 @@ then :class:`RingClosedError`; a peer process that dies without closing is
 noticed by a waiter within ~20 ms. A creator killed before its peer attached
 leaves its segment behind (nothing can run after SIGKILL).
 
-Not thread-safe: use each end from one thread. Linux only (futex, /dev/shm).
+Not thread-safe: use each end from one thread (another thread may ``close()`` it, which
+ends that thread's wait with :class:`RingClosedError`). Linux only (futex, /dev/shm).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class _Segment:
         self.tensor = torch.frombuffer(mm, dtype=torch.uint8)  # the `ring` argument of the torch ops
 
     def close(self) -> None:
-        """Mark the ring closed (the peer's waits end), remove the name, unmap."""
+        """Mark the ring closed (the peer's waits end) and remove the name. The mapping is not
+        closed here but when the last reference goes: a thread may still be inside a wait on it."""
         if self.tensor is None:
             return
         _ops.ring_close(self.tensor)
@@ -90,10 +92,6 @@ class _Segment:
             except FileNotFoundError:  # the peer removed it when it attached
                 pass
         self.tensor = None
-        try:
-            self.mm.close()
-        except BufferError:  # a view is still held by the caller: unmapped when it goes
-            pass
 
 
 class HostRing:
@@ -193,6 +191,11 @@ class HostRing:
                 return self._result(op, result, timeout)
 
     def _result(self, op: str, result, timeout: float | None):
+        if not self._finalizer.alive:  # closed by another thread of this process during the wait
+            raise RingClosedError(f"stagewise.{type(self).__name__}.{op}: ring {self.name!r} was closed by this end")
+        return self._check_result(op, result, timeout)
+
+    def _check_result(self, op: str, result, timeout: float | None):
         slot = result[0] if isinstance(result, tuple) else result
         if slot >= 0:
             return result
