@@ -324,7 +324,8 @@ def test_torch_ops_on_a_plain_tensor():
     assert size == 4096 + 3 * 128  # a page of header and sizes, then slots of 100 bytes padded to 128
     ring = torch.zeros(size, dtype=torch.uint8)
     ops.ring_init(ring, 100, 3, False, 0)
-    slot_bytes, num_slots, stride, offset, flags, head, tail, closed, user_offset, creator, attacher = ops.ring_info(ring)
+    info = ops.ring_info(ring)
+    slot_bytes, num_slots, stride, offset, flags, head, tail, closed, user_offset, creator, attacher = info
     assert (slot_bytes, num_slots, stride, flags, head, tail, closed) == (100, 3, 128, 0, 0, 0, 0)
     assert (creator, attacher) == (os.getpid(), 0)
     ops.ring_attach(ring)

@@ -250,7 +250,9 @@ class _Link:
         if hasattr(self, "end"):
             self.end.close()
         if ok and self.proc.wait(timeout=120) != 0:
-            raise RuntimeError(f"stagewise.bench.transport_shm: the {self.transport} peer exited with {self.proc.returncode}")
+            raise RuntimeError(
+                f"stagewise.bench.transport_shm: the {self.transport} peer exited with {self.proc.returncode}"
+            )
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
@@ -329,9 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     from stagewise.bench import transport_shm_report as report
 
     idle: list = []
+    load_before = os.getloadavg()[0]
     rows = measure_shm(args.sizes, args.repeats, transports=args.transports, spin_us=args.spin_us,
                        num_slots=args.num_slots, idle=idle)  # fmt: skip
-    config = {"repeats": args.repeats, "spin_us": args.spin_us, "num_slots": args.num_slots}
+    config = {"repeats": args.repeats, "spin_us": args.spin_us, "num_slots": args.num_slots,
+              "load_average_1m": [load_before, os.getloadavg()[0]]}  # fmt: skip
     print(report.format_table(rows, idle, summary(rows)))
     if args.out:
         report.write(args.out, config, [asdict(r) for r in rows], idle, summary(rows))

@@ -25,14 +25,15 @@ def format_table(rows: list, idle: list, summary: dict) -> str:
     ]
     for r in rows:
         base = tcp.get(r["nbytes"])
-        vs = r["gbps"] / base["gbps"] if r["gbps"] and base and base["gbps"] else None
+        vs = f"{r['gbps'] / base['gbps']:.2f}x" if r["gbps"] and base and base["gbps"] else "—"
         lines.append(
             f"| {r['transport']} | {_size(r['nbytes'])} | {_num(r['one_way_us'], '.1f')} | "
-            f"{_num(r['one_way_us_min'], '.1f')} | {_num(r['gbps'], '.2f')} | {_num(vs, '.2f') + 'x' if vs else '—'} |"
+            f"{_num(r['one_way_us_min'], '.1f')} | {_num(r['gbps'], '.2f')} | {vs} |"
         )
     if idle:
         lines += ["", "| waiting end | waited s | CPU s | CPU use |", "|---|---|---|---|"]
-        lines += [f"| {i['transport']} | {i['waited_s']:.2f} | {i['cpu_s']:.4f} | {100 * i['cpu_fraction']:.2f}% |" for i in idle]
+        for i in idle:
+            lines.append(f"| {i['transport']} | {i['waited_s']:.2f} | {i['cpu_s']:.4f} | {100 * i['cpu_fraction']:.2f}% |")
     lines += ["", f"Targets: {json.dumps(summary)}"]
     return "\n".join(lines)
 
@@ -56,11 +57,13 @@ def write(out_dir: str, config: dict, rows: list[dict], idle: list, summary: dic
         f"torch {info['torch']}, Python {info['python']}  ",
         f"Date (UTC): {info['date_utc']}; commit: {info['git_commit']}  ",
         f"Ring: {config['num_slots']} slots of the largest size, spin {config['spin_us']} µs then futex; "
-        f"median of {config['repeats']} rounds after a warm-up round.",
+        f"median of {config['repeats']} rounds after a warm-up round. Load average (1 min) before and "
+        f"after the run: {config['load_average_1m'][0]:.1f}, {config['load_average_1m'][1]:.1f} (other processes "
+        f"shared the 2 cores; the transports took turns round by round so that the load touched them alike).",
         "",
         "One-way = ping-pong round trip / 2 (the echo copies the message once each way). GB/s = a stream of "
-        "messages sent back to back, the last one answered with one byte. shm: sender copies into the slot, receiver reads the slot "
-        "in place; shm+copy: the receiver also copies each message out; shm/ops: through the torch ops "
+        "messages sent back to back, the last one answered with one byte. shm: sender copies into the slot, "
+        "receiver reads the slot in place; shm+copy: the receiver also copies each message out; shm/ops: through the torch ops "
         "(dispatcher); tcp: loopback, TCP_NODELAY; unix: a Unix stream socketpair. Sockets carry raw "
         "payloads with no framing.",
         "",

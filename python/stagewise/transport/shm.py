@@ -110,7 +110,8 @@ class HostRing:
         info = _ops.ring_info(segment.tensor)
         self.slot_bytes, self.num_slots, self._stride, self._data_offset = info[:4]
         self._user_offset = info[8]
-        self._bind(_C.ring_reserve, _C.ring_commit, _C.ring_acquire, _C.ring_release, segment.tensor.data_ptr(), len(segment.mm))
+        direct = (_C.ring_reserve, _C.ring_commit, _C.ring_acquire, _C.ring_release)
+        self._bind(*direct, segment.tensor.data_ptr(), len(segment.mm))
 
     def _bind(self, reserve, commit, acquire, release, *ring) -> None:
         self._reserve_fn, self._commit_fn = partial(reserve, *ring), partial(commit, *ring)
@@ -134,7 +135,10 @@ class HostRing:
         path = _check_name(f"{kind}.create", name)
         for field, value in (("slot_bytes", slot_bytes), ("num_slots", num_slots), ("spin_us", spin_us)):
             if not isinstance(value, int) or value < (0 if field == "spin_us" else 1):
-                raise ValueError(f"stagewise.{kind}.create: argument '{field}' must be a positive int, got {value!r}")
+                least = 0 if field == "spin_us" else 1
+                raise ValueError(
+                    f"stagewise.{kind}.create: argument '{field}' must be an int >= {least}, got {value!r}"
+                )
         size = _ops.ring_bytes(slot_bytes, num_slots, cls._external_slots)
 
         def init(t: torch.Tensor) -> None:
@@ -184,7 +188,9 @@ class HostRing:
             return self._result(op, fn(0), timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            chunk = _WAIT_CHUNK_US if deadline is None else max(0, min(_WAIT_CHUNK_US, int((deadline - time.monotonic()) * 1e6)))
+            chunk = _WAIT_CHUNK_US
+            if deadline is not None:
+                chunk = max(0, min(chunk, int((deadline - time.monotonic()) * 1e6)))
             result = fn(chunk)
             slot = result[0] if isinstance(result, tuple) else result
             if slot != TIMED_OUT or (deadline is not None and time.monotonic() >= deadline):
@@ -212,7 +218,7 @@ class ShmRing(HostRing):
     def __init__(self, name: str, segment: _Segment):
         super().__init__(name, segment)
         whole, offset, stride = memoryview(segment.mm), self._data_offset, self._stride
-        self._slots = [whole[offset + i * stride : offset + i * stride + self.slot_bytes] for i in range(self.num_slots)]
+        self._slots = [whole[offset + i * stride :][: self.slot_bytes] for i in range(self.num_slots)]
         self._reserved: tuple[int, memoryview] | None = None  # (slot, view handed out)
         self._acquired: tuple[int, memoryview] | None = None
 
@@ -250,7 +256,7 @@ class ShmRing(HostRing):
         """Wait for a free slot and return a writable view of its first ``nbytes`` bytes."""
         self._check_nbytes(nbytes)
         if self._reserved is not None:
-            raise RuntimeError(f"stagewise.ShmRing.reserve: ring {self.name!r} already has a reserved slot; commit it first")
+            raise RuntimeError(f"stagewise.ShmRing.reserve: ring {self.name!r} already has a reserved slot; commit it")
         slot = self._wait("reserve", self._reserve_fn, timeout)
         view = self._slots[slot][:nbytes]
         self._reserved = (slot, view)
@@ -276,7 +282,7 @@ class ShmRing(HostRing):
     def acquire(self, timeout: float | None = None) -> memoryview:
         """Wait for the next message and return a read-only view of it (valid until :meth:`release`)."""
         if self._acquired is not None:
-            raise RuntimeError(f"stagewise.ShmRing.acquire: ring {self.name!r} already has an acquired message; release it first")
+            raise RuntimeError(f"stagewise.ShmRing.acquire: ring {self.name!r} already has an acquired message")
         slot, nbytes = self._wait("acquire", self._acquire_fn, timeout)
         view = self._slots[slot][:nbytes].toreadonly()
         self._acquired = (slot, view)
