@@ -34,17 +34,32 @@ def format_table(rows: list, idle: list, summary: dict) -> str:
         lines += ["", "| waiting end | waited s | CPU s | CPU use |", "|---|---|---|---|"]
         for i in idle:
             lines.append(f"| {i['transport']} | {i['waited_s']:.2f} | {i['cpu_s']:.4f} | {100 * i['cpu_fraction']:.2f}% |")
-    lines += ["", f"Targets: {json.dumps(summary)}"]
+    lines += ["", *_verdict(summary)]
     return "\n".join(lines)
+
+
+def _verdict(summary: dict) -> list[str]:
+    """The issue's targets in words: shm >= 3x tcp GB/s at >= 1 MB, <= 20 us one-way at 8 KB."""
+    out = []
+    for t, ratios in summary["gbps_ratio_over_tcp"].items():
+        got = ", ".join(f"{_size(int(n))} {r:.1f}x" for n, r in ratios.items())
+        met = "met" if summary["bandwidth_target_met"][t] else "not met"
+        out.append(f"- {t} GB/s over tcp at >= 1 MB (target >= 3x): {got}: {met}")
+    if summary["shm_one_way_us_8k"] is not None:
+        met = "met" if summary["latency_target_met"] else "not met"
+        out.append(f"- shm one-way at 8 KB (target <= 20 µs): {summary['shm_one_way_us_8k']:.1f} µs: {met}")
+    return out
 
 
 def _asdict(row) -> dict:
     return {k: getattr(row, k) for k in row.__slots__}
 
 
-def write(out_dir: str, config: dict, rows: list[dict], idle: list, summary: dict) -> tuple[Path, Path]:
-    info = machine_info("cpu")
-    info.update(config)
+def write(out_dir: str, config: dict, rows: list[dict], idle: list, summary: dict, info: dict | None = None):
+    """Write <device>-shm.json and .md under out_dir; `info` (machine, date, commit) defaults to now."""
+    if info is None:
+        info = machine_info("cpu")
+        info.update(config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"{info['device']}-shm"
