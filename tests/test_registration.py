@@ -142,8 +142,12 @@ def test_op_is_registered_with_a_fake(name):
 
 
 def test_every_registered_op_is_public():
+    from stagewise.transport.cuda_ipc import CUDA_IPC_OPS
+    from stagewise.transport.shm import RING_OPS
+
     registered = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("stagewise::")}
-    assert registered == set(ops.__all__)
+    # The transport's ring ops act on shared memory, not in graphs: stagewise.transport is their face.
+    assert registered == set(ops.__all__) | set(RING_OPS) | set(CUDA_IPC_OPS)
 
 
 def test_fake_shapes_and_dtypes():

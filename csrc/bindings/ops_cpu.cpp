@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "bindings/params.h"
+#include "stagewise/ring.h"
 
 namespace stagewise::glue {
 namespace {
@@ -67,6 +68,82 @@ void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweigh
   cpu::quant_linear(make_quant_linear_params(out, x, qweight, qtype, bias));
 }
 
+
+// ---- activation ring: `ring` is a uint8 tensor over the whole segment -------
+
+RingHeader* ring_header(const char* op, const at::Tensor& ring) {
+  TORCH_CHECK_TYPE(ring.scalar_type() == at::kByte, "stagewise.", op,
+                   ": argument 'ring' must be a uint8 tensor, got ", ring.scalar_type());
+  TORCH_CHECK_VALUE(ring.dim() == 1 && ring.is_contiguous(), "stagewise.", op,
+                    ": argument 'ring' must be a contiguous 1-D tensor, got shape ", ring.sizes(),
+                    " and strides ", ring.strides());
+  const char* why = ring_check(ring.data_ptr(), static_cast<uint64_t>(ring.numel()));
+  TORCH_CHECK_VALUE(why == nullptr, "stagewise.", op, ": argument 'ring' is not a valid ring: ", why);
+  return static_cast<RingHeader*>(ring.data_ptr());
+}
+
+int64_t ring_bytes(int64_t slot_bytes, int64_t num_slots, bool external_slots) {
+  TORCH_CHECK_VALUE(slot_bytes > 0 && slot_bytes <= (int64_t{1} << 40),
+                    "stagewise.ring_bytes: argument 'slot_bytes' must be in [1, 2^40], got ", slot_bytes);
+  TORCH_CHECK_VALUE(num_slots > 0 && num_slots <= (int64_t{1} << 20),
+                    "stagewise.ring_bytes: argument 'num_slots' must be in [1, 2^20], got ", num_slots);
+  return static_cast<int64_t>(
+      ring_layout(slot_bytes, num_slots, external_slots ? kRingExternalSlots : 0).total_bytes);
+}
+
+void ring_init(at::Tensor& ring, int64_t slot_bytes, int64_t num_slots, bool external_slots,
+               int64_t spin_us) {
+  const int64_t need = ring_bytes(slot_bytes, num_slots, external_slots);
+  TORCH_CHECK_TYPE(ring.scalar_type() == at::kByte,
+                   "stagewise.ring_init: argument 'ring' must be a uint8 tensor, got ", ring.scalar_type());
+  TORCH_CHECK_VALUE(ring.dim() == 1 && ring.is_contiguous() && ring.numel() >= need,
+                    "stagewise.ring_init: argument 'ring' must be a contiguous 1-D tensor of at least ",
+                    need, " bytes, got shape ", ring.sizes());
+  TORCH_CHECK_VALUE(spin_us >= 0, "stagewise.ring_init: argument 'spin_us' must be >= 0, got ", spin_us);
+  cpu::ring_init(ring.data_ptr(), slot_bytes, num_slots, external_slots ? kRingExternalSlots : 0,
+                 spin_us * 1000);
+}
+
+void ring_attach(at::Tensor& ring) { cpu::ring_attach(ring_header("ring_attach", ring)); }
+
+// [slot_bytes, num_slots, slot_stride, data_offset, flags, head, tail, closed, user_offset,
+//  creator_pid, attacher_pid]; user_offset: where the header's kRingUserBytes opaque bytes
+// start; attacher_pid: 0 until the peer attached.
+std::vector<int64_t> ring_info(const at::Tensor& ring) {
+  const RingHeader* h = ring_header("ring_info", ring);
+  const int64_t user_offset = reinterpret_cast<const uint8_t*>(h->user) - reinterpret_cast<const uint8_t*>(h);
+  return {static_cast<int64_t>(h->slot_bytes), static_cast<int64_t>(h->num_slots),
+          static_cast<int64_t>(h->slot_stride), static_cast<int64_t>(h->data_offset),
+          static_cast<int64_t>(h->flags), static_cast<int64_t>(h->head.load()),
+          static_cast<int64_t>(h->tail.load()), static_cast<int64_t>(h->closed.load()), user_offset,
+          h->creator_pid, h->attacher_pid.load()};
+}
+
+int64_t ring_reserve(at::Tensor& ring, int64_t timeout_us) {
+  return cpu::ring_reserve(ring_header("ring_reserve", ring), timeout_us);
+}
+
+void ring_commit(at::Tensor& ring, int64_t slot, int64_t nbytes) {
+  RingHeader* h = ring_header("ring_commit", ring);
+  TORCH_CHECK_VALUE(nbytes >= 0, "stagewise.ring_commit: argument 'nbytes' must be >= 0, got ", nbytes);
+  const RingStatus s = cpu::ring_commit(h, slot, static_cast<uint64_t>(nbytes));
+  TORCH_CHECK_VALUE(s == RingStatus::kOk, ring_status_message("ring_commit", s, h, slot, nbytes));
+}
+
+std::tuple<int64_t, int64_t> ring_acquire(at::Tensor& ring, int64_t timeout_us) {
+  uint64_t nbytes = 0;
+  const int64_t slot = cpu::ring_acquire(ring_header("ring_acquire", ring), timeout_us, &nbytes);
+  return {slot, static_cast<int64_t>(nbytes)};
+}
+
+void ring_release(at::Tensor& ring, int64_t slot) {
+  RingHeader* h = ring_header("ring_release", ring);
+  const RingStatus s = cpu::ring_release(h, slot);
+  TORCH_CHECK_VALUE(s == RingStatus::kOk, ring_status_message("ring_release", s, h, slot, 0));
+}
+
+void ring_close(at::Tensor& ring) { cpu::ring_close(ring_header("ring_close", ring)); }
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(stagewise, CPU, m) {
@@ -79,6 +156,17 @@ TORCH_LIBRARY_IMPL(stagewise, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("merge_attn_states", &merge_attn_states);
   m.impl("quant_linear", &quant_linear);
+  m.impl("ring_init", &ring_init);
+  m.impl("ring_attach", &ring_attach);
+  m.impl("ring_info", &ring_info);
+  m.impl("ring_reserve", &ring_reserve);
+  m.impl("ring_commit", &ring_commit);
+  m.impl("ring_acquire", &ring_acquire);
+  m.impl("ring_release", &ring_release);
+  m.impl("ring_close", &ring_close);
 }
+
+// No tensor argument to dispatch on: the composite kernel serves every call.
+TORCH_LIBRARY_IMPL(stagewise, CompositeExplicitAutograd, m) { m.impl("ring_bytes", &ring_bytes); }
 
 }  // namespace stagewise::glue

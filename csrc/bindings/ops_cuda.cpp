@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include "bindings/params.h"
+#include "stagewise/ring.h"
 
 namespace stagewise::glue {
 namespace {
@@ -103,6 +104,65 @@ void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweigh
                   const std::optional<at::Tensor>& bias) {
   auto p = make_quant_linear_params(out, x, qweight, qtype, bias);
   STAGEWISE_CUDA_CALL("quant_linear", x, cuda::quant_linear(p, stream_));
+
+// ---- CUDA IPC activation ring (python/stagewise/transport/cuda_ipc.py) -------
+
+at::Tensor cuda_ipc_alloc(int64_t nbytes, int64_t device) {
+  TORCH_CHECK_VALUE(nbytes > 0, "stagewise.cuda_ipc_alloc: argument 'nbytes' must be > 0, got ", nbytes);
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  void* ptr = nullptr;
+  check_launch("cuda_ipc_alloc", cuda::ipc_alloc(&ptr, static_cast<uint64_t>(nbytes)));
+  return at::from_blob(ptr, {nbytes}, [](void* p) { cuda::ipc_free(p); },
+                       at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+}
+
+// buf: the tensor cuda_ipc_alloc returned (the handle names its whole allocation).
+at::Tensor cuda_ipc_handle(const at::Tensor& buf) {
+  TORCH_CHECK_VALUE(buf.is_cuda() && buf.scalar_type() == at::kByte && buf.storage_offset() == 0,
+                    "stagewise.cuda_ipc_handle: argument 'buf' must be a uint8 CUDA tensor from "
+                    "cuda_ipc_alloc, got ", buf.scalar_type(), " on ", buf.device(), " at offset ",
+                    buf.storage_offset());
+  const c10::cuda::CUDAGuard guard(buf.device());
+  at::Tensor handle = at::empty({cuda::kIpcHandleBytes}, at::TensorOptions().dtype(at::kByte));
+  check_launch("cuda_ipc_handle", cuda::ipc_get_handle(buf.data_ptr(), handle.data_ptr<uint8_t>()));
+  return handle;
+}
+
+at::Tensor cuda_ipc_open(const at::Tensor& handle, int64_t nbytes, int64_t device) {
+  TORCH_CHECK_VALUE(handle.device().is_cpu() && handle.scalar_type() == at::kByte &&
+                        handle.is_contiguous() && handle.numel() == cuda::kIpcHandleBytes,
+                    "stagewise.cuda_ipc_open: argument 'handle' must be ", cuda::kIpcHandleBytes,
+                    " contiguous uint8 bytes on the CPU, got ", handle.numel(), " ", handle.scalar_type(),
+                    " on ", handle.device());
+  TORCH_CHECK_VALUE(nbytes > 0, "stagewise.cuda_ipc_open: argument 'nbytes' must be > 0, got ", nbytes);
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  void* ptr = nullptr;
+  check_launch("cuda_ipc_open", cuda::ipc_open(handle.data_ptr<uint8_t>(), &ptr));
+  return at::from_blob(ptr, {nbytes}, [](void* p) { cuda::ipc_close(p); },
+                       at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+}
+
+uint32_t* ring_counter(const char* op, const at::Tensor& buf, int64_t offset) {
+  TORCH_CHECK_VALUE(buf.scalar_type() == at::kByte && buf.is_contiguous(), "stagewise.", op,
+                    ": argument 'buf' must be a contiguous uint8 tensor, got ", buf.scalar_type());
+  TORCH_CHECK_VALUE(offset >= 0 && offset % 4 == 0 && offset + 4 <= buf.numel(), "stagewise.", op,
+                    ": argument 'offset' must be a multiple of 4 inside the buffer of ", buf.numel(),
+                    " bytes, got ", offset);
+  return reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(buf.data_ptr()) + offset);
+}
+
+// Enqueues on the current stream: wait until the counter reaches `value` (mod 2^32).
+void cuda_ring_wait(const at::Tensor& buf, int64_t offset, int64_t value) {
+  uint32_t* counter = ring_counter("cuda_ring_wait", buf, offset);
+  STAGEWISE_CUDA_CALL("cuda_ring_wait", buf,
+                      cuda::stream_wait_counter(stream_, counter, static_cast<uint32_t>(value)));
+}
+
+// Enqueues on the current stream: after the work before it, set the counter to `value`.
+void cuda_ring_signal(at::Tensor& buf, int64_t offset, int64_t value) {
+  uint32_t* counter = ring_counter("cuda_ring_signal", buf, offset);
+  STAGEWISE_CUDA_CALL("cuda_ring_signal", buf,
+                      cuda::stream_write_counter(stream_, counter, static_cast<uint32_t>(value)));
 }
 
 }  // namespace
@@ -117,6 +177,15 @@ TORCH_LIBRARY_IMPL(stagewise, CUDA, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("merge_attn_states", &merge_attn_states);
   m.impl("quant_linear", &quant_linear);
+  m.impl("cuda_ring_wait", &cuda_ring_wait);
+  m.impl("cuda_ring_signal", &cuda_ring_signal);
+}
+
+// Their tensor arguments (if any) are on the CPU: composite kernels serve every call.
+TORCH_LIBRARY_IMPL(stagewise, CompositeExplicitAutograd, m) {
+  m.impl("cuda_ipc_alloc", &cuda_ipc_alloc);
+  m.impl("cuda_ipc_handle", &cuda_ipc_handle);
+  m.impl("cuda_ipc_open", &cuda_ipc_open);
 }
 
 }  // namespace stagewise::glue

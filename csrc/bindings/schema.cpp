@@ -3,6 +3,11 @@
 // run without allocating (the Python wrappers in stagewise.ops allocate when
 // the caller passes none). Implementations: ops_cpu.cpp, ops_cuda.cpp; fake
 // (meta) implementations: python/stagewise/ops/_fake.py.
+//
+// The ring_* and cuda_ipc_* ops are the activation-ring transport
+// (include/stagewise/ring.h, python/stagewise/transport/): `ring` is the uint8
+// tensor over a whole shared-memory segment; they have no fake implementations
+// (they act on shared memory, never inside a traced graph).
 #include <torch/library.h>
 
 TORCH_LIBRARY(stagewise, m) {
@@ -28,4 +33,23 @@ TORCH_LIBRARY(stagewise, m) {
       "merge_attn_states(Tensor(a!) out, Tensor(b!) lse, Tensor out_a, Tensor lse_a, "
       "Tensor out_b, Tensor lse_b) -> ()");
   m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor qweight, int qtype, Tensor? bias) -> ()");
+
+  // Activation ring (CPU, shared memory). Slot results: >= 0, or -1 timed out, -2 closed.
+  m.def("ring_bytes(int slot_bytes, int num_slots, bool external_slots) -> int");
+  m.def(
+      "ring_init(Tensor(a!) ring, int slot_bytes, int num_slots, bool external_slots, "
+      "int spin_us) -> ()");
+  m.def("ring_attach(Tensor(a!) ring) -> ()");
+  m.def("ring_info(Tensor ring) -> int[]");
+  m.def("ring_reserve(Tensor(a!) ring, int timeout_us) -> int");
+  m.def("ring_commit(Tensor(a!) ring, int slot, int nbytes) -> ()");
+  m.def("ring_acquire(Tensor(a!) ring, int timeout_us) -> (int, int)");
+  m.def("ring_release(Tensor(a!) ring, int slot) -> ()");
+  m.def("ring_close(Tensor(a!) ring) -> ()");
+  // Activation ring (CUDA IPC): the device allocation and stream-ordered counters.
+  m.def("cuda_ipc_alloc(int nbytes, int device) -> Tensor");
+  m.def("cuda_ipc_handle(Tensor buf) -> Tensor");
+  m.def("cuda_ipc_open(Tensor handle, int nbytes, int device) -> Tensor");
+  m.def("cuda_ring_wait(Tensor buf, int offset, int value) -> ()");
+  m.def("cuda_ring_signal(Tensor(a!) buf, int offset, int value) -> ()");
 }
