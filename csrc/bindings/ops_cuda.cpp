@@ -104,6 +104,7 @@ void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweigh
                   const std::optional<at::Tensor>& bias) {
   auto p = make_quant_linear_params(out, x, qweight, qtype, bias);
   STAGEWISE_CUDA_CALL("quant_linear", x, cuda::quant_linear(p, stream_));
+}
 
 // ---- CUDA IPC activation ring (python/stagewise/transport/cuda_ipc.py) -------
 
