@@ -68,15 +68,15 @@ def tiny(tiny_models):
     return tiny_models("qwen3")
 
 
-# Each architecture at S = 2 and 3; the policies spread over them.
-CASES = [("qwen3", 2, "even"), ("qwen3", 3, "0-1,1-4,4-5"), ("falcon-40b", 2, "ceil"), ("falcon-40b", 3, "balanced"),
-         ("qwen3-moe", 2, "balanced"), ("qwen3-moe", 3, "even")]
+# Each architecture at S = 2 and 3; the policies and transports spread over them (auto = shm here).
+CASES = [("qwen3", 2, "even", "tcp"), ("qwen3", 3, "0-1,1-4,4-5", "auto"), ("falcon-40b", 2, "ceil", "shm"),
+         ("falcon-40b", 3, "balanced", "tcp"), ("qwen3-moe", 2, "balanced", "auto"), ("qwen3-moe", 3, "even", "shm")]
 
 
-@pytest.mark.parametrize(("arch", "stages", "partition"), CASES)
-def test_tiny_models_equal_the_single_process(tiny_models, arch, stages, partition):
+@pytest.mark.parametrize(("arch", "stages", "partition", "transport"), CASES)
+def test_tiny_models_equal_the_single_process(tiny_models, arch, stages, partition, transport):
     folder, prompts, greedy, sampled = tiny_models(arch)
-    with stagewise.Pipeline(str(folder), stages=stages, partition=partition, max_model_len=64,
+    with stagewise.Pipeline(str(folder), stages=stages, partition=partition, transport=transport, max_model_len=64,
                             max_num_seqs=8) as pipe:
         got = pipe.generate(prompt_token_ids=prompts, max_new_tokens=NEW, ignore_eos=True)
         assert [c.token_ids for c in got] == greedy
@@ -137,10 +137,11 @@ def smollm2_reference():
 
 
 @smollm2
-@pytest.mark.parametrize(("stages", "partition"), [(2, "ceil"), (3, "balanced"), (5, "even")])
-def test_smollm2_pipeline_equals_the_single_process(smollm2_reference, stages, partition):
-    with stagewise.Pipeline("smollm2-135m", stages=stages, partition=partition, max_model_len=256,
-                            max_num_seqs=4, threads=1) as pipe:
+@pytest.mark.parametrize(("stages", "partition", "transport"),
+                         [(2, "ceil", "tcp"), (3, "balanced", "shm"), (5, "even", "auto")])
+def test_smollm2_pipeline_equals_the_single_process(smollm2_reference, stages, partition, transport):
+    with stagewise.Pipeline("smollm2-135m", stages=stages, partition=partition, transport=transport,
+                            max_model_len=256, max_num_seqs=4, threads=1) as pipe:
         got = pipe.generate(QUESTIONS, chat=True, max_new_tokens=12)
     assert [c.token_ids for c in got] == smollm2_reference
     assert "Paris" in got[0].text

@@ -281,13 +281,25 @@ def test_fuzz_live_receiver_keeps_serving_valid_frames(verify):
 
 
 def test_open_channel_selects_and_explains_missing_transports():
-    with pytest.raises(NotImplementedError, match="'shm' is not available"):
-        open_channel("shm", hello=HELLO)
+    from stagewise.transport.shm_channel import ShmChannel
+
+    with pytest.raises(NotImplementedError, match="'cuda-ipc' is not available"):
+        open_channel("cuda-ipc", hello=HELLO)
     with pytest.raises(ValueError, match="transport must be one of"):
         open_channel("udp", hello=HELLO)
+    with tcp.listen(hello=HELLO) as lis:  # auto on one host: the shared-memory ring
+        box = {}
+        t = threading.Thread(target=lambda: box.update(ch=open_channel("shm", hello=HELLO, listener=lis, timeout=5)))
+        t.start()
+        ch = open_channel("auto", hello=HELLO, host=lis.address[0], port=lis.address[1], timeout=5)
+        t.join(5)
+        assert isinstance(ch, ShmChannel) and isinstance(box["ch"], ShmChannel)
+        ch.send(Frame(step_kind=StepKind.HEARTBEAT, step_id=4))
+        assert box["ch"].recv(5).step_id == 4
+        ch.close(), box["ch"].close()
     with tcp.listen(hello=HELLO) as lis:
         t, box = serve(lis, lambda ch: ch.recv(5).step_id)
-        ch = open_channel("auto", hello=HELLO, host=lis.address[0], port=lis.address[1], timeout=5)
+        ch = open_channel("auto", hello=HELLO, host=lis.address[0], port=lis.address[1], timeout=5, same_host=False)
         assert isinstance(ch, tcp.TcpChannel)
         ch.send(Frame(step_kind=StepKind.HEARTBEAT, step_id=3))
         t.join(5)

@@ -367,10 +367,22 @@ def _tokenizer(ckpt: Checkpoint):
 
 
 def hop_transports(plan, *, local: bool) -> list[str]:
-    """The transport of each stage's outgoing hop (stage i -> i + 1, the last -> 0)."""
-    if plan.transport in ("auto", "tcp"):
-        return ["tcp"] * plan.num_stages
-    raise ValueError(f"Pipeline: transport {plan.transport!r} is not available; use 'auto' or 'tcp'")
+    """The transport of each stage's outgoing hop (stage i -> i + 1, the last -> 0): ``auto`` is
+    shm between stages on one host (all of them when spawned here), tcp across hosts."""
+    from stagewise.transport.registry import is_local_host
+
+    n = plan.num_stages
+    if plan.transport in ("tcp", "shm"):
+        return [plan.transport] * n
+    if plan.transport == "auto":
+        hops = []
+        for i in range(n):
+            a, b = plan.stages[i].host, plan.stages[(i + 1) % n].host
+            same = local or (a == b and is_local_host(a)) or a == b
+            hops.append("shm" if same else "tcp")
+        return hops
+    raise ValueError(f"Pipeline: transport {plan.transport!r} is not wired into the pipeline; use 'auto', "
+                     "'tcp' or 'shm' (the channel exists in stagewise.transport; stages do not use it yet)")
 
 
 def _device(device: str | torch.device) -> torch.device:

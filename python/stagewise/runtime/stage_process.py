@@ -178,9 +178,11 @@ class StageProcess:
         peer = self.index + 1 if not self.is_last else 0
         address = msg.get("next")
         if address is not None:
+            slot_bytes, num_slots = self._ring_size()
             out = links.dial(tuple(address), transport=transport, stage=self.index, peer=peer,
                              role="feedback" if self.is_last else "activations", fingerprint=self.fingerprint,
-                             auth_token=self.auth_token, checksum=self.plan.checksum)
+                             auth_token=self.auth_token, checksum=self.plan.checksum, slot_bytes=slot_bytes,
+                             num_slots=num_slots)
             if self.is_last:
                 self.feedback = out
             else:
@@ -195,6 +197,17 @@ class StageProcess:
             else:
                 self.feedback = channel
 
+    def _ring_size(self) -> tuple[int, int]:
+        """Slots of this stage's outgoing shm ring: a step's hidden states (a long prefill that
+        does not fit goes over TCP) or, from the last stage, token ids; enough slots that the
+        S steps in flight and the free messages rarely wait."""
+        s = self.plan.num_stages
+        if self.is_last:
+            return 1 << 20, s + 2
+        tokens = min(8192, self.plan.max_num_seqs * self.max_model_len) + self.plan.max_num_seqs
+        need = tokens * self.config.hidden_size * self.dtype.itemsize + (256 << 10)
+        return min(max(need, 1 << 20), 32 << 20), 2 * s + 2
+
     def _accept_until(self, role: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while role not in self.pending and time.monotonic() < deadline:
@@ -205,7 +218,7 @@ class StageProcess:
 
     def _accept_one(self, timeout: float) -> None:
         try:
-            channel, role = links.accept(self.listener, timeout=timeout)
+            channel, role = links.accept(self.listener, timeout=timeout, checksum=self.plan.checksum)
         except TimeoutError:
             return
         self.pending[role] = channel

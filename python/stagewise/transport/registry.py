@@ -16,7 +16,7 @@ from stagewise.transport.hello import Hello
 
 TRANSPORTS = {
     "tcp": "stagewise.transport.tcp",
-    "shm": "stagewise.transport.shm",
+    "shm": "stagewise.transport.shm_channel",
     "cuda-ipc": "stagewise.transport.cuda_ipc",
     "torch": "stagewise.transport.torch_dist",
 }
