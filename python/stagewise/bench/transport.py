@@ -1,7 +1,9 @@
 """`stagewise bench transport`: one-way latency and GB/s of each transport, 8 KB ... 64 MB frames.
 
 Every transport is a row family of :data:`TRANSPORTS`: a function that starts an echo peer in a
-spawned process and returns this side's channel (the shm and cuda-ipc rings add theirs here).
+spawned process and returns this side's channel. ``shm`` is a pair of one-way shared-memory
+rings (one per direction, as between pipeline stages), set up over TCP; the cuda-ipc ring is not
+here yet (it needs a GPU).
 Frames carry one bfloat16 "hidden" tensor of the given size, like a decode or prefill step.
 
 - latency: ping-pong, the peer sends each frame back; one-way = median round trip / 2 (includes
@@ -35,11 +37,67 @@ WINDOW = 4
 HELLO = Hello(fingerprint="bench/transport", stage_from=0, stage_to=1)
 
 
+class _Duplex:
+    """Two one-way shm links as one channel: frames out through one ring, in through the other
+    (as between pipeline stages, where each direction has its own ring)."""
+
+    def __init__(self, out, inn) -> None:
+        self.out, self.inn = out, inn
+
+    def send(self, frame) -> None:
+        self.out.send(frame)
+
+    def recv(self, timeout=None):
+        return self.inn.recv(timeout)
+
+    @property
+    def checksum(self) -> bool:
+        return self.out.checksum
+
+    @checksum.setter
+    def checksum(self, value: bool) -> None:
+        self.out.checksum = self.inn.checksum = value
+
+    @property
+    def verify_checksum(self) -> bool:
+        return self.inn.verify_checksum
+
+    @verify_checksum.setter
+    def verify_checksum(self, value: bool) -> None:
+        self.out.verify_checksum = self.inn.verify_checksum = value
+
+    def close(self) -> None:
+        self.out.close()
+        self.inn.close()
+
+
+SHM_SLOT_BYTES = (64 << 20) + (1 << 20)
+
+
+def _shm_pair(port: int | None, check: bool):
+    """Peer side (``port`` given): dial the bench's listener for the ring towards it, then accept
+    the bench's ring towards this side. Bench side: the reverse."""
+    from stagewise.transport import shm_channel
+
+    opts = dict(checksum=check, verify_checksum=check)
+    if port is not None:
+        out = shm_channel.open_channel(hello=HELLO, host="127.0.0.1", port=port, slot_bytes=SHM_SLOT_BYTES,
+                                       num_slots=WINDOW + 1, timeout=60, **opts)
+        lis = tcp.listen(hello=HELLO, **opts)
+        out.send(Frame(step_kind=StepKind.CONTROL, control={"port": lis.address[1]}))
+        inn = shm_channel.open_channel(hello=HELLO, listener=lis, timeout=60, **opts)
+        lis.close()
+        return _Duplex(out, inn)
+    raise ValueError("_shm_pair: the bench side is _start_shm")
+
+
 def _peer(kind: str, port: int, check: bool) -> None:
     """The echo side, in its own process."""
     torch.set_num_threads(1)
     if kind == "tcp":
         ch = tcp.connect("127.0.0.1", port, hello=HELLO, timeout=60, checksum=check, verify_checksum=check)
+    elif kind == "shm":
+        ch = _shm_pair(port, check)
     else:
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
         ch = torch_dist.open_channel(0, hello=HELLO, timeout=60, checksum=check, verify_checksum=check)
@@ -83,7 +141,24 @@ def _start_torch(check: bool):
     return torch_dist.open_channel(1, hello=HELLO, timeout=120, checksum=check, verify_checksum=check), proc
 
 
-TRANSPORTS: dict[str, Callable] = {"tcp": _start_tcp, "torch": _start_torch}
+def _start_shm(check: bool):
+    import multiprocessing as mp
+
+    from stagewise.transport import shm_channel
+
+    opts = dict(checksum=check, verify_checksum=check)
+    lis = tcp.listen(hello=HELLO, **opts)
+    proc = mp.get_context("spawn").Process(target=_peer, args=("shm", lis.address[1], check), daemon=True)
+    proc.start()
+    inn = shm_channel.open_channel(hello=HELLO, listener=lis, timeout=120, **opts)
+    lis.close()
+    port = inn.recv(60).control["port"]
+    out = shm_channel.open_channel(hello=HELLO, host="127.0.0.1", port=port, slot_bytes=SHM_SLOT_BYTES,
+                                   num_slots=WINDOW + 1, timeout=60, **opts)
+    return _Duplex(out, inn), proc
+
+
+TRANSPORTS: dict[str, Callable] = {"tcp": _start_tcp, "shm": _start_shm, "torch": _start_torch}
 """name -> start(checksum) -> (channel to an echo peer, peer process). The peer follows
 {"set_checksum": bool} control frames, so one peer serves both settings."""
 

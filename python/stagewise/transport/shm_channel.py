@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 from stagewise.transport.channel import Channel
-from stagewise.transport.codec import decode_frame, encode_frame_into, frame_nbytes
+from stagewise.transport.codec import decode_frame, encode_parts
 from stagewise.transport.errors import ChannelClosed, HandshakeError
 from stagewise.transport.frame import DEFAULT_MAX_PAYLOAD_BYTES, Frame, StepKind
 from stagewise.transport.shm import RingClosedError, ShmRing
@@ -75,12 +75,18 @@ class ShmChannel(Channel):
         if not self.sending:
             return self.tcp.send(frame, timeout=timeout)
         start = time.perf_counter()
-        n = frame_nbytes(frame)
+        head, parts = encode_parts(frame, checksum=self.checksum)
+        sizes = [len(p) if isinstance(p, bytes) else p.nbytes for p in parts]
+        n = len(head) + sum(sizes)
         try:
             if n <= self.ring.slot_bytes:
                 view = self.ring.reserve(n, timeout)
                 try:
-                    encode_frame_into(frame, view, checksum=self.checksum)
+                    view[: len(head)] = head
+                    pos = len(head)
+                    for part, size in zip(parts, sizes):
+                        view[pos : pos + size] = part
+                        pos += size
                 except BaseException:
                     self.ring.commit(0)  # give the slot back empty; the reader skips it
                     raise
