@@ -68,9 +68,10 @@ def tiny(tiny_models):
     return tiny_models("qwen3")
 
 
-# Each architecture at S = 2 and 3; the policies and transports spread over them (auto = shm here).
+# Each architecture at S = 2 and 3; the policies and transports (tcp, shm, torch/gloo; auto = shm here)
+# spread over them.
 CASES = [("qwen3", 2, "even", "tcp"), ("qwen3", 3, "0-1,1-4,4-5", "auto"), ("falcon-40b", 2, "ceil", "shm"),
-         ("falcon-40b", 3, "balanced", "tcp"), ("qwen3-moe", 2, "balanced", "auto"), ("qwen3-moe", 3, "even", "shm")]
+         ("falcon-40b", 3, "balanced", "tcp"), ("qwen3-moe", 2, "balanced", "torch"), ("qwen3-moe", 3, "even", "shm")]
 
 
 @pytest.mark.parametrize(("arch", "stages", "partition", "transport"), CASES)

@@ -248,3 +248,42 @@ def _mutate(rng: random.Random, good: bytes, frame: Frame) -> bytes:
     else:  # rows that do not add up to the tensor
         bad = dataclasses.replace(frame, rows=frame.rows + [Row(3, 2, 1)])
     return encode_frame(bad)
+
+
+def test_ctrl_c_stops_the_driver_and_every_stage(folder):
+    """SIGINT to the whole process group, as a terminal's Ctrl-C: the CLI exits 130 and no stage
+    process is left."""
+    proc = subprocess.Popen([sys.executable, "-m", "stagewise.cli", "generate", str(folder), "--stages", "3",
+                             "--prompt-ids", "5,6,7", "--max-new-tokens", "480", "--max-model-len", "500"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    children = []
+    deadline = time.monotonic() + 120
+    while len(children) < 3 and time.monotonic() < deadline:  # wait until the stages run
+        children = _children(proc.pid)
+        time.sleep(0.2)
+    assert len(children) == 3, "the stage processes did not start"
+    time.sleep(2.0)  # into the generation
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        code = proc.wait(timeout=15)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = proc.stderr.read()
+    assert code == 130, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert _gone(children), "stage processes left behind"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out

@@ -372,7 +372,7 @@ def hop_transports(plan, *, local: bool) -> list[str]:
     from stagewise.transport.registry import is_local_host
 
     n = plan.num_stages
-    if plan.transport in ("tcp", "shm"):
+    if plan.transport in ("tcp", "shm", "torch"):
         return [plan.transport] * n
     if plan.transport == "auto":
         hops = []
@@ -381,8 +381,8 @@ def hop_transports(plan, *, local: bool) -> list[str]:
             same = local or (a == b and is_local_host(a)) or a == b
             hops.append("shm" if same else "tcp")
         return hops
-    raise ValueError(f"Pipeline: transport {plan.transport!r} is not wired into the pipeline; use 'auto', "
-                     "'tcp' or 'shm' (the channel exists in stagewise.transport; stages do not use it yet)")
+    raise ValueError(f"Pipeline: transport {plan.transport!r} is not wired into the pipeline yet; use 'auto', "
+                     "'tcp', 'shm' or 'torch' (the CUDA IPC ring exists in stagewise.transport.cuda_ipc)")
 
 
 def _device(device: str | torch.device) -> torch.device:

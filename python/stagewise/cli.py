@@ -49,5 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def _main() -> int:
+    """The console entry point: Ctrl-C ends cleanly (stage processes are stopped on the way out)."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print("stagewise: interrupted", file=sys.stderr)
+        return 130
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_main())

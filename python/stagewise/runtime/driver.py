@@ -56,11 +56,12 @@ class PipelineDriver:
             self.num_blocks = min(int(m["capacity_blocks"]) for m in ready)
             self.pids = [m.get("pid") for m in ready]
             hops = hop_transports or ["tcp"] * plan.num_stages
+            store = self._torch_store() if "torch" in hops else None
             for i, control in enumerate(self.controls):
                 nxt = None if plan.num_stages == 1 else addresses[(i + 1) % plan.num_stages]
                 control.send(Frame(step_kind=StepKind.CONTROL, control={
                     "op": "setup", "num_blocks": self.num_blocks, "next": None if nxt is None else list(nxt),
-                    "transport": hops[i], "microbatches": plan.num_stages}))
+                    "transport": hops[i], "microbatches": plan.num_stages, "store": store}))
             for i in range(plan.num_stages):
                 self._expect(i, "connected", 120.0)
         except BaseException:
@@ -70,6 +71,17 @@ class PipelineDriver:
         self.last_seen = [now] * plan.num_stages
         self.requests: dict[int, RequestState] = {}
         self._problems: list[tuple[int, int, str]] = []
+
+    def _torch_store(self) -> list:
+        """A TCPStore for the stages' torch.distributed process group (the ``torch`` transport),
+        hosted here on the address the stages reach this process at."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        host = self.controls[0]._sock.getsockname()[0]
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+        return [host, self._store.port]
 
     # ---- low level --------------------------------------------------------------
 

@@ -169,6 +169,9 @@ class StageProcess:
                                         max_model_len=self.max_model_len, device=self.device)
         transport = msg.get("transport", "tcp")
         expect = "activations" if not self.is_first else ("feedback" if self.plan.num_stages > 1 else None)
+        if transport == "torch":
+            self._setup_torch_links(msg)
+            return
         # Accept the previous stage while dialling the next: every stage dials first, and a
         # hello needs the other end to be accepting.
         accepter = None
@@ -196,6 +199,52 @@ class StageProcess:
                 self.upstream = channel
             else:
                 self.feedback = channel
+
+    def _setup_torch_links(self, msg: dict) -> None:
+        """The ``torch`` transport: the stages form a gloo process group (rank = stage index) over
+        the driver's TCPStore, and each hop is a torch.distributed point-to-point channel (tag 1:
+        activations, tag 2: the token feedback), opened with the same hello as over TCP."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from stagewise.transport import torch_dist
+        from stagewise.transport.hello import Hello
+
+        n = self.plan.num_stages
+        if not dist.is_initialized():
+            host, port = msg["store"]
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=120))
+            dist.init_process_group("gloo", store=store, rank=self.index, world_size=n,
+                                    timeout=timedelta(seconds=120))
+        opts = dict(auth_token=self.auth_token, checksum=self.plan.checksum, verify_checksum=self.plan.checksum,
+                    timeout=120.0)
+
+        def link(peer: int, sender: int, receiver: int, role: str, tag: int):
+            hello = Hello(fingerprint=self.fingerprint, stage_from=sender, stage_to=receiver, role=role)
+            return torch_dist.open_channel(peer, hello=hello, initiator=self.index == sender, tag=tag, **opts)
+
+        incoming = {}
+        prev = self.index - 1 if not self.is_first else (n - 1)
+        expect = None if n == 1 else ("feedback" if self.is_first else "activations")
+        accepter = None
+        if expect is not None:
+            args = (prev, n - 1, 0, "feedback", 2) if self.is_first else (prev, prev, self.index, "activations", 1)
+            accepter = threading.Thread(target=lambda: incoming.update(ch=link(*args)), daemon=True)
+            accepter.start()
+        if n > 1:
+            if self.is_last:
+                self.feedback = link(0, self.index, 0, "feedback", 2)
+            else:
+                self.downstream = link(self.index + 1, self.index, self.index + 1, "activations", 1)
+        if accepter is not None:
+            accepter.join(130)
+            if "ch" not in incoming:
+                raise TimeoutError(f"stage {self.index}: no torch.distributed {expect} link from stage {prev}")
+            if self.is_first:
+                self.feedback = incoming["ch"]
+            else:
+                self.upstream = incoming["ch"]
 
     def _ring_size(self) -> tuple[int, int]:
         """Slots of this stage's outgoing shm ring: a step's hidden states (a long prefill that
