@@ -61,8 +61,15 @@ def run(args, log=print) -> int:
             for s, pipe in pipes.items():
                 for case in ("b1", f"c{s}"):
                     prompts = cases[case]
+                    prefill = None
+                    if s > 1:  # the prefill alone, to take it off the stages' busy and wall time
+                        pipe.generate(prompt_token_ids=prompts, max_new_tokens=1, ignore_eos=True)
+                        prefill = pipe.last_stats["stages"]
                     out = pipe.generate(prompt_token_ids=prompts, max_new_tokens=args.new_tokens, ignore_eos=True)
                     st = dict(pipe.last_stats)
+                    if prefill is not None:
+                        st["decode_busy"] = [(a["busy_s"] - b["busy_s"]) / max(a["wall_s"] - b["wall_s"], 1e-9)
+                                             for a, b in zip(st["stages"], prefill)]
                     steps = st["decode_tokens"] / len(prompts)
                     st["tpot_s"] = st["decode_s"] / steps if steps else 0.0
                     samples.setdefault((s, case), []).append(st)
@@ -87,6 +94,8 @@ def run(args, log=print) -> int:
             if s > 1:
                 row["busy_pct"] = [100.0 * statistics.median(r["stages"][i]["busy_fraction"] for r in runs)
                                    for i in range(s)]
+                row["decode_busy_pct"] = [100.0 * statistics.median(r["decode_busy"][i] for r in runs)
+                                          for i in range(s)]
                 row["layers"] = [r["layers"] for r in runs[0]["stages"]]
             rows.append(row)
     info.update(model=str(args.model), dtype="float32", repeats=repeats, transport=transport, partition=partition,
@@ -103,7 +112,9 @@ def run(args, log=print) -> int:
         f"Model: {info['model']}, float32, greedy, EOS ignored, prompt {args.prompt_len}, {args.new_tokens} new tokens; "
         f"transport {transport}, partition {partition}; median of {repeats} runs, configurations taking turns", "",
         "overhead = TPOT at batch 1 over S = 1's, in % (target for S = 2: <= 10 %). busy % = each stage's "
-        "compute time over its wall time during the call, with S x 4 concurrent requests (target >= 80 %). "
+        "compute time over its wall time during the whole call; decode busy % = the same after the prefill "
+        "(a prefill-only call of the same prompts taken off), with S x 4 concurrent requests the target is "
+        ">= 80 %. S > 2 stage processes share this machine's 2 cores. "
         "tokens = S1: greedy tokens identical to the single process.", "",
         table, ""]))
     log(f"wrote {stem}.json and {stem}.md")
@@ -111,12 +122,14 @@ def run(args, log=print) -> int:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ["S", "requests", "decode tok/s", "TPOT ms", "TTFT ms", "overhead %", "busy % per stage", "tokens = S1"]
+    head = ["S", "requests", "decode tok/s", "TPOT ms", "TTFT ms", "overhead %", "busy % per stage",
+            "decode busy % per stage", "tokens = S1"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in rows:
         busy = " / ".join(f"{b:.0f}" for b in r.get("busy_pct", [])) or "-"
+        dbusy = " / ".join(f"{b:.0f}" for b in r.get("decode_busy_pct", [])) or "-"
         over = f"{r['overhead_vs_s1_pct']:+.1f}" if "overhead_vs_s1_pct" in r else "-"
         eq = "-" if r["tokens_equal_s1"] is None else ("yes" if r["tokens_equal_s1"] else "NO")
         lines.append(f"| {r['stages']} | {r['requests']} | {r['decode_tok_s']:.1f} | {r['tpot_ms']:.1f} | "
-                     f"{r['ttft_ms']:.0f} | {over} | {busy} | {eq} |")
+                     f"{r['ttft_ms']:.0f} | {over} | {busy} | {dbusy} | {eq} |")
     return "\n".join(lines)
