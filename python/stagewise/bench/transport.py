@@ -22,7 +22,6 @@ import socket
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 

@@ -49,19 +49,9 @@ def parse_address(text: str, what: str = "listen") -> tuple[str, int]:
 
 def read_plan_data(path: str | Path) -> Any:
     """The parsed YAML/JSON document of a plan file, not yet checked."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise ValueError(f"run plan: cannot read {str(path)!r}: {err.strerror}") from None
-    try:
-        import yaml
+    from stagewise.yamlfile import read_yaml
 
-        return yaml.safe_load(text)
-    except ImportError:  # JSON plans need no YAML parser
-        return json.loads(text)
-    except Exception as err:  # noqa: BLE001 - yaml.YAMLError and friends
-        raise ValueError(f"run plan: {str(path)!r} is not valid YAML: {err}") from None
+    return read_yaml(path, "run plan")
 
 
 @dataclass(frozen=True, slots=True)

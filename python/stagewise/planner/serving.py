@@ -87,15 +87,7 @@ def parse_serving(data: Any, where: str = "serving config") -> ServingConfig:
 
 
 def load_serving_yaml(path: str | Path) -> ServingConfig:
-    import yaml
+    from stagewise.yamlfile import read_yaml
 
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise ValueError(f"serving config {str(path)!r}: cannot read it ({err.strerror})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ValueError(f"serving config {str(path)!r}: not valid YAML: {err}") from None
+    data = read_yaml(path, "serving config")
     return parse_serving(data, f"serving config {str(path)!r}")

@@ -27,7 +27,6 @@ def export_kv(runtime, request_id: Hashable, *, stage: int = 0) -> Frame:
     if request_id not in manager:
         raise ValueError(f"export_kv: this stage holds no KV for request {request_id!r}")
     n = manager.num_tokens(request_id)
-    block = manager.block_size
     blocks = torch.tensor(manager.block_ids(request_id), dtype=torch.int64, device=cache.storage.device)
     # storage [L, 2, num_blocks, block, Hk, D] -> the request's blocks -> [L, 2, n, Hk, D]
     kv = cache.storage.index_select(2, blocks).flatten(2, 3)[:, :, :n]

@@ -359,7 +359,6 @@ class StageProcess:
             self.on_listening(self)
         self._load()
         self.pending: dict[str, object] = {}
-        deadline = time.monotonic() + self.driver_timeout_s
         self._accept_until("driver", self.driver_timeout_s)
         if "driver" not in self.pending:
             raise TimeoutError(f"stage {self.index}: no driver connected within {self.driver_timeout_s:.0f} s")
