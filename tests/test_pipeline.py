@@ -106,10 +106,11 @@ def test_concurrent_requests_with_cancellations(tiny):
         params = asdict(SamplingParams(max_new_tokens=9, temperature=0.0, ignore_eos=True))
         for rid, prompt in enumerate(prompts):
             driver.add(rid, prompt, params)
-        cancel, results, tokens_seen = {2, 5, 11}, {}, 0
+        cancel, results, tokens_seen, busiest = {2, 5, 11}, {}, 0, 0
         while len(results) < len(prompts):
             for out in driver.pump(0.05):
                 results[out["id"]] = out
+            busiest = max(busiest, pipe.status().get("running", 0))
             tokens_seen += 1
             if tokens_seen == 3:
                 for rid in cancel:
@@ -121,6 +122,12 @@ def test_concurrent_requests_with_cancellations(tiny):
             else:
                 assert (out["token_ids"], out["finish_reason"]) == (expected[rid], "length"), rid
         assert any(out["finish_reason"] == "cancelled" for out in results.values())
+        # Seed 002's status: all six user rows were busy at some point, none is now.
+        assert busiest == 6
+        while pipe.status().get("running") != 0:
+            driver.pump(0.05)
+        st = pipe.status()
+        assert st["waiting"] == 0 and st["max_num_seqs"] == 6 and st["free_blocks"] == st["total_blocks"]
         # Every stage freed the KV of every request: the next call runs at full capacity.
         got = pipe.generate(prompt_token_ids=prompts[:6], max_new_tokens=9, ignore_eos=True)
         assert [c.token_ids for c in got] == expected[:6]

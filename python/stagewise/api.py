@@ -293,6 +293,18 @@ class Pipeline:
         self.last_stats = stats
         return [results[i] for i in range(len(encoded))]
 
+    def status(self) -> dict[str, int]:
+        """Seed 002's status: ``waiting`` (queue depth), ``running`` (active user rows),
+        ``max_num_seqs``, ``free_blocks`` and ``total_blocks`` of the KV pool (stage 0's, which
+        every stage mirrors). With stages, the latest report of stage 0."""
+        if self.engine is not None:
+            st = self.engine.status()
+            return {"waiting": st.waiting, "running": st.running, "max_num_seqs": st.max_num_seqs,
+                    "free_blocks": st.free_blocks, "total_blocks": st.total_blocks}
+        if self.driver is None:
+            raise ValueError("Pipeline.status: the pipeline is closed")
+        return dict(self.driver.status)
+
     def write_trace(self, path) -> None:
         """The stages' timeline of the last generate() call as a Chrome trace (Perfetto): one
         track per stage with compute, send and receive-wait spans."""

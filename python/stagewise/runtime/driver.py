@@ -71,6 +71,9 @@ class PipelineDriver:
         self.last_seen = [now] * plan.num_stages
         self.requests: dict[int, RequestState] = {}
         self._problems: list[tuple[int, int, str]] = []
+        self.status: dict = {}
+        """Stage 0's latest status: waiting (queue depth), running (active rows), max_num_seqs,
+        free_blocks, total_blocks."""
 
     def _torch_store(self) -> list:
         """A TCPStore for the stages' torch.distributed process group (the ``torch`` transport),
@@ -102,6 +105,9 @@ class PipelineDriver:
                 self.last_seen[stage] = time.monotonic()
             if msg.get("op") == op:
                 return msg
+            if msg.get("op") == "status":
+                self.status = {k: v for k, v in msg.items() if k != "op"}
+                continue
             if msg.get("op") in ("heartbeat", "events"):
                 continue  # (events only arrive here after every request has ended)
             raise ValueError(f"stage {stage}: expected {op!r}, got {msg.get('op')!r}")
@@ -161,6 +167,8 @@ class PipelineDriver:
                     if msg.get("op") == "fatal":
                         self._problems.append((2 if msg.get("neighbour") else 1, i,
                                                f"stage {i} failed: {msg.get('message')}"))
+                    elif i == 0 and msg.get("op") == "status":
+                        self.status = {k: v for k, v in msg.items() if k != "op"}
                     elif i == 0:
                         done += self._events(msg, now, on_text)
             except (ChannelClosed, OSError) as err:

@@ -431,80 +431,119 @@ class StageProcess:
     # -- stage 0
 
     def _serve_head(self) -> None:
-        head, events = self.head, {"text": [], "tokens": {}, "done": []}
-
-        def on_text(rid: Hashable, delta: str) -> None:
-            events["text"].append([rid, delta])
-
-        def finished(outs: list[RequestOutput]) -> None:
-            for out in outs:
-                events["done"].append({"id": out.request_id, "token_ids": out.token_ids, "text": out.text,
-                                       "finish_reason": out.finish_reason, "error": out.error})
-
+        """Stage 0's loop, seed 002's steps: pick_prompts, prepare_inputs + decode (one group's
+        step through stage 0's layers, sent on), switch_tokens (the sampled tokens that come
+        back), push_outputs, update_users (KV of ended requests freed on every stage),
+        send_status."""
+        if self.plan.num_stages == 1:
+            raise ValueError("a one-stage plan runs in the driver's process")
+        self._events: dict = {"text": [], "tokens": {}, "done": []}
+        self._last_status: tuple | None = None
         while True:
-            for msg in self._control_messages():
-                op = msg.get("op")
-                if op == "add":
-                    try:
-                        params = SamplingParams(**msg["params"])
-                        head.add_request(int(msg["id"]), list(msg["prompt_ids"]), params, on_text)
-                    except (ValueError, TypeError, KeyError) as err:
-                        events["done"].append({"id": msg.get("id"), "token_ids": [], "text": "",
-                                               "finish_reason": "error", "error": str(err)})
-                elif op == "cancel":
-                    out = head.cancel(int(msg["id"]))
-                    if out is not None:
-                        finished([out])
-                elif self._common_control(msg):
-                    return
-            if self.plan.num_stages == 1:
-                raise ValueError("a one-stage plan runs in the driver's process")
-            for g in head.idle_groups_with_work():
-                start = time.perf_counter()
-                step, done = head.launch(g)
-                end = time.perf_counter()
-                finished(done)
-                if step is None:
-                    continue
-                self.stats.busy_s += end - start
-                self.stats.steps += 1
-                self.stats.tokens += step.batch.num_tokens
-                self.stats.event("compute", start, end, g)
-                self._send(self.downstream, step_frame(rows_of(step.batch), step.hidden_states, group=g,
-                                                       step_id=step.step_id, stage=0, sampling=step.sampling))
-            if head.has_freed:
-                freed = head.take_freed()
-                self._send(self.downstream, Frame(step_kind=StepKind.CONTROL, stage_from=0, stage_to=1,
-                                                  rows=[Row(int(r), 0, 0, RowFlags.FINISHED) for r in freed],
-                                                  control={"op": "free"}))
-            if events["text"] or events["done"] or events["tokens"]:
-                self.tell_driver({"op": "events", "text": events["text"], "done": events["done"],
-                                  "tokens": [[k, v] for k, v in events["tokens"].items()]})
-                events = {"text": [], "tokens": {}, "done": []}
-            if not head.inflight:
-                if not head.has_unfinished():
+            if self._pick_prompts():
+                return
+            self._prepare_and_decode()
+            self._update_users()
+            self._push_outputs()
+            self._send_status()
+            if not self.head.inflight:
+                if not self.head.has_unfinished():
                     self.control.poll(0.05)
                 continue
-            frame = self._recv(self.feedback, timeout=0.002)
-            if frame is None:
+            self._switch_tokens(self._recv(self.feedback, timeout=0.002))
+
+    def _on_text(self, rid: Hashable, delta: str) -> None:
+        self._events["text"].append([rid, delta])
+
+    def _finished(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            self._events["done"].append({"id": out.request_id, "token_ids": out.token_ids, "text": out.text,
+                                         "finish_reason": out.finish_reason, "error": out.error})
+
+    def _pick_prompts(self) -> bool:
+        """New requests and cancellations from the driver; True on shutdown."""
+        for msg in self._control_messages():
+            op = msg.get("op")
+            if op == "add":
+                try:
+                    params = SamplingParams(**msg["params"])
+                    self.head.add_request(int(msg["id"]), list(msg["prompt_ids"]), params, self._on_text)
+                except (ValueError, TypeError, KeyError) as err:
+                    self._events["done"].append({"id": msg.get("id"), "token_ids": [], "text": "",
+                                                 "finish_reason": "error", "error": str(err)})
+            elif op == "cancel":  # seed 002 sends EOS; here the request ends at once, its KV freed
+                out = self.head.cancel(int(msg["id"]))
+                if out is not None:
+                    self._finished([out])
+            elif self._common_control(msg):
+                return True
+        return False
+
+    def _prepare_and_decode(self) -> None:
+        """Every idle group with work: schedule (prefills + one decode row per running request),
+        run stage 0's layers, send the hidden states to stage 1."""
+        for g in self.head.idle_groups_with_work():
+            start = time.perf_counter()
+            step, done = self.head.launch(g)
+            end = time.perf_counter()
+            self._finished(done)
+            if step is None:
                 continue
-            try:
-                if frame.step_kind == StepKind.TOKENS:
-                    rids = [r.request_id for r in frame.rows]
-                    ids = frame.tensors.get("token_ids")
-                    if ids is None or tuple(ids.shape) != (len(rids),):
-                        raise ValueError(f"tensors['token_ids']: expected shape ({len(rids)},), "
-                                         f"got {None if ids is None else tuple(ids.shape)}")
-                    finished(head.on_tokens(frame.microbatch, frame.step_id, rids, ids.tolist()))
-                    for rid in rids:
-                        req = head._requests.get(rid)
-                        events["tokens"][rid] = len(req.seq.output_ids) if req is not None else -1
-                elif frame.control and frame.control.get("op") == "step_failed":
-                    finished(head.on_step_failed(frame.microbatch, frame.step_id, str(frame.control["message"])))
-                else:
-                    raise ValueError(f"step_kind {frame.step_kind!r} is not expected on the feedback link")
-            except (ValueError, TypeError, KeyError) as err:
-                self.reject(f"(feedback step {frame.step_id}): {err}")
+            self.stats.busy_s += end - start
+            self.stats.steps += 1
+            self.stats.tokens += step.batch.num_tokens
+            self.stats.event("compute", start, end, g)
+            self._send(self.downstream, step_frame(rows_of(step.batch), step.hidden_states, group=g,
+                                                   step_id=step.step_id, stage=0, sampling=step.sampling))
+
+    def _switch_tokens(self, frame: Frame | None) -> None:
+        """The last stage's sampled tokens (or its failure) for one group's step."""
+        if frame is None:
+            return
+        head = self.head
+        try:
+            if frame.step_kind == StepKind.TOKENS:
+                rids = [r.request_id for r in frame.rows]
+                ids = frame.tensors.get("token_ids")
+                if ids is None or tuple(ids.shape) != (len(rids),):
+                    raise ValueError(f"tensors['token_ids']: expected shape ({len(rids)},), "
+                                     f"got {None if ids is None else tuple(ids.shape)}")
+                self._finished(head.on_tokens(frame.microbatch, frame.step_id, rids, ids.tolist()))
+                for rid in rids:
+                    req = head._requests.get(rid)
+                    self._events["tokens"][rid] = len(req.seq.output_ids) if req is not None else -1
+            elif frame.control and frame.control.get("op") == "step_failed":
+                self._finished(head.on_step_failed(frame.microbatch, frame.step_id, str(frame.control["message"])))
+            else:
+                raise ValueError(f"step_kind {frame.step_kind!r} is not expected on the feedback link")
+        except (ValueError, TypeError, KeyError) as err:
+            self.reject(f"(feedback step {frame.step_id}): {err}")
+
+    def _push_outputs(self) -> None:
+        """Text deltas, first-token marks and finished requests to the driver."""
+        ev = self._events
+        if ev["text"] or ev["done"] or ev["tokens"]:
+            self.tell_driver({"op": "events", "text": ev["text"], "done": ev["done"],
+                              "tokens": [[k, v] for k, v in ev["tokens"].items()]})
+            self._events = {"text": [], "tokens": {}, "done": []}
+
+    def _update_users(self) -> None:
+        """Requests that ended left their rows on stage 0; every later stage frees their KV."""
+        if self.head.has_freed:
+            freed = self.head.take_freed()
+            self._send(self.downstream, Frame(step_kind=StepKind.CONTROL, stage_from=0, stage_to=1,
+                                              rows=[Row(int(r), 0, 0, RowFlags.FINISHED) for r in freed],
+                                              control={"op": "free"}))
+
+    def _send_status(self) -> None:
+        """Queue depth, active rows and free KV blocks to the driver, when they change."""
+        st = self.head.status()
+        key = (st.waiting, st.running, st.free_blocks)
+        if key != self._last_status:
+            self._last_status = key
+            self.tell_driver({"op": "status", "waiting": st.waiting, "running": st.running,
+                              "max_num_seqs": st.max_num_seqs, "free_blocks": st.free_blocks,
+                              "total_blocks": st.total_blocks})
 
     # -- stages 1 .. S-1
 
