@@ -380,19 +380,13 @@ def _tokenizer(ckpt: Checkpoint):
 
 def hop_transports(plan, *, local: bool) -> list[str]:
     """The transport of each stage's outgoing hop (stage i -> i + 1, the last -> 0): ``auto`` is
-    shm between stages on one host (all of them when spawned here), tcp across hosts."""
-    from stagewise.transport.registry import is_local_host
-
+    shm between two stages of one host (the same ``host`` in the plan; every locally spawned
+    stage), tcp between hosts. ``local``: the stages were spawned here."""
     n = plan.num_stages
     if plan.transport in ("tcp", "shm", "torch"):
         return [plan.transport] * n
     if plan.transport == "auto":
-        hops = []
-        for i in range(n):
-            a, b = plan.stages[i].host, plan.stages[(i + 1) % n].host
-            same = local or (a == b and is_local_host(a)) or a == b
-            hops.append("shm" if same else "tcp")
-        return hops
+        return ["shm" if plan.stages[i].host == plan.stages[(i + 1) % n].host else "tcp" for i in range(n)]
     raise ValueError(f"Pipeline: transport {plan.transport!r} is not wired into the pipeline yet; use 'auto', "
                      "'tcp', 'shm' or 'torch' (the CUDA IPC ring exists in stagewise.transport.cuda_ipc)")
 
