@@ -383,12 +383,17 @@ def hop_transports(plan, *, local: bool) -> list[str]:
     shm between two stages of one host (the same ``host`` in the plan; every locally spawned
     stage), tcp between hosts. ``local``: the stages were spawned here."""
     n = plan.num_stages
+    if plan.transport == "cuda-ipc":
+        cpu = [s.index for s in plan.stages if not s.device.startswith("cuda")]
+        if cpu or len({s.host for s in plan.stages}) > 1:
+            raise ValueError(f"Pipeline: transport 'cuda-ipc' needs every stage on a GPU of one host; stages {cpu} "
+                             "run on the CPU" if cpu else "Pipeline: transport 'cuda-ipc' needs one host")
+        return ["cuda-ipc"] * n
     if plan.transport in ("tcp", "shm", "torch"):
         return [plan.transport] * n
     if plan.transport == "auto":
         return ["shm" if plan.stages[i].host == plan.stages[(i + 1) % n].host else "tcp" for i in range(n)]
-    raise ValueError(f"Pipeline: transport {plan.transport!r} is not wired into the pipeline yet; use 'auto', "
-                     "'tcp', 'shm' or 'torch' (the CUDA IPC ring exists in stagewise.transport.cuda_ipc)")
+    raise ValueError(f"Pipeline: transport must be one of auto, tcp, shm, torch, cuda-ipc; got {plan.transport!r}")
 
 
 def _device(device: str | torch.device) -> torch.device:

@@ -24,7 +24,7 @@ def listen(address: tuple[str, int], *, fingerprint: str, auth_token: str | None
                       auth_token=auth_token, checksum=checksum, verify_checksum=checksum)
 
 
-def accept(listener: tcp.Listener, timeout: float, *, checksum: bool = True):
+def accept(listener: tcp.Listener, timeout: float, *, checksum: bool = True, device: int | None = None):
     """The next link and its role (TimeoutError when none arrives). Data links come back on the
     transport their dialler chose."""
     channel = listener.accept(timeout=timeout)
@@ -35,7 +35,7 @@ def accept(listener: tcp.Listener, timeout: float, *, checksum: bool = True):
     if role == "driver":
         return channel, role
     try:
-        return upgrade_accepted(channel, checksum=checksum, verify_checksum=checksum), role
+        return upgrade_accepted(channel, device=device, checksum=checksum, verify_checksum=checksum), role
     except BaseException:
         channel.close()
         raise
@@ -43,7 +43,7 @@ def accept(listener: tcp.Listener, timeout: float, *, checksum: bool = True):
 
 def dial(address: tuple[str, int], *, transport: str, stage: int, peer: int, role: str, fingerprint: str,
          auth_token: str | None = None, checksum: bool = True, timeout: float = 60.0, slot_bytes: int = 1 << 20,
-         num_slots: int = 4):
+         num_slots: int = 4, device: int | None = None):
     """Connect to stage ``peer`` as stage ``stage`` (-1: the driver) for ``role``. A data link on
     ``shm`` gets a ring of ``num_slots`` slots of ``slot_bytes`` (bigger frames go over TCP)."""
     if role not in ROLES:
@@ -60,8 +60,8 @@ def dial(address: tuple[str, int], *, transport: str, stage: int, peer: int, rol
     if role == "driver":
         return channel
     try:
-        return upgrade_dialled(channel, transport, slot_bytes=slot_bytes, num_slots=num_slots, checksum=checksum,
-                               verify_checksum=checksum)
+        return upgrade_dialled(channel, transport, slot_bytes=slot_bytes, num_slots=num_slots, device=device,
+                               checksum=checksum, verify_checksum=checksum)
     except BaseException:
         channel.close()
         raise

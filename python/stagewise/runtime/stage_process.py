@@ -185,7 +185,7 @@ class StageProcess:
             out = links.dial(tuple(address), transport=transport, stage=self.index, peer=peer,
                              role="feedback" if self.is_last else "activations", fingerprint=self.fingerprint,
                              auth_token=self.auth_token, checksum=self.plan.checksum, slot_bytes=slot_bytes,
-                             num_slots=num_slots)
+                             num_slots=num_slots, device=self._cuda_index())
             if self.is_last:
                 self.feedback = out
             else:
@@ -246,6 +246,10 @@ class StageProcess:
             else:
                 self.upstream = incoming["ch"]
 
+    def _cuda_index(self) -> int | None:
+        device = getattr(self, "device", None)
+        return device.index if device is not None and device.type == "cuda" else None
+
     def _ring_size(self) -> tuple[int, int]:
         """Slots of this stage's outgoing shm ring: a step's hidden states (a long prefill that
         does not fit goes over TCP) or, from the last stage, token ids; enough slots that the
@@ -267,7 +271,8 @@ class StageProcess:
 
     def _accept_one(self, timeout: float) -> None:
         try:
-            channel, role = links.accept(self.listener, timeout=timeout, checksum=self.plan.checksum)
+            channel, role = links.accept(self.listener, timeout=timeout, checksum=self.plan.checksum,
+                                         device=self._cuda_index())
         except TimeoutError:
             return
         self.pending[role] = channel

@@ -17,7 +17,7 @@ from stagewise.transport.hello import Hello
 TRANSPORTS = {
     "tcp": "stagewise.transport.tcp",
     "shm": "stagewise.transport.shm_channel",
-    "cuda-ipc": "stagewise.transport.cuda_ipc",
+    "cuda-ipc": "stagewise.transport.cuda_ipc_channel",
     "torch": "stagewise.transport.torch_dist",
 }
 KINDS = (*TRANSPORTS, "auto")

@@ -176,18 +176,23 @@ class ShmChannel(Channel):
 
 # ---- the link message: which transport a freshly opened data link continues on ------------
 
-LINK_TRANSPORTS = ("tcp", "shm")
+LINK_TRANSPORTS = ("tcp", "shm", "cuda-ipc")
 
 
 def upgrade_dialled(channel: Channel, transport: str, *, slot_bytes: int = 1 << 20, num_slots: int = 4,
-                    **options) -> Channel:
+                    device: int | None = None, **options) -> Channel:
     """On the dialling end of a TCP channel (after its hello): name the data transport in a
     ``link`` message; ``shm`` returns a :class:`ShmChannel` (frames sent by this end go through
-    the ring), ``tcp`` the channel itself."""
+    the ring), ``cuda-ipc`` a :class:`~stagewise.transport.cuda_ipc_channel.CudaIpcChannel` (GPU
+    tensors through a ring in ``device``'s memory), ``tcp`` the channel itself."""
     if transport not in LINK_TRANSPORTS:
         raise ValueError(f"stagewise.transport: a link continues on one of {LINK_TRANSPORTS}, got {transport!r}")
     if transport == "shm":
         return ShmChannel.offer(channel, slot_bytes=slot_bytes, num_slots=num_slots, **options)
+    if transport == "cuda-ipc":
+        from stagewise.transport.cuda_ipc_channel import CudaIpcChannel
+
+        return CudaIpcChannel.offer(channel, slot_bytes=slot_bytes, num_slots=num_slots, device=device)
     channel.send(Frame(step_kind=StepKind.CONTROL, control={"op": "link", "transport": "tcp"}))
     answer = channel.recv(timeout=SETUP_TIMEOUT_S).control or {}
     if answer.get("op") != "link-ready":
@@ -195,14 +200,19 @@ def upgrade_dialled(channel: Channel, transport: str, *, slot_bytes: int = 1 << 
     return channel
 
 
-def upgrade_accepted(channel: Channel, **options) -> Channel:
-    """On the accepting end: read the dialler's ``link`` message and continue on its transport."""
+def upgrade_accepted(channel: Channel, *, device: int | None = None, **options) -> Channel:
+    """On the accepting end: read the dialler's ``link`` message and continue on its transport
+    (a cuda-ipc ring is mapped on ``device``)."""
     link = channel.recv(timeout=SETUP_TIMEOUT_S).control or {}
     if link.get("op") != "link" or link.get("transport") not in LINK_TRANSPORTS:
         raise HandshakeError(f"stagewise.transport: {channel.peer_name}: expected a link message naming one of "
                              f"{LINK_TRANSPORTS}, got {link}")
     if link["transport"] == "shm":
         return ShmChannel.attach(channel, link, **options)
+    if link["transport"] == "cuda-ipc":
+        from stagewise.transport.cuda_ipc_channel import CudaIpcChannel
+
+        return CudaIpcChannel.attach(channel, link, device=device)
     channel.send(Frame(step_kind=StepKind.CONTROL, control={"op": "link-ready"}))
     return channel
 
