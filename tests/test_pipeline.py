@@ -146,7 +146,7 @@ def smollm2_reference():
 
 @smollm2
 @pytest.mark.parametrize(("stages", "partition", "transport"),
-                         [(2, "ceil", "tcp"), (3, "balanced", "shm"), (5, "even", "auto")])
+                         [(2, "ceil", "tcp"), (3, "balanced", "shm"), (5, "even", "auto"), (3, "0-8,8-20,20-30", "torch")])
 def test_smollm2_pipeline_equals_the_single_process(smollm2_reference, stages, partition, transport):
     with stagewise.Pipeline("smollm2-135m", stages=stages, partition=partition, transport=transport,
                             max_model_len=256, max_num_seqs=4, threads=1) as pipe:
