@@ -9,11 +9,15 @@ its expected error and to flag predictions outside the validated range.
 
 Measurement lives in one function, :func:`measure`; everything else only sees
 :class:`MeasuredRun`. Definitions (both sides): ``ttft_s`` = submit to first token (the prefill);
-``tpot_s`` = decode time / decode steps; ``per_stage_busy_s`` = seconds each stage computes (and
-communicates) per decode step of all microbatches; ``bubble_s`` = per decode step, the time the
-pipeline is not busy with the stage work of seed 001 §2.8 (``latency - sum(stage_times)``; the
-runtime reports it from its per-stage idle time). Bubble errors are stated in % of TPOT, as
-the bubble itself may be zero.
+``tpot_s`` = decode time / decode steps; ``per_stage_busy_s`` = seconds each stage computes per
+decode step of all microbatches (the stages' ``busy_s``: their step without receiving and
+sending; predicted: the stage's compute time times the microbatches); ``bubble_s`` = per decode
+step, the time beyond one microbatch's stage work (compute and send), seed 001 §2.8's
+``latency - sum(stage_times)``: measured ``tpot - sum(busy + send) / m``, predicted from the
+steady-state estimate. Bubble errors are stated in % of TPOT, as the bubble itself may be zero.
+
+The prediction is made from the device profile only (primitive costs measured by
+``stagewise bench profile``); nothing of a validation run feeds back into the model.
 """
 
 from __future__ import annotations
@@ -58,10 +62,10 @@ def measure(model: str, stages: int, *, batch: int, input_length: int, output_le
     try:
         prompts = make_prompts(pipe.checkpoint, batch, input_length)
         pipe.generate(prompt_token_ids=prompts, max_new_tokens=2, ignore_eos=True)  # warm-up
-        ttfts, tpots, busy_runs, prefill_busy = [], [], [], None
+        ttfts, tpots, busy_runs, send_runs, prefill_busy = [], [], [], [], None
         if stages > 1:  # what the stages spend on the prefill alone, taken off the decode busy time
             pipe.generate(prompt_token_ids=prompts, max_new_tokens=1, ignore_eos=True)
-            prefill_busy = [st["busy_s"] for st in pipe.last_stats["stages"]]
+            prefill_busy = [(st["busy_s"], st["send_s"]) for st in pipe.last_stats["stages"]]
         for i in range(repeats):
             pipe.generate(prompt_token_ids=prompts, max_new_tokens=output_length, ignore_eos=True)
             s = pipe.last_stats
@@ -69,21 +73,24 @@ def measure(model: str, stages: int, *, batch: int, input_length: int, output_le
             ttfts.append(s["ttft_s"])
             tpots.append(s["decode_s"] / steps)
             if prefill_busy is not None:
-                busy_runs.append([(st["busy_s"] - p) / steps for st, p in zip(s["stages"], prefill_busy)])
+                busy_runs.append([(st["busy_s"] - p[0]) / steps for st, p in zip(s["stages"], prefill_busy)])
+                send_runs.append([(st["send_s"] - p[1]) / steps for st, p in zip(s["stages"], prefill_busy)])
             log(f"  S={stages} run {i + 1}/{repeats}: TTFT {1e3 * ttfts[-1]:.1f} ms, TPOT {1e3 * tpots[-1]:.2f} ms")
     finally:
         pipe.close()
     tpot = statistics.median(tpots)
     if stages == 1:
-        busy = [tpot]
+        busy, send = [tpot], [0.0]
     else:
         busy = [statistics.median(run[i] for run in busy_runs) for i in range(stages)]
+        send = [statistics.median(run[i] for run in send_runs) for i in range(stages)]
     microbatches = min(batch, stages)
     # Seed 001 §2.8: the bubble is the step's latency beyond the sum of one microbatch's stage times.
-    bubble = max(0.0, tpot - sum(busy) / microbatches) if stages > 1 else 0.0
+    bubble = max(0.0, tpot - (sum(busy) + sum(send)) / microbatches) if stages > 1 else 0.0
     return MeasuredRun(stages=stages, per_stage_busy_s=busy, tpot_s=tpot, ttft_s=statistics.median(ttfts),
                        bubble_s=bubble, details={"ttft_runs_s": ttfts, "tpot_runs_s": tpots,
-                                                 "busy_runs_s": busy_runs, "microbatches": microbatches})
+                                                 "busy_runs_s": busy_runs, "send_per_step_s": send,
+                                                 "microbatches": microbatches})
 
 
 def _err(pred: float, meas: float) -> float | None:
@@ -97,7 +104,7 @@ def compare(predicted, measured: MeasuredRun) -> list[dict]:
     m = dec.num_microbatches
     rows = [{"metric": "ttft", "predicted_s": predicted.ttft_s, "measured_s": measured.ttft_s},
             {"metric": "tpot", "predicted_s": predicted.tpot_s, "measured_s": measured.tpot_s}]
-    for i, (p, b) in enumerate(zip(dec.stage_times_s, measured.per_stage_busy_s)):
+    for i, (p, b) in enumerate(zip(dec.stage_compute_times_s, measured.per_stage_busy_s)):
         rows.append({"metric": f"stage{i}_busy", "predicted_s": p * m, "measured_s": b})
     rows.append({"metric": "bubble", "predicted_s": dec.bubble_s, "measured_s": measured.bubble_s})
     for r in rows:
@@ -111,10 +118,10 @@ def compare(predicted, measured: MeasuredRun) -> list[dict]:
 
 
 def format_rows(rows: list[dict]) -> str:
-    lines = ["| S | metric | predicted ms | measured ms | error % |", "|---:|:---|---:|---:|---:|"]
+    lines = ["| batch | S | metric | predicted ms | measured ms | error % |", "|---:|---:|:---|---:|---:|---:|"]
     for r in rows:
         err = "-" if r["error_pct"] is None else f"{r['error_pct']:+.1f}" + (" (of TPOT)" if r.get("error_of") else "")
-        lines.append(f"| {r['stages']} | {r['metric']} | {1e3 * r['predicted_s']:.3f} | {1e3 * r['measured_s']:.3f} | "
+        lines.append(f"| {r.get('batch', '-')} | {r['stages']} | {r['metric']} | {1e3 * r['predicted_s']:.3f} | {1e3 * r['measured_s']:.3f} | "
                      f"{err} |")
     return "\n".join(lines)
 
@@ -123,6 +130,7 @@ def summary(rows: list[dict], *, model: str, architecture: str, profile: dict, w
             machine: dict) -> dict:
     """The store's content: the rows, the range they cover and the largest errors per metric."""
     stages = sorted({r["stages"] for r in rows})
+    batches = workload["batch"] if isinstance(workload["batch"], list) else [workload["batch"]]
     worst: dict[str, float] = {}
     for r in rows:
         if r["error_pct"] is None:
@@ -131,7 +139,7 @@ def summary(rows: list[dict], *, model: str, architecture: str, profile: dict, w
         worst[key] = max(worst.get(key, 0.0), abs(r["error_pct"]))
     return {"date_utc": machine.get("date_utc"), "machine": machine, "model": model, "profile": profile,
             "workload": workload, "rows": rows, "expected_error_pct": worst,
-            "range": {"stages": [stages[0], stages[-1]], "batch": [workload["batch"]] * 2,
+            "range": {"stages": [stages[0], stages[-1]], "batch": [min(batches), max(batches)],
                       "input_length": [workload["input_length"]] * 2,
                       "output_length": [workload["output_length"]] * 2,
                       "architectures": [architecture], "device_kind": profile.get("kind"),
