@@ -23,6 +23,9 @@ against those; nothing here looks at them):
   shared by the processes of a host), the receiver takes the difference after decoding; paced
   so that no frame queues. Latency = the small frame's time minus its bytes at the fitted
   bandwidth; bandwidth from the slope between the small and the large frame.
+- ``background_load``: runnable threads of other work on the machine while it is measured
+  (``procs_running`` of /proc/stat, sampled for a second): on a shared machine, what the stage
+  processes compete with besides each other.
 """
 
 from __future__ import annotations
@@ -219,6 +222,23 @@ def framework_overheads(log=print, prompt: int = 128, steps: int = 40, repeats: 
         f"head {out['head_s'] * 1e6:.0f}, middle {out['middle_s'] * 1e6:.0f}, last {out['last_s'] * 1e6:.0f}, "
         f"tokens back {tokens * 1e6:.0f} us")
     return out
+
+
+# ---- other work on the machine ---------------------------------------------------------------
+
+def background_load(seconds: float = 1.0, samples: int = 50) -> float:
+    """Mean number of runnable threads of other work (``procs_running`` of /proc/stat, this
+    sampler not counted) over ``seconds``; 0 where /proc/stat is not readable."""
+    values = []
+    for _ in range(samples):
+        try:
+            with open("/proc/stat") as f:
+                line = next(x for x in f if x.startswith("procs_running"))
+            values.append(max(int(line.split()[1]) - 1, 0))
+        except (OSError, StopIteration, ValueError):
+            return 0.0
+        time.sleep(seconds / samples)
+    return statistics.mean(values)
 
 
 # ---- pipeline links -------------------------------------------------------------------------

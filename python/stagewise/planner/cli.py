@@ -411,6 +411,7 @@ def run_validate(argv: list[str]) -> int:
     import torch
 
     from stagewise.bench import report
+    from stagewise.bench.profile_runtime import background_load
     from stagewise.parallel.ranks import ParallelConfig
     from stagewise.planner import validate as val
     from stagewise.planner.estimate import Workload, estimate_layout
@@ -443,15 +444,19 @@ def run_validate(argv: list[str]) -> int:
     rows = []
     for B in args.batch:
         for S in args.stages:
-            est = estimate_layout(config, ParallelConfig(world_size=S, pp=S), workload(B), profile)
-            log(f"B={B} S={S}: predicted TTFT {1e3 * est.ttft_s:.1f} ms, TPOT {1e3 * est.tpot_s:.2f} ms; measuring ...")
+            # Other work on the machine just before this configuration runs (0 off Linux).
+            background = background_load() if profile.kind == "cpu" else None
+            est = estimate_layout(config, ParallelConfig(world_size=S, pp=S), workload(B), profile,
+                                  background_load=background)
+            log(f"B={B} S={S}: background load {background if background is not None else 0:.2f}; predicted TTFT "
+                f"{1e3 * est.ttft_s:.1f} ms, TPOT {1e3 * est.tpot_s:.2f} ms; measuring ...")
             try:
                 measured = val.measure(args.model, S, batch=B, input_length=args.input_length,
                                        output_length=args.output_length, transport=args.transport,
                                        repeats=args.repeats, log=log)
             except (NotImplementedError, ValueError, RuntimeError, TimeoutError) as err:
                 raise PlanError(str(err)) from None
-            rows += [{"batch": B, **r} for r in val.compare(est, measured)]
+            rows += [{"batch": B, "background_load": background, **r} for r in val.compare(est, measured)]
     table = val.format_rows(rows)
     print(table)
     load_after = os.getloadavg()
@@ -492,8 +497,11 @@ pipeline's own shm/tcp links between two processes, matmul FLOP/s, copy bandwidt
 count. The planner adds the per-operator content of the model's stages (weights decoded, FLOPs,
 bytes) to the framework cost per stage, runs the decode steady state of the runtime (groups cycle
 through the stages; a step lasts max(round trip, microbatches x busiest stage)), and slows every
-stage by min(microbatches, stages) / cores when more stage processes are busy than there are cores.
-No figure of these end-to-end runs enters the model."""
+stage when more stage processes are busy than there are cores: by max(1, (n + b) / cores) /
+max(1, (1 + b0) / cores), n = min(microbatches, stages) busy stage processes, b the runnable
+threads of other work sampled from /proc/stat for a second just before each configuration runs,
+b0 the same when the profile was measured (this machine is shared). No figure of these
+end-to-end runs enters the model. "Least disturbed run" is the repeat with the lowest TPOT."""
 
 
 def _checkpoint_quant(ckpt) -> tuple[str, str]:
