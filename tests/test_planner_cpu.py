@@ -94,14 +94,6 @@ def test_core_contention():
     assert contention(cpu, 3, 1) == 1.0 and contention(cpu, 2, 2) == 1.0 and contention(cpu, 3, 2) == 1.0
     assert contention(profile_from_dict(_profile(kind="gpu")), 3, 3) == 1.0
     assert contention(profile_from_dict(_profile(cores=None)), 3, 3) == 1.0
-    # Other work: 2 runnable threads beside 2 busy stages on 2 cores, rates measured on a quiet machine.
-    assert contention(cpu, 2, 2, background=2) == pytest.approx(4 / 2)
-    busy_when_measured = profile_from_dict(_profile(background_load=1.0))
-    assert contention(busy_when_measured, 3, 3) == pytest.approx((3 + 1) / 2 / ((1 + 1) / 2))
-    assert contention(busy_when_measured, 3, 1) == 1.0
-    # Quieter now than when the rates were measured (3 threads then, 1 now): faster than measured.
-    assert contention(profile_from_dict(_profile(background_load=3.0)), 3, 1, background=1) == pytest.approx(0.5)
-
 
 def test_decode_spans_leave_out_each_groups_prefill():
     from stagewise.planner.validate import decode_spans
@@ -138,8 +130,6 @@ def test_profile_fields_checked():
         profile_from_dict(_profile(quant={"q4_1": {"s_per_weight": 1e-9, "flops": 0}}))
     with pytest.raises(ValueError, match="field 'layer_s' must be a non-negative number"):
         profile_from_dict(_profile(framework={"engine_s": 1e-4}))
-    with pytest.raises(ValueError, match="field 'background_load' must be a non-negative number"):
-        profile_from_dict(_profile(background_load=-1))
     with pytest.raises(ValueError, match="field 'cores' must be an int >= 1"):
         profile_from_dict(_profile(cores=0))
     with pytest.raises(ValueError, match="weight_quant must be one of"):

@@ -160,8 +160,8 @@ def measure_profile(device: str, *, quick: bool = False, log=print) -> dict:
         fw = rt.framework_overheads(log=log)
         raw["framework"] = fw.pop("raw")
         extra["framework"] = fw
-        extra["background_load"] = rt.background_load()
-        log(f"  background load: {extra['background_load']:.2f} runnable threads of other work")
+        raw["background_load"] = rt.background_load()
+        log(f"  background load: {raw['background_load']:.2f} runnable threads of other work (recorded, not modelled)")
         extra["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         raw["quant"] = extra["quant"]
         extra["quant"] = {k: {"s_per_weight": v["s_per_weight"], "flops": v["flops"]} for k, v in extra["quant"].items()}
@@ -203,7 +203,7 @@ def run(args, log=print) -> int:
     path = Path(args.out) / f"{profile['measured']['machine']['device']}-profile.json"
     path.write_text(json.dumps(profile, indent=2) + "\n")
     print(json.dumps({k: profile[k] for k in ("name", "peak_flops", "memory_bandwidth", "op_overhead_s",
-                                              "transports", "quant", "framework", "cores", "background_load") if k in profile},
+                                              "transports", "quant", "framework", "cores") if k in profile},
                      indent=2))
     log(f"wrote {path} (use it with: stagewise plan ... --device-profile {path})")
     return 0

@@ -24,8 +24,8 @@ against those; nothing here looks at them):
   so that no frame queues. Latency = the small frame's time minus its bytes at the fitted
   bandwidth; bandwidth from the slope between the small and the large frame.
 - ``background_load``: runnable threads of other work on the machine while it is measured
-  (``procs_running`` of /proc/stat, sampled for a second): on a shared machine, what the stage
-  processes compete with besides each other.
+  (``procs_running`` of /proc/stat, sampled for a second), recorded beside the results as a
+  condition of the run (the planner does not model other work).
 """
 
 from __future__ import annotations

@@ -446,8 +446,7 @@ def run_validate(argv: list[str]) -> int:
         for S in args.stages:
             # Other work on the machine just before this configuration runs (0 off Linux).
             background = background_load() if profile.kind == "cpu" else None
-            est = estimate_layout(config, ParallelConfig(world_size=S, pp=S), workload(B), profile,
-                                  background_load=background)
+            est = estimate_layout(config, ParallelConfig(world_size=S, pp=S), workload(B), profile)
             log(f"B={B} S={S}: background load {background if background is not None else 0:.2f}; predicted TTFT "
                 f"{1e3 * est.ttft_s:.1f} ms, TPOT {1e3 * est.tpot_s:.2f} ms; measuring ...")
             try:
@@ -497,11 +496,12 @@ pipeline's own shm/tcp links between two processes, matmul FLOP/s, copy bandwidt
 count. The planner adds the per-operator content of the model's stages (weights decoded, FLOPs,
 bytes) to the framework cost per stage, runs the decode steady state of the runtime (groups cycle
 through the stages; a step lasts max(round trip, microbatches x busiest stage)), and slows every
-stage when more stage processes are busy than there are cores: by max(1, (n + b) / cores) /
-max(1, (1 + b0) / cores), n = min(microbatches, stages) busy stage processes, b the runnable
-threads of other work sampled from /proc/stat for a second just before each configuration runs,
-b0 the same when the profile was measured (this machine is shared). No figure of these
-end-to-end runs enters the model. "Least disturbed run" is the repeat with the lowest TPOT."""
+stage by max(1, min(microbatches, stages) / cores) when more stage processes are busy than there
+are cores. Other work on this shared machine is not modelled: the runnable threads of other work
+(/proc/stat procs_running, sampled for a second before each configuration) are recorded in the
+JSON rows as `background_load`. No figure of these end-to-end runs enters the model. "Least
+disturbed run" is the repeat with the lowest TPOT, the one closest to the quiet machine the
+profile's primitives describe."""
 
 
 def _checkpoint_quant(ckpt) -> tuple[str, str]:

@@ -128,18 +128,13 @@ class LayoutEstimate:
                 "decode": phase(self.decode), "notes": self.notes}
 
 
-def contention(profile: DeviceProfile, num_stages: int, m: int, background: float | None = None) -> float:
-    """How much slower each stage computes than the profile's rates say, when ``n = min(m, S)``
-    stage processes (one thread each) are busy at once on a CPU of ``profile.cores`` cores beside
-    ``b = background`` runnable threads of other work (default: as many as when the profile was
-    measured, ``profile.background_load = b0``): they share the cores, ``max(1, (n + b) / cores)``,
-    relative to the one process against ``b0`` that the rates were measured with,
-    ``max(1, (1 + b0) / cores)``. 1 on GPUs and without a core count."""
+def contention(profile: DeviceProfile, num_stages: int, m: int) -> float:
+    """How much slower each stage computes when ``min(m, S)`` stage processes (one thread each) are
+    busy at once on a CPU of ``profile.cores`` cores: ``max(1, min(m, S) / cores)`` (they take turns);
+    1 on GPUs and without a core count. Other work on the machine is not modelled."""
     if profile.kind != "cpu" or not profile.cores:
         return 1.0
-    b0 = profile.background_load
-    b, n = b0 if background is None else background, min(m, num_stages)
-    return max(1.0, (n + b) / profile.cores) / max(1.0, (1 + b0) / profile.cores)
+    return max(1.0, min(m, num_stages) / profile.cores)
 
 
 def feedback_s(profile: DeviceProfile, num_stages: int, rows: int) -> float:
@@ -151,10 +146,9 @@ def feedback_s(profile: DeviceProfile, num_stages: int, rows: int) -> float:
 
 
 def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: compute.Precision,
-           sharding: shapes.Sharding, *, batch: int, m: int, new_tokens: int, context: int,
-           background: float | None = None) -> PhaseEstimate:
+           sharding: shapes.Sharding, *, batch: int, m: int, new_tokens: int, context: int) -> PhaseEstimate:
     rows = math.ceil(batch / m)
-    slow = contention(profile, plan.num_stages, m, background)
+    slow = contention(profile, plan.num_stages, m)
     comp, bounds = [], dict.fromkeys(compute.BOUNDS, 0.0)
     for info in plan.stages:
         ops = compute.stage_ops(config, info, rows=rows, new_tokens=new_tokens, context=context, prec=prec,
@@ -176,11 +170,8 @@ def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: c
 
 
 def estimate_layout(config: ModelConfig, layout: ParallelConfig, workload: Workload, profile: DeviceProfile, *,
-                    partition: str = "even", total_params: float | None = None,
-                    background_load: float | None = None) -> LayoutEstimate:
-    """Everything the planner predicts for ``layout`` (ValueError when the model cannot take it).
-    ``background_load``: runnable threads of other work expected beside it on a CPU (default: the
-    profile's, see :func:`contention`)."""
+                    partition: str = "even", total_params: float | None = None) -> LayoutEstimate:
+    """Everything the planner predicts for ``layout`` (ValueError when the model cannot take it)."""
     sharding = shapes.Sharding(layout.tp, layout.ep, layout.moe_tp if config.num_experts else 1)
     shapes.check_sharding(config, sharding)
     plan = StagePlan.for_model(config, layout.pp, partition)
@@ -194,9 +185,9 @@ def estimate_layout(config: ModelConfig, layout: ParallelConfig, workload: Workl
     m = workload.microbatches or min(workload.batch, layout.pp)
     m = min(m, workload.batch)
     prefill = _phase(config, plan, profile, prec, sharding, batch=workload.batch, m=m,
-                     new_tokens=workload.input_length, context=0, background=background_load)
+                     new_tokens=workload.input_length, context=0)
     decode = _phase(config, plan, profile, prec, sharding, batch=workload.batch, m=m, new_tokens=1,
-                    context=workload.input_length + workload.output_length // 2, background=background_load)
+                    context=workload.input_length + workload.output_length // 2)
     # The first token exists once the last stage sampled it and stage 0 took it back.
     ttft = prefill.pipeline.latency_s + feedback_s(profile, plan.num_stages, math.ceil(workload.batch / m))
     tpot = decode.pipeline.latency_s

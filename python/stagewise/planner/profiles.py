@@ -23,9 +23,7 @@ Optional, measured by ``stagewise bench profile`` on a CPU (:mod:`stagewise.benc
   and the fixed part by role (``engine_s``, ``head_s``, ``middle_s``, ``last_s``) plus
   ``tokens_s`` (stage 0 taking sampled tokens back). With it, compute ops pay no ``op_overhead_s``
   (the framework figures already hold every op's dispatch);
-- ``cores``: CPU cores the stages share (stage processes beyond it take turns);
-- ``background_load``: runnable threads of other work while the profile was measured (a shared
-  machine): the profile's rates were taken against it, and more stage processes compete with it.
+- ``cores``: CPU cores the stages share (stage processes beyond it take turns).
 """
 
 from __future__ import annotations
@@ -82,7 +80,6 @@ class DeviceProfile:
     quant: dict[str, dict[str, float]] = field(default_factory=dict)
     framework: dict[str, float] = field(default_factory=dict)
     cores: int | None = None
-    background_load: float = 0.0
 
     def flops(self, dtype: str) -> float:
         """Achievable matmul FLOP/s in ``dtype`` (peak times efficiency)."""
@@ -183,16 +180,12 @@ def profile_from_dict(d: Any, source: str = "built-in") -> DeviceProfile:
     cores = d.get("cores")
     if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
         raise ValueError(f"{where}: field 'cores' must be an int >= 1, got {cores!r}")
-    background = d.get("background_load", 0.0)
-    if isinstance(background, bool) or not isinstance(background, (int, float)) or background < 0:
-        raise ValueError(f"{where}: field 'background_load' must be a non-negative number, got {background!r}")
     return DeviceProfile(name=name, memory_bytes=int(_number(where, d, "memory_bytes")), peak_flops=peak_flops,
                          memory_bandwidth=_number(where, d, "memory_bandwidth"), efficiency=dict(eff),
                          op_overhead_s=_number(where, d, "op_overhead_s", positive=False), links=links,
                          transports=transports, kind=str(d.get("kind", "gpu")),
                          description=str(d.get("description", "")), source=source,
-                         measured=dict(d.get("measured") or {}), quant=quant, framework=framework, cores=cores,
-                         background_load=float(background))
+                         measured=dict(d.get("measured") or {}), quant=quant, framework=framework, cores=cores)
 
 
 def builtin_profiles() -> list[str]:
