@@ -95,6 +95,18 @@ def test_core_contention():
     assert contention(profile_from_dict(_profile(kind="gpu")), 3, 3) == 1.0
     assert contention(profile_from_dict(_profile(cores=None)), 3, 3) == 1.0
 
+def test_measured_concurrency_replaces_the_core_rule():
+    conc = profile_from_dict(_profile(concurrency={"1": 1.0, "2": 1.6, "3": 2.4}))
+    assert contention(conc, 2, 2) == pytest.approx(1.6) and contention(conc, 3, 3) == pytest.approx(2.4)
+    assert contention(conc, 3, 1) == 1.0
+    assert contention(conc, 4, 4) == pytest.approx(2.4 * 4 / 3)  # beyond the largest measured count
+    # Measured later against the profile's own one-process pass ("ref"): a busier machine now.
+    later = profile_from_dict(_profile(concurrency={"ref": 1.0, "1": 1.3}))
+    assert contention(later, 1, 1) == pytest.approx(1.3)
+    with pytest.raises(ValueError, match="field 'concurrency' must map"):
+        profile_from_dict(_profile(concurrency={"2": 1.0}))
+
+
 def test_decode_spans_leave_out_each_groups_prefill():
     from stagewise.planner.validate import decode_spans
 

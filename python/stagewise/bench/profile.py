@@ -12,7 +12,7 @@
   default on one host (shm);
 - CPU only, the runtime's own costs (:mod:`stagewise.bench.profile_runtime`): ``quant`` (the
   block-quantised linear per GGUF type), ``framework`` (Python/dispatch per decoder layer and per
-  step of each stage role) and ``cores``.
+  step of each stage role), ``cores`` and ``concurrency`` (1, 2, 3 busy processes side by side).
 
 The measured rates are achieved ones: the profile's efficiencies are 1.0.
 """
@@ -160,6 +160,7 @@ def measure_profile(device: str, *, quick: bool = False, log=print) -> dict:
         fw = rt.framework_overheads(log=log)
         raw["framework"] = fw.pop("raw")
         extra["framework"] = fw
+        extra["concurrency"] = rt.concurrency(3, log=log)
         raw["background_load"] = rt.background_load()
         log(f"  background load: {raw['background_load']:.2f} runnable threads of other work (recorded, not modelled)")
         extra["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -203,7 +204,7 @@ def run(args, log=print) -> int:
     path = Path(args.out) / f"{profile['measured']['machine']['device']}-profile.json"
     path.write_text(json.dumps(profile, indent=2) + "\n")
     print(json.dumps({k: profile[k] for k in ("name", "peak_flops", "memory_bandwidth", "op_overhead_s",
-                                              "transports", "quant", "framework", "cores") if k in profile},
+                                              "transports", "quant", "framework", "cores", "concurrency") if k in profile},
                      indent=2))
     log(f"wrote {path} (use it with: stagewise plan ... --device-profile {path})")
     return 0

@@ -8,7 +8,7 @@ against those; nothing here looks at them):
   kernel dequantises each 16-row panel once per call and then runs every row of ``x`` against
   it, so its time is ``weights * s_per_weight + flops / flops_rate``: ``s_per_weight`` from one
   row (minus that row's FMAs at the fitted rate), ``flops_rate`` from the slope between 1 and
-  ``ROWS`` rows.
+  ``ROWS`` rows; each the least disturbed of a few passes.
 - ``framework``: the Python + dispatcher cost the engine pays per decode step, from a synthetic
   llama of negligible width (hidden 64, vocab 512, Q4_1 linears, Q8_0 tied embedding) whose
   arithmetic is a few microseconds: ``layer_s`` = the slope of the decode step time over the
@@ -23,6 +23,10 @@ against those; nothing here looks at them):
   shared by the processes of a host), the receiver takes the difference after decoding; paced
   so that no frame queues. Latency = the small frame's time minus its bytes at the fitted
   bandwidth; bandwidth from the slope between the small and the large frame.
+- ``concurrency``: seconds of one pass of the Q4_1 decode over 64 MiB of weights (beyond the
+  caches) when 1, 2, ... single-thread processes run it at once (spawned, started together): the
+  ratio to one process is how much busy stage processes slow each other (cores, shared caches
+  and memory, and other work on the machine).
 - ``background_load``: runnable threads of other work on the machine while it is measured
   (``procs_running`` of /proc/stat, sampled for a second), recorded beside the results as a
   condition of the run (the planner does not model other work).
@@ -81,7 +85,7 @@ def quant_rates(log=print, repeats: int = 3) -> dict:
                 for m in mats:
                     ops.quant_linear(x, m, qtype)
                 passes.append((time.perf_counter() - t0) / count)
-            t[rows] = statistics.median(passes)
+            t[rows] = min(passes)  # the least disturbed pass: this machine is shared
         del mats
         rate = 2 * (ROWS - 1) * weights / max(t[ROWS] - t[1], 1e-9)
         per_weight = max(t[1] - 2 * weights / rate, 0.0) / weights
@@ -201,17 +205,18 @@ def _later_step_s(layers: int, last: bool, prompt: int, steps: int) -> float:
     return _median_step(one, steps)
 
 
-def framework_overheads(log=print, prompt: int = 128, steps: int = 40, repeats: int = 3) -> dict:
-    """Per decode step (batch 1): ``layer_s`` and the fixed part of each role (see the module doc)."""
+def framework_overheads(log=print, prompt: int = 128, steps: int = 40, repeats: int = 5) -> dict:
+    """Per decode step (batch 1): ``layer_s`` and the fixed part of each role (see the module doc);
+    each the least disturbed of ``repeats`` medians (this machine is shared)."""
     def med(fn):
-        return statistics.median(fn() for _ in range(repeats))
+        return min(fn() for _ in range(repeats))
 
     lo, hi = 1, LAYERS_HI
     eng = {n: med(lambda n=n: _engine_step_s(n, prompt, steps)) for n in (lo, hi)}
     layer = max((eng[hi] - eng[lo]) / (hi - lo), 0.0)
     head_runs = [_head_step_s(lo, prompt, steps) for _ in range(repeats)]
-    head = statistics.median(r[0] for r in head_runs)
-    tokens = statistics.median(r[1] for r in head_runs)
+    head = min(r[0] for r in head_runs)
+    tokens = min(r[1] for r in head_runs)
     middle = med(lambda: _later_step_s(lo, False, prompt, steps))
     last = med(lambda: _later_step_s(lo, True, prompt, steps))
     out = {"layer_s": layer, "engine_s": max(eng[lo] - lo * layer, 0.0), "head_s": max(head - lo * layer, 0.0),
@@ -221,6 +226,68 @@ def framework_overheads(log=print, prompt: int = 128, steps: int = 40, repeats: 
     log(f"  framework per decode step: {layer * 1e6:.0f} us/layer; fixed: engine {out['engine_s'] * 1e6:.0f} us, "
         f"head {out['head_s'] * 1e6:.0f}, middle {out['middle_s'] * 1e6:.0f}, last {out['last_s'] * 1e6:.0f}, "
         f"tokens back {tokens * 1e6:.0f} us")
+    return out
+
+
+# ---- concurrency: how fast n single-thread workers run side by side --------------------------
+
+CONCURRENCY_BYTES = 64 << 20
+
+
+def _worker(n_bytes: int, seconds: float, start, conn) -> None:
+    torch.set_num_threads(1)
+    from stagewise import ops
+
+    q = ops.QTYPES["Q4_1"]
+    out_f, in_f = QUANT_SHAPE
+    mats = [random_blocks(out_f, in_f, q) for _ in range(max(1, n_bytes // (out_f * in_f * 20 // 32)))]
+    x = torch.randn(1, in_f)
+    ops.quant_linear(x, mats[0], q)
+    conn.send("ready")
+    start.wait()
+    passes, t_end = [], time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(passes) < 3:
+        t0 = time.perf_counter()
+        for m in mats:
+            ops.quant_linear(x, m, q)
+        passes.append(time.perf_counter() - t0)
+    conn.send(statistics.median(passes))
+
+
+def concurrent_pass_s(n: int, seconds: float = 1.0) -> float:
+    """Median seconds of one pass of the block-quantised decode over :data:`CONCURRENCY_BYTES`
+    of weights when ``n`` single-thread processes run it at once (the slowest of them): with the
+    same pass on its own it gives how much ``n`` busy stage processes slow each other, other work
+    on the machine included."""
+    ctx = mp.get_context("spawn")
+    start = ctx.Event()
+    pipes = [ctx.Pipe() for _ in range(n)]
+    procs = [ctx.Process(target=_worker, args=(CONCURRENCY_BYTES, seconds, start, child), daemon=True)
+             for _, child in pipes]
+    for p in procs:
+        p.start()
+    try:
+        results = []
+        for parent, _ in pipes:  # every worker has its weights before the common start
+            if not parent.poll(120) or parent.recv() != "ready":
+                raise OSError("bench profile: a concurrency worker did not start")
+        start.set()
+        for parent, _ in pipes:
+            if not parent.poll(60 + seconds):
+                raise OSError("bench profile: a concurrency worker reported nothing")
+            results.append(parent.recv())
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return max(results)
+
+
+def concurrency(max_n: int, log=print) -> dict[str, float]:
+    """``{"1": s, "2": s, ...}``: :func:`concurrent_pass_s` for 1 .. ``max_n`` processes."""
+    out = {str(n): concurrent_pass_s(n) for n in range(1, max_n + 1)}
+    log("  concurrency: " + ", ".join(f"{n} at once {v / out['1']:.2f}x" for n, v in out.items()))
     return out
 
 

@@ -411,7 +411,10 @@ def run_validate(argv: list[str]) -> int:
     import torch
 
     from stagewise.bench import report
-    from stagewise.bench.profile_runtime import background_load
+    import dataclasses
+
+    from stagewise.bench.profile_runtime import background_load, concurrent_pass_s
+    from stagewise.planner.estimate import contention
     from stagewise.parallel.ranks import ParallelConfig
     from stagewise.planner import validate as val
     from stagewise.planner.estimate import Workload, estimate_layout
@@ -444,18 +447,27 @@ def run_validate(argv: list[str]) -> int:
     rows = []
     for B in args.batch:
         for S in args.stages:
-            # Other work on the machine just before this configuration runs (0 off Linux).
+            # Other work on the machine just before this configuration runs (0 off Linux), and how
+            # fast its busy stage processes can run side by side now, against the profile's one.
             background = background_load() if profile.kind == "cpu" else None
-            est = estimate_layout(config, ParallelConfig(world_size=S, pp=S), workload(B), profile)
-            log(f"B={B} S={S}: background load {background if background is not None else 0:.2f}; predicted TTFT "
-                f"{1e3 * est.ttft_s:.1f} ms, TPOT {1e3 * est.tpot_s:.2f} ms; measuring ...")
+            run_profile, n = profile, min(B, S)
+            if profile.kind == "cpu" and profile.concurrency:
+                conc = {"ref": profile.concurrency.get("ref", profile.concurrency["1"]),
+                        str(n): concurrent_pass_s(n)}
+                run_profile = dataclasses.replace(profile, concurrency=conc)
+            est = estimate_layout(config, ParallelConfig(world_size=S, pp=S), workload(B), run_profile)
+            slow = contention(run_profile, S, B if args.microbatches is None else args.microbatches)
+            log(f"B={B} S={S}: background load {background if background is not None else 0:.2f}, {n} busy "
+                f"process(es) now {slow:.2f}x the profile's pace; predicted TTFT {1e3 * est.ttft_s:.1f} ms, "
+                f"TPOT {1e3 * est.tpot_s:.2f} ms; measuring ...")
             try:
                 measured = val.measure(args.model, S, batch=B, input_length=args.input_length,
                                        output_length=args.output_length, transport=args.transport,
                                        repeats=args.repeats, log=log)
             except (NotImplementedError, ValueError, RuntimeError, TimeoutError) as err:
                 raise PlanError(str(err)) from None
-            rows += [{"batch": B, "background_load": background, **r} for r in val.compare(est, measured)]
+            rows += [{"batch": B, "background_load": background, "contention": slow, **r}
+                     for r in val.compare(est, measured)]
     table = val.format_rows(rows)
     print(table)
     load_after = os.getloadavg()
@@ -496,10 +508,13 @@ pipeline's own shm/tcp links between two processes, matmul FLOP/s, copy bandwidt
 count. The planner adds the per-operator content of the model's stages (weights decoded, FLOPs,
 bytes) to the framework cost per stage, runs the decode steady state of the runtime (groups cycle
 through the stages; a step lasts max(round trip, microbatches x busiest stage)), and slows every
-stage by max(1, min(microbatches, stages) / cores) when more stage processes are busy than there
-are cores. Other work on this shared machine is not modelled: the runnable threads of other work
-(/proc/stat procs_running, sampled for a second before each configuration) are recorded in the
-JSON rows as `background_load`. No figure of these end-to-end runs enters the model. "Least
+stage by how much n = min(microbatches, stages) busy single-thread processes slow each other,
+measured just before each configuration runs: n spawned processes run the Q4_1 decode over 64 MiB
+of weights side by side for a second, and their pass time is divided by one process's when the
+profile was measured (column `contention` of the JSON rows). This covers the cores (S = 3 busy
+stages on 2 cores take turns), shared caches and memory, and the other work on this shared machine
+at that moment; the runnable threads of other work (/proc/stat procs_running) are recorded beside
+it as `background_load`. No figure of these end-to-end runs enters the model. "Least
 disturbed run" is the repeat with the lowest TPOT, the one closest to the quiet machine the
 profile's primitives describe."""
 

@@ -129,12 +129,23 @@ class LayoutEstimate:
 
 
 def contention(profile: DeviceProfile, num_stages: int, m: int) -> float:
-    """How much slower each stage computes when ``min(m, S)`` stage processes (one thread each) are
-    busy at once on a CPU of ``profile.cores`` cores: ``max(1, min(m, S) / cores)`` (they take turns);
-    1 on GPUs and without a core count. Other work on the machine is not modelled."""
-    if profile.kind != "cpu" or not profile.cores:
+    """How much slower each stage computes when ``n = min(m, S)`` stage processes (one thread each)
+    are busy at once on a CPU: measured, ``concurrency[n] / concurrency[ref]`` of the profile (n
+    single-thread workers side by side against one when the rates were measured; beyond the
+    largest measured n, that one scaled by n / it),
+    else ``max(1, n / cores)`` (they take turns). 1 on GPUs and without either."""
+    if profile.kind != "cpu":
         return 1.0
-    return max(1.0, min(m, num_stages) / profile.cores)
+    n = min(m, num_stages)
+    conc = profile.concurrency
+    counts = sorted(int(k) for k in conc if k != "ref")
+    if counts:
+        ref = conc.get("ref", conc.get("1"))
+        k = max([c for c in counts if c <= n] or counts[:1])
+        return conc[str(k)] / ref * (n / k if n > k else 1.0)
+    if not profile.cores:
+        return 1.0
+    return max(1.0, n / profile.cores)
 
 
 def feedback_s(profile: DeviceProfile, num_stages: int, rows: int) -> float:

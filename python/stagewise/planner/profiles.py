@@ -23,7 +23,12 @@ Optional, measured by ``stagewise bench profile`` on a CPU (:mod:`stagewise.benc
   and the fixed part by role (``engine_s``, ``head_s``, ``middle_s``, ``last_s``) plus
   ``tokens_s`` (stage 0 taking sampled tokens back). With it, compute ops pay no ``op_overhead_s``
   (the framework figures already hold every op's dispatch);
-- ``cores``: CPU cores the stages share (stage processes beyond it take turns).
+- ``cores``: CPU cores the stages share (stage processes beyond it take turns);
+- ``concurrency``: ``{"1": s, "2": s, ...}`` seconds of one reference pass with 1, 2, ... busy
+  single-thread processes side by side: ``concurrency[n] / concurrency["1"]`` is how much ``n``
+  busy stage processes slow each other (without it: ``max(1, n / cores)``); an optional ``"ref"``
+  (default ``"1"``) is the one-process pass taken with the profile's rates, so that figures
+  measured later, under other conditions, compare with it.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ class DeviceProfile:
     quant: dict[str, dict[str, float]] = field(default_factory=dict)
     framework: dict[str, float] = field(default_factory=dict)
     cores: int | None = None
+    concurrency: dict[str, float] = field(default_factory=dict)
 
     def flops(self, dtype: str) -> float:
         """Achievable matmul FLOP/s in ``dtype`` (peak times efficiency)."""
@@ -180,12 +186,19 @@ def profile_from_dict(d: Any, source: str = "built-in") -> DeviceProfile:
     cores = d.get("cores")
     if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
         raise ValueError(f"{where}: field 'cores' must be an int >= 1, got {cores!r}")
+    conc_in = d.get("concurrency") or {}
+    if not isinstance(conc_in, dict) or (conc_in and "1" not in conc_in and "ref" not in conc_in) or \
+            any(k != "ref" and (not str(k).isdigit() or int(k) < 1) for k in conc_in):
+        raise ValueError(f"{where}: field 'concurrency' must map '1', '2', ... (and optionally 'ref') to seconds, "
+                         f"got {conc_in!r}")
+    concurrency = {str(k): _number(f"{where} concurrency", conc_in, k) for k in conc_in}
     return DeviceProfile(name=name, memory_bytes=int(_number(where, d, "memory_bytes")), peak_flops=peak_flops,
                          memory_bandwidth=_number(where, d, "memory_bandwidth"), efficiency=dict(eff),
                          op_overhead_s=_number(where, d, "op_overhead_s", positive=False), links=links,
                          transports=transports, kind=str(d.get("kind", "gpu")),
                          description=str(d.get("description", "")), source=source,
-                         measured=dict(d.get("measured") or {}), quant=quant, framework=framework, cores=cores)
+                         measured=dict(d.get("measured") or {}), quant=quant, framework=framework, cores=cores,
+                         concurrency=concurrency)
 
 
 def builtin_profiles() -> list[str]:
