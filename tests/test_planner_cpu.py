@@ -96,7 +96,11 @@ def test_core_contention():
     assert contention(profile_from_dict(_profile(cores=None)), 3, 3) == 1.0
 
 def test_measured_concurrency_replaces_the_core_rule():
+    from stagewise.planner.estimate import slowdown
+
     conc = profile_from_dict(_profile(concurrency={"1": 1.0, "2": 1.6, "3": 2.4}))
+    assert slowdown(conc, 2.5) == pytest.approx(2.0) and slowdown(conc, 0.3) == 1.0  # linear between counts
+    assert slowdown(profile_from_dict(_profile()), 1.5) == 1.0 and slowdown(profile_from_dict(_profile()), 3) == 1.5
     assert contention(conc, 2, 2) == pytest.approx(1.6) and contention(conc, 3, 3) == pytest.approx(2.4)
     assert contention(conc, 3, 1) == 1.0
     assert contention(conc, 4, 4) == pytest.approx(2.4 * 4 / 3)  # beyond the largest measured count
@@ -130,8 +134,13 @@ def test_decode_estimate_one_stage_and_two():
     three = estimate_layout(_llama(6), ParallelConfig(world_size=3, pp=3), _workload(batch=4), prof)
     d = three.decode.pipeline
     assert d.num_microbatches == 3 and three.decode.rows_per_microbatch == 2
-    mid = (2 * LAYER_WEIGHTS * S4 + 2 * LAYER + MIDDLE) * 1.5
-    assert d.stage_compute_times_s[1] == pytest.approx(mid)
+    # Each stage computes `slow` times slower, where slow = max(1, busy / 2 cores) at the mean number
+    # of busy stage processes busy = sum(3 x compute) / step (a fixed point), less than all 3 busy.
+    slow = d.stage_compute_times_s[1] / (2 * LAYER_WEIGHTS * S4 + 2 * LAYER + MIDDLE)
+    busy = sum(3 * c for c in d.stage_compute_times_s) / d.latency_s
+    assert slow == pytest.approx(max(1.0, busy / 2), rel=1e-4) and 1.0 < slow < 1.5
+    assert d.stage_compute_times_s[2] == pytest.approx(slow * (2 * LAYER_WEIGHTS * S4 + HEAD_WEIGHTS * S8
+                                                               + 2 * LAYER + LAST))
     assert three.tpot_s == pytest.approx(max(sum(d.stage_times_s), 3 * max(d.stage_times_s)))
 
 

@@ -452,8 +452,9 @@ def run_validate(argv: list[str]) -> int:
             background = background_load() if profile.kind == "cpu" else None
             run_profile, n = profile, min(B, S)
             if profile.kind == "cpu" and profile.concurrency:
-                conc = {"ref": profile.concurrency.get("ref", profile.concurrency["1"]),
-                        str(n): concurrent_pass_s(n)}
+                conc = {"ref": profile.concurrency.get("ref", profile.concurrency["1"]), "1": concurrent_pass_s(1)}
+                if n > 1:
+                    conc[str(n)] = concurrent_pass_s(n)
                 run_profile = dataclasses.replace(profile, concurrency=conc)
             est = estimate_layout(config, ParallelConfig(world_size=S, pp=S), workload(B), run_profile)
             slow = contention(run_profile, S, B if args.microbatches is None else args.microbatches)
@@ -508,10 +509,12 @@ pipeline's own shm/tcp links between two processes, matmul FLOP/s, copy bandwidt
 count. The planner adds the per-operator content of the model's stages (weights decoded, FLOPs,
 bytes) to the framework cost per stage, runs the decode steady state of the runtime (groups cycle
 through the stages; a step lasts max(round trip, microbatches x busiest stage)), and slows every
-stage by how much n = min(microbatches, stages) busy single-thread processes slow each other,
-measured just before each configuration runs: n spawned processes run the Q4_1 decode over 64 MiB
-of weights side by side for a second, and their pass time is divided by one process's when the
-profile was measured (column `contention` of the JSON rows). This covers the cores (S = 3 busy
+stage by how much busy single-thread processes slow each other, measured just before each
+configuration runs: n = min(microbatches, stages) spawned processes (and one alone) run the Q4_1
+decode over 64 MiB of weights side by side for a second; their pass time over one process's when
+the profile was measured, linear in between, is taken at the mean number of stages busy at once
+(the sum of their utilisations, a fixed point of the estimate); the upper bound with all n busy is
+column `contention` of the JSON rows. This covers the cores (S = 3 busy
 stages on 2 cores take turns), shared caches and memory, and the other work on this shared machine
 at that moment; the runnable threads of other work (/proc/stat procs_running) are recorded beside
 it as `background_load`. No figure of these end-to-end runs enters the model. "Least

@@ -6,8 +6,8 @@ as the runtime keeps up to one microbatch per stage in flight). TTFT is the pref
 latency (§2.7.4) plus the sampled tokens' way back to stage 0; TPOT one decode step of every
 microbatch at the mean context ``input_length + output_length // 2`` in the runtime's steady
 state (:func:`~stagewise.planner.pipeline.estimate_decode_steady_state`: groups cycle through the
-stages, the tokens hop back to stage 0 each step); on a CPU profile with ``cores``, stage
-processes beyond the cores slow each other (:func:`contention`); tokens/s = ``dp * batch * output_length /
+stages, the tokens hop back to stage 0 each step); on a CPU profile, stage processes that
+compute at the same time slow each other (:func:`slowdown` at the mean number busy); tokens/s = ``dp * batch * output_length /
 (TTFT + (output_length - 1) * TPOT)``. A layout fits when every stage's weights plus KV (at the
 full ``input_length + output_length``) fit in ``memory_fraction`` of a device.
 """
@@ -128,24 +128,35 @@ class LayoutEstimate:
                 "decode": phase(self.decode), "notes": self.notes}
 
 
-def contention(profile: DeviceProfile, num_stages: int, m: int) -> float:
-    """How much slower each stage computes when ``n = min(m, S)`` stage processes (one thread each)
-    are busy at once on a CPU: measured, ``concurrency[n] / concurrency[ref]`` of the profile (n
-    single-thread workers side by side against one when the rates were measured; beyond the
-    largest measured n, that one scaled by n / it),
-    else ``max(1, n / cores)`` (they take turns). 1 on GPUs and without either."""
+def slowdown(profile: DeviceProfile, busy: float) -> float:
+    """How much slower a stage computes than the profile's rates say while ``busy`` stage processes
+    (one thread each; a mean, may be fractional) compute at once on a CPU. Measured:
+    ``concurrency[n] / concurrency[ref]`` of the profile (n single-thread workers side by side
+    against one when the rates were measured), linear between the measured counts, scaled by
+    ``busy / n`` beyond the largest; else ``max(1, busy / cores)`` (they take turns). 1 on GPUs."""
     if profile.kind != "cpu":
         return 1.0
-    n = min(m, num_stages)
+    busy = max(busy, 1.0)
     conc = profile.concurrency
     counts = sorted(int(k) for k in conc if k != "ref")
     if counts:
         ref = conc.get("ref", conc.get("1"))
-        k = max([c for c in counts if c <= n] or counts[:1])
-        return conc[str(k)] / ref * (n / k if n > k else 1.0)
+        g = {n: conc[str(n)] / ref for n in counts}
+        if busy <= counts[0]:
+            return g[counts[0]]
+        if busy >= counts[-1]:
+            return g[counts[-1]] * busy / counts[-1]
+        lo = max(n for n in counts if n <= busy)
+        hi = min(n for n in counts if n >= busy)
+        return g[lo] if hi == lo else g[lo] + (g[hi] - g[lo]) * (busy - lo) / (hi - lo)
     if not profile.cores:
         return 1.0
-    return max(1.0, n / profile.cores)
+    return max(1.0, busy / profile.cores)
+
+
+def contention(profile: DeviceProfile, num_stages: int, m: int) -> float:
+    """:func:`slowdown` with ``min(m, S)`` stage processes busy all the time (an upper bound)."""
+    return slowdown(profile, min(m, num_stages))
 
 
 def feedback_s(profile: DeviceProfile, num_stages: int, rows: int) -> float:
@@ -159,24 +170,41 @@ def feedback_s(profile: DeviceProfile, num_stages: int, rows: int) -> float:
 def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: compute.Precision,
            sharding: shapes.Sharding, *, batch: int, m: int, new_tokens: int, context: int) -> PhaseEstimate:
     rows = math.ceil(batch / m)
-    slow = contention(profile, plan.num_stages, m)
-    comp, bounds = [], dict.fromkeys(compute.BOUNDS, 0.0)
+    base, base_bounds = [], []
     for info in plan.stages:
         ops = compute.stage_ops(config, info, rows=rows, new_tokens=new_tokens, context=context, prec=prec,
                                 sharding=sharding)
         sc = compute.stage_compute(ops, profile, prec.compute_dtype, role=compute.stage_role(info),
                                    num_layers=len(info.active_layer_indices))
-        comp.append(sc.time_s * slow)
-        for k, v in sc.by_bound.items():
-            bounds[k] += v * slow
+        base.append(sc.time_s)
+        base_bounds.append(sc.by_bound)
     nbytes = estimate_hidden_states_message_bytes(rows * new_tokens, config.hidden_size, prec.act)
     events = build_pipeline_send_recv_events(plan.num_stages, nbytes, profile.links["pp"])
-    if new_tokens == 1:  # decode: the runtime's steady state, tokens going back to stage 0 each step
-        hops = [e.latency_s for e in events] + [feedback_s(profile, plan.num_stages, rows)]
-        est = estimate_decode_steady_state(comp, hops, m, events)
-    else:  # prefill: one pass, fill-drain (§2.7.4)
-        in_out = stage_comm_times(plan.num_stages, events)
-        est = estimate_pipeline_runtime_from_stage_times(comp, [a + b for a, b in in_out], m, events, in_out)
+    hops = [e.latency_s for e in events] + [feedback_s(profile, plan.num_stages, rows)]
+
+    def run(slow: float) -> PipelineRuntimeEstimate:
+        comp = [t * slow for t in base]
+        if new_tokens == 1:  # decode: the runtime's steady state, tokens going back to stage 0 each step
+            return estimate_decode_steady_state(comp, hops, m, events)
+        in_out = stage_comm_times(plan.num_stages, events)  # prefill: one pass, fill-drain (§2.7.4)
+        return estimate_pipeline_runtime_from_stage_times(comp, [a + b for a, b in in_out], m, events, in_out)
+
+    # Stage processes slow each other while they compute at once: the mean number busy is the sum of
+    # their utilisations (m microbatches' compute over the phase's latency), found by fixed point.
+    slow = slowdown(profile, 1.0)
+    est = run(slow)
+    if plan.num_stages > 1 and m > 1:
+        for _ in range(50):
+            busy = sum(m * c for c in est.stage_compute_times_s) / est.latency_s
+            new = slowdown(profile, min(busy, plan.num_stages))
+            if abs(new - slow) < 1e-6 * slow:
+                break
+            slow = 0.5 * (slow + new)
+            est = run(slow)
+    bounds = dict.fromkeys(compute.BOUNDS, 0.0)
+    for by in base_bounds:
+        for k, v in by.items():
+            bounds[k] += v * slow
     return PhaseEstimate(est, rows, new_tokens, context, bounds)
 
 
