@@ -122,6 +122,8 @@ def test_plot_and_trace(capsys, tmp_path):
      "unknown model 'no-such-model'"),
     (["qwen3-4b", "--num-devices", "8", "--input-length", "8", "--output-length", "8", "--device-profile", "x"],
      "neither a built-in profile"),
+    (["qwen3-4b", "--num-devices", "1", "--input-length", "8", "--output-length", "8", "--weight-quant", "q3"],
+     "weight_quant must be one of ['q4_0', 'q4_1', 'q8_0']"),
     (["memory", "qwen3-4b", "--stages", "0"], "must be positive integers"),
     (["memory", "qwen3-4b", "--stages", "40"], "without layers"),
     (["validate", "smollm2-135m", "--stages", "0", "--device-profile", "cpu-generic"],

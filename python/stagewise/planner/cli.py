@@ -91,6 +91,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default=None, help="a measured transport of the profile as the PP link (e.g. tcp)")
     p.add_argument("--weight-dtype", default=None, help="bf16, fp16, fp32 or fp8 (default: the config's, else bf16)")
     p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: the weights')")
+    p.add_argument("--weight-quant", default=None, help="GGUF block type the decoder linears run in (q4_0, q4_1, "
+                                                       "q8_0; time only, default dense)")
+    p.add_argument("--embed-quant", default=None, help="GGUF block type of the embedding / LM head (time only)")
     p.add_argument("--memory-fraction", type=float, default=0.9, help="usable share of device memory (default 0.9)")
 
 
@@ -129,7 +132,8 @@ def _workload(args: argparse.Namespace, config: ModelConfig, input_length: int, 
     wd = args.weight_dtype or _dtype_default(config)
     return Workload(input_length=input_length, output_length=output_length, batch=args.batch,
                     microbatches=args.microbatches, weight_dtype=wd, kv_dtype=args.kv_dtype or wd,
-                    memory_fraction=args.memory_fraction)
+                    memory_fraction=args.memory_fraction, weight_quant=(args.weight_quant or "").lower(),
+                    embed_quant=(args.embed_quant or "").lower())
 
 
 def _profile(args: argparse.Namespace):
