@@ -100,7 +100,9 @@ def test_plot_and_trace(capsys, tmp_path):
     # Prefill: 4 microbatches; stage 0 only sends, stage 3 only receives.
     assert sum(1 for e in events if e.stage == 0 and e.name.startswith("prefill mb")) == 4
     assert not any(e.stage == 0 and e.name.startswith("recv") for e in events)
-    assert not any(e.stage == 3 and e.name.startswith("send") for e in events)
+    assert not any(e.stage == 3 and e.name.startswith("send") and e.args["phase"] == "prefill" for e in events)
+    # Decode: the last stage sends the sampled tokens back to stage 0.
+    assert any(e.stage == 3 and e.name.startswith("send mb0 -> 0") for e in events)
     # Each stage's events tile the timeline without overlap up to the fill-drain latency.
     for s in range(4):
         spans = sorted((e.start_s, e.start_s + e.dur_s) for e in events if e.stage == s)
@@ -120,6 +122,8 @@ def test_plot_and_trace(capsys, tmp_path):
      "unknown model 'no-such-model'"),
     (["qwen3-4b", "--num-devices", "8", "--input-length", "8", "--output-length", "8", "--device-profile", "x"],
      "neither a built-in profile"),
+    (["qwen3-4b", "--num-devices", "1", "--input-length", "8", "--output-length", "8", "--weight-quant", "q3"],
+     "weight_quant must be one of ['q4_0', 'q4_1', 'q8_0']"),
     (["memory", "qwen3-4b", "--stages", "0"], "must be positive integers"),
     (["memory", "qwen3-4b", "--stages", "40"], "without layers"),
     (["validate", "smollm2-135m", "--stages", "0", "--device-profile", "cpu-generic"],

@@ -6,7 +6,13 @@
 - op overhead: the median time of a tiny op (dispatch cost every operator pays);
 - transports: latency (half a 64-byte round trip) and bandwidth (one 16 MiB message one way)
   per transport in :data:`TRANSPORTS`; each entry is one function, so a new transport (shared
-  memory ring, torch.distributed) adds one row.
+  memory ring, torch.distributed) adds one row. On a CPU, ``tcp`` and ``shm`` are the pipeline's
+  own links (:func:`stagewise.bench.profile_runtime.measure_link`: real channels between two
+  processes, frames as the stages send them), and the PP link is the one the pipeline picks by
+  default on one host (shm);
+- CPU only, the runtime's own costs (:mod:`stagewise.bench.profile_runtime`): ``quant`` (the
+  block-quantised linear per GGUF type), ``framework`` (Python/dispatch per decoder layer and per
+  step of each stage role), ``cores`` and ``concurrency`` (1, 2, 3 busy processes side by side).
 
 The measured rates are achieved ones: the profile's efficiencies are 1.0.
 """
@@ -137,7 +143,30 @@ def measure_profile(device: str, *, quick: bool = False, log=print) -> dict:
                 f"bandwidth {transports[name]['bandwidth'] / 1e9:.2f} GB/s")
         except OSError as err:
             log(f"  transport {name}: n/a ({err})")
-    link = transports.get("tcp") or {"latency_s": 50e-6, "bandwidth": 1e9}
+    extra = {}
+    if not is_cuda:
+        import os
+
+        from stagewise.bench import profile_runtime as rt
+
+        for name in ("tcp", "shm"):  # the pipeline's links replace the plain-socket figure
+            try:
+                transports[name] = rt.measure_link(name)
+                log(f"  pipeline link {name}: latency {transports[name]['latency_s'] * 1e6:.1f} us, "
+                    f"bandwidth {transports[name]['bandwidth'] / 1e9:.2f} GB/s")
+            except OSError as err:
+                log(f"  pipeline link {name}: n/a ({err})")
+        extra["quant"] = rt.quant_rates(log=log)
+        fw = rt.framework_overheads(log=log)
+        raw["framework"] = fw.pop("raw")
+        extra["framework"] = fw
+        extra["concurrency"] = rt.concurrency(3, log=log)
+        raw["background_load"] = rt.background_load()
+        log(f"  background load: {raw['background_load']:.2f} runnable threads of other work (recorded, not modelled)")
+        extra["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        raw["quant"] = extra["quant"]
+        extra["quant"] = {k: {"s_per_weight": v["s_per_weight"], "flops": v["flops"]} for k, v in extra["quant"].items()}
+    link = transports.get("shm") or transports.get("tcp") or {"latency_s": 50e-6, "bandwidth": 1e9}
     link = {"latency_s": link["latency_s"], "bandwidth": link["bandwidth"]}
     if is_cuda:
         memory_bytes = torch.cuda.get_device_properties(torch.device(device)).total_memory
@@ -158,6 +187,7 @@ def measure_profile(device: str, *, quick: bool = False, log=print) -> dict:
         "links": {"tp": link, "pp": link, "ep": link},
         "transports": {k: {"latency_s": v["latency_s"], "bandwidth": v["bandwidth"]} for k, v in transports.items()},
         "measured": {"machine": info, "raw": raw, "quick": quick},
+        **extra,
     }
 
 
@@ -174,6 +204,7 @@ def run(args, log=print) -> int:
     path = Path(args.out) / f"{profile['measured']['machine']['device']}-profile.json"
     path.write_text(json.dumps(profile, indent=2) + "\n")
     print(json.dumps({k: profile[k] for k in ("name", "peak_flops", "memory_bandwidth", "op_overhead_s",
-                                              "transports")}, indent=2))
+                                              "transports", "quant", "framework", "cores", "concurrency") if k in profile},
+                     indent=2))
     log(f"wrote {path} (use it with: stagewise plan ... --device-profile {path})")
     return 0

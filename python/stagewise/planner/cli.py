@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -90,6 +91,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default=None, help="a measured transport of the profile as the PP link (e.g. tcp)")
     p.add_argument("--weight-dtype", default=None, help="bf16, fp16, fp32 or fp8 (default: the config's, else bf16)")
     p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: the weights')")
+    p.add_argument("--weight-quant", default=None, help="GGUF block type the decoder linears run in (q4_0, q4_1, "
+                                                       "q8_0; time only, default dense)")
+    p.add_argument("--embed-quant", default=None, help="GGUF block type of the embedding / LM head (time only)")
     p.add_argument("--memory-fraction", type=float, default=0.9, help="usable share of device memory (default 0.9)")
 
 
@@ -128,7 +132,8 @@ def _workload(args: argparse.Namespace, config: ModelConfig, input_length: int, 
     wd = args.weight_dtype or _dtype_default(config)
     return Workload(input_length=input_length, output_length=output_length, batch=args.batch,
                     microbatches=args.microbatches, weight_dtype=wd, kv_dtype=args.kv_dtype or wd,
-                    memory_fraction=args.memory_fraction)
+                    memory_fraction=args.memory_fraction, weight_quant=(args.weight_quant or "").lower(),
+                    embed_quant=(args.embed_quant or "").lower())
 
 
 def _profile(args: argparse.Namespace):
@@ -194,8 +199,10 @@ def _timeline(est, decode_steps: int = 4):
     events = phase_events(est.prefill, "prefill")
     t = est.prefill.pipeline.latency_s
     for k in range(decode_steps):
-        events += phase_events(est.decode, f"decode{k}", t)
-        t += est.decode.pipeline.latency_s
+        step = phase_events(est.decode, f"decode{k}", t)
+        events += step
+        # Each step drawn as one pass from idle (its groups may overrun the steady-state step time).
+        t = max(t + est.decode.pipeline.latency_s, max(e.start_s + e.dur_s for e in step))
     return events
 
 
@@ -396,7 +403,7 @@ def run_validate(argv: list[str]) -> int:
     p.add_argument("--device-profile", default=None,
                    help="profile JSON (default: measure this machine now, in this process, just before the runs: "
                         "on a shared machine a stored profile may describe other conditions)")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes, each run at every stage count")
     p.add_argument("--microbatches", type=int, default=None)
     p.add_argument("--input-length", type=int, default=128)
     p.add_argument("--output-length", type=int, default=32)
@@ -408,12 +415,16 @@ def run_validate(argv: list[str]) -> int:
     import torch
 
     from stagewise.bench import report
+    import dataclasses
+
+    from stagewise.bench.profile_runtime import background_load, concurrent_pass_s
+    from stagewise.planner.estimate import contention
     from stagewise.parallel.ranks import ParallelConfig
     from stagewise.planner import validate as val
     from stagewise.planner.estimate import Workload, estimate_layout
     from stagewise.planner.profiles import load_profile, profile_from_dict
 
-    if min(args.stages) < 1 or args.batch < 1 or args.input_length < 1 or args.output_length < 2 or args.repeats < 1:
+    if min(args.stages) < 1 or min(args.batch) < 1 or args.input_length < 1 or args.output_length < 2 or args.repeats < 1:
         raise PlanError("--stages, --batch, --input-length, --repeats must be >= 1 and --output-length >= 2")
     torch.set_num_threads(args.threads)
     log = (lambda line: print(line, file=sys.stderr, flush=True))
@@ -429,24 +440,46 @@ def run_validate(argv: list[str]) -> int:
         else profile
     from stagewise.model.checkpoint import open_checkpoint
 
-    config = open_checkpoint(args.model).config
-    workload = Workload(input_length=args.input_length, output_length=args.output_length, batch=args.batch,
-                        microbatches=args.microbatches, weight_dtype="float32", kv_dtype="float32")
+    ckpt = open_checkpoint(args.model)
+    config = ckpt.config
+    weight_quant, embed_quant = _checkpoint_quant(ckpt)
+    def workload(batch: int) -> Workload:
+        return Workload(input_length=args.input_length, output_length=args.output_length, batch=batch,
+                        microbatches=args.microbatches, weight_dtype="float32", kv_dtype="float32",
+                        weight_quant=weight_quant, embed_quant=embed_quant)
+    load_before = os.getloadavg()
     rows = []
-    for S in args.stages:
-        est = estimate_layout(config, ParallelConfig(world_size=S, pp=S), workload, profile)
-        log(f"S={S}: predicted TTFT {1e3 * est.ttft_s:.1f} ms, TPOT {1e3 * est.tpot_s:.2f} ms; measuring ...")
-        try:
-            measured = val.measure(args.model, S, batch=args.batch, input_length=args.input_length,
-                                   output_length=args.output_length, transport=args.transport,
-                                   repeats=args.repeats, log=log)
-        except (NotImplementedError, ValueError, RuntimeError, TimeoutError) as err:
-            raise PlanError(str(err)) from None
-        rows += val.compare(est, measured)
+    for B in args.batch:
+        for S in args.stages:
+            # Other work on the machine just before this configuration runs (0 off Linux), and how
+            # fast its busy stage processes can run side by side now, against the profile's one.
+            background = background_load() if profile.kind == "cpu" else None
+            run_profile, n = profile, min(B, S)
+            if profile.kind == "cpu" and profile.concurrency:
+                conc = {"ref": profile.concurrency.get("ref", profile.concurrency["1"]), "1": concurrent_pass_s(1)}
+                if n > 1:
+                    conc[str(n)] = concurrent_pass_s(n)
+                run_profile = dataclasses.replace(profile, concurrency=conc)
+            est = estimate_layout(config, ParallelConfig(world_size=S, pp=S), workload(B), run_profile)
+            slow = contention(run_profile, S, B if args.microbatches is None else args.microbatches)
+            log(f"B={B} S={S}: background load {background if background is not None else 0:.2f}, {n} busy "
+                f"process(es) now {slow:.2f}x the profile's pace; predicted TTFT {1e3 * est.ttft_s:.1f} ms, "
+                f"TPOT {1e3 * est.tpot_s:.2f} ms; measuring ...")
+            try:
+                measured = val.measure(args.model, S, batch=B, input_length=args.input_length,
+                                       output_length=args.output_length, transport=args.transport,
+                                       repeats=args.repeats, log=log)
+            except (NotImplementedError, ValueError, RuntimeError, TimeoutError) as err:
+                raise PlanError(str(err)) from None
+            rows += [{"batch": B, "background_load": background, "contention": slow, **r}
+                     for r in val.compare(est, measured)]
     table = val.format_rows(rows)
     print(table)
-    wl = {"batch": args.batch, "input_length": args.input_length, "output_length": args.output_length,
-          "microbatches": args.microbatches, "dtype": "float32", "threads": args.threads}
+    load_after = os.getloadavg()
+    wl = {"batch": list(args.batch), "input_length": args.input_length, "output_length": args.output_length,
+          "microbatches": args.microbatches, "dtype": "float32", "threads": args.threads,
+          "weight_quant": weight_quant, "embed_quant": embed_quant}
+    info = {**info, "load_average_before": list(load_before), "load_average_after": list(load_after)}
     data = val.summary(rows, model=args.model, architecture=config.architecture,
                        profile={"name": profile.name, "kind": profile.kind, "source": profile.source},
                        workload=wl, machine=info)
@@ -457,15 +490,53 @@ def run_validate(argv: list[str]) -> int:
         "# Planner predictions against measured runs", "",
         f"Machine: {info['device_name']} ({info['device']}), {args.threads} torch thread(s); torch {info['torch']}  ",
         f"Date (UTC): {info['date_utc']}; commit: {info['git_commit']}  ",
-        f"Model: {args.model}, float32, batch {args.batch}, prompt {args.input_length}, {args.output_length} new tokens; "
-        f"median of {args.repeats} runs  ", f"Profile: {profile.name} ({profile.source})", "",
+        f"Model: {args.model}, float32 activations, {weight_quant or 'dense'} linears, {embed_quant or 'dense'} "
+        f"embedding/LM head, batch {' and '.join(map(str, args.batch))}, prompt {args.input_length}, {args.output_length} new tokens; "
+        f"median of {args.repeats} runs  ", f"Profile: {profile.name} ({profile.source})  ",
+        f"Load average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load_before)}; after: "
+        f"{', '.join(f'{x:.2f}' for x in load_after)} (2-core machine, shared)", "",
         "Error = (predicted - measured) / measured; the bubble's error is in % of the measured TPOT.", "",
-        table, ""]))
+        table, "", VALIDATE_METHOD, ""]))
     log(f"wrote {stem}.json and {stem}.md")
     if not args.no_store:
         val.STORE.write_text(json.dumps(data, indent=2) + "\n")
         log(f"updated the planner's validation record {val.STORE}")
     return 0
+
+
+VALIDATE_METHOD = """Method: the prediction comes from the device profile alone, i.e. primitive costs that
+`stagewise bench profile` measures apart from any model run: the block-quantised linear's decode
+cost per weight and FMA rate per GGUF type (weights streamed from memory), the runtime's
+Python/dispatch cost per decoder layer and per step of each stage role (a synthetic llama of
+negligible width, whose arithmetic is microseconds), the one-way latency and bandwidth of the
+pipeline's own shm/tcp links between two processes, matmul FLOP/s, copy bandwidth and the core
+count. The planner adds the per-operator content of the model's stages (weights decoded, FLOPs,
+bytes) to the framework cost per stage, runs the decode steady state of the runtime (groups cycle
+through the stages; a step lasts max(round trip, microbatches x busiest stage)), and slows every
+stage by how much busy single-thread processes slow each other, measured just before each
+configuration runs: n = min(microbatches, stages) spawned processes (and one alone) run the Q4_1
+decode over 64 MiB of weights side by side for a second; their pass time over one process's when
+the profile was measured, linear in between, is taken at the mean number of stages busy at once
+(the sum of their utilisations, a fixed point of the estimate); the upper bound with all n busy is
+column `contention` of the JSON rows. This covers the cores (S = 3 busy
+stages on 2 cores take turns), shared caches and memory, and the other work on this shared machine
+at that moment; the runnable threads of other work (/proc/stat procs_running) are recorded beside
+it as `background_load`. No figure of these end-to-end runs enters the model. "Least
+disturbed run" is the repeat with the lowest TPOT, the one closest to the quiet machine the
+profile's primitives describe."""
+
+
+def _checkpoint_quant(ckpt) -> tuple[str, str]:
+    """GGUF block types of the decoder linears and of the embedding ('' where dense)."""
+    from stagewise import ops
+
+    names = {v: k.lower() for k, v in ops.QTYPES.items()}
+    qtype = getattr(ckpt, "qtype", lambda name: None)
+    layer = next((n for n in sorted(ckpt.names()) if n.endswith("mlp.down_proj.weight")), None)
+    embed = "model.embed_tokens.weight"
+    q_layer = qtype(layer) if layer else None
+    q_embed = qtype(embed) if embed in ckpt.names() else None
+    return names.get(q_layer, ""), names.get(q_embed, "")
 
 
 def main(argv: list[str]) -> int:

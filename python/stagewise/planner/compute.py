@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from stagewise.model import shapes
 from stagewise.model.config import ModelConfig
 from stagewise.parallel.plan import PipelineStageInfo
-from stagewise.planner.profiles import DeviceProfile
+from stagewise.planner.profiles import QUANT_BITS, DeviceProfile
 
 KINDS = ("matmul", "attention", "vec", "comm")
 BOUNDS = ("mem", "comm", "cube", "vec")
@@ -41,6 +41,10 @@ class Op:
     """comm ops: tp or ep."""
     group: int = 1
     """comm ops: ranks in the collective."""
+    weights: float = 0.0
+    """matmul ops: weights multiplied (for block-quantised weights, which are decoded once a call)."""
+    qtype: str = ""
+    """matmul ops: the weights' GGUF block type (``q4_1`` ...), empty for dense weights."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +53,22 @@ class Precision:
     act: int = 2
     kv: int = 2
     compute_dtype: str = "bfloat16"
+    weight_quant: str = ""
+    """GGUF block type of the decoder layers' linears (empty: dense ``weight``-byte weights)."""
+    embed_quant: str = ""
+    """GGUF block type of the embedding / LM head."""
+
+    def weight_bytes(self, n: float, quant: str = "") -> float:
+        return n * QUANT_BITS[quant] / 8 if quant else n * self.weight
+
+
+def _linear(name: str, prec: Precision, *, tokens: int, n_in: int, n_out: int, layer: int | None,
+            quant: str | None = None) -> Op:
+    """``tokens`` rows through a ``[n_out, n_in]`` linear: its weights once, activations in and out."""
+    q = prec.weight_quant if quant is None else quant
+    n = n_in * n_out
+    return Op(name, "matmul", 2 * tokens * n, prec.weight_bytes(n, q) + tokens * (n_in + n_out) * prec.act, layer,
+              weights=n, qtype=q)
 
 
 def _causal_pairs(context: int, new: int, window: int | None) -> int:
@@ -70,14 +90,14 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
     T = rows * new_tokens
     ops = [Op("input_norm", "vec", 4 * T * h, 2 * T * h * a + h * w, layer)]
     n_qkv = (hq + 2 * hk) * d
-    ops.append(Op("qkv_proj", "matmul", 2 * T * h * n_qkv, h * n_qkv * w + T * (h + n_qkv) * a, layer))
+    ops.append(_linear("qkv_proj", prec, tokens=T, n_in=h, n_out=n_qkv, layer=layer))
     ops.append(Op("qk_norm_rope", "vec", 8 * T * (hq + hk) * d, 2 * T * (hq + hk) * d * a, layer))
     ops.append(Op("kv_write", "vec", 0, T * 2 * hk * d * (a + kv), layer))
     pairs = rows * _causal_pairs(context, new_tokens, config.sliding_window)
     keys = min(context + new_tokens, config.sliding_window or context + new_tokens)
     ops.append(Op("attention", "attention", 4 * hq * d * pairs, rows * keys * 2 * hk * d * kv + 2 * T * hq * d * a,
                   layer))
-    ops.append(Op("o_proj", "matmul", 2 * T * hq * d * h, hq * d * h * w + T * (hq * d + h) * a, layer))
+    ops.append(_linear("o_proj", prec, tokens=T, n_in=hq * d, n_out=h, layer=layer))
     if tp > 1:
         ops.append(Op("attn_all_reduce", "comm", 0, T * h * a, layer, "tp", tp))
     ops.append(Op("post_attn_norm", "vec", 5 * T * h, 3 * T * h * a + h * w, layer))
@@ -97,9 +117,9 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
         inter = config.intermediate_size // tp
         gated = config.architecture != "falcon"
         n_up = (2 if gated else 1) * inter
-        ops.append(Op("gate_up_proj", "matmul", 2 * T * h * n_up, h * n_up * w + T * (h + n_up) * a, layer))
+        ops.append(_linear("gate_up_proj", prec, tokens=T, n_in=h, n_out=n_up, layer=layer))
         ops.append(Op("act", "vec", 8 * T * inter, (n_up + inter) * T * a, layer))
-        ops.append(Op("down_proj", "matmul", 2 * T * inter * h, inter * h * w + T * (inter + h) * a, layer))
+        ops.append(_linear("down_proj", prec, tokens=T, n_in=inter, n_out=h, layer=layer))
     if tp > 1:
         ops.append(Op("mlp_all_reduce", "comm", 0, T * h * a, layer, "tp", tp))
     return ops
@@ -114,14 +134,14 @@ def stage_ops(config: ModelConfig, stage: PipelineStageInfo, *, rows: int, new_t
     h, T, a, w = config.hidden_size, rows * new_tokens, prec.act, prec.weight
     ops: list[Op] = []
     if stage.is_first_stage:
-        ops.append(Op("embedding", "vec", 0, T * h * (w + a)))
+        ops.append(Op("embedding", "vec", 0, T * (prec.weight_bytes(h, prec.embed_quant) + h * a)))
     for layer in stage.active_layer_indices:
         ops += layer_ops(config, layer, rows=rows, new_tokens=new_tokens, context=context, prec=prec, sharding=sharding)
     if stage.is_last_stage:
         tp, v = sharding.tp, config.vocab_size
         vr = -(-v // tp)
         ops.append(Op("final_norm", "vec", 4 * rows * h, 2 * rows * h * a + h * w))
-        ops.append(Op("lm_head", "matmul", 2 * rows * h * vr, vr * h * w + rows * (h + vr) * a))
+        ops.append(_linear("lm_head", prec, tokens=rows, n_in=h, n_out=vr, layer=None, quant=prec.embed_quant))
         if tp > 1:
             ops.append(Op("logits_all_gather", "comm", 0, rows * v * 4 / tp * (tp - 1), None, "tp", tp))
         ops.append(Op("sampling", "vec", 4 * rows * v, rows * v * 4))
@@ -139,15 +159,20 @@ def op_time(op: Op, profile: DeviceProfile, dtype: str) -> tuple[float, str]:
             t = op.bytes / link.bandwidth + (n - 1) * link.latency_s
         return t + profile.op_overhead_s, "comm"
     mem_t = op.bytes / profile.bandwidth
-    if op.kind == "matmul":
+    overhead = 0.0 if profile.framework else profile.op_overhead_s
+    if op.kind == "matmul" and op.qtype and op.qtype in profile.quant:
+        # Block-quantised kernel: every weight decoded once per call, then the FMAs of every row.
+        q = profile.quant[op.qtype]
+        flop_t, bound = op.weights * q["s_per_weight"] + op.flops / q["flops"], "cube"
+    elif op.kind == "matmul":
         flop_t, bound = op.flops / profile.flops(dtype), "cube"
     elif op.kind == "attention":
         flop_t, bound = op.flops / profile.attention_flops(dtype), "cube"
     else:  # vector work: a fraction of the matmul rate (no tensor cores / FMA chains)
         flop_t, bound = op.flops / (profile.flops(dtype) * 0.1), "vec"
     if mem_t >= flop_t:
-        return mem_t + profile.op_overhead_s, "mem"
-    return flop_t + profile.op_overhead_s, bound
+        return mem_t + overhead, "mem"
+    return flop_t + overhead, bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,9 +184,29 @@ class StageCompute:
     num_ops: int
 
 
-def stage_compute(ops: list[Op], profile: DeviceProfile, dtype: str) -> StageCompute:
+def stage_role(stage: PipelineStageInfo) -> str:
+    """``engine`` (one stage), ``head`` (stage 0), ``last`` or ``middle``: whose fixed step cost applies."""
+    if stage.is_first_stage and stage.is_last_stage:
+        return "engine"
+    return "head" if stage.is_first_stage else "last" if stage.is_last_stage else "middle"
+
+
+def framework_time(profile: DeviceProfile, role: str, num_layers: int) -> float:
+    """The runtime's fixed cost of one step of a stage (profile ``framework``; 0 without it):
+    ``num_layers * layer_s + <role>_s``."""
+    fw = profile.framework
+    if not fw:
+        return 0.0
+    return num_layers * fw.get("layer_s", 0.0) + fw.get(f"{role}_s", 0.0)
+
+
+def stage_compute(ops: list[Op], profile: DeviceProfile, dtype: str, *, role: str | None = None,
+                  num_layers: int = 0) -> StageCompute:
+    """Sum of the ops' times, plus (with ``role``) the framework's per-step cost, counted as vec."""
     by_bound = dict.fromkeys(BOUNDS, 0.0)
     for op in ops:
         t, bound = op_time(op, profile, dtype)
         by_bound[bound] += t
+    if role is not None:
+        by_bound["vec"] += framework_time(profile, role, num_layers)
     return StageCompute(sum(by_bound.values()), by_bound, sum(o.flops for o in ops), sum(o.bytes for o in ops), len(ops))

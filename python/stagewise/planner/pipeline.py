@@ -87,6 +87,31 @@ def estimate_pipeline_runtime_from_stage_times(compute_s: Sequence[float], comm_
                                    tuple(events), tuple(comm_in_out))
 
 
+def estimate_decode_steady_state(compute_s: Sequence[float], hop_s: Sequence[float], num_microbatches: int = 1,
+                                 events: Sequence[PipelineSendRecvEvent] = ()) -> PipelineRuntimeEstimate:
+    """One decode step of every microbatch when the runtime keeps them cycling through the stages.
+
+    ``hop_s[i]``: stage ``i``'s outgoing hop (to ``i + 1``; the last stage's goes back to stage 0
+    with the sampled tokens), so a microbatch's round trip is ``sum(compute) + sum(hops)`` and each
+    stage is occupied ``compute + hop`` per microbatch. With ``m`` microbatches in flight the step
+    takes ``max(round trip, m * max(compute + hop))``: the round trip when the stages wait for each
+    other, the busiest stage when it is the bottleneck (§2.7.4's fill-drain formula describes a
+    batch that passes once; decode steps repeat, and the pipeline never drains between them).
+    ``bubble_s`` is then the step beyond one microbatch's stage times (0 for one microbatch)."""
+    if len(compute_s) != len(hop_s) or not compute_s:
+        raise ValueError(f"estimate_decode_steady_state: need one compute and one hop time per stage, "
+                         f"got {len(compute_s)} and {len(hop_s)}")
+    if any(t < 0 for t in (*compute_s, *hop_s)):
+        raise ValueError("estimate_decode_steady_state: times must be >= 0")
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"estimate_decode_steady_state: num_microbatches must be an int >= 1, "
+                         f"got {num_microbatches!r}")
+    stage_times = tuple(a + b for a, b in zip(compute_s, hop_s))
+    latency = max(sum(stage_times), num_microbatches * max(stage_times))
+    return PipelineRuntimeEstimate(latency, tuple(compute_s), tuple(hop_s), stage_times, num_microbatches,
+                                   tuple(events), tuple((0.0, h) for h in hop_s))
+
+
 def format_breakdowns(op_bound: Mapping[str, float] | None, pipeline: Mapping[str, float] | None) -> str:
     """Seed 001 §2.8: ``Mem 25.00 | Comm 25.00 | Cube 50.00 | Vec 0.00 | PP Compute 50.00 | PP Comm 16.67 |
     PP Bubble 33.33``; each group in percent of its own total (op-bound: of the summed op times;

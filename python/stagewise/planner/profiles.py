@@ -13,6 +13,22 @@ Built-in profiles live in ``planner/profiles/*.json`` (h100-sxm, h200, a100, cpu
   expert all-to-alls;
 - ``transports``: measured ``{"tcp"|"shm"|...: {"latency_s", "bandwidth"}}``; ``--transport``
   makes one of them the PP link.
+
+Optional, measured by ``stagewise bench profile`` on a CPU (:mod:`stagewise.bench.profile_runtime`):
+
+- ``quant``: ``{"q4_0"|"q4_1"|"q8_0": {"s_per_weight", "flops"}}``: a block-quantised linear
+  costs ``weights * s_per_weight + flops / flops`` (decode each weight once, then the FMAs),
+  measured with weights far beyond the caches;
+- ``framework``: the runtime's Python/dispatch cost per decode step: ``layer_s`` per decoder layer
+  and the fixed part by role (``engine_s``, ``head_s``, ``middle_s``, ``last_s``) plus
+  ``tokens_s`` (stage 0 taking sampled tokens back). With it, compute ops pay no ``op_overhead_s``
+  (the framework figures already hold every op's dispatch);
+- ``cores``: CPU cores the stages share (stage processes beyond it take turns);
+- ``concurrency``: ``{"1": s, "2": s, ...}`` seconds of one reference pass with 1, 2, ... busy
+  single-thread processes side by side: ``concurrency[n] / concurrency["1"]`` is how much ``n``
+  busy stage processes slow each other (without it: ``max(1, n / cores)``); an optional ``"ref"``
+  (default ``"1"``) is the one-process pass taken with the profile's rates, so that figures
+  measured later, under other conditions, compare with it.
 """
 
 from __future__ import annotations
@@ -28,6 +44,9 @@ DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfl
                "fp16": "float16", "float16": "float16", "half": "float16", "fp8": "float8", "float8": "float8",
                "int8": "float8"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+QUANT_BITS = {"q4_0": 4.5, "q4_1": 5.0, "q8_0": 8.5}
+"""Bits per weight of the GGUF block types (32 weights a block: 18, 20 and 34 bytes)."""
+FRAMEWORK_KEYS = ("layer_s", "engine_s", "head_s", "middle_s", "last_s", "tokens_s")
 
 
 def dtype_name(value: str) -> str:
@@ -63,6 +82,10 @@ class DeviceProfile:
     description: str = ""
     source: str = "built-in"
     measured: dict[str, Any] = field(default_factory=dict)
+    quant: dict[str, dict[str, float]] = field(default_factory=dict)
+    framework: dict[str, float] = field(default_factory=dict)
+    cores: int | None = None
+    concurrency: dict[str, float] = field(default_factory=dict)
 
     def flops(self, dtype: str) -> float:
         """Achievable matmul FLOP/s in ``dtype`` (peak times efficiency)."""
@@ -143,12 +166,39 @@ def profile_from_dict(d: Any, source: str = "built-in") -> DeviceProfile:
     if not isinstance(transports_in, dict):
         raise ValueError(f"{where}: field 'transports' must be an object, got {transports_in!r}")
     transports = {k: _link(f"{where} transports.{k}", v) for k, v in transports_in.items()}
+    quant_in = d.get("quant") or {}
+    if not isinstance(quant_in, dict):
+        raise ValueError(f"{where}: field 'quant' must be an object, got {quant_in!r}")
+    quant = {}
+    for k, v in quant_in.items():
+        if k not in QUANT_BITS or not isinstance(v, dict):
+            raise ValueError(f"{where}: quant.{k}: expected one of {sorted(QUANT_BITS)} mapping to "
+                             f"{{s_per_weight, flops}}, got {k!r}: {v!r}")
+        quant[k] = {"s_per_weight": _number(f"{where} quant.{k}", v, "s_per_weight", positive=False),
+                    "flops": _number(f"{where} quant.{k}", v, "flops")}
+    fw_in = d.get("framework") or {}
+    if not isinstance(fw_in, dict):
+        raise ValueError(f"{where}: field 'framework' must be an object, got {fw_in!r}")
+    framework = {}
+    for k in FRAMEWORK_KEYS:
+        if fw_in:
+            framework[k] = _number(f"{where} framework", fw_in, k, positive=False)
+    cores = d.get("cores")
+    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+        raise ValueError(f"{where}: field 'cores' must be an int >= 1, got {cores!r}")
+    conc_in = d.get("concurrency") or {}
+    if not isinstance(conc_in, dict) or (conc_in and "1" not in conc_in and "ref" not in conc_in) or \
+            any(k != "ref" and (not str(k).isdigit() or int(k) < 1) for k in conc_in):
+        raise ValueError(f"{where}: field 'concurrency' must map '1', '2', ... (and optionally 'ref') to seconds, "
+                         f"got {conc_in!r}")
+    concurrency = {str(k): _number(f"{where} concurrency", conc_in, k) for k in conc_in}
     return DeviceProfile(name=name, memory_bytes=int(_number(where, d, "memory_bytes")), peak_flops=peak_flops,
                          memory_bandwidth=_number(where, d, "memory_bandwidth"), efficiency=dict(eff),
                          op_overhead_s=_number(where, d, "op_overhead_s", positive=False), links=links,
                          transports=transports, kind=str(d.get("kind", "gpu")),
                          description=str(d.get("description", "")), source=source,
-                         measured=dict(d.get("measured") or {}))
+                         measured=dict(d.get("measured") or {}), quant=quant, framework=framework, cores=cores,
+                         concurrency=concurrency)
 
 
 def builtin_profiles() -> list[str]:

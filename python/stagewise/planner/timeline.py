@@ -42,7 +42,7 @@ def phase_events(phase: PhaseEstimate, label: str, offset_s: float = 0.0) -> lis
                                       "new_tokens": phase.new_tokens, "context": phase.context}))
             t += est.stage_compute_times_s[i]
             if t_out > 0:
-                events.append(TraceEvent(i, f"send mb{j} -> {i + 1}", "comm", offset_s + t, t_out,
+                events.append(TraceEvent(i, f"send mb{j} -> {(i + 1) % S}", "comm", offset_s + t, t_out,
                                          {"microbatch": j, "phase": label}))
                 t += t_out
             end[i][j] = t

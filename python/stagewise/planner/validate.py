@@ -9,11 +9,15 @@ its expected error and to flag predictions outside the validated range.
 
 Measurement lives in one function, :func:`measure`; everything else only sees
 :class:`MeasuredRun`. Definitions (both sides): ``ttft_s`` = submit to first token (the prefill);
-``tpot_s`` = decode time / decode steps; ``per_stage_busy_s`` = seconds each stage computes (and
-communicates) per decode step of all microbatches; ``bubble_s`` = per decode step, the time the
-pipeline is not busy with the stage work of seed 001 §2.8 (``latency - sum(stage_times)``; the
-runtime reports it from its per-stage idle time). Bubble errors are stated in % of TPOT, as
-the bubble itself may be zero.
+``tpot_s`` = decode time / decode steps; ``per_stage_busy_s`` = seconds each stage computes per
+decode step of all microbatches (the stages' ``busy_s``: their step without receiving and
+sending; predicted: the stage's compute time times the microbatches); ``bubble_s`` = per decode
+step, the time beyond one microbatch's stage work (compute and send), seed 001 §2.8's
+``latency - sum(stage_times)``: measured ``tpot - sum(busy + send) / m``, predicted from the
+steady-state estimate. Bubble errors are stated in % of TPOT, as the bubble itself may be zero.
+
+The prediction is made from the device profile only (primitive costs measured by
+``stagewise bench profile``); nothing of a validation run feeds back into the model.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ def measure(model: str, stages: int, *, batch: int, input_length: int, output_le
 
     The one place that talks to the runtime: S = 1 runs the single-process engine, S > 1 the
     stage processes (:class:`stagewise.Pipeline` with ``stages=S``, one torch thread per stage),
-    whose per-stage busy time comes from the stages' own stats (prefill taken off).
+    whose per-stage busy time comes from the stages' own trace spans (the first compute and send
+    of each microbatch group are its prefill and are left out).
     """
     from stagewise.api import Pipeline
     from stagewise.bench.e2e import make_prompts
@@ -58,32 +63,56 @@ def measure(model: str, stages: int, *, batch: int, input_length: int, output_le
     try:
         prompts = make_prompts(pipe.checkpoint, batch, input_length)
         pipe.generate(prompt_token_ids=prompts, max_new_tokens=2, ignore_eos=True)  # warm-up
-        ttfts, tpots, busy_runs, prefill_busy = [], [], [], None
-        if stages > 1:  # what the stages spend on the prefill alone, taken off the decode busy time
-            pipe.generate(prompt_token_ids=prompts, max_new_tokens=1, ignore_eos=True)
-            prefill_busy = [st["busy_s"] for st in pipe.last_stats["stages"]]
+        ttfts, tpots, busy_runs, send_runs = [], [], [], []
         for i in range(repeats):
             pipe.generate(prompt_token_ids=prompts, max_new_tokens=output_length, ignore_eos=True)
             s = pipe.last_stats
             steps = s["decode_tokens"] / batch
             ttfts.append(s["ttft_s"])
             tpots.append(s["decode_s"] / steps)
-            if prefill_busy is not None:
-                busy_runs.append([(st["busy_s"] - p) / steps for st, p in zip(s["stages"], prefill_busy)])
+            if stages > 1:
+                spans = [decode_spans(st.get("trace", [])) for st in pipe.driver.stage_stats(trace=True)]
+                busy_runs.append([b / steps for b, _ in spans])
+                send_runs.append([t / steps for _, t in spans])
             log(f"  S={stages} run {i + 1}/{repeats}: TTFT {1e3 * ttfts[-1]:.1f} ms, TPOT {1e3 * tpots[-1]:.2f} ms")
     finally:
         pipe.close()
     tpot = statistics.median(tpots)
     if stages == 1:
-        busy = [tpot]
+        busy, send = [tpot], [0.0]
     else:
         busy = [statistics.median(run[i] for run in busy_runs) for i in range(stages)]
+        send = [statistics.median(run[i] for run in send_runs) for i in range(stages)]
     microbatches = min(batch, stages)
     # Seed 001 §2.8: the bubble is the step's latency beyond the sum of one microbatch's stage times.
-    bubble = max(0.0, tpot - sum(busy) / microbatches) if stages > 1 else 0.0
+    bubble = max(0.0, tpot - (sum(busy) + sum(send)) / microbatches) if stages > 1 else 0.0
+    # The least disturbed run (lowest TPOT): on a shared machine, the one closest to the conditions
+    # the profile's primitives describe; reported beside the medians.
+    k = min(range(len(tpots)), key=tpots.__getitem__)
+    if stages == 1:
+        best = {"tpot_s": tpots[k], "ttft_s": ttfts[k], "per_stage_busy_s": [tpots[k]], "bubble_s": 0.0}
+    else:
+        best = {"tpot_s": tpots[k], "ttft_s": ttfts[k], "per_stage_busy_s": busy_runs[k],
+                "bubble_s": max(0.0, tpots[k] - (sum(busy_runs[k]) + sum(send_runs[k])) / microbatches)}
     return MeasuredRun(stages=stages, per_stage_busy_s=busy, tpot_s=tpot, ttft_s=statistics.median(ttfts),
                        bubble_s=bubble, details={"ttft_runs_s": ttfts, "tpot_runs_s": tpots,
-                                                 "busy_runs_s": busy_runs, "microbatches": microbatches})
+                                                 "busy_runs_s": busy_runs, "send_per_step_s": send,
+                                                 "microbatches": microbatches, "best_run": best})
+
+
+def decode_spans(trace) -> tuple[float, float]:
+    """Seconds of ``compute`` and of ``send`` in a stage's trace ``(name, start, dur, microbatch)``
+    after each microbatch's first (its prefill)."""
+    seen: set[tuple[str, int]] = set()
+    total = {"compute": 0.0, "send": 0.0}
+    for name, _start, dur, mb in sorted(trace, key=lambda e: e[1]):
+        if name not in total:
+            continue
+        if (name, mb) not in seen:
+            seen.add((name, mb))
+            continue
+        total[name] += dur
+    return total["compute"], total["send"]
 
 
 def _err(pred: float, meas: float) -> float | None:
@@ -97,25 +126,43 @@ def compare(predicted, measured: MeasuredRun) -> list[dict]:
     m = dec.num_microbatches
     rows = [{"metric": "ttft", "predicted_s": predicted.ttft_s, "measured_s": measured.ttft_s},
             {"metric": "tpot", "predicted_s": predicted.tpot_s, "measured_s": measured.tpot_s}]
-    for i, (p, b) in enumerate(zip(dec.stage_times_s, measured.per_stage_busy_s)):
+    for i, (p, b) in enumerate(zip(dec.stage_compute_times_s, measured.per_stage_busy_s)):
         rows.append({"metric": f"stage{i}_busy", "predicted_s": p * m, "measured_s": b})
     rows.append({"metric": "bubble", "predicted_s": dec.bubble_s, "measured_s": measured.bubble_s})
+    best = measured.details.get("best_run")
+    if best:
+        for r in rows:
+            m = r["metric"]
+            r["measured_best_s"] = (best["per_stage_busy_s"][int(m[5:-5])] if m.startswith("stage")
+                                    else best[f"{m}_s"])
     for r in rows:
         r["stages"] = measured.stages
-        if r["metric"] == "bubble":  # relative to the step: the bubble itself may be 0
-            r["error_pct"] = 100.0 * (r["predicted_s"] - r["measured_s"]) / measured.tpot_s
-            r["error_of"] = "tpot"
-        else:
-            r["error_pct"] = _err(r["predicted_s"], r["measured_s"])
+        for key, err, tpot in (("measured_s", "error_pct", measured.tpot_s),
+                               ("measured_best_s", "error_best_pct", best and best["tpot_s"])):
+            if key not in r:
+                continue
+            if r["metric"] == "bubble":  # relative to the step: the bubble itself may be 0
+                r[err] = 100.0 * (r["predicted_s"] - r[key]) / tpot
+                r["error_of"] = "tpot"
+            else:
+                r[err] = _err(r["predicted_s"], r[key])
     return rows
 
 
 def format_rows(rows: list[dict]) -> str:
-    lines = ["| S | metric | predicted ms | measured ms | error % |", "|---:|:---|---:|---:|---:|"]
+    lines = ["| batch | S | metric | predicted ms | measured ms (median) | error % | least disturbed run ms | error % |",
+             "|---:|---:|:---|---:|---:|---:|---:|---:|"]
+
+    def err(value) -> str:
+        return "-" if value is None else f"{value:+.1f}"
+
     for r in rows:
-        err = "-" if r["error_pct"] is None else f"{r['error_pct']:+.1f}" + (" (of TPOT)" if r.get("error_of") else "")
-        lines.append(f"| {r['stages']} | {r['metric']} | {1e3 * r['predicted_s']:.3f} | {1e3 * r['measured_s']:.3f} | "
-                     f"{err} |")
+        of = " (of TPOT)" if r.get("error_of") else ""
+        best = r.get("measured_best_s")
+        lines.append(f"| {r.get('batch', '-')} | {r['stages']} | {r['metric']} | {1e3 * r['predicted_s']:.3f} | "
+                     f"{1e3 * r['measured_s']:.3f} | {err(r['error_pct'])}{of} | "
+                     f"{'-' if best is None else f'{1e3 * best:.3f}'} | "
+                     f"{err(r.get('error_best_pct'))}{of if best is not None else ''} |")
     return "\n".join(lines)
 
 
@@ -123,6 +170,7 @@ def summary(rows: list[dict], *, model: str, architecture: str, profile: dict, w
             machine: dict) -> dict:
     """The store's content: the rows, the range they cover and the largest errors per metric."""
     stages = sorted({r["stages"] for r in rows})
+    batches = workload["batch"] if isinstance(workload["batch"], list) else [workload["batch"]]
     worst: dict[str, float] = {}
     for r in rows:
         if r["error_pct"] is None:
@@ -131,7 +179,7 @@ def summary(rows: list[dict], *, model: str, architecture: str, profile: dict, w
         worst[key] = max(worst.get(key, 0.0), abs(r["error_pct"]))
     return {"date_utc": machine.get("date_utc"), "machine": machine, "model": model, "profile": profile,
             "workload": workload, "rows": rows, "expected_error_pct": worst,
-            "range": {"stages": [stages[0], stages[-1]], "batch": [workload["batch"]] * 2,
+            "range": {"stages": [stages[0], stages[-1]], "batch": [min(batches), max(batches)],
                       "input_length": [workload["input_length"]] * 2,
                       "output_length": [workload["output_length"]] * 2,
                       "architectures": [architecture], "device_kind": profile.get("kind"),

@@ -1,0 +1,365 @@
+"""The runtime's own primitive costs, measured for the planner's CPU model (part of `stagewise bench profile`).
+
+Three groups, each measured apart from any end-to-end run (the planner's validation compares
+against those; nothing here looks at them):
+
+- ``quant``: :func:`stagewise.ops.quant_linear` per GGUF type on 1024 x 1536 matrices, 96 MiB of
+  distinct ones a pass (so that the weights come from memory, not the caches). The
+  kernel dequantises each 16-row panel once per call and then runs every row of ``x`` against
+  it, so its time is ``weights * s_per_weight + flops / flops_rate``: ``s_per_weight`` from one
+  row (minus that row's FMAs at the fitted rate), ``flops_rate`` from the slope between 1 and
+  ``ROWS`` rows; each the least disturbed of a few passes.
+- ``framework``: the Python + dispatcher cost the engine pays per decode step, from a synthetic
+  llama of negligible width (hidden 64, vocab 512, Q4_1 linears, Q8_0 tied embedding) whose
+  arithmetic is a few microseconds: ``layer_s`` = the slope of the decode step time over the
+  layer count (1 vs :data:`LAYERS_HI` layers), and the fixed part of one step per role:
+  ``engine`` (the single-process engine: schedule, metadata, model, sample, record), ``head``
+  (stage 0's launch: schedule, metadata, embedding, its layers), ``middle`` and ``last``
+  (a later stage's run: KV bookkeeping, metadata, layers; the last also final norm, LM head
+  and sampling) and ``tokens`` (stage 0 taking a step's sampled tokens back).
+- ``links``: one-way latency and bandwidth of the real pipeline transports
+  (``stagewise.transport`` tcp and shm channels, checksum on as the pipeline runs them) between
+  two processes: frames of a float32 hidden tensor carry their send time (CLOCK_MONOTONIC,
+  shared by the processes of a host), the receiver takes the difference after decoding; paced
+  so that no frame queues. Latency = the small frame's time minus its bytes at the fitted
+  bandwidth; bandwidth from the slope between the small and the large frame.
+- ``concurrency``: seconds of one pass of the Q4_1 decode over 64 MiB of weights (beyond the
+  caches) when 1, 2, ... single-thread processes run it at once (spawned, started together): the
+  ratio to one process is how much busy stage processes slow each other (cores, shared caches
+  and memory, and other work on the machine).
+- ``background_load``: runnable threads of other work on the machine while it is measured
+  (``procs_running`` of /proc/stat, sampled for a second), recorded beside the results as a
+  condition of the run (the planner does not model other work).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import time
+
+import torch
+
+
+QUANT_SHAPE = (1024, 1536)  # out, in
+QUANT_STREAM_BYTES = 96 << 20
+ROWS = 32
+LAYERS_HI = 5
+LINK_SIZES = (2304, 1 << 20)  # bytes of the hidden tensor: a SmolLM2-sized decode row, and 1 MiB
+LINK_FRAMES = 60
+
+
+# ---- quant_linear --------------------------------------------------------------------------
+
+def random_blocks(out: int, inp: int, qtype: int, gen: torch.Generator | None = None) -> torch.Tensor:
+    """Valid GGUF blocks ``[out, inp / 32 * block_bytes]`` with random quants and small, normal scales."""
+    from stagewise import ops
+
+    nb, bb = inp // ops.QUANT_BLOCK, ops.QUANT_BLOCK_BYTES[qtype]
+    data = torch.randint(0, 256, (out, nb, bb), dtype=torch.uint8, generator=gen)
+    scale = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    data[..., 0:2] = scale
+    if qtype == ops.QTYPES["Q4_1"]:  # d, then the minimum m
+        data[..., 2:4] = torch.tensor([-0.05], dtype=torch.float16).view(torch.uint8)
+    return data.reshape(out, nb * bb)
+
+
+def quant_rates(log=print, repeats: int = 3) -> dict:
+    """Per GGUF type: decode cost per weight and FMA rate, over :data:`QUANT_STREAM_BYTES` of
+    distinct matrices per pass (far beyond the caches, as a model's weights are)."""
+    from stagewise import ops
+
+    out_f, in_f = QUANT_SHAPE
+    weights = out_f * in_f
+    result = {}
+    for name, qtype in ops.QTYPES.items():
+        count = max(1, QUANT_STREAM_BYTES // (weights // ops.QUANT_BLOCK * ops.QUANT_BLOCK_BYTES[qtype]))
+        mats = [random_blocks(out_f, in_f, qtype) for _ in range(count)]
+        t = {}
+        for rows in (1, ROWS):
+            x = torch.randn(rows, in_f)
+            ops.quant_linear(x, mats[0], qtype)
+            passes = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for m in mats:
+                    ops.quant_linear(x, m, qtype)
+                passes.append((time.perf_counter() - t0) / count)
+            t[rows] = min(passes)  # the least disturbed pass: this machine is shared
+        del mats
+        rate = 2 * (ROWS - 1) * weights / max(t[ROWS] - t[1], 1e-9)
+        per_weight = max(t[1] - 2 * weights / rate, 0.0) / weights
+        result[name.lower()] = {"s_per_weight": per_weight, "flops": rate, "t_1_row_s": t[1],
+                                f"t_{ROWS}_rows_s": t[ROWS], "shape": [out_f, in_f], "matrices": count}
+        log(f"  quant_linear {name}: {per_weight * 1e9:.3f} ns/weight to decode, {rate / 1e9:.1f} GFLOP/s of FMAs "
+            f"({count} matrices {out_f} x {in_f})")
+    return result
+
+
+# ---- framework overhead of the runtime ------------------------------------------------------------
+
+def tiny_config(num_layers: int):
+    from stagewise.model.config import ModelConfig
+
+    return ModelConfig.from_hf({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": num_layers, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True, "rope_theta": 10000.0, "hidden_act": "silu"})
+
+
+def tiny_weights(config) -> dict:
+    """HF-named weights: Q4_1 linears, a Q8_0 tied embedding, float32 norms."""
+    from stagewise import ops
+    from stagewise.model.quant import QuantizedWeight
+
+    gen = torch.Generator().manual_seed(0)
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q4, q8 = ops.QTYPES["Q4_1"], ops.QTYPES["Q8_0"]
+
+    def q(out: int, inp: int, qtype: int = q4) -> QuantizedWeight:
+        return QuantizedWeight(random_blocks(out, inp, qtype, gen), qtype, inp)
+
+    w = {"model.embed_tokens.weight": q(config.vocab_size, h, q8), "model.norm.weight": torch.ones(h)}
+    for layer in range(config.num_layers):
+        p = f"model.layers.{layer}."
+        w |= {p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+              p + "self_attn.q_proj.weight": q(config.num_heads * d, h),
+              p + "self_attn.k_proj.weight": q(config.num_kv_heads * d, h),
+              p + "self_attn.v_proj.weight": q(config.num_kv_heads * d, h),
+              p + "self_attn.o_proj.weight": q(h, config.num_heads * d),
+              p + "mlp.gate_proj.weight": q(i, h), p + "mlp.up_proj.weight": q(i, h),
+              p + "mlp.down_proj.weight": q(h, i)}
+    return w
+
+
+def _median_step(fn, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _engine_step_s(layers: int, prompt: int, steps: int) -> float:
+    from stagewise.model.stage import StageModel
+    from stagewise.runtime.engine import Engine
+    from stagewise.runtime.sampling import SamplingParams
+
+    cfg = tiny_config(layers)
+    eng = Engine(StageModel.from_weights(cfg, 0, layers, tiny_weights(cfg)), max_num_seqs=1,
+                 max_model_len=prompt + steps + 8)
+    eng.add_request(0, list(range(1, prompt + 1)), SamplingParams(max_new_tokens=steps + 4, temperature=0.0,
+                                                                   ignore_eos=True))
+    eng.step()  # prefill
+    for _ in range(2):
+        eng.step()
+    return _median_step(eng.step, steps)
+
+
+def _head_step_s(layers: int, prompt: int, steps: int) -> tuple[float, float]:
+    """Stage 0 of a ``layers + 1``-layer model: (launch of a decode step, taking its tokens back)."""
+    from stagewise.model.stage import StageModel
+    from stagewise.runtime.pipeline_head import PipelineHead
+    from stagewise.runtime.sampling import SamplingParams
+
+    cfg = tiny_config(layers + 1)
+    head = PipelineHead(StageModel.from_weights(cfg, 0, layers, tiny_weights(cfg)), num_groups=1, num_blocks=64,
+                        max_num_seqs=1, max_model_len=prompt + steps + 8)
+    head.add_request(0, list(range(1, prompt + 1)), SamplingParams(max_new_tokens=steps + 8, temperature=0.0,
+                                                                    ignore_eos=True))
+    launch, back = [], []
+    for k in range(steps + 3):
+        t0 = time.perf_counter()
+        step, _ = head.launch(0)
+        t1 = time.perf_counter()
+        head.on_tokens(0, step.step_id, list(step.batch.request_ids), [7] * len(step.batch.request_ids))
+        t2 = time.perf_counter()
+        if k >= 3:  # after the prefill and two warm-up decodes
+            launch.append(t1 - t0)
+            back.append(t2 - t1)
+    return statistics.median(launch), statistics.median(back)
+
+
+def _later_step_s(layers: int, last: bool, prompt: int, steps: int) -> float:
+    """A later stage running ``layers`` layers (the last one: also final norm, LM head, sampling)."""
+    from stagewise.model.stage import StageModel
+    from stagewise.runtime.stage_runtime import StageRuntime, StepRow
+
+    total = layers + 1 if last else layers + 2
+    cfg = tiny_config(total)
+    model = StageModel.from_weights(cfg, 1, 1 + layers, tiny_weights(cfg))
+    rt = StageRuntime(model, num_blocks=64, block_size=16, max_model_len=prompt + steps + 8)
+    h = cfg.hidden_size
+    sampling = {0: {"temperature": 0.0, "max_new_tokens": steps + 8, "ignore_eos": True}}
+    rt.run([StepRow(0, 0, prompt, True)], torch.randn(prompt, h), sampling)
+    pos = [prompt]
+
+    def one() -> None:
+        rt.run([StepRow(0, pos[0], 1, False)], torch.randn(1, h))
+        pos[0] += 1
+
+    for _ in range(2):
+        one()
+    return _median_step(one, steps)
+
+
+def framework_overheads(log=print, prompt: int = 128, steps: int = 40, repeats: int = 5) -> dict:
+    """Per decode step (batch 1): ``layer_s`` and the fixed part of each role (see the module doc);
+    each the least disturbed of ``repeats`` medians (this machine is shared)."""
+    def med(fn):
+        return min(fn() for _ in range(repeats))
+
+    lo, hi = 1, LAYERS_HI
+    eng = {n: med(lambda n=n: _engine_step_s(n, prompt, steps)) for n in (lo, hi)}
+    layer = max((eng[hi] - eng[lo]) / (hi - lo), 0.0)
+    head_runs = [_head_step_s(lo, prompt, steps) for _ in range(repeats)]
+    head = min(r[0] for r in head_runs)
+    tokens = min(r[1] for r in head_runs)
+    middle = med(lambda: _later_step_s(lo, False, prompt, steps))
+    last = med(lambda: _later_step_s(lo, True, prompt, steps))
+    out = {"layer_s": layer, "engine_s": max(eng[lo] - lo * layer, 0.0), "head_s": max(head - lo * layer, 0.0),
+           "middle_s": max(middle - lo * layer, 0.0), "last_s": max(last - lo * layer, 0.0), "tokens_s": tokens,
+           "raw": {"engine_step_s": eng, "head_launch_s": head, "middle_run_s": middle, "last_run_s": last,
+                   "model": "llama hidden 64, vocab 512, Q4_1 linears, Q8_0 embedding", "prompt": prompt}}
+    log(f"  framework per decode step: {layer * 1e6:.0f} us/layer; fixed: engine {out['engine_s'] * 1e6:.0f} us, "
+        f"head {out['head_s'] * 1e6:.0f}, middle {out['middle_s'] * 1e6:.0f}, last {out['last_s'] * 1e6:.0f}, "
+        f"tokens back {tokens * 1e6:.0f} us")
+    return out
+
+
+# ---- concurrency: how fast n single-thread workers run side by side --------------------------
+
+CONCURRENCY_BYTES = 64 << 20
+
+
+def _worker(n_bytes: int, seconds: float, start, conn) -> None:
+    torch.set_num_threads(1)
+    from stagewise import ops
+
+    q = ops.QTYPES["Q4_1"]
+    out_f, in_f = QUANT_SHAPE
+    mats = [random_blocks(out_f, in_f, q) for _ in range(max(1, n_bytes // (out_f * in_f * 20 // 32)))]
+    x = torch.randn(1, in_f)
+    ops.quant_linear(x, mats[0], q)
+    conn.send("ready")
+    start.wait()
+    passes, t_end = [], time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(passes) < 3:
+        t0 = time.perf_counter()
+        for m in mats:
+            ops.quant_linear(x, m, q)
+        passes.append(time.perf_counter() - t0)
+    conn.send(statistics.median(passes))
+
+
+def concurrent_pass_s(n: int, seconds: float = 1.0) -> float:
+    """Median seconds of one pass of the block-quantised decode over :data:`CONCURRENCY_BYTES`
+    of weights when ``n`` single-thread processes run it at once (the slowest of them): with the
+    same pass on its own it gives how much ``n`` busy stage processes slow each other, other work
+    on the machine included."""
+    ctx = mp.get_context("spawn")
+    start = ctx.Event()
+    pipes = [ctx.Pipe() for _ in range(n)]
+    procs = [ctx.Process(target=_worker, args=(CONCURRENCY_BYTES, seconds, start, child), daemon=True)
+             for _, child in pipes]
+    for p in procs:
+        p.start()
+    try:
+        results = []
+        for parent, _ in pipes:  # every worker has its weights before the common start
+            if not parent.poll(120) or parent.recv() != "ready":
+                raise OSError("bench profile: a concurrency worker did not start")
+        start.set()
+        for parent, _ in pipes:
+            if not parent.poll(60 + seconds):
+                raise OSError("bench profile: a concurrency worker reported nothing")
+            results.append(parent.recv())
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return max(results)
+
+
+def concurrency(max_n: int, log=print) -> dict[str, float]:
+    """``{"1": s, "2": s, ...}``: :func:`concurrent_pass_s` for 1 .. ``max_n`` processes."""
+    out = {str(n): concurrent_pass_s(n) for n in range(1, max_n + 1)}
+    log("  concurrency: " + ", ".join(f"{n} at once {v / out['1']:.2f}x" for n, v in out.items()))
+    return out
+
+
+# ---- other work on the machine ---------------------------------------------------------------
+
+def background_load(seconds: float = 1.0, samples: int = 50) -> float:
+    """Mean number of runnable threads of other work (``procs_running`` of /proc/stat, this
+    sampler not counted) over ``seconds``; 0 where /proc/stat is not readable."""
+    values = []
+    for _ in range(samples):
+        try:
+            with open("/proc/stat") as f:
+                line = next(x for x in f if x.startswith("procs_running"))
+            values.append(max(int(line.split()[1]) - 1, 0))
+        except (OSError, StopIteration, ValueError):
+            return 0.0
+        time.sleep(seconds / samples)
+    return statistics.mean(values)
+
+
+# ---- pipeline links -------------------------------------------------------------------------
+
+def _link_peer(kind: str, port: int, conn) -> None:
+    """The receiving end: reports one-way times (receive time minus the frame's send stamp)."""
+    torch.set_num_threads(1)
+    from stagewise.transport import Hello, shm_channel, tcp
+
+    hello = Hello(fingerprint="bench/profile", stage_from=0, stage_to=1)
+    ch = tcp.connect("127.0.0.1", port, hello=hello, timeout=60)
+    ch = shm_channel.upgrade_accepted(ch)  # continues on the transport the other end names
+    times: dict[int, list[float]] = {}
+    while True:
+        f = ch.recv(timeout=60)
+        now = time.perf_counter()
+        ctl = f.control or {}
+        if ctl.get("stop"):
+            break
+        times.setdefault(int(ctl["n"]), []).append(now - float(ctl["t"]))
+    conn.send({n: statistics.median(v[3:]) for n, v in times.items()})
+    ch.close()
+
+
+def measure_link(kind: str) -> dict:
+    """One-way time of frames of :data:`LINK_SIZES` bytes over the pipeline's ``kind`` link."""
+    from stagewise.transport import Frame, Hello, StepKind, shm_channel, tcp
+
+    hello = Hello(fingerprint="bench/profile", stage_from=0, stage_to=1)
+    lis = tcp.listen(hello=hello)
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_link_peer, args=(kind, lis.address[1], child), daemon=True)
+    proc.start()
+    try:
+        ch = shm_channel.upgrade_dialled(lis.accept(120), kind)
+        lis.close()
+        for n in LINK_SIZES:
+            hidden = torch.randn(n // 4 // 64, 64)
+            for _ in range(LINK_FRAMES + 3):
+                ch.send(Frame(step_kind=StepKind.DECODE, tensors={"hidden": hidden},
+                              control={"n": n, "t": time.perf_counter()}))
+                time.sleep(0.002 + n / 2e9)
+        ch.send(Frame(step_kind=StepKind.CONTROL, control={"stop": True}))
+        got = parent.recv() if parent.poll(60) else None
+        ch.close()
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+    if got is None:
+        raise OSError(f"bench profile: the {kind} link peer reported nothing")
+    small, big = LINK_SIZES
+    t_small, t_big = got[small], got[big]
+    bandwidth = (big - small) / max(t_big - t_small, 1e-9)
+    latency = max(t_small - small / bandwidth, 0.0)
+    return {"latency_s": latency, "bandwidth": bandwidth, "one_way_s": {str(k): v for k, v in got.items()},
+            "what": f"stagewise.transport {kind} link between two processes, checksum on, one-way by timestamps"}
