@@ -45,12 +45,22 @@ constexpr uint64_t kU16 = 0xffff, kU32 = 0xffffffffu, kU64 = ~uint64_t{0};
 constexpr uint64_t kItemsize[kNumDTypes + 1] = {0, 4, 2, 2, 8, 8, 4, 2, 1, 1, 1};
 constexpr char kMagic[4] = {'S', 'W', 'F', 'R'};
 
-// Set once by frame_setup(Row, row_flags): the Row class and RowFlags(v) for v in 0..31.
+// Set once by frame_setup: the Row class and RowFlags(v) for v in 0..31.
 PyObject* g_row_type = nullptr;
 PyObject* g_row_flags = nullptr;
-PyObject* g_attr[9] = {};  // interned attribute names of Frame / Row, see kAttrNames
-const char* const kAttrNames[9] = {"step_kind",  "layout",     "request_id",     "step_id",   "microbatch",
-                                   "stage_from", "stage_to",   "token_index",    "rows"};
+// Set by frame_setup too: torch.Tensor, {torch dtype: wire code}, WireDType by code (0: None), b"SWFR".
+PyObject* g_tensor_type = nullptr;
+PyObject* g_dtype_codes = nullptr;
+PyObject* g_wire_dtypes = nullptr;
+PyObject* g_magic = nullptr;
+// Interned attribute names: of Frame (read), of Frame (derived, set), of Row, of torch.Tensor.
+PyObject* g_attr[10] = {};
+const char* const kAttrNames[10] = {"step_kind",  "layout",   "request_id",  "step_id", "microbatch",
+                                    "stage_from", "stage_to", "token_index", "rows",    "tensors"};
+PyObject* g_dattr[7] = {};
+const char* const kDerivedNames[7] = {"batch", "seq", "hidden_size", "dtype", "payload_bytes", "magic", "version"};
+PyObject* g_tattr[5] = {};
+const char* const kTensorAttrNames[5] = {"is_cpu", "is_contiguous", "dtype", "shape", "data_ptr"};
 PyObject* g_row_attr[4] = {};
 const char* const kRowAttrNames[4] = {"request_id", "first_position", "num_tokens", "flags"};
 
@@ -350,93 +360,137 @@ struct Packed {
   const char* control = nullptr;
   Py_ssize_t control_len = 0;
   uint64_t flags = 0, batch = 0, seq = 0, hidden = 0, head_len = 0, payload_bytes = 0;
+  std::vector<PyObject*> keep;  // tensor names (their UTF-8) held while packing
+  ~Packed() {
+    for (PyObject* o : keep) Py_DECREF(o);
+  }
 };
 
-// Gather and check frame_head's arguments (frame, specs, control, flags); false
-// (with no error set) to decline, false with an error set for a broken call.
-bool gather(PyObject* const* args, Py_ssize_t nargs, const char* op, Packed* pk) {
-  if (nargs != 4) {
-    PyErr_Format(PyExc_TypeError, "stagewise.%s: expected 4 arguments, got %zd", op, nargs);
+// A new reference to obj.name (or obj.name() with `call`); nullptr with no error set on failure.
+PyObject* attr(PyObject* obj, PyObject* name, bool call = false) {
+  PyObject* v = call ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
+  if (v == nullptr) PyErr_Clear();
+  return v;
+}
+
+// One tensor of frame.tensors: a contiguous CPU torch.Tensor (exactly) of a wire dtype, with a
+// name of 1-24 UTF-8 bytes without NUL; false (no error set) for anything else.
+bool gather_tensor(PyObject* key, PyObject* t, TensorIn* ti) {
+  if (!PyUnicode_CheckExact(key) || Py_TYPE(t) != reinterpret_cast<PyTypeObject*>(g_tensor_type)) return false;
+  ti->name = PyUnicode_AsUTF8AndSize(key, &ti->name_len);  // cached in the str
+  if (ti->name == nullptr) {
+    PyErr_Clear();
     return false;
   }
-  if (g_row_type == nullptr) {
-    PyErr_Format(PyExc_RuntimeError, "stagewise.%s: frame_setup was not called", op);
+  if (ti->name_len < 1 || static_cast<uint64_t>(ti->name_len) > kMaxName || std::memchr(ti->name, 0, ti->name_len))
+    return false;
+  PyObject* v = attr(t, g_tattr[0]);  // is_cpu
+  bool ok = v == Py_True;
+  Py_XDECREF(v);
+  if (!ok) return false;
+  v = attr(t, g_tattr[1], true);  // is_contiguous()
+  ok = v == Py_True;
+  Py_XDECREF(v);
+  if (!ok) return false;
+  v = attr(t, g_tattr[2]);  // dtype
+  if (v == nullptr) return false;
+  PyObject* code = PyDict_GetItemWithError(g_dtype_codes, v);  // borrowed
+  Py_DECREF(v);
+  if (code == nullptr) {
+    PyErr_Clear();
     return false;
   }
-  PyObject* frame = args[0];
-  PyObject* specs = args[1];
-  if (!PyList_Check(specs) || !PyBytes_Check(args[2]) || !PyLong_Check(args[3])) {
-    PyErr_Format(PyExc_TypeError, "stagewise.%s: expected (frame, list, bytes, int)", op);
+  ti->dtype = PyLong_AsUnsignedLong(code);
+  if (ti->dtype < 1 || ti->dtype > kNumDTypes) {
+    PyErr_Clear();
     return false;
   }
-  static const uint64_t tops[8] = {kNumStepKinds, kLayoutContiguous, kU64, kU64, kU16, kU16, kU16, kU32};
-  for (int i = 0; i < 8; ++i)
-    if (!get_uint(frame, g_attr[i], tops[i], &pk->fields[i])) return false;
-  if (pk->fields[0] < 1 || pk->fields[1] != kLayoutContiguous) return false;
-  pk->flags = PyLong_AsUnsignedLong(args[3]) & kFlagChecksum;
+  v = attr(t, g_tattr[3]);  // shape: a torch.Size, a tuple
+  if (v == nullptr) return false;
+  ok = PyTuple_Check(v) && static_cast<uint64_t>(PyTuple_GET_SIZE(v)) <= kMaxNdim;
+  uint64_t want = 1;  // nbytes must be numel * itemsize
+  if (ok) {
+    ti->ndim = static_cast<uint64_t>(PyTuple_GET_SIZE(v));
+    for (uint64_t d = 0; ok && d < ti->ndim; ++d)
+      ok = get_u64_item(v, d, kU32, &ti->dims[d]) && mul(want, ti->dims[d], &want);
+    for (uint64_t d = ti->ndim; d < kMaxNdim; ++d) ti->dims[d] = 0;
+  }
+  Py_DECREF(v);
+  if (!ok || !mul(want, kItemsize[ti->dtype], &want)) return false;
+  ti->nbytes = want;
+  v = attr(t, g_tattr[4], true);  // data_ptr()
+  if (v == nullptr) return false;
+  ti->addr = PyLong_AsUnsignedLongLong(v);
+  Py_DECREF(v);
   if (PyErr_Occurred()) {
     PyErr_Clear();
     return false;
   }
-  pk->control = PyBytes_AS_STRING(args[2]);
-  pk->control_len = PyBytes_GET_SIZE(args[2]);
+  return ti->nbytes == 0 || ti->addr != 0;
+}
+
+// Gather and check what frame_head packs: the frame's fields, rows and tensors; false (with no
+// error set) to decline.
+bool gather(PyObject* frame, PyObject* control, uint64_t flags, Packed* pk) {
+  static const uint64_t tops[8] = {kNumStepKinds, kLayoutContiguous, kU64, kU64, kU16, kU16, kU16, kU32};
+  for (int i = 0; i < 8; ++i)
+    if (!get_uint(frame, g_attr[i], tops[i], &pk->fields[i])) return false;
+  if (pk->fields[0] < 1 || pk->fields[1] != kLayoutContiguous) return false;
+  pk->flags = flags & kFlagChecksum;
+  pk->control = PyBytes_AS_STRING(control);
+  pk->control_len = PyBytes_GET_SIZE(control);
   if (static_cast<uint64_t>(pk->control_len) > kMaxControl) return false;
 
-  PyObject* rows = PyObject_GetAttr(frame, g_attr[8]);
-  if (rows == nullptr) {
-    PyErr_Clear();
-    return false;
-  }
+  PyObject* rows = attr(frame, g_attr[8]);
+  if (rows == nullptr) return false;
   bool ok = PyList_Check(rows) && static_cast<uint64_t>(PyList_GET_SIZE(rows)) <= kMaxRows;
   if (ok) {
     const Py_ssize_t count = PyList_GET_SIZE(rows);
     pk->rows.resize(count);
     for (Py_ssize_t i = 0; ok && i < count; ++i) {
       PyObject* r = PyList_GET_ITEM(rows, i);
+      Py_INCREF(r);
       uint64_t v[4];
       for (int k = 0; ok && k < 4; ++k) ok = get_uint(r, g_row_attr[k], k == 0 ? kU64 : kU32, &v[k]);
+      Py_DECREF(r);
       if (ok) pk->rows[i] = {v[0], static_cast<uint32_t>(v[1]), static_cast<uint32_t>(v[2]), static_cast<uint32_t>(v[3])};
+      ok = ok && PyList_Check(rows) && PyList_GET_SIZE(rows) == count;  // unchanged meanwhile
     }
   }
   Py_DECREF(rows);
   if (!ok) return false;
 
-  const Py_ssize_t nt = PyList_GET_SIZE(specs);
-  if (static_cast<uint64_t>(nt) > kMaxTensors) return false;
-  pk->tensors.resize(nt);
-  uint64_t offset = 0;
-  for (Py_ssize_t i = 0; i < nt; ++i) {
-    // (name bytes, dtype code, shape, nbytes, address)
-    PyObject* s = PyList_GET_ITEM(specs, i);
-    if (!PyTuple_Check(s) || PyTuple_GET_SIZE(s) != 5 || !PyBytes_Check(PyTuple_GET_ITEM(s, 0)) ||
-        !PyTuple_Check(PyTuple_GET_ITEM(s, 2))) {
-      PyErr_Format(PyExc_TypeError, "stagewise.%s: specs[%zd] must be (bytes, int, tuple, int, int)", op, i);
-      return false;
+  PyObject* tensors = attr(frame, g_attr[9]);
+  if (tensors == nullptr) return false;
+  ok = PyDict_CheckExact(tensors) && static_cast<uint64_t>(PyDict_GET_SIZE(tensors)) <= kMaxTensors;
+  if (ok) {
+    const Py_ssize_t count = PyDict_GET_SIZE(tensors);
+    pk->tensors.resize(count);
+    Py_ssize_t pos = 0, i = 0;
+    PyObject *key, *t;
+    while (ok && PyDict_Next(tensors, &pos, &key, &t)) {
+      Py_INCREF(key);
+      Py_INCREF(t);
+      ok = i < count && gather_tensor(key, t, &pk->tensors[i]);
+      if (ok) pk->keep.push_back(key);  // the name's UTF-8 lives in the str
+      else Py_DECREF(key);
+      Py_DECREF(t);
+      ++i;
     }
-    TensorIn& t = pk->tensors[i];
-    PyObject* name = PyTuple_GET_ITEM(s, 0);
-    t.name = PyBytes_AS_STRING(name);
-    t.name_len = PyBytes_GET_SIZE(name);
-    if (t.name_len < 1 || static_cast<uint64_t>(t.name_len) > kMaxName || std::memchr(t.name, 0, t.name_len))
-      return false;
-    PyObject* shape = PyTuple_GET_ITEM(s, 2);
-    t.ndim = static_cast<uint64_t>(PyTuple_GET_SIZE(shape));
-    if (t.ndim > kMaxNdim) return false;
-    if (!get_u64_item(s, 1, kNumDTypes, &t.dtype) || t.dtype < 1 || !get_u64_item(s, 3, kU64, &t.nbytes) ||
-        !get_u64_item(s, 4, kU64, &t.addr))
-      return false;
-    uint64_t want = 1;  // nbytes (the tensor's own) must be numel * itemsize
-    for (uint64_t d = 0; d < t.ndim; ++d)
-      if (!get_u64_item(shape, d, kU32, &t.dims[d]) || !mul(want, t.dims[d], &want)) return false;
-    for (uint64_t d = t.ndim; d < kMaxNdim; ++d) t.dims[d] = 0;
-    if (!mul(want, kItemsize[t.dtype], &want) || want != t.nbytes) return false;
+    ok = ok && i == count;
+  }
+  Py_DECREF(tensors);
+  if (!ok) return false;
+
+  uint64_t offset = 0;
+  for (TensorIn& t : pk->tensors) {
     offset = align64(offset);
     t.offset = offset;
     if (t.nbytes > kU64 - offset - kAlign) return false;
     offset += t.nbytes;
   }
   pk->payload_bytes = offset;
-  if (nt > 0) {
+  if (!pk->tensors.empty()) {
     uint32_t dims32[kMaxNdim];
     for (uint64_t d = 0; d < pk->tensors[0].ndim; ++d) dims32[d] = static_cast<uint32_t>(pk->tensors[0].dims[d]);
     uint64_t f[3];
@@ -445,7 +499,8 @@ bool gather(PyObject* const* args, Py_ssize_t nargs, const char* op, Packed* pk)
     pk->seq = f[1];
     pk->hidden = f[2];
   }
-  pk->head_len = align64(kHeaderBytes + kRowBytes * pk->rows.size() + kTensorBytes * nt + pk->control_len);
+  pk->head_len = align64(kHeaderBytes + kRowBytes * pk->rows.size() + kTensorBytes * pk->tensors.size() +
+                         pk->control_len);
   return true;
 }
 
@@ -491,25 +546,67 @@ void write_head(const Packed& pk, uint8_t* out) {
   if (pk.control_len > 0) std::memcpy(q, pk.control, pk.control_len);
 }
 
-PyObject* result(PyObject* first, const Packed& pk) {
-  if (first == nullptr) return nullptr;
-  return Py_BuildValue("(NKKKK)", first, static_cast<unsigned long long>(pk.payload_bytes),
-                       static_cast<unsigned long long>(pk.batch), static_cast<unsigned long long>(pk.seq),
-                       static_cast<unsigned long long>(pk.hidden));
+bool set(PyObject* frame, PyObject* name, PyObject* value) {  // steals value
+  if (value == nullptr) return false;
+  const int rc = PyObject_SetAttr(frame, name, value);
+  Py_DECREF(value);
+  return rc == 0;
 }
 
-// frame_head(frame, specs, control, flags) -> None | (head bytearray, payload_bytes, batch, seq, hidden)
-// specs: per tensor (name UTF-8 bytes, dtype code, shape, nbytes, address); the address is unused.
+// frame_head(frame, control, flags) -> None | (head bytearray, sources)
+// The header, tables, control (UTF-8 JSON bytes, b"" for none) and padding of the frame, its
+// checksum field 0 and frame_flags = flags; sources: per tensor (address, nbytes) for frame_fill.
+// Sets the frame's derived fields (batch, seq, hidden_size, dtype, payload_bytes, magic, version).
+// None: declined (the reference codec decides), the frame untouched.
 PyObject* py_frame_head(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyBytes_Check(args[1]) || !PyLong_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "stagewise.frame_head: expected (frame, control bytes, flags int)");
+    return nullptr;
+  }
+  if (g_row_type == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "stagewise.frame_head: frame_setup was not called");
+    return nullptr;
+  }
+  const unsigned long flags = PyLong_AsUnsignedLong(args[2]);
+  if (PyErr_Occurred()) return nullptr;
+  PyObject* frame = args[0];
   Packed pk;
-  if (!gather(args, nargs, "frame_head", &pk)) return PyErr_Occurred() ? nullptr : decline();
+  if (!gather(frame, args[1], flags, &pk)) return decline();
   PyObject* head = PyByteArray_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(pk.head_len));
-  if (head != nullptr) write_head(pk, reinterpret_cast<uint8_t*>(PyByteArray_AS_STRING(head)));
-  return result(head, pk);
+  if (head == nullptr) return nullptr;
+  write_head(pk, reinterpret_cast<uint8_t*>(PyByteArray_AS_STRING(head)));
+  PyObject* sources = PyList_New(static_cast<Py_ssize_t>(pk.tensors.size()));
+  if (sources == nullptr) {
+    Py_DECREF(head);
+    return nullptr;
+  }
+  for (size_t i = 0; i < pk.tensors.size(); ++i) {
+    PyObject* src = Py_BuildValue("(KK)", static_cast<unsigned long long>(pk.tensors[i].addr),
+                                  static_cast<unsigned long long>(pk.tensors[i].nbytes));
+    if (src == nullptr) {
+      Py_DECREF(head);
+      Py_DECREF(sources);
+      return nullptr;
+    }
+    PyList_SET_ITEM(sources, i, src);
+  }
+  PyObject* dtype = pk.tensors.empty() ? Py_None : PyTuple_GET_ITEM(g_wire_dtypes, pk.tensors[0].dtype);
+  Py_INCREF(dtype);
+  Py_INCREF(g_magic);
+  if (!set(frame, g_dattr[0], PyLong_FromUnsignedLongLong(pk.batch)) ||
+      !set(frame, g_dattr[1], PyLong_FromUnsignedLongLong(pk.seq)) ||
+      !set(frame, g_dattr[2], PyLong_FromUnsignedLongLong(pk.hidden)) || !set(frame, g_dattr[3], dtype) ||
+      !set(frame, g_dattr[4], PyLong_FromUnsignedLongLong(pk.payload_bytes)) || !set(frame, g_dattr[5], g_magic) ||
+      !set(frame, g_dattr[6], PyLong_FromUnsignedLongLong(kVersion))) {
+    Py_DECREF(head);
+    Py_DECREF(sources);
+    return nullptr;
+  }
+  return Py_BuildValue("(NN)", head, sources);
 }
 
-// frame_fill(out, head, specs, checksum) -> checksum: the frame whose head frame_head returned
-// (its checksum field 0), with the tensor bytes at the addresses in specs (contiguous memory that
+// frame_fill(out, head, sources, checksum) -> checksum: the frame whose head and sources frame_head
+// returned (checksum field 0), with the tensor bytes at the sources' addresses (contiguous memory that
 // the caller keeps alive). With `checksum`, its XXH3-64 is computed from the head and the tensors'
 // own memory (not from `out`, whose cache lines may still be on the reader's core) and stored in
 // the head when it is writable. With `out` (a writable buffer, or None), the frame is written there:
@@ -517,7 +614,7 @@ PyObject* py_frame_head(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // checksum, 0 without one.
 PyObject* py_frame_fill(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 4 || !PyList_Check(args[2])) {
-    PyErr_SetString(PyExc_TypeError, "stagewise.frame_fill: expected (out or None, head, specs list, checksum)");
+    PyErr_SetString(PyExc_TypeError, "stagewise.frame_fill: expected (out or None, head, sources list, checksum)");
     return nullptr;
   }
   PyObject* specs = args[2];
@@ -526,11 +623,10 @@ PyObject* py_frame_fill(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   uint64_t payload = 0;
   for (Py_ssize_t i = 0; i < nt; ++i) {
     PyObject* s = PyList_GET_ITEM(specs, i);
-    if (!PyTuple_Check(s) || PyTuple_GET_SIZE(s) != 5 || !get_u64_item(s, 3, kU64, &src[i].second) ||
-        !get_u64_item(s, 4, kU64, &src[i].first) || src[i].second > kU64 - align64(payload) ||
+    if (!PyTuple_Check(s) || PyTuple_GET_SIZE(s) != 2 || !get_u64_item(s, 0, kU64, &src[i].first) ||
+        !get_u64_item(s, 1, kU64, &src[i].second) || src[i].second > kU64 - align64(payload) ||
         (src[i].second > 0 && src[i].first == 0)) {
-      PyErr_Format(PyExc_ValueError, "stagewise.frame_fill: specs[%zd] is not (name, dtype, shape, nbytes, address)",
-                   i);
+      PyErr_Format(PyExc_ValueError, "stagewise.frame_fill: sources[%zd] is not (address, nbytes)", i);
       return nullptr;
     }
     payload = align64(payload) + src[i].second;
@@ -589,38 +685,49 @@ PyObject* py_frame_fill(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyLong_FromUnsignedLongLong(digest);
 }
 
-// frame_setup(Row, row_flags): the Row class and a tuple of RowFlags(v) for v in 0..31. Returns
-// the wire constants this file assumes, for codec.py to check against its own.
+bool intern_all(PyObject** out, const char* const* names, int n) {
+  for (int i = 0; i < n; ++i)
+    if (out[i] == nullptr && (out[i] = PyUnicode_InternFromString(names[i])) == nullptr) return false;
+  return true;
+}
+
+// frame_setup(Row, row_flags, Tensor, dtype_codes, wire_dtypes, magic): the Row class, a tuple of
+// RowFlags(v) for v in 0..31, torch.Tensor, {torch dtype: wire code}, (None, WireDType(1), ...,
+// WireDType(10)) and b"SWFR". Returns the wire constants this file assumes, for codec.py to check
+// against its own.
 PyObject* py_frame_setup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2 || !PyType_Check(args[0]) || !PyTuple_Check(args[1]) ||
-      PyTuple_GET_SIZE(args[1]) != kRowFlagBits + 1) {
-    PyErr_SetString(PyExc_TypeError, "stagewise.frame_setup: expected (Row class, tuple of 32 RowFlags)");
+  if (nargs != 6 || !PyType_Check(args[0]) || !PyTuple_Check(args[1]) ||
+      PyTuple_GET_SIZE(args[1]) != kRowFlagBits + 1 || !PyType_Check(args[2]) || !PyDict_Check(args[3]) ||
+      !PyTuple_Check(args[4]) || PyTuple_GET_SIZE(args[4]) != kNumDTypes + 1 || !PyBytes_Check(args[5])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "stagewise.frame_setup: expected (Row, 32 RowFlags, Tensor, dtype codes, 11 dtypes, magic)");
     return nullptr;
   }
-  for (int i = 0; i < 9; ++i)
-    if (g_attr[i] == nullptr && (g_attr[i] = PyUnicode_InternFromString(kAttrNames[i])) == nullptr) return nullptr;
-  for (int i = 0; i < 4; ++i)
-    if (g_row_attr[i] == nullptr && (g_row_attr[i] = PyUnicode_InternFromString(kRowAttrNames[i])) == nullptr)
-      return nullptr;
-  Py_INCREF(args[0]);
-  Py_INCREF(args[1]);
-  Py_XSETREF(g_row_type, args[0]);
-  Py_XSETREF(g_row_flags, args[1]);
-  return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsK}", "header", kHeaderBytes, "row", kRowBytes, "tensor",
+  if (!intern_all(g_attr, kAttrNames, 10) || !intern_all(g_row_attr, kRowAttrNames, 4) ||
+      !intern_all(g_dattr, kDerivedNames, 7) || !intern_all(g_tattr, kTensorAttrNames, 5))
+    return nullptr;
+  PyObject** slots[6] = {&g_row_type, &g_row_flags, &g_tensor_type, &g_dtype_codes, &g_wire_dtypes, &g_magic};
+  for (int i = 0; i < 6; ++i) {
+    Py_INCREF(args[i]);
+    Py_XSETREF(*slots[i], args[i]);
+  }
+  return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsN}", "header", kHeaderBytes, "row", kRowBytes, "tensor",
                        kTensorBytes, "align", kAlign, "version", kVersion, "max_rows", kMaxRows, "max_tensors",
                        kMaxTensors, "max_control", kMaxControl, "max_ndim", kMaxNdim, "max_name", kMaxName,
-                       "step_kinds", kNumStepKinds, "row_flag_bits", static_cast<unsigned long long>(kRowFlagBits));
+                       "step_kinds", kNumStepKinds, "row_flag_bits", static_cast<unsigned long long>(kRowFlagBits),
+                       "magic", PyBytes_FromStringAndSize(kMagic, 4));
 }
 
 #define SW_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f))
 
 PyMethodDef methods[] = {
-    {"frame_setup", SW_FASTCALL(py_frame_setup), METH_FASTCALL, "frame_setup(Row, row_flags) -> wire constants"},
+    {"frame_setup", SW_FASTCALL(py_frame_setup), METH_FASTCALL,
+     "frame_setup(Row, row_flags, Tensor, dtype_codes, wire_dtypes, magic) -> wire constants"},
     {"frame_parse", SW_FASTCALL(py_frame_parse), METH_FASTCALL,
      "frame_parse(buffer, max_payload_bytes, verify_checksum) -> None (declined: ask the Python codec) or the "
      "parsed fields"},
     {"frame_head", SW_FASTCALL(py_frame_head), METH_FASTCALL,
-     "frame_head(frame, specs, control, flags) -> None or (head, payload_bytes, batch, seq, hidden)"},
+     "frame_head(frame, control, flags) -> None or (head, sources)"},
     {"frame_fill", SW_FASTCALL(py_frame_fill), METH_FASTCALL,
      "frame_fill(out or None, head, specs, checksum) -> checksum (0 without)"},
     {nullptr, nullptr, 0, nullptr},

@@ -160,66 +160,34 @@ _LAYOUTS = (None, Layout.CONTIGUOUS)
 _WIRE_DTYPES = (None, *(WireDType(v) for v in range(1, len(WireDType) + 1)))
 """Enum members by wire code (index 0: none), so the hot path makes no Enum lookups."""
 _TORCH_DTYPES = (None, *(d.to_torch() for d in _WIRE_DTYPES[1:]))
-_WIRE_CODES = {d.to_torch(): int(d) for d in WireDType}
-_NAME_BYTES: dict[str, bytes] = {}
-"""Tensor names already seen, UTF-8 encoded and checked (bounded: names are few)."""
-_Tensor = torch.Tensor
 _FRAME_FIELDS = ("step_kind", "request_id", "step_id", "microbatch", "stage_from", "stage_to", "token_index",
                  "layout", "rows", "tensors", "control", "batch", "seq", "hidden_size", "dtype", "payload_bytes",
                  "checksum")  # fmt: skip
 assert tuple(f.name for f in dataclasses.fields(Frame))[: len(_FRAME_FIELDS)] == _FRAME_FIELDS  # positional Frame(...)
-assert _C.frame_setup(Row, tuple(RowFlags(v) for v in range(_ROW_FLAG_BITS + 1))) == {
+assert _C.frame_setup(
+    Row, tuple(RowFlags(v) for v in range(_ROW_FLAG_BITS + 1)), torch.Tensor, {d.to_torch(): int(d) for d in WireDType},
+    _WIRE_DTYPES, MAGIC,
+) == {
     "header": HEADER.size, "row": ROW.size, "tensor": TENSOR.size, "align": ALIGN, "version": VERSION,
     "max_rows": MAX_ROWS, "max_tensors": MAX_TENSORS, "max_control": MAX_CONTROL_BYTES, "max_ndim": MAX_NDIM,
-    "max_name": MAX_NAME_BYTES, "step_kinds": len(StepKind), "row_flag_bits": _ROW_FLAG_BITS,
+    "max_name": MAX_NAME_BYTES, "step_kinds": len(StepKind), "row_flag_bits": _ROW_FLAG_BITS, "magic": MAGIC,
 }, "stagewise._C's frame fast path disagrees with codec.py: rebuild the extension"  # fmt: skip
 assert len(Layout) == 1 and [int(d) for d in WireDType] == list(range(1, 11)) and _ROW_FLAG_BITS == 31
+assert [d.itemsize for d in WireDType] == [4, 2, 2, 8, 8, 4, 2, 1, 1, 1]  # kItemsize in frame_py.cpp
 
 
-def _fast_specs(frame: Frame) -> list[tuple] | None:
-    """Per tensor (name UTF-8, dtype code, shape, nbytes, address) for the fast path, or None when
-    some tensor needs the reference path (not a contiguous CPU tensor of a wire dtype, odd name)."""
-    specs = []
-    for name, t in frame.tensors.items():
-        raw = _NAME_BYTES.get(name)
-        if raw is None:
-            if type(name) is not str:
-                return None
-            raw = name.encode()
-            if not 0 < len(raw) <= MAX_NAME_BYTES or b"\0" in raw:
-                return None
-            if len(_NAME_BYTES) < 4096:
-                _NAME_BYTES[name] = raw
-        if type(t) is not _Tensor or not t.is_cpu or not t.is_contiguous():
-            return None
-        code = _WIRE_CODES.get(t.dtype)
-        if code is None:
-            return None
-        specs.append((raw, code, t.shape, t.nbytes, t.data_ptr()))
-    return specs
-
-
-def _head_fast(frame: Frame, checksum: bool) -> tuple[bytearray, list[tuple]] | None:
-    """(head with the checksum field 0, specs) from the extension, or None (declined). Fills the
-    frame's derived fields but ``checksum``."""
-    control = frame.control
-    if control is None and frame.step_kind != StepKind.CONTROL and frame.step_kind != StepKind.HELLO:
+def _head_fast(frame: Frame, checksum: bool) -> tuple[bytearray, list[tuple[int, int]]] | None:
+    """(head with the checksum field 0, the tensors' (address, nbytes)) from the extension, or None
+    (declined: a tensor that is not a contiguous CPU torch.Tensor, a field out of range...). Fills
+    the frame's derived fields but ``checksum``."""
+    if frame.control is None and frame.step_kind != StepKind.CONTROL and frame.step_kind != StepKind.HELLO:
         data = b""
     else:
         try:
             data = _control_bytes(frame)
         except (TypeError, ValueError):  # the reference raises it, after the checks that come first
             return None
-    specs = _fast_specs(frame)
-    if specs is None:
-        return None
-    packed = _C.frame_head(frame, specs, data, FLAG_CHECKSUM if checksum else 0)
-    if packed is None:
-        return None
-    head, frame.payload_bytes, frame.batch, frame.seq, frame.hidden_size = packed
-    frame.dtype = _WIRE_DTYPES[specs[0][1]] if specs else None
-    frame.magic, frame.version = MAGIC, VERSION
-    return head, specs
+    return _C.frame_head(frame, data, FLAG_CHECKSUM if checksum else 0)
 
 
 def encode_parts(frame: Frame, *, checksum: bool = True) -> tuple[bytearray, list[memoryview | bytes]]:
@@ -230,16 +198,16 @@ def encode_parts(frame: Frame, *, checksum: bool = True) -> tuple[bytearray, lis
     fast = _head_fast(frame, checksum)
     if fast is None:
         return _encode_parts_reference(frame, checksum=checksum)
-    head, specs = fast
+    head, sources = fast
     parts, offset = [], 0
-    for t, (_, _, _, nbytes, _) in zip(frame.tensors.values(), specs):
+    for t, (_, nbytes) in zip(frame.tensors.values(), sources):
         if offset % ALIGN:
             parts.append(_ZEROS[: ALIGN - offset % ALIGN])
             offset = _align(offset)
         if nbytes:
             parts.append(_tensor_bytes(t))
         offset += nbytes
-    frame.checksum = _C.frame_fill(None, head, specs, checksum)  # also stored in head
+    frame.checksum = _C.frame_fill(None, head, sources, checksum)  # also stored in head
     return head, parts
 
 
@@ -247,25 +215,25 @@ class PreparedFrame:
     """A frame encoded but for its tensor bytes: :func:`prepare_frame` sizes it, :meth:`write`
     puts it into a buffer of that size (a ring slot reserved for it) with one copy of each tensor."""
 
-    __slots__ = ("frame", "nbytes", "_head", "_specs", "_parts", "_checksum")
+    __slots__ = ("frame", "nbytes", "_head", "_sources", "_parts", "_checksum")
 
     def __init__(self, frame: Frame, checksum: bool) -> None:
         self.frame, self._checksum = frame, checksum
         fast = _head_fast(frame, checksum)
         if fast is None:
             self._head, self._parts = _encode_parts_reference(frame, checksum=checksum)
-            self._specs = None
+            self._sources = None
             self.nbytes = len(self._head) + sum(len(p) if isinstance(p, bytes) else p.nbytes for p in self._parts)
         else:
-            self._head, self._specs = fast
+            self._head, self._sources = fast
             self._parts = None
             self.nbytes = len(self._head) + self.frame.payload_bytes
 
     def write(self, out: memoryview) -> int:
         """Write the frame into ``out`` (writable, at least ``nbytes`` long); returns ``nbytes``.
         Sets ``frame.checksum``. The frame's tensors must not change in between."""
-        if self._specs is not None:
-            self.frame.checksum = _C.frame_fill(out, self._head, self._specs, self._checksum)
+        if self._sources is not None:
+            self.frame.checksum = _C.frame_fill(out, self._head, self._sources, self._checksum)
             return self.nbytes
         out[: len(self._head)] = self._head
         pos = len(self._head)
