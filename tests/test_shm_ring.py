@@ -244,11 +244,13 @@ def test_tensors_travel_without_a_copy_on_the_reader(pair):
     torch.frombuffer(writer.reserve(x.numel() * 4), dtype=torch.float32).copy_(x)
     writer.commit()
     view = reader.acquire()
-    import warnings
-
-    with warnings.catch_warnings():  # torch warns (once per process) that the view is read-only
-        warnings.simplefilter("ignore", UserWarning)
-        y = torch.frombuffer(view, dtype=torch.float32)
+    warn_always = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)  # torch warns once per process; an earlier test may have had that warning
+    try:
+        with pytest.warns(UserWarning, match="not writable"):
+            y = torch.frombuffer(view, dtype=torch.float32)
+    finally:
+        torch.set_warn_always(warn_always)
     assert torch.equal(y, x)
     slot_addr = reader._segment.tensor.data_ptr() + ops.ring_info(reader._segment.tensor)[3]
     assert y.data_ptr() == slot_addr, "the reader's tensor is the slot itself"

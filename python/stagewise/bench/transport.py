@@ -18,6 +18,7 @@ bandwidth of this machine and the checksum's own rate are measured in the same r
 from __future__ import annotations
 
 import json
+import os
 import socket
 import statistics
 import time
@@ -209,6 +210,36 @@ def checksum_gbps(nbytes: int = 64 << 20) -> float:
     return nbytes / statistics.median(t) / 1e9
 
 
+def codec_us(nbytes: int = 8 << 10, repeats: int = 2000) -> dict:
+    """In-process cost of the codec for one frame of this bench (median of 7 loops): encode into a
+    buffer (what the shm sender does into a slot) and decode as views (what the shm receiver does),
+    checksum on and off."""
+    from stagewise.transport import codec
+
+    f = _frame(nbytes)
+    out = {}
+    for check in (True, False):
+        prepared = codec.prepare_frame(f, checksum=check)
+        slot = memoryview(bytearray(prepared.nbytes))
+        data = memoryview(bytes(slot[: prepared.write(slot)]))
+
+        def encode() -> None:
+            codec.prepare_frame(f, checksum=check).write(slot)
+
+        def decode() -> None:
+            codec.decode_frame(data, verify_checksum=check, copy=False)
+
+        for name, fn in (("encode", encode), ("decode", decode)):
+            loops = []
+            for _ in range(7):
+                t0 = time.perf_counter()
+                for _ in range(repeats // 7):
+                    fn()
+                loops.append((time.perf_counter() - t0) / (repeats // 7))
+            out[f"{name}_{'on' if check else 'off'}"] = statistics.median(loops) * 1e6
+    return out
+
+
 def run(args, log: Callable[[str], None]) -> int:
     names = [n.strip() for n in (args.transports or ",".join(TRANSPORTS)).split(",") if n.strip()]
     unknown = [n for n in names if n not in TRANSPORTS]
@@ -217,11 +248,14 @@ def run(args, log: Callable[[str], None]) -> int:
         return 2
     sizes = [8 << 10, 64 << 10] if args.tiny else QUICK_SIZES if args.quick else SIZES
     info = report.machine_info("cpu")
+    load_start = os.getloadavg()
     from stagewise.bench.timing import TimingPolicy, copy_bandwidth
 
     copy_bw = copy_bandwidth("cpu", 1 << 28, TimingPolicy(warmup=2, min_repeats=5, max_repeats=20))
     hash_gbps = checksum_gbps()
-    log(f"{info['device_name']}: copy bandwidth {copy_bw['gbps']:.1f} GB/s, {checksum.NAME} {hash_gbps:.2f} GB/s")
+    codec_cost = codec_us()
+    log(f"{info['device_name']}: copy bandwidth {copy_bw['gbps']:.1f} GB/s, {checksum.NAME} {hash_gbps:.2f} GB/s, "
+        f"8 KB frame encode {codec_cost['encode_on']:.1f} µs / decode {codec_cost['decode_on']:.1f} µs")
     rows = []
     for name in names:
         ch, proc = TRANSPORTS[name](True)
@@ -243,9 +277,10 @@ def run(args, log: Callable[[str], None]) -> int:
         r["pct_copy"] = 100 * r["stream_gbps"] / copy_bw["gbps"]
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{info['device']}-transport"
-    info.update(checksum=checksum.NAME, checksum_gbps=hash_gbps)
-    stem.with_suffix(".json").write_text(json.dumps({"machine": info, "copy_bandwidth": copy_bw, "rows": rows}, indent=2) + "\n")
-    md = _markdown(info, copy_bw, rows)
+    info.update(checksum=checksum.NAME, checksum_gbps=hash_gbps, load_average={"start": list(load_start), "end": list(os.getloadavg())})
+    stem.with_suffix(".json").write_text(json.dumps({"machine": info, "copy_bandwidth": copy_bw, "codec_us": codec_cost,
+                                                     "rows": rows}, indent=2) + "\n")  # fmt: skip
+    md = _markdown(info, copy_bw, rows, codec_cost)
     stem.with_suffix(".md").write_text(md)
     print(md)
     log(f"wrote {stem}.json and {stem}.md")
@@ -256,14 +291,20 @@ def _size(n: int) -> str:
     return f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
 
 
-def _markdown(info: dict, copy_bw: dict, rows: list[dict]) -> str:
+def _markdown(info: dict, copy_bw: dict, rows: list[dict], codec_cost: dict | None = None) -> str:
     lines = [
         "# stagewise transports", "",
         f"Machine: {info['device_name']} ({info['device']}), {info['cpu_count']} CPUs, "
         f"{info['torch_threads']} torch threads; torch {info['torch']}  ",
         f"Date (UTC): {info['date_utc']}; commit: {info['git_commit'] or 'unknown'}  ",
         f"Copy bandwidth (read + write): {copy_bw['gbps']:.1f} GB/s; checksum {info['checksum']}: "
-        f"{info['checksum_gbps']:.2f} GB/s (one core)", "",
+        f"{info['checksum_gbps']:.2f} GB/s (one core)  ",
+        (f"Codec, one 8 KB frame in-process: encode into a slot {codec_cost['encode_on']:.1f} µs "
+         f"({codec_cost['encode_off']:.1f} without checksum), decode as views {codec_cost['decode_on']:.1f} µs "
+         f"({codec_cost['decode_off']:.1f})  " if codec_cost else ""),
+        f"Load average (1, 5, 15 min) at the start: {', '.join(f'{x:.2f}' for x in info['load_average']['start'])}; "
+        f"at the end: {', '.join(f'{x:.2f}' for x in info['load_average']['end'])} (a shared 2-core machine: other "
+        f"processes compete for the cores)" if "load_average" in info else "", "",
         "Frames of one bfloat16 hidden tensor, sender and echo peer in two processes on this machine. "
         "One-way = median ping-pong round trip / 2, encode + checksum + send + receive + decode included; "
         "pingpong GB/s = bytes / one-way; stream GB/s = 4 frames back to back, acknowledged, median. "

@@ -9,10 +9,19 @@ Nothing here knows about sockets: the same bytes go over TCP, torch.distributed 
 ring. :func:`encode_parts` gives the frame as a list of buffers (header and tables, then the
 tensors' own memory), so that a sender can hand them to ``sendmsg`` or copy them into a ring slot
 without building the frame in between.
+
+Two implementations of one format: the functions below named ``_*_reference`` are the codec in
+plain Python, and the public functions first try the fast path of the extension
+(``stagewise._C.frame_head`` / ``frame_fill`` / ``frame_parse``, ``csrc/bindings/frame_py.cpp``),
+which handles the frames of a running pipeline (contiguous CPU tensors, fields in range) and
+*declines* anything else: a declined frame goes through the reference, which raises the precise
+error. A frame the fast path accepts is one the reference accepts, with the same bytes or the
+same decoded frame (``tests/test_wire.py`` compares the two on fuzzed frames).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -20,6 +29,7 @@ import warnings
 
 import torch
 
+from stagewise import _C
 from stagewise.transport import checksum as xxh
 from stagewise.transport.errors import FrameError
 from stagewise.transport.frame import (
@@ -74,10 +84,8 @@ def _control_bytes(frame: Frame) -> bytes:
     return data
 
 
-def encode_parts(frame: Frame, *, checksum: bool = True) -> tuple[bytearray, list[memoryview | bytes]]:
-    """The frame as (head, payload parts): ``head`` is the header, tables, control and padding
-    (checksum filled in); the parts are the payload in order (tensor memory and zero padding).
-    Concatenated they are :func:`encode_frame`'s bytes. Fills ``frame``'s derived fields."""
+def _encode_parts_reference(frame: Frame, *, checksum: bool = True) -> tuple[bytearray, list[memoryview | bytes]]:
+    """:func:`encode_parts` in plain Python: every frame, every error."""
     _check_range("request_id", frame.request_id, _U64)
     _check_range("step_id", frame.step_id, _U64)
     for name in ("microbatch", "stage_from", "stage_to"):
@@ -145,10 +153,106 @@ def encode_parts(frame: Frame, *, checksum: bool = True) -> tuple[bytearray, lis
     return head, parts
 
 
+# ---- the fast path (stagewise._C) and the public functions ------------------------------------
+
+_STEP_KINDS = (None, *(StepKind(v) for v in range(1, len(StepKind) + 1)))
+_LAYOUTS = (None, Layout.CONTIGUOUS)
+_WIRE_DTYPES = (None, *(WireDType(v) for v in range(1, len(WireDType) + 1)))
+"""Enum members by wire code (index 0: none), so the hot path makes no Enum lookups."""
+_TORCH_DTYPES = (None, *(d.to_torch() for d in _WIRE_DTYPES[1:]))
+_FRAME_FIELDS = ("step_kind", "request_id", "step_id", "microbatch", "stage_from", "stage_to", "token_index",
+                 "layout", "rows", "tensors", "control", "batch", "seq", "hidden_size", "dtype", "payload_bytes",
+                 "checksum")  # fmt: skip
+assert tuple(f.name for f in dataclasses.fields(Frame))[: len(_FRAME_FIELDS)] == _FRAME_FIELDS  # positional Frame(...)
+assert _C.frame_setup(
+    Row, tuple(RowFlags(v) for v in range(_ROW_FLAG_BITS + 1)), torch.Tensor, {d.to_torch(): int(d) for d in WireDType},
+    _WIRE_DTYPES, MAGIC,
+) == {
+    "header": HEADER.size, "row": ROW.size, "tensor": TENSOR.size, "align": ALIGN, "version": VERSION,
+    "max_rows": MAX_ROWS, "max_tensors": MAX_TENSORS, "max_control": MAX_CONTROL_BYTES, "max_ndim": MAX_NDIM,
+    "max_name": MAX_NAME_BYTES, "step_kinds": len(StepKind), "row_flag_bits": _ROW_FLAG_BITS, "magic": MAGIC,
+}, "stagewise._C's frame fast path disagrees with codec.py: rebuild the extension"  # fmt: skip
+assert len(Layout) == 1 and [int(d) for d in WireDType] == list(range(1, 11)) and _ROW_FLAG_BITS == 31
+assert [d.itemsize for d in WireDType] == [4, 2, 2, 8, 8, 4, 2, 1, 1, 1]  # kItemsize in frame_py.cpp
+
+
+def _head_fast(frame: Frame, checksum: bool) -> tuple[bytearray, list[tuple[int, int]]] | None:
+    """(head with the checksum field 0, the tensors' (address, nbytes)) from the extension, or None
+    (declined: a tensor that is not a contiguous CPU torch.Tensor, a field out of range...). Fills
+    the frame's derived fields but ``checksum``."""
+    if frame.control is None and frame.step_kind != StepKind.CONTROL and frame.step_kind != StepKind.HELLO:
+        data = b""
+    else:
+        try:
+            data = _control_bytes(frame)
+        except (TypeError, ValueError):  # the reference raises it, after the checks that come first
+            return None
+    return _C.frame_head(frame, data, FLAG_CHECKSUM if checksum else 0)
+
+
+def encode_parts(frame: Frame, *, checksum: bool = True) -> tuple[bytearray, list[memoryview | bytes]]:
+    """The frame as (head, payload parts): ``head`` is the header, tables, control and padding
+    (checksum filled in); the parts are the payload in order (tensor memory as memoryviews, zero
+    padding as bytes). Concatenated they are :func:`encode_frame`'s bytes. Fills ``frame``'s
+    derived fields."""
+    fast = _head_fast(frame, checksum)
+    if fast is None:
+        return _encode_parts_reference(frame, checksum=checksum)
+    head, sources = fast
+    parts, offset = [], 0
+    for t, (_, nbytes) in zip(frame.tensors.values(), sources):
+        if offset % ALIGN:
+            parts.append(_ZEROS[: ALIGN - offset % ALIGN])
+            offset = _align(offset)
+        if nbytes:
+            parts.append(_tensor_bytes(t))
+        offset += nbytes
+    frame.checksum = _C.frame_fill(None, head, sources, checksum)  # also stored in head
+    return head, parts
+
+
+class PreparedFrame:
+    """A frame encoded but for its tensor bytes: :func:`prepare_frame` sizes it, :meth:`write`
+    puts it into a buffer of that size (a ring slot reserved for it) with one copy of each tensor."""
+
+    __slots__ = ("frame", "nbytes", "_head", "_sources", "_parts", "_checksum")
+
+    def __init__(self, frame: Frame, checksum: bool) -> None:
+        self.frame, self._checksum = frame, checksum
+        fast = _head_fast(frame, checksum)
+        if fast is None:
+            self._head, self._parts = _encode_parts_reference(frame, checksum=checksum)
+            self._sources = None
+            self.nbytes = len(self._head) + sum(len(p) if isinstance(p, bytes) else p.nbytes for p in self._parts)
+        else:
+            self._head, self._sources = fast
+            self._parts = None
+            self.nbytes = len(self._head) + self.frame.payload_bytes
+
+    def write(self, out: memoryview) -> int:
+        """Write the frame into ``out`` (writable, at least ``nbytes`` long); returns ``nbytes``.
+        Sets ``frame.checksum``. The frame's tensors must not change in between."""
+        if self._sources is not None:
+            self.frame.checksum = _C.frame_fill(out, self._head, self._sources, self._checksum)
+            return self.nbytes
+        out[: len(self._head)] = self._head
+        pos = len(self._head)
+        for p in self._parts:
+            n = len(p) if isinstance(p, bytes) else p.nbytes
+            out[pos : pos + n] = p
+            pos += n
+        return pos
+
+
+def prepare_frame(frame: Frame, *, checksum: bool = True) -> PreparedFrame:
+    """Check and lay out the frame (raising what :func:`encode_parts` raises); ``.nbytes`` is its
+    size, ``.write(buffer)`` writes it."""
+    return PreparedFrame(frame, checksum)
+
+
 def frame_nbytes(frame: Frame) -> int:
     """Bytes of the encoded frame (header, tables, control, padding and payload)."""
-    head, parts = encode_parts(frame, checksum=False)
-    return len(head) + sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+    return PreparedFrame(frame, False).nbytes
 
 
 def encode_frame(frame: Frame, *, checksum: bool = True) -> bytes:
@@ -159,19 +263,13 @@ def encode_frame(frame: Frame, *, checksum: bool = True) -> bytes:
 def encode_frame_into(frame: Frame, buffer, *, checksum: bool = True) -> int:
     """Write the frame into ``buffer`` (a writable bytes-like object, e.g. a ring slot) with one
     copy of each tensor; returns the bytes written. Raises ValueError if it does not fit."""
-    head, parts = encode_parts(frame, checksum=checksum)
+    prepared = PreparedFrame(frame, checksum)
     out = memoryview(buffer).cast("B")
-    need = len(head) + sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+    need = prepared.nbytes
     if out.readonly or out.nbytes < need:
         raise ValueError(f"stagewise.transport: encode_frame_into needs a writable buffer of at least {need} bytes, "
                          f"got {out.nbytes} ({'read-only' if out.readonly else 'writable'})")  # fmt: skip
-    out[: len(head)] = head
-    pos = len(head)
-    for p in parts:
-        n = len(p) if isinstance(p, bytes) else p.nbytes
-        out[pos : pos + n] = p
-        pos += n
-    return pos
+    return prepared.write(out[:need])
 
 
 def _as_bytes_view(buf) -> memoryview:
@@ -183,13 +281,45 @@ def _as_bytes_view(buf) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
+_readonly_warned = False
+"""torch.frombuffer warns once per process about a read-only buffer; the first view is taken
+with that warning silenced (the caller was told not to write the views)."""
+
+
 def decode_frame(buf, *, verify_checksum: bool = True, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
                  copy: bool = True) -> Frame:  # fmt: skip
     """Parse and validate one whole frame; raise :class:`FrameError` naming the bad field.
 
     ``copy=False`` returns tensors that are views of ``buf`` (zero-copy: ``buf`` must stay alive
     and unchanged while they are used; views of a read-only buffer must not be written)."""
-    mv = _as_bytes_view(buf)
+    global _readonly_warned
+    mv = buf if type(buf) is memoryview and buf.ndim == 1 and buf.format == "B" else _as_bytes_view(buf)
+    parsed = _C.frame_parse(mv, max_payload_bytes, verify_checksum)
+    if parsed is None:  # some check failed (or an unusual argument): the reference raises the precise error
+        return _decode_frame_reference(mv, verify_checksum, max_payload_bytes, copy)
+    (kind, dtype, layout, flags, stage_from, stage_to, microbatch, request_id, step_id, batch, seq, hidden,
+     token_index, payload_at, payload_bytes, checksum, rows, specs, control_at, control_len) = parsed  # fmt: skip
+    control = _decode_control(mv[control_at : control_at + control_len]) if control_len else None
+    tensors = {}
+    for name, code, shape, at, numel in specs:
+        if copy or numel == 0:
+            tensors[name] = _tensor_from(mv, at, _WIRE_DTYPES[code], shape, copy)
+            continue
+        if mv.readonly and (not _readonly_warned or torch.is_warn_always_enabled()):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                t = torch.frombuffer(mv, dtype=_TORCH_DTYPES[code], count=numel, offset=at)
+            _readonly_warned = True
+        else:
+            t = torch.frombuffer(mv, dtype=_TORCH_DTYPES[code], count=numel, offset=at)
+        tensors[name] = t if len(shape) == 1 else t.view(*shape) if shape else t.view(())
+    return Frame(_STEP_KINDS[kind], request_id, step_id, microbatch, stage_from, stage_to, token_index,
+                 _LAYOUTS[layout], rows, tensors, control, batch, seq, hidden, _WIRE_DTYPES[dtype], payload_bytes,
+                 checksum)  # fmt: skip
+
+
+def _decode_frame_reference(mv: memoryview, verify_checksum: bool, max_payload_bytes: int, copy: bool) -> Frame:
+    """:func:`decode_frame` in plain Python: every check, in the documented order."""
     n = mv.nbytes
     if n < HEADER.size:
         raise FrameError("header", f"truncated: {n} bytes, the header alone has {HEADER.size}")

@@ -182,7 +182,8 @@ class HostRing:
 
     def _wait(self, op: str, fn, timeout: float | None):
         """Call ``fn(timeout_us)`` until it has a slot; long waits go in chunks so signals get handled."""
-        if not self._finalizer.alive:
+        segment = self._segment  # its tensor is None once this end is closed (the finalizer ran)
+        if segment.tensor is None:
             raise RingClosedError(f"stagewise.{type(self).__name__}.{op}: ring {self.name!r} was closed by this end")
         if timeout is not None and timeout <= 0:
             return self._result(op, fn(0), timeout)
@@ -192,12 +193,14 @@ class HostRing:
             if deadline is not None:
                 chunk = max(0, min(chunk, int((deadline - time.monotonic()) * 1e6)))
             result = fn(chunk)
-            slot = result[0] if isinstance(result, tuple) else result
+            slot = result[0] if type(result) is tuple else result
+            if slot >= 0 and segment.tensor is not None:  # the common case, in short
+                return result
             if slot != TIMED_OUT or (deadline is not None and time.monotonic() >= deadline):
                 return self._result(op, result, timeout)
 
     def _result(self, op: str, result, timeout: float | None):
-        if not self._finalizer.alive:  # closed by another thread of this process during the wait
+        if self._segment.tensor is None:  # closed by another thread of this process during the wait
             raise RingClosedError(f"stagewise.{type(self).__name__}.{op}: ring {self.name!r} was closed by this end")
         return self._check_result(op, result, timeout)
 
@@ -219,6 +222,7 @@ class ShmRing(HostRing):
         super().__init__(name, segment)
         whole, offset, stride = memoryview(segment.mm), self._data_offset, self._stride
         self._slots = [whole[offset + i * stride :][: self.slot_bytes] for i in range(self.num_slots)]
+        self._readonly_slots = [view.toreadonly() for view in self._slots]
         self._reserved: tuple[int, memoryview] | None = None  # (slot, view handed out)
         self._acquired: tuple[int, memoryview] | None = None
 
@@ -245,16 +249,17 @@ class ShmRing(HostRing):
             if held is not None:
                 _release_view(held[1])
         self._reserved = self._acquired = None
-        for view in self._slots:
+        for view in (*self._readonly_slots, *self._slots):
             view.release()
-        self._slots = []
+        self._slots, self._readonly_slots = [], []
         super().close()
 
     # ---- writer ----------------------------------------------------------------
 
     def reserve(self, nbytes: int, timeout: float | None = None) -> memoryview:
         """Wait for a free slot and return a writable view of its first ``nbytes`` bytes."""
-        self._check_nbytes(nbytes)
+        if not 0 <= nbytes <= self.slot_bytes:
+            self._check_nbytes(nbytes)
         if self._reserved is not None:
             raise RuntimeError(f"stagewise.ShmRing.reserve: ring {self.name!r} already has a reserved slot; commit it")
         slot = self._wait("reserve", self._reserve_fn, timeout)
@@ -284,7 +289,7 @@ class ShmRing(HostRing):
         if self._acquired is not None:
             raise RuntimeError(f"stagewise.ShmRing.acquire: ring {self.name!r} already has an acquired message")
         slot, nbytes = self._wait("acquire", self._acquire_fn, timeout)
-        view = self._slots[slot][:nbytes].toreadonly()
+        view = self._readonly_slots[slot][:nbytes]
         self._acquired = (slot, view)
         return view
 

@@ -3,7 +3,7 @@
 A shm link is set up on a TCP channel (which did the hello and authentication): the sending
 end creates a :class:`~stagewise.transport.shm.ShmRing`, names it over TCP, and the receiving
 end attaches (which removes the name from ``/dev/shm``). Frames then go into ring slots with one
-copy (:func:`~stagewise.transport.codec.encode_frame_into`) and are decoded in place: the
+copy (:func:`~stagewise.transport.codec.prepare_frame`) and are decoded in place: the
 receiver's tensors are **views of the slot**, valid until its next ``recv`` (the slot is
 released then). A frame larger than a slot goes over the TCP channel, announced by a marker in
 the ring so that order is kept. The TCP channel stays open beside the ring: the reverse
@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 from stagewise.transport.channel import Channel
-from stagewise.transport.codec import decode_frame, encode_parts
+from stagewise.transport.codec import decode_frame, prepare_frame
 from stagewise.transport.errors import ChannelClosed, HandshakeError
 from stagewise.transport.frame import DEFAULT_MAX_PAYLOAD_BYTES, Frame, StepKind
 from stagewise.transport.shm import RingClosedError, ShmRing
@@ -75,18 +75,13 @@ class ShmChannel(Channel):
         if not self.sending:
             return self.tcp.send(frame, timeout=timeout)
         start = time.perf_counter()
-        head, parts = encode_parts(frame, checksum=self.checksum)
-        sizes = [len(p) if isinstance(p, bytes) else p.nbytes for p in parts]
-        n = len(head) + sum(sizes)
+        prepared = prepare_frame(frame, checksum=self.checksum)
+        n = prepared.nbytes
         try:
             if n <= self.ring.slot_bytes:
                 view = self.ring.reserve(n, timeout)
                 try:
-                    view[: len(head)] = head
-                    pos = len(head)
-                    for part, size in zip(parts, sizes):
-                        view[pos : pos + size] = part
-                        pos += size
+                    prepared.write(view)
                 except BaseException:
                     self.ring.commit(0)  # give the slot back empty; the reader skips it
                     raise
@@ -113,7 +108,7 @@ class ShmChannel(Channel):
         view = self._next(deadline)
         self.stats.recv_wait_s += time.perf_counter() - start
         self._held = True
-        if bytes(view[: len(BIG_FRAME)]) == BIG_FRAME and len(view) == len(BIG_FRAME):
+        if len(view) == len(BIG_FRAME) and view == BIG_FRAME:
             self._release()
             frame = self.tcp.recv(None if deadline is None else max(1.0, deadline - time.perf_counter()),
                                   max_frame_bytes=max_frame_bytes)
