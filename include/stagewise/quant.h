@@ -47,6 +47,8 @@ struct QuantLinearParams {
 
 namespace cpu {
 void quant_linear(const QuantLinearParams& p);
+// out [rows, in_features] float32 = the exact dequantised values of qweight's first `rows` rows.
+void quant_dequantize(const uint8_t* qweight, QType qtype, int64_t rows, int64_t in_features, float* out);
 }  // namespace cpu
 
 #ifdef STAGEWISE_HAS_CUDA_DECLS

@@ -177,6 +177,8 @@ def quant_linear(
     ``W [out_features, in]`` row by row, ``qtype`` their GGML type id (:data:`QTYPES`).
     The weights are their exact float32 dequantised values and the sums are float32,
     rounded once to x's dtype with the bias added (bias ``[out_features]`` in x's dtype).
+    On the CPU, 32 rows or more (a prompt) take a GEMM over dequantised tiles of W, fewer
+    (decode) a kernel that reads each block once; both give these values up to summation order.
     """
     if out is None:
         n = qweight.shape[0] if qweight.dim() >= 1 else 0
