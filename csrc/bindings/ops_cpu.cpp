@@ -104,6 +104,11 @@ void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweigh
   cpu::quant_linear(p);
 }
 
+void quant_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,
+                       const std::optional<at::Tensor>& bias) {
+  cpu::quant_linear_int8(make_quant_linear_params(out, x, qweight, qtype, bias, "quant_linear_int8"));
+}
+
 
 // ---- activation ring: `ring` is a uint8 tensor over the whole segment -------
 
@@ -192,6 +197,7 @@ TORCH_LIBRARY_IMPL(stagewise, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("merge_attn_states", &merge_attn_states);
   m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear_int8", &quant_linear_int8);
   m.impl("ring_init", &ring_init);
   m.impl("ring_attach", &ring_attach);
   m.impl("ring_info", &ring_info);
