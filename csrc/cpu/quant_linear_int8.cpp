@@ -23,6 +23,7 @@
 #include <string>
 
 #include "cpu/cpu_utils.h"
+#include "cpu/quant_prefetch.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define STAGEWISE_Q8_X86 1
@@ -264,13 +265,9 @@ STAGEWISE_Q8_AVX512 void panels_avx512(const QuantLinearParams& p, const Quantiz
     for (int l = 0; l < 16; ++l) offsets[l] = static_cast<int32_t>(std::min<int64_t>(l, nc - 1) * row_bytes);
     const __m512i vindex = _mm512_load_si512(offsets);
     const uint8_t* base = p.qweight + n0 * row_bytes;
-    // The next panel's bytes (contiguous) are requested now, so that a matrix larger than the
-    // caches (the LM head) streams from memory while this panel computes.
-    if (pi + kPrefetchPanels < end) {
-      const uint8_t* ahead = base + kPrefetchPanels * 16 * row_bytes;
-      for (int64_t off = 0; off < 16 * row_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
-    }
+    PanelPrefetch ahead(base, 16 * row_bytes, nb, pi + kPrefetchPanels < end);
     for (int64_t b = 0; b < nb; ++b) {
+      ahead.next();
       const uint8_t* blk = base + b * kBytes;
       const __m512i scales = _mm512_i32gather_epi32(vindex, blk, 1);  // d, then m (Q4_1) or the first quants
       _mm512_storeu_ps(wd.data() + b * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(scales)));
