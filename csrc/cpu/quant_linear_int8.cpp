@@ -165,12 +165,21 @@ STAGEWISE_Q8_AVX512 void rows_avx512(const QuantLinearParams& p, const Quantized
     __m512i w[8];
     for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(wq + (b * 8 + j) * 16);
     const __m512 d = _mm512_loadu_ps(wd + b * 16);
+    // Quant dword j of every row, then the next j: kMR independent dot-product chains in flight.
+    __m512i isums[kMR];
+#pragma GCC unroll 8
+    for (int i = 0; i < kMR; ++i) isums[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+#pragma GCC unroll 8
+      for (int i = 0; i < kMR; ++i) {
+        const I32* x4 = reinterpret_cast<const I32*>(xq + i * K + b * kQuantBlock);
+        isums[i] = _mm512_dpbusd_epi32(isums[i], w[j], _mm512_set1_epi32(x4[j]));
+      }
+    }
 #pragma GCC unroll 8
     for (int i = 0; i < kMR; ++i) {
-      const I32* x4 = reinterpret_cast<const I32*>(xq + i * K + b * kQuantBlock);
-      __m512i isum = _mm512_setzero_si512();
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) isum = _mm512_dpbusd_epi32(isum, w[j], _mm512_set1_epi32(x4[j]));
+      __m512i isum = isums[i];
       if constexpr (kOffset != 0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(kOffset * sx[i * nb + b]));
       const float dxi = dx[i * nb + b];
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(dxi)), acc[i]);
