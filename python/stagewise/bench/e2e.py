@@ -238,6 +238,7 @@ def agreement(pipes: dict, hf, max_len: int, new_tokens: int = AGREEMENT_TOKENS[
 def run(args, log=print) -> int:
     """The `stagewise bench e2e` command: measure, print the table, write <device>-e2e.json/.md."""
     import json
+    import os
     import sys
 
     from stagewise.api import Pipeline
@@ -253,6 +254,7 @@ def run(args, log=print) -> int:
               f"got {args.batch_sizes!r}, {args.prompt_len}, {args.new_tokens}, {repeats}", file=sys.stderr)
         return 2
     info = report.machine_info(device)
+    load_start = os.getloadavg()  # the machine may be shared: its load goes beside the figures
     policy = TimingPolicy(warmup=2, min_repeats=3, max_repeats=20, budget_s=0.5)
     copy_bytes = 2**24 if args.tiny else 2**30 if device == "cuda" else 2**28  # far beyond the caches
     copy_bw = copy_bandwidth(device, copy_bytes, policy)
@@ -285,7 +287,7 @@ def run(args, log=print) -> int:
             for row in bench_batch(pipes, hf, ckpt, b, args.prompt_len, args.new_tokens, repeats, copy_bw["gbps"], log)]
     agree = agreement(pipes, hf, max_len)
     info.update(model=str(args.model), dtype="float32", repeats=repeats, linear_precisions=list(pipes),
-                skipped_precisions=skipped)
+                skipped_precisions=skipped, load_average={"start": list(load_start), "end": list(os.getloadavg())})
     table = format_table(rows)
     print(table)
     n_questions = next(iter(agree.values()))["questions"] if agree else 0
@@ -304,7 +306,9 @@ def run(args, log=print) -> int:
         f"Machine: {info['device_name']} ({info['device']}), {info['cpu_count']} CPUs, {info['torch_threads']} "
         f"torch threads; torch {info['torch']}  ", f"Date (UTC): {info['date_utc']}; commit: {info['git_commit']}  ",
         f"Model: {info['model']}, float32, greedy, EOS ignored; median of {repeats} runs  ",
-        f"Copy bandwidth (read + write): {copy_bw['gbps']:.1f} GB/s", "",
+        f"Copy bandwidth (read + write): {copy_bw['gbps']:.1f} GB/s  ",
+        "Load average (1, 5, 15 min) at start / end: " + " / ".join(
+            ", ".join(f"{v:.2f}" for v in info["load_average"][k]) for k in ("start", "end")), "",
         "ours = stagewise.Pipeline, hf = transformers generate on the same weights, threads and prompts. "
         "TTFT = submit to first token; decode tok/s = tokens after each row's first, summed over the batch, "
         "over the time from first to last token. floor = tokens/s if each decode step only read its weights "
