@@ -126,6 +126,7 @@ VALID = {
     "decode_attention": _decode_attention,
     "merge_attn_states": _merge_attn_states,
     "quant_linear": _quant_linear,
+    "quant_linear_int8": _quant_linear,
 }
 
 # The argument whose device every other tensor argument must share.
@@ -139,6 +140,7 @@ DEVICE_REF = {
     "decode_attention": "q",
     "merge_attn_states": "out_a",
     "quant_linear": "x",
+    "quant_linear_int8": "x",
 }
 
 # ---------------------------------------------------------------------------
@@ -512,6 +514,14 @@ CASES = [
     _case("quant_linear", ValueError, "argument 'x' must have a contiguous last dim (stride 1)", ("last_dim", "x")),
     _case("quant_linear", ValueError, "argument 'qweight' must be contiguous", ("rows", "qweight")),
     _case("quant_linear", ValueError, "argument 'bias' must be contiguous", ("last_dim", "bias")),
+    # quant_linear_int8: the same checks, under its own name
+    _case("quant_linear_int8", TypeError, "argument 'x' must be float32, float16 or bfloat16, got int32",
+          ("dtype", "x", torch.int32)),
+    _case("quant_linear_int8", ValueError, "argument 'qweight' dim 1 (bytes per row) must be in_features / 32 * 20 = 40",
+          ("shape", "qweight", (6, 36))),
+    _case("quant_linear_int8", ValueError, "argument 'out' must have shape [3, 6] (x's leading dims, out_features)",
+          ("shape", "out", (T, 7))),
+    _case("quant_linear_int8", ValueError, "argument 'x' must have a contiguous last dim (stride 1)", ("last_dim", "x")),
 ]
 
 

@@ -60,7 +60,9 @@ def test_e2e_writes_rows_with_the_transformers_baseline(folder, tmp_path):
         assert row["rows_matching_transformers"] == row["batch"]
     text = md.read_text()
     assert "| batch |" in text and "hf tok/s" in text
-    assert text.count("\n| 1 | 6 | 5 |") == 1 and text.count("\n| 3 | 6 | 5 |") == 1
+    # A safetensors model has no GGUF blocks: only the exact linears run.
+    assert text.count("\n| 1 | 6 | 5 | exact |") == 1 and text.count("\n| 3 | 6 | 5 | exact |") == 1
+    assert data["machine"]["linear_precisions"] == ["exact"] and data["machine"]["skipped_precisions"] == ["int8"]
 
 
 def test_prompts_have_the_asked_length_and_differ(folder):

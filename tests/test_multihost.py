@@ -112,6 +112,13 @@ def test_bad_stage_entries_name_the_field(stages, message):
         plan_of(stages)
 
 
+def test_plan_linear_precision():
+    assert plan_of([{"listen": "10.0.0.1:1"}]).linear_precision == "exact"
+    assert plan_of([{"listen": "10.0.0.1:1"}], linear_precision="int8").linear_precision == "int8"
+    with pytest.raises(ValueError, match="linear_precision"):
+        plan_of([{"listen": "10.0.0.1:1"}], linear_precision="int4")
+
+
 def test_unknown_plan_keys_are_refused(tiny, tmp_path, capsys):
     path = write_plan(tmp_path / "p.json", tiny[0], [{"listen": "127.0.0.1:7000"}], hosts=["a"])
     assert cli_main(["launch", str(path), "--print-only"]) == 2

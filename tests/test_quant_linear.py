@@ -20,7 +20,7 @@ from stagewise.ops import reference
 
 QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
 SHAPES = [(1, 32), (7, 96), (37, 224), (70, 576)]  # (out_features, in_features)
-BATCHES = [1, 3, 16, 33]
+BATCHES = [1, 3, 16, 33, 70]  # from 32 rows the op runs a dequantised tile through a GEMM
 
 
 def _quantize(name: str, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
@@ -75,11 +75,12 @@ def test_quant_linear_float32(name, shape, batch):
     _check(reference.quant_linear(x, qweight, ops.QTYPES[name], bias), x, w, bias)
 
 
+@pytest.mark.parametrize("rows", [16, 40])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", QTYPES)
-def test_quant_linear_half_activations(name, dtype):
+def test_quant_linear_half_activations(name, dtype, rows):
     qweight = _quantize(name, 37, 224)
-    x, bias = torch.randn(16, 224).to(dtype), torch.randn(37).to(dtype)
+    x, bias = torch.randn(rows, 224).to(dtype), torch.randn(37).to(dtype)
 
     out = ops.quant_linear(x, qweight, ops.QTYPES[name], bias)
 
@@ -87,19 +88,21 @@ def test_quant_linear_half_activations(name, dtype):
     _check(out, x, _dequantize(qweight, name), bias)
 
 
+@pytest.mark.parametrize("rows", [16, 40])
 @pytest.mark.parametrize("name", QTYPES)
-def test_quant_linear_strided_rows_and_leading_dims(name):
+def test_quant_linear_strided_rows_and_leading_dims(name, rows):
     qweight = _quantize(name, 37, 96)
     w = _dequantize(qweight, name)
-    x = strided(torch.randn(16, 96), pad=5)  # rows 101 floats apart
-    out = strided(poison_(torch.empty(16, 37)), pad=3)
-    ops.quant_linear(x, qweight, ops.QTYPES[name], out=out)
-    _check(out, x, w, None)
+    x = strided(torch.randn(rows, 96), pad=5)  # rows 101 floats apart
+    out = strided(poison_(torch.empty(rows, 37)), pad=3)
+    bias = torch.randn(37)
+    ops.quant_linear(x, qweight, ops.QTYPES[name], bias, out=out)
+    _check(out, x, w, bias)
 
-    x3 = torch.randn(2, 3, 96)
+    x3 = torch.randn(2, rows // 2, 96)
     y3 = ops.quant_linear(x3, qweight, ops.QTYPES[name])
-    assert y3.shape == (2, 3, 37)
-    _check(y3.reshape(6, 37), x3.reshape(6, 96), w, None)
+    assert y3.shape == (2, rows // 2, 37)
+    _check(y3.reshape(rows, 37), x3.reshape(rows, 96), w, None)
 
 
 def test_quant_linear_hand_built_blocks():

@@ -100,3 +100,39 @@ def test_greedy_tokens_equal_transformers_generate(reference, pipe):
         assert c.finish_reason == ("stop" if expected[-1] in pipe.config.eos_token_ids else "length")
         assert c.text == tok.decode([t for t in expected if t not in pipe.config.eos_token_ids])
     assert "Paris" in outs[0].text
+
+
+def test_int8_mode_runs_its_reference_maths(monkeypatch):
+    """linear_precision="int8": every GGUF block matrix (linears and the tied LM head) multiplies
+    with int8 activations — on the model's real activations each call agrees with the plain
+    pure-torch reference of the int8 maths up to float32 rounding, and differs from the exact op.
+    How often the int8 mode's tokens agree with transformers is a benchmark figure
+    (bench/results/*-e2e.md), not asserted here: the mode is approximate by design."""
+    from stagewise.model.quant import QuantizedWeight
+    from stagewise.ops import reference as ref
+
+    linear, seen = QuantizedWeight.linear, set()
+
+    def checked(self, x, bias=None):
+        out = linear(self, x, bias)
+        expected = ref.quant_linear_int8(x, self.data, self.qtype, bias)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
+        assert not torch.equal(out, ref.quant_linear(x, self.data, self.qtype, bias))
+        seen.add((self.precision, tuple(self.shape)))
+        return out
+
+    with stagewise.Pipeline("smollm2-135m", dtype="float32", linear_precision="int8") as int8:
+        monkeypatch.setattr(QuantizedWeight, "linear", checked)
+        [c] = int8.generate(QUESTIONS[1:2], chat=True, max_new_tokens=3)
+    assert len(c.token_ids) == 3
+    cfg = int8.config
+    assert {p for p, _ in seen} == {"int8"}
+    assert (cfg.vocab_size, cfg.hidden_size) in {s for _, s in seen}  # the LM head
+    assert (cfg.hidden_size, cfg.intermediate_size) in {s for _, s in seen}  # mlp down
+
+
+def test_int8_mode_needs_blocks_and_a_known_name():
+    with pytest.raises(ValueError, match=r"linear_precision must be one of \('exact', 'int8'\), got 'int4'"):
+        stagewise.Pipeline("smollm2-135m", linear_precision="int4")
+    with pytest.raises(ValueError, match="applies to block-quantised GGUF matrices kept in their blocks"):
+        stagewise.Pipeline("smollm2-135m", dtype="bfloat16", linear_precision="int8")

@@ -106,6 +106,14 @@ void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweigh
   STAGEWISE_CUDA_CALL("quant_linear", x, cuda::quant_linear(p, stream_));
 }
 
+// The int8 mode is a CPU kernel only: arguments are checked as everywhere, then a clear error.
+void quant_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,
+                       const std::optional<at::Tensor>& bias) {
+  (void)make_quant_linear_params(out, x, qweight, qtype, bias, "quant_linear_int8");
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "stagewise.quant_linear_int8: the int8 mode has no CUDA kernel (CPU only); "
+                              "use quant_linear on ", x.device());
+}
+
 // ---- CUDA IPC activation ring (python/stagewise/transport/cuda_ipc.py) -------
 
 at::Tensor cuda_ipc_alloc(int64_t nbytes, int64_t device) {
@@ -178,6 +186,7 @@ TORCH_LIBRARY_IMPL(stagewise, CUDA, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("merge_attn_states", &merge_attn_states);
   m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear_int8", &quant_linear_int8);
   m.impl("cuda_ring_wait", &cuda_ring_wait);
   m.impl("cuda_ring_signal", &cuda_ring_signal);
 }

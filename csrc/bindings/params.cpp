@@ -482,24 +482,23 @@ namespace stagewise::glue {
 
 QuantLinearParams make_quant_linear_params(at::Tensor& out, const at::Tensor& x,
                                            const at::Tensor& qweight, int64_t qtype,
-                                           const std::optional<at::Tensor>& bias) {
-  const char* op = "quant_linear";
+                                           const std::optional<at::Tensor>& bias, const char* op) {
   QuantLinearParams p{};
   p.dtype = float_dtype(op, "x", x);
   const Rows xr = rows_of(op, "x", x);
   const char* qname = qtype == 2 ? "Q4_0" : qtype == 3 ? "Q4_1" : qtype == 8 ? "Q8_0" : nullptr;
-  TORCH_CHECK_VALUE(qname != nullptr, "stagewise.quant_linear: argument 'qtype' must be a GGML type id of ",
+  TORCH_CHECK_VALUE(qname != nullptr, "stagewise.", op, ": argument 'qtype' must be a GGML type id of ",
                     "Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", qtype);
   p.qtype = static_cast<QType>(qtype);
   const int64_t in = x.size(-1);
-  TORCH_CHECK_VALUE(in > 0 && in % kQuantBlock == 0, "stagewise.quant_linear: argument 'x' last dim ",
+  TORCH_CHECK_VALUE(in > 0 && in % kQuantBlock == 0, "stagewise.", op, ": argument 'x' last dim ",
                     "(in_features) must be a positive multiple of the block size ", kQuantBlock,
                     ", got shape ", shape_of(x));
   check_dtype_is(op, "qweight", qweight, at::kByte, "the raw GGUF blocks");
   check_same_device(op, "qweight", qweight, "x", x);
   check_dim(op, "qweight", qweight, 2, "[out_features, bytes_per_row]");
   const int64_t row_bytes = in / kQuantBlock * quant_block_bytes(p.qtype);
-  TORCH_CHECK_VALUE(qweight.size(1) == row_bytes, "stagewise.quant_linear: argument 'qweight' dim 1 ",
+  TORCH_CHECK_VALUE(qweight.size(1) == row_bytes, "stagewise.", op, ": argument 'qweight' dim 1 ",
                     "(bytes per row) must be in_features / ", kQuantBlock, " * ",
                     quant_block_bytes(p.qtype), " = ", row_bytes, " for ", qname, " with in_features=",
                     in, ", got ", qweight.size(1), " (shape ", shape_of(qweight), ")");
@@ -508,7 +507,7 @@ QuantLinearParams make_quant_linear_params(at::Tensor& out, const at::Tensor& x,
   check_float_like(op, "out", out, "x", x);
   std::vector<int64_t> want(x.sizes().begin(), x.sizes().end());
   want.back() = n;
-  TORCH_CHECK_VALUE(out.sizes() == at::IntArrayRef(want), "stagewise.quant_linear: argument 'out' must ",
+  TORCH_CHECK_VALUE(out.sizes() == at::IntArrayRef(want), "stagewise.", op, ": argument 'out' must ",
                     "have shape ", at::IntArrayRef(want), " (x's leading dims, out_features), got ",
                     shape_of(out));
   const Rows outr = rows_of(op, "out", out);

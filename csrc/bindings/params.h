@@ -45,9 +45,10 @@ MergeAttnStatesParams make_merge_attn_states_params(at::Tensor& out, at::Tensor&
                                                     const at::Tensor& lse_a,
                                                     const at::Tensor& out_b,
                                                     const at::Tensor& lse_b);
-// qtype: a GGML type id (QType); bias: [out_features] in x's dtype, or none.
+// qtype: a GGML type id (QType); bias: [out_features] in x's dtype, or none; op: the name in errors.
 QuantLinearParams make_quant_linear_params(at::Tensor& out, const at::Tensor& x,
                                            const at::Tensor& qweight, int64_t qtype,
-                                           const std::optional<at::Tensor>& bias);
+                                           const std::optional<at::Tensor>& bias,
+                                           const char* op = "quant_linear");
 
 }  // namespace stagewise::glue

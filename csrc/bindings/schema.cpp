@@ -33,6 +33,7 @@ TORCH_LIBRARY(stagewise, m) {
       "merge_attn_states(Tensor(a!) out, Tensor(b!) lse, Tensor out_a, Tensor lse_a, "
       "Tensor out_b, Tensor lse_b) -> ()");
   m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor qweight, int qtype, Tensor? bias) -> ()");
+  m.def("quant_linear_int8(Tensor(a!) out, Tensor x, Tensor qweight, int qtype, Tensor? bias) -> ()");
 
   // Activation ring (CPU, shared memory). Slot results: >= 0, or -1 timed out, -2 closed.
   m.def("ring_bytes(int slot_bytes, int num_slots, bool external_slots) -> int");

@@ -82,6 +82,20 @@ struct Inputs {
 #undef STAGEWISE_QL_TARGET
 
 using PanelsFn = void (*)(const QuantLinearParams&, const Inputs&, int64_t, int64_t);
+using DequantizeFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, float*);
+
+template <QType Q>
+DequantizeFn best_dequantize() {
+#ifdef STAGEWISE_QL_X86
+  static const bool has_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  static const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                               __builtin_cpu_supports("f16c");
+  if (has_avx512) return isa_avx512::dequantize_rows<Q>;
+  if (has_avx2) return isa_avx2::dequantize_rows<Q>;
+#endif
+  return isa_baseline::dequantize_rows<Q>;
+}
 
 template <QType Q, typename D>
 PanelsFn best_panels() {
@@ -108,6 +122,19 @@ PanelsFn best_panels(QType q) {
 }
 
 }  // namespace
+
+void quant_dequantize(const uint8_t* qweight, QType qtype, int64_t rows, int64_t in_features, float* out) {
+  DequantizeFn fn = nullptr;
+  switch (qtype) {
+    case QType::kQ4_0: fn = best_dequantize<QType::kQ4_0>(); break;
+    case QType::kQ4_1: fn = best_dequantize<QType::kQ4_1>(); break;
+    case QType::kQ8_0: fn = best_dequantize<QType::kQ8_0>(); break;
+  }
+  TORCH_CHECK(fn != nullptr, "stagewise.quant_dequantize: unknown qtype ", static_cast<int>(qtype));
+  at::parallel_for(0, rows, grain_for(in_features), [&](int64_t begin, int64_t end) {
+    fn(qweight, in_features, begin, end, out);
+  });
+}
 
 void quant_linear(const QuantLinearParams& p) {
   if (p.rows == 0 || p.out_features == 0) return;

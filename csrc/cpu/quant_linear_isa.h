@@ -79,6 +79,17 @@ STAGEWISE_QL_INLINE void dequantize_block(const uint8_t* __restrict blk, float* 
 #endif
 }
 
+// Rows [begin, end) of W dequantised to float32, row r at out + r * K (the dense path of the glue).
+template <QType Q>
+STAGEWISE_QL_TARGET void dequantize_rows(const uint8_t* qweight, int64_t K, int64_t begin, int64_t end, float* out) {
+  const int64_t nblocks = K / kQuantBlock;
+  constexpr int64_t kBytes = quant_block_bytes(Q);
+  for (int64_t r = begin; r < end; ++r) {
+    const uint8_t* row = qweight + r * nblocks * kBytes;
+    for (int64_t b = 0; b < nblocks; ++b) dequantize_block<Q>(row + b * kBytes, out + r * K + b * kQuantBlock);
+  }
+}
+
 // acc[i * NR + j] = dot(x row i, w row j) over k in [0, K), K a multiple of W.
 template <int kMR>
 STAGEWISE_QL_INLINE void dot_tile(const float* __restrict x, int64_t x_stride, const float* __restrict w,

@@ -13,6 +13,16 @@
 // rounds once, as in gguf.quants.dequantize); products are summed in float32
 // (the order is the kernel's own); the bias (in x's dtype) is added in float32
 // and the sum is rounded once to x's dtype on store.
+//
+// quant_linear_int8, the reduced-precision mode (approximate, llama.cpp's CPU scheme): each
+// block of 32 values of a row of x (as float32) is quantised to int8,
+//   d_x = max|x| / 127 (float32),  q_x = round_half_even(x * (1 / d_x))  (q_x = 0 when d_x = 0),
+// and each block of W meets it in exact integer arithmetic:
+//   Q8_0: d * d_x * sum(q * q_x)      Q4_0: d * d_x * sum((q - 8) * q_x)
+//   Q4_1: d * d_x * sum(q * q_x) + m * (d_x * sum(q_x))
+// (d * d_x and d_x * sum(q_x) rounded to float32 once); block results are summed in float32
+// in the kernel's order, then bias and rounding as above. Against the exact op the error is
+// that of x's quantisation: at most d_x / 2 per value of x.
 #pragma once
 #include "stagewise/common.h"
 
@@ -47,6 +57,9 @@ struct QuantLinearParams {
 
 namespace cpu {
 void quant_linear(const QuantLinearParams& p);
+void quant_linear_int8(const QuantLinearParams& p);
+// out [rows, in_features] float32 = the exact dequantised values of qweight's first `rows` rows.
+void quant_dequantize(const uint8_t* qweight, QType qtype, int64_t rows, int64_t in_features, float* out);
 }  // namespace cpu
 
 #ifdef STAGEWISE_HAS_CUDA_DECLS

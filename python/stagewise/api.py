@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from stagewise.model.checkpoint import Checkpoint, open_checkpoint
+from stagewise.model.quant import check_precision
 from stagewise.model.stage import StageModel
 from stagewise.model.weights import DTYPES, load_stage_weights
 from stagewise.runtime.engine import Engine, RequestOutput
@@ -50,13 +51,20 @@ class Pipeline:
     def __init__(self, model: str | Checkpoint, *, stages: int = 1, device: str = "cpu", dtype: str = "auto",
                  max_num_seqs: int = 32, max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                  max_num_tokens: int | None = None, load_progress: Callable[[int, int, int], None] | None = None,
-                 quantized: bool | None = None, **parallel_options: Any) -> None:
+                 quantized: bool | None = None, linear_precision: str = "exact",
+                 **parallel_options: Any) -> None:
         """``load_progress(done, total, nbytes)`` follows the weight reading (see load_stage_weights).
 
         ``quantized``: whether block-quantised GGUF matrices stay in their blocks (run by
         ``stagewise.ops.quant_linear`` with their exact values); None (the default) keeps them when
         the stage computes in float32, which ``dtype="auto"`` is for a quantised GGUF. See
-        :func:`stagewise.model.weights.load_stage_weights`."""
+        :func:`stagewise.model.weights.load_stage_weights`.
+
+        ``linear_precision``: ``"exact"`` (default) or ``"int8"``, an approximate CPU mode in which
+        those blocks multiply with the activations quantised to int8 per block of 32, as llama.cpp
+        does on the CPU (:func:`stagewise.ops.quant_linear_int8`): faster decode, tokens that may
+        differ from the exact model's."""
+        check_precision("Pipeline", linear_precision)
         if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
             raise ValueError(f"Pipeline: stages must be an int >= 1, got {stages!r}")
         pipeline_options = {k: parallel_options.pop(k) for k in PIPELINE_OPTIONS if k in parallel_options}
@@ -68,6 +76,8 @@ class Pipeline:
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"Pipeline: max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
         dev = _device(device)
+        if linear_precision == "int8" and dev.type != "cpu":
+            raise NotImplementedError(f"Pipeline: linear_precision='int8' runs on the CPU only, got device={device!r}")
         start = time.perf_counter()
         ckpt = open_checkpoint(model)
         cfg = ckpt.config
@@ -80,10 +90,12 @@ class Pipeline:
             self.tokenizer = _tokenizer(ckpt)
             self._start_pipeline(model, stages, dev, dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                  kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens, quantized=quantized,
+                                 linear_precision=linear_precision,
                                  **pipeline_options)
             self.load_s = time.perf_counter() - start
             return
         weights = load_stage_weights(ckpt, 0, cfg.num_layers, dtype=torch_dtype, quantized=quantized,
+                                     linear_precision=linear_precision,
                                      progress=load_progress)
         stage = StageModel.from_weights(cfg, 0, cfg.num_layers, weights, dtype=torch_dtype, device=dev)
         del weights

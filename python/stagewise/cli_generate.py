@@ -18,6 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prompt_arguments(parser)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--linear-precision", default="exact", choices=["exact", "int8"],
+                        help="GGUF block-quantised linears: exact float32 maths (default) or int8 activations "
+                             "(approximate, faster decode on the CPU; tokens may differ from the exact model's)")
     parser.add_argument("--max-num-seqs", type=int, default=32, metavar="N", help="requests run at once")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
                         help="most tokens (prompt + generated) per request; default: the model's")
@@ -122,11 +125,11 @@ def _load(args: argparse.Namespace):
         try:
             pipe = Pipeline(args.model, stages=args.stages, device=args.device, dtype=args.dtype,
                             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, load_progress=bar,
-                            **options)
+                            linear_precision=args.linear_precision, **options)
         finally:  # before any message, so that the bar's line is finished first
             if bar is not None:
                 bar.close()
-    except (ValueError, FileNotFoundError, KeyError, RuntimeError, TimeoutError, OSError) as err:
+    except (ValueError, FileNotFoundError, KeyError, RuntimeError, TimeoutError, OSError, NotImplementedError) as err:
         print(f"stagewise generate: cannot load {args.model!r}: {err}", file=sys.stderr)
         return None
     if chatty:

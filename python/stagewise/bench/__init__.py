@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e_args.add_argument("--batch-sizes", default="1,16", help="e2e: comma-separated batch sizes (default: 1,16)")
     e2e_args.add_argument("--prompt-len", type=int, default=128, help="e2e: prompt tokens per row (default: 128)")
     e2e_args.add_argument("--new-tokens", type=int, default=64, help="e2e: generated tokens per row (default: 64)")
+    e2e_args.add_argument("--linear-precision", default="exact,int8", metavar="exact,int8",
+                          help="e2e: ours' linear precisions, a row each (default: exact,int8; int8 only for "
+                               "GGUF block-quantised models)")
     e2e_args.add_argument("--stages", default=None, metavar="1,2,3",
                           help="e2e: run the pipeline with these stage counts instead (batch 1 and S x 4 requests)")
     e2e_args.add_argument("--pipeline-partition", dest="partition", default="balanced",

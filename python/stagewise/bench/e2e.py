@@ -6,6 +6,10 @@ and decodes exactly ``new_tokens`` tokens (EOS ignored on both sides), greedy, f
 ours and transformers alternate so that a noisy machine slows both alike; each figure is the
 median over the timed runs, after one short untimed warm-up of each.
 
+Ours runs once per linear precision asked for (``--linear-precision``, default ``exact,int8``;
+int8 only where the model has GGUF block-quantised matrices): each gets its own result row, and
+its runs alternate with the same transformers runs, so every ratio is measured side by side.
+
 TTFT is the time from submitting the batch to its first sampled token (the prefill). Decode
 tokens/s counts every token after each row's first, summed over the batch, over the time from
 the first token to the last. The memory floor is the decode time if every step only had to read
@@ -156,35 +160,85 @@ def summarise(runs: list[Run]) -> dict:
             "runs": len(runs)}
 
 
-def bench_batch(pipe, hf, ckpt: Checkpoint, batch: int, prompt_len: int, new_tokens: int,
-                repeats: int, gbps: float, log=print) -> dict:
-    """One result row: ours and transformers at one batch size, alternating runs."""
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def bench_batch(pipes: dict, hf, ckpt: Checkpoint, batch: int, prompt_len: int, new_tokens: int,
+                repeats: int, gbps: float, log=print) -> list[dict]:
+    """Result rows at one batch size, one per linear precision in ``pipes`` (precision ->
+    Pipeline), each against the same transformers runs; ours and transformers alternate."""
     prompts = make_prompts(ckpt, batch, prompt_len)
-    run_ours(pipe, prompts, 2)  # warm-up: allocator, first-call costs, page faults
+    for pipe in pipes.values():  # warm-up: allocator, first-call costs, page faults
+        run_ours(pipe, prompts, 2)
     run_transformers(hf, prompts, 2)
-    ours, theirs = [], []
+    ours: dict[str, list[Run]] = {mode: [] for mode in pipes}
+    theirs = []
     for i in range(repeats):
-        ours.append(run_ours(pipe, prompts, new_tokens))
+        for mode, pipe in pipes.items():
+            ours[mode].append(run_ours(pipe, prompts, new_tokens))
         theirs.append(run_transformers(hf, prompts, new_tokens))
-        log(f"  batch {batch} run {i + 1}/{repeats}: ours {ours[-1].decode_tokens / ours[-1].decode_s:.1f} tok/s, "
-            f"transformers {theirs[-1].decode_tokens / theirs[-1].decode_s:.1f} tok/s")
-    row = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-           "ours": summarise(ours), "transformers": summarise(theirs)}
-    o, t = row["ours"], row["transformers"]
-    row["decode_speedup"] = o["decode_tokens_per_s"] / t["decode_tokens_per_s"]
-    row["ttft_speedup"] = t["ttft_ms"] / o["ttft_ms"]
-    row["floor"] = memory_floor(ckpt.config, batch, prompt_len, new_tokens, pipe.dtype.itemsize, gbps)
-    best = row["floor"]["floor_tokens_per_s"]
-    row["ours_pct_floor"] = 100 * o["decode_tokens_per_s"] / best if best else None
-    row["transformers_pct_floor"] = 100 * t["decode_tokens_per_s"] / best if best else None
-    # Greedy rows identical to transformers' (fp32 rounding may let long continuations drift apart).
-    row["rows_matching_transformers"] = sum(a == b for a, b in zip(ours[-1].token_ids, theirs[-1].token_ids))
-    return row
+        mine = ", ".join(f"ours {mode} {r[-1].decode_tokens / r[-1].decode_s:.1f}" for mode, r in ours.items())
+        log(f"  batch {batch} run {i + 1}/{repeats}: {mine}, transformers "
+            f"{theirs[-1].decode_tokens / theirs[-1].decode_s:.1f} tok/s")
+    rows = []
+    for mode, pipe in pipes.items():
+        row = {"batch": batch, "linear_precision": mode, "prompt_len": prompt_len, "new_tokens": new_tokens,
+               "ours": summarise(ours[mode]), "transformers": summarise(theirs)}
+        o, t = row["ours"], row["transformers"]
+        row["decode_speedup"] = o["decode_tokens_per_s"] / t["decode_tokens_per_s"]
+        row["ttft_speedup"] = t["ttft_ms"] / o["ttft_ms"]
+        row["floor"] = memory_floor(ckpt.config, batch, prompt_len, new_tokens, pipe.dtype.itemsize, gbps)
+        best = row["floor"]["floor_tokens_per_s"]
+        row["ours_pct_floor"] = 100 * o["decode_tokens_per_s"] / best if best else None
+        row["transformers_pct_floor"] = 100 * t["decode_tokens_per_s"] / best if best else None
+        # Greedy rows identical to transformers' (fp32 rounding may let long continuations drift
+        # apart; the int8 mode changes the maths), and the mean length of the shared start.
+        pairs = list(zip(ours[mode][-1].token_ids, theirs[-1].token_ids))
+        row["rows_matching_transformers"] = sum(a == b for a, b in pairs)
+        row["mean_common_prefix"] = statistics.mean(common_prefix(a, b) for a, b in pairs)
+        rows.append(row)
+    return rows
+
+
+QUESTIONS = ["What is the capital of France?", "Write one sentence about the sea.",
+             "List three colours of the rainbow, separated by commas, and nothing else.", "Who wrote Hamlet?",
+             "What is 12 times 12?", "Give me a short tip for learning to cook.",
+             "Explain in one sentence what a lighthouse does.", "Translate 'good morning' into Spanish."]
+AGREEMENT_TOKENS = (8, 24)
+
+
+def agreement(pipes: dict, hf, max_len: int, new_tokens: int = AGREEMENT_TOKENS[-1]) -> dict:
+    """Greedy tokens of each of ``pipes`` against transformers on the chat QUESTIONS (one at a
+    time, EOS ignored): the share of questions whose first n tokens are identical, for each n in
+    AGREEMENT_TOKENS, and the mean length of the shared start. Questions longer than ``max_len``
+    with their answer are left out."""
+    any_pipe = next(iter(pipes.values()))
+    try:
+        prompts = [any_pipe._encode([q], None, chat=True)[0] for q in QUESTIONS]
+    except (ValueError, FileNotFoundError):  # no tokenizer or no chat template: nothing to ask
+        return {}
+    prompts = [p for p in prompts if len(p) + new_tokens <= max_len]
+    if not prompts:
+        return {}
+    theirs = [run_transformers(hf, [p], new_tokens).token_ids[0] for p in prompts]
+    out = {}
+    for mode, pipe in pipes.items():
+        ours = [c.token_ids for c in pipe.generate(prompt_token_ids=prompts, max_new_tokens=new_tokens, ignore_eos=True)]
+        prefixes = [common_prefix(a, b) for a, b in zip(ours, theirs)]
+        out[mode] = {"questions": len(prompts), "mean_common_prefix": statistics.mean(prefixes),
+                     **{f"first_{n}_equal": sum(p >= n for p in prefixes) for n in AGREEMENT_TOKENS}}
+    return out
 
 
 def run(args, log=print) -> int:
     """The `stagewise bench e2e` command: measure, print the table, write <device>-e2e.json/.md."""
     import json
+    import os
     import sys
 
     from stagewise.api import Pipeline
@@ -200,6 +254,7 @@ def run(args, log=print) -> int:
               f"got {args.batch_sizes!r}, {args.prompt_len}, {args.new_tokens}, {repeats}", file=sys.stderr)
         return 2
     info = report.machine_info(device)
+    load_start = os.getloadavg()  # the machine may be shared: its load goes beside the figures
     policy = TimingPolicy(warmup=2, min_repeats=3, max_repeats=20, budget_s=0.5)
     copy_bytes = 2**24 if args.tiny else 2**30 if device == "cuda" else 2**28  # far beyond the caches
     copy_bw = copy_bandwidth(device, copy_bytes, policy)
@@ -210,35 +265,64 @@ def run(args, log=print) -> int:
         print(f"stagewise bench e2e: {err}", file=sys.stderr)
         return 2
     max_len = args.prompt_len + args.new_tokens + 1
-    pipe = Pipeline(ckpt, device=device, dtype="float32", max_num_seqs=max(sizes), max_model_len=max_len,
-                    max_num_tokens=max(sizes) * max_len)
+    asked = [m.strip() for m in str(args.linear_precision).split(",") if m.strip()]
+    if not asked or any(m not in ("exact", "int8") for m in asked):
+        print(f"stagewise bench e2e: --linear-precision takes exact and/or int8, got {args.linear_precision!r}",
+              file=sys.stderr)
+        return 2
+    per_row = -(-max_len // 64) * 64  # whole KV blocks for every row (any block size dividing 64)
+    pipes, skipped = {}, []
+    for mode in asked:
+        try:
+            pipes[mode] = Pipeline(ckpt, device=device, dtype="float32", max_num_seqs=max(sizes), max_model_len=max_len,
+                                   max_num_tokens=max(sizes) * per_row, linear_precision=mode)
+        except (ValueError, NotImplementedError) as err:  # int8 needs GGUF blocks on the CPU
+            log(f"bench e2e: skipping linear precision {mode}: {err}")
+            skipped.append(mode)
+    if not pipes:
+        print(f"stagewise bench e2e: no linear precision could run ({asked})", file=sys.stderr)
+        return 2
     hf = load_transformers(ckpt, torch.float32, device)
-    rows = [bench_batch(pipe, hf, ckpt, b, args.prompt_len, args.new_tokens, repeats, copy_bw["gbps"], log)
-            for b in sizes]
-    info.update(model=str(args.model), dtype="float32", repeats=repeats)
+    rows = [row for b in sizes
+            for row in bench_batch(pipes, hf, ckpt, b, args.prompt_len, args.new_tokens, repeats, copy_bw["gbps"], log)]
+    agree = agreement(pipes, hf, max_len)
+    info.update(model=str(args.model), dtype="float32", repeats=repeats, linear_precisions=list(pipes),
+                skipped_precisions=skipped, load_average={"start": list(load_start), "end": list(os.getloadavg())})
     table = format_table(rows)
     print(table)
+    n_questions = next(iter(agree.values()))["questions"] if agree else 0
+    agree_lines = [f"Greedy agreement with transformers on {n_questions} chat questions ({AGREEMENT_TOKENS[-1]} "
+                   f"tokens each, EOS ignored):", ""] if agree else []
+    for mode, a in agree.items():
+        firsts = ", ".join(f"first {n} tokens equal {a[f'first_{n}_equal']}/{a['questions']}" for n in AGREEMENT_TOKENS)
+        agree_lines.append(f"- {mode}: {firsts}; mean shared start {a['mean_common_prefix']:.1f} tokens")
+    print("\n".join(agree_lines))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{info['device']}-e2e"
-    stem.with_suffix(".json").write_text(json.dumps({"machine": info, "copy_bandwidth": copy_bw, "rows": rows},
-                                                    indent=2) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps({"machine": info, "copy_bandwidth": copy_bw, "rows": rows,
+                                                     "agreement": agree}, indent=2) + "\n")
     stem.with_suffix(".md").write_text("\n".join([
         "# stagewise end to end: SmolLM2 decode", "",
         f"Machine: {info['device_name']} ({info['device']}), {info['cpu_count']} CPUs, {info['torch_threads']} "
         f"torch threads; torch {info['torch']}  ", f"Date (UTC): {info['date_utc']}; commit: {info['git_commit']}  ",
         f"Model: {info['model']}, float32, greedy, EOS ignored; median of {repeats} runs  ",
-        f"Copy bandwidth (read + write): {copy_bw['gbps']:.1f} GB/s", "",
+        f"Copy bandwidth (read + write): {copy_bw['gbps']:.1f} GB/s  ",
+        "Load average (1, 5, 15 min) at start / end: " + " / ".join(
+            ", ".join(f"{v:.2f}" for v in info["load_average"][k]) for k in ("start", "end")), "",
         "ours = stagewise.Pipeline, hf = transformers generate on the same weights, threads and prompts. "
         "TTFT = submit to first token; decode tok/s = tokens after each row's first, summed over the batch, "
         "over the time from first to last token. floor = tokens/s if each decode step only read its weights "
-        "and KV cache at the copy bandwidth. Targets: >= 1.5x transformers at batch 1, >= 3x at batch 16.", "",
-        table, ""]))
+        "and KV cache at the copy bandwidth. linears = ours' linear precision: exact (float32 maths on the "
+        "exact dequantised weights) or int8 (activations quantised to int8 per block of 32: approximate). "
+        "rows = hf: rows whose tokens all equal transformers'; prefix: mean count of leading tokens equal "
+        "to transformers'. Targets: >= 1.5x transformers at batch 1, >= 3x at batch 16.", "",
+        table, "", *agree_lines, ""]))
     log(f"wrote {stem}.json and {stem}.md")
     return 0
 
 
-COLUMNS = ["batch", "prompt", "new", "ours TTFT ms", "hf TTFT ms", "TTFT x", "ours tok/s", "hf tok/s",
-           "decode x", "floor tok/s", "ours % floor", "hf % floor", "MB/step", "rows = hf"]
+COLUMNS = ["batch", "prompt", "new", "linears", "ours TTFT ms", "hf TTFT ms", "TTFT x", "ours tok/s", "hf tok/s",
+           "decode x", "floor tok/s", "ours % floor", "hf % floor", "MB/step", "rows = hf", "prefix"]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -246,10 +330,10 @@ def format_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
     for r in rows:
         o, t, f = r["ours"], r["transformers"], r["floor"]
-        cells = [r["batch"], r["prompt_len"], r["new_tokens"], f"{o['ttft_ms']:.1f}", f"{t['ttft_ms']:.1f}",
+        cells = [r["batch"], r["prompt_len"], r["new_tokens"], r["linear_precision"], f"{o['ttft_ms']:.1f}", f"{t['ttft_ms']:.1f}",
                  f"{r['ttft_speedup']:.2f}x", f"{o['decode_tokens_per_s']:.1f}", f"{t['decode_tokens_per_s']:.1f}",
                  f"{r['decode_speedup']:.2f}x", f"{f['floor_tokens_per_s']:.1f}", f"{r['ours_pct_floor']:.0f}%",
                  f"{r['transformers_pct_floor']:.0f}%", f"{f['bytes_per_step_mean'] / 1e6:.1f}",
-                 f"{r['rows_matching_transformers']}/{r['batch']}"]
+                 f"{r['rows_matching_transformers']}/{r['batch']}", f"{r['mean_common_prefix']:.1f}"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)

@@ -27,7 +27,7 @@ from stagewise.bench import _flashinfer as fi
 EPS = 1e-6
 BLOCK = 16
 OPS = ("rms_norm", "fused_add_rms_norm", "rope", "qk_norm_rope", "reshape_and_cache", "slot_mapping",
-       "decode_attention", "merge_attn_states", "quant_linear")  # fmt: skip
+       "decode_attention", "merge_attn_states", "quant_linear", "quant_linear_int8")  # fmt: skip
 
 # Sizes per preset and device. Attention shapes are Llama-3-8B / Qwen3-8B like
 # (32 query heads, 8 KV heads, head_dim 128) unless a size says otherwise.
@@ -53,6 +53,10 @@ SIZES = {
                              dict(T=1, N=49152, K=576, q="Q8_0"), dict(T=16, N=49152, K=576, q="Q8_0")],
                      "cuda": [dict(T=1, N=14336, K=4096, q="Q4_1"), dict(T=16, N=14336, K=4096, q="Q4_1")],
                      "tiny": [dict(T=3, N=40, K=64, q="Q4_1")]},
+    # The int8 mode (CPU only) on the same matrices.
+    "quant_linear_int8": {"cpu": [dict(T=1, N=3072, K=576, q="Q4_1"), dict(T=16, N=3072, K=576, q="Q4_1"),
+                                  dict(T=1, N=49152, K=576, q="Q8_0"), dict(T=16, N=49152, K=576, q="Q8_0")],
+                          "cuda": [], "tiny": [dict(T=3, N=40, K=64, q="Q4_1")]},
 }  # fmt: skip
 NORM_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -85,7 +89,7 @@ def case_specs(device: str, ops_wanted: list[str], preset: str) -> list[tuple[st
         if preset == "quick":
             sizes = sizes[:1] + sizes[1:][-1:]  # the decode size and the largest one
         dtypes = NORM_DTYPES if op in ("rms_norm", "fused_add_rms_norm") and preset != "quick" else (torch.bfloat16,)
-        if op == "quant_linear":
+        if op in ("quant_linear", "quant_linear_int8"):
             dtypes = (torch.float32,)  # the dtype a quantised GGUF runs in
         specs += [(op, dt, size) for size in sizes for dt in dtypes]
     return specs
@@ -262,7 +266,7 @@ def dense_linear(x, w):
     return torch.nn.functional.linear(x, w)
 
 
-def _quant_linear(dtype, dev, T, N, K, q) -> Case:
+def _quant_linear(dtype, dev, T, N, K, q, int8: bool = False) -> Case:
     qtype = ops.QTYPES[q]
     # Real blocks with finite scales: quantise a random matrix the way llama.cpp's Q8_0/Q4_x do.
     w = torch.randn(N, K, device=dev)
@@ -286,10 +290,11 @@ def _quant_linear(dtype, dev, T, N, K, q) -> Case:
     out = torch.empty(T, N, dtype=dtype, device=dev)
     # Read the blocks and x, write out.
     nbytes = qweight.numel() + (T * K + T * N) * x.element_size()
-    return Case(op="quant_linear", name=f"{q} W[{N},{K}] x[{T}]", dtype=dtype, nbytes=nbytes,
-                ours=lambda: ops.quant_linear(x, qweight, qtype, out=out), baseline=dense_linear,
+    op, ref_fn = (ops.quant_linear_int8, ref.quant_linear_int8) if int8 else (ops.quant_linear, ref.quant_linear)
+    return Case(op=op.__name__, name=f"{q} W[{N},{K}] x[{T}]", dtype=dtype, nbytes=nbytes,
+                ours=lambda: op(x, qweight, qtype, out=out), baseline=dense_linear,
                 baseline_args=(x, dense),
-                validate=lambda: max_abs_err(ops.quant_linear(x, qweight, qtype), ref.quant_linear(x, qweight, qtype)),
+                validate=lambda: max_abs_err(op(x, qweight, qtype), ref_fn(x, qweight, qtype)),
                 flashinfer_note="FlashInfer has no GGUF block GEMM")  # fmt: skip
 
 
@@ -303,4 +308,5 @@ _BUILDERS = {
     "decode_attention": _decode_attention,
     "merge_attn_states": _merge,
     "quant_linear": _quant_linear,
+    "quant_linear_int8": lambda **kw: _quant_linear(int8=True, **kw),
 }

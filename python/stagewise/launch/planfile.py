@@ -84,6 +84,8 @@ class RunPlan:
     block_size: int = 16
     quantized: bool | None = None
     """Block-quantised GGUF matrices stay in their blocks (None: when the stage runs float32)."""
+    linear_precision: str = "exact"
+    """How those blocks multiply: "exact" (float32 dequantised values) or "int8" (approximate)."""
     partition: str = "explicit"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -145,7 +147,8 @@ class RunPlan:
             raise _fail("the document", type(data).__name__, "a mapping")
         data = dict(data)
         known = {"model", "stages", "num_layers", "dtype", "transport", "checksum", "max_num_seqs", "max_model_len",
-                 "kv_cache_bytes", "max_num_tokens", "block_size", "partition", "quantized"}
+                 "kv_cache_bytes", "max_num_tokens", "block_size", "partition", "quantized",
+                 "linear_precision"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"run plan: unknown keys {unknown}; expected some of {sorted(known)}")
@@ -202,6 +205,8 @@ class RunPlan:
             raise _fail("checksum", self.checksum, "true or false")
         if self.quantized is not None and not isinstance(self.quantized, bool):
             raise _fail("quantized", self.quantized, "true, false or null")
+        if self.linear_precision not in ("exact", "int8"):
+            raise _fail("linear_precision", self.linear_precision, "'exact' or 'int8'")
         for name in ("max_num_seqs", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

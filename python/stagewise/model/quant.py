@@ -2,7 +2,9 @@
 
 A linear weight ``W [out, in]`` of type Q4_0, Q4_1 or Q8_0 is stored as its raw GGUF rows,
 ``data [out, in / 32 * block_bytes]`` uint8, and multiplied by :func:`stagewise.ops.quant_linear`
-with the exact dequantised values. Rows can be sliced, permuted and concatenated freely (a row
+with the exact dequantised values, or with ``precision="int8"`` by
+:func:`stagewise.ops.quant_linear_int8` (x quantised to int8 per block: approximate, CPU only).
+Rows can be sliced, permuted and concatenated freely (a row
 is whole blocks); a slice along ``in`` must start and stop on a block boundary.
 """
 
@@ -14,12 +16,22 @@ from stagewise import ops
 from stagewise.ops import reference
 
 QTYPE_NAMES = {v: k for k, v in ops.QTYPES.items()}
+PRECISIONS = ("exact", "int8")
+"""How :meth:`QuantizedWeight.linear` multiplies: exact float32 dequantised weights, or int8 activations."""
+
+
+def check_precision(where: str, precision: object) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"{where}: linear_precision must be one of {PRECISIONS}, got {precision!r}")
+    return precision
 
 
 class QuantizedWeight:
-    """``W [out_features, in_features]`` in GGUF blocks; ``dtype`` is the compute (activation) dtype."""
+    """``W [out_features, in_features]`` in GGUF blocks; ``dtype`` is the compute (activation) dtype,
+    ``precision`` how :meth:`linear` multiplies (:data:`PRECISIONS`)."""
 
-    def __init__(self, data: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, data: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype = torch.float32,
+                 precision: str = "exact") -> None:
         if qtype not in QTYPE_NAMES:
             raise ValueError(f"QuantizedWeight: qtype must be one of {ops.QTYPES}, got {qtype!r}")
         row_bytes = in_features // ops.QUANT_BLOCK * ops.QUANT_BLOCK_BYTES[qtype]
@@ -27,6 +39,7 @@ class QuantizedWeight:
             raise ValueError(f"QuantizedWeight: data must be uint8 [out, {row_bytes}] for {QTYPE_NAMES[qtype]} with "
                              f"in_features={in_features}, got {data.dtype} {list(data.shape)}")
         self.data, self.qtype, self.in_features, self.dtype = data, qtype, in_features, dtype
+        self.precision = check_precision("QuantizedWeight", precision)
 
     @property
     def shape(self) -> torch.Size:
@@ -44,18 +57,23 @@ class QuantizedWeight:
         return self.shape[dim]
 
     def __repr__(self) -> str:
-        return f"QuantizedWeight({self.qtype_name}, shape={list(self.shape)}, dtype={self.dtype}, device={self.device})"
+        return (f"QuantizedWeight({self.qtype_name}, shape={list(self.shape)}, dtype={self.dtype}, "
+                f"precision={self.precision}, device={self.device})")
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> QuantizedWeight:
         """Moves the blocks; ``dtype`` sets the compute dtype (the blocks stay as they are)."""
         data = self.data if device is None else self.data.to(device)
-        return QuantizedWeight(data, self.qtype, self.in_features, dtype or self.dtype)
+        return QuantizedWeight(data, self.qtype, self.in_features, dtype or self.dtype, self.precision)
+
+    def with_precision(self, precision: str) -> QuantizedWeight:
+        """The same blocks, multiplied in ``precision`` (:data:`PRECISIONS`)."""
+        return QuantizedWeight(self.data, self.qtype, self.in_features, self.dtype, precision)
 
     def contiguous(self) -> QuantizedWeight:
         return self if self.data.is_contiguous() else self._like(self.data.contiguous(), self.in_features)
 
     def _like(self, data: torch.Tensor, in_features: int) -> QuantizedWeight:
-        return QuantizedWeight(data, self.qtype, in_features, self.dtype)
+        return QuantizedWeight(data, self.qtype, in_features, self.dtype, self.precision)
 
     def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
         """Rows (``dim=0``) or, on block boundaries, columns (``dim=1``) ``[start, start + length)``."""
@@ -96,7 +114,10 @@ class QuantizedWeight:
             *ids.shape, self.in_features)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ W.T + bias`` through :func:`stagewise.ops.quant_linear`."""
+        """``x @ W.T + bias`` through :func:`stagewise.ops.quant_linear` (``precision="exact"``) or
+        :func:`stagewise.ops.quant_linear_int8` (``"int8"``)."""
+        if self.precision == "int8":
+            return ops.quant_linear_int8(x, self.data, self.qtype, bias)
         return ops.quant_linear(x, self.data, self.qtype, bias)
 
 

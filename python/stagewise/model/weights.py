@@ -21,7 +21,7 @@ import torch
 
 from stagewise.model.checkpoint import Checkpoint, open_checkpoint
 from stagewise.model.config import ModelConfig
-from stagewise.model.quant import QuantizedWeight
+from stagewise.model.quant import QuantizedWeight, check_precision
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -161,6 +161,7 @@ def keeps_quantized(dtype: torch.dtype | None, quantized: bool | None) -> bool:
 def load_stage_weights(checkpoint: Checkpoint | str | Path, start_layer: int, end_layer: int, *,
                        tp_rank: int = 0, tp_size: int = 1,
                        dtype: str | torch.dtype = "auto", quantized: bool | None = None,
+                       linear_precision: str = "exact",
                        progress: Callable[[int, int, int], None] | None = None
                        ) -> dict[str, torch.Tensor | QuantizedWeight]:
     """HF name -> tensor for decoder layers ``[start_layer, end_layer)`` of ``checkpoint``.
@@ -179,6 +180,10 @@ def load_stage_weights(checkpoint: Checkpoint | str | Path, start_layer: int, en
     ``quantized=False``. A row-parallel shard of a quantised matrix must split ``in`` on block
     boundaries (32 weights), else ValueError.
 
+    ``linear_precision="int8"`` makes those blocks multiply with x quantised to int8 per block
+    (:func:`stagewise.ops.quant_linear_int8`: approximate, CPU only); it needs them kept in
+    their blocks, else ValueError. The default ``"exact"`` uses the exact dequantised values.
+
     ``progress(done, total, nbytes)``, when given, is called once before the first read and
     after each tensor read: ``done`` of ``total`` tensors read so far (a tied matrix counts
     once) and ``nbytes`` bytes taken from the checkpoint for them (its ``bytes_read`` growth).
@@ -195,6 +200,7 @@ def load_stage_weights(checkpoint: Checkpoint | str | Path, start_layer: int, en
     _check_tp(cfg, tp_rank, tp_size)
     target = _target_dtype(dtype)
     keep = keeps_quantized(target, quantized)
+    check_precision("load_stage_weights", linear_precision)
     plan = stage_shapes(cfg, start_layer, end_layer)
     stored = ckpt.names()
     missing = sorted({src for src, _ in plan.values()} - stored)
@@ -222,4 +228,11 @@ def load_stage_weights(checkpoint: Checkpoint | str | Path, start_layer: int, en
             if progress is not None:
                 progress(len(read), total, ckpt.bytes_read - start_bytes)
         out[name] = read[src]
+    if linear_precision != "exact":
+        if not any(isinstance(w, QuantizedWeight) for w in out.values()):
+            raise ValueError(f"load_stage_weights: linear_precision={linear_precision!r} applies to block-quantised "
+                             f"GGUF matrices kept in their blocks, and layers [{start_layer}, {end_layer}) of "
+                             f"{str(ckpt.path)!r} have none at dtype={dtype!r}, quantized={quantized!r} (it needs a "
+                             f"Q4_0/Q4_1/Q8_0 GGUF run in float32)")
+        out = {k: w.with_precision(linear_precision) if isinstance(w, QuantizedWeight) else w for k, w in out.items()}
     return out

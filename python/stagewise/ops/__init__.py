@@ -24,6 +24,7 @@ __all__ = [
     "decode_attention",
     "merge_attn_states",
     "quant_linear",
+    "quant_linear_int8",
 ]
 
 # GGUF block types quant_linear takes: name -> GGML type id (ggml.h), and the block layout
@@ -177,9 +178,37 @@ def quant_linear(
     ``W [out_features, in]`` row by row, ``qtype`` their GGML type id (:data:`QTYPES`).
     The weights are their exact float32 dequantised values and the sums are float32,
     rounded once to x's dtype with the bias added (bias ``[out_features]`` in x's dtype).
+    On the CPU, 32 rows or more (a prompt) take a GEMM over dequantised tiles of W, fewer
+    (decode) a kernel that reads each block once; both give these values up to summation order.
     """
     if out is None:
         n = qweight.shape[0] if qweight.dim() >= 1 else 0
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     _ops.quant_linear(out, x, qweight, qtype, bias)
+    return out
+
+
+def quant_linear_int8(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qtype: int,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`quant_linear` in reduced precision (approximate; CPU only): each block of 32
+    values of a row of x is quantised to int8 with a float32 scale (``max|x| / 127``, ties
+    to even) and multiplied with the weight blocks in integer arithmetic, block results summed
+    in float32 (the maths of include/stagewise/quant.h, written plainly in
+    :func:`stagewise.ops.reference.quant_linear_int8`). The error against :func:`quant_linear`
+    is that of quantising x: at most ``max|x| / 254`` per value, per block. Arguments as
+    :func:`quant_linear`.
+    """
+    if x.device.type != "cpu":
+        raise NotImplementedError(f"stagewise.quant_linear_int8: the int8 mode runs on the CPU only, got x on "
+                                  f"{x.device}; use quant_linear (exact) there")
+    if out is None:
+        n = qweight.shape[0] if qweight.dim() >= 1 else 0
+        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    _ops.quant_linear_int8(out, x, qweight, qtype, bias)
     return out

@@ -84,3 +84,8 @@ def _merge_attn_states(out, lse, out_a, lse_a, out_b, lse_b):
 @_fake("quant_linear", ref="x")
 def _quant_linear(out, x, qweight, qtype, bias):
     return None
+
+
+@_fake("quant_linear_int8", ref="x")
+def _quant_linear_int8(out, x, qweight, qtype, bias):
+    return None

@@ -156,3 +156,39 @@ def quant_linear(x, qweight, qtype, bias=None) -> torch.Tensor:
     """``x @ dequantize(qweight).T + bias`` in float32, rounded to x's dtype."""
     b = None if bias is None else bias.float()
     return F.linear(x.float(), dequantize(qweight, qtype), b).to(x.dtype)
+
+
+def quantize_blocks_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x [rows, K]`` (float32) per block of 32 -> ``q [rows, K / 32, 32]`` (integer values
+    in float32) and ``d [rows, K / 32, 1]``: ``d = max|x| / 127``, ``q = round_half_even(x * (1 / d))``
+    (0 for an all-zero block)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d != 0, 1 / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    return torch.round(blocks * inv), d
+
+
+def quant_linear_int8(x, qweight, qtype, bias=None) -> torch.Tensor:
+    """The int8 mode of quant_linear: x quantised per block (quantize_blocks_int8), every block
+    product an exact integer sum scaled by the weight's and x's scales in float32, then summed."""
+    if qtype not in _BLOCK_BYTES:
+        raise ValueError(f"quant_linear_int8: qtype must be one of {sorted(_BLOCK_BYTES)}, got {qtype!r}")
+    rows_shape, n = x.shape[:-1], qweight.shape[0]
+    xq, dx = quantize_blocks_int8(x.reshape(-1, x.shape[-1]).float())  # [T, B, 32], [T, B, 1]
+    blocks = qweight.reshape(n, -1, _BLOCK_BYTES[qtype])
+    dw = blocks[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [N, B]
+    if qtype == _Q8_0:
+        wq = blocks[..., 2:].contiguous().view(torch.int8).double()
+    else:
+        qs = blocks[..., 4:] if qtype == _Q4_1 else blocks[..., 2:]
+        wq = torch.cat([qs & 15, qs >> 4], dim=-1).double() - (8 if qtype == _Q4_0 else 0)
+    isum = torch.einsum("tbk,nbk->tnb", xq.double(), wq).float()  # exact integers
+    dx = dx[..., 0].unsqueeze(1)  # [T, 1, B]
+    y = (dw.unsqueeze(0) * dx) * isum
+    if qtype == _Q4_1:
+        m = blocks[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
+        y = y + m.unsqueeze(0) * (dx * xq.sum(-1).unsqueeze(1))
+    y = y.sum(-1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.reshape(*rows_shape, n).to(x.dtype)

@@ -133,7 +133,7 @@ class StageProcess:
         ckpt, cfg = self.checkpoint, self.checkpoint.config
         dtype = _dtype(self.plan.dtype, cfg.dtype)
         weights = load_stage_weights(ckpt, self.spec.start_layer, self.spec.end_layer, dtype=dtype,
-                                     quantized=self.plan.quantized)
+                                     quantized=self.plan.quantized, linear_precision=self.plan.linear_precision)
         self.model = StageModel.from_weights(cfg, self.spec.start_layer, self.spec.end_layer, weights, dtype=dtype,
                                              device=self.spec.device)
         del weights
