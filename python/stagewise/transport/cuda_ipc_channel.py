@@ -164,22 +164,11 @@ class CudaIpcChannel(Channel):
         return self.ring.closed or self.tcp.closed
 
 
-def open_channel(*, hello, host=None, port=None, listener=None, auth_token=None, timeout: float = 30.0,
-                 slot_bytes: int = 1 << 20, num_slots: int = 4, device: int | None = None, **options) -> Channel:
-    """``stagewise.transport.open_channel("cuda-ipc", ...)``: connect to ``host:port`` (this end
-    sends through the ring) or accept on ``listener`` (this end receives)."""
-    from stagewise.transport import tcp
-    from stagewise.transport.shm_channel import upgrade_accepted, upgrade_dialled
+def open_channel(**options) -> Channel:
+    """``stagewise.transport.open_channel("cuda-ipc", ...)``: see
+    :func:`stagewise.transport.shm_channel.open_link`."""
+    from stagewise.transport.shm_channel import open_link
 
     if not torch.cuda.is_available():
         raise RuntimeError("stagewise.transport: the cuda-ipc transport needs a CUDA device; none is available")
-    if listener is not None:
-        return upgrade_accepted(listener.accept(timeout), device=device)
-    if host is None or port is None:
-        raise ValueError("stagewise.transport: open_channel('cuda-ipc') needs host and port, or listener=")
-    channel = tcp.connect(host, port, hello=hello, auth_token=auth_token, timeout=timeout, **options)
-    try:
-        return upgrade_dialled(channel, "cuda-ipc", slot_bytes=slot_bytes, num_slots=num_slots, device=device)
-    except BaseException:
-        channel.close()
-        raise
+    return open_link("cuda-ipc", **options)

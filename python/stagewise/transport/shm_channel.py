@@ -212,20 +212,26 @@ def upgrade_accepted(channel: Channel, *, device: int | None = None, **options) 
     return channel
 
 
-def open_channel(*, hello, host=None, port=None, listener=None, auth_token=None, timeout: float = 30.0,
-                 slot_bytes: int = 1 << 20, num_slots: int = 4, **options) -> Channel:
-    """``stagewise.transport.open_channel("shm", ...)``: connect to ``host:port`` (then this end
+def open_link(kind: str, *, hello, host=None, port=None, listener=None, auth_token=None, timeout: float = 30.0,
+              slot_bytes: int = 1 << 20, num_slots: int = 4, device: int | None = None, **options) -> Channel:
+    """A ring link of ``kind`` (shm, cuda-ipc) over TCP: connect to ``host:port`` (then this end
     sends through the ring) or accept on ``listener`` (this end receives)."""
     from stagewise.transport import tcp
 
     checks = {k: options[k] for k in ("checksum", "verify_checksum") if k in options}
     if listener is not None:
-        return upgrade_accepted(listener.accept(timeout), **checks)
+        return upgrade_accepted(listener.accept(timeout), device=device, **checks)
     if host is None or port is None:
-        raise ValueError("stagewise.transport: open_channel('shm') needs host and port to connect, or listener= to accept")
+        raise ValueError(f"stagewise.transport: open_channel({kind!r}) needs host and port to connect, or listener= "
+                         "to accept")
     channel = tcp.connect(host, port, hello=hello, auth_token=auth_token, timeout=timeout, **options)
     try:
-        return upgrade_dialled(channel, "shm", slot_bytes=slot_bytes, num_slots=num_slots, **checks)
+        return upgrade_dialled(channel, kind, slot_bytes=slot_bytes, num_slots=num_slots, device=device, **checks)
     except BaseException:
         channel.close()
         raise
+
+
+def open_channel(**options) -> Channel:
+    """``stagewise.transport.open_channel("shm", ...)``: see :func:`open_link`."""
+    return open_link("shm", **options)
