@@ -58,31 +58,34 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])
 def test_a_dead_or_hung_stage_ends_requests_with_an_error_naming_it(folder, fault):
+    from dataclasses import asdict
+
+    from stagewise.runtime.sampling import SamplingParams
+
     pipe = stagewise.Pipeline(str(folder), stages=3, max_model_len=500, max_num_seqs=4)
-    procs = pipe.driver.processes
-    pids = [p.pid for p in procs]
-    victim = procs[1]
-
-    def strike(index, text):
-        if not getattr(strike, "done", False):
-            strike.done, strike.at = True, time.monotonic()
-            os.kill(victim.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-
-    # Text streams only with a tokenizer; this model has none, so strike from a timer instead.
-    import threading
-
-    timer = threading.Timer(1.0, strike, args=(0, ""))
-    timer.start()
+    driver = pipe.driver
+    pids = [p.pid for p in driver.processes]
+    params = asdict(SamplingParams(max_new_tokens=480, temperature=0.0, ignore_eos=True))
+    results, struck = {}, None
     try:
-        out = pipe.generate(prompt_token_ids=[[5, 6, 7], [8, 9]], max_new_tokens=480, ignore_eos=True)
+        driver.add(0, [5, 6, 7], params)
+        driver.add(1, [8, 9], params)
+        deadline = time.monotonic() + 120
+        while len(results) < 2 and time.monotonic() < deadline:
+            for out in driver.pump(0.01):
+                results[out["id"]] = out
+            # Strike once the first tokens came back: mid-generation, whatever the machine's speed.
+            if struck is None and any(s.first_token_s for s in driver.requests.values()):
+                os.kill(pids[1], signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+                struck = time.monotonic()
         ended = time.monotonic()
     finally:
-        timer.cancel()
         pipe.close()
-    assert getattr(strike, "done", False), "generation ended before the fault was injected"
-    assert ended - strike.at < 5.0
-    for c in out:
-        assert c.finish_reason == "error" and "stage 1" in c.error, c.error
+    assert struck is not None, "no token came back before the fault"
+    assert ended - struck < 5.0
+    assert sorted(results) == [0, 1]
+    for out in results.values():
+        assert out["finish_reason"] == "error" and "stage 1" in out["error"], out["error"]
     assert _gone(pids), "stage processes left behind"
     with pytest.raises(ValueError, match="closed"):
         pipe.generate(prompt_token_ids=[[1, 2]], max_new_tokens=2)
@@ -250,25 +253,60 @@ def _mutate(rng: random.Random, good: bytes, frame: Frame) -> bytes:
     return encode_frame(bad)
 
 
-def test_ctrl_c_stops_the_driver_and_every_stage(folder):
-    """SIGINT to the whole process group, as a terminal's Ctrl-C: the CLI exits 130 and no stage
-    process is left."""
-    proc = subprocess.Popen([sys.executable, "-m", "stagewise.cli", "generate", str(folder), "--stages", "3",
-                             "--prompt-ids", "5,6,7", "--max-new-tokens", "480", "--max-model-len", "500"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    children = []
-    deadline = time.monotonic() + 120
-    while len(children) < 3 and time.monotonic() < deadline:  # wait until the stages run
-        children = _children(proc.pid)
-        time.sleep(0.2)
-    assert len(children) == 3, "the stage processes did not start"
-    time.sleep(2.0)  # into the generation
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        code = proc.wait(timeout=15)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+CTRL_C_SCRIPT = """
+import os, signal, sys
+from dataclasses import asdict
+import stagewise
+from stagewise.runtime.sampling import SamplingParams
+
+pipe = stagewise.Pipeline(sys.argv[1], stages=3, max_model_len=500, max_num_seqs=4)
+print("PIDS", *[p.pid for p in pipe.driver.processes], flush=True)
+try:
+    with pipe:
+        driver = pipe.driver
+        driver.add(0, [5, 6, 7], asdict(SamplingParams(max_new_tokens=480, temperature=0.0, ignore_eos=True)))
+        while True:
+            driver.pump(0.01)
+            if any(s.first_token_s for s in driver.requests.values()):
+                print("STRUCK", flush=True)
+                os.killpg(0, signal.SIGINT)  # a terminal's Ctrl-C: the whole process group
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("when", ["starting", "generating"])
+def test_ctrl_c_stops_the_driver_and_every_stage(folder, when):
+    """SIGINT to the whole process group, as a terminal's Ctrl-C, while the stages start (the CLI)
+    or in the middle of a generation (the Python API): exit 130, no traceback, no stage left."""
+    if when == "generating":
+        proc = subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, str(folder)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        first = proc.stdout.readline().split()
+        assert first and first[0] == "PIDS", first
+        children = [int(x) for x in first[1:]]
+        try:
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        assert "STRUCK" in proc.stdout.read()
+    else:
+        proc = subprocess.Popen([sys.executable, "-m", "stagewise.cli", "generate", str(folder), "--stages", "3",
+                                 "--prompt-ids", "5,6,7", "--max-new-tokens", "480", "--max-model-len", "500"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        children = []
+        deadline = time.monotonic() + 120
+        while len(children) < 3 and time.monotonic() < deadline:  # the stage processes exist
+            children = _children(proc.pid)
+            time.sleep(0.05)
+        assert len(children) == 3, "the stage processes did not start"
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            code = proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
     err = proc.stderr.read()
     assert code == 130, err[-2000:]
     assert "Traceback" not in err, err[-2000:]
