@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 import struct
 
-import pytest
 import torch
 import xxhash
 

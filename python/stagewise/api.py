@@ -143,7 +143,7 @@ class Pipeline:
         self.plan = plan
         self.driver = PipelineDriver(plan, addresses, fingerprint=plan.fingerprint(self.checkpoint.hf_config),
                                      auth_token=auth_token, processes=processes,
-                                     hop_transports=hop_transports(plan, local=processes is not None),
+                                     hop_transports=hop_transports(plan),
                                      connect_timeout_s=connect_timeout_s)
 
     @classmethod
@@ -390,10 +390,10 @@ def _tokenizer(ckpt: Checkpoint):
         return None  # token ids in and out only
 
 
-def hop_transports(plan, *, local: bool) -> list[str]:
+def hop_transports(plan) -> list[str]:
     """The transport of each stage's outgoing hop (stage i -> i + 1, the last -> 0): ``auto`` is
     shm between two stages of one host (the same ``host`` in the plan; every locally spawned
-    stage), tcp between hosts. ``local``: the stages were spawned here."""
+    stage), tcp between hosts."""
     n = plan.num_stages
     if plan.transport == "cuda-ipc":
         cpu = [s.index for s in plan.stages if not s.device.startswith("cuda")]
