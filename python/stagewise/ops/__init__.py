@@ -164,6 +164,14 @@ def merge_attn_states(
     return out, lse
 
 
+def _linear_out(x: torch.Tensor, qweight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``out``, or a new ``[..., out_features]`` tensor in x's dtype (the ops check either)."""
+    if out is not None:
+        return out
+    n = qweight.shape[0] if qweight.dim() >= 1 else 0
+    return torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+
+
 def quant_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -181,9 +189,7 @@ def quant_linear(
     On the CPU, 32 rows or more (a prompt) take a GEMM over dequantised tiles of W, fewer
     (decode) a kernel that reads each block once; both give these values up to summation order.
     """
-    if out is None:
-        n = qweight.shape[0] if qweight.dim() >= 1 else 0
-        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    out = _linear_out(x, qweight, out)
     _ops.quant_linear(out, x, qweight, qtype, bias)
     return out
 
@@ -207,8 +213,6 @@ def quant_linear_int8(
     if x.device.type != "cpu":
         raise NotImplementedError(f"stagewise.quant_linear_int8: the int8 mode runs on the CPU only, got x on "
                                   f"{x.device}; use quant_linear (exact) there")
-    if out is None:
-        n = qweight.shape[0] if qweight.dim() >= 1 else 0
-        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    out = _linear_out(x, qweight, out)
     _ops.quant_linear_int8(out, x, qweight, qtype, bias)
     return out

@@ -29,6 +29,7 @@ from stagewise.transport.channel import Channel
 from stagewise.transport.errors import ChannelClosed, FrameError, HandshakeError
 from stagewise.transport.frame import Frame, StepKind, WireDType
 from stagewise.transport.shm import RingClosedError
+from stagewise.transport.shm_channel import RingLink
 
 SETUP_TIMEOUT_S = 30.0
 ALIGN = 256
@@ -38,12 +39,8 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-class CudaIpcChannel(Channel):
-    def __init__(self, tcp: Channel, ring, *, sending: bool) -> None:
-        super().__init__()
-        self.tcp, self.ring, self.sending = tcp, ring, sending
-        self.peer, self.peer_name = tcp.peer, f"{tcp.peer_name} (cuda ipc ring {ring.name})"
-        self._held = False
+class CudaIpcChannel(RingLink):
+    kind = "cuda ipc"
 
     @classmethod
     def offer(cls, tcp: Channel, *, slot_bytes: int, num_slots: int = 4, device: int | None = None) -> CudaIpcChannel:
@@ -111,9 +108,7 @@ class CudaIpcChannel(Channel):
     def recv(self, timeout: float | None = None, *, max_frame_bytes: int | None = None) -> Frame:
         if self.sending:
             return self.tcp.recv(timeout, max_frame_bytes=max_frame_bytes)
-        if self._held:  # the previous frame's tensors end here (after the work enqueued on them)
-            self._held = False
-            self.ring.release()
+        self._release()  # the previous frame's tensors end here (after the work enqueued on them)
         start = time.perf_counter()
         desc = self.tcp.recv(timeout, max_frame_bytes=max_frame_bytes)
         control = desc.control or {}
@@ -148,20 +143,6 @@ class CudaIpcChannel(Channel):
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         return self.tcp.poll(timeout)
-
-    def close(self) -> None:
-        try:
-            if self._held:
-                self._held = False
-                self.ring.release()
-        except Exception:  # noqa: BLE001 - closing anyway
-            pass
-        self.ring.close()
-        self.tcp.close()
-
-    @property
-    def closed(self) -> bool:
-        return self.ring.closed or self.tcp.closed
 
 
 def open_channel(**options) -> Channel:

@@ -25,17 +25,47 @@ BIG_FRAME = b"SWBIG"
 SETUP_TIMEOUT_S = 30.0
 
 
-class ShmChannel(Channel):
+class RingLink(Channel):
+    """A data link of two parts: a ring (shm or CUDA IPC) carrying frames from the sending end
+    to the receiving end, and the TCP channel it was set up on (hello, auth, peer death, the
+    reverse direction). The receiving end holds at most one slot, released by :meth:`_release`."""
+
+    kind = "ring"
+
+    def __init__(self, tcp: Channel, ring, *, sending: bool) -> None:
+        super().__init__()
+        self.tcp, self.ring, self.sending = tcp, ring, sending
+        self.peer, self.peer_name = tcp.peer, f"{tcp.peer_name} ({self.kind} ring {ring.name})"
+        self._held = False
+
+    def _release(self) -> None:
+        if self._held:
+            self._held = False
+            self.ring.release()
+
+    def close(self) -> None:
+        try:
+            self._release()
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
+        self.ring.close()
+        self.tcp.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.ring.closed or self.tcp.closed
+
+
+class ShmChannel(RingLink):
     """One end of a shm link: the ring carries frames from the sending end to the receiving end;
     the underlying TCP channel carries the setup, oversized frames and the reverse direction."""
 
+    kind = "shm"
+
     def __init__(self, tcp: Channel, ring: ShmRing, *, sending: bool, checksum: bool = True,
                  verify_checksum: bool = True, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
-        super().__init__()
-        self.tcp, self.ring, self.sending = tcp, ring, sending
+        super().__init__(tcp, ring, sending=sending)
         self.checksum, self.verify_checksum, self.max_payload_bytes = checksum, verify_checksum, max_payload_bytes
-        self.peer, self.peer_name = tcp.peer, f"{tcp.peer_name} (shm ring {ring.name})"
-        self._held = False
         self._pending = None  # a slot acquired by poll(), not yet returned by recv()
 
     # ---- setup ---------------------------------------------------------------------
@@ -95,11 +125,6 @@ class ShmChannel(Channel):
         self.stats.bytes_sent += n
         self.stats.send_s += time.perf_counter() - start
 
-    def _release(self) -> None:
-        if self._held:
-            self._held = False
-            self.ring.release()
-
     def recv(self, timeout: float | None = None, *, max_frame_bytes: int | None = None) -> Frame:
         if self.sending:
             return self.tcp.recv(timeout, max_frame_bytes=max_frame_bytes)
@@ -155,18 +180,6 @@ class ShmChannel(Channel):
             return True  # recv raises it
         self._held = True
         return True
-
-    def close(self) -> None:
-        try:
-            self._release()
-        except Exception:  # noqa: BLE001 - closing anyway
-            pass
-        self.ring.close()
-        self.tcp.close()
-
-    @property
-    def closed(self) -> bool:
-        return self.ring.closed or self.tcp.closed
 
 
 # ---- the link message: which transport a freshly opened data link continues on ------------
