@@ -35,7 +35,10 @@ def spawn_stages(plan: RunPlan, *, auth_token: str | None = None, workdir: str |
             if spec.threads:
                 stage_env["OMP_NUM_THREADS"] = str(spec.threads)
             procs.append(subprocess.Popen(stage_command(path, spec.index) + ["--die-with-parent"], env=stage_env,
-                                          stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True))
+                                          stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                                          # A terminal's Ctrl-C goes to the driver alone, which then stops the
+                                          # stages; a stage still importing would otherwise die with a traceback.
+                                          start_new_session=True))
         addresses = [_read_address(p, i, timeout_s) for i, p in enumerate(procs)]
     except BaseException:
         stop_processes(procs, grace_s=0.5)
