@@ -29,6 +29,10 @@ constexpr int64_t kTile = 32;
 constexpr int64_t kMinSplitBlocks = 4;
 constexpr int64_t kMinSplitTokens = 64;
 constexpr int64_t kMaxSplits = 16;
+// Tokens of K and V requested ahead of the tile being worked on, and the cache
+// level they are requested into (1: L2).
+constexpr int64_t kPrefetchAhead = 32;
+constexpr int kPrefetchLocality = 1;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -99,7 +103,8 @@ class RowCursor {
 };
 
 // Blocks are scattered, and a kv head's rows inside a block are Hk * D apart,
-// so the hardware prefetcher does not see the next tile coming: ask for it.
+// so the hardware prefetcher does not see the coming tokens: ask for them, into
+// L2 (prefetcht1/t2: pulling them into L1 as well evicts the tile being worked on).
 template <typename T>
 STAGEWISE_ALWAYS_INLINE void prefetch_rows(const T* base, const int64_t* rows, int64_t n,
                                            int64_t D) {
@@ -107,9 +112,34 @@ STAGEWISE_ALWAYS_INLINE void prefetch_rows(const T* base, const int64_t* rows, i
   const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
   for (int64_t i = 0; i < n; ++i) {
     const char* row = reinterpret_cast<const char*>(base + rows[i]);
-    for (int64_t off = 0; off < bytes; off += kLine) __builtin_prefetch(row + off);
+    for (int64_t off = 0; off < bytes; off += kLine) __builtin_prefetch(row + off, 0, kPrefetchLocality);
   }
 }
+
+// Prefetches the rows of one cache (K or V) of kv head g of sequence b, from
+// token `from` on, up to a given token.
+template <typename T>
+class Prefetcher {
+ public:
+  Prefetcher(const DecodeAttentionParams& p, const void* cache, int64_t b, int64_t g, int64_t from)
+      : cache_(static_cast<const T*>(cache)), D_(p.head_dim), cursor_(p, b, g, from), at_(from) {}
+
+  STAGEWISE_ALWAYS_INLINE void upto(int64_t end) {
+    int64_t rows[kTile];
+    while (at_ < end) {
+      const int64_t n = std::min(kTile, end - at_);
+      cursor_.next(n, rows);
+      prefetch_rows(cache_, rows, n, D_);
+      at_ += n;
+    }
+  }
+
+ private:
+  const T* cache_;
+  int64_t D_;
+  RowCursor cursor_;
+  int64_t at_;
+};
 
 // Attends the G query rows sc.q [G, D] of group g of sequence b over its cached
 // tokens [t0, t1). Writes out [G, D] (normalised, float32) and lse [G]; an
@@ -124,41 +154,38 @@ STAGEWISE_ALWAYS_INLINE void attend_tokens(const DecodeAttentionParams& p, int64
   std::fill(out, out + G * D, 0.f);
   std::fill(sc.m, sc.m + G, kNegInf);
   std::fill(sc.l, sc.l + G, 0.f);
-  int64_t rows[2][kTile];  // this tile's and the next tile's row offsets
+  int64_t rows[kTile];
   const float* krows[kTile];
   const float* vrows[kTile];
   RowCursor cursor(p, b, g, t0);
-  int64_t n = std::min(kTile, t1 - t0);
-  if (n > 0) cursor.next(n, rows[0]);
-  for (int64_t t = t0, cur = 0; t < t1; t += n, cur ^= 1) {
+  // The caller prefetched this range's first kPrefetchAhead tokens; the rest go
+  // one slice per head and phase, kPrefetchAhead tokens ahead.
+  const int64_t from = std::min(t1, t0 + kPrefetchAhead);
+  Prefetcher<T> k_ahead(p, p.k_cache, b, g, from), v_ahead(p, p.v_cache, b, g, from);
+  for (int64_t t = t0, n = 0; t < t1; t += n) {
     n = std::min(kTile, t1 - t);
-    const int64_t n_next = std::min(kTile, t1 - t - n);
-    if (n_next > 0) {
-      cursor.next(n_next, rows[cur ^ 1]);
-      prefetch_rows(k_cache, rows[cur ^ 1], n_next, D);
-      prefetch_rows(v_cache, rows[cur ^ 1], n_next, D);
-    }
+    const auto ahead_to = [&](int64_t h) { return std::min(t1, t + kPrefetchAhead + n * (h + 1) / G); };
+    cursor.next(n, rows);
     for (int64_t i = 0; i < n; ++i) {
-      krows[i] = row_as_float(k_cache + rows[cur][i], sc.k + i * D, D);
-      vrows[i] = row_as_float(v_cache + rows[cur][i], sc.v + i * D, D);
+      krows[i] = row_as_float(k_cache + rows[i], sc.k + i * D, D);
+      vrows[i] = row_as_float(v_cache + rows[i], sc.v + i * D, D);
     }
-    for (int64_t h = 0; h < G; ++h) score_rows(sc.p + h * kTile, sc.q + h * D, krows, n, D, p.scale);
+    for (int64_t h = 0; h < G; ++h) {
+      k_ahead.upto(ahead_to(h));
+      score_rows(sc.p + h * kTile, sc.q + h * D, krows, n, D, p.scale);
+    }
     for (int64_t h = 0; h < G; ++h) {
       float* s = sc.p + h * kTile;
-      const float m_new = std::max(sc.m[h], *std::max_element(s, s + n));
+      const float m_new = std::max(sc.m[h], max_of(s, n));
       const float alpha = std::exp(sc.m[h] - m_new);  // 0 on the first tile (m = -inf)
-      for (int64_t i = 0; i < n; ++i) s[i] -= m_new;
-      int64_t i = 0;
-      for (; i + kVec <= n; i += kVec) exp8_nonpositive(s + i, s + i);
-      for (; i < n; ++i) s[i] = std::exp(s[i]);
-      float sum = 0.f;
-      for (i = 0; i < n; ++i) sum += s[i];
+      const float sum = exp_shifted_sum(s, n, m_new);
       sc.l[h] = sc.l[h] * alpha + sum;
       sc.m[h] = m_new;
       float* acc = out + h * D;
       if (alpha != 1.f) {
         for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
       }
+      v_ahead.upto(ahead_to(h));
       accumulate_rows(acc, s, vrows, n, D);
     }
   }
@@ -200,6 +227,30 @@ AttendFn pick_attend_tokens() {
   return &attend_tokens_baseline<T>;
 }
 
+// Work item `item` = (sequence b, kv head g, split s) and its tokens [t0, t1).
+struct Range {
+  int64_t b, g, t0, t1;
+};
+
+Range item_range(const DecodeAttentionParams& p, int64_t item) {
+  const int64_t Hk = p.num_kv_heads, S = p.num_splits;
+  const int64_t b = item / (Hk * S), g = item / S % Hk, s = item % S;
+  const int64_t len = seq_len_of(p, b);
+  // Splits are whole blocks: ceil(blocks / S) each, the last ones possibly empty.
+  const int64_t split_tokens = ceil_div(ceil_div(len, p.block_size), S) * p.block_size;
+  const int64_t t0 = std::min(len, s * split_tokens), t1 = std::min(len, t0 + split_tokens);
+  return {b, g, t0, t1};
+}
+
+// The first kPrefetchAhead tokens of a work item, requested while the one before
+// it runs.
+template <typename T>
+void prefetch_head(const DecodeAttentionParams& p, const Range& r) {
+  const int64_t end = std::min(r.t1, r.t0 + kPrefetchAhead);
+  Prefetcher<T>(p, p.k_cache, r.b, r.g, r.t0).upto(end);
+  Prefetcher<T>(p, p.v_cache, r.b, r.g, r.t0).upto(end);
+}
+
 template <typename T>
 void decode_attention_typed(const DecodeAttentionParams& p) {
   const int64_t B = p.batch, Hq = p.num_q_heads, Hk = p.num_kv_heads, G = Hq / Hk;
@@ -213,11 +264,10 @@ void decode_attention_typed(const DecodeAttentionParams& p) {
   at::parallel_for(0, B * Hk * S, 1, [&](int64_t begin, int64_t end) {
     Scratch sc(G, D);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (Hk * S), g = item / S % Hk, s = item % S;
-      const int64_t len = seq_len_of(p, b);
-      // Splits are whole blocks: ceil(blocks / S) each, the last ones possibly empty.
-      const int64_t split_tokens = ceil_div(ceil_div(len, p.block_size), S) * p.block_size;
-      const int64_t t0 = std::min(len, s * split_tokens), t1 = std::min(len, t0 + split_tokens);
+      const Range r = item_range(p, item);
+      if (item == begin) prefetch_head<T>(p, r);
+      if (item + 1 < end) prefetch_head<T>(p, item_range(p, item + 1));
+      const int64_t b = r.b, g = r.g, t0 = r.t0, t1 = r.t1;
       for (int64_t h = 0; h < G; ++h) {
         const T* q_row = q + b * p.q_batch_stride + (g * G + h) * p.q_head_stride;
         for (int64_t d = 0; d < D; ++d) sc.q[h * D + d] = static_cast<float>(q_row[d]);

@@ -113,6 +113,43 @@ STAGEWISE_ALWAYS_INLINE void exp8_nonpositive(const float* x, float* out) {
   __builtin_memcpy(out, &bits, sizeof(VecU));
 }
 
+// max of x[0..n), n >= 1; eight lanes at a time.
+STAGEWISE_ALWAYS_INLINE float max_of(const float* x, int64_t n) {
+  float m = x[0];
+  int64_t i = 0;
+  if (n >= kVec) {
+    VecF acc, v;
+    vload(acc, x);
+    for (i = kVec; i + kVec <= n; i += kVec) {
+      vload(v, x + i);
+      acc = acc > v ? acc : v;
+    }
+    for (int k = 0; k < kVec; ++k) m = std::max(m, acc[k]);
+  }
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+// x[i] = exp(x[i] - shift) for i < n (every x[i] <= shift: softmax numerators);
+// returns their sum, eight lanes at a time.
+STAGEWISE_ALWAYS_INLINE float exp_shifted_sum(float* x, int64_t n, float shift) {
+  VecF acc{}, v;
+  int64_t i = 0;
+  for (; i + kVec <= n; i += kVec) {
+    vload(v, x + i);
+    vstore(x + i, v - shift);
+    exp8_nonpositive(x + i, x + i);
+    vload(v, x + i);
+    acc += v;
+  }
+  float sum = hsum(acc);
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - shift);
+    sum += x[i];
+  }
+  return sum;
+}
+
 // Calls fn(T{}) with T the storage type of `dtype`.
 template <typename Fn>
 void dispatch_dtype(DType dtype, Fn&& fn) {
