@@ -187,6 +187,25 @@ def test_nothing_to_attend_to(device, dtype):
         assert_close(lse, score, **LSE_TOL[dtype])
 
 
+@pytest.mark.parametrize("with_new", [False, True])
+def test_nan_query_carries_to_its_head_only(device, with_new):
+    """A NaN in one query row makes that head's out and lse NaN, as the reference's (a split whose
+    softmax sum is NaN is not mistaken for an empty one), and leaves every other head as it was."""
+    k_cache, v_cache, tables, _ = paged_kv([40, 20, 333], 2, 64, 16, torch.float32, device)
+    lens = torch.tensor([40, 20, 333], dtype=torch.int32, device=device)
+    q = torch.randn(3, 4, 64, device=device)
+    q[0, 1, 3] = math.nan
+    new = (torch.randn(3, 2, 64, device=device), torch.randn(3, 2, 64, device=device)) if with_new else (None, None)
+    for num_splits in [1, 3]:
+        out, lse = ops.decode_attention(q, k_cache, v_cache, tables, lens, 0.125, *new, num_splits)
+        ref_out, ref_lse = reference.decode_attention(q, k_cache, v_cache, tables, lens, 0.125, *new)
+        assert out[0, 1].isnan().all() and lse[0, 1].isnan()
+        ok = torch.ones(3, 4, dtype=torch.bool)
+        ok[0, 1] = False
+        assert_close(out[ok], ref_out[ok], **TOLERANCES[torch.float32])
+        assert_close(lse[ok], ref_lse[ok], **LSE_TOL[torch.float32])
+
+
 def test_empty_batch(device):
     k_cache, v_cache, tables, _ = paged_kv([5], 2, 64, 16, torch.float32, device)
     q = torch.empty(0, 4, 64, device=device)

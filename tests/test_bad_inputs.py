@@ -451,8 +451,10 @@ CASES = [
           ("set", "v_new", None)),
     _case("decode_attention", ValueError, "arguments 'k_new' and 'v_new' must be given together, got v_new only",
           ("set", "k_new", None)),
-    _case("decode_attention", ValueError, "argument 'num_splits' must be >= 1 (or 0/None for the heuristic), got -1",
-          ("set", "num_splits", -1)),
+    _case("decode_attention", ValueError, "argument 'num_splits' must be in [1, 1024] (or 0/None for the heuristic), "
+          "got -1", ("set", "num_splits", -1)),
+    _case("decode_attention", ValueError, "argument 'num_splits' must be in [1, 1024] (or 0/None for the heuristic), "
+          "got 4294967296", ("set", "num_splits", 2**32)),
     # merge_attn_states(out, lse, out_a, lse_a, out_b, lse_b)
     _case("merge_attn_states", TypeError, "argument 'out_a' must be float32, float16 or bfloat16, got int32",
           ("dtype", "out_a", torch.int32)),

@@ -10,6 +10,8 @@
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
+#include <memory>
+
 #include "bindings/params.h"
 #include "stagewise/ring.h"
 
@@ -147,8 +149,26 @@ at::Tensor cuda_ipc_open(const at::Tensor& handle, int64_t nbytes, int64_t devic
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   void* ptr = nullptr;
   check_launch("cuda_ipc_open", cuda::ipc_open(handle.data_ptr<uint8_t>(), &ptr));
-  return at::from_blob(ptr, {nbytes}, [](void* p) { cuda::ipc_close(p); },
-                       at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+  const auto unmap = [](void* p) { cuda::ipc_close(p); };
+  std::unique_ptr<void, decltype(unmap)> mapping(ptr, unmap);  // unmapped if anything below throws
+  int owner = -1;
+  check_launch("cuda_ipc_open", cuda::pointer_device(ptr, &owner));
+  if (owner != device) {
+    bool reachable = false;
+    check_launch("cuda_ipc_open", cuda::can_access_peer(static_cast<int>(device), owner, &reachable));
+    TORCH_CHECK_VALUE(reachable, "stagewise.cuda_ipc_open: the ring's memory is on GPU ", owner,
+                      ", which GPU ", device, " cannot access directly (no peer access between them); "
+                      "run both stages on one GPU or on peer-capable GPUs, or use the torch (NCCL) transport");
+  }
+  // Labelled with this process's device, so that its streams order the ring's work; on another
+  // GPU the bytes are reached through peer access (torch would otherwise insist on the owner).
+  at::Tensor buf = at::for_blob(ptr, {nbytes})
+                       .deleter(unmap)
+                       .options(at::TensorOptions().dtype(at::kByte))
+                       .target_device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)))
+                       .make_tensor();
+  mapping.release();
+  return buf;
 }
 
 uint32_t* ring_counter(const char* op, const at::Tensor& buf, int64_t offset) {

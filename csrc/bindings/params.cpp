@@ -342,6 +342,9 @@ SlotMappingParams make_slot_mapping_params(at::Tensor& out, const at::Tensor& bl
   return p;
 }
 
+// More splits than this only adds empty ones (and their workspace).
+constexpr int64_t kMaxNumSplits = 1024;
+
 DecodeAttentionParams make_decode_attention_params(
     at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -406,8 +409,9 @@ DecodeAttentionParams make_decode_attention_params(
                     "stagewise.decode_attention: argument 'lse' must have shape [", B, ", ", Hq,
                     "] (batch, num_q_heads), got ", shape_of(lse));
   check_contiguous(op, "lse", lse);
-  TORCH_CHECK_VALUE(num_splits >= 0, "stagewise.decode_attention: argument 'num_splits' must be >= 1 (or 0/None for the heuristic), got ",
-                    num_splits);
+  TORCH_CHECK_VALUE(num_splits >= 0 && num_splits <= kMaxNumSplits,
+                    "stagewise.decode_attention: argument 'num_splits' must be in [1, ", kMaxNumSplits,
+                    "] (or 0/None for the heuristic), got ", num_splits);
   p.out = out.data_ptr();
   p.out_batch_stride = out.stride(0);
   p.out_head_stride = out.stride(1);

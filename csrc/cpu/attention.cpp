@@ -190,7 +190,7 @@ STAGEWISE_ALWAYS_INLINE void attend_tokens(const DecodeAttentionParams& p, int64
     }
   }
   for (int64_t h = 0; h < G; ++h) {
-    if (sc.l[h] > 0.f) {
+    if (sc.l[h] != 0.f) {  // a NaN score leaves l NaN: out and lse carry it, as the reference's
       float* acc = out + h * D;
       const float inv = 1.f / sc.l[h];
       for (int64_t d = 0; d < D; ++d) acc[d] *= inv;

@@ -349,12 +349,13 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeAttentionP
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) sum += acc_s[(w * GC + h) * D + d];
     const float l = l_s[h];
-    out_part[int64_t{h} * num_splits * D + d] = l > 0.f ? sum / l : 0.f;
+    // l == 0: an empty split. A NaN score leaves l NaN, which the output and lse carry on.
+    out_part[int64_t{h} * num_splits * D + d] = l != 0.f ? sum / l : 0.f;
   }
   if (tid < num_heads) {
     const float l = l_s[tid];
     float* lse_part = p.workspace + p.batch * p.num_q_heads * num_splits * D;
-    lse_part[(bh0 + tid) * num_splits + split] = l > 0.f ? (m_s[tid] + log2f(l)) * kLn2 : -INFINITY;
+    lse_part[(bh0 + tid) * num_splits + split] = l != 0.f ? (m_s[tid] + log2f(l)) * kLn2 : -INFINITY;
   }
 }
 

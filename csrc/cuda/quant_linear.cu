@@ -52,34 +52,36 @@ __global__ void quant_linear_kernel(T* out, int64_t out_stride, const T* x, int6
                                     int64_t in_features, int64_t out_features) {
   const int lane = threadIdx.x & 31;
   const int64_t n = int64_t{blockIdx.x} * kWarpsPerBlock + (threadIdx.x >> 5);
-  const int64_t t0 = int64_t{blockIdx.y} * kTokens;
   if (n >= out_features) return;  // whole warps only: no barrier below
   const int64_t nblocks = in_features / kQuantBlock;
   const uint8_t* row = qweight + n * nblocks * quant_block_bytes(Q);
-  const int tokens = static_cast<int>(rows - t0 < kTokens ? rows - t0 : kTokens);
-  float acc[kTokens];
+  // Chunks of kTokens rows, grid-strided: any row count fits the grid's y limit.
+  for (int64_t t0 = int64_t{blockIdx.y} * kTokens; t0 < rows; t0 += int64_t{gridDim.y} * kTokens) {
+    const int tokens = static_cast<int>(rows - t0 < kTokens ? rows - t0 : kTokens);
+    float acc[kTokens];
 #pragma unroll
-  for (int t = 0; t < kTokens; ++t) acc[t] = 0.f;
-  for (int64_t b = lane; b < nblocks; b += 32) {
-    float w[kQuantBlock];
-    dequantize_block<Q>(row + b * quant_block_bytes(Q), w);
+    for (int t = 0; t < kTokens; ++t) acc[t] = 0.f;
+    for (int64_t b = lane; b < nblocks; b += 32) {
+      float w[kQuantBlock];
+      dequantize_block<Q>(row + b * quant_block_bytes(Q), w);
 #pragma unroll
-    for (int t = 0; t < kTokens; ++t) {
-      if (t < tokens) {
-        const T* xr = x + (t0 + t) * x_stride + b * kQuantBlock;
-        float s = 0.f;
+      for (int t = 0; t < kTokens; ++t) {
+        if (t < tokens) {
+          const T* xr = x + (t0 + t) * x_stride + b * kQuantBlock;
+          float s = 0.f;
 #pragma unroll
-        for (int i = 0; i < kQuantBlock; ++i) s = fmaf(detail::to_float<T>(xr[i]), w[i], s);
-        acc[t] += s;
+          for (int i = 0; i < kQuantBlock; ++i) s = fmaf(detail::to_float<T>(xr[i]), w[i], s);
+          acc[t] += s;
+        }
       }
     }
-  }
 #pragma unroll
-  for (int t = 0; t < kTokens; ++t) {
-    const float s = detail::warp_sum(acc[t]);
-    if (lane == 0 && t < tokens) {
-      const float b = bias != nullptr ? detail::to_float<T>(bias[n]) : 0.f;
-      out[(t0 + t) * out_stride + n] = detail::from_float<T>(s + b);
+    for (int t = 0; t < kTokens; ++t) {
+      const float s = detail::warp_sum(acc[t]);
+      if (lane == 0 && t < tokens) {
+        const float b = bias != nullptr ? detail::to_float<T>(bias[n]) : 0.f;
+        out[(t0 + t) * out_stride + n] = detail::from_float<T>(s + b);
+      }
     }
   }
 }
@@ -88,9 +90,10 @@ __global__ void quant_linear_kernel(T* out, int64_t out_stride, const T* x, int6
 
 cudaError_t quant_linear(const QuantLinearParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.out_features == 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>(detail::ceil_div(p.out_features, kWarpsPerBlock)),
-                  static_cast<unsigned>(detail::ceil_div(p.rows, kTokens)));
-  if (grid.y > 65535u) return cudaErrorInvalidConfiguration;
+  const int64_t grid_x = detail::ceil_div(p.out_features, kWarpsPerBlock);
+  if (grid_x > INT32_MAX) return cudaErrorInvalidConfiguration;
+  const int64_t chunks = detail::ceil_div(p.rows, kTokens);  // the kernel strides over the rest
+  const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(chunks < 65535 ? chunks : 65535));
   return detail::dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     auto launch = [&](auto kernel) {

@@ -96,6 +96,20 @@ cudaError_t ipc_open(const uint8_t* handle, void** ptr) {
 
 cudaError_t ipc_close(void* ptr) { return cudaIpcCloseMemHandle(ptr); }
 
+cudaError_t pointer_device(const void* ptr, int* device) {
+  cudaPointerAttributes attr;
+  const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
+  if (err == cudaSuccess) *device = attr.device;
+  return err;
+}
+
+cudaError_t can_access_peer(int device, int peer, bool* ok) {
+  int can = 0;
+  const cudaError_t err = cudaDeviceCanAccessPeer(&can, device, peer);
+  *ok = err == cudaSuccess && can != 0;
+  return err;
+}
+
 cudaError_t stream_wait_counter(cudaStream_t stream, uint32_t* addr, uint32_t value) {
   const StreamMemOps& ops = stream_mem_ops();
   if (ops.wait != nullptr) {

@@ -142,6 +142,10 @@ cudaError_t ipc_get_handle(void* ptr, uint8_t* handle);
 // Maps a peer's allocation into this process (current device).
 cudaError_t ipc_open(const uint8_t* handle, void** ptr);
 cudaError_t ipc_close(void* ptr);
+// The GPU whose memory `ptr` is (for a mapped peer allocation: the creator's), and whether
+// `device` can reach `peer`'s memory directly (peer access over NVLink/PCIe).
+cudaError_t pointer_device(const void* ptr, int* device);
+cudaError_t can_access_peer(int device, int peer, bool* ok);
 
 // Enqueues on `stream`: wait until the 32-bit counter at `addr` (device
 // memory) has reached `value` (wrap-aware: (int32)(*addr - value) >= 0).

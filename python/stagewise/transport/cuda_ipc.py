@@ -28,9 +28,15 @@ socket); ``CudaIpcRing.attach`` takes it or just the name. No pickle.
 
 Closing: the creator frees the allocation only after the peer said its GPU is done with
 it (the peer's ``close`` synchronises its device first), or the peer is gone; see
-:meth:`CudaIpcRing.close`. Caveat: a producer that dies after ``commit`` but before its
-GPU wrote the counter leaves the reader's stream waiting; the runtime must then end the
-reader's process.
+:meth:`CudaIpcRing.close`. Caveat, both ways: a producer that dies after ``commit`` but
+before its GPU wrote *ready* leaves the reader's stream waiting, and a reader that dies
+after releasing a slot on the host but before its GPU wrote *released* leaves the writer's
+stream waiting (and the writer's ``close``, which synchronises its device, with it). The
+runtime must then end the surviving process, as it does on any stage failure.
+
+Two GPUs: the attaching process labels the mapping with its own device, so its streams
+order the ring's work; the bytes of a ring on another GPU are then reached through peer
+access, and ``attach`` refuses GPUs without it (use the torch/NCCL transport there).
 """
 
 from __future__ import annotations
