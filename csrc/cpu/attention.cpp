@@ -5,6 +5,8 @@
 // to float32) once per group, not once per query head. A split walks its tokens
 // in tiles of kTile: scores of the whole tile for all G heads, one running-max
 // update and accumulator rescale per head per tile (online softmax), then p·V.
+// The scattered cache rows are requested into L2 a tile ahead, in slices between
+// the heads' phases (Prefetcher), since no hardware prefetcher follows them.
 // Each split leaves its normalised partial output and lse in a float32
 // workspace; a second pass per (b, g) folds the splits, then the new token
 // (k_new/v_new), in with merge_lse_rows and writes out and lse.
