@@ -42,9 +42,9 @@ import torch
 
 
 QUANT_SHAPE = (1024, 1536)  # out, in
-QUANT_SHAPE_WIDE = (3072, 512)
-"""As many weights as :data:`QUANT_SHAPE` in three times the output rows: the two give the
-kernel's cost per weight and per output row (its tiles' reductions and stores)."""
+QUANT_SHAPES_SPLIT = ((256, 6144), (4096, 384))
+"""As many weights as :data:`QUANT_SHAPE` in 16 times the output rows between them: the pair gives
+the kernel's cost per weight and per output row (its tiles' reductions and stores)."""
 QUANT_STREAM_BYTES = 96 << 20
 ROWS = 32
 QUANT_ROWS = (1, 2, 4, ROWS)
@@ -73,7 +73,7 @@ def random_blocks(out: int, inp: int, qtype: int, gen: torch.Generator | None = 
 def quant_rates(log=print, rounds: int = 7) -> dict:
     """Per GGUF type: the kernel's time at each of :data:`QUANT_ROWS` rows of x split into a
     cost per weight and one per output row (``rows_s_per_weight``, ``rows_s_per_output``: from
-    :data:`QUANT_SHAPE` and :data:`QUANT_SHAPE_WIDE`, which hold as many weights), and the decode
+    :data:`QUANT_SHAPES_SPLIT`, which hold as many weights as :data:`QUANT_SHAPE`), and the decode
     cost per weight and FMA rate of :data:`QUANT_SHAPE` (one row, and the slope from one to
     :data:`ROWS` rows); over :data:`QUANT_STREAM_BYTES` of distinct matrices per pass (far beyond
     the caches, as a model's weights are). Types, shapes and row counts take turns, ``rounds``
@@ -81,7 +81,8 @@ def quant_rates(log=print, rounds: int = 7) -> dict:
     machine is shared: a burst of other work then spoils a few passes, not one type's figure)."""
     from stagewise import ops
 
-    shapes_ = (QUANT_SHAPE, QUANT_SHAPE_WIDE)
+    narrow, wide = QUANT_SHAPES_SPLIT
+    shapes_ = (QUANT_SHAPE, narrow, wide)
     weights = QUANT_SHAPE[0] * QUANT_SHAPE[1]
     mats, counts = {}, {}
     for name, qtype in ops.QTYPES.items():
@@ -111,9 +112,9 @@ def quant_rates(log=print, rounds: int = 7) -> dict:
         per_weight = max(t1 - 2 * weights / rate, 0.0) / weights
         per_out, per_w = {}, {}
         for rows in QUANT_ROWS:
-            ta, tb = best[QUANT_SHAPE, rows], best[QUANT_SHAPE_WIDE, rows]
-            c = max((tb - ta) / (QUANT_SHAPE_WIDE[0] - QUANT_SHAPE[0]), 0.0)
-            per_out[str(rows)], per_w[str(rows)] = c, max(ta - QUANT_SHAPE[0] * c, 0.0) / weights
+            ta, tb = best[narrow, rows], best[wide, rows]
+            c = max((tb - ta) / (wide[0] - narrow[0]), 0.0)
+            per_out[str(rows)], per_w[str(rows)] = c, max(ta - narrow[0] * c, 0.0) / weights
         result[name.lower()] = {"s_per_weight": per_weight, "flops": rate, "rows_s_per_weight": per_w,
                                 "rows_s_per_output": per_out, "shapes": [list(s_) for s_ in shapes_],
                                 "matrices": counts[name], "passes": rounds,
@@ -259,23 +260,22 @@ def streamed_layer_s(prompt: int = 128, steps: int = 20, rounds: int = 7) -> dic
     everything hot). Decode steps of :data:`STREAM_MODEL`, in ``rounds`` of two passes of
     ``steps``: one timed (median wall time of a step), one under the torch profiler for the self
     time of :data:`KERNELS` per step (the profiler slows the Python around them, not the kernels);
-    per round their difference over the layers; the median round."""
+    the least disturbed of each, their difference (over the layers: the caller's)."""
     from torch.profiler import ProfilerActivity, profile
 
     m = STREAM_MODEL
     cfg = tiny_config(m["layers"], m["hidden"], m["intermediate"], m["heads"], m["kv_heads"])
     eng = _tiny_engine(cfg, prompt, steps * rounds)
-    per = []
+    step_runs, kernel_runs = [], []
     for _ in range(rounds):
-        step = _median_step(eng.step, steps)
+        step_runs.append(_median_step(eng.step, steps))
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 eng.step()
-        kernels = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in KERNELS) * 1e-6 / steps
-        per.append((step - kernels, step, kernels))
-    resid, step, kernels = sorted(per)[len(per) // 2]
-    return {"step_s": step, "kernels_s": kernels, "framework_s": resid, "layers": m["layers"], "model": dict(m),
-            "rounds_framework_s": [r[0] for r in per]}
+        kernel_runs.append(sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in KERNELS) * 1e-6 / steps)
+    step, kernels = min(step_runs), min(kernel_runs)  # each the least disturbed (shared machine)
+    return {"step_s": step, "kernels_s": kernels, "framework_s": max(step - kernels, 0.0), "layers": m["layers"],
+            "model": dict(m), "step_runs_s": step_runs, "kernel_runs_s": kernel_runs}
 
 
 def _head_step_s(layers: int, prompt: int, steps: int) -> tuple[float, float]:
