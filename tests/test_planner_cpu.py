@@ -105,6 +105,8 @@ def test_measured_concurrency_replaces_the_core_rule():
     assert contention(conc, 3, 1) == 1.0
     assert contention(conc, 4, 4) == pytest.approx(2.4 * 4 / 3)  # beyond the largest measured count
     # Measured later against the profile's own one-process pass ("ref"): a busier machine now.
+    noisy = profile_from_dict(_profile(concurrency={"1": 1.0, "2": 0.9, "3": 1.5}))  # 2 at once "faster": noise
+    assert contention(noisy, 2, 2) == 1.0 and slowdown(noisy, 2.5) == pytest.approx(1.25)
     later = profile_from_dict(_profile(concurrency={"ref": 1.0, "1": 1.3}))
     assert contention(later, 1, 1) == pytest.approx(1.3)
     with pytest.raises(ValueError, match="field 'concurrency' must map"):

@@ -170,7 +170,9 @@ def slowdown(profile: DeviceProfile, busy: float) -> float:
     counts = sorted(int(k) for k in conc if k != "ref")
     if counts:
         ref = conc.get("ref", conc.get("1"))
-        g = {n: conc[str(n)] / ref for n in counts}
+        # Processes side by side never speed each other up: a ratio below 1 is the noise of the
+        # measurement (counts up to ref's pace).
+        g = {n: max(conc[str(n)] / ref, 1.0 if n > 1 else 0.0) for n in counts}
         if busy <= counts[0]:
             return g[counts[0]]
         if busy >= counts[-1]:
