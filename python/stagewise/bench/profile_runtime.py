@@ -1,22 +1,26 @@
 """The runtime's own primitive costs, measured for the planner's CPU model (part of `stagewise bench profile`).
 
-Three groups, each measured apart from any end-to-end run (the planner's validation compares
+Groups of figures, each measured apart from any end-to-end run (the planner's validation compares
 against those; nothing here looks at them):
 
-- ``quant``: :func:`stagewise.ops.quant_linear` per GGUF type on 1024 x 1536 matrices, 96 MiB of
-  distinct ones a pass (so that the weights come from memory, not the caches). The
-  kernel dequantises each 16-row panel once per call and then runs every row of ``x`` against
-  it, so its time is ``weights * s_per_weight + flops / flops_rate``: ``s_per_weight`` from one
-  row (minus that row's FMAs at the fitted rate), ``flops_rate`` from the slope between 1 and
-  ``ROWS`` rows; each the least disturbed of a few passes.
-- ``framework``: the Python + dispatcher cost the engine pays per decode step, from a synthetic
-  llama of negligible width (hidden 64, vocab 512, Q4_1 linears, Q8_0 tied embedding) whose
-  arithmetic is a few microseconds: ``layer_s`` = the slope of the decode step time over the
-  layer count (1 vs :data:`LAYERS_HI` layers), and the fixed part of one step per role:
-  ``engine`` (the single-process engine: schedule, metadata, model, sample, record), ``head``
-  (stage 0's launch: schedule, metadata, embedding, its layers), ``middle`` and ``last``
-  (a later stage's run: KV bookkeeping, metadata, layers; the last also final norm, LM head
-  and sampling) and ``tokens`` (stage 0 taking a step's sampled tokens back).
+- ``quant``: :func:`stagewise.ops.quant_linear` per GGUF type, 96 MiB of distinct matrices a
+  pass (so that the weights come from memory, not the caches), at 1, 2, 4 and ``ROWS`` rows of
+  x. The kernel dequantises each 16-row panel once per call and runs register tiles of rows of
+  ``x`` against it, so 2 rows cost about what 4 do; two shapes of as many weights and 16 times
+  the output rows apart split each row count's time into a cost per weight and per output row.
+  Also ``s_per_weight`` (one row minus its FMAs) and ``flops_rate`` (slope from 1 to ``ROWS``
+  rows) on 1024 x 1536 matrices. Each the median of passes spread over the measurement.
+- ``attention_decode``: :func:`stagewise.ops.decode_attention` over paged caches streamed from
+  memory (as a model's layers leave them), per call, per FLOP and per cached K/V byte.
+- ``framework``: the Python + dispatcher cost the engine pays per decode step. ``layer_s`` from
+  a synthetic llama whose weights stream through the caches (:data:`STREAM_MODEL`): the step's
+  wall time minus its kernels' self time (torch profiler), over the layers; the fixed part of one
+  step per role from a llama of negligible width (hidden 64, vocab 512, Q4_1 linears, Q8_0 tied
+  embedding) whose arithmetic is a few microseconds: ``engine`` (the single-process engine:
+  schedule, metadata, model, sample, record), ``head`` (stage 0's launch: schedule, metadata,
+  embedding, its layers), ``middle`` and ``last`` (a later stage's run: KV bookkeeping,
+  metadata, layers; the last also final norm, LM head and sampling) and ``tokens`` (stage 0
+  taking a step's sampled tokens back).
 - ``links``: one-way latency and bandwidth of the real pipeline transports
   (``stagewise.transport`` tcp and shm channels, checksum on as the pipeline runs them) between
   two processes: frames of a float32 hidden tensor carry their send time (CLOCK_MONOTONIC,
@@ -24,9 +28,10 @@ against those; nothing here looks at them):
   so that no frame queues. Latency = the small frame's time minus its bytes at the fitted
   bandwidth; bandwidth from the slope between the small and the large frame.
 - ``concurrency``: seconds of one pass of the Q4_1 decode over 64 MiB of weights (beyond the
-  caches) when 1, 2, ... single-thread processes run it at once (spawned, started together): the
-  ratio to one process is how much busy stage processes slow each other (cores, shared caches
-  and memory, and other work on the machine).
+  caches) at the pace 1, 2, ... single-thread processes keep when they run it at once (spawned,
+  started together; n over their summed passes per second): the ratio to one process is how much
+  busy stage processes slow each other (cores, shared caches and memory, and other work on the
+  machine).
 - ``background_load``: runnable threads of other work on the machine while it is measured
   (``procs_running`` of /proc/stat, sampled for a second), recorded beside the results as a
   condition of the run (the planner does not model other work).
@@ -77,8 +82,9 @@ def quant_rates(log=print, rounds: int = 7) -> dict:
     cost per weight and FMA rate of :data:`QUANT_SHAPE` (one row, and the slope from one to
     :data:`ROWS` rows); over :data:`QUANT_STREAM_BYTES` of distinct matrices per pass (far beyond
     the caches, as a model's weights are). Types, shapes and row counts take turns, ``rounds``
-    passes each spread over the measurement, and each figure is the least disturbed pass (this
-    machine is shared: a burst of other work then spoils a few passes, not one type's figure)."""
+    passes each spread over the measurement, and each figure is the median pass (a burst of other
+    work on a shared machine then spoils a few passes, not one type's figure; the median, as the
+    validation compares with the median of runs)."""
     from stagewise import ops
 
     narrow, wide = QUANT_SHAPES_SPLIT
@@ -106,7 +112,7 @@ def quant_rates(log=print, rounds: int = 7) -> dict:
     del mats
     result = {}
     for name in ops.QTYPES:
-        best = {(shape, rows): min(t[name, shape, rows]) for shape in shapes_ for rows in QUANT_ROWS}
+        best = {(shape, rows): statistics.median(t[name, shape, rows]) for shape in shapes_ for rows in QUANT_ROWS}
         t1, tn = best[QUANT_SHAPE, 1], best[QUANT_SHAPE, ROWS]
         rate = 2 * (ROWS - 1) * weights / max(tn - t1, 1e-9)
         per_weight = max(t1 - 2 * weights / rate, 0.0) / weights
@@ -122,7 +128,7 @@ def quant_rates(log=print, rounds: int = 7) -> dict:
         log(f"  quant_linear {name}: {per_weight * 1e9:.3f} ns/weight to decode, {rate / 1e9:.1f} GFLOP/s of FMAs; "
             "at " + ", ".join(f"{r} rows {per_w[str(r)] * 1e9:.3f} ns/weight + {per_out[str(r)] * 1e9:.0f} ns/output"
                               for r in QUANT_ROWS)
-            + f" ({counts[name]} matrices a shape, least disturbed of {rounds} passes)")
+            + f" ({counts[name]} matrices a shape, median of {rounds} passes)")
     return result
 
 
@@ -143,7 +149,7 @@ def attention_decode_rate(log=print, repeats: int = 5, calls: int = 200) -> dict
     """:func:`stagewise.ops.decode_attention` as a decode step calls it (one new token per row over
     a paged float32 cache, the new K/V merged in): ``call_s + flops / flops_rate + cache_bytes /
     bandwidth`` with ``flops = 4 * heads * head_dim * rows * (cached + 1)`` and the K/V bytes read,
-    solved through :data:`ATTN_POINTS` (each the least disturbed of ``repeats`` passes over
+    solved through :data:`ATTN_POINTS` (each the median of ``repeats`` passes over
     :data:`ATTN_STREAM_BYTES` of caches)."""
     from stagewise import ops
 
@@ -169,7 +175,7 @@ def attention_decode_rate(log=print, repeats: int = 5, calls: int = 200) -> dict
                 ops.decode_attention(q, kc, vc, tables, lens, d ** -0.5, k_new=k_new, v_new=v_new, out=out)
             passes.append((time.perf_counter() - t0) / n)
         del caches
-        points.append((4 * hq * d * rows * (ctx + 1), 2 * rows * (ctx + 1) * hk * d * 4, min(passes[1:])))
+        points.append((4 * hq * d * rows * (ctx + 1), 2 * rows * (ctx + 1) * hk * d * 4, statistics.median(passes[1:])))
     (fa, ka, ta), (fb, kb, tb), (_, kc, tc) = points
     per_byte = max((tc - tb) / (kc - kb), 0.0)
     per_flop = max(((tb - per_byte * kb) - (ta - per_byte * ka)) / (fb - fa), 1e-15)
@@ -229,12 +235,13 @@ def _median_step(fn, steps: int) -> float:
     return statistics.median(times)
 
 
-def _tiny_engine(cfg, prompt: int, steps: int):
+def _tiny_engine(cfg, prompt: int, steps: int, weights: dict | None = None):
     from stagewise.model.stage import StageModel
     from stagewise.runtime.engine import Engine
     from stagewise.runtime.sampling import SamplingParams
 
-    eng = Engine(StageModel.from_weights(cfg, 0, cfg.num_layers, tiny_weights(cfg)), max_num_seqs=1,
+    weights = tiny_weights(cfg) if weights is None else weights
+    eng = Engine(StageModel.from_weights(cfg, 0, cfg.num_layers, weights), max_num_seqs=1,
                  max_model_len=prompt + 2 * steps + 16)
     eng.add_request(0, list(range(1, prompt + 1)), SamplingParams(max_new_tokens=2 * steps + 8, temperature=0.0,
                                                                    ignore_eos=True))
@@ -258,24 +265,28 @@ def streamed_layer_s(prompt: int = 128, steps: int = 20, rounds: int = 7) -> dic
     """The framework's cost per decoder layer when the layers' weights stream through the caches
     between its Python/dispatch work, as a real model's do (the negligible-width model keeps
     everything hot). Decode steps of :data:`STREAM_MODEL`, in ``rounds`` of two passes of
-    ``steps``: one timed (median wall time of a step), one under the torch profiler for the self
-    time of :data:`KERNELS` per step (the profiler slows the Python around them, not the kernels);
-    the least disturbed of each, their difference (over the layers: the caller's)."""
+    ``steps / 2`` each of a new request (prompt ``prompt``): one timed (median wall time of a
+    step), one under the torch profiler for the self time of :data:`KERNELS` per step (the profiler
+    slows the Python around them, not the kernels); the median round's difference (over the layers:
+    the caller's). Medians, as the validation compares with the median of runs."""
     from torch.profiler import ProfilerActivity, profile
 
     m = STREAM_MODEL
     cfg = tiny_config(m["layers"], m["hidden"], m["intermediate"], m["heads"], m["kv_heads"])
-    eng = _tiny_engine(cfg, prompt, steps * rounds)
+    weights = tiny_weights(cfg)
     step_runs, kernel_runs = [], []
-    for _ in range(rounds):
-        step_runs.append(_median_step(eng.step, steps))
+    for _ in range(rounds):  # a new request each round: every round at the same contexts
+        eng = _tiny_engine(cfg, prompt, steps, weights)
+        step_runs.append(_median_step(eng.step, steps // 2))
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
+            for _ in range(steps // 2):
                 eng.step()
-        kernel_runs.append(sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in KERNELS) * 1e-6 / steps)
-    step, kernels = min(step_runs), min(kernel_runs)  # each the least disturbed (shared machine)
-    return {"step_s": step, "kernels_s": kernels, "framework_s": max(step - kernels, 0.0), "layers": m["layers"],
-            "model": dict(m), "step_runs_s": step_runs, "kernel_runs_s": kernel_runs}
+        kernel_runs.append(sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in KERNELS) * 1e-6
+                           / (steps // 2))
+    per = sorted(a - b for a, b in zip(step_runs, kernel_runs))
+    return {"step_s": statistics.median(step_runs), "kernels_s": statistics.median(kernel_runs),
+            "framework_s": max(per[len(per) // 2], 0.0), "layers": m["layers"], "model": dict(m),
+            "step_runs_s": step_runs, "kernel_runs_s": kernel_runs}
 
 
 def _head_step_s(layers: int, prompt: int, steps: int) -> tuple[float, float]:
@@ -339,8 +350,7 @@ def framework_overheads(log=print, prompt: int = 128, steps: int = 40, repeats: 
     tokens = min(r[1] for r in head_runs)
     middle = med(lambda: _later_step_s(lo, False, prompt, steps))
     last = med(lambda: _later_step_s(lo, True, prompt, steps))
-    # Per layer with the weights streaming (the least disturbed of the repeats); the engine's fixed
-    # part from the negligible-width model.
+    # Per layer with the weights streaming; the engine's fixed part from the negligible-width model.
     streamed = streamed_layer_s(prompt)
     fixed = max(eng[lo] - lo * layer, 0.0)
     hot_layer, layer = layer, max((streamed["framework_s"] - fixed) / streamed["layers"], 0.0)
