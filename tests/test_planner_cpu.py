@@ -105,6 +105,8 @@ def test_measured_concurrency_replaces_the_core_rule():
     assert contention(conc, 3, 1) == 1.0
     assert contention(conc, 4, 4) == pytest.approx(2.4 * 4 / 3)  # beyond the largest measured count
     # Measured later against the profile's own one-process pass ("ref"): a busier machine now.
+    noisy = profile_from_dict(_profile(concurrency={"1": 1.0, "2": 0.9, "3": 1.5}))  # 2 at once "faster": noise
+    assert contention(noisy, 2, 2) == 1.0 and slowdown(noisy, 2.5) == pytest.approx(1.25)
     later = profile_from_dict(_profile(concurrency={"ref": 1.0, "1": 1.3}))
     assert contention(later, 1, 1) == pytest.approx(1.3)
     with pytest.raises(ValueError, match="field 'concurrency' must map"):
@@ -130,18 +132,28 @@ def test_decode_estimate_one_stage_and_two():
     d = two.decode.pipeline
     assert d.stage_compute_times_s == pytest.approx((stage0, stage1))
     assert two.tpot_s == pytest.approx(stage0 + stage1 + hop + back) and d.bubble_s == 0.0
-    # Batch 4 on 3 stages: 3 groups (2, 1, 1 rows -> 2 rows each as planned), 3 processes on 2 cores.
+    # Batch 4 on 3 stages: 3 groups of 2, 1, 1 rows (as the runtime deals them), 3 processes on 2 cores.
     three = estimate_layout(_llama(6), ParallelConfig(world_size=3, pp=3), _workload(batch=4), prof)
     d = three.decode.pipeline
     assert d.num_microbatches == 3 and three.decode.rows_per_microbatch == 2
-    # Each stage computes `slow` times slower, where slow = max(1, busy / 2 cores) at the mean number
-    # of busy stage processes busy = sum(3 x compute) / step (a fixed point), less than all 3 busy.
-    slow = d.stage_compute_times_s[1] / (2 * LAYER_WEIGHTS * S4 + 2 * LAYER + MIDDLE)
-    busy = sum(3 * c for c in d.stage_compute_times_s) / d.latency_s
-    assert slow == pytest.approx(max(1.0, busy / 2), rel=1e-4) and 1.0 < slow < 1.5
-    assert d.stage_compute_times_s[2] == pytest.approx(slow * (2 * LAYER_WEIGHTS * S4 + HEAD_WEIGHTS * S8
-                                                               + 2 * LAYER + LAST))
-    assert three.tpot_s == pytest.approx(max(sum(d.stage_times_s), 3 * max(d.stage_times_s)))
+    assert three.decode.group_rows == (2, 1, 1)
+    # Stage i computes slow_i times slower, slow_i = max(1, n_i / 2 cores) at the number of busy
+    # processes it computes beside, n_i = 1 + the others' utilisations u_j = 3 x compute_j / step
+    # (a fixed point), fewer than all 3 busy. Row counts do not change the time in this profile.
+    alone = [2 * LAYER_WEIGHTS * S4 + 2 * LAYER + HEAD, 2 * LAYER_WEIGHTS * S4 + 2 * LAYER + MIDDLE,
+             2 * LAYER_WEIGHTS * S4 + HEAD_WEIGHTS * S8 + 2 * LAYER + LAST]
+    slow = [c / a for c, a in zip(d.stage_compute_times_s, alone)]
+    util = [3 * c / d.latency_s for c in d.stage_compute_times_s]
+    for i in range(3):
+        assert slow[i] == pytest.approx(max(1.0, (1 + sum(util) - util[i]) / 2), rel=1e-4)
+        assert 1.0 < slow[i] < 1.5
+    assert three.tpot_steady_s == pytest.approx(max(sum(d.stage_times_s), 3 * max(d.stage_times_s)))
+    # The decode as measured from the first token also holds the later groups' prefill (the fill).
+    firsts = three.prefill.first_tokens_s
+    assert three.ttft_s == firsts[0] and three.fill_s == pytest.approx(firsts[-1] - firsts[0])
+    assert three.fill_s > 0
+    assert three.tpot_s == pytest.approx(three.tpot_steady_s + three.fill_s / (8 - 1))
+    assert three.decode_bubble_s == pytest.approx(three.tpot_s - sum(d.stage_times_s))
 
 
 def test_profile_fields_checked():
@@ -176,3 +188,86 @@ def test_validate_reads_the_checkpoints_block_types():
     from stagewise.planner.cli import _checkpoint_quant
 
     assert _checkpoint_quant(open_checkpoint("smollm2-135m")) == ("q4_1", "q8_0")
+
+
+# --- terms of the runtime measured by the profile: kernel cost by rows, decode attention, groups, fill ---
+
+def test_quantised_linear_cost_by_measured_rows():
+    # Measured at 1 and 4 rows: a per-weight and a per-output-row figure each; linear in rows between
+    # them, the FMAs at the FMA rate beyond the largest count.
+    q = {"s_per_weight": 1e-9, "flops": 1e10, "rows_s_per_weight": {"1": 2e-9, "4": 3e-9},
+         "rows_s_per_output": {"1": 0.0, "4": 1e-7}}
+    prof = profile_from_dict(_profile(quant={"q4_1": q}))
+    prec = compute.Precision(weight=4, act=4, kv=4, compute_dtype="float32", weight_quant="q4_1")
+    w, n_out = 128 * 64, 64
+
+    def t(rows: int) -> float:
+        return compute.op_time(compute._linear("down", prec, tokens=rows, n_in=128, n_out=n_out, layer=0), prof,
+                               "float32")[0]
+
+    at1, at4 = w * 2e-9, w * 3e-9 + n_out * 1e-7
+    assert t(1) == pytest.approx(at1) and t(4) == pytest.approx(at4)
+    assert t(2) == pytest.approx(at1 + (at4 - at1) / 3)
+    assert t(10) == pytest.approx(at4 + 2 * 6 * w / 1e10)
+    # Without the table: decode once plus the FMAs.
+    plain = profile_from_dict(_profile(quant={"q4_1": {"s_per_weight": 1e-9, "flops": 1e10}}))
+    op = compute._linear("down", prec, tokens=3, n_in=128, n_out=n_out, layer=0)
+    assert compute.op_time(op, plain, "float32")[0] == pytest.approx(w * 1e-9 + 2 * 3 * w / 1e10)
+    with pytest.raises(ValueError, match="rows_s_per_output must map row counts"):
+        profile_from_dict(_profile(quant={"q4_1": {**q, "rows_s_per_output": {"2": 1e-7}}}))
+
+
+def test_decode_attention_from_the_measured_kernel():
+    config = _llama(1)  # 8 query heads, 4 KV heads, head dim 8
+    stage = StagePlan.build(1, 1).stages[0]
+    attn = {"flops": 1e9, "bandwidth": 2e9, "call_s": 5e-6}
+    prof = profile_from_dict(_profile(attention_decode=attn))
+    prec = compute.Precision(weight=4, act=4, kv=4, compute_dtype="float32")
+
+    def op(rows, new, ctx):
+        ops = compute.stage_ops(config, stage, rows=rows, new_tokens=new, context=ctx, prec=prec)
+        return next(o for o in ops if o.name == "attention")
+
+    dec = op(3, 1, 99)  # 3 rows, 100 keys each
+    assert dec.decode and dec.cache_bytes == 3 * 100 * 2 * 4 * 8 * 4
+    flops = 4 * 8 * 8 * 3 * 100
+    assert compute.op_time(dec, prof, "float32")[0] == pytest.approx(5e-6 + flops / 1e9 + dec.cache_bytes / 2e9)
+    pre = op(1, 16, 0)  # prefill keeps the roofline (here ~0 with the huge rates)
+    assert not pre.decode and compute.op_time(pre, prof, "float32")[0] < 1e-12
+    with pytest.raises(ValueError, match="field 'attention_decode'"):
+        profile_from_dict(_profile(attention_decode=[1.0]))
+
+
+def test_groups_dealt_as_the_runtime_deals_them():
+    from stagewise.planner.estimate import group_rows
+
+    assert group_rows(4, 3) == [2, 1, 1] and group_rows(5, 2) == [3, 2] and group_rows(6, 3) == [2, 2, 2]
+    assert group_rows(1, 1) == [1]
+
+
+def test_decode_groups_of_different_sizes():
+    from stagewise.planner.pipeline import estimate_decode_groups
+
+    # Stage 0 takes 2, 1, 1 for the three groups, stage 1 3, 2, 2; hops 0.1 and 0.2 (tokens back).
+    e = estimate_decode_groups([[2.0, 1.0, 1.0], [3.0, 2.0, 2.0]], [0.1, 0.2])
+    # Round trip of the largest group 2 + 0.1 + 3 + 0.2 = 5.3; stage 1 busy 7 + 3 x 0.2 = 7.6 a step.
+    assert e.latency_s == pytest.approx(7.6) and e.num_microbatches == 3
+    assert e.stage_compute_times_s == pytest.approx((4 / 3, 7 / 3))
+    assert e.bubble_s == pytest.approx(7.6 - (4 / 3 + 0.1 + 7 / 3 + 0.2))
+    same = estimate_decode_groups([[1.0] * 2, [2.0] * 2, [1.0] * 2], [0.1, 0.1, 0.2])
+    ref = estimate_decode_steady_state([1.0, 2.0, 1.0], [0.1, 0.1, 0.2], 2)
+    assert same.latency_s == pytest.approx(ref.latency_s) and same.stage_times_s == pytest.approx(ref.stage_times_s)
+    with pytest.raises(ValueError, match="same number"):
+        estimate_decode_groups([[1.0, 1.0], [1.0]], [0.1, 0.1])
+
+
+def test_fill_drain_pass_matches_the_seed_formula():
+    from stagewise.planner.pipeline import estimate_pipeline_runtime_from_stage_times, fill_drain_finish
+
+    st = [1.0, 3.0, 2.0]
+    for m in (1, 2, 4):
+        done = fill_drain_finish([[t] * m for t in st])
+        assert done[0] == pytest.approx(sum(st))  # the first microbatch never waits
+        assert done[-1] == pytest.approx(estimate_pipeline_runtime_from_stage_times(st, [0.0] * 3, m).latency_s)
+    # Unequal microbatches by hand: stage 0 ends them at 2 and 3; stage 1 at 2 + 1 = 3 and max(3, 3) + 3 = 6.
+    assert fill_drain_finish([[2.0, 1.0], [1.0, 3.0]]) == pytest.approx([3.0, 6.0])

@@ -197,7 +197,15 @@ def test_microbatches_default_to_min_batch_pp():
     link = prof.links["pp"]
     hop, back = link.latency_s + 64 * 2 / link.bandwidth, link.latency_s + 8 / link.bandwidth  # 1 row each
     assert d.stage_comm_times_s == pytest.approx((hop, hop, hop, back))  # the last stage sends tokens to stage 0
-    assert est.ttft_s == pytest.approx(est.prefill.pipeline.latency_s + back) and est.tpot_s == d.latency_s
+    # Prefill, §2.7.4 with equal microbatches: the first leaves the last stage after sum(stage_times),
+    # the last after sum + 2 x max; TTFT is the first's tokens back on stage 0.
+    st = est.prefill.pipeline.stage_times_s
+    assert est.prefill.pipeline.latency_s == pytest.approx(sum(st) + 2 * max(st))
+    assert est.ttft_s == pytest.approx(sum(st) + back)
+    assert est.prefill.first_tokens_s[-1] == pytest.approx(est.prefill.pipeline.latency_s + back)
+    # TPOT as measured from the first token: the steady step plus the fill (2 x max) over the 3 steps.
+    assert est.tpot_steady_s == d.latency_s
+    assert est.tpot_s == pytest.approx(d.latency_s + 2 * max(st) / 3)
     assert est.tokens_per_s == pytest.approx(3 * 4 / (est.ttft_s + 3 * est.tpot_s))
 
 

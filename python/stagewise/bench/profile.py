@@ -157,6 +157,9 @@ def measure_profile(device: str, *, quick: bool = False, log=print) -> dict:
             except OSError as err:
                 log(f"  pipeline link {name}: n/a ({err})")
         extra["quant"] = rt.quant_rates(log=log)
+        attn = rt.attention_decode_rate(log=log)
+        raw["attention_decode"] = attn
+        extra["attention_decode"] = {k: attn[k] for k in ("flops", "bandwidth", "call_s")}
         fw = rt.framework_overheads(log=log)
         raw["framework"] = fw.pop("raw")
         extra["framework"] = fw
@@ -165,7 +168,9 @@ def measure_profile(device: str, *, quick: bool = False, log=print) -> dict:
         log(f"  background load: {raw['background_load']:.2f} runnable threads of other work (recorded, not modelled)")
         extra["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         raw["quant"] = extra["quant"]
-        extra["quant"] = {k: {"s_per_weight": v["s_per_weight"], "flops": v["flops"]} for k, v in extra["quant"].items()}
+        extra["quant"] = {k: {"s_per_weight": v["s_per_weight"], "flops": v["flops"],
+                              "rows_s_per_weight": v["rows_s_per_weight"], "rows_s_per_output": v["rows_s_per_output"]}
+                          for k, v in extra["quant"].items()}
     link = transports.get("shm") or transports.get("tcp") or {"latency_s": 50e-6, "bandwidth": 1e9}
     link = {"latency_s": link["latency_s"], "bandwidth": link["bandwidth"]}
     if is_cuda:
@@ -204,7 +209,8 @@ def run(args, log=print) -> int:
     path = Path(args.out) / f"{profile['measured']['machine']['device']}-profile.json"
     path.write_text(json.dumps(profile, indent=2) + "\n")
     print(json.dumps({k: profile[k] for k in ("name", "peak_flops", "memory_bandwidth", "op_overhead_s",
-                                              "transports", "quant", "framework", "cores", "concurrency") if k in profile},
+                                              "transports", "quant", "attention_decode", "framework", "cores",
+                                              "concurrency") if k in profile},
                      indent=2))
     log(f"wrote {path} (use it with: stagewise plan ... --device-profile {path})")
     return 0

@@ -1,22 +1,26 @@
 """The runtime's own primitive costs, measured for the planner's CPU model (part of `stagewise bench profile`).
 
-Three groups, each measured apart from any end-to-end run (the planner's validation compares
+Groups of figures, each measured apart from any end-to-end run (the planner's validation compares
 against those; nothing here looks at them):
 
-- ``quant``: :func:`stagewise.ops.quant_linear` per GGUF type on 1024 x 1536 matrices, 96 MiB of
-  distinct ones a pass (so that the weights come from memory, not the caches). The
-  kernel dequantises each 16-row panel once per call and then runs every row of ``x`` against
-  it, so its time is ``weights * s_per_weight + flops / flops_rate``: ``s_per_weight`` from one
-  row (minus that row's FMAs at the fitted rate), ``flops_rate`` from the slope between 1 and
-  ``ROWS`` rows; each the least disturbed of a few passes.
-- ``framework``: the Python + dispatcher cost the engine pays per decode step, from a synthetic
-  llama of negligible width (hidden 64, vocab 512, Q4_1 linears, Q8_0 tied embedding) whose
-  arithmetic is a few microseconds: ``layer_s`` = the slope of the decode step time over the
-  layer count (1 vs :data:`LAYERS_HI` layers), and the fixed part of one step per role:
-  ``engine`` (the single-process engine: schedule, metadata, model, sample, record), ``head``
-  (stage 0's launch: schedule, metadata, embedding, its layers), ``middle`` and ``last``
-  (a later stage's run: KV bookkeeping, metadata, layers; the last also final norm, LM head
-  and sampling) and ``tokens`` (stage 0 taking a step's sampled tokens back).
+- ``quant``: :func:`stagewise.ops.quant_linear` per GGUF type, 96 MiB of distinct matrices a
+  pass (so that the weights come from memory, not the caches), at 1, 2, 4 and ``ROWS`` rows of
+  x. The kernel dequantises each 16-row panel once per call and runs register tiles of rows of
+  ``x`` against it, so 2 rows cost about what 4 do; two shapes of as many weights and 16 times
+  the output rows apart split each row count's time into a cost per weight and per output row.
+  Also ``s_per_weight`` (one row minus its FMAs) and ``flops_rate`` (slope from 1 to ``ROWS``
+  rows) on 1024 x 1536 matrices. Each the median of passes spread over the measurement.
+- ``attention_decode``: :func:`stagewise.ops.decode_attention` over paged caches streamed from
+  memory (as a model's layers leave them), per call, per FLOP and per cached K/V byte.
+- ``framework``: the Python + dispatcher cost the engine pays per decode step. ``layer_s`` from
+  a synthetic llama whose weights stream through the caches (:data:`STREAM_MODEL`): the step's
+  wall time minus its kernels' self time (torch profiler), over the layers; the fixed part of one
+  step per role from a llama of negligible width (hidden 64, vocab 512, Q4_1 linears, Q8_0 tied
+  embedding) whose arithmetic is a few microseconds: ``engine`` (the single-process engine:
+  schedule, metadata, model, sample, record), ``head`` (stage 0's launch: schedule, metadata,
+  embedding, its layers), ``middle`` and ``last`` (a later stage's run: KV bookkeeping,
+  metadata, layers; the last also final norm, LM head and sampling) and ``tokens`` (stage 0
+  taking a step's sampled tokens back).
 - ``links``: one-way latency and bandwidth of the real pipeline transports
   (``stagewise.transport`` tcp and shm channels, checksum on as the pipeline runs them) between
   two processes: frames of a float32 hidden tensor carry their send time (CLOCK_MONOTONIC,
@@ -24,9 +28,10 @@ against those; nothing here looks at them):
   so that no frame queues. Latency = the small frame's time minus its bytes at the fitted
   bandwidth; bandwidth from the slope between the small and the large frame.
 - ``concurrency``: seconds of one pass of the Q4_1 decode over 64 MiB of weights (beyond the
-  caches) when 1, 2, ... single-thread processes run it at once (spawned, started together): the
-  ratio to one process is how much busy stage processes slow each other (cores, shared caches
-  and memory, and other work on the machine).
+  caches) at the pace 1, 2, ... single-thread processes keep when they run it at once (spawned,
+  started together; n over their summed passes per second): the ratio to one process is how much
+  busy stage processes slow each other (cores, shared caches and memory, and other work on the
+  machine).
 - ``background_load``: runnable threads of other work on the machine while it is measured
   (``procs_running`` of /proc/stat, sampled for a second), recorded beside the results as a
   condition of the run (the planner does not model other work).
@@ -42,8 +47,14 @@ import torch
 
 
 QUANT_SHAPE = (1024, 1536)  # out, in
+QUANT_SHAPES_SPLIT = ((256, 6144), (4096, 384))
+"""As many weights as :data:`QUANT_SHAPE` in 16 times the output rows between them: the pair gives
+the kernel's cost per weight and per output row (its tiles' reductions and stores)."""
 QUANT_STREAM_BYTES = 96 << 20
 ROWS = 32
+QUANT_ROWS = (1, 2, 4, ROWS)
+"""Rows of x the block-quantised linear is timed with: the kernel runs register tiles of a few
+rows against each decoded panel, so its cost is not linear from one row to a few."""
 LAYERS_HI = 5
 LINK_SIZES = (2304, 1 << 20)  # bytes of the hidden tensor: a SmolLM2-sized decode row, and 1 MiB
 LINK_FRAMES = 60
@@ -64,47 +75,129 @@ def random_blocks(out: int, inp: int, qtype: int, gen: torch.Generator | None = 
     return data.reshape(out, nb * bb)
 
 
-def quant_rates(log=print, repeats: int = 3) -> dict:
-    """Per GGUF type: decode cost per weight and FMA rate, over :data:`QUANT_STREAM_BYTES` of
-    distinct matrices per pass (far beyond the caches, as a model's weights are)."""
+def quant_rates(log=print, rounds: int = 7) -> dict:
+    """Per GGUF type: the kernel's time at each of :data:`QUANT_ROWS` rows of x split into a
+    cost per weight and one per output row (``rows_s_per_weight``, ``rows_s_per_output``: from
+    :data:`QUANT_SHAPES_SPLIT`, which hold as many weights as :data:`QUANT_SHAPE`), and the decode
+    cost per weight and FMA rate of :data:`QUANT_SHAPE` (one row, and the slope from one to
+    :data:`ROWS` rows); over :data:`QUANT_STREAM_BYTES` of distinct matrices per pass (far beyond
+    the caches, as a model's weights are). Types, shapes and row counts take turns, ``rounds``
+    passes each spread over the measurement, and each figure is the median pass (a burst of other
+    work on a shared machine then spoils a few passes, not one type's figure; the median, as the
+    validation compares with the median of runs)."""
     from stagewise import ops
 
-    out_f, in_f = QUANT_SHAPE
-    weights = out_f * in_f
-    result = {}
+    narrow, wide = QUANT_SHAPES_SPLIT
+    shapes_ = (QUANT_SHAPE, narrow, wide)
+    weights = QUANT_SHAPE[0] * QUANT_SHAPE[1]
+    mats, counts = {}, {}
     for name, qtype in ops.QTYPES.items():
-        count = max(1, QUANT_STREAM_BYTES // (weights // ops.QUANT_BLOCK * ops.QUANT_BLOCK_BYTES[qtype]))
-        mats = [random_blocks(out_f, in_f, qtype) for _ in range(count)]
-        t = {}
-        for rows in (1, ROWS):
-            x = torch.randn(rows, in_f)
-            ops.quant_linear(x, mats[0], qtype)
-            passes = []
-            for _ in range(repeats):
+        counts[name] = max(1, QUANT_STREAM_BYTES // (weights // ops.QUANT_BLOCK * ops.QUANT_BLOCK_BYTES[qtype]))
+        for shape in shapes_:
+            mats[name, shape] = [random_blocks(*shape, qtype) for _ in range(counts[name])]
+    xs = {(rows, k): torch.randn(rows, k) for rows in QUANT_ROWS for k in {s_[1] for s_ in shapes_}}
+    t = {(name, shape, rows): [] for name in ops.QTYPES for shape in shapes_ for rows in QUANT_ROWS}
+    for (name, shape), ms in mats.items():
+        for rows in QUANT_ROWS:
+            ops.quant_linear(xs[rows, shape[1]], ms[0], ops.QTYPES[name])
+    for _ in range(rounds):
+        for (name, shape), ms in mats.items():
+            qtype = ops.QTYPES[name]
+            for rows in QUANT_ROWS:
+                x = xs[rows, shape[1]]
                 t0 = time.perf_counter()
-                for m in mats:
+                for m in ms:
                     ops.quant_linear(x, m, qtype)
-                passes.append((time.perf_counter() - t0) / count)
-            t[rows] = min(passes)  # the least disturbed pass: this machine is shared
-        del mats
-        rate = 2 * (ROWS - 1) * weights / max(t[ROWS] - t[1], 1e-9)
-        per_weight = max(t[1] - 2 * weights / rate, 0.0) / weights
-        result[name.lower()] = {"s_per_weight": per_weight, "flops": rate, "t_1_row_s": t[1],
-                                f"t_{ROWS}_rows_s": t[ROWS], "shape": [out_f, in_f], "matrices": count}
-        log(f"  quant_linear {name}: {per_weight * 1e9:.3f} ns/weight to decode, {rate / 1e9:.1f} GFLOP/s of FMAs "
-            f"({count} matrices {out_f} x {in_f})")
+                t[name, shape, rows].append((time.perf_counter() - t0) / counts[name])
+    del mats
+    result = {}
+    for name in ops.QTYPES:
+        best = {(shape, rows): statistics.median(t[name, shape, rows]) for shape in shapes_ for rows in QUANT_ROWS}
+        t1, tn = best[QUANT_SHAPE, 1], best[QUANT_SHAPE, ROWS]
+        rate = 2 * (ROWS - 1) * weights / max(tn - t1, 1e-9)
+        per_weight = max(t1 - 2 * weights / rate, 0.0) / weights
+        per_out, per_w = {}, {}
+        for rows in QUANT_ROWS:
+            ta, tb = best[narrow, rows], best[wide, rows]
+            c = max((tb - ta) / (wide[0] - narrow[0]), 0.0)
+            per_out[str(rows)], per_w[str(rows)] = c, max(ta - narrow[0] * c, 0.0) / weights
+        result[name.lower()] = {"s_per_weight": per_weight, "flops": rate, "rows_s_per_weight": per_w,
+                                "rows_s_per_output": per_out, "shapes": [list(s_) for s_ in shapes_],
+                                "matrices": counts[name], "passes": rounds,
+                                "best_s": {f"{s_[0]}x{s_[1]}/{r}": v for (s_, r), v in best.items()}}
+        log(f"  quant_linear {name}: {per_weight * 1e9:.3f} ns/weight to decode, {rate / 1e9:.1f} GFLOP/s of FMAs; "
+            "at " + ", ".join(f"{r} rows {per_w[str(r)] * 1e9:.3f} ns/weight + {per_out[str(r)] * 1e9:.0f} ns/output"
+                              for r in QUANT_ROWS)
+            + f" ({counts[name]} matrices a shape, median of {rounds} passes)")
     return result
+
+
+# ---- decode attention ---------------------------------------------------------------------
+
+ATTN_HEAD_DIM, ATTN_BLOCK = 64, 16
+ATTN_POINTS = ((1, 128, 8, 2), (4, 512, 8, 2), (4, 512, 8, 8))
+"""(rows, cached tokens, query heads, KV heads) of the three timed calls: the first two differ in
+FLOPs and cache bytes alike, the last two in cache bytes only (grouped-query vs one KV head a
+query head)."""
+ATTN_STREAM_BYTES = 64 << 20
+"""Distinct paged caches cycled through, this many bytes of K/V in all (beyond the caches): in a
+model the layers' weights stream through the caches between a layer's decode steps and evict
+its KV, which then comes from memory."""
+
+
+def attention_decode_rate(log=print, repeats: int = 5, calls: int = 200) -> dict:
+    """:func:`stagewise.ops.decode_attention` as a decode step calls it (one new token per row over
+    a paged float32 cache, the new K/V merged in): ``call_s + flops / flops_rate + cache_bytes /
+    bandwidth`` with ``flops = 4 * heads * head_dim * rows * (cached + 1)`` and the K/V bytes read,
+    solved through :data:`ATTN_POINTS` (each the median of ``repeats`` passes over
+    :data:`ATTN_STREAM_BYTES` of caches)."""
+    from stagewise import ops
+
+    d, bs = ATTN_HEAD_DIM, ATTN_BLOCK
+    gen = torch.Generator().manual_seed(0)
+    points = []
+    for rows, ctx, hq, hk in ATTN_POINTS:
+        nblk = -(-(ctx + 1) // bs)
+        layers = max(1, ATTN_STREAM_BYTES // (2 * rows * nblk * bs * hk * d * 4))
+        caches = [(torch.randn(rows * nblk, bs, hk, d, generator=gen), torch.randn(rows * nblk, bs, hk, d, generator=gen))
+                  for _ in range(layers)]
+        tables = torch.arange(rows * nblk, dtype=torch.int32).view(rows, nblk)
+        lens = torch.full((rows,), ctx, dtype=torch.int32)
+        q = torch.randn(rows, hq, d, generator=gen)
+        k_new, v_new = torch.randn(rows, hk, d, generator=gen), torch.randn(rows, hk, d, generator=gen)
+        out = torch.empty_like(q)
+        n = max(calls, layers)
+        passes = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            for i in range(n):
+                kc, vc = caches[i % layers]
+                ops.decode_attention(q, kc, vc, tables, lens, d ** -0.5, k_new=k_new, v_new=v_new, out=out)
+            passes.append((time.perf_counter() - t0) / n)
+        del caches
+        points.append((4 * hq * d * rows * (ctx + 1), 2 * rows * (ctx + 1) * hk * d * 4, statistics.median(passes[1:])))
+    (fa, ka, ta), (fb, kb, tb), (_, kc, tc) = points
+    per_byte = max((tc - tb) / (kc - kb), 0.0)
+    per_flop = max(((tb - per_byte * kb) - (ta - per_byte * ka)) / (fb - fa), 1e-15)
+    call = max(ta - per_flop * fa - per_byte * ka, 0.0)
+    bandwidth = 1.0 / per_byte if per_byte > 0 else float("inf")
+    log(f"  decode attention: {1 / per_flop / 1e9:.1f} GFLOP/s, cache read at {bandwidth / 1e9:.1f} GB/s, "
+        f"{call * 1e6:.1f} us a call (head dim {d}, paged float32 cache)")
+    return {"flops": 1.0 / per_flop, "bandwidth": bandwidth, "call_s": call,
+            "points": [{"rows": r, "cached": c, "heads": h, "kv_heads": k, "flops": f, "cache_bytes": b, "s": t}
+                       for (r, c, h, k), (f, b, t) in zip(ATTN_POINTS, points)]}
 
 
 # ---- framework overhead of the runtime ------------------------------------------------------------
 
-def tiny_config(num_layers: int):
+def tiny_config(num_layers: int, hidden: int = 64, intermediate: int = 128, heads: int = 2, kv_heads: int = 1):
+    """A synthetic llama (head dim ``hidden / heads``); the default is of negligible width."""
     from stagewise.model.config import ModelConfig
 
     return ModelConfig.from_hf({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": num_layers, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_hidden_layers": num_layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
         "tie_word_embeddings": True, "rope_theta": 10000.0, "hidden_act": "silu"})
 
 
@@ -142,20 +235,58 @@ def _median_step(fn, steps: int) -> float:
     return statistics.median(times)
 
 
-def _engine_step_s(layers: int, prompt: int, steps: int) -> float:
+def _tiny_engine(cfg, prompt: int, steps: int, weights: dict | None = None):
     from stagewise.model.stage import StageModel
     from stagewise.runtime.engine import Engine
     from stagewise.runtime.sampling import SamplingParams
 
-    cfg = tiny_config(layers)
-    eng = Engine(StageModel.from_weights(cfg, 0, layers, tiny_weights(cfg)), max_num_seqs=1,
-                 max_model_len=prompt + steps + 8)
-    eng.add_request(0, list(range(1, prompt + 1)), SamplingParams(max_new_tokens=steps + 4, temperature=0.0,
+    weights = tiny_weights(cfg) if weights is None else weights
+    eng = Engine(StageModel.from_weights(cfg, 0, cfg.num_layers, weights), max_num_seqs=1,
+                 max_model_len=prompt + 2 * steps + 16)
+    eng.add_request(0, list(range(1, prompt + 1)), SamplingParams(max_new_tokens=2 * steps + 8, temperature=0.0,
                                                                    ignore_eos=True))
     eng.step()  # prefill
     for _ in range(2):
         eng.step()
-    return _median_step(eng.step, steps)
+    return eng
+
+
+def _engine_step_s(layers: int, prompt: int, steps: int) -> float:
+    return _median_step(_tiny_engine(tiny_config(layers), prompt, steps).step, steps)
+
+
+KERNELS = ("stagewise::quant_linear", "stagewise::decode_attention")
+"""The ops the planner times with their own primitives (``quant``, ``attention_decode``)."""
+STREAM_MODEL = {"hidden": 512, "intermediate": 1536, "heads": 8, "kv_heads": 2, "layers": 24}
+"""A synthetic llama whose Q4_1 weights (about 1.9 MB a layer, 45 MB in all) exceed the caches."""
+
+
+def streamed_layer_s(prompt: int = 128, steps: int = 20, rounds: int = 7) -> dict:
+    """The framework's cost per decoder layer when the layers' weights stream through the caches
+    between its Python/dispatch work, as a real model's do (the negligible-width model keeps
+    everything hot). Decode steps of :data:`STREAM_MODEL`, in ``rounds`` of two passes of
+    ``steps / 2`` each of a new request (prompt ``prompt``): one timed (median wall time of a
+    step), one under the torch profiler for the self time of :data:`KERNELS` per step (the profiler
+    slows the Python around them, not the kernels); the median round's difference (over the layers:
+    the caller's). Medians, as the validation compares with the median of runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    m = STREAM_MODEL
+    cfg = tiny_config(m["layers"], m["hidden"], m["intermediate"], m["heads"], m["kv_heads"])
+    weights = tiny_weights(cfg)
+    step_runs, kernel_runs = [], []
+    for _ in range(rounds):  # a new request each round: every round at the same contexts
+        eng = _tiny_engine(cfg, prompt, steps, weights)
+        step_runs.append(_median_step(eng.step, steps // 2))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps // 2):
+                eng.step()
+        kernel_runs.append(sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in KERNELS) * 1e-6
+                           / (steps // 2))
+    per = sorted(a - b for a, b in zip(step_runs, kernel_runs))
+    return {"step_s": statistics.median(step_runs), "kernels_s": statistics.median(kernel_runs),
+            "framework_s": max(per[len(per) // 2], 0.0), "layers": m["layers"], "model": dict(m),
+            "step_runs_s": step_runs, "kernel_runs_s": kernel_runs}
 
 
 def _head_step_s(layers: int, prompt: int, steps: int) -> tuple[float, float]:
@@ -219,11 +350,17 @@ def framework_overheads(log=print, prompt: int = 128, steps: int = 40, repeats: 
     tokens = min(r[1] for r in head_runs)
     middle = med(lambda: _later_step_s(lo, False, prompt, steps))
     last = med(lambda: _later_step_s(lo, True, prompt, steps))
-    out = {"layer_s": layer, "engine_s": max(eng[lo] - lo * layer, 0.0), "head_s": max(head - lo * layer, 0.0),
-           "middle_s": max(middle - lo * layer, 0.0), "last_s": max(last - lo * layer, 0.0), "tokens_s": tokens,
+    # Per layer with the weights streaming; the engine's fixed part from the negligible-width model.
+    streamed = streamed_layer_s(prompt)
+    fixed = max(eng[lo] - lo * layer, 0.0)
+    hot_layer, layer = layer, max((streamed["framework_s"] - fixed) / streamed["layers"], 0.0)
+    out = {"layer_s": layer, "engine_s": fixed, "head_s": max(head - lo * hot_layer, 0.0),
+           "middle_s": max(middle - lo * hot_layer, 0.0), "last_s": max(last - lo * hot_layer, 0.0), "tokens_s": tokens,
            "raw": {"engine_step_s": eng, "head_launch_s": head, "middle_run_s": middle, "last_run_s": last,
-                   "model": "llama hidden 64, vocab 512, Q4_1 linears, Q8_0 embedding", "prompt": prompt}}
-    log(f"  framework per decode step: {layer * 1e6:.0f} us/layer; fixed: engine {out['engine_s'] * 1e6:.0f} us, "
+                   "model": "llama hidden 64, vocab 512, Q4_1 linears, Q8_0 embedding", "prompt": prompt,
+                   "hot_layer_s": hot_layer, "streamed": streamed}}
+    log(f"  framework per decode step: {layer * 1e6:.0f} us/layer with streamed weights "
+        f"({hot_layer * 1e6:.0f} with hot caches); fixed: engine {out['engine_s'] * 1e6:.0f} us, "
         f"head {out['head_s'] * 1e6:.0f}, middle {out['middle_s'] * 1e6:.0f}, last {out['last_s'] * 1e6:.0f}, "
         f"tokens back {tokens * 1e6:.0f} us")
     return out
@@ -245,20 +382,22 @@ def _worker(n_bytes: int, seconds: float, start, conn) -> None:
     ops.quant_linear(x, mats[0], q)
     conn.send("ready")
     start.wait()
-    passes, t_end = [], time.perf_counter() + seconds
-    while time.perf_counter() < t_end or len(passes) < 3:
-        t0 = time.perf_counter()
+    passes, t0 = 0, time.perf_counter()
+    t_end = t0 + seconds
+    while time.perf_counter() < t_end or passes < 3:
         for m in mats:
             ops.quant_linear(x, m, q)
-        passes.append(time.perf_counter() - t0)
-    conn.send(statistics.median(passes))
+        passes += 1
+    conn.send((passes, time.perf_counter() - t0))
 
 
 def concurrent_pass_s(n: int, seconds: float = 1.0) -> float:
-    """Median seconds of one pass of the block-quantised decode over :data:`CONCURRENCY_BYTES`
-    of weights when ``n`` single-thread processes run it at once (the slowest of them): with the
-    same pass on its own it gives how much ``n`` busy stage processes slow each other, other work
-    on the machine included."""
+    """Seconds of one pass of the block-quantised decode over :data:`CONCURRENCY_BYTES` of weights
+    at the pace ``n`` single-thread processes keep when they run it at once for ``seconds``:
+    ``n / sum of their passes per second`` (their throughput shared out; with more processes than
+    cores the scheduler may favour some, but a pipeline's stages block and wake every step and share
+    the cores out over a step). With the same pass on its own it gives how much ``n`` busy stage
+    processes slow each other, other work on the machine included."""
     ctx = mp.get_context("spawn")
     start = ctx.Event()
     pipes = [ctx.Pipe() for _ in range(n)]
@@ -281,7 +420,7 @@ def concurrent_pass_s(n: int, seconds: float = 1.0) -> float:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    return max(results)
+    return n / sum(passes / elapsed for passes, elapsed in results)
 
 
 def concurrency(max_n: int, log=print) -> dict[str, float]:

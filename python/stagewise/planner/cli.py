@@ -455,10 +455,10 @@ def run_validate(argv: list[str]) -> int:
             # fast its busy stage processes can run side by side now, against the profile's one.
             background = background_load() if profile.kind == "cpu" else None
             run_profile, n = profile, min(B, S)
-            if profile.kind == "cpu" and profile.concurrency:
-                conc = {"ref": profile.concurrency.get("ref", profile.concurrency["1"]), "1": concurrent_pass_s(1)}
-                if n > 1:
-                    conc[str(n)] = concurrent_pass_s(n)
+            if profile.kind == "cpu" and profile.concurrency and n > 1:
+                # n processes side by side against one, measured back to back now (the profile's
+                # rates are those of one process alone: one is the reference, not a pace to rescale).
+                conc = {str(k): concurrent_pass_s(k) for k in range(1, n + 1)}
                 run_profile = dataclasses.replace(profile, concurrency=conc)
             est = estimate_layout(config, ParallelConfig(world_size=S, pp=S), workload(B), run_profile)
             slow = contention(run_profile, S, B if args.microbatches is None else args.microbatches)
@@ -505,25 +505,35 @@ def run_validate(argv: list[str]) -> int:
 
 
 VALIDATE_METHOD = """Method: the prediction comes from the device profile alone, i.e. primitive costs that
-`stagewise bench profile` measures apart from any model run: the block-quantised linear's decode
-cost per weight and FMA rate per GGUF type (weights streamed from memory), the runtime's
-Python/dispatch cost per decoder layer and per step of each stage role (a synthetic llama of
-negligible width, whose arithmetic is microseconds), the one-way latency and bandwidth of the
-pipeline's own shm/tcp links between two processes, matmul FLOP/s, copy bandwidth and the core
-count. The planner adds the per-operator content of the model's stages (weights decoded, FLOPs,
-bytes) to the framework cost per stage, runs the decode steady state of the runtime (groups cycle
-through the stages; a step lasts max(round trip, microbatches x busiest stage)), and slows every
-stage by how much busy single-thread processes slow each other, measured just before each
-configuration runs: n = min(microbatches, stages) spawned processes (and one alone) run the Q4_1
-decode over 64 MiB of weights side by side for a second; their pass time over one process's when
-the profile was measured, linear in between, is taken at the mean number of stages busy at once
-(the sum of their utilisations, a fixed point of the estimate); the upper bound with all n busy is
-column `contention` of the JSON rows. This covers the cores (S = 3 busy
-stages on 2 cores take turns), shared caches and memory, and the other work on this shared machine
-at that moment; the runnable threads of other work (/proc/stat procs_running) are recorded beside
-it as `background_load`. No figure of these end-to-end runs enters the model. "Least
-disturbed run" is the repeat with the lowest TPOT, the one closest to the quiet machine the
-profile's primitives describe."""
+`stagewise bench profile` measures apart from any model run, each the least disturbed of several
+passes spread over the measurement: the block-quantised linear per GGUF type (weights streamed from
+memory) timed at 1, 2, 4 and 32 rows of x on two shapes of as many weights, which gives its cost per
+weight and per output row at each row count (its register tiles make 2 rows cost as much as 4);
+the decode attention kernel over paged caches streamed from memory, timed at three shapes, which
+gives its cost per call, per FLOP and per cached K/V byte; the runtime's Python/dispatch cost per
+decoder layer, measured on a synthetic llama (hidden 512, 24 layers, 45 MB of Q4_1 weights beyond
+the caches) as the step's wall time minus its kernels' self time (torch profiler), since streaming
+weights evict the interpreter's state (a negligible-width model, all in cache, gives less), and per
+step of each stage role (negligible-width model); the one-way latency and bandwidth of the
+pipeline's own shm/tcp links between two processes; matmul FLOP/s, copy bandwidth and the core
+count. The planner adds the per-operator content of the model's stages (weights, output rows,
+FLOPs, cached bytes) to the framework cost per stage, for each microbatch at the size the runtime's
+grouped scheduler deals it (batch 4 on 3 stages: 2, 1, 1 rows). Decode runs in the runtime's
+steady state (groups cycle through the stages; a step lasts max(round trip, busiest stage's work
+of all groups)); prefill is a fill-drain pass (seed 001 §2.7.4). TTFT is the first microbatch's
+first token; TPOT is, as measured, decode time / steps from that token on, so it holds the rest
+of the prefill (the fill: the last microbatch's first token minus the first's) spread over the
+steps, and the bubble is that TPOT beyond one microbatch's stage times (seed 001 §2.8). Stage
+processes slow each other: just before each configuration, n = 1 .. min(microbatches, stages)
+spawned processes run the Q4_1 decode over 64 MiB of weights side by side for a second; their
+pace (n over their summed passes per second) against one process alone, linear in between, is
+taken for each stage at the number of processes busy while it computes, itself plus the others'
+utilisations (a fixed point of the estimate); the upper bound with all n busy is column
+`contention` of the JSON rows. This covers the cores (S = 3 busy stages on 2 cores share them),
+shared caches and memory; the runnable threads of other work (/proc/stat procs_running) are
+recorded beside it as `background_load`. No figure of these end-to-end runs enters the model.
+"Least disturbed run" is the repeat with the lowest TPOT, the one closest to the quiet machine
+the profile's primitives describe."""
 
 
 def _checkpoint_quant(ckpt) -> tuple[str, str]:

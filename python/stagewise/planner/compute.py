@@ -45,6 +45,12 @@ class Op:
     """matmul ops: weights multiplied (for block-quantised weights, which are decoded once a call)."""
     qtype: str = ""
     """matmul ops: the weights' GGUF block type (``q4_1`` ...), empty for dense weights."""
+    decode: bool = False
+    """attention ops: one new token per row over the cache (the runtime's decode kernel)."""
+    outputs: int = 0
+    """matmul ops: output features of the linear."""
+    cache_bytes: float = 0.0
+    """attention ops: bytes of cached K/V read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +74,7 @@ def _linear(name: str, prec: Precision, *, tokens: int, n_in: int, n_out: int, l
     q = prec.weight_quant if quant is None else quant
     n = n_in * n_out
     return Op(name, "matmul", 2 * tokens * n, prec.weight_bytes(n, q) + tokens * (n_in + n_out) * prec.act, layer,
-              weights=n, qtype=q)
+              weights=n, qtype=q, outputs=n_out)
 
 
 def _causal_pairs(context: int, new: int, window: int | None) -> int:
@@ -95,8 +101,9 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
     ops.append(Op("kv_write", "vec", 0, T * 2 * hk * d * (a + kv), layer))
     pairs = rows * _causal_pairs(context, new_tokens, config.sliding_window)
     keys = min(context + new_tokens, config.sliding_window or context + new_tokens)
-    ops.append(Op("attention", "attention", 4 * hq * d * pairs, rows * keys * 2 * hk * d * kv + 2 * T * hq * d * a,
-                  layer))
+    cache = rows * keys * 2 * hk * d * kv
+    ops.append(Op("attention", "attention", 4 * hq * d * pairs, cache + 2 * T * hq * d * a, layer,
+                  decode=new_tokens == 1, cache_bytes=cache))
     ops.append(_linear("o_proj", prec, tokens=T, n_in=hq * d, n_out=h, layer=layer))
     if tp > 1:
         ops.append(Op("attn_all_reduce", "comm", 0, T * h * a, layer, "tp", tp))
@@ -148,6 +155,29 @@ def stage_ops(config: ModelConfig, stage: PipelineStageInfo, *, rows: int, new_t
     return ops
 
 
+def quant_linear_s(q: dict, weights: float, flops: float, outputs: float = 0.0) -> float:
+    """A block-quantised linear of ``weights`` weights in ``outputs`` output rows computing
+    ``flops`` (``rows = flops / (2 * weights)``) with the profile's ``quant[type]`` figures:
+    ``weights * s_per_weight + flops / flops_rate``; or, where the kernel was timed at several row
+    counts, ``weights * rows_s_per_weight[r] + outputs * rows_s_per_output[r]`` at each measured
+    ``r``, linear in rows between them (the smallest count's figure below it), and beyond the
+    largest that figure plus the extra rows' FMAs at the FMA rate."""
+    table = q.get("rows_s_per_weight")
+    if not table or weights <= 0:
+        return weights * q["s_per_weight"] + flops / q["flops"]
+    per_out = q.get("rows_s_per_output") or {}
+    rows = flops / (2 * weights)
+    pts = sorted((int(r), weights * v + outputs * per_out.get(r, 0.0)) for r, v in table.items())
+    if rows <= pts[0][0]:
+        return pts[0][1]
+    if rows >= pts[-1][0]:
+        return pts[-1][1] + 2 * (rows - pts[-1][0]) * weights / q["flops"]
+    for (r0, t0), (r1, t1) in zip(pts, pts[1:]):
+        if r0 <= rows <= r1:
+            return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+    raise AssertionError("unreachable")
+
+
 def op_time(op: Op, profile: DeviceProfile, dtype: str) -> tuple[float, str]:
     """Seconds and the bound (mem, comm, cube or vec) of ``op`` on one rank of ``profile``."""
     if op.kind == "comm":
@@ -162,10 +192,13 @@ def op_time(op: Op, profile: DeviceProfile, dtype: str) -> tuple[float, str]:
     overhead = 0.0 if profile.framework else profile.op_overhead_s
     if op.kind == "matmul" and op.qtype and op.qtype in profile.quant:
         # Block-quantised kernel: every weight decoded once per call, then the FMAs of every row.
-        q = profile.quant[op.qtype]
-        flop_t, bound = op.weights * q["s_per_weight"] + op.flops / q["flops"], "cube"
+        flop_t, bound = quant_linear_s(profile.quant[op.qtype], op.weights, op.flops, op.outputs), "cube"
     elif op.kind == "matmul":
         flop_t, bound = op.flops / profile.flops(dtype), "cube"
+    elif op.kind == "attention" and op.decode and profile.attention_decode:
+        # The runtime's decode kernel, measured with its cache coming from memory (one call a layer).
+        q = profile.attention_decode
+        flop_t, bound = q["call_s"] + op.flops / q["flops"] + op.cache_bytes / q.get("bandwidth", float("inf")), "cube"
     elif op.kind == "attention":
         flop_t, bound = op.flops / profile.attention_flops(dtype), "cube"
     else:  # vector work: a fraction of the matmul rate (no tensor cores / FMA chains)

@@ -2,19 +2,29 @@
 
 Workload: each DP replica serves ``batch`` sequences of ``input_length`` prompt tokens and
 ``output_length`` generated tokens, split into ``m`` microbatches (default ``min(batch, pp)``,
-as the runtime keeps up to one microbatch per stage in flight). TTFT is the prefill's pipeline
-latency (§2.7.4) plus the sampled tokens' way back to stage 0; TPOT one decode step of every
-microbatch at the mean context ``input_length + output_length // 2`` in the runtime's steady
-state (:func:`~stagewise.planner.pipeline.estimate_decode_steady_state`: groups cycle through the
-stages, the tokens hop back to stage 0 each step); on a CPU profile, stage processes that
-compute at the same time slow each other (:func:`slowdown` at the mean number busy); tokens/s = ``dp * batch * output_length /
-(TTFT + (output_length - 1) * TPOT)``. A layout fits when every stage's weights plus KV (at the
-full ``input_length + output_length``) fit in ``memory_fraction`` of a device.
+as the runtime keeps up to one microbatch per stage in flight), dealt as the runtime's grouped
+scheduler deals them (:func:`group_rows`: sizes differ by at most one row).
+
+Prefill: the pipeline latency of §2.7.4 (every microbatch at the largest one's size). The first
+token exists once the first microbatch has passed every stage and its sampled tokens are back
+on stage 0; the batch has all its first tokens once the last microbatch has
+(:func:`~stagewise.planner.pipeline.fill_drain_finish`, §2.7.4 for equal microbatches). TTFT is
+the first, as the runtime measures it (submit to the batch's first token).
+
+Decode: one step of every microbatch at the mean context ``input_length + output_length // 2``
+in the runtime's steady state (:func:`~stagewise.planner.pipeline.estimate_decode_groups`:
+groups cycle through the stages, the tokens hop back to stage 0 each step), ``tpot_steady_s``.
+The decode phase as a client sees it starts at the first token, while later microbatches are
+still in their prefill: the stages spend that fill (last microbatch's first token minus the
+first's) before the steady state, so TPOT = decode time / steps = ``tpot_steady_s + fill /
+(output_length - 1)``. On a CPU profile, stage processes that compute at the same time slow each
+other (:func:`slowdown` at the mean number busy). tokens/s = ``dp * batch * output_length / (TTFT
++ (output_length - 1) * TPOT)``. A layout fits when every stage's weights plus KV (at the full
+``input_length + output_length``) fit in ``memory_fraction`` of a device.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from stagewise.model import shapes
@@ -25,9 +35,10 @@ from stagewise.planner import compute, memory
 from stagewise.planner.pipeline import (
     PipelineRuntimeEstimate,
     build_pipeline_send_recv_events,
-    estimate_decode_steady_state,
+    estimate_decode_groups,
     estimate_hidden_states_message_bytes,
     estimate_pipeline_runtime_from_stage_times,
+    fill_drain_finish,
     format_breakdowns,
     stage_comm_times,
 )
@@ -83,6 +94,10 @@ class PhaseEstimate:
     context: int
     op_bound: dict[str, float]
     """Seconds by bound over every stage (mem, comm, cube, vec)."""
+    group_rows: tuple[int, ...] = ()
+    """Rows of each microbatch as the runtime deals them (the largest is ``rows_per_microbatch``)."""
+    first_tokens_s: tuple[float, ...] = ()
+    """Prefill: when each microbatch's first tokens are back on stage 0 (fill-drain pass)."""
 
     def breakdown_line(self) -> str:
         return format_breakdowns(self.op_bound, self.pipeline.breakdown())
@@ -100,9 +115,21 @@ class LayoutEstimate:
     prefill: PhaseEstimate
     decode: PhaseEstimate
     ttft_s: float
+    """The batch's first token (the first microbatch's, back on stage 0)."""
     tpot_s: float
+    """Decode time / steps from the first token on: ``tpot_steady_s`` plus the prefill fill spread
+    over the steps."""
     tokens_per_s: float
     notes: list[str] = field(default_factory=list)
+    tpot_steady_s: float = 0.0
+    """One decode step of every microbatch in the steady state."""
+    fill_s: float = 0.0
+    """From the first microbatch's first token to the last one's (0 for one microbatch)."""
+
+    @property
+    def decode_bubble_s(self) -> float:
+        """Seed 001 §2.8 on the decode as measured: TPOT beyond one microbatch's stage times."""
+        return max(0.0, self.tpot_s - sum(self.decode.pipeline.stage_times_s))
 
     def to_dict(self) -> dict:
         lay = self.layout
@@ -114,7 +141,8 @@ class LayoutEstimate:
                     "stage_compute_times_s": list(e.stage_compute_times_s),
                     "stage_comm_times_s": list(e.stage_comm_times_s), "stage_times_s": list(e.stage_times_s),
                     "bubble_s": e.bubble_s, "breakdown_s": e.breakdown(), "op_bound_s": p.op_bound,
-                    "breakdown": p.breakdown_line(),
+                    "breakdown": p.breakdown_line(), "group_rows": list(p.group_rows),
+                    "first_tokens_s": list(p.first_tokens_s),
                     "send_recv_events": [{"src_stage": s.src_stage, "dst_stage": s.dst_stage,
                                           "message_bytes": s.message_bytes, "latency_s": s.latency_s}
                                          for s in e.send_recv_events]}
@@ -124,7 +152,8 @@ class LayoutEstimate:
                 "stage_ranges": self.plan.ranges, "stages": [s.to_dict() for s in self.stage_memory],
                 "weight_bytes_per_rank": self.weight_bytes_per_rank, "kv_bytes_per_rank": self.kv_bytes_per_rank,
                 "memory_per_rank": self.memory_per_rank, "fits": self.fits, "ttft_s": self.ttft_s,
-                "tpot_s": self.tpot_s, "tokens_per_s": self.tokens_per_s, "prefill": phase(self.prefill),
+                "tpot_s": self.tpot_s, "tpot_steady_s": self.tpot_steady_s, "fill_s": self.fill_s,
+                "decode_bubble_s": self.decode_bubble_s, "tokens_per_s": self.tokens_per_s, "prefill": phase(self.prefill),
                 "decode": phase(self.decode), "notes": self.notes}
 
 
@@ -141,7 +170,9 @@ def slowdown(profile: DeviceProfile, busy: float) -> float:
     counts = sorted(int(k) for k in conc if k != "ref")
     if counts:
         ref = conc.get("ref", conc.get("1"))
-        g = {n: conc[str(n)] / ref for n in counts}
+        # Processes side by side never speed each other up: a ratio below 1 is the noise of the
+        # measurement (counts up to ref's pace).
+        g = {n: max(conc[str(n)] / ref, 1.0 if n > 1 else 0.0) for n in counts}
         if busy <= counts[0]:
             return g[counts[0]]
         if busy >= counts[-1]:
@@ -167,45 +198,84 @@ def feedback_s(profile: DeviceProfile, num_stages: int, rows: int) -> float:
     return profile.links["pp"].one_way_s(rows * 8) + profile.framework.get("tokens_s", 0.0)
 
 
+def group_rows(batch: int, m: int) -> list[int]:
+    """Rows of each of ``m`` microbatches as the runtime's grouped scheduler deals ``batch``
+    sequences: as evenly as possible, the first groups one more."""
+    base, extra = divmod(batch, m)
+    return [base + (g < extra) for g in range(m)]
+
+
 def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: compute.Precision,
            sharding: shapes.Sharding, *, batch: int, m: int, new_tokens: int, context: int) -> PhaseEstimate:
-    rows = math.ceil(batch / m)
-    base, base_bounds = [], []
-    for info in plan.stages:
-        ops = compute.stage_ops(config, info, rows=rows, new_tokens=new_tokens, context=context, prec=prec,
-                                sharding=sharding)
-        sc = compute.stage_compute(ops, profile, prec.compute_dtype, role=compute.stage_role(info),
-                                   num_layers=len(info.active_layer_indices))
-        base.append(sc.time_s)
-        base_bounds.append(sc.by_bound)
+    groups = group_rows(batch, m)
+    rows = max(groups)
+    cache: dict[int, tuple[list[float], list[dict[str, float]]]] = {}
+
+    def stage_base(r: int) -> tuple[list[float], list[dict[str, float]]]:
+        if r not in cache:
+            times, bounds = [], []
+            for info in plan.stages:
+                ops = compute.stage_ops(config, info, rows=r, new_tokens=new_tokens, context=context, prec=prec,
+                                        sharding=sharding)
+                sc = compute.stage_compute(ops, profile, prec.compute_dtype, role=compute.stage_role(info),
+                                           num_layers=len(info.active_layer_indices))
+                times.append(sc.time_s)
+                bounds.append(sc.by_bound)
+            cache[r] = times, bounds
+        return cache[r]
+
+    base, base_bounds = stage_base(rows)
     nbytes = estimate_hidden_states_message_bytes(rows * new_tokens, config.hidden_size, prec.act)
     events = build_pipeline_send_recv_events(plan.num_stages, nbytes, profile.links["pp"])
-    hops = [e.latency_s for e in events] + [feedback_s(profile, plan.num_stages, rows)]
+    in_out = stage_comm_times(plan.num_stages, events)
 
-    def run(slow: float) -> PipelineRuntimeEstimate:
-        comp = [t * slow for t in base]
+    def hops(r: int) -> list[float]:
+        """Each stage's outgoing hop for a microbatch of ``r`` rows (the last: tokens back to stage 0)."""
+        link = profile.links["pp"]
+        msg = estimate_hidden_states_message_bytes(r * new_tokens, config.hidden_size, prec.act)
+        return [link.one_way_s(msg)] * (plan.num_stages - 1) + [feedback_s(profile, plan.num_stages, r)]
+
+    def run(slow: list[float]) -> PipelineRuntimeEstimate:
         if new_tokens == 1:  # decode: the runtime's steady state, tokens going back to stage 0 each step
-            return estimate_decode_steady_state(comp, hops, m, events)
-        in_out = stage_comm_times(plan.num_stages, events)  # prefill: one pass, fill-drain (§2.7.4)
+            comp = [[stage_base(r)[0][i] * slow[i] for r in groups] for i in range(plan.num_stages)]
+            return estimate_decode_groups(comp, hops(rows), events)
+        comp = [t * k for t, k in zip(base, slow)]  # prefill: one pass, fill-drain (§2.7.4)
         return estimate_pipeline_runtime_from_stage_times(comp, [a + b for a, b in in_out], m, events, in_out)
 
-    # Stage processes slow each other while they compute at once: the mean number busy is the sum of
-    # their utilisations (m microbatches' compute over the phase's latency), found by fixed point.
-    slow = slowdown(profile, 1.0)
+    # Stage processes slow each other while they compute at once. While stage i computes, the
+    # others are busy with the probability of their utilisation (m microbatches' compute over the
+    # phase's latency), so stage i computes beside 1 + sum_(j != i) u_j busy processes on average;
+    # its slowdown is taken there (a fixed point, as the utilisations depend on the slowdowns).
+    slow = [slowdown(profile, 1.0)] * plan.num_stages
     est = run(slow)
     if plan.num_stages > 1 and m > 1:
-        for _ in range(50):
-            busy = sum(m * c for c in est.stage_compute_times_s) / est.latency_s
-            new = slowdown(profile, min(busy, plan.num_stages))
-            if abs(new - slow) < 1e-6 * slow:
+        for _ in range(100):
+            util = [min(1.0, m * c / est.latency_s) for c in est.stage_compute_times_s]
+            new = [slowdown(profile, 1.0 + sum(util) - u) for u in util]
+            if all(abs(a - b) < 1e-6 * b for a, b in zip(new, slow)):
                 break
-            slow = 0.5 * (slow + new)
+            slow = [0.5 * (a + b) for a, b in zip(slow, new)]
             est = run(slow)
+    firsts: tuple[float, ...] = ()
+    if new_tokens > 1:
+        # Each microbatch at its own size through the fill-drain pass; its first tokens are back on
+        # stage 0 one feedback hop after it leaves the last stage.
+        times = []
+        for i in range(plan.num_stages):
+            row = []
+            for r in groups:
+                msg = estimate_hidden_states_message_bytes(r * new_tokens, config.hidden_size, prec.act)
+                hop = profile.links["pp"].one_way_s(msg) if plan.num_stages > 1 else 0.0
+                comm = (hop if i > 0 else 0.0) + (hop if i < plan.num_stages - 1 else 0.0)
+                row.append(stage_base(r)[0][i] * slow[i] + comm)
+            times.append(row)
+        firsts = tuple(t + feedback_s(profile, plan.num_stages, r)
+                       for t, r in zip(fill_drain_finish(times), groups))
     bounds = dict.fromkeys(compute.BOUNDS, 0.0)
-    for by in base_bounds:
+    for by, k_slow in zip(base_bounds, slow):
         for k, v in by.items():
-            bounds[k] += v * slow
-    return PhaseEstimate(est, rows, new_tokens, context, bounds)
+            bounds[k] += v * k_slow
+    return PhaseEstimate(est, rows, new_tokens, context, bounds, tuple(groups), firsts)
 
 
 def estimate_layout(config: ModelConfig, layout: ParallelConfig, workload: Workload, profile: DeviceProfile, *,
@@ -227,10 +297,13 @@ def estimate_layout(config: ModelConfig, layout: ParallelConfig, workload: Workl
                      new_tokens=workload.input_length, context=0)
     decode = _phase(config, plan, profile, prec, sharding, batch=workload.batch, m=m, new_tokens=1,
                     context=workload.input_length + workload.output_length // 2)
-    # The first token exists once the last stage sampled it and stage 0 took it back.
-    ttft = prefill.pipeline.latency_s + feedback_s(profile, plan.num_stages, math.ceil(workload.batch / m))
-    tpot = decode.pipeline.latency_s
-    total = ttft + (workload.output_length - 1) * tpot
+    # The first token exists once the last stage sampled it and stage 0 took it back; the decode
+    # as measured from there also holds the rest of the prefill (the fill).
+    ttft = prefill.first_tokens_s[0]
+    fill = prefill.first_tokens_s[-1] - ttft
+    steady = decode.pipeline.latency_s
+    tpot = steady + (fill / (workload.output_length - 1) if workload.output_length > 1 else 0.0)
+    total = prefill.first_tokens_s[-1] + (workload.output_length - 1) * steady  # = ttft + (O - 1) * tpot
     notes = []
     if plan.num_stages > 1 and config.is_multimodal:
         notes.append("vision tower stored on stage 0, not timed (text requests)")
@@ -240,4 +313,4 @@ def estimate_layout(config: ModelConfig, layout: ParallelConfig, workload: Workl
         kv_bytes_per_rank=max(s.kv_bytes for s in stage_mem), memory_per_rank=need,
         fits=need <= workload.memory_fraction * profile.memory_bytes, prefill=prefill, decode=decode,
         ttft_s=ttft, tpot_s=tpot, tokens_per_s=layout.dp * workload.batch * workload.output_length / total,
-        notes=notes)
+        notes=notes, tpot_steady_s=steady, fill_s=fill)

@@ -97,19 +97,55 @@ def estimate_decode_steady_state(compute_s: Sequence[float], hop_s: Sequence[flo
     takes ``max(round trip, m * max(compute + hop))``: the round trip when the stages wait for each
     other, the busiest stage when it is the bottleneck (§2.7.4's fill-drain formula describes a
     batch that passes once; decode steps repeat, and the pipeline never drains between them).
-    ``bubble_s`` is then the step beyond one microbatch's stage times (0 for one microbatch)."""
+    ``bubble_s`` is then the step beyond one microbatch's stage times (0 for one microbatch).
+    Microbatches of different sizes: :func:`estimate_decode_groups`."""
     if len(compute_s) != len(hop_s) or not compute_s:
         raise ValueError(f"estimate_decode_steady_state: need one compute and one hop time per stage, "
                          f"got {len(compute_s)} and {len(hop_s)}")
-    if any(t < 0 for t in (*compute_s, *hop_s)):
-        raise ValueError("estimate_decode_steady_state: times must be >= 0")
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"estimate_decode_steady_state: num_microbatches must be an int >= 1, "
                          f"got {num_microbatches!r}")
-    stage_times = tuple(a + b for a, b in zip(compute_s, hop_s))
-    latency = max(sum(stage_times), num_microbatches * max(stage_times))
-    return PipelineRuntimeEstimate(latency, tuple(compute_s), tuple(hop_s), stage_times, num_microbatches,
-                                   tuple(events), tuple((0.0, h) for h in hop_s))
+    return estimate_decode_groups([[c] * num_microbatches for c in compute_s], hop_s, events)
+
+
+def estimate_decode_groups(compute_s: Sequence[Sequence[float]], hop_s: Sequence[float],
+                           events: Sequence[PipelineSendRecvEvent] = ()) -> PipelineRuntimeEstimate:
+    """:func:`estimate_decode_steady_state` with ``compute_s[i][g]``: stage ``i``'s time for group
+    ``g`` (the runtime deals a batch to its groups as evenly as it can, so they may differ by a
+    row). A step lasts ``max(max_g round trip of g, max_i sum_g (compute[i][g] + hop[i]))``; the
+    estimate's per-stage compute and stage times are the means over the groups, so that ``m`` times
+    them is a stage's work in a step and ``bubble_s`` is the step beyond it."""
+    if len(compute_s) != len(hop_s) or not compute_s:
+        raise ValueError(f"estimate_decode_groups: need one compute row and one hop time per stage, "
+                         f"got {len(compute_s)} and {len(hop_s)}")
+    m = len(compute_s[0])
+    if m < 1 or any(len(row) != m for row in compute_s):
+        raise ValueError("estimate_decode_groups: every stage needs the same number (>= 1) of group times")
+    if any(t < 0 for row in compute_s for t in row) or any(t < 0 for t in hop_s):
+        raise ValueError("estimate_decode_groups: times must be >= 0")
+    round_trip = max(sum(compute_s[i][g] + hop_s[i] for i in range(len(hop_s))) for g in range(m))
+    busiest = max(sum(row) + m * h for row, h in zip(compute_s, hop_s))
+    mean = tuple(sum(row) / m for row in compute_s)
+    stage_times = tuple(c + h for c, h in zip(mean, hop_s))
+    return PipelineRuntimeEstimate(max(round_trip, busiest), mean, tuple(hop_s), stage_times, m, tuple(events),
+                                   tuple((0.0, h) for h in hop_s))
+
+
+def fill_drain_finish(stage_times_s: Sequence[Sequence[float]]) -> list[float]:
+    """When each microbatch leaves the last stage in one fill-drain pass (prefill):
+    ``stage_times_s[i][g]`` is stage ``i``'s time for microbatch ``g`` (its compute and comm); a
+    stage takes microbatches in order, each once the previous stage handed it on. With equal
+    microbatches the last one leaves at ``sum(stage_times) + (m - 1) * max(stage_times)``
+    (§2.7.4), the first at ``sum(stage_times)``."""
+    if not stage_times_s or not stage_times_s[0] or any(len(r) != len(stage_times_s[0]) for r in stage_times_s):
+        raise ValueError("fill_drain_finish: need the same number (>= 1) of microbatch times per stage")
+    done = [0.0] * len(stage_times_s[0])
+    for row in stage_times_s:
+        free = 0.0
+        for g, t in enumerate(row):
+            free = max(free, done[g]) + t
+            done[g] = free
+    return done
 
 
 def format_breakdowns(op_bound: Mapping[str, float] | None, pipeline: Mapping[str, float] | None) -> str:

@@ -16,13 +16,22 @@ Built-in profiles live in ``planner/profiles/*.json`` (h100-sxm, h200, a100, cpu
 
 Optional, measured by ``stagewise bench profile`` on a CPU (:mod:`stagewise.bench.profile_runtime`):
 
-- ``quant``: ``{"q4_0"|"q4_1"|"q8_0": {"s_per_weight", "flops"}}``: a block-quantised linear
-  costs ``weights * s_per_weight + flops / flops`` (decode each weight once, then the FMAs),
-  measured with weights far beyond the caches;
+- ``quant``: ``{"q4_0"|"q4_1"|"q8_0": {"s_per_weight", "flops", "rows_s_per_weight"}}``: a
+  block-quantised linear costs ``weights * s_per_weight + flops / flops`` (decode each weight
+  once, then the FMAs), measured with weights far beyond the caches; where the optional
+  ``rows_s_per_weight`` (``{"1": s, "2": s, ...}``, the kernel's time per weight at those rows of
+  x) and ``rows_s_per_output`` (per output row, at the same counts) are given, ``weights`` and
+  output rows times them, linear between the measured row counts and beyond the largest at the
+  FMA rate (the kernel's register tiles make the first few rows cost other than the asymptotic
+  rate says, and each output row ends in reductions and stores);
 - ``framework``: the runtime's Python/dispatch cost per decode step: ``layer_s`` per decoder layer
   and the fixed part by role (``engine_s``, ``head_s``, ``middle_s``, ``last_s``) plus
   ``tokens_s`` (stage 0 taking sampled tokens back). With it, compute ops pay no ``op_overhead_s``
   (the framework figures already hold every op's dispatch);
+- ``attention_decode``: ``{"flops", "bandwidth", "call_s"}``: the runtime's decode attention (one
+  new token per row over the paged cache, the cache beyond the core's caches as a model's layers
+  leave it) costs ``call_s + flops / flops + cached K/V bytes / bandwidth`` a layer, in place of
+  the attention roofline (prefill keeps it);
 - ``cores``: CPU cores the stages share (stage processes beyond it take turns);
 - ``concurrency``: ``{"1": s, "2": s, ...}`` seconds of one reference pass with 1, 2, ... busy
   single-thread processes side by side: ``concurrency[n] / concurrency["1"]`` is how much ``n``
@@ -86,6 +95,7 @@ class DeviceProfile:
     framework: dict[str, float] = field(default_factory=dict)
     cores: int | None = None
     concurrency: dict[str, float] = field(default_factory=dict)
+    attention_decode: dict[str, float] = field(default_factory=dict)
 
     def flops(self, dtype: str) -> float:
         """Achievable matmul FLOP/s in ``dtype`` (peak times efficiency)."""
@@ -176,6 +186,20 @@ def profile_from_dict(d: Any, source: str = "built-in") -> DeviceProfile:
                              f"{{s_per_weight, flops}}, got {k!r}: {v!r}")
         quant[k] = {"s_per_weight": _number(f"{where} quant.{k}", v, "s_per_weight", positive=False),
                     "flops": _number(f"{where} quant.{k}", v, "flops")}
+        rows_in = v.get("rows_s_per_weight")
+        if rows_in is not None:
+            if not isinstance(rows_in, dict) or not rows_in or \
+                    any(not str(r).isdigit() or int(r) < 1 for r in rows_in):
+                raise ValueError(f"{where}: quant.{k}.rows_s_per_weight must map row counts '1', '2', ... to "
+                                 f"seconds per weight, got {rows_in!r}")
+            quant[k]["rows_s_per_weight"] = {str(r): _number(f"{where} quant.{k}.rows_s_per_weight", rows_in, r)
+                                             for r in rows_in}
+            out_in = v.get("rows_s_per_output") or {}
+            if not isinstance(out_in, dict) or any(str(r) not in quant[k]["rows_s_per_weight"] for r in out_in):
+                raise ValueError(f"{where}: quant.{k}.rows_s_per_output must map row counts of rows_s_per_weight "
+                                 f"to seconds per output row, got {out_in!r}")
+            quant[k]["rows_s_per_output"] = {str(r): _number(f"{where} quant.{k}.rows_s_per_output", out_in, r,
+                                                             positive=False) for r in out_in}
     fw_in = d.get("framework") or {}
     if not isinstance(fw_in, dict):
         raise ValueError(f"{where}: field 'framework' must be an object, got {fw_in!r}")
@@ -192,13 +216,21 @@ def profile_from_dict(d: Any, source: str = "built-in") -> DeviceProfile:
         raise ValueError(f"{where}: field 'concurrency' must map '1', '2', ... (and optionally 'ref') to seconds, "
                          f"got {conc_in!r}")
     concurrency = {str(k): _number(f"{where} concurrency", conc_in, k) for k in conc_in}
+    attn_in = d.get("attention_decode") or {}
+    if not isinstance(attn_in, dict):
+        raise ValueError(f"{where}: field 'attention_decode' must be an object with flops and call_s, got {attn_in!r}")
+    attention_decode = ({"flops": _number(f"{where} attention_decode", attn_in, "flops"),
+                         "call_s": _number(f"{where} attention_decode", attn_in, "call_s", positive=False)}
+                        if attn_in else {})
+    if attn_in and "bandwidth" in attn_in:
+        attention_decode["bandwidth"] = _number(f"{where} attention_decode", attn_in, "bandwidth")
     return DeviceProfile(name=name, memory_bytes=int(_number(where, d, "memory_bytes")), peak_flops=peak_flops,
                          memory_bandwidth=_number(where, d, "memory_bandwidth"), efficiency=dict(eff),
                          op_overhead_s=_number(where, d, "op_overhead_s", positive=False), links=links,
                          transports=transports, kind=str(d.get("kind", "gpu")),
                          description=str(d.get("description", "")), source=source,
                          measured=dict(d.get("measured") or {}), quant=quant, framework=framework, cores=cores,
-                         concurrency=concurrency)
+                         concurrency=concurrency, attention_decode=attention_decode)
 
 
 def builtin_profiles() -> list[str]:

@@ -128,7 +128,7 @@ def compare(predicted, measured: MeasuredRun) -> list[dict]:
             {"metric": "tpot", "predicted_s": predicted.tpot_s, "measured_s": measured.tpot_s}]
     for i, (p, b) in enumerate(zip(dec.stage_compute_times_s, measured.per_stage_busy_s)):
         rows.append({"metric": f"stage{i}_busy", "predicted_s": p * m, "measured_s": b})
-    rows.append({"metric": "bubble", "predicted_s": dec.bubble_s, "measured_s": measured.bubble_s})
+    rows.append({"metric": "bubble", "predicted_s": predicted.decode_bubble_s, "measured_s": measured.bubble_s})
     best = measured.details.get("best_run")
     if best:
         for r in rows:
