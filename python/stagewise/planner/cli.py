@@ -505,8 +505,9 @@ def run_validate(argv: list[str]) -> int:
 
 
 VALIDATE_METHOD = """Method: the prediction comes from the device profile alone, i.e. primitive costs that
-`stagewise bench profile` measures apart from any model run, each the least disturbed of several
-passes spread over the measurement: the block-quantised linear per GGUF type (weights streamed from
+`stagewise bench profile` measures apart from any model run, each the median of several passes
+spread over the measurement (the fixed per-step costs of the stage roles: the least disturbed of
+five medians): the block-quantised linear per GGUF type (weights streamed from
 memory) timed at 1, 2, 4 and 32 rows of x on two shapes of as many weights, which gives its cost per
 weight and per output row at each row count (its register tiles make 2 rows cost as much as 4);
 the decode attention kernel over paged caches streamed from memory, timed at three shapes, which
