@@ -229,11 +229,14 @@ def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: c
     events = build_pipeline_send_recv_events(plan.num_stages, nbytes, profile.links["pp"])
     in_out = stage_comm_times(plan.num_stages, events)
 
+    def one_way(r: int) -> float:
+        """One hop of a microbatch of ``r`` rows' hidden states to the next stage."""
+        msg = estimate_hidden_states_message_bytes(r * new_tokens, config.hidden_size, prec.act)
+        return profile.links["pp"].one_way_s(msg)
+
     def hops(r: int) -> list[float]:
         """Each stage's outgoing hop for a microbatch of ``r`` rows (the last: tokens back to stage 0)."""
-        link = profile.links["pp"]
-        msg = estimate_hidden_states_message_bytes(r * new_tokens, config.hidden_size, prec.act)
-        return [link.one_way_s(msg)] * (plan.num_stages - 1) + [feedback_s(profile, plan.num_stages, r)]
+        return [one_way(r)] * (plan.num_stages - 1) + [feedback_s(profile, plan.num_stages, r)]
 
     def run(slow: list[float]) -> PipelineRuntimeEstimate:
         if new_tokens == 1:  # decode: the runtime's steady state, tokens going back to stage 0 each step
@@ -260,15 +263,10 @@ def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: c
     if new_tokens > 1:
         # Each microbatch at its own size through the fill-drain pass; its first tokens are back on
         # stage 0 one feedback hop after it leaves the last stage.
-        times = []
-        for i in range(plan.num_stages):
-            row = []
-            for r in groups:
-                msg = estimate_hidden_states_message_bytes(r * new_tokens, config.hidden_size, prec.act)
-                hop = profile.links["pp"].one_way_s(msg) if plan.num_stages > 1 else 0.0
-                comm = (hop if i > 0 else 0.0) + (hop if i < plan.num_stages - 1 else 0.0)
-                row.append(stage_base(r)[0][i] * slow[i] + comm)
-            times.append(row)
+        last = plan.num_stages - 1
+        hop = {r: one_way(r) if last > 0 else 0.0 for r in groups}
+        times = [[stage_base(r)[0][i] * slow[i] + hop[r] * ((i > 0) + (i < last)) for r in groups]
+                 for i in range(plan.num_stages)]
         firsts = tuple(t + feedback_s(profile, plan.num_stages, r)
                        for t, r in zip(fill_drain_finish(times), groups))
     bounds = dict.fromkeys(compute.BOUNDS, 0.0)
