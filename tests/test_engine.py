@@ -16,7 +16,7 @@ import torch
 
 import stagewise
 from stagewise.cli import main as cli_main
-from stagewise.runtime.sampling import SamplingParams
+from stagewise.engine.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -88,7 +88,7 @@ def test_batched_greedy_equals_transformers(checkpoint, path):
         kwargs = {"prompts": [words(p) for p in prompts]} if path == "text" else {"prompt_token_ids": prompts}
         outs = pipe.generate(**kwargs, max_new_tokens=NEW,
                              on_text=lambda i, t: streamed.__setitem__(i, streamed.get(i, "") + t))
-        assert pipe.engine.status().free_blocks == pipe.engine.status().total_blocks
+        assert pipe.status()["free_blocks"] == pipe.status()["total_blocks"]
     for i, (p, c) in enumerate(zip(prompts, outs)):
         assert c.prompt_token_ids == p
         assert c.token_ids == reference(hf, p), i
@@ -187,7 +187,7 @@ def test_argument_errors_raise_before_running(checkpoint, kwargs):
     with stagewise.Pipeline(str(folder)) as pipe:
         with pytest.raises(ValueError):
             pipe.generate(**kwargs)
-        assert pipe.engine.status().running == 0 and pipe.engine.status().waiting == 0
+        assert pipe.status()["running"] == 0 and pipe.status()["waiting"] == 0
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -206,13 +206,13 @@ def test_out_of_kv_blocks_fails_only_that_request(checkpoint):
     # 3 blocks of 16 slots: each prompt takes one; at position 16 the first request takes the
     # last free block and the second one fails; its block then lets the first reach position 32.
     with stagewise.Pipeline(str(folder), max_num_seqs=2, max_num_tokens=48) as pipe:
-        assert pipe.engine.kv_cache.num_blocks == 3
+        assert pipe.status()["total_blocks"] == 3
         first, second = pipe.generate(prompt_token_ids=[a, b], max_new_tokens=20)
-        status = pipe.engine.status()
+        status = pipe.status()
     assert first.finish_reason == "length" and first.token_ids == reference(hf, a, 20)
     assert second.finish_reason == "error" and "KV cache blocks" in second.error
     assert second.token_ids == reference(hf, b, 3)  # its tokens up to the failure are still right
-    assert status.free_blocks == status.total_blocks == 3
+    assert status["free_blocks"] == status["total_blocks"] == 3
 
 
 def test_failing_stream_callback_ends_only_its_request(checkpoint):
@@ -225,11 +225,10 @@ def test_failing_stream_callback_ends_only_its_request(checkpoint):
 
     with stagewise.Pipeline(str(folder), max_num_seqs=2) as pipe:
         first, second = pipe.generate(prompt_token_ids=[a, b], max_new_tokens=NEW, on_text=on_text)
-        status = pipe.engine.status()
-        assert not pipe.engine.has_unfinished()
+        status = pipe.status()
     assert first.finish_reason == "error" and "consumer went away" in first.error
     assert second.finish_reason == "length" and second.token_ids == reference(hf, b)
-    assert status.running == 0 and status.free_blocks == status.total_blocks
+    assert status["running"] == status["waiting"] == 0 and status["free_blocks"] == status["total_blocks"]
 
 
 def test_max_model_len_beyond_rotary_table_is_refused(checkpoint):
@@ -240,24 +239,28 @@ def test_max_model_len_beyond_rotary_table_is_refused(checkpoint):
 
 def test_engine_queue_status_and_cancel(checkpoint):
     folder, _ = checkpoint
-    with stagewise.Pipeline(str(folder), max_num_seqs=2) as pipe:
-        engine = pipe.engine
-        for rid, p in enumerate(random_prompts((3, 4, 5))):
-            engine.add_request(rid, p, SamplingParams(max_new_tokens=50, temperature=0.0))
-        assert (engine.status().waiting, engine.status().running) == (3, 0)
-        assert engine.step() == []
-        assert (engine.status().waiting, engine.status().running) == (1, 2)
-        out = engine.cancel(0)
-        assert out.finish_reason == "cancelled" and len(out.token_ids) == 1
-        engine.step()  # request 2 takes the freed row
-        assert (engine.status().waiting, engine.status().running) == (0, 2)
-        for rid in (1, 2):
-            engine.cancel(rid)
-        status = engine.status()
-        assert status.running == 0 and status.free_blocks == status.total_blocks
-        with pytest.raises(ValueError, match="already in use"):
-            engine.add_request(7, [4], SamplingParams())
-            engine.add_request(7, [4], SamplingParams())
+    from stagewise.engine.engine import Engine
+    from stagewise.model.loader import open_checkpoint
+    from stagewise.model.stage import load_stage
+
+    layers = open_checkpoint(folder).config.num_layers
+    engine = Engine.for_model(load_stage(folder, 0, layers), max_num_seqs=2)
+    for rid, p in enumerate(random_prompts((3, 4, 5))):
+        engine.add_request(rid, p, SamplingParams(max_new_tokens=50, temperature=0.0))
+    assert (engine.status().waiting, engine.status().running) == (3, 0)
+    assert engine.step() == []
+    assert (engine.status().waiting, engine.status().running) == (1, 2)
+    out = engine.cancel(0)
+    assert out.finish_reason == "cancelled" and len(out.token_ids) == 1
+    engine.step()  # request 2 takes the freed row
+    assert (engine.status().waiting, engine.status().running) == (0, 2)
+    for rid in (1, 2):
+        engine.cancel(rid)
+    status = engine.status()
+    assert status.running == 0 and status.free_blocks == status.total_blocks
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(7, [4], SamplingParams())
+        engine.add_request(7, [4], SamplingParams())
 
 
 def test_cli_json(checkpoint, capsys):

@@ -27,9 +27,10 @@ import torch
 
 from stagewise.api import Pipeline
 from stagewise.cli import main as cli_main
-from stagewise.launch.local import _read_address, stop_processes
-from stagewise.launch.multihost import PlanError, check_plan, load_plan, ssh_argv, stage_argv
-from stagewise.launch.planfile import RunPlan
+from stagewise.launch.local import StageProcesses, read_address
+from stagewise.launch.local import stage_argv
+from stagewise.launch.multihost import PlanError, check_plan, load_plan, ssh_argv
+from stagewise.parallel.runplan import RunPlan
 from stagewise.launch.torchrun import torchrun_stage
 from stagewise.transport.errors import HandshakeError
 
@@ -242,7 +243,7 @@ def test_torchrun_stages_publish_their_addresses_in_the_store(tiny, tmp_path):
         assert run.returncode == 0, log  # every stage exits cleanly on the driver's shutdown
         assert f"store at 127.0.0.1:{port}" in log
     finally:
-        stop_processes([run], grace_s=0.1)
+        StageProcesses([run]).stop(grace_s=0.1)
 
 
 def test_launch_over_ssh_on_this_machine(tiny, tmp_path):
@@ -347,16 +348,16 @@ def smol_stages(netns, tmp_path_factory):
     stages = [{"host": a, "listen": f"{a}:7400", "threads": 1} for a in netns.addresses]
     plan_path = write_plan(folder / "plan.json", "smollm2-135m", stages, max_model_len=256)
     env = dict(os.environ, STAGEWISE_AUTH_TOKEN=TOKEN)
-    procs = [subprocess.Popen(["ip", "netns", "exec", name, PY, "-m", "stagewise.cli", "stage", "--plan",
-                               str(plan_path), "--stage", str(i), "--die-with-parent"], env=env,
-                              stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-             for i, name in enumerate(netns.names)]
+    procs = StageProcesses([subprocess.Popen(["ip", "netns", "exec", name, PY, "-m", "stagewise.cli", "stage",
+                                              "--plan", str(plan_path), "--stage", str(i), "--die-with-parent"],
+                                             env=env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+                            for i, name in enumerate(netns.names)])
     try:
-        for i, proc in enumerate(procs):
-            assert _read_address(proc, i, 120) == (netns.addresses[i], 7400)
+        for i, proc in enumerate(procs.procs):
+            assert read_address(proc, i, 120) == (netns.addresses[i], 7400)
         yield plan_path, procs
     finally:
-        stop_processes(procs, grace_s=0.5)
+        procs.stop(grace_s=0.5)
 
 
 def test_namespaced_stages_refuse_a_driver_without_the_token(smol_stages):
@@ -365,7 +366,7 @@ def test_namespaced_stages_refuse_a_driver_without_the_token(smol_stages):
         Pipeline.attach(str(plan_path), connect_timeout=30)
     with pytest.raises(HandshakeError, match="auth token differs"):
         Pipeline.attach(str(plan_path), auth_token="not-" + TOKEN, connect_timeout=30)
-    assert all(p.poll() is None for p in procs)  # refused drivers do not stop the stages
+    assert all(procs.exit_code(i) is None for i in range(3))  # refused drivers do not stop the stages
 
 
 def test_three_namespaced_stages_equal_the_single_process_run(netns, smol_stages, smol_reference):
@@ -381,7 +382,7 @@ def test_three_namespaced_stages_equal_the_single_process_run(netns, smol_stages
     for i in range(3):
         assert stages[i]["bytes_sent"] > 0
         assert netns.rx_bytes(i) - before[i] >= stages[i]["bytes_sent"], i
-    for proc in procs:
+    for proc in procs.procs:
         assert proc.wait(timeout=30) == 0
 
 

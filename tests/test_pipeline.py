@@ -99,33 +99,31 @@ def test_concurrent_requests_with_cancellations(tiny):
                                                          ignore_eos=True)]
     with stagewise.Pipeline(str(folder), stages=3, max_model_len=64, max_num_seqs=6) as pipe:
         driver = pipe.driver
-        from dataclasses import asdict
+        from stagewise.engine.sampling import SamplingParams
 
-        from stagewise.runtime.sampling import SamplingParams
-
-        params = asdict(SamplingParams(max_new_tokens=9, temperature=0.0, ignore_eos=True))
+        params = SamplingParams(max_new_tokens=9, temperature=0.0, ignore_eos=True)
         for rid, prompt in enumerate(prompts):
             driver.add(rid, prompt, params)
         cancel, results, tokens_seen, busiest = {2, 5, 11}, {}, 0, 0
         while len(results) < len(prompts):
-            for out in driver.pump(0.05):
-                results[out["id"]] = out
+            for out in driver.poll(0.05):
+                results[out.request_id] = out
             busiest = max(busiest, pipe.status().get("running", 0))
             tokens_seen += 1
             if tokens_seen == 3:
                 for rid in cancel:
                     driver.cancel(rid)
         for rid, out in results.items():
-            if out["finish_reason"] == "cancelled":
+            if out.finish_reason == "cancelled":
                 assert rid in cancel
-                assert out["token_ids"] == expected[rid][: len(out["token_ids"])]
+                assert out.token_ids == expected[rid][: len(out.token_ids)]
             else:
-                assert (out["token_ids"], out["finish_reason"]) == (expected[rid], "length"), rid
-        assert any(out["finish_reason"] == "cancelled" for out in results.values())
+                assert (out.token_ids, out.finish_reason) == (expected[rid], "length"), rid
+        assert any(out.finish_reason == "cancelled" for out in results.values())
         # Seed 002's status: all six user rows were busy at some point, none is now.
         assert busiest == 6
         while pipe.status().get("running") != 0:
-            driver.pump(0.05)
+            driver.poll(0.05)
         st = pipe.status()
         assert st["waiting"] == 0 and st["max_num_seqs"] == 6 and st["free_blocks"] == st["total_blocks"]
         # Every stage freed the KV of every request: the next call runs at full capacity.

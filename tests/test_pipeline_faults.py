@@ -16,15 +16,17 @@ import pytest
 import torch
 
 import stagewise
-from stagewise.launch.local import spawn_stages, stop_processes
-from stagewise.launch.planfile import RunPlan
-from stagewise.runtime import links
-from stagewise.runtime.driver import PipelineDriver
-from stagewise.transport.errors import HandshakeError
-from stagewise.transport.frame import Frame, Row, RowFlags, StepKind
+from stagewise.engine.sampling import SamplingParams
+from stagewise.launch.local import read_address, spawn_stages
+from stagewise.parallel.runplan import RunPlan
+from stagewise.pipeline import links, messages, protocol
+from stagewise.pipeline.driver import PipelineDriver
 from stagewise.transport import encode_frame
+from stagewise.transport.errors import HandshakeError
+from stagewise.transport.frame import Frame, Row, StepKind
 
 transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
 
 SMALL = dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, intermediate_size=96, max_position_embeddings=512)
@@ -36,6 +38,11 @@ def folder(tmp_path_factory):
     hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SMALL)).eval()
     path = tmp_path_factory.mktemp("qwen3")
     hf.save_pretrained(path)
+    # A word per token id: text streams as the tokens come back.
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, SMALL["vocab_size"])}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
     return path
 
 
@@ -58,34 +65,26 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])
 def test_a_dead_or_hung_stage_ends_requests_with_an_error_naming_it(folder, fault):
-    from dataclasses import asdict
-
-    from stagewise.runtime.sampling import SamplingParams
-
     pipe = stagewise.Pipeline(str(folder), stages=3, max_model_len=500, max_num_seqs=4)
-    driver = pipe.driver
-    pids = [p.pid for p in driver.processes]
-    params = asdict(SamplingParams(max_new_tokens=480, temperature=0.0, ignore_eos=True))
-    results, struck = {}, None
+    pids = pipe.driver.processes.pids
+    struck = []
+
+    def strike(_index: int, _text: str) -> None:
+        # Once the first tokens come back: mid-generation, whatever the machine's speed.
+        if not struck:
+            os.kill(pids[1], signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            struck.append(time.monotonic())
+
     try:
-        driver.add(0, [5, 6, 7], params)
-        driver.add(1, [8, 9], params)
-        deadline = time.monotonic() + 120
-        while len(results) < 2 and time.monotonic() < deadline:
-            for out in driver.pump(0.01):
-                results[out["id"]] = out
-            # Strike once the first tokens came back: mid-generation, whatever the machine's speed.
-            if struck is None and any(s.first_token_s for s in driver.requests.values()):
-                os.kill(pids[1], signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-                struck = time.monotonic()
+        outs = pipe.generate(prompt_token_ids=[[5, 6, 7], [8, 9]], max_new_tokens=480, ignore_eos=True,
+                             on_text=strike)
         ended = time.monotonic()
     finally:
         pipe.close()
-    assert struck is not None, "no token came back before the fault"
-    assert ended - struck < 5.0
-    assert sorted(results) == [0, 1]
-    for out in results.values():
-        assert out["finish_reason"] == "error" and "stage 1" in out["error"], out["error"]
+    assert struck, "no token came back before the fault"
+    assert ended - struck[0] < 5.0
+    for out in outs:
+        assert out.finish_reason == "error" and "stage 1" in out.error, out.error
     assert _gone(pids), "stage processes left behind"
     with pytest.raises(ValueError, match="closed"):
         pipe.generate(prompt_token_ids=[[1, 2]], max_new_tokens=2)
@@ -97,8 +96,7 @@ def test_port_in_use_is_a_clear_error(folder, tmp_path):
     busy.listen(1)
     port = busy.getsockname()[1]
     plan = RunPlan.build(str(folder), 4, 2).with_stage(0, listen=f"127.0.0.1:{port}")
-    path = plan.dump(tmp_path / "plan.json")
-    run = subprocess.run([sys.executable, "-m", "stagewise.cli", "stage", "--plan", str(path), "--stage", "0"],
+    run = subprocess.run([sys.executable, "-m", "stagewise.cli", "stage", "--plan-json", plan.to_json(), "--stage", "0"],
                          capture_output=True, text=True, timeout=120)
     busy.close()
     assert run.returncode == 1
@@ -106,11 +104,11 @@ def test_port_in_use_is_a_clear_error(folder, tmp_path):
 
 
 def test_auth_token_and_fingerprint_are_checked(folder):
-    from stagewise.model.checkpoint import open_checkpoint
+    from stagewise.model.loader import open_checkpoint
 
     plan = RunPlan.build(str(folder), 4, 2)
     fingerprint = plan.fingerprint(open_checkpoint(str(folder)).hf_config)
-    procs, addresses, _ = spawn_stages(plan, auth_token="right-token")
+    procs, addresses = spawn_stages(plan, auth_token="right-token")
     try:
         with pytest.raises(HandshakeError, match="auth"):
             PipelineDriver(plan, addresses, fingerprint=fingerprint, auth_token="wrong-token")
@@ -118,42 +116,32 @@ def test_auth_token_and_fingerprint_are_checked(folder):
             PipelineDriver(plan, addresses, fingerprint=fingerprint, auth_token=None)
         with pytest.raises(HandshakeError, match=rf"0123456789abcdef.*{fingerprint}|{fingerprint}.*0123456789abcdef"):
             PipelineDriver(plan, addresses, fingerprint="0123456789abcdef", auth_token="right-token")
-        assert all(p.poll() is None for p in procs), "a refused connection must not stop a stage"
+        assert all(procs.exit_code(i) is None for i in range(2)), "a refused connection must not stop a stage"
         driver = PipelineDriver(plan, addresses, fingerprint=fingerprint, auth_token="right-token")
-        driver.add(0, [5, 6, 7], {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True})
+        driver.add(0, [5, 6, 7], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))
         results = []
         while not results:
-            results = driver.pump(0.1)
-        assert results[0]["finish_reason"] == "length" and len(results[0]["token_ids"]) == 3
+            results = driver.poll(0.1)
+        assert results[0].finish_reason == "length" and len(results[0].token_ids) == 3
         driver.close()
     finally:
-        stop_processes(procs, grace_s=5.0)
+        procs.stop(grace_s=5.0)
 
 
-def test_a_live_stage_rejects_thousands_of_bad_frames_and_serves_on(folder, tmp_path):
-    """This test plays the driver and stage 0 (an in-process PipelineHead) against a real last
-    stage process. Between valid steps it sends bursts of corrupted, truncated and mismatched
-    frames; each is rejected and counted, and the valid steps still give the engine's tokens."""
-    import threading
-
-    from stagewise.launch.local import _read_address
-    from stagewise.model.checkpoint import open_checkpoint
-    from stagewise.model.stage import StageModel
-    from stagewise.model.weights import load_stage_weights
-    from stagewise.runtime.engine import Engine
-    from stagewise.runtime.pipeline_head import PipelineHead
-    from stagewise.runtime.sampling import SamplingParams
-    from stagewise.runtime.stage_process import step_frame
-    from stagewise.runtime.stage_runtime import rows_of
+def test_a_live_stage_rejects_thousands_of_bad_frames_and_serves_on(folder):
+    """This test plays the driver and stage 0 (an in-process Head) against a real last stage
+    process. Between valid steps it sends bursts of corrupted, truncated and mismatched frames;
+    each is rejected and counted, and the valid steps still give the engine's tokens."""
+    from stagewise.engine.engine import Engine
+    from stagewise.engine.executor import Executor
+    from stagewise.model.loader import open_checkpoint
+    from stagewise.model.stage import load_stage
+    from stagewise.pipeline.head import Head
 
     ckpt = open_checkpoint(str(folder))
-
-    def model(a, b):
-        return StageModel.from_weights(ckpt.config, a, b, load_stage_weights(ckpt, a, b, dtype=torch.float32))
-
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-    engine = Engine(model(0, 4), max_num_seqs=4, max_model_len=64, max_num_tokens=256)
+    engine = Engine.for_model(load_stage(ckpt, 0, 4), max_num_seqs=4, max_model_len=64, max_num_tokens=256)
     for rid, p in enumerate(prompts):
         engine.add_request(rid, p, params)
     expected = {}
@@ -161,60 +149,55 @@ def test_a_live_stage_rejects_thousands_of_bad_frames_and_serves_on(folder, tmp_
         expected.update({o.request_id: o.token_ids for o in engine.step()})
 
     plan = RunPlan.build(str(folder), 4, 2, max_model_len=64, max_num_tokens=256)
-    path = plan.dump(tmp_path / "plan.json")
-    proc = subprocess.Popen([sys.executable, "-m", "stagewise.cli", "stage", "--plan", str(path), "--stage", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "stagewise.cli", "stage", "--plan-json", plan.to_json(),
+                             "--stage", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        address = _read_address(proc, 1, 120)
-        fp = plan.fingerprint(ckpt.hf_config)
-        back = links.listen(("127.0.0.1", 0), fingerprint=fp)
-        control = links.dial(address, transport="tcp", stage=-1, peer=1, role="driver", fingerprint=fp)
-        ready = control.recv(timeout=120).control
-        control.send(Frame(step_kind=StepKind.CONTROL, control={
-            "op": "setup", "num_blocks": ready["capacity_blocks"], "next": list(back.address), "transport": "tcp"}))
-        accepted = {}
-        acceptor = threading.Thread(target=lambda: accepted.update(ch=links.accept(back, timeout=60)[0]))
-        acceptor.start()
-        up = links.dial(address, transport="tcp", stage=0, peer=1, role="activations", fingerprint=fp)
-        acceptor.join()
-        feedback = accepted["ch"]
-        while (control.recv(timeout=60).control or {}).get("op") != "connected":
+        address = read_address(proc, 1, 120)
+        options = links.LinkOptions(fingerprint=plan.fingerprint(ckpt.hf_config))
+        acceptor = links.Acceptor(links.listen(("127.0.0.1", 0), options), stage=0)
+        control = links.dial(address, options, transport="tcp", stage=-1, peer=1, role="driver")
+        ready = messages.from_frame(control.recv(timeout=120))
+        control.send(messages.to_frame(messages.Setup(num_blocks=ready.capacity_blocks,
+                                                      next=acceptor.listener.address, transport="tcp",
+                                                      microbatches=1)))
+        up = links.dial(address, options, transport="tcp", stage=0, peer=1, role="activations")
+        feedback = acceptor.take("feedback", 60)
+        while not isinstance(messages.from_frame(control.recv(timeout=60)), messages.Connected):
             pass
 
-        head = PipelineHead(model(0, 2), num_groups=1, num_blocks=ready["capacity_blocks"], max_num_seqs=4,
+        executor = Executor(load_stage(ckpt, 0, 2), num_blocks=ready.capacity_blocks, block_size=plan.block_size,
                             max_model_len=64)
+        head = Head(Engine(executor, max_num_seqs=4))
         for rid, p in enumerate(prompts):
-            head.add_request(rid, p, params)
+            head.on_message(messages.Add(request_id=rid, prompt_ids=p, params=params))
         rng, bad_sent, results = random.Random(0), 0, {}
-        while head.has_unfinished():
-            step, _ = head.launch(0)
-            frame = step_frame(rows_of(step.batch), step.hidden_states, group=0, step_id=step.step_id, stage=0,
-                               sampling=step.sampling)
-            good = encode_frame(frame)
-            for _ in range(250):
-                up.send_bytes(_mutate(rng, good, frame))
-                bad_sent += 1
-            up.send(frame)
-            reply = feedback.recv(timeout=60)
-            assert reply.step_kind == StepKind.TOKENS and reply.step_id == step.step_id
-            outs = head.on_tokens(0, reply.step_id, [r.request_id for r in reply.rows],
-                                  reply.tensors["token_ids"].tolist())
-            results.update({o.request_id: o.token_ids for o in outs})
-            freed = head.take_freed()
-            if freed:
-                up.send(Frame(step_kind=StepKind.CONTROL, stage_from=0, stage_to=1,
-                              rows=[Row(r, 0, 0, RowFlags.FINISHED) for r in freed], control={"op": "free"}))
+        while head.busy:
+            for frame in head.launch():
+                good = encode_frame(frame)
+                if frame.step_kind != StepKind.CONTROL:
+                    for _ in range(250):
+                        up.send_bytes(_mutate(rng, good, frame))
+                        bad_sent += 1
+                up.send(frame)
+            if head.engine.inflight:
+                reply = feedback.recv(timeout=60)
+                assert reply.step_kind == StepKind.TOKENS
+                for frame in head.on_feedback(protocol.from_frame(reply, None)):
+                    up.send(frame)
+            events = head.take_events()
+            results.update({r.request_id: r.token_ids for r in events.done} if events else {})
         assert results == expected
         assert bad_sent >= 1000
-        control.send(Frame(step_kind=StepKind.CONTROL, control={"op": "stats"}))
-        while (stats := control.recv(timeout=30).control or {}).get("op") != "stats":
+        control.send(messages.to_frame(messages.GetStats()))
+        while not isinstance(stats := messages.from_frame(control.recv(timeout=30)), messages.Stats):
             pass
-        assert stats["rejected_frames"] == bad_sent
+        assert stats.rejected_frames == bad_sent
         assert proc.poll() is None
-        control.send(Frame(step_kind=StepKind.CONTROL, control={"op": "shutdown"}))
+        control.send(messages.to_frame(messages.Shutdown()))
         assert proc.wait(timeout=30) == 0
         err = proc.stderr.read()
         assert "rejected frame #1 " in err and "bad frame" in err, err[-2000:]
+        acceptor.close()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -255,21 +238,17 @@ def _mutate(rng: random.Random, good: bytes, frame: Frame) -> bytes:
 
 CTRL_C_SCRIPT = """
 import os, signal, sys
-from dataclasses import asdict
 import stagewise
-from stagewise.runtime.sampling import SamplingParams
+
+def strike(_index, _text):
+    print("STRUCK", flush=True)
+    os.killpg(0, signal.SIGINT)  # a terminal's Ctrl-C: the whole process group
 
 pipe = stagewise.Pipeline(sys.argv[1], stages=3, max_model_len=500, max_num_seqs=4)
-print("PIDS", *[p.pid for p in pipe.driver.processes], flush=True)
+print("PIDS", *pipe.driver.processes.pids, flush=True)
 try:
     with pipe:
-        driver = pipe.driver
-        driver.add(0, [5, 6, 7], asdict(SamplingParams(max_new_tokens=480, temperature=0.0, ignore_eos=True)))
-        while True:
-            driver.pump(0.01)
-            if any(s.first_token_s for s in driver.requests.values()):
-                print("STRUCK", flush=True)
-                os.killpg(0, signal.SIGINT)  # a terminal's Ctrl-C: the whole process group
+        pipe.generate(prompt_token_ids=[5, 6, 7], max_new_tokens=480, ignore_eos=True, on_text=strike)
 except KeyboardInterrupt:
     sys.exit(130)
 """

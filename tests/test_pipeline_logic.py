@@ -1,7 +1,8 @@
-"""The pipeline's stage logic in one process, without transport: a PipelineHead (stage 0) and
-StageRuntimes (later stages) whose steps overlap as in a pipeline (several microbatch groups in
-flight, handed from stage to stage in an interleaved order) give exactly the tokens of the
-single-process Engine — greedy and seeded sampling, with cancellations in between."""
+"""The pipeline's serving logic in one process, through its real protocol and frame codec but no
+sockets: a Head (stage 0) and Workers (later stages) whose steps overlap as in a pipeline
+(several microbatch groups in flight, frames delivered to the stages in a random interleaving)
+give exactly the tokens of the single-process Engine — greedy and seeded sampling, with
+cancellations in between — and every stage ends with no request state."""
 
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ import random
 import pytest
 import torch
 
-from stagewise.model.checkpoint import open_checkpoint
-from stagewise.model.stage import StageModel
-from stagewise.model.weights import load_stage_weights
+from stagewise.engine.engine import Engine
+from stagewise.engine.executor import Executor
+from stagewise.engine.sampling import SamplingParams
+from stagewise.model.stage import load_stage
 from stagewise.parallel import StagePlan
-from stagewise.runtime.engine import Engine
-from stagewise.runtime.pipeline_head import PipelineHead
-from stagewise.runtime.sampling import SamplingParams
-from stagewise.runtime.stage_runtime import StageRuntime, rows_of
+from stagewise.pipeline import protocol
+from stagewise.pipeline.head import Head
+from stagewise.pipeline.messages import Add, Cancel
+from stagewise.pipeline.protocol import ProtocolError, Step, StepFailed
+from stagewise.pipeline.worker import Route, Worker
+from stagewise.transport import decode_frame, encode_frame
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,6 +30,7 @@ SMALL = dict(vocab_size=101, hidden_size=64, num_hidden_layers=5, num_attention_
              intermediate_size=96, max_position_embeddings=128, bos_token_id=1, eos_token_id=None)
 BLOCK = 4
 NUM_BLOCKS = 96
+MAX_LEN = 64
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +45,9 @@ def folder(tmp_path_factory):
     return path
 
 
-def stage_model(folder, start: int, end: int) -> StageModel:
-    ckpt = open_checkpoint(folder)
-    weights = load_stage_weights(ckpt, start, end, dtype=torch.float32)
-    return StageModel.from_weights(ckpt.config, start, end, weights)
+def executor(folder, start: int, end: int, num_blocks: int = NUM_BLOCKS) -> Executor:
+    return Executor(load_stage(folder, start, end, dtype="float32"), num_blocks=num_blocks, block_size=BLOCK,
+                    max_model_len=MAX_LEN)
 
 
 def requests(n: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
@@ -57,92 +61,73 @@ def requests(n: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
     return out
 
 
-def run_engine(folder, reqs, cancel_at: dict[int, int]) -> dict[int, tuple[list[int], str]]:
-    engine = Engine(stage_model(folder, 0, 5), max_num_seqs=6, max_model_len=64, block_size=BLOCK,
-                    max_num_tokens=NUM_BLOCKS * BLOCK)
+def run_engine(folder, reqs) -> dict[int, tuple[list[int], str]]:
+    engine = Engine(executor(folder, 0, 5), max_num_seqs=6)
     for rid, (prompt, params) in enumerate(reqs):
         engine.add_request(rid, prompt, params)
-    results, steps = {}, 0
+    results = {}
     while engine.has_unfinished():
         for out in engine.step():
             results[out.request_id] = (out.token_ids, out.finish_reason)
-        steps += 1
-        for rid, at in cancel_at.items():
-            if at == steps and (out := engine.cancel(rid)) is not None:
-                results[rid] = (out.token_ids, out.finish_reason)
     return results
 
 
+def wire(frame):
+    """A frame as the next process sees it: encoded, checksummed and decoded by the codec."""
+    return decode_frame(encode_frame(frame))
+
+
 def run_pipeline(folder, reqs, ranges, cancel_at: dict[int, int], seed: int):
-    """Stages joined by queues; each round moves one ready item at a random stage."""
-    head = PipelineHead(stage_model(folder, *ranges[0]), num_groups=len(ranges), num_blocks=NUM_BLOCKS,
-                        max_num_seqs=6, max_model_len=64, block_size=BLOCK)
-    later = [StageRuntime(stage_model(folder, a, b), num_blocks=NUM_BLOCKS, block_size=BLOCK, max_model_len=64)
-             for a, b in ranges[1:]]
-    queues = [collections.deque() for _ in later]  # inbox of each later stage
-    feedback = collections.deque()  # last stage -> head
+    """Stage i's inbox holds the frames sent to it (0: the feedback link); each round delivers the
+    oldest frame of a random non-empty inbox."""
+    n = len(ranges)
+    head = Head(Engine(executor(folder, *ranges[0]), max_num_seqs=6, num_groups=n))
+    workers = [Worker(executor(folder, a, b), index=i, num_stages=n) for i, (a, b) in enumerate(ranges[1:], 1)]
+    inbox = [collections.deque() for _ in range(n)]
     for rid, (prompt, params) in enumerate(reqs):
-        head.add_request(rid, prompt, params)
+        head.on_message(Add(request_id=rid, prompt_ids=prompt, params=params))
     rng, results, rounds = random.Random(seed), {}, 0
-
-    def record(outs):
-        for out in outs:
-            results[out.request_id] = (out.token_ids, out.finish_reason)
-
-    while head.has_unfinished() or head.has_freed or any(queues) or feedback:
+    while head.busy or any(inbox):
         rounds += 1
         assert rounds < 10_000
-        for g in head.idle_groups_with_work():
-            step, done = head.launch(g)
-            record(done)
-            if step is not None:
-                queues[0].append(("step", step.group, step.step_id, rows_of(step.batch), step.hidden_states,
-                                  step.sampling))
-        freed = head.take_freed()
-        if freed:
-            queues[0].append(("free", freed))
-        ready = [i for i, q in enumerate(queues) if q] + (["fb"] if feedback else [])
+        inbox[1] += map(wire, head.launch())
+        events = head.take_events()
+        for r in events.done if events else []:
+            results[r.request_id] = (r.token_ids, r.finish_reason)
+        ready = [i for i, q in enumerate(inbox) if q]
         if not ready:
             continue
         pick = rng.choice(ready)
-        if pick == "fb":
-            group, step_id, rids, tokens = feedback.popleft()
-            record(head.on_tokens(group, step_id, rids, tokens))
+        frame = inbox[pick].popleft()
+        if pick == 0:
+            inbox[1] += map(wire, head.on_feedback(protocol.from_frame(frame, None)))
             for rid, at in cancel_at.items():
-                if at <= rounds and rid not in results and (out := head.cancel(rid)) is not None:
-                    record([out])
+                if at <= rounds and rid not in results:
+                    head.on_message(Cancel(request_id=rid))
             continue
-        item = queues[pick].popleft()
-        stage = later[pick]
-        if item[0] == "free":
-            stage.free(item[1])
-            if pick + 1 < len(later):
-                queues[pick + 1].append(item)
-            continue
-        _, group, step_id, rows, hidden, sampling = item
-        out = stage.run(rows, hidden, sampling)
-        if stage.is_last:
-            feedback.append((group, step_id, [r.request_id for r in rows], out.tolist()))
-        else:
-            queues[pick + 1].append(("step", group, step_id, rows, out, sampling))
-    # Every stage freed every request's KV.
-    assert head.manager.num_free_blocks == NUM_BLOCKS
-    assert all(s.manager.num_free_blocks == NUM_BLOCKS and not s._sampling for s in later)
+        for route, out in workers[pick - 1].handle(frame):
+            inbox[0 if route is Route.FEEDBACK else pick + 1].append(wire(out))
+    events = head.take_events()
+    for r in events.done if events else []:
+        results[r.request_id] = (r.token_ids, r.finish_reason)
+    # Every stage forgot every request: KV blocks back in the pool, no sampling state left.
+    for ex in [head.engine.executor] + [w.executor for w in workers]:
+        assert ex.manager.num_free_blocks == NUM_BLOCKS and not ex.requests
+    assert head.engine.status().free_blocks == NUM_BLOCKS
     return results
 
 
 @pytest.mark.parametrize("partition", ["even", "0-1,1-4,4-5", "balanced"])
 def test_overlapping_microbatches_equal_the_single_process_engine(folder, partition):
     reqs = requests(14, seed=3)
-    expected = run_engine(folder, reqs, {})
+    expected = run_engine(folder, reqs)
     plan = StagePlan.build(5, 3, partition, costs=([1.0] * 5, 0.5, 2.0))
-    got = run_pipeline(folder, reqs, plan.ranges, {}, seed=11)
-    assert got == expected
+    assert run_pipeline(folder, reqs, plan.ranges, {}, seed=11) == expected
 
 
 def test_two_and_five_stages_with_cancellations(folder):
     reqs = requests(10, seed=5)
-    expected = run_engine(folder, reqs, {})
+    expected = run_engine(folder, reqs)
     for ranges in ([(0, 2), (2, 5)], [(i, i + 1) for i in range(5)]):
         got = run_pipeline(folder, reqs, ranges, {2: 7, 5: 30}, seed=len(ranges))
         for rid, (tokens, reason) in got.items():
@@ -156,48 +141,71 @@ def test_two_and_five_stages_with_cancellations(folder):
 
 
 def test_a_failing_later_stage_ends_only_that_step(folder):
-    head = PipelineHead(stage_model(folder, 0, 2), num_groups=2, num_blocks=NUM_BLOCKS, max_num_seqs=4,
-                        max_model_len=64, block_size=BLOCK)
-    head.add_request(0, [5, 6, 7], SamplingParams(max_new_tokens=3, temperature=0.0))
-    head.add_request(1, [8, 9], SamplingParams(max_new_tokens=3, temperature=0.0))
-    (g0, g1) = head.idle_groups_with_work()
-    step0, _ = head.launch(g0)
-    step1, _ = head.launch(g1)
-    done = head.on_step_failed(step0.group, step0.step_id, "stage 1 failed: boom")
+    engine = Engine(executor(folder, 0, 2), max_num_seqs=4, num_groups=2)
+    engine.add_request(0, [5, 6, 7], SamplingParams(max_new_tokens=3, temperature=0.0))
+    engine.add_request(1, [8, 9], SamplingParams(max_new_tokens=3, temperature=0.0))
+    g0, g1 = engine.idle_groups_with_work()
+    step0, _ = engine.launch(g0)
+    step1, _ = engine.launch(g1)
+    done = engine.fail(step0.group, step0.step_id, "stage 1 failed: boom")
     assert [(o.request_id, o.finish_reason, o.error) for o in done] == [(0, "error", "stage 1 failed: boom")]
-    assert head.take_freed() == [0]
+    assert engine.take_freed() == [0]
     with pytest.raises(ValueError, match="no step 99 in flight for group"):
-        head.on_tokens(step1.group, 99, [1], [3])
-    assert head.on_tokens(step1.group, step1.step_id, [1], [42]) == []
-    assert head.has_unfinished()
+        engine.complete(step1.group, 99, [1], [3])
+    assert engine.complete(step1.group, step1.step_id, [1], [42]) == []
+    assert engine.has_unfinished()
+
+
+def test_a_worker_rejects_frames_that_do_not_fit_and_reports_failed_steps(folder):
+    head = Head(Engine(executor(folder, 0, 2), max_num_seqs=2))
+    worker = Worker(executor(folder, 2, 5, num_blocks=1), index=1, num_stages=2)
+    head.on_message(Add(request_id=0, prompt_ids=list(range(3, 12)), params=SamplingParams(max_new_tokens=4)))
+    [frame] = head.launch()
+    step = protocol.from_frame(wire(frame), worker.shape)
+    assert isinstance(step, Step) and step.batch.request_ids == (0,)
+    bad = wire(frame)
+    bad.stage_to = 3
+    with pytest.raises(ProtocolError, match="stage_to is 3"):
+        worker.handle(bad)
+    bad = wire(frame)
+    bad.tensors["hidden"] = bad.tensors["hidden"][:, :7]
+    with pytest.raises(ProtocolError, match=r"tensors\['hidden'\]: expected shape"):
+        worker.handle(bad)
+    # A prompt of 9 tokens needs 3 blocks; this stage has 1: the step fails, the stage serves on.
+    [(route, out)] = worker.handle(wire(frame))
+    failed = protocol.from_frame(wire(out), None)
+    assert route is Route.FEEDBACK and isinstance(failed, StepFailed) and "stage 1 step failed" in failed.message
+    [free] = head.on_feedback(failed)  # the other stages forget the request
+    assert protocol.from_frame(wire(free), None) == protocol.Free(request_ids=[0])
+    events = head.take_events()
+    assert [(r.request_id, r.finish_reason) for r in events.done] == [(0, "error")]
+    assert not worker.executor.requests
 
 
 def test_kv_handoff_moves_a_request_between_two_stage_instances(folder):
     """Run a request on one instance of the last stage, move its KV (through the wire codec) to
     a second instance, continue there: the tokens are those of the engine, with seeded sampling."""
-    from stagewise.runtime.kv_handoff import export_kv, import_kv
-    from stagewise.transport import decode_frame, encode_frame
-
     prompt, params = [5, 9, 14, 3, 77, 21], SamplingParams(max_new_tokens=10, temperature=0.7, top_k=30, seed=5,
                                                             ignore_eos=True)
-    expected = run_engine(folder, [(prompt, params)], {})[0][0]
-    head = PipelineHead(stage_model(folder, 0, 2), num_groups=1, num_blocks=NUM_BLOCKS, max_num_seqs=2,
-                        max_model_len=64, block_size=BLOCK)
-    first, second = (StageRuntime(stage_model(folder, 2, 5), num_blocks=NUM_BLOCKS, block_size=BLOCK,
-                                  max_model_len=64) for _ in range(2))
+    expected = run_engine(folder, [(prompt, params)])[0][0]
+    engine = Engine(executor(folder, 0, 2), max_num_seqs=2)
+    first, second = executor(folder, 2, 5), executor(folder, 2, 5)
     second.manager.add("someone-else", 7)  # a busy instance: the request lands on other blocks
-    head.add_request(0, prompt, params)
+    engine.add_request(0, prompt, params)
     stage, tokens = first, []
-    while head.has_unfinished():
-        step, _ = head.launch(0)
-        out = stage.run(rows_of(step.batch), step.hidden_states, step.sampling).tolist()
+    while engine.has_unfinished():
+        step, _ = engine.launch(0)
+        out = stage.run(step.batch.for_next_stage(step.output), step.sampling).tolist()
         tokens += out
-        head.on_tokens(0, step.step_id, [0], out)
+        engine.complete(0, step.step_id, [0], out)
         if len(tokens) == 4:  # move mid-generation
-            frame = decode_frame(encode_frame(export_kv(first, 0, stage=1)))
+            frame = wire(protocol.handoff_frame(first.export_request(0), stage=1))
             first.free([0])
-            import_kv(second, frame)
+            second.import_request(protocol.handoff_from_frame(frame))
             stage = second
     assert tokens == expected
     with pytest.raises(ValueError, match="holds layers"):
-        import_kv(StageRuntime(stage_model(folder, 1, 5), num_blocks=8, block_size=BLOCK, max_model_len=64), frame)
+        executor(folder, 1, 5, num_blocks=8).import_request(protocol.handoff_from_frame(frame))
+    with pytest.raises(ProtocolError, match="expected a KV_HANDOFF frame"):
+        protocol.handoff_from_frame(wire(protocol.to_frame(protocol.Free(request_ids=[1]), stage_from=0, stage_to=1)))
+

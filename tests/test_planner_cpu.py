@@ -114,7 +114,7 @@ def test_measured_concurrency_replaces_the_core_rule():
 
 
 def test_decode_spans_leave_out_each_groups_prefill():
-    from stagewise.planner.validate import decode_spans
+    from stagewise.bench.plan_validate import decode_spans
 
     trace = [("compute", 0.0, 1.0, 0), ("compute", 1.0, 2.0, 1), ("send", 1.0, 0.1, 0), ("recv-wait", 3.0, 2.0, 0),
              ("compute", 5.0, 3.0, 0), ("send", 8.0, 0.2, 0), ("compute", 9.0, 4.0, 1)]
@@ -184,10 +184,10 @@ def test_random_blocks_are_valid_gguf():
 
 
 def test_validate_reads_the_checkpoints_block_types():
-    from stagewise.model.checkpoint import open_checkpoint
-    from stagewise.planner.cli import _checkpoint_quant
+    from stagewise.bench.plan_validate import checkpoint_quant
+    from stagewise.model.loader import open_checkpoint
 
-    assert _checkpoint_quant(open_checkpoint("smollm2-135m")) == ("q4_1", "q8_0")
+    assert checkpoint_quant(open_checkpoint("smollm2-135m")) == ("q4_1", "q8_0")
 
 
 # --- terms of the runtime measured by the profile: kernel cost by rows, decode attention, groups, fill ---

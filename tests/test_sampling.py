@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from stagewise.runtime.sampling import Sampler, SamplingParams, make_generator
+from stagewise.engine.sampling import Sampler, SamplingParams, make_generator
 
 transformers_lp = pytest.importorskip("transformers.generation.logits_process")
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from stagewise.runtime import links
+from stagewise.pipeline import links
 from stagewise.transport.errors import ChannelClosed
 from stagewise.transport.frame import Frame, Row, StepKind
 from stagewise.transport.shm_channel import ShmChannel
@@ -18,19 +18,20 @@ from stagewise.transport.shm_channel import ShmChannel
 @pytest.fixture
 def pair():
     """(sending end, receiving end) of an activations link on shm with 4 slots of 64 KiB."""
-    listener = links.listen(("127.0.0.1", 0), fingerprint="fp", auth_token="secret")
+    options = links.LinkOptions(fingerprint="fp", auth_token="secret")
+    acceptor = links.Acceptor(links.listen(("127.0.0.1", 0), options), stage=1)
     got = {}
-    t = threading.Thread(target=lambda: got.update(ch=links.accept(listener, timeout=30)))
+    t = threading.Thread(target=lambda: got.update(ch=acceptor.take("activations", 30)))
     t.start()
-    sender = links.dial(listener.address, transport="shm", stage=0, peer=1, role="activations", fingerprint="fp",
-                        auth_token="secret", slot_bytes=64 << 10, num_slots=4)
+    sender = links.dial(acceptor.listener.address, options, transport="shm", stage=0, peer=1, role="activations",
+                        slot_bytes=64 << 10, num_slots=4)
     t.join()
-    receiver, role = got["ch"]
-    assert role == "activations" and isinstance(sender, ShmChannel) and isinstance(receiver, ShmChannel)
+    receiver = got["ch"]
+    assert isinstance(sender, ShmChannel) and isinstance(receiver, ShmChannel)
     yield sender, receiver
     sender.close()
     receiver.close()
-    listener.close()
+    acceptor.close()
 
 
 def _frame(i: int, rows: int) -> Frame:

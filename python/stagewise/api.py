@@ -4,10 +4,16 @@ one prompt's result.
     with stagewise.Pipeline("smollm2-135m") as pipe:
         [c] = pipe.generate(["What is the capital of France?"], chat=True, max_new_tokens=20)
         print(c.text, c.finish_reason)
+
+With ``stages=1`` every layer runs in this process (an :class:`~stagewise.engine.engine.Engine`);
+with more, each stage is a process of its own and this one drives them (a
+:class:`~stagewise.pipeline.driver.PipelineDriver`). Both answer the same calls — add a request,
+cancel it, poll for the requests that ended — so :meth:`Pipeline.generate` has one path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,14 +22,10 @@ from typing import Any
 
 import torch
 
-from stagewise.model.checkpoint import Checkpoint, open_checkpoint
+from stagewise.engine.requests import FINISH_REASONS, RequestOutput
+from stagewise.engine.sampling import SamplingParams
+from stagewise.model.loader import Checkpoint, open_checkpoint, resolve_dtype
 from stagewise.model.quant import check_precision
-from stagewise.model.stage import StageModel
-from stagewise.model.weights import DTYPES, load_stage_weights
-from stagewise.runtime.engine import Engine, RequestOutput
-from stagewise.runtime.sampling import SamplingParams
-
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,6 +47,30 @@ class Completion:
             raise ValueError(f"Completion.finish_reason: expected one of {FINISH_REASONS}, got {self.finish_reason!r}")
 
 
+PIPELINE_OPTIONS = ("partition", "transport", "checksum", "auth_token", "threads")
+
+
+class _Local:
+    """The single-process backend: one engine over every layer."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams,
+            on_text: Callable[[str], None] | None) -> None:
+        self.engine.add_request(request_id, prompt_ids, params,
+                                None if on_text is None else (lambda _rid, delta: on_text(delta)))
+
+    def cancel(self, request_id: int) -> None:
+        self.engine.cancel(request_id)
+
+    def poll(self, timeout: float) -> list[RequestOutput]:
+        return self.engine.step()
+
+    def close(self) -> None:
+        self.engine = None
+
+
 class Pipeline:
     """A model loaded for generation. ``stages=1`` runs every layer in this process."""
 
@@ -53,12 +79,12 @@ class Pipeline:
                  max_num_tokens: int | None = None, load_progress: Callable[[int, int, int], None] | None = None,
                  quantized: bool | None = None, linear_precision: str = "exact",
                  **parallel_options: Any) -> None:
-        """``load_progress(done, total, nbytes)`` follows the weight reading (see load_stage_weights).
+        """``load_progress(done, total, nbytes)`` follows the weight reading (see
+        :func:`stagewise.model.loader.load_stage_weights`).
 
         ``quantized``: whether block-quantised GGUF matrices stay in their blocks (run by
         ``stagewise.ops.quant_linear`` with their exact values); None (the default) keeps them when
-        the stage computes in float32, which ``dtype="auto"`` is for a quantised GGUF. See
-        :func:`stagewise.model.weights.load_stage_weights`.
+        the stage computes in float32, which ``dtype="auto"`` is for a quantised GGUF.
 
         ``linear_precision``: ``"exact"`` (default) or ``"int8"``, an approximate CPU mode in which
         those blocks multiply with the activations quantised to int8 per block of 32, as llama.cpp
@@ -80,86 +106,85 @@ class Pipeline:
             raise NotImplementedError(f"Pipeline: linear_precision='int8' runs on the CPU only, got device={device!r}")
         start = time.perf_counter()
         ckpt = open_checkpoint(model)
-        cfg = ckpt.config
-        torch_dtype = _dtype(dtype, cfg.dtype)
-        self.engine = self.driver = None
-        self.last_stats: dict[str, Any] = {}
-        self._ids = count()
+        self._open(ckpt, dev, resolve_dtype(dtype, ckpt.config.dtype))
         if stages > 1:
-            self.checkpoint, self.config, self.device, self.dtype = ckpt, cfg, dev, torch_dtype
-            self.tokenizer = _tokenizer(ckpt)
-            self._start_pipeline(model, stages, dev, dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                 kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens, quantized=quantized,
-                                 linear_precision=linear_precision,
-                                 **pipeline_options)
-            self.load_s = time.perf_counter() - start
-            return
-        weights = load_stage_weights(ckpt, 0, cfg.num_layers, dtype=torch_dtype, quantized=quantized,
-                                     linear_precision=linear_precision,
-                                     progress=load_progress)
-        stage = StageModel.from_weights(cfg, 0, cfg.num_layers, weights, dtype=torch_dtype, device=dev)
-        del weights
-        tokenizer = _tokenizer(ckpt)
-        self.checkpoint, self.config, self.tokenizer = ckpt, cfg, tokenizer
-        self.device, self.dtype = dev, torch_dtype
-        self.engine = Engine(stage, tokenizer=tokenizer, device=dev, max_num_seqs=max_num_seqs,
-                             max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
-                             max_num_tokens=max_num_tokens)
+            from stagewise.launch.local import spawn_stages
+
+            plan = self._local_plan(model, stages, dev, dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                    kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens, quantized=quantized,
+                                    linear_precision=linear_precision, **pipeline_options)
+            procs, addresses = spawn_stages(plan, auth_token=pipeline_options.get("auth_token"))
+            try:
+                self._drive(plan, addresses, auth_token=pipeline_options.get("auth_token"), processes=procs)
+            except BaseException:
+                procs.stop(grace_s=0.5)
+                raise
+        else:
+            from stagewise.engine.engine import Engine
+            from stagewise.model.stage import load_stage
+
+            stage = load_stage(self.checkpoint, 0, self.config.num_layers, dtype=self.dtype, device=dev,
+                               quantized=quantized, linear_precision=linear_precision, progress=load_progress)
+            engine = Engine.for_model(stage, tokenizer=self.tokenizer, device=dev, max_num_seqs=max_num_seqs,
+                                      max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
+                                      max_num_tokens=max_num_tokens)
+            self._backend = _Local(engine)
         self.load_s = time.perf_counter() - start
 
-    def _start_pipeline(self, model, stages: int, dev: torch.device, dtype: str, *, partition="even",
-                        transport: str = "auto", checksum: bool = True, auth_token: str | None = None,
-                        threads: int | None = None, **limits: Any) -> None:
-        """Spawn one process per stage on this machine and connect to them."""
+    def _open(self, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype) -> None:
+        self.checkpoint, self.config, self.device, self.dtype = checkpoint, checkpoint.config, device, dtype
+        try:
+            self.tokenizer = checkpoint.tokenizer()
+        except FileNotFoundError:
+            self.tokenizer = None  # token ids in and out only
+        self.plan = self.driver = None
+        self.last_stats: dict[str, Any] = {}
+        self._ids = count()
+
+    def _local_plan(self, model, stages: int, dev: torch.device, dtype: str, *, partition="even",
+                    transport: str = "auto", checksum: bool = True, auth_token: str | None = None,
+                    threads: int | None = None, **limits: Any):
+        """A plan of ``stages`` processes on this machine."""
         import os
 
-        from stagewise.launch.local import spawn_stages
-        from stagewise.launch.planfile import RunPlan
         from stagewise.parallel.plan import decode_layer_costs
+        from stagewise.parallel.runplan import RunPlan
 
-        cfg = self.config
-        if not isinstance(model, str):
-            model = str(model.path)
         if dev.type == "cuda":
-            count_ = torch.cuda.device_count()
-            devices = [f"cuda:{i % count_}" for i in range(stages)]
+            devices = [f"cuda:{i % torch.cuda.device_count()}" for i in range(stages)]
         else:
             devices = ["cpu"] * stages
         threads = threads or max(1, (os.cpu_count() or 1) // stages)
-        plan = RunPlan.build(model, cfg.num_layers, stages, partition,
-                             costs=decode_layer_costs(cfg) if partition == "balanced" else None, devices=devices,
-                             dtype=dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
+        plan = RunPlan.build(model if isinstance(model, str) else str(model.path), self.config.num_layers, stages,
+                             partition, costs=decode_layer_costs(self.config) if partition == "balanced" else None,
+                             devices=devices, dtype=dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
                              transport=transport, checksum=checksum, **limits)
-        from dataclasses import replace
+        return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, threads=threads) for s in plan.stages))
 
-        plan = replace(plan, stages=tuple(replace(s, threads=threads) for s in plan.stages))
-        procs, addresses, _ = spawn_stages(plan, auth_token=auth_token)
-        self._connect(plan, addresses, auth_token=auth_token, processes=procs)
-
-    def _connect(self, plan, addresses, *, auth_token: str | None, processes=None,
-                 connect_timeout_s: float = 60.0) -> None:
-        from stagewise.runtime.driver import PipelineDriver
+    def _drive(self, plan, addresses, *, auth_token: str | None, processes=None,
+               connect_timeout_s: float = 60.0) -> None:
+        from stagewise.pipeline.driver import PipelineDriver
 
         self.plan = plan
         self.driver = PipelineDriver(plan, addresses, fingerprint=plan.fingerprint(self.checkpoint.hf_config),
-                                     auth_token=auth_token, processes=processes,
-                                     hop_transports=hop_transports(plan),
-                                     connect_timeout_s=connect_timeout_s)
+                                     auth_token=auth_token, processes=processes, connect_timeout_s=connect_timeout_s)
+        self._backend = self.driver
 
     @classmethod
     def attach(cls, plan, *, addresses: Sequence[tuple[str, int]] | None = None,
                auth_token: str | None = None, store: tuple[str, int] | str | None = None,
-               connect_timeout: float = 60.0, processes: Sequence | None = None) -> Pipeline:
+               connect_timeout: float = 60.0, processes=None) -> Pipeline:
         """Drive stage processes that are already running (``stagewise stage --plan PLAN --stage I``
         on their hosts, e.g. started by ``stagewise launch`` or torchrun): connect to each stage's
         listen address from the plan (its ``host`` when it listens on 0.0.0.0), or ``addresses``,
         or the addresses the stages published in torch.distributed's ``store`` (``(host, port)``
         or ``"host:port"``, torchrun's MASTER_ADDR:MASTER_PORT). ``connect_timeout``: how long to
-        wait for a stage that does not accept yet. ``processes`` (Popen-like, one per stage, e.g.
-        ssh clients) are watched and stopped with the pipeline. The model must be readable here
-        too: the driver reads its config, tokenizer and chat template."""
+        wait for a stage that does not accept yet. ``processes`` (a
+        :class:`~stagewise.launch.local.StageProcesses`, e.g. of ssh clients) are watched and
+        stopped with the pipeline. The model must be readable here too: the driver reads its
+        config, tokenizer and chat template."""
         from stagewise.launch.multihost import connect_address, load_plan
-        from stagewise.launch.planfile import RunPlan
+        from stagewise.parallel.runplan import RunPlan
 
         if not isinstance(plan, RunPlan):
             plan = load_plan(plan)
@@ -174,18 +199,13 @@ class Pipeline:
         self = cls.__new__(cls)
         start = time.perf_counter()
         ckpt = open_checkpoint(plan.model)
-        self.checkpoint, self.config = ckpt, ckpt.config
-        self.device = torch.device(plan.stages[0].device)
-        self.dtype = _dtype(plan.dtype, ckpt.config.dtype)
-        self.tokenizer = _tokenizer(ckpt)
-        self.engine = self.driver = None
-        self.last_stats, self._ids = {}, count()
+        self._open(ckpt, torch.device(plan.stages[0].device), resolve_dtype(plan.dtype, ckpt.config.dtype))
         if store is not None:
             from stagewise.launch.torchrun import store_addresses
 
             addresses = store_addresses(plan, plan.fingerprint(ckpt.hf_config), store, timeout_s=connect_timeout)
-        self._connect(plan, list(addresses), auth_token=auth_token,
-                      processes=None if processes is None else list(processes), connect_timeout_s=connect_timeout)
+        self._drive(plan, list(addresses), auth_token=auth_token, processes=processes,
+                    connect_timeout_s=connect_timeout)
         self.load_s = time.perf_counter() - start
         return self
 
@@ -198,10 +218,9 @@ class Pipeline:
     def close(self) -> None:
         """Drop the model and its KV cache, stop the stage processes (the object cannot generate
         afterwards)."""
-        self.engine = None
-        if self.driver is not None:
-            driver, self.driver = self.driver, None
-            driver.close()
+        backend, self._backend = getattr(self, "_backend", None), None
+        if backend is not None:
+            backend.close()
 
     def generate(self, prompts: str | Sequence[str] | None = None, *,
                  prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
@@ -213,7 +232,8 @@ class Pipeline:
         max_model_len, out of KV blocks) gives that prompt finish_reason 'error'. With ``seed``,
         prompt i samples from seed + i. ``on_text(i, delta)`` streams prompt i's text. ``ignore_eos``
         generates past the model's EOS ids (for benchmarks: every prompt gets max_new_tokens)."""
-        if self.engine is None and self.driver is None:
+        backend = self._backend
+        if backend is None:
             raise ValueError("Pipeline.generate: the pipeline is closed")
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         # Checks every sampling value (ValueError) before anything runs.
@@ -223,99 +243,73 @@ class Pipeline:
         if stop and self.tokenizer is None:
             raise ValueError("Pipeline.generate: stop strings need a tokenizer; this checkpoint has none")
         if self.driver is not None:
-            return self._generate_pipeline(encoded, on_text, max_new_tokens=max_new_tokens, temperature=temperature,
-                                           top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos)
-        engine, start = self.engine, time.perf_counter()
-        prefill0, decode0 = engine.num_prefill_tokens, engine.num_decode_tokens
+            if self.driver.broken:
+                raise ValueError(f"Pipeline.generate: the pipeline is broken ({self.driver.broken}); "
+                                 "create a new one")
+            self.driver.stage_stats(reset=True)
+        start = time.perf_counter()
         results: dict[int, Completion] = {}
-        rids: dict[int, int] = {}
+        index: dict[int, int] = {}
+        outputs: list[RequestOutput] = []
         try:
             for i, ids in enumerate(encoded):
                 params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                         top_p=top_p, seed=None if seed is None else (seed + i) % 2**64, stop=stop,
                                         ignore_eos=ignore_eos)
                 rid = next(self._ids)
-                callback = None if on_text is None else (lambda _rid, text, i=i: on_text(i, text))
                 try:
-                    engine.add_request(rid, ids, params, callback)
+                    backend.add(rid, list(ids), params, None if on_text is None else _stream(on_text, i))
                 except ValueError as err:
                     results[i] = Completion(text="", token_ids=[], finish_reason="error", error=str(err),
                                             prompt_token_ids=list(ids))
                     continue
-                rids[rid] = i
-            outputs: list[RequestOutput] = []
-            while engine.has_unfinished():
-                outputs += engine.step()
-        finally:
-            for rid in rids:  # an interrupted call leaves nothing queued and no KV held
-                engine.cancel(rid)
-        for out in outputs:
-            results[rids[out.request_id]] = Completion(text=out.text, token_ids=out.token_ids,
-                                                       finish_reason=out.finish_reason, error=out.error,
-                                                       prompt_token_ids=out.prompt_ids)
-        self.last_stats = _stats(outputs, start, engine.num_prefill_tokens - prefill0,
-                                 engine.num_decode_tokens - decode0)
-        return [results[i] for i in range(len(encoded))]
-
-    def _generate_pipeline(self, encoded: list[list[int]], on_text, *, seed, **sampling) -> list[Completion]:
-        """generate() over the stage processes: requests go to stage 0, results come back."""
-        import dataclasses
-
-        driver, start = self.driver, time.perf_counter()
-        if driver.broken:
-            raise ValueError(f"Pipeline.generate: the pipeline is broken ({driver.broken}); create a new one")
-        driver.stage_stats(reset=True)
-        index: dict[int, int] = {}
-        results: dict[int, Completion] = {}
-        try:
-            for i, ids in enumerate(encoded):
-                params = SamplingParams(seed=None if seed is None else (seed + i) % 2**64, **sampling)
-                rid = next(self._ids)
                 index[rid] = i
-                driver.add(rid, list(ids), dataclasses.asdict(params))
-            callback = None if on_text is None else (lambda rid, text: on_text(index[rid], text))
-            outputs = []
-            while len(outputs) < len(encoded):
-                for out in driver.pump(0.05, callback):
-                    outputs.append(out)
-        except BaseException:
-            for rid in index:
-                try:
-                    driver.cancel(rid)
-                except Exception:  # noqa: BLE001 - broken pipeline: nothing left to cancel
-                    pass
-            raise
+            while len(outputs) < len(index):
+                outputs += backend.poll(0.05)
+        finally:
+            finished = {o.request_id for o in outputs}
+            for rid in index:  # an interrupted call leaves nothing queued and no KV held
+                if rid not in finished:
+                    try:
+                        backend.cancel(rid)
+                    except Exception:  # noqa: BLE001 - a broken pipeline has nothing left to cancel
+                        pass
         for out in outputs:
-            i = index[out["id"]]
-            results[i] = Completion(text=out["text"], token_ids=out["token_ids"], finish_reason=out["finish_reason"],
-                                    error=out["error"], prompt_token_ids=list(encoded[i]))
-        end = time.perf_counter()
-        firsts = [o["first_token_s"] for o in outputs if o.get("first_token_s") is not None]
-        first = min(firsts, default=end)
-        decode_tokens = sum(max(len(c.token_ids) - 1, 0) for c in results.values())
-        stats = {"wall_s": end - start, "prefill_tokens": sum(len(e) for e in encoded), "decode_tokens": decode_tokens,
-                 "ttft_s": first - start, "mean_ttft_s": sum(f - start for f in firsts) / len(firsts) if firsts else 0.0,
-                 "decode_s": end - first,
-                 "decode_tokens_per_s": decode_tokens / (end - first) if decode_tokens and end > first else 0.0}
-        if not driver.broken:
-            stages = driver.stage_stats()
-            for s in stages:
-                s["busy_fraction"] = s["busy_s"] / s["wall_s"] if s["wall_s"] > 0 else 0.0
-            stats["stages"] = stages
-        self.last_stats = stats
+            results[index[out.request_id]] = Completion(text=out.text, token_ids=out.token_ids,
+                                                        finish_reason=out.finish_reason, error=out.error,
+                                                        prompt_token_ids=list(out.prompt_ids))
+        self.last_stats = _stats(outputs, start)
+        if self.driver is not None and not self.driver.broken:
+            self.last_stats["stages"] = self.stage_stats()
         return [results[i] for i in range(len(encoded))]
+
+    def stage_stats(self, *, trace: bool = False) -> list[dict[str, Any]]:
+        """Each stage's measurements since the last generate() began: layers, busy_s and
+        busy_fraction, send_s, recv_wait_s, steps, tokens, bytes_sent/received, rejected_frames,
+        wall_s and, with ``trace``, the timeline spans."""
+        if self.driver is None:
+            raise ValueError("Pipeline.stage_stats: stage statistics come from pipeline stages (stages > 1)")
+        out = []
+        for s in self.driver.stage_stats(trace=trace):
+            d = dataclasses.asdict(s)
+            d["layers"] = list(s.layers)
+            d["busy_fraction"] = s.busy_s / s.wall_s if s.wall_s > 0 else 0.0
+            if not trace:
+                d.pop("trace")
+            out.append(d)
+        return out
 
     def status(self) -> dict[str, int]:
-        """Seed 002's status: ``waiting`` (queue depth), ``running`` (active user rows),
-        ``max_num_seqs``, ``free_blocks`` and ``total_blocks`` of the KV pool (stage 0's, which
-        every stage mirrors). With stages, the latest report of stage 0."""
-        if self.engine is not None:
-            st = self.engine.status()
-            return {"waiting": st.waiting, "running": st.running, "max_num_seqs": st.max_num_seqs,
-                    "free_blocks": st.free_blocks, "total_blocks": st.total_blocks}
-        if self.driver is None:
+        """The scheduler's status: ``waiting`` (queue depth), ``running`` (active user rows),
+        ``max_num_seqs``, ``free_blocks`` and ``total_blocks`` of the KV pool. With stages, the
+        latest report of stage 0 (every stage mirrors its pool)."""
+        if self._backend is None:
             raise ValueError("Pipeline.status: the pipeline is closed")
-        return dict(self.driver.status)
+        if self.driver is not None:
+            return dict(self.driver.status)
+        st = self._backend.engine.status()
+        return {"waiting": st.waiting, "running": st.running, "max_num_seqs": st.max_num_seqs,
+                "free_blocks": st.free_blocks, "total_blocks": st.total_blocks}
 
     def write_trace(self, path) -> None:
         """The stages' timeline of the last generate() call as a Chrome trace (Perfetto): one
@@ -324,8 +318,8 @@ class Pipeline:
             raise ValueError("Pipeline.write_trace: traces come from pipeline stages (stages > 1)")
         from stagewise.trace import TraceEvent, write_chrome_trace
 
-        stages = self.driver.stage_stats(trace=True)
-        spans = [(s["stage"], *e) for s in stages for e in s.get("trace", [])]
+        stages = self.stage_stats(trace=True)
+        spans = [(s["stage"], *e) for s in stages for e in s["trace"] or []]
         t0 = min((start for _, _, start, _, _ in spans), default=0.0)
         kinds = {"compute": "compute", "send": "comm", "recv-wait": "bubble"}
         events = [TraceEvent(stage, f"{name} mb{mb}" if mb >= 0 else name, kinds[name], start - t0, dur,
@@ -380,32 +374,8 @@ class Pipeline:
         return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special)
 
 
-PIPELINE_OPTIONS = ("partition", "transport", "checksum", "auth_token", "threads")
-
-
-def _tokenizer(ckpt: Checkpoint):
-    try:
-        return ckpt.tokenizer()
-    except FileNotFoundError:
-        return None  # token ids in and out only
-
-
-def hop_transports(plan) -> list[str]:
-    """The transport of each stage's outgoing hop (stage i -> i + 1, the last -> 0): ``auto`` is
-    shm between two stages of one host (the same ``host`` in the plan; every locally spawned
-    stage), tcp between hosts."""
-    n = plan.num_stages
-    if plan.transport == "cuda-ipc":
-        cpu = [s.index for s in plan.stages if not s.device.startswith("cuda")]
-        if cpu or len({s.host for s in plan.stages}) > 1:
-            raise ValueError(f"Pipeline: transport 'cuda-ipc' needs every stage on a GPU of one host; stages {cpu} "
-                             "run on the CPU" if cpu else "Pipeline: transport 'cuda-ipc' needs one host")
-        return ["cuda-ipc"] * n
-    if plan.transport in ("tcp", "shm", "torch"):
-        return [plan.transport] * n
-    if plan.transport == "auto":
-        return ["shm" if plan.stages[i].host == plan.stages[(i + 1) % n].host else "tcp" for i in range(n)]
-    raise ValueError(f"Pipeline: transport must be one of auto, tcp, shm, torch, cuda-ipc; got {plan.transport!r}")
+def _stream(on_text: Callable[[int, str], None], i: int) -> Callable[[str], None]:
+    return lambda delta: on_text(i, delta)
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -420,25 +390,16 @@ def _device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _dtype(dtype: str | torch.dtype, stated: torch.dtype | None) -> torch.dtype:
-    if dtype == "auto":
-        return stated if stated in DTYPES.values() else torch.float32
-    if isinstance(dtype, str):
-        dtype = DTYPES.get(dtype.removeprefix("torch."), dtype)
-    if dtype not in DTYPES.values():
-        raise ValueError(f"Pipeline: dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
-    return dtype
-
-
-def _stats(outputs: list[RequestOutput], start: float, prefill_tokens: int, decode_tokens: int) -> dict:
+def _stats(outputs: list[RequestOutput], start: float) -> dict[str, Any]:
     """Timings of one generate call; decode time runs from the first token to the end."""
     end = time.perf_counter()
     firsts = [o.first_token_s for o in outputs if o.first_token_s is not None]
     first = min(firsts, default=end)
+    decode_tokens = sum(max(len(o.token_ids) - 1, 0) for o in outputs)
     decode_s = end - first
     return {
         "wall_s": end - start,
-        "prefill_tokens": prefill_tokens,
+        "prefill_tokens": sum(len(o.prompt_ids) for o in outputs if o.first_token_s is not None),
         "decode_tokens": decode_tokens,
         "ttft_s": first - start,
         "mean_ttft_s": sum(f - start for f in firsts) / len(firsts) if firsts else 0.0,

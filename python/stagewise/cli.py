@@ -8,6 +8,10 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["plan", "validate"]:  # runs the pipeline: the benchmarks' side of the planner
+        from stagewise.bench.plan_validate import main as validate_main
+
+        return validate_main(argv[2:])
     if argv and argv[0] == "plan":  # its own parser: `plan MODEL ...`, `plan memory ...`, options first
         from stagewise.planner.cli import main as plan_main
 
@@ -21,9 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     from stagewise import cli_generate
 
     cli_generate.add_arguments(sub.add_parser("generate", help="generate text with a model in this process"))
-    from stagewise.runtime import stage_process
+    from stagewise import cli_stage
 
-    stage_process.add_arguments(sub.add_parser("stage", help="run one pipeline stage of a run plan (a process)"))
+    cli_stage.add_arguments(sub.add_parser("stage", help="run one pipeline stage of a run plan (a process)"))
     plan = sub.add_parser("plan", add_help=False, help="memory and latency of TP/PP/DP/EP layouts "
                           "(plan MODEL ..., plan memory, plan ranks, plan validate; plan --help)")
     plan.add_argument("plan_args", nargs=argparse.REMAINDER)
@@ -39,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         return cli_generate.run(args)
     if args.command == "stage":
-        return stage_process.main(args)
+        return cli_stage.main(args)
     if args.command == "plan":
         from stagewise.planner.cli import main as plan_main
 

@@ -87,9 +87,7 @@ def _drive(plan, args, *, token, addresses, procs, interactive: bool) -> int:
                                processes=procs)
     except (ValueError, FileNotFoundError, KeyError, RuntimeError, TimeoutError, OSError) as err:
         if procs is not None:
-            from stagewise.launch.local import stop_processes
-
-            stop_processes(procs, grace_s=0.5)
+            procs.stop(grace_s=0.5)
         print(f"{PROG}: cannot connect to the stages: {err}", file=sys.stderr)
         return 1
     print(f"{PROG}: connected to {plan.num_stages} stages", file=sys.stderr)

@@ -147,6 +147,7 @@ def measure_profile(device: str, *, quick: bool = False, log=print) -> dict:
     if not is_cuda:
         import os
 
+        from stagewise.bench import profile_framework
         from stagewise.bench import profile_runtime as rt
 
         for name in ("tcp", "shm"):  # the pipeline's links replace the plain-socket figure
@@ -160,7 +161,7 @@ def measure_profile(device: str, *, quick: bool = False, log=print) -> dict:
         attn = rt.attention_decode_rate(log=log)
         raw["attention_decode"] = attn
         extra["attention_decode"] = {k: attn[k] for k in ("flops", "bandwidth", "call_s")}
-        fw = rt.framework_overheads(log=log)
+        fw = profile_framework.framework_overheads(log=log)
         raw["framework"] = fw.pop("raw")
         extra["framework"] = fw
         extra["concurrency"] = rt.concurrency(3, log=log)

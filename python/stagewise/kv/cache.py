@@ -10,6 +10,12 @@ from stagewise import ops
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+# Default KV size when none is given: every row at full length, but at most this share of the
+# memory left after the weights, and on CPU at most DEFAULT_CPU_KV_BYTES (the cache is zeroed
+# up front, and a CPU run rarely fills more).
+DEFAULT_KV_FRACTION = {"cpu": 0.25, "cuda": 0.5}
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class KVCacheSpec:
@@ -121,3 +127,28 @@ class KVCache:
         """Store ``k, v [T, Hk, D]`` of layer ``i`` at ``slot_mapping [T]`` (-1 = skip)."""
         k_cache, v_cache = self.layer(i)
         ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def num_cache_blocks(spec: KVCacheSpec, device: torch.device | str, *, max_num_seqs: int, max_model_len: int,
+                     kv_cache_bytes: int | None = None, max_num_tokens: int | None = None) -> int:
+    """Blocks of a stage's cache: from ``kv_cache_bytes`` or ``max_num_tokens`` when one is given
+    (not both), else every row at full length, capped by :data:`DEFAULT_KV_FRACTION` of the free
+    memory (and :data:`DEFAULT_CPU_KV_BYTES` on CPU), but room for one full row."""
+    if kv_cache_bytes is not None and max_num_tokens is not None:
+        raise ValueError("KV cache: give at most one of kv_cache_bytes and max_num_tokens, got both")
+    if kv_cache_bytes is not None:
+        return spec.num_blocks_for_bytes(kv_cache_bytes)
+    if max_num_tokens is not None:
+        return spec.num_blocks_for_tokens(max_num_tokens)
+    device = torch.device(device)
+    want = max_num_seqs * max_model_len
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cap_bytes = int(free * DEFAULT_KV_FRACTION["cuda"])
+    else:
+        import os
+
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        cap_bytes = min(int(free * DEFAULT_KV_FRACTION["cpu"]), DEFAULT_CPU_KV_BYTES)
+    cap = cap_bytes // (spec.bytes_per_block() // spec.block_size)
+    return spec.num_blocks_for_tokens(max(min(want, cap), min(want, max_model_len), spec.block_size))

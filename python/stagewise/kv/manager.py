@@ -140,6 +140,10 @@ class KVCacheManager:
     def __len__(self) -> int:
         return len(self._num_tokens)
 
+    def request_ids(self) -> list[Hashable]:
+        """The live requests, in the order they were added."""
+        return list(self._num_tokens)
+
     def num_tokens(self, request_id: Hashable) -> int:
         """Positions allocated to the request (on every CP rank alike)."""
         try:

@@ -1,5 +1,2 @@
-"""Starting stage processes: run plans (plan files), local spawn, multi-host commands."""
-
-from stagewise.launch.planfile import RunPlan, StageSpec
-
-__all__ = ["RunPlan", "StageSpec"]
+"""Starting the stage processes of a run plan: on this machine, on other hosts (printed commands
+or ssh), or under torchrun."""

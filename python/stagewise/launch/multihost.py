@@ -17,7 +17,8 @@ import socket
 import subprocess
 from collections.abc import Sequence
 
-from stagewise.launch.planfile import RunPlan, StageSpec, parse_address
+from stagewise.launch.local import StageProcesses, read_address, stage_argv
+from stagewise.parallel.runplan import RunPlan, StageSpec, parse_address
 from stagewise.launch.torchrun import WILDCARD_HOSTS
 
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
@@ -98,23 +99,10 @@ def check_plan(plan: RunPlan, *, fixed_ports: bool) -> None:
         raise PlanError("run plan: " + "; ".join(problems))
 
 
-def plan_json(plan: RunPlan) -> str:
-    """The plan on one line; unset (null) options are left out, as in a plan file."""
-    data = {k: v for k, v in plan.to_dict().items() if v is not None}
-    data["stages"] = [{k: v for k, v in s.items() if v is not None} for s in data["stages"]]
-    return json.dumps(data, separators=(",", ":"), sort_keys=True)
-
-
-def stage_argv(plan: RunPlan, index: int, *, program: Sequence[str] = ("stagewise",), remote_plan: str | None = None,
-               extra: Sequence[str] = ()) -> list[str]:
-    """The argv that runs stage ``index`` on its host."""
-    source = ["--plan", remote_plan] if remote_plan else ["--plan-json", plan_json(plan)]
-    return [*program, "stage", *source, "--stage", str(index), *extra]
-
-
-def printed_command(plan: RunPlan, index: int, *, auth: bool, **options) -> str:
+def printed_command(plan: RunPlan, index: int, *, auth: bool, program: Sequence[str] = ("stagewise",),
+                    **options) -> str:
     """One shell line for the operator; with auth, the token comes from the host's environment."""
-    line = shlex.join(stage_argv(plan, index, **options))
+    line = shlex.join(stage_argv(plan, index, program=program, **options))
     # "$STAGEWISE_AUTH_TOKEN" must stay expandable: appended outside shlex's single quotes.
     return line + (' --auth-token "$STAGEWISE_AUTH_TOKEN"' if auth else "")
 
@@ -132,13 +120,11 @@ def ssh_argv(host: str, argv: Sequence[str], *, auth: bool, ssh: Sequence[str] =
 
 def ssh_spawn(plan: RunPlan, *, auth_token: str | None, program: Sequence[str], ssh: Sequence[str],
               remote_plan: str | None = None, timeout_s: float = 300.0
-              ) -> tuple[list[subprocess.Popen], list[tuple[str, int]]]:
+              ) -> tuple[StageProcesses, list[tuple[str, int]]]:
     """Start every stage on its host over ssh; wait for each ``STAGEWISE-LISTENING`` line (ssh
     forwards the remote stdout) and return the ssh processes and the stages' dial addresses.
     The stages get ``--die-with-parent``: when ssh goes, the remote session ends and so do they."""
-    from stagewise.launch.local import _read_address, stop_processes
-
-    procs: list[subprocess.Popen] = []
+    procs = StageProcesses([])
     try:
         for spec in plan.stages:
             argv = stage_argv(plan, spec.index, program=program, remote_plan=remote_plan,
@@ -149,13 +135,13 @@ def ssh_spawn(plan: RunPlan, *, auth_token: str | None, program: Sequence[str], 
                 proc.stdin.write(auth_token + "\n")
                 proc.stdin.flush()
             proc.stdin.close()
-            procs.append(proc)
+            procs.procs.append(proc)
         addresses = []
-        for spec, proc in zip(plan.stages, procs):
-            host, port = _read_address(proc, spec.index, timeout_s)
+        for spec, proc in zip(plan.stages, procs.procs):
+            host, port = read_address(proc, spec.index, timeout_s)
             addresses.append((spec.host if host in WILDCARD_HOSTS else host, port))
     except BaseException:
-        stop_processes(procs, grace_s=0.5)
+        procs.stop(grace_s=0.5)
         raise
     return procs, addresses
 
@@ -164,8 +150,8 @@ def load_plan(source, *, need_model: bool = True) -> RunPlan:
     """A plan from a file path or a parsed document. A plan without per-stage ``layers`` takes
     the layer count from its model (which must then be readable here); ``need_model`` also
     checks the layer ranges against the model."""
-    from stagewise.launch.planfile import read_plan_data
-    from stagewise.model.checkpoint import open_checkpoint
+    from stagewise.parallel.runplan import read_plan_data
+    from stagewise.model.loader import open_checkpoint
 
     data = source if isinstance(source, dict) else read_plan_data(source)
     if not isinstance(data, dict):

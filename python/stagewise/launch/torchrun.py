@@ -23,7 +23,7 @@ import sys
 from datetime import timedelta
 from typing import Any
 
-from stagewise.launch.planfile import RunPlan, parse_address
+from stagewise.parallel.runplan import RunPlan, parse_address
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 ADVERTISE_ENV = "STAGEWISE_ADVERTISE_HOST"

@@ -115,3 +115,17 @@ class StageModel(nn.Module):
 def _frozen(w: torch.Tensor | QuantizedWeight | None) -> nn.Parameter | QuantizedWeight | None:
     """A dense weight as a frozen parameter; blocks (or nothing) as they are."""
     return w if w is None or isinstance(w, QuantizedWeight) else nn.Parameter(w, requires_grad=False)
+
+
+def load_stage(checkpoint, start_layer: int, end_layer: int, *, dtype="auto", device="cpu", quantized=None,
+               linear_precision: str = "exact", tp_rank: int = 0, tp_size: int = 1, progress=None) -> StageModel:
+    # Interim bridge on this branch only; replaced when the model restructuring is merged.
+    from stagewise.model.loader import load_stage_weights, open_checkpoint, resolve_dtype
+
+    ckpt = open_checkpoint(checkpoint)
+    torch_dtype = resolve_dtype(dtype, ckpt.config.dtype)
+    weights = load_stage_weights(ckpt, start_layer, end_layer, dtype=torch_dtype, quantized=quantized,
+                                 linear_precision=linear_precision, tp_rank=tp_rank, tp_size=tp_size,
+                                 progress=progress)
+    return StageModel.from_weights(ckpt.config, start_layer, end_layer, weights, dtype=torch_dtype, device=device,
+                                   tp_rank=tp_rank, tp_size=tp_size)

@@ -7,8 +7,8 @@ busy time, TPOT, TTFT and bubble with the error in %. The results go to
 ``planner/validation.json`` (:data:`STORE`), which every later ``stagewise plan`` reads to state
 its expected error and to flag predictions outside the validated range.
 
-Measurement lives in one function, :func:`measure`; everything else only sees
-:class:`MeasuredRun`. Definitions (both sides): ``ttft_s`` = submit to first token (the prefill);
+Measurement lives in :mod:`stagewise.bench.plan_validate` (it runs the pipeline); this module
+only sees :class:`MeasuredRun`. Definitions (both sides): ``ttft_s`` = submit to first token (the prefill);
 ``tpot_s`` = decode time / decode steps; ``per_stage_busy_s`` = seconds each stage computes per
 decode step of all microbatches (the stages' ``busy_s``: their step without receiving and
 sending; predicted: the stage's compute time times the microbatches); ``bubble_s`` = per decode
@@ -23,7 +23,6 @@ The prediction is made from the device profile only (primitive costs measured by
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,80 +38,6 @@ class MeasuredRun:
     ttft_s: float
     bubble_s: float
     details: dict[str, Any] = field(default_factory=dict)
-
-
-def measure(model: str, stages: int, *, batch: int, input_length: int, output_length: int,
-            transport: str | None = None, repeats: int = 3, log=print) -> MeasuredRun:
-    """Run ``model`` split into ``stages`` stages on this machine and time it (median of ``repeats``).
-
-    The one place that talks to the runtime: S = 1 runs the single-process engine, S > 1 the
-    stage processes (:class:`stagewise.Pipeline` with ``stages=S``, one torch thread per stage),
-    whose per-stage busy time comes from the stages' own trace spans (the first compute and send
-    of each microbatch group are its prefill and are left out).
-    """
-    from stagewise.api import Pipeline
-    from stagewise.bench.e2e import make_prompts
-
-    if stages == 1 and transport not in (None, "tcp"):
-        raise ValueError(f"plan validate: --transport {transport!r} applies to stages > 1; with one stage "
-                         "nothing is sent")
-    max_len = input_length + output_length + 1
-    options = {} if stages == 1 else {"transport": transport or "auto", "threads": 1}
-    pipe = Pipeline(model, stages=stages, dtype="float32", max_num_seqs=batch, max_model_len=max_len,
-                    max_num_tokens=batch * max_len, **options)
-    try:
-        prompts = make_prompts(pipe.checkpoint, batch, input_length)
-        pipe.generate(prompt_token_ids=prompts, max_new_tokens=2, ignore_eos=True)  # warm-up
-        ttfts, tpots, busy_runs, send_runs = [], [], [], []
-        for i in range(repeats):
-            pipe.generate(prompt_token_ids=prompts, max_new_tokens=output_length, ignore_eos=True)
-            s = pipe.last_stats
-            steps = s["decode_tokens"] / batch
-            ttfts.append(s["ttft_s"])
-            tpots.append(s["decode_s"] / steps)
-            if stages > 1:
-                spans = [decode_spans(st.get("trace", [])) for st in pipe.driver.stage_stats(trace=True)]
-                busy_runs.append([b / steps for b, _ in spans])
-                send_runs.append([t / steps for _, t in spans])
-            log(f"  S={stages} run {i + 1}/{repeats}: TTFT {1e3 * ttfts[-1]:.1f} ms, TPOT {1e3 * tpots[-1]:.2f} ms")
-    finally:
-        pipe.close()
-    tpot = statistics.median(tpots)
-    if stages == 1:
-        busy, send = [tpot], [0.0]
-    else:
-        busy = [statistics.median(run[i] for run in busy_runs) for i in range(stages)]
-        send = [statistics.median(run[i] for run in send_runs) for i in range(stages)]
-    microbatches = min(batch, stages)
-    # Seed 001 §2.8: the bubble is the step's latency beyond the sum of one microbatch's stage times.
-    bubble = max(0.0, tpot - (sum(busy) + sum(send)) / microbatches) if stages > 1 else 0.0
-    # The least disturbed run (lowest TPOT): on a shared machine, the one closest to the conditions
-    # the profile's primitives describe; reported beside the medians.
-    k = min(range(len(tpots)), key=tpots.__getitem__)
-    if stages == 1:
-        best = {"tpot_s": tpots[k], "ttft_s": ttfts[k], "per_stage_busy_s": [tpots[k]], "bubble_s": 0.0}
-    else:
-        best = {"tpot_s": tpots[k], "ttft_s": ttfts[k], "per_stage_busy_s": busy_runs[k],
-                "bubble_s": max(0.0, tpots[k] - (sum(busy_runs[k]) + sum(send_runs[k])) / microbatches)}
-    return MeasuredRun(stages=stages, per_stage_busy_s=busy, tpot_s=tpot, ttft_s=statistics.median(ttfts),
-                       bubble_s=bubble, details={"ttft_runs_s": ttfts, "tpot_runs_s": tpots,
-                                                 "busy_runs_s": busy_runs, "send_per_step_s": send,
-                                                 "microbatches": microbatches, "best_run": best})
-
-
-def decode_spans(trace) -> tuple[float, float]:
-    """Seconds of ``compute`` and of ``send`` in a stage's trace ``(name, start, dur, microbatch)``
-    after each microbatch's first (its prefill)."""
-    seen: set[tuple[str, int]] = set()
-    total = {"compute": 0.0, "send": 0.0}
-    for name, _start, dur, mb in sorted(trace, key=lambda e: e[1]):
-        if name not in total:
-            continue
-        if (name, mb) not in seen:
-            seen.add((name, mb))
-            continue
-        total[name] += dur
-    return total["compute"], total["send"]
 
 
 def _err(pred: float, meas: float) -> float | None:

@@ -204,6 +204,11 @@ class TcpChannel(Channel):
     def closed(self) -> bool:
         return self._closed_why is not None
 
+    @property
+    def local_address(self) -> tuple[str, int]:
+        """This end's (host, port): the address the peer reaches this process at."""
+        return self._sock.getsockname()[:2]
+
     def _set_peer(self, hello: Hello) -> None:
         self.peer, self.peer_name = hello, describe_peer(self._peer_base, hello)
 

@@ -206,9 +206,6 @@ class GroupedScheduler:
     def num_groups(self) -> int:
         return len(self.groups)
 
-    def group_of(self, request_id: Hashable) -> int | None:
-        return self._owner.get(request_id)
-
     def add(self, seq: SeqState) -> None:
         if seq.request_id in self._owner:
             raise ValueError(f"Scheduler.add: request id {seq.request_id!r} is already in use")

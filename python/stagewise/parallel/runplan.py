@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +87,6 @@ class RunPlan:
     linear_precision: str = "exact"
     """How those blocks multiply: "exact" (float32 dequantised values) or "int8" (approximate)."""
     partition: str = "explicit"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -109,14 +108,13 @@ class RunPlan:
         d = asdict(self)
         d["stages"] = [{"host": s.host, "listen": s.listen, "layers": f"{s.start_layer}-{s.end_layer}",
                         "device": s.device, "threads": s.threads} for s in self.stages]
-        extra = d.pop("extra")
-        d.update(extra)
         return d
 
-    def dump(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        return path
+    def to_json(self) -> str:
+        """The plan on one line; unset (null) options are left out, as in a plan file."""
+        data = {k: v for k, v in self.to_dict().items() if v is not None}
+        data["stages"] = [{k: v for k, v in s.items() if v is not None} for s in data["stages"]]
+        return json.dumps(data, separators=(",", ":"), sort_keys=True)
 
     def with_stage(self, index: int, **changes: Any) -> RunPlan:
         stages = list(self.stages)

@@ -1,0 +1,62 @@
+"""``stagewise stage``: one pipeline stage of a run plan, as a process (see
+:mod:`stagewise.pipeline.process`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--plan", help="run plan (YAML/JSON) naming every stage")
+    source.add_argument("--plan-json", metavar="JSON", help="the run plan itself, as JSON (what 'stagewise launch' "
+                        "prints, so that no file needs copying)")
+    parser.add_argument("--stage", type=int, default=None, help="this process's stage index")
+    parser.add_argument("--torchrun", action="store_true",
+                        help="under torchrun: the stage index is RANK, and the listen address is published in "
+                             "torch.distributed's store at MASTER_ADDR:MASTER_PORT")
+    parser.add_argument("--listen", default=None, help="HOST:PORT to listen on (default: the plan's)")
+    parser.add_argument("--auth-token", default=None,
+                        help="shared secret for the hello (default: $STAGEWISE_AUTH_TOKEN)")
+    parser.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.die_with_parent:
+        _die_with_parent()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    token = args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None
+    code = 1
+    try:
+        from stagewise.launch.multihost import stage_from_args
+        from stagewise.pipeline.process import StageProcess
+
+        plan, index, on_listening = stage_from_args(args)
+        stage = StageProcess(plan, index, listen=args.listen, auth_token=token)
+        stage.on_listening = on_listening
+        code = stage.run()
+    except KeyboardInterrupt:
+        code = 130
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except Exception as err:  # noqa: BLE001 - one line for the operator, not a traceback
+        which = args.stage if args.stage is not None else os.environ.get("RANK", "?")
+        print(f"stagewise stage {which}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: the heartbeat and accept threads may still be blocked in I/O.
+    os._exit(code)
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGTERM when the process that started it exits (no orphans)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,217 @@
+"""Stage 0's serving logic: requests, scheduling and token bookkeeping over one
+:class:`~stagewise.engine.executor.Executor`.
+
+In one process the executor holds every layer and :meth:`Engine.step` runs one step of every
+microbatch group: schedule, run, sample, record. As stage 0 of a pipeline the executor holds the
+first layers only: :meth:`Engine.launch` schedules one group and runs stage 0's layers, the
+caller sends the hidden states down the pipeline, and :meth:`Engine.complete` records the tokens
+the last stage sampled for that step. Up to ``num_groups`` steps are in flight, one per group.
+
+A request's problems (a prompt the cache can never hold, running out of KV blocks, a step that
+fails) end that request with finish_reason ``"error"``; the others go on. Every request that
+ends is listed by :meth:`Engine.take_freed` when other stages hold its KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from stagewise.engine.executor import Executor, model_dtype
+from stagewise.engine.requests import RequestOutput, Requests, TextCallback
+from stagewise.engine.sampling import SamplingParams
+from stagewise.engine.scheduler import GroupedScheduler, ScheduledStep, SchedulerStatus
+from stagewise.kv import KVCacheManager
+from stagewise.kv.cache import num_cache_blocks
+from stagewise.model.batch import StepBatch
+from stagewise.model.stage import StageModel
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchedStep:
+    """One group's step after stage 0's layers."""
+
+    group: int
+    step_id: int
+    batch: StepBatch
+    output: torch.Tensor
+    """Hidden states ``[T, hidden]`` for the next stage, or the sampled token ids ``int64 [R]``
+    when the executor holds the last layer."""
+    sampling: dict[Hashable, SamplingParams]
+    """Sampling parameters of the requests that start in this step (the last stage needs them)."""
+
+
+class Engine:
+    """Generates for many requests at once; the executor holds stage 0's layers (or all)."""
+
+    def __init__(self, executor: Executor, *, tokenizer=None, max_num_seqs: int = 32, num_groups: int = 1,
+                 max_prefill_tokens: int = 8192) -> None:
+        if not executor.is_first:
+            raise ValueError("Engine: the executor must hold the model's first layer (stage 0)")
+        cfg = executor.model.config
+        self.executor, self.config, self.tokenizer = executor, cfg, tokenizer
+        self.max_model_len = executor.max_model_len
+        # The scheduler's own block accounting: it admits what every stage's cache can hold.
+        manager = KVCacheManager(block_size=executor.block_size, num_blocks=executor.num_blocks,
+                                 max_blocks_per_seq=-(-self.max_model_len // executor.block_size))
+        self.scheduler = GroupedScheduler(manager, num_groups=num_groups, max_num_seqs=max_num_seqs,
+                                          max_model_len=self.max_model_len, max_prefill_tokens=max_prefill_tokens)
+        self.requests = Requests(vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids,
+                                 max_model_len=self.max_model_len, tokenizer=tokenizer)
+        self.inflight: dict[int, tuple[int, ScheduledStep]] = {}
+        """group -> (step_id, its scheduled step), while the step is in the pipeline."""
+        self._next_step_id = 0
+        self._freed: list[Hashable] = []
+
+    @classmethod
+    def for_model(cls, model: StageModel, *, tokenizer=None, device: torch.device | str = "cpu",
+                  max_num_seqs: int = 32, max_model_len: int | None = None, kv_cache_bytes: int | None = None,
+                  max_num_tokens: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE, num_groups: int = 1,
+                  max_prefill_tokens: int = 8192) -> Engine:
+        """An engine over ``model`` with a KV cache sized by ``kv_cache_bytes`` or
+        ``max_num_tokens`` (at most one; default: see :func:`stagewise.kv.cache.num_cache_blocks`)."""
+        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"Engine: max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
+        length = model.config.max_position_embeddings if max_model_len is None else max_model_len
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(f"Engine: max_model_len must be an int >= 1 or None, got {max_model_len!r}")
+        spec = model.kv_cache_spec(block_size, model_dtype(model))
+        blocks = num_cache_blocks(spec, device, max_num_seqs=max_num_seqs, max_model_len=length,
+                                  kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens)
+        executor = Executor(model, num_blocks=blocks, block_size=block_size, max_model_len=max_model_len,
+                            device=device)
+        return cls(executor, tokenizer=tokenizer, max_num_seqs=max_num_seqs, num_groups=num_groups,
+                   max_prefill_tokens=max_prefill_tokens)
+
+    @property
+    def num_groups(self) -> int:
+        return self.scheduler.num_groups
+
+    # ---- requests ------------------------------------------------------------
+
+    def add_request(self, request_id: Hashable, prompt_ids: list[int], params: SamplingParams,
+                    on_text: TextCallback | None = None) -> None:
+        """Queue a request. ValueError, with nothing queued, for a known id, an empty prompt, ids
+        outside the vocabulary, a prompt the cache can never hold or stop strings without a
+        tokenizer."""
+        seq = self.requests.add(request_id, prompt_ids, params, on_text)
+        try:
+            self.scheduler.add(seq)
+        except Exception:
+            self.requests.discard(request_id)
+            raise
+
+    def cancel(self, request_id: Hashable) -> RequestOutput | None:
+        """End a queued or running request now ('cancelled'); its KV blocks are freed at once."""
+        if request_id not in self.requests:
+            return None
+        return self._end(request_id, "cancelled")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def status(self) -> SchedulerStatus:
+        return self.scheduler.status()
+
+    def take_freed(self) -> list[Hashable]:
+        """Requests that ended since the last call: every later stage must free their KV."""
+        freed, self._freed = self._freed, []
+        return freed
+
+    def take_first_tokens(self) -> list[Hashable]:
+        """Requests whose first token was recorded since the last call."""
+        return self.requests.take_first_tokens()
+
+    # ---- steps ---------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every group with work (new prefills + one decode token of each running
+        request), when the executor holds every layer; returns the requests that ended."""
+        if not self.executor.is_last:
+            raise ValueError("Engine.step: the executor holds stage 0 only; run launch() and complete()")
+        done: list[RequestOutput] = []
+        for group in self.idle_groups_with_work():
+            launched, ended = self.launch(group)
+            done += ended
+            if launched is not None:
+                done += self.complete(group, launched.step_id, launched.batch.request_ids,
+                                      launched.output.tolist())
+        return done
+
+    def idle_groups_with_work(self) -> list[int]:
+        return [g for g in range(self.num_groups) if g not in self.inflight and self.scheduler.has_work(g)]
+
+    def launch(self, group: int) -> tuple[LaunchedStep | None, list[RequestOutput]]:
+        """Schedule ``group`` and run the executor on it. Returns the step (None when the group
+        had nothing to run or its step failed here) and the requests that ended."""
+        if group in self.inflight:
+            raise ValueError(f"Engine.launch: group {group} already has step {self.inflight[group][0]} in flight")
+        plan = self.scheduler.schedule(group)
+        done = [self._end(seq.request_id, "error", message) for seq, message in plan.failed]
+        if plan.empty:
+            return None, done
+        sampling = {s.request_id: self.requests.params(s.request_id) for s in plan.prefills}
+        try:
+            batch = self._batch(plan)
+            output = self.executor.run(batch, sampling)
+        except Exception as err:  # noqa: BLE001 - a failed step ends its requests, not the engine
+            message = f"stage 0 step failed: {type(err).__name__}: {err}"
+            return None, done + [self._end(s.request_id, "error", message) for s in plan.prefills + plan.decodes]
+        step_id, self._next_step_id = self._next_step_id, self._next_step_id + 1
+        self.inflight[group] = (step_id, plan)
+        return LaunchedStep(group=group, step_id=step_id, batch=batch, output=output, sampling=sampling), done
+
+    def complete(self, group: int, step_id: int, request_ids, tokens: list[int]) -> list[RequestOutput]:
+        """The sampled tokens of a launched step (one per request, in row order); returns the
+        requests that ended with them."""
+        plan = self._take(group, step_id)
+        seqs = plan.prefills + plan.decodes
+        expected = [s.request_id for s in seqs]
+        if list(request_ids) != expected:
+            raise ValueError(f"Engine.complete: step {step_id} carries requests {list(request_ids)[:8]}, "
+                             f"expected {expected[:8]}")
+        return [self._end(rid, reason, error) for rid, reason, error in self.requests.record(seqs, tokens)]
+
+    def fail(self, group: int, step_id: int, message: str) -> list[RequestOutput]:
+        """A later stage could not run a launched step: its requests end with ``message``."""
+        plan = self._take(group, step_id)
+        return [self._end(s.request_id, "error", message) for s in plan.prefills + plan.decodes
+                if s.request_id in self.requests]
+
+    def _take(self, group: int, step_id: int) -> ScheduledStep:
+        entry = self.inflight.get(group)
+        if entry is None or entry[0] != step_id:
+            raise ValueError(f"Engine: no step {step_id} in flight for group {group} "
+                             f"(in flight: {None if entry is None else entry[0]})")
+        del self.inflight[group]
+        return entry[1]
+
+    def _batch(self, plan: ScheduledStep) -> StepBatch:
+        ids, lens, ctx, tokens, positions = [], [], [], [], []
+        for seq in plan.prefills:
+            n = len(seq.prompt_ids)
+            ids.append(seq.request_id), lens.append(n), ctx.append(0)
+            tokens += seq.prompt_ids
+            positions += range(n)
+        for seq in plan.decodes:
+            pos = seq.num_cached  # tokens cached before this step; the new slot is the next one
+            ids.append(seq.request_id), lens.append(1), ctx.append(pos)
+            tokens.append(seq.output_ids[-1]), positions.append(pos)
+        device = self.executor.device
+        return StepBatch(request_ids=ids, num_prefills=len(plan.prefills), query_lens=lens, context_lens=ctx,
+                         positions=torch.tensor(positions, dtype=torch.int64, device=device),
+                         token_ids=torch.tensor(tokens, dtype=torch.int64, device=device))
+
+    def _end(self, request_id: Hashable, reason: str, error: str | None = None) -> RequestOutput:
+        """Every way a request ends: its result, its row and blocks back, its KV freed here and,
+        through :meth:`take_freed`, on the other stages."""
+        out = self.requests.finish(request_id, reason, error)
+        self.scheduler.finish(request_id)
+        self.executor.free([request_id])
+        if not self.executor.is_last:
+            self._freed.append(request_id)
+        return out

@@ -1,0 +1,188 @@
+"""Runs given steps on one rank: a stage's layers, its paged KV cache and, on the last stage, the
+sampler. The executor never schedules; whoever drives it (the single-process engine, a pipeline
+stage) hands it a :class:`~stagewise.model.batch.StepBatch`.
+
+KV lifecycle: the executor allocates a request's blocks when a step first brings it (a prefill
+row), one slot per decode row, and frees them when told the request ended; no stage asks another
+for KV. Every stage of a pipeline runs the same block size and block count, so allocations that
+stage 0's scheduler admitted cannot fail on a later stage.
+
+A request's KV on this rank can also leave and join as a :class:`KVHandoff` (its K/V in position
+order and, on the last stage, its sampling state), so that another instance of the same stage
+continues it exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from stagewise.engine.sampling import Sampler, SamplingParams, make_generator
+from stagewise.kv import KVCache, KVCacheManager
+from stagewise.model.batch import KVMetadata, StepBatch
+from stagewise.model.stage import StageModel
+
+
+@dataclass(kw_only=True, slots=True)
+class KVHandoff:
+    """One request's KV on one stage."""
+
+    request_id: int
+    layers: tuple[int, int]
+    """The stage's layer range ``[start, end)``."""
+    k: torch.Tensor
+    """``[num_layers, num_tokens, Hk, D]`` in the cache dtype, in position order."""
+    v: torch.Tensor
+    sampling: SamplingParams | None = None
+    """Last stage: the request's sampling parameters."""
+    generator_state: torch.Tensor | None = None
+    """Last stage: the state of the request's seeded generator (uint8)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.k.size(1)
+
+
+class Executor:
+    """One rank's share of a model and of its KV cache."""
+
+    def __init__(self, model: StageModel, *, num_blocks: int, block_size: int, max_model_len: int | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        cfg = model.config
+        max_model_len = cfg.max_position_embeddings if max_model_len is None else max_model_len
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(f"Executor: max_model_len must be an int >= 1 or None, got {max_model_len!r}")
+        if max_model_len > cfg.max_position_embeddings:
+            # The rotary table has max_position_embeddings rows; later positions have no rotation.
+            raise ValueError(f"Executor: max_model_len must be <= the model's max_position_embeddings "
+                             f"({cfg.max_position_embeddings}), got {max_model_len}")
+        self.model, self.device = model, torch.device(device)
+        self.max_model_len, self.block_size = max_model_len, block_size
+        spec = model.kv_cache_spec(block_size, model_dtype(model))
+        self.kv_cache = KVCache(spec, num_blocks=num_blocks, device=self.device)
+        self.manager = KVCacheManager(block_size=block_size, num_blocks=num_blocks,
+                                      max_blocks_per_seq=-(-max_model_len // block_size))
+        self.sampler = Sampler()
+        self._sampling: dict[Hashable, tuple[SamplingParams, torch.Generator | None]] = {}
+
+    @property
+    def is_first(self) -> bool:
+        return self.model.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.model.is_last
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    def __contains__(self, request_id: Hashable) -> bool:
+        """Whether this rank holds KV of ``request_id``."""
+        return request_id in self.manager
+
+    @property
+    def requests(self) -> set[Hashable]:
+        """Every request this rank keeps state of (KV or, on the last stage, sampling)."""
+        return {*self.manager.request_ids(), *self._sampling}
+
+    def run(self, batch: StepBatch, sampling: Mapping[Hashable, SamplingParams] | None = None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` for the next stage or, on the last stage, the sampled
+        token ids ``int64 [R]``. ``sampling`` gives the parameters of the requests that start in
+        this step (the last stage keeps them until the request is freed). On an error the step's
+        new requests are forgotten, and the exception propagates."""
+        added = []
+        try:
+            for rid, ctx, n, prefill in zip(batch.request_ids, batch.context_lens, batch.query_lens,
+                                            (i < batch.num_prefills for i in range(len(batch.request_ids)))):
+                if prefill:
+                    if rid in self.manager:
+                        raise ValueError(f"request {rid!r} starts a prefill but already has KV here")
+                    self.manager.add(rid, n)
+                    added.append(rid)
+                else:
+                    have = self.manager.num_tokens(rid) if rid in self.manager else None
+                    if have != ctx:
+                        raise ValueError(f"request {rid!r} decodes at position {ctx} but this stage holds "
+                                         f"{have} of its tokens")
+                    self.manager.append(rid, 1)
+            if self.is_last:
+                for rid in added:
+                    params = (sampling or {}).get(rid)
+                    if params is None:
+                        raise ValueError(f"request {rid!r} has no sampling parameters on the last stage")
+                    self._sampling[rid] = (params, make_generator(params, self.device))
+            out = self.model(batch, self.kv_cache, KVMetadata.build(batch, self.manager, self.device))
+            if not self.is_last:
+                return out
+            entries = [self._sampling[rid] for rid in batch.request_ids]
+            return self.sampler.sample(out, [p for p, _ in entries], [g for _, g in entries])
+        except Exception:
+            self.free(added)
+            raise
+
+    def free(self, request_ids: Sequence[Hashable]) -> None:
+        """Forget requests that ended (unknown ids are ignored: a request may end before it
+        reached this stage)."""
+        for rid in request_ids:
+            if rid in self.manager:
+                self.manager.free(rid)
+            self._sampling.pop(rid, None)
+
+    # ---- KV handoff -------------------------------------------------------------------
+
+    def export_request(self, request_id: int) -> KVHandoff:
+        """The KV (and, on the last stage, the sampling state) this rank holds of a request."""
+        if request_id not in self.manager:
+            raise ValueError(f"export_request: this stage holds no KV for request {request_id!r}")
+        n, storage = self.manager.num_tokens(request_id), self.kv_cache.storage
+        blocks = torch.tensor(self.manager.block_ids(request_id), dtype=torch.int64, device=storage.device)
+        # storage [L, 2, num_blocks, block, Hk, D] -> the request's blocks -> [L, 2, n, Hk, D]
+        kv = storage.index_select(2, blocks).flatten(2, 3)[:, :, :n]
+        spec = self.kv_cache.spec
+        params, generator = self._sampling.get(request_id, (None, None))
+        return KVHandoff(request_id=request_id, layers=(spec.layer_start, spec.layer_end),
+                         k=kv[:, 0].contiguous().cpu(), v=kv[:, 1].contiguous().cpu(), sampling=params,
+                         generator_state=None if generator is None else generator.get_state())
+
+    def import_request(self, handoff: KVHandoff) -> None:
+        """Take over a request from another instance of this stage: allocate its blocks and copy
+        its K/V in. ValueError, with nothing changed, when the handoff does not fit this stage."""
+        spec, storage, rid = self.kv_cache.spec, self.kv_cache.storage, handoff.request_id
+        if tuple(handoff.layers) != (spec.layer_start, spec.layer_end):
+            raise ValueError(f"import_request: the handoff holds layers {list(handoff.layers)}, this stage "
+                             f"[{spec.layer_start}, {spec.layer_end})")
+        n = handoff.num_tokens
+        want = (spec.num_layers, n, spec.num_kv_heads, spec.head_dim)
+        for name, t in (("k", handoff.k), ("v", handoff.v)):
+            if tuple(t.shape) != want or t.dtype != spec.dtype:
+                raise ValueError(f"import_request: tensor {name!r} must be {want} {spec.dtype}, "
+                                 f"got {(tuple(t.shape), t.dtype)}")
+        if self.is_last and handoff.sampling is None:
+            raise ValueError(f"import_request: request {rid} reaches the last stage without sampling parameters")
+        if rid in self.manager:
+            raise ValueError(f"import_request: request {rid} already has KV on this stage")
+        self.manager.add(rid, n)
+        try:
+            blocks = torch.tensor(self.manager.block_ids(rid), dtype=torch.int64, device=storage.device)
+            padded = torch.zeros((spec.num_layers, len(blocks) * spec.block_size, spec.num_kv_heads, spec.head_dim),
+                                 dtype=spec.dtype, device=storage.device)
+            for j, t in enumerate((handoff.k, handoff.v)):
+                padded[:, :n] = t.to(storage.device)
+                storage[:, j].index_copy_(1, blocks, padded.unflatten(1, (len(blocks), spec.block_size)))
+            if self.is_last:
+                generator = make_generator(handoff.sampling, self.device)
+                if generator is not None and handoff.generator_state is not None:
+                    generator.set_state(handoff.generator_state)
+                self._sampling[rid] = (handoff.sampling, generator)
+        except Exception:
+            self.manager.free(rid)
+            raise
+
+
+def model_dtype(model: StageModel) -> torch.dtype:
+    """The dtype a stage computes in (and caches K/V in): that of its floating-point parameters
+    (block-quantised matrices are not parameters; the norms always are)."""
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())

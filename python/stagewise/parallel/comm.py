@@ -1,0 +1,108 @@
+"""Process groups and collectives over torch.distributed: gloo between CPU processes, NCCL
+between GPUs. A :class:`Group` of one rank does nothing, so single-process code calls the same
+collectives at no cost.
+
+The group of a run is bootstrapped through a ``TCPStore``: one process hosts it
+(:func:`host_store`, the driver of a pipeline) and every rank joins it as a client
+(:func:`init_world`); under ``torchrun`` the store of its environment is used instead.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def host_store(host: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[dist.TCPStore, tuple[str, int]]:
+    """A store on ``host`` (a free port) for the ranks to meet at; returns it and its address.
+    Keep the store object alive while the ranks use it."""
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    return store, (host, store.port)
+
+
+def backend_for(device: torch.device | str) -> str:
+    """NCCL between GPUs, gloo otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_world(*, rank: int, world_size: int, store: tuple[str, int], device: torch.device | str = "cpu",
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> Group:
+    """Join the default process group as ``rank`` of ``world_size`` through the store at
+    ``store`` (host, port); returns the whole world as a :class:`Group`."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"init_world: rank must be in [0, {world_size}), got {rank}")
+    if not dist.is_initialized():
+        host, port = store
+        client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend_for(device), store=client, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+    elif dist.get_world_size() != world_size or dist.get_rank() != rank:
+        raise ValueError(f"init_world: this process is already rank {dist.get_rank()} of {dist.get_world_size()}, "
+                         f"not rank {rank} of {world_size}")
+    return Group(list(range(world_size)))
+
+
+def destroy_world() -> None:
+    """Leave the default process group (no-op when none was joined)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class Group:
+    """The ranks of one tensor- or context-parallel group. ``ranks`` are global ranks; a group
+    of one rank needs no process group at all."""
+
+    def __init__(self, ranks: list[int], handle=None) -> None:
+        if not ranks or len(set(ranks)) != len(ranks):
+            raise ValueError(f"Group: ranks must be distinct and non-empty, got {ranks}")
+        self.ranks = list(ranks)
+        self._handle = handle
+
+    @classmethod
+    def single(cls) -> Group:
+        return cls([0])
+
+    @classmethod
+    def new(cls, ranks: list[int]) -> Group:
+        """A subgroup of the default process group; every rank of the world must call this with
+        the same ranks, in the same order of calls (torch.distributed's rule)."""
+        if len(ranks) == 1:
+            return cls(ranks)
+        return cls(ranks, dist.new_group(ranks))
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's index in the group."""
+        return 0 if self.size == 1 else self.ranks.index(dist.get_rank())
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the group, in place; returns ``t``."""
+        if self.size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._handle)
+        return t
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``t`` of group rank ``src`` on every rank, in place; returns ``t``."""
+        if self.size > 1:
+            dist.broadcast(t, src=self.ranks[src], group=self._handle)
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Every rank's ``t`` (same shape on each) concatenated along ``dim``, in rank order."""
+        if self.size == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous(), group=self._handle)
+        return torch.cat(parts, dim=dim)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self._handle)

@@ -1,0 +1,293 @@
+"""The driver: the process that talks to a running pipeline.
+
+It connects a control link to every stage, agrees on the KV block count (the smallest any stage
+can hold, so that every stage's allocations mirror stage 0's), wires the stages into a chain
+(each to the next, the last back to stage 0), then feeds requests to stage 0 and collects their
+text and results. It watches every stage: a closed connection, an exited process or
+``HEARTBEAT_TIMEOUT_S`` without a message marks the pipeline broken; requests still running then
+end with ``finish_reason="error"`` naming the stage, and every stage process is stopped.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from stagewise.engine.requests import RequestOutput
+from stagewise.engine.sampling import SamplingParams
+from stagewise.parallel.runplan import RunPlan
+from stagewise.pipeline import links, messages
+from stagewise.pipeline.messages import (
+    Add, Cancel, Connected, Events, Fatal, GetStats, Ready, Result, Setup, Shutdown, Stats, Status,
+)  # fmt: skip
+from stagewise.pipeline.protocol import ProtocolError
+from stagewise.transport.errors import ChannelClosed
+
+HEARTBEAT_TIMEOUT_S = 3.0
+
+
+class StageProcesses(Protocol):
+    """The processes of the stages, as their launcher sees them (local children, ssh clients)."""
+
+    def exit_code(self, stage: int) -> int | None:
+        """None while stage's process runs; its exit code (negative: killed by that signal)."""
+
+    def stop(self, grace_s: float) -> None:
+        """Wait up to ``grace_s`` for every process to exit, then terminate, then kill."""
+
+
+class PipelineBroken(RuntimeError):
+    """A stage died, hung or disconnected; the pipeline cannot serve any more."""
+
+
+class Fault(enum.IntEnum):
+    """What went wrong with a stage, most telling first: when several stages report, the pipeline
+    is said to have failed of the lowest."""
+
+    KILLED = 0
+    """The process died of a signal, or went silent (hung or unreachable)."""
+    FAILED = 1
+    """The stage failed on its own (it reported the error)."""
+    LOST_NEIGHBOUR = 2
+    """The stage only lost a neighbour."""
+    GONE = 3
+    """The process exited or closed its connection."""
+
+
+@dataclass(slots=True)
+class _Request:
+    prompt_ids: list[int]
+    on_text: Callable[[str], None] | None
+    text: list[str] = field(default_factory=list)
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+
+
+class PipelineDriver:
+    def __init__(self, plan: RunPlan, addresses: list[tuple[str, int]], *, fingerprint: str,
+                 auth_token: str | None = None, processes: StageProcesses | None = None,
+                 ready_timeout_s: float = 600.0,
+                 connect_timeout_s: float = 60.0) -> None:
+        self.plan, self.addresses, self.processes = plan, addresses, processes
+        self.controls = []
+        self.broken: str | None = None
+        self.status: dict = {}
+        """Stage 0's latest status: waiting (queue depth), running (active rows), max_num_seqs,
+        free_blocks, total_blocks."""
+        self._requests: dict[int, _Request] = {}
+        self._problems: list[tuple[Fault, int, str]] = []
+        self._store = None
+        n = plan.num_stages
+        self.last_seen = [time.monotonic()] * n
+        options = links.LinkOptions(fingerprint=fingerprint, auth_token=auth_token)
+        try:
+            for i, address in enumerate(addresses):
+                self.controls.append(links.dial(address, options, transport="tcp", stage=-1, peer=i, role="driver",
+                                                timeout=connect_timeout_s))
+            ready = [self._expect(i, Ready, ready_timeout_s) for i in range(n)]
+            for i, msg in enumerate(ready):
+                if msg.fingerprint != fingerprint:
+                    raise ValueError(f"stage {i} runs model/plan fingerprint {msg.fingerprint!r}, the driver "
+                                     f"expects {fingerprint!r}: the hosts do not hold the same model or plan")
+            self.num_blocks = min(m.capacity_blocks for m in ready)
+            self.pids = [m.pid for m in ready]
+            hops = links.hop_transports(plan)
+            store = self._host_store() if "torch" in hops else None
+            for i in range(n):
+                self._send(i, Setup(num_blocks=self.num_blocks, next=None if n == 1 else tuple(addresses[(i + 1) % n]),
+                                    transport=hops[i], microbatches=n, store=store))
+            for i in range(n):
+                self._expect(i, Connected, 120.0)
+        except BaseException:
+            self.close(force=True)
+            raise
+        self.last_seen = [time.monotonic()] * n
+
+    def _host_store(self) -> tuple[str, int]:
+        """The store of the stages' torch.distributed group (the ``torch`` transport), hosted here
+        on the address the stages reach this process at."""
+        from stagewise.parallel import comm
+
+        self._store, address = comm.host_store(self.controls[0].local_address[0])
+        return address
+
+    # ---- low level --------------------------------------------------------------
+
+    def _expect(self, stage: int, kind: type, timeout: float):
+        """The next message of type ``kind`` from ``stage`` (status and heartbeats are taken on
+        the way)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_process(stage)
+            try:
+                frame = self.controls[stage].recv(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"stage {stage} did not report {kind.__name__} within {timeout:.0f} s") \
+                        from None
+                continue
+            except ChannelClosed as err:
+                raise PipelineBroken(f"stage {stage} closed its connection before {kind.__name__}: {err}") from None
+            msg = messages.from_frame(frame)
+            self.last_seen[stage] = time.monotonic()
+            if isinstance(msg, kind):
+                return msg
+            if isinstance(msg, Fatal):
+                raise PipelineBroken(f"stage {stage} failed: {msg.message}")
+            if isinstance(msg, Status):
+                self.status = _status_dict(msg)
+            elif not isinstance(msg, (messages.Heartbeat, Events)):  # events only come after all requests ended
+                raise ProtocolError(f"stage {stage}: expected {kind.__name__}, got {type(msg).__name__}")
+
+    def _check_process(self, stage: int) -> None:
+        if self.processes is not None:
+            code = self.processes.exit_code(stage)
+            if code is not None:
+                raise PipelineBroken(f"stage {stage} process exited with code {code}")
+
+    def _send(self, stage: int, msg: messages.Message) -> None:
+        if self.broken:
+            raise PipelineBroken(self.broken)
+        try:
+            self.controls[stage].send(messages.to_frame(msg))
+        except (ChannelClosed, OSError) as err:
+            self._break(f"stage {stage} is unreachable: {err}")
+            raise PipelineBroken(self.broken) from None
+
+    def _break(self, reason: str) -> None:
+        if self.broken is None:
+            self.broken = reason
+            self.close(force=True)
+
+    # ---- requests -----------------------------------------------------------------
+
+    def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams,
+            on_text: Callable[[str], None] | None = None) -> None:
+        """Send a request to stage 0; ``on_text(delta)`` streams its text."""
+        self._requests[request_id] = _Request(list(prompt_ids), on_text)
+        self._send(0, Add(request_id=request_id, prompt_ids=list(prompt_ids), params=params))
+
+    def cancel(self, request_id: int) -> None:
+        if not self.broken and request_id in self._requests:
+            self._send(0, Cancel(request_id=request_id))
+
+    def poll(self, timeout: float) -> list[RequestOutput]:
+        """Wait up to ``timeout`` for stage 0's events; returns the requests that ended. Checks
+        every stage's health on the way: when the pipeline breaks, every request still running
+        ends with an error naming the stage."""
+        if self.broken:
+            return self._fail_all()
+        done: list[RequestOutput] = []
+        self.controls[0].poll(timeout)  # wait for stage 0's events (or the timeout)
+        now = time.monotonic()
+        for i, control in enumerate(self.controls):
+            try:
+                while control.poll(0):
+                    try:
+                        frame = control.recv(timeout=0.5)
+                    except TimeoutError:
+                        break  # a frame still arriving: read it next time
+                    # Every message, heartbeats included, shows the stage alive; messages read
+                    # late (between generate calls) count from when they are read.
+                    self.last_seen[i] = now
+                    done += self._on_message(i, messages.from_frame(frame))
+            except (ChannelClosed, OSError) as err:
+                self._problems.append((Fault.GONE, i, f"stage {i} closed its connection ({err})"))
+        self._check_health(now)
+        if self._problems:
+            self._break(self._diagnose())
+            return done + self._fail_all()
+        return done
+
+    def _on_message(self, stage: int, msg: messages.Message) -> list[RequestOutput]:
+        if isinstance(msg, Fatal):
+            self._problems.append((Fault.LOST_NEIGHBOUR if msg.neighbour else Fault.FAILED, stage,
+                                   f"stage {stage} failed: {msg.message}"))
+        elif isinstance(msg, Status) and stage == 0:
+            self.status = _status_dict(msg)
+        elif isinstance(msg, Events) and stage == 0:
+            return self._events(msg)
+        return []
+
+    def _events(self, events: Events) -> list[RequestOutput]:
+        stamp = time.perf_counter()
+        for rid in events.first_tokens:
+            req = self._requests.get(rid)
+            if req is not None and req.first_token_s is None:
+                req.first_token_s = stamp
+        for rid, delta in events.text:
+            req = self._requests.get(rid)
+            if req is not None:
+                req.text.append(delta)
+                if req.on_text is not None:
+                    req.on_text(delta)
+        return [self._output(r) for r in events.done if r.request_id in self._requests]
+
+    def _output(self, result: Result) -> RequestOutput:
+        req = self._requests.pop(result.request_id)
+        return RequestOutput(request_id=result.request_id, prompt_ids=req.prompt_ids, token_ids=result.token_ids,
+                             text=result.text, finish_reason=result.finish_reason, error=result.error,
+                             arrival_s=req.arrival_s, first_token_s=req.first_token_s, finish_s=time.perf_counter())
+
+    def _check_health(self, now: float) -> None:
+        for i in range(self.plan.num_stages):
+            code = None if self.processes is None else self.processes.exit_code(i)
+            if code is not None:
+                self._problems.append((Fault.KILLED if code < 0 else Fault.GONE, i, f"stage {i} process exited with "
+                                       + (f"signal {-code}" if code < 0 else f"code {code}")))
+            elif now - self.last_seen[i] > HEARTBEAT_TIMEOUT_S:
+                self._problems.append((Fault.KILLED, i, f"stage {i} sent nothing for {now - self.last_seen[i]:.1f} s "
+                                                        "(hung or unreachable)"))
+
+    def _diagnose(self) -> str:
+        """The most likely cause among the problems seen (see :class:`Fault`)."""
+        time.sleep(0.3)  # let the other stages notice and report
+        if self.processes is not None:
+            for i in range(self.plan.num_stages):
+                code = self.processes.exit_code(i)
+                if code is not None and code < 0:
+                    self._problems.append((Fault.KILLED, i, f"stage {i} process exited with signal {-code}"))
+        return min(self._problems)[2]
+
+    def _fail_all(self) -> list[RequestOutput]:
+        """Every request still running, ended with the pipeline's failure (its text so far kept)."""
+        out = []
+        for rid in list(self._requests):
+            req = self._requests[rid]
+            out.append(self._output(Result(request_id=rid, token_ids=[], text="".join(req.text), finish_reason="error",
+                                           error=f"pipeline failed: {self.broken}")))
+        return out
+
+    # ---- stats and shutdown ----------------------------------------------------------
+
+    def stage_stats(self, *, trace: bool = False, reset: bool = False) -> list[Stats]:
+        for i in range(self.plan.num_stages):
+            self._send(i, GetStats(trace=trace, reset=reset))
+        return [self._expect(i, Stats, 30.0) for i in range(self.plan.num_stages)]
+
+    def close(self, force: bool = False) -> None:
+        """Stop every stage: ask politely (``Shutdown``) and wait for the processes, then close
+        the connections; ``force`` skips the asking. Stragglers get SIGTERM, then SIGKILL."""
+        if not force:
+            for control in self.controls:
+                try:
+                    control.send(messages.to_frame(Shutdown()))
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+        if self.processes is not None:
+            self.processes.stop(0.2 if force else 5.0)
+        for control in self.controls:
+            try:
+                control.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self.controls = []
+        self._store = None
+
+
+def _status_dict(msg: Status) -> dict:
+    return {"waiting": msg.waiting, "running": msg.running, "max_num_seqs": msg.max_num_seqs,
+            "free_blocks": msg.free_blocks, "total_blocks": msg.total_blocks}

@@ -1,0 +1,216 @@
+"""The connections of a pipeline: one listener per stage and links named by role — ``driver``
+(control), ``activations`` (stage i -> i + 1) and ``feedback`` (sampled tokens, last stage ->
+stage 0).
+
+Every link opens with the transport's hello (protocol version, stage indices, role, model/plan
+fingerprint, optional auth token) over TCP; a data link then continues on its transport (tcp, a
+shared-memory ring, a CUDA IPC ring: :mod:`stagewise.transport.rings`). The ``torch`` transport
+instead opens point-to-point channels in a torch.distributed group of the stages, whose store the
+driver hosts. :func:`open_data_links` is the one place that wires a stage to its neighbours,
+whatever the transport.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from stagewise.parallel import comm
+from stagewise.parallel.runplan import RunPlan
+from stagewise.transport import select, tcp, torch_dist
+from stagewise.transport.channel import Channel
+from stagewise.transport.hello import Hello
+from stagewise.transport.rings import LINK_TRANSPORTS, upgrade_accepted, upgrade_dialled
+
+ROLES = ("driver", "activations", "feedback")
+LINK_TIMEOUT_S = 120.0
+TORCH_TAGS = {"activations": 1, "feedback": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class LinkOptions:
+    """What every link of a run shares."""
+
+    fingerprint: str
+    auth_token: str | None = None
+    checksum: bool = True
+
+
+def hop_transports(plan: RunPlan) -> list[str]:
+    """The transport of each stage's outgoing hop (stage i -> i + 1, the last -> 0), the plan's
+    ``transport`` resolved per hop by :func:`stagewise.transport.select.resolve`."""
+    n = plan.num_stages
+    hops = []
+    for i in range(n):
+        a, b = plan.stages[i], plan.stages[(i + 1) % n]
+        cuda = a.device.startswith("cuda") and b.device.startswith("cuda")
+        hop = select.resolve(plan.transport, same_host=a.host == b.host, cuda=cuda)
+        if hop == "cuda-ipc" and (not cuda or a.host != b.host):
+            raise ValueError(f"run plan: transport 'cuda-ipc' needs every stage on a GPU of one host; stages {i} "
+                             f"({a.device} on {a.host}) and {(i + 1) % n} ({b.device} on {b.host}) are not")
+        hops.append(hop)
+    return hops
+
+
+def listen(address: tuple[str, int], options: LinkOptions) -> tcp.Listener:
+    """A stage's listener: accepts any role whose hello carries the same fingerprint and token."""
+    host, port = address
+    return tcp.listen(host, port, hello=Hello(fingerprint=options.fingerprint, stage_from=None, stage_to=None, role=None),
+                      auth_token=options.auth_token, checksum=options.checksum, verify_checksum=options.checksum)
+
+
+def dial(address: tuple[str, int], options: LinkOptions, *, transport: str, stage: int, peer: int, role: str,
+         timeout: float = 60.0, slot_bytes: int = 1 << 20, num_slots: int = 4, device: int | None = None) -> Channel:
+    """Connect to stage ``peer`` as stage ``stage`` (-1: the driver) for ``role``. A data link on a
+    ring gets ``num_slots`` slots of ``slot_bytes`` (bigger frames go over its TCP channel)."""
+    if role not in ROLES:
+        raise ValueError(f"links.dial: role must be one of {ROLES}, got {role!r}")
+    if role == "driver" and transport != "tcp":
+        raise ValueError(f"links.dial: the driver's control link is TCP, got transport {transport!r}")
+    if role != "driver" and transport not in LINK_TRANSPORTS:
+        raise ValueError(f"links.dial: transport must be one of {LINK_TRANSPORTS} for a {role} link, "
+                         f"got {transport!r}")
+    host, port = address
+    hello = Hello(fingerprint=options.fingerprint, stage_from=None if stage < 0 else stage, stage_to=peer, role=role)
+    channel = tcp.connect(host, int(port), hello=hello, auth_token=options.auth_token, timeout=timeout,
+                          checksum=options.checksum, verify_checksum=options.checksum)
+    if role == "driver":
+        return channel
+    try:
+        return upgrade_dialled(channel, transport, slot_bytes=slot_bytes, num_slots=num_slots, device=device,
+                               checksum=options.checksum, verify_checksum=options.checksum)
+    except BaseException:
+        channel.close()
+        raise
+
+
+class Acceptor:
+    """Takes the links that arrive on a stage's listener, by role. A connection that fails its
+    hello is refused and logged; the stage waits on."""
+
+    def __init__(self, listener: tcp.Listener, *, stage: int, checksum: bool = True,
+                 device: int | None = None) -> None:
+        self.listener, self.stage, self.checksum, self.device = listener, stage, checksum, device
+        self._pending: dict[str, Channel] = {}
+
+    def take(self, role: str, timeout: float) -> Channel:
+        """The link of ``role`` (TimeoutError when none arrives in ``timeout`` seconds)."""
+        deadline = time.monotonic() + timeout
+        while role not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"stage {self.stage}: no {role} connection within {timeout:.0f} s")
+            try:
+                self._accept_one(min(0.5, left))
+            except TimeoutError:
+                continue
+            except Exception as err:  # noqa: BLE001 - a bad connector must not stop the stage
+                print(f"stagewise stage {self.stage}: refused a connection: {err}", file=sys.stderr, flush=True)
+        return self._pending.pop(role)
+
+    def _accept_one(self, timeout: float) -> None:
+        channel = self.listener.accept(timeout=timeout)
+        role = channel.peer.role if channel.peer is not None else None
+        if role not in ROLES:
+            channel.close()
+            raise ValueError(f"a peer connected with role {role!r}; expected one of {ROLES}")
+        if role != "driver":
+            try:
+                channel = upgrade_accepted(channel, device=self.device, checksum=self.checksum,
+                                           verify_checksum=self.checksum)
+            except BaseException:
+                channel.close()
+                raise
+        self._pending[role] = channel
+
+    def close(self) -> None:
+        for channel in self._pending.values():
+            channel.close()
+        self._pending.clear()
+        self.listener.close()
+
+
+@dataclass(slots=True)
+class DataLinks:
+    """A stage's links to its neighbours (None where it has none)."""
+
+    upstream: Channel | None = None
+    """Activations from the previous stage (stages 1 .. S-1)."""
+    downstream: Channel | None = None
+    """Activations to the next stage (stages 0 .. S-2)."""
+    feedback: Channel | None = None
+    """Sampled tokens: sent by the last stage, received by stage 0."""
+
+    def close(self) -> None:
+        for channel in (self.upstream, self.downstream, self.feedback):
+            if channel is not None:
+                channel.close()
+
+
+def open_data_links(*, index: int, num_stages: int, transport: str, next_address: tuple[str, int] | None,
+                    store: tuple[str, int] | None, acceptor: Acceptor, options: LinkOptions, slot_bytes: int,
+                    num_slots: int, device: int | None = None) -> DataLinks:
+    """Connect stage ``index`` to its neighbours: dial the next stage (the last dials stage 0)
+    while accepting the previous one, since every stage dials first and a hello needs the other
+    end to be accepting."""
+    links = DataLinks()
+    if num_stages == 1:
+        return links
+    first, last = index == 0, index == num_stages - 1
+    incoming = "feedback" if first else "activations"
+    outgoing = "feedback" if last else "activations"
+    peer, prev = (index + 1) % num_stages, (index - 1) % num_stages
+    if transport == "torch":
+        if store is None:
+            raise ValueError(f"stage {index}: the torch transport needs the driver's store address")
+        comm.init_world(rank=index, world_size=num_stages, store=store)
+
+        def open_in() -> Channel:
+            return _torch_link(prev, options, sender=prev, receiver=index, role=incoming, stage=index)
+
+        def open_out() -> Channel:
+            return _torch_link(peer, options, sender=index, receiver=peer, role=outgoing, stage=index)
+    else:
+        if next_address is None:
+            raise ValueError(f"stage {index}: setup names no address for stage {peer}")
+
+        def open_in() -> Channel:
+            return acceptor.take(incoming, LINK_TIMEOUT_S)
+
+        def open_out() -> Channel:
+            return dial(next_address, options, transport=transport, stage=index, peer=peer, role=outgoing,
+                        slot_bytes=slot_bytes, num_slots=num_slots, device=device)
+    got: dict[str, Channel | BaseException] = {}
+
+    def accept() -> None:
+        try:
+            got["in"] = open_in()
+        except BaseException as err:  # noqa: BLE001 - re-raised below, in the stage's own thread
+            got["in"] = err
+
+    thread = threading.Thread(target=accept, name="accept-link", daemon=True)
+    thread.start()
+    out = open_out()  # on an error the stage exits; the accepting thread is a daemon
+    thread.join(LINK_TIMEOUT_S + 10)
+    incoming_link = got.get("in")
+    if not isinstance(incoming_link, Channel):
+        out.close()
+        if isinstance(incoming_link, BaseException):
+            raise incoming_link
+        raise TimeoutError(f"stage {index}: no {incoming} link from stage {prev} within {LINK_TIMEOUT_S:.0f} s")
+    if first:
+        links.downstream, links.feedback = out, incoming_link
+    elif last:
+        links.upstream, links.feedback = incoming_link, out
+    else:
+        links.upstream, links.downstream = incoming_link, out
+    return links
+
+
+def _torch_link(peer: int, options: LinkOptions, *, sender: int, receiver: int, role: str, stage: int) -> Channel:
+    hello = Hello(fingerprint=options.fingerprint, stage_from=sender, stage_to=receiver, role=role)
+    return torch_dist.open_channel(peer, hello=hello, initiator=stage == sender, tag=TORCH_TAGS[role],
+                                   auth_token=options.auth_token, checksum=options.checksum,
+                                   verify_checksum=options.checksum, timeout=LINK_TIMEOUT_S)

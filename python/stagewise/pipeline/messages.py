@@ -1,0 +1,247 @@
+"""The control messages between the driver and the stage processes, typed, with one encoder.
+
+Start-up: a stage that loaded its layers says :class:`Ready` (how many KV blocks it can hold);
+the driver answers every stage with :class:`Setup` (the block count they all use, the next
+stage's address, the transport); each stage reports :class:`Connected` once its links are open.
+Serving: the driver sends :class:`Add` and :class:`Cancel` to stage 0, which answers with
+:class:`Events` (text deltas, first tokens, finished requests) and :class:`Status`; every stage
+sends a :class:`Heartbeat` twice a second, :class:`Stats` when asked (:class:`GetStats`) and
+:class:`Fatal` before it dies of an error. :class:`Shutdown` stops a stage.
+
+On the wire a message is a CONTROL frame whose JSON object is ``{"op": ..., **fields}``;
+:func:`from_frame` checks every field's type and raises :class:`ProtocolError` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import types
+import typing
+from dataclasses import dataclass, field
+
+from stagewise.engine.sampling import SamplingParams
+from stagewise.pipeline.protocol import ProtocolError
+from stagewise.transport.frame import Frame, StepKind
+
+
+class Op(str, enum.Enum):
+    READY = "ready"
+    SETUP = "setup"
+    CONNECTED = "connected"
+    HEARTBEAT = "heartbeat"
+    FATAL = "fatal"
+    ADD = "add"
+    CANCEL = "cancel"
+    EVENTS = "events"
+    STATUS = "status"
+    GET_STATS = "get_stats"
+    STATS = "stats"
+    SHUTDOWN = "shutdown"
+
+
+@dataclass(kw_only=True, slots=True)
+class Ready:
+    OP = Op.READY
+    stage: int
+    capacity_blocks: int
+    """KV blocks this stage can hold."""
+    layers: tuple[int, int]
+    pid: int
+    fingerprint: str
+
+
+@dataclass(kw_only=True, slots=True)
+class Setup:
+    OP = Op.SETUP
+    num_blocks: int
+    """KV blocks every stage allocates (the smallest capacity any stage reported)."""
+    next: tuple[str, int] | None
+    """Address of the stage this one dials (the last stage dials stage 0); None with one stage."""
+    transport: str
+    """This stage's outgoing hop: tcp, shm, cuda-ipc or torch."""
+    microbatches: int
+    store: tuple[str, int] | None = None
+    """The torch.distributed store of the ``torch`` transport."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Connected:
+    OP = Op.CONNECTED
+    stage: int
+
+
+@dataclass(kw_only=True, slots=True)
+class Heartbeat:
+    OP = Op.HEARTBEAT
+
+
+@dataclass(kw_only=True, slots=True)
+class Fatal:
+    OP = Op.FATAL
+    message: str
+    neighbour: bool
+    """The stage lost a neighbour (rather than failing on its own)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Add:
+    OP = Op.ADD
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(kw_only=True, slots=True)
+class Cancel:
+    OP = Op.CANCEL
+    request_id: int
+
+
+@dataclass(kw_only=True, slots=True)
+class Result:
+    """A finished request as stage 0 reports it."""
+
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    error: str | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class Events:
+    OP = Op.EVENTS
+    text: list[tuple[int, str]] = field(default_factory=list)
+    """(request_id, text delta) in the order they were produced."""
+    first_tokens: list[int] = field(default_factory=list)
+    """Requests whose first token was sampled."""
+    done: list[Result] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.text or self.first_tokens or self.done)
+
+
+@dataclass(kw_only=True, slots=True)
+class Status:
+    OP = Op.STATUS
+    waiting: int
+    """Requests in the queue."""
+    running: int
+    """Active user rows."""
+    max_num_seqs: int
+    free_blocks: int
+    total_blocks: int
+
+
+@dataclass(kw_only=True, slots=True)
+class GetStats:
+    OP = Op.GET_STATS
+    trace: bool = False
+    reset: bool = False
+
+
+@dataclass(kw_only=True, slots=True)
+class Stats:
+    OP = Op.STATS
+    stage: int
+    layers: tuple[int, int]
+    busy_s: float
+    send_s: float
+    recv_wait_s: float
+    steps: int
+    tokens: int
+    bytes_sent: int
+    bytes_received: int
+    rejected_frames: int
+    wall_s: float
+    trace: list[tuple[str, float, float, int]] | None = None
+    """(name, start, duration, microbatch) spans: compute, send, recv-wait."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Shutdown:
+    OP = Op.SHUTDOWN
+
+
+Message = (Ready | Setup | Connected | Heartbeat | Fatal | Add | Cancel | Events | Status | GetStats | Stats
+           | Shutdown)
+_BY_OP: dict[str, type] = {cls.OP.value: cls for cls in typing.get_args(Message)}
+
+
+def to_frame(msg: Message, *, stage_from: int = 0) -> Frame:
+    body = {"op": msg.OP.value, **{f.name: _plain(getattr(msg, f.name)) for f in dataclasses.fields(msg)}}
+    return Frame(step_kind=StepKind.CONTROL, stage_from=stage_from, control=body)
+
+
+def from_frame(frame: Frame) -> Message:
+    """The message of a CONTROL frame; ProtocolError naming the op or field that is wrong."""
+    body = frame.control
+    if frame.step_kind != StepKind.CONTROL or not isinstance(body, dict):
+        raise ProtocolError(f"expected a CONTROL frame with a JSON object, got {frame.step_kind!r}")
+    op = body.get("op")
+    cls = _BY_OP.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise ProtocolError(f"op: unknown control message {op!r}; expected one of {sorted(_BY_OP)}")
+    return _build(cls, {k: v for k, v in body.items() if k != "op"}, op)
+
+
+def _plain(value):
+    """A message field as JSON: dataclasses as objects, tuples as lists."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[dict, frozenset]:
+    return typing.get_type_hints(cls), frozenset(f.name for f in dataclasses.fields(cls))
+
+
+def _build(cls: type, data: dict, where: str):
+    hints, names = _fields(cls)
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ProtocolError(f"{where}: unknown fields {unknown}")
+    kwargs = {}
+    for name in names & set(data):
+        kwargs[name] = _value(data[name], hints[name], f"{where}.{name}")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise ProtocolError(f"{where}: {err}") from None
+
+
+def _value(value, hint, where: str):
+    """``value`` (decoded JSON) checked against the type ``hint``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _value(value, inner[0], where) if len(inner) == 1 else value
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected an object, got {value!r:.80}")
+        return _build(hint, value, where)
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected a list, got {value!r:.80}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ProtocolError(f"{where}: expected {len(args)} items, got {len(value)}")
+            return tuple(_value(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        item = args[0] if args else typing.Any
+        return [_value(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, str, bool):
+        if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+            raise ProtocolError(f"{where}: expected {hint.__name__}, got {value!r:.80}")
+        return value
+    if hint is typing.Any:
+        return value
+    raise ProtocolError(f"{where}: expected {hint}, got {value!r:.80}")

@@ -1,0 +1,293 @@
+"""A pipeline stage as an OS process: the IO around a :class:`~stagewise.pipeline.head.Head`
+(stage 0) or a :class:`~stagewise.pipeline.worker.Worker` (later stages).
+
+Life of a stage:
+
+1. read the model's config (for the fingerprint), listen on the plan's address and print
+   ``STAGEWISE-LISTENING host port`` on stdout, so that a launcher learns an ephemeral port;
+2. load only this stage's layers;
+3. accept the driver's control link and report :class:`~stagewise.pipeline.messages.Ready`
+   (how many KV blocks it can hold);
+4. on :class:`~stagewise.pipeline.messages.Setup`: allocate the KV cache, connect to the
+   neighbours (:func:`~stagewise.pipeline.links.open_data_links`), report ``Connected``;
+5. serve until ``Shutdown``, the driver's disconnection or a dead neighbour. A heartbeat goes to
+   the driver every ``HEARTBEAT_S`` so that it notices a hung stage.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import torch
+
+from stagewise.engine.engine import Engine
+from stagewise.engine.executor import Executor, model_dtype
+from stagewise.kv.cache import num_cache_blocks
+from stagewise.parallel.runplan import RunPlan, parse_address
+from stagewise.pipeline import links, messages, protocol
+from stagewise.pipeline.head import Head
+from stagewise.pipeline.messages import Add, Cancel, Connected, Fatal, GetStats, Heartbeat, Ready, Setup, Shutdown
+from stagewise.pipeline.protocol import ProtocolError
+from stagewise.pipeline.stats import StageStats
+from stagewise.pipeline.worker import Route, Worker
+from stagewise.transport.channel import Channel
+from stagewise.transport.errors import ChannelClosed, FrameError
+from stagewise.transport.frame import Frame
+
+HEARTBEAT_S = 0.5
+READY_LINE = "STAGEWISE-LISTENING"
+
+
+class _Shutdown(Exception):
+    """The driver asked this stage to stop."""
+
+
+class StageProcess:
+    def __init__(self, plan: RunPlan, index: int, *, listen: str | None = None, auth_token: str | None = None,
+                 driver_timeout_s: float = 600.0) -> None:
+        if not 0 <= index < plan.num_stages:
+            raise ValueError(f"stagewise stage: --stage must be in [0, {plan.num_stages}), got {index}")
+        self.plan, self.index, self.spec = plan, index, plan.stages[index]
+        self.listen_address = parse_address(listen or self.spec.listen)
+        self.auth_token, self.driver_timeout_s = auth_token, driver_timeout_s
+        self.stats = StageStats()
+        self.control: Channel | None = None
+        self.links = links.DataLinks()
+        self._send_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.fingerprint = ""
+        self.listener = None
+        self.on_listening = None
+        """Called with this object once the listener is bound (torchrun publishes the address)."""
+
+    # ---- start-up ------------------------------------------------------------------
+
+    def run(self) -> int:
+        from stagewise.model.loader import open_checkpoint
+
+        checkpoint = open_checkpoint(self.plan.model)  # the config only: the fingerprint before the weights
+        if checkpoint.config.num_layers != self.plan.num_layers:
+            raise ValueError(f"stage {self.index}: the plan has {self.plan.num_layers} layers but "
+                             f"{self.plan.model!r} has {checkpoint.config.num_layers}")
+        self.fingerprint = self.plan.fingerprint(checkpoint.hf_config)
+        options = links.LinkOptions(fingerprint=self.fingerprint, auth_token=self.auth_token,
+                                    checksum=self.plan.checksum)
+        self.listener = links.listen(self.listen_address, options)
+        host, port = self.listener.address
+        print(f"{READY_LINE} {host} {port}", flush=True)
+        if self.on_listening is not None:
+            self.on_listening(self)
+        model, device = self._load(checkpoint)
+        acceptor = links.Acceptor(self.listener, stage=self.index, checksum=self.plan.checksum,
+                                  device=device.index if device.type == "cuda" else None)
+        try:
+            self.control = acceptor.take("driver", self.driver_timeout_s)
+            max_model_len = self.plan.max_model_len or model.config.max_position_embeddings
+            spec = model.kv_cache_spec(self.plan.block_size, model_dtype(model))
+            capacity = num_cache_blocks(spec, device, max_num_seqs=self.plan.max_num_seqs, max_model_len=max_model_len,
+                                        kv_cache_bytes=self.plan.kv_cache_bytes,
+                                        max_num_tokens=self.plan.max_num_tokens)
+            self.tell_driver(Ready(stage=self.index, capacity_blocks=capacity,
+                                   layers=(self.spec.start_layer, self.spec.end_layer), pid=os.getpid(),
+                                   fingerprint=self.fingerprint))
+            setup = messages.from_frame(self.control.recv(timeout=self.driver_timeout_s))
+            if not isinstance(setup, Setup):
+                raise ValueError(f"stage {self.index}: expected the driver's setup, got {type(setup).__name__}")
+            executor = Executor(model, num_blocks=setup.num_blocks, block_size=self.plan.block_size,
+                                max_model_len=max_model_len, device=device)
+            slot_bytes, num_slots = self._ring_size(model.config.hidden_size, spec.dtype, max_model_len)
+            self.links = links.open_data_links(
+                index=self.index, num_stages=self.plan.num_stages, transport=setup.transport,
+                next_address=setup.next, store=setup.store, acceptor=acceptor, options=options,
+                slot_bytes=slot_bytes, num_slots=num_slots, device=device.index if device.type == "cuda" else None)
+            self.tell_driver(Connected(stage=self.index))
+            threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
+            self.stats.reset()
+            if self.index == 0:
+                engine = Engine(executor, tokenizer=_tokenizer(checkpoint), max_num_seqs=self.plan.max_num_seqs,
+                                num_groups=setup.microbatches)
+                self._serve_head(Head(engine, stats=self.stats))
+            else:
+                self._serve_worker(Worker(executor, index=self.index, num_stages=self.plan.num_stages,
+                                          stats=self.stats))
+        except _Shutdown:
+            pass
+        except Exception as err:
+            self._report_fatal(err)
+            raise
+        finally:
+            self._stop.set()
+            self.links.close()
+            acceptor.close()
+        return 0
+
+    def _load(self, checkpoint):
+        from stagewise.model.stage import load_stage
+
+        if self.spec.threads:
+            torch.set_num_threads(self.spec.threads)
+        device = torch.device(self.spec.device)
+        model = load_stage(checkpoint, self.spec.start_layer, self.spec.end_layer, dtype=self.plan.dtype,
+                           device=device, quantized=self.plan.quantized,
+                           linear_precision=self.plan.linear_precision)
+        return model, device
+
+    def _ring_size(self, hidden_size: int, dtype: torch.dtype, max_model_len: int) -> tuple[int, int]:
+        """Slots of this stage's outgoing ring: a step's hidden states (a long prefill that does
+        not fit goes over TCP) or, from the last stage, token ids; enough slots that the S steps
+        in flight and the frees rarely wait."""
+        s = self.plan.num_stages
+        if self.index == s - 1:
+            return 1 << 20, s + 2
+        tokens = min(8192, self.plan.max_num_seqs * max_model_len) + self.plan.max_num_seqs
+        need = tokens * hidden_size * dtype.itemsize + (256 << 10)
+        return min(max(need, 1 << 20), 32 << 20), 2 * s + 2
+
+    # ---- the driver ----------------------------------------------------------------
+
+    def tell_driver(self, msg: messages.Message) -> None:
+        with self._send_lock:
+            self.control.send(messages.to_frame(msg, stage_from=self.index))
+
+    def _heartbeats(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self.tell_driver(Heartbeat())
+            except Exception:  # noqa: BLE001 - the main loop notices a dead driver
+                return
+
+    def _report_fatal(self, err: Exception) -> None:
+        if self.control is None:
+            return
+        try:
+            self.tell_driver(Fatal(message=f"{type(err).__name__}: {err}", neighbour=isinstance(err, ChannelClosed)))
+        except Exception:  # noqa: BLE001 - the driver notices the exit anyway
+            pass
+
+    def _driver_messages(self) -> list[Add | Cancel]:
+        """The driver's messages waiting now; answers stats requests, raises _Shutdown."""
+        out = []
+        while self.control.poll(0):
+            try:
+                msg = messages.from_frame(self.control.recv(timeout=0))
+            except ProtocolError as err:
+                self._reject(f"from the driver: {err}")
+                continue
+            if isinstance(msg, Shutdown):
+                raise _Shutdown()
+            if isinstance(msg, GetStats):
+                self.tell_driver(self.stats.report(self.index, (self.spec.start_layer, self.spec.end_layer),
+                                                   trace=msg.trace))
+                if msg.reset:
+                    self.stats.reset()
+            elif isinstance(msg, (Add, Cancel)):
+                out.append(msg)
+        return out
+
+    def _shutdown_follows(self, wait_s: float) -> bool:
+        """Whether the driver's shutdown arrives within ``wait_s`` (other messages are dropped)."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                self._driver_messages()
+            except _Shutdown:
+                return True
+            except ChannelClosed:
+                return False
+            self.control.poll(0.05)
+        return False
+
+    # ---- serving -------------------------------------------------------------------
+
+    def _serve_head(self, head: Head) -> None:
+        """Requests and cancellations from the driver; every idle group's step through stage 0's
+        layers, sent on; the sampled tokens that come back; events and status to the driver."""
+        while True:
+            for msg in self._driver_messages():
+                head.on_message(msg)
+            self._send_all(self.links.downstream, head.launch())
+            events, status = head.take_events(), head.take_status()
+            if events is not None:
+                self.tell_driver(events)
+            if status is not None:
+                self.tell_driver(status)
+            if not head.engine.inflight:
+                if not head.busy:
+                    self.control.poll(0.05)
+                continue
+            frame = self._recv(self.links.feedback, timeout=0.002)
+            if frame is None:
+                continue
+            try:
+                self._send_all(self.links.downstream, head.on_feedback(protocol.from_frame(frame, None)))
+            except ValueError as err:  # a ProtocolError, or tokens of a step not in flight
+                self._reject(f"(feedback step {frame.step_id}): {err}")
+
+    def _serve_worker(self, worker: Worker) -> None:
+        routes = {Route.DOWNSTREAM: self.links.downstream, Route.FEEDBACK: self.links.feedback}
+        while True:
+            self._driver_messages()
+            frame = self._recv(self.links.upstream, timeout=0.05)
+            if frame is None:
+                continue
+            try:
+                out = worker.handle(frame)
+            except ProtocolError as err:
+                self._reject(f"(step {frame.step_id}): {err}")
+                continue
+            for route, outgoing in out:
+                self._send(routes[route], outgoing)
+
+    def _send_all(self, channel: Channel, frames: list[Frame]) -> None:
+        for frame in frames:
+            self._send(channel, frame)
+
+    def _send(self, channel: Channel, frame: Frame) -> None:
+        start, before = time.perf_counter(), channel.stats.bytes_sent
+        channel.send(frame)
+        end = time.perf_counter()
+        self.stats.send_s += end - start
+        self.stats.bytes_sent += channel.stats.bytes_sent - before
+        self.stats.event("send", start, end, frame.microbatch)
+
+    def _recv(self, channel: Channel, timeout: float) -> Frame | None:
+        start = time.perf_counter()
+        try:
+            frame = channel.recv(timeout=timeout)
+        except TimeoutError:
+            frame = None
+        except FrameError as err:
+            self._reject(f"from {channel.peer_name}: {err}")
+            if channel.closed:
+                raise
+            frame = None
+        except ChannelClosed:
+            # A neighbour that exits on shutdown closes its links before this stage reads its
+            # own shutdown: not an error then.
+            if self._shutdown_follows(2.0):
+                raise _Shutdown() from None
+            raise
+        end = time.perf_counter()
+        self.stats.recv_wait_s += end - start
+        if frame is not None:
+            self.stats.bytes_received += frame.payload_bytes
+            self.stats.event("recv-wait", start, end, frame.microbatch)
+        return frame
+
+    def _reject(self, why: str) -> None:
+        """Log a frame that was not accepted; the stage serves on."""
+        self.stats.rejected_frames += 1
+        if self.stats.rejected_frames <= 20 or self.stats.rejected_frames % 1000 == 0:
+            print(f"stagewise stage {self.index}: rejected frame #{self.stats.rejected_frames} {why}",
+                  file=sys.stderr, flush=True)
+
+
+def _tokenizer(checkpoint):
+    """Stage 0 detokenises and applies stop strings; a checkpoint without a tokenizer serves ids."""
+    try:
+        return checkpoint.tokenizer()
+    except FileNotFoundError:
+        return None

@@ -1,0 +1,255 @@
+"""What crosses between the stages of a pipeline, as typed messages, and their one conversion to
+and from :class:`~stagewise.transport.frame.Frame`.
+
+Along the chain (stage i -> i + 1):
+
+- :class:`Step`: one microbatch group's step: the :class:`~stagewise.model.batch.StepBatch`
+  (rows and the previous stage's hidden states) and, for the requests that start in it, their
+  sampling parameters as an opaque tensor: only the stage that samples decodes it, the stages
+  in between forward it untouched;
+- :class:`Free`: requests that ended on stage 0; every stage frees their KV;
+- :class:`StepFailed`: a stage could not run a step; its requests end with the message.
+
+Back from the last stage to stage 0: :class:`Tokens` (one sampled token per request of a step)
+or :class:`StepFailed`. Every decode failure raises :class:`ProtocolError` naming what is wrong;
+the receiving stage logs it and serves on.
+
+A :class:`~stagewise.engine.executor.KVHandoff` (one request's KV on one stage) travels as a
+``KV_HANDOFF`` frame: :func:`handoff_frame` and :func:`handoff_from_frame`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from stagewise.engine.executor import KVHandoff
+from stagewise.engine.sampling import SamplingParams
+from stagewise.model.batch import StepBatch
+from stagewise.transport.frame import Frame, Row, RowFlags, StepKind
+
+STEP_KINDS = (StepKind.PREFILL, StepKind.DECODE, StepKind.MIXED)
+_PREFILL = RowFlags.PREFILL | RowFlags.LAST_PREFILL_CHUNK
+
+
+class ProtocolError(ValueError):
+    """A frame that does not fit the protocol or this stage; the message says why."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Step:
+    step_id: int
+    group: int
+    """The microbatch group (the frame's ``microbatch``)."""
+    batch: StepBatch
+    """Its ``hidden_states`` are the input of the receiving stage."""
+    sampling: torch.Tensor | None = None
+    """uint8 bytes of :func:`encode_sampling`, or None when no request starts in the step."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Tokens:
+    step_id: int
+    group: int
+    request_ids: list[int]
+    tokens: list[int]
+
+
+@dataclass(kw_only=True, slots=True)
+class Free:
+    request_ids: list[int]
+
+
+@dataclass(kw_only=True, slots=True)
+class StepFailed:
+    step_id: int
+    group: int
+    message: str
+
+
+Message = Step | Tokens | Free | StepFailed
+
+
+# ---- encoding ------------------------------------------------------------------------------
+
+def to_frame(msg: Message, *, stage_from: int, stage_to: int) -> Frame:
+    """The frame of ``msg`` from stage ``stage_from`` to ``stage_to``."""
+    if isinstance(msg, Step):
+        b = msg.batch
+        p = b.num_prefills
+        rows = [Row(int(rid), 0 if i < p else ctx, n, _PREFILL if i < p else RowFlags.NONE)
+                for i, (rid, ctx, n) in enumerate(zip(b.request_ids, b.context_lens, b.query_lens))]
+        kind = StepKind.PREFILL if p == len(rows) else StepKind.DECODE if p == 0 else StepKind.MIXED
+        tensors = {"hidden": b.hidden_states.contiguous()}
+        if msg.sampling is not None:
+            tensors["sampling"] = msg.sampling
+        return Frame(step_kind=kind, step_id=msg.step_id, microbatch=msg.group, stage_from=stage_from,
+                     stage_to=stage_to, token_index=max(r.first_position + r.num_tokens - 1 for r in rows),
+                     rows=rows, tensors=tensors)
+    if isinstance(msg, Tokens):
+        ids = torch.tensor(msg.tokens, dtype=torch.int64)
+        return Frame(step_kind=StepKind.TOKENS, step_id=msg.step_id, microbatch=msg.group, stage_from=stage_from,
+                     stage_to=stage_to, rows=[Row(int(r), 0, 1) for r in msg.request_ids],
+                     tensors={"token_ids": ids})
+    if isinstance(msg, Free):
+        return Frame(step_kind=StepKind.CONTROL, stage_from=stage_from, stage_to=stage_to,
+                     rows=[Row(int(r), 0, 0, RowFlags.FINISHED) for r in msg.request_ids], control={"op": "free"})
+    if isinstance(msg, StepFailed):
+        return Frame(step_kind=StepKind.CONTROL, step_id=msg.step_id, microbatch=msg.group, stage_from=stage_from,
+                     stage_to=stage_to, control={"op": "step_failed", "message": msg.message})
+    raise TypeError(f"pipeline.protocol.to_frame: not a pipeline message: {type(msg).__name__}")
+
+
+def tokens_message(step_id: int, group: int, request_ids: Sequence[int], tokens: torch.Tensor) -> Tokens:
+    """The last stage's answer to a step: ``tokens int64 [R]`` on any device."""
+    return Tokens(step_id=step_id, group=group, request_ids=list(request_ids), tokens=tokens.tolist())
+
+
+# ---- decoding ------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class StageShape:
+    """What a stage accepts: its index and the hidden states it takes."""
+
+    index: int
+    hidden_size: int
+    dtype: torch.dtype
+    max_model_len: int
+    device: torch.device
+
+
+def from_frame(frame: Frame, stage: StageShape | None) -> Message:
+    """The message a frame carries to ``stage`` (None: a link that carries no steps, such as
+    the feedback link into stage 0); ProtocolError when it does not fit."""
+    kind = frame.step_kind
+    if kind == StepKind.CONTROL:
+        op = (frame.control or {}).get("op")
+        if op == "free":
+            return Free(request_ids=[r.request_id for r in frame.rows])
+        if op == "step_failed":
+            message = (frame.control or {}).get("message")
+            if not isinstance(message, str):
+                raise ProtocolError(f"step_failed: message must be a string, got {message!r}")
+            return StepFailed(step_id=frame.step_id, group=frame.microbatch, message=message)
+        raise ProtocolError(f"control op {op!r} is not a pipeline message (expected 'free' or 'step_failed')")
+    if kind == StepKind.TOKENS:
+        ids = frame.tensors.get("token_ids")
+        rids = [r.request_id for r in frame.rows]
+        if ids is None or tuple(ids.shape) != (len(rids),) or ids.dtype != torch.int64:
+            raise ProtocolError(f"tensors['token_ids']: expected int64 of shape ({len(rids)},), got "
+                                f"{None if ids is None else (tuple(ids.shape), ids.dtype)}")
+        return Tokens(step_id=frame.step_id, group=frame.microbatch, request_ids=rids, tokens=ids.tolist())
+    if kind in STEP_KINDS and stage is not None:
+        return _step(frame, stage)
+    raise ProtocolError(f"step_kind {kind!r} is not a pipeline message")
+
+
+def _step(frame: Frame, stage: StageShape) -> Step:
+    if frame.stage_to != stage.index:
+        raise ProtocolError(f"stage_to is {frame.stage_to}, this is stage {stage.index}")
+    rows = frame.rows
+    if not rows:
+        raise ProtocolError("rows: a step needs at least one row")
+    hidden = frame.tensors.get("hidden")
+    tokens = sum(r.num_tokens for r in rows)
+    want = (tokens, stage.hidden_size)
+    if hidden is None or tuple(hidden.shape) != want:
+        raise ProtocolError(f"tensors['hidden']: expected shape {want}, got "
+                            f"{None if hidden is None else tuple(hidden.shape)}")
+    if hidden.dtype != stage.dtype:
+        raise ProtocolError(f"tensors['hidden']: expected dtype {stage.dtype}, got {hidden.dtype}")
+    sampling = frame.tensors.get("sampling")
+    if sampling is not None and (sampling.dtype != torch.uint8 or sampling.dim() != 1):
+        raise ProtocolError(f"tensors['sampling']: expected uint8 bytes, got {sampling.dtype} {tuple(sampling.shape)}")
+    positions, num_prefills, seen_decode = [], 0, False
+    for i, r in enumerate(rows):
+        prefill = bool(r.flags & RowFlags.PREFILL)
+        if r.num_tokens < 1 or (not prefill and r.num_tokens != 1) or (prefill and r.first_position != 0):
+            raise ProtocolError(f"rows[{i}]: {r.num_tokens} tokens from position {r.first_position} "
+                                f"(prefill={prefill})")
+        if prefill and seen_decode:
+            raise ProtocolError(f"rows[{i}]: prefill rows must come before decode rows")
+        if r.first_position + r.num_tokens > stage.max_model_len:
+            raise ProtocolError(f"rows[{i}]: position {r.first_position + r.num_tokens} beyond max_model_len "
+                                f"{stage.max_model_len}")
+        seen_decode |= not prefill
+        num_prefills += prefill
+        positions.extend(range(r.first_position, r.first_position + r.num_tokens))
+    device = stage.device
+    batch = StepBatch(request_ids=[r.request_id for r in rows], num_prefills=num_prefills,
+                      query_lens=[r.num_tokens for r in rows],
+                      context_lens=[0 if i < num_prefills else r.first_position for i, r in enumerate(rows)],
+                      positions=torch.tensor(positions, dtype=torch.int64, device=device),
+                      hidden_states=hidden if hidden.device == device else hidden.to(device))
+    return Step(step_id=frame.step_id, group=frame.microbatch, batch=batch, sampling=sampling)
+
+
+# ---- sampling parameters -------------------------------------------------------------------
+
+def encode_sampling(params: Mapping[int, SamplingParams]) -> torch.Tensor | None:
+    """The sampling parameters of a step's new requests as uint8 bytes (UTF-8 JSON), or None."""
+    if not params:
+        return None
+    data = json.dumps({str(int(rid)): dataclasses.asdict(p) for rid, p in params.items()},
+                      separators=(",", ":")).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def decode_sampling(data: torch.Tensor | None) -> dict[int, SamplingParams]:
+    """:func:`encode_sampling`'s parameters back; ProtocolError naming the bad request."""
+    if data is None:
+        return {}
+    try:
+        table = json.loads(bytes(data.cpu().numpy()).decode())
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ProtocolError(f"tensors['sampling']: not UTF-8 JSON ({err})") from None
+    if not isinstance(table, dict):
+        raise ProtocolError(f"tensors['sampling']: expected a JSON object, got {type(table).__name__}")
+    out = {}
+    for key, fields in table.items():
+        try:
+            out[int(key)] = SamplingParams(**fields)
+        except (TypeError, ValueError) as err:
+            raise ProtocolError(f"tensors['sampling'][{key!r}]: {err}") from None
+    return out
+
+
+# ---- KV handoff ----------------------------------------------------------------------------
+
+def handoff_frame(handoff: KVHandoff, *, stage: int) -> Frame:
+    """The frame of one request's KV on ``stage``: tensors ``k`` and ``v`` (and the generator's
+    state on the last stage), the layer range and sampling parameters in ``control``; the
+    request in ``request_id`` and its cached tokens in ``token_index``."""
+    tensors = {"k": handoff.k, "v": handoff.v}
+    if handoff.generator_state is not None:
+        tensors["generator_state"] = handoff.generator_state
+    control = {"layers": list(handoff.layers)}
+    if handoff.sampling is not None:
+        control["sampling"] = dataclasses.asdict(handoff.sampling)
+    return Frame(step_kind=StepKind.KV_HANDOFF, request_id=int(handoff.request_id), stage_from=stage, stage_to=stage,
+                 token_index=handoff.num_tokens, tensors=tensors, control=control)
+
+
+def handoff_from_frame(frame: Frame) -> KVHandoff:
+    """A KV handoff back from its frame; ProtocolError when the frame is not one."""
+    if frame.step_kind != StepKind.KV_HANDOFF:
+        raise ProtocolError(f"expected a KV_HANDOFF frame, got {frame.step_kind!r}")
+    control = frame.control or {}
+    layers = control.get("layers")
+    if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) for x in layers)):
+        raise ProtocolError(f"control['layers']: expected [start, end], got {layers!r}")
+    k, v = frame.tensors.get("k"), frame.tensors.get("v")
+    if k is None or v is None or k.dim() != 4 or k.shape != v.shape or k.size(1) != frame.token_index:
+        raise ProtocolError(f"tensors 'k'/'v': expected two [layers, {frame.token_index}, heads, dim] tensors, got "
+                            f"{None if k is None else tuple(k.shape)} and {None if v is None else tuple(v.shape)}")
+    sampling = control.get("sampling")
+    try:
+        params = None if sampling is None else SamplingParams(**sampling)
+    except (TypeError, ValueError) as err:
+        raise ProtocolError(f"control['sampling']: {err}") from None
+    return KVHandoff(request_id=frame.request_id, layers=(layers[0], layers[1]), k=k, v=v, sampling=params,
+                     generator_state=frame.tensors.get("generator_state"))
