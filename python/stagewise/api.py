@@ -26,6 +26,7 @@ from stagewise.engine.requests import FINISH_REASONS, RequestOutput
 from stagewise.engine.sampling import SamplingParams
 from stagewise.model.loader import Checkpoint, open_checkpoint, resolve_dtype
 from stagewise.model.quant import check_precision
+from stagewise.prompts import encode_prompts, render_chat
 
 
 @dataclass(kw_only=True, slots=True)
@@ -329,49 +330,11 @@ class Pipeline:
                                   "transport": self.plan.transport})
 
     def _encode(self, prompts, prompt_token_ids, chat: bool) -> list[list[int]]:
-        if (prompts is None) == (prompt_token_ids is None):
-            raise ValueError("Pipeline.generate: give exactly one of prompts and prompt_token_ids")
-        if prompt_token_ids is not None:
-            if chat:
-                raise ValueError("Pipeline.generate: chat=True needs text prompts, not prompt_token_ids")
-            ids = list(prompt_token_ids)
-            if ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                ids = [ids]  # one prompt given as a flat list
-            if not all(isinstance(p, (list, tuple)) for p in ids):
-                raise ValueError("Pipeline.generate: prompt_token_ids must be a list of ints or a list of "
-                                 f"lists of ints, got {prompt_token_ids!r:.200}")
-            return [list(p) for p in ids]
-        texts = [prompts] if isinstance(prompts, str) else list(prompts)
-        if not all(isinstance(p, str) for p in texts):
-            raise ValueError(f"Pipeline.generate: prompts must be a string or a list of strings, got {prompts!r:.200}")
-        if self.tokenizer is None:
-            raise ValueError("Pipeline.generate: this checkpoint has no tokenizer; pass prompt_token_ids")
-        if chat:
-            texts = [self.render_chat([{"role": "user", "content": t}]) for t in texts]
-        # A chat template writes the special tokens itself (as transformers' apply_chat_template assumes).
-        return [self.tokenizer.encode(t, add_special_tokens=not chat).ids for t in texts]
+        return encode_prompts(self.tokenizer, prompts, prompt_token_ids, chat=chat, render=self.render_chat)
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """The checkpoint's chat template applied to ``messages``, with the assistant turn opened."""
-        template = self.checkpoint.chat_template
-        if not template:
-            raise ValueError(f"Pipeline: checkpoint {str(self.checkpoint.path)!r} has no chat template; "
-                             "use chat=False")
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str):
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals.update(raise_exception=raise_exception,
-                           strftime_now=lambda fmt: time.strftime(fmt))
-        special = {}
-        for name, token_id in (("bos_token", self.config.bos_token_id),
-                               ("eos_token", self.config.eos_token_ids[0] if self.config.eos_token_ids else None)):
-            if token_id is not None:
-                special[name] = self.tokenizer.id_to_token(token_id) or ""
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special)
+        return render_chat(self.checkpoint, self.tokenizer, messages)
 
 
 def _stream(on_text: Callable[[int, str], None], i: int) -> Callable[[str], None]:

@@ -24,21 +24,24 @@ def host_store(host: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[dist
     return store, (host, store.port)
 
 
-def backend_for(device: torch.device | str) -> str:
-    """NCCL between GPUs, gloo otherwise."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+def backend_for(devices: list[str]) -> str:
+    """NCCL when every rank runs on a GPU, gloo otherwise (one backend for the whole group)."""
+    return "nccl" if devices and all(torch.device(d).type == "cuda" for d in devices) else "gloo"
 
 
-def init_world(*, rank: int, world_size: int, store: tuple[str, int], device: torch.device | str = "cpu",
+def init_world(*, rank: int, world_size: int, store: tuple[str, int], backend: str = "gloo",
                timeout_s: float = DEFAULT_TIMEOUT_S) -> Group:
     """Join the default process group as ``rank`` of ``world_size`` through the store at
-    ``store`` (host, port); returns the whole world as a :class:`Group`."""
+    ``store`` (host, port); returns the whole world as a :class:`Group`. With NCCL the caller
+    has already selected this rank's GPU (``torch.cuda.set_device``)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"init_world: rank must be in [0, {world_size}), got {rank}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"init_world: backend must be 'gloo' or 'nccl', got {backend!r}")
     if not dist.is_initialized():
         host, port = store
         client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group(backend_for(device), store=client, rank=rank, world_size=world_size,
+        dist.init_process_group(backend, store=client, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
     elif dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise ValueError(f"init_world: this process is already rank {dist.get_rank()} of {dist.get_world_size()}, "

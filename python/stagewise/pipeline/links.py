@@ -151,10 +151,11 @@ class DataLinks:
 
 def open_data_links(*, index: int, num_stages: int, transport: str, next_address: tuple[str, int] | None,
                     store: tuple[str, int] | None, acceptor: Acceptor, options: LinkOptions, slot_bytes: int,
-                    num_slots: int, device: int | None = None) -> DataLinks:
+                    num_slots: int, device: int | None = None, backend: str = "gloo") -> DataLinks:
     """Connect stage ``index`` to its neighbours: dial the next stage (the last dials stage 0)
     while accepting the previous one, since every stage dials first and a hello needs the other
-    end to be accepting."""
+    end to be accepting. The ``torch`` transport joins the stages' process group (``backend``:
+    NCCL when every stage runs on a GPU, else gloo) through the driver's store."""
     links = DataLinks()
     if num_stages == 1:
         return links
@@ -165,7 +166,7 @@ def open_data_links(*, index: int, num_stages: int, transport: str, next_address
     if transport == "torch":
         if store is None:
             raise ValueError(f"stage {index}: the torch transport needs the driver's store address")
-        comm.init_world(rank=index, world_size=num_stages, store=store)
+        comm.init_world(rank=index, world_size=num_stages, store=store, backend=backend)
 
         def open_in() -> Channel:
             return _torch_link(prev, options, sender=prev, receiver=index, role=incoming, stage=index)

@@ -26,6 +26,7 @@ import torch
 from stagewise.engine.engine import Engine
 from stagewise.engine.executor import Executor, model_dtype
 from stagewise.kv.cache import num_cache_blocks
+from stagewise.parallel import comm
 from stagewise.parallel.runplan import RunPlan, parse_address
 from stagewise.pipeline import links, messages, protocol
 from stagewise.pipeline.head import Head
@@ -102,7 +103,8 @@ class StageProcess:
             self.links = links.open_data_links(
                 index=self.index, num_stages=self.plan.num_stages, transport=setup.transport,
                 next_address=setup.next, store=setup.store, acceptor=acceptor, options=options,
-                slot_bytes=slot_bytes, num_slots=num_slots, device=device.index if device.type == "cuda" else None)
+                slot_bytes=slot_bytes, num_slots=num_slots, device=device.index if device.type == "cuda" else None,
+                backend=comm.backend_for([s.device for s in self.plan.stages]))
             self.tell_driver(Connected(stage=self.index))
             threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
             self.stats.reset()
@@ -130,6 +132,8 @@ class StageProcess:
         if self.spec.threads:
             torch.set_num_threads(self.spec.threads)
         device = torch.device(self.spec.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # this process's GPU: the ring, the streams and NCCL use it
         model = load_stage(checkpoint, self.spec.start_layer, self.spec.end_layer, dtype=self.plan.dtype,
                            device=device, quantized=self.plan.quantized,
                            linear_precision=self.plan.linear_precision)
