@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import random
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -89,6 +91,27 @@ def test_tiny_models_equal_the_single_process(tiny_models, arch, stages, partiti
         assert [s["layers"] for s in stats] == [list(r) for r in pipe.plan.stage_plan.ranges]
         assert all(s["steps"] > 0 and s["busy_s"] > 0 for s in stats)
         assert stats[0]["bytes_sent"] > 0 and stats[-1]["bytes_received"] > 0
+
+
+def _ours(folder: str) -> set[str]:
+    return {n for n in os.listdir(folder) if "stagewise" in n}
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch"])
+def test_a_run_removes_what_it_creates(tiny, transport):
+    """No temporary files, shared-memory segments or processes left behind, also when a stage dies."""
+    folder, prompts, greedy, _ = tiny
+    tmp, shm = _ours(tempfile.gettempdir()), _ours("/dev/shm")
+    with stagewise.Pipeline(str(folder), stages=3, transport=transport, max_model_len=64) as pipe:
+        got = pipe.generate(prompt_token_ids=prompts, max_new_tokens=NEW, ignore_eos=True)
+        pids = pipe.driver.processes.pids
+        os.kill(pids[1], 9)
+        with pytest.raises(ValueError, match="the pipeline is broken .*stage 1"):
+            pipe.generate(prompt_token_ids=prompts[:1], max_new_tokens=50, ignore_eos=True)
+    assert [c.token_ids for c in got] == greedy
+    assert _ours(tempfile.gettempdir()) == tmp and _ours("/dev/shm") == shm
+    assert all(not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+               for pid in pids)
 
 
 def test_concurrent_requests_with_cancellations(tiny):

@@ -244,10 +244,14 @@ class Pipeline:
         if stop and self.tokenizer is None:
             raise ValueError("Pipeline.generate: stop strings need a tokenizer; this checkpoint has none")
         if self.driver is not None:
-            if self.driver.broken:
-                raise ValueError(f"Pipeline.generate: the pipeline is broken ({self.driver.broken}); "
-                                 "create a new one")
-            self.driver.stage_stats(reset=True)
+            from stagewise.pipeline.driver import PipelineBroken
+
+            try:
+                if self.driver.broken:
+                    raise PipelineBroken(self.driver.broken)
+                self.driver.stage_stats(reset=True)
+            except PipelineBroken as err:
+                raise ValueError(f"Pipeline.generate: the pipeline is broken ({err}); create a new one") from None
         start = time.perf_counter()
         results: dict[int, Completion] = {}
         index: dict[int, int] = {}

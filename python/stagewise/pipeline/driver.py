@@ -264,9 +264,15 @@ class PipelineDriver:
     # ---- stats and shutdown ----------------------------------------------------------
 
     def stage_stats(self, *, trace: bool = False, reset: bool = False) -> list[Stats]:
-        for i in range(self.plan.num_stages):
-            self._send(i, GetStats(trace=trace, reset=reset))
-        return [self._expect(i, Stats, 30.0) for i in range(self.plan.num_stages)]
+        """Every stage's measurements (PipelineBroken, and the pipeline stopped, when a stage is
+        gone)."""
+        try:
+            for i in range(self.plan.num_stages):
+                self._send(i, GetStats(trace=trace, reset=reset))
+            return [self._expect(i, Stats, 30.0) for i in range(self.plan.num_stages)]
+        except (PipelineBroken, TimeoutError) as err:
+            self._break(str(err))
+            raise PipelineBroken(self.broken) from None
 
     def close(self, force: bool = False) -> None:
         """Stop every stage: ask politely (``Shutdown``) and wait for the processes, then close

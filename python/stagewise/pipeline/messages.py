@@ -21,6 +21,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from stagewise.engine.requests import FINISH_REASONS
 from stagewise.engine.sampling import SamplingParams
 from stagewise.pipeline.protocol import ProtocolError
 from stagewise.transport.frame import Frame, StepKind
@@ -108,6 +109,10 @@ class Result:
     text: str
     finish_reason: str
     error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason: expected one of {FINISH_REASONS}, got {self.finish_reason!r}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,0 +1,80 @@
+"""Process groups and collectives (stagewise.parallel.comm): a one-rank group needs no process
+group at all; two and four gloo processes sum, broadcast and gather as torch.distributed does,
+including in subgroups of the world."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from stagewise.parallel import comm
+
+
+def test_a_group_of_one_rank_does_nothing():
+    group = comm.Group.single()
+    t = torch.arange(6.0)
+    assert group.size == 1 and group.rank == 0
+    assert group.all_reduce(t) is t and torch.equal(t, torch.arange(6.0))
+    assert group.broadcast(t) is t
+    assert group.all_gather(t) is t
+    group.barrier()
+
+
+def test_bad_groups_and_ranks_are_refused():
+    with pytest.raises(ValueError, match="distinct and non-empty"):
+        comm.Group([0, 0])
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
+        comm.init_world(rank=2, world_size=2, store=("127.0.0.1", 1))
+    with pytest.raises(ValueError, match="backend must be"):
+        comm.init_world(rank=0, world_size=2, store=("127.0.0.1", 1), backend="mpi")
+    assert comm.backend_for(["cuda:0", "cuda:1"]) == "nccl"
+    assert comm.backend_for(["cuda:0", "cpu"]) == comm.backend_for([]) == "gloo"
+
+
+def _rank(rank: int, world: int, store: tuple[str, int], out) -> None:
+    world_group = comm.init_world(rank=rank, world_size=world, store=store)
+    try:
+        t = torch.full((3,), float(rank + 1))
+        world_group.all_reduce(t)
+        b = torch.full((2,), float(rank))
+        world_group.broadcast(b, src=world - 1)
+        gathered = world_group.all_gather(torch.tensor([rank, 10 * rank]))
+        # Two subgroups {0, 1} and {2, 3}: every rank creates both, in the same order.
+        pairs = [comm.Group.new([0, 1]), comm.Group.new([2, 3])] if world == 4 else []
+        sub = None
+        for group in pairs:
+            if rank in group.ranks:
+                sub = group.all_reduce(torch.tensor([float(rank)])).tolist() + [group.rank]
+        world_group.barrier()
+        out.put((rank, t.tolist(), b.tolist(), gathered.tolist(), sub))
+    finally:
+        comm.destroy_world()
+
+
+def test_gloo_collectives_between_processes():
+    world = 4
+    store, address = comm.host_store("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world, address, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(out.get(timeout=120) for _ in range(world))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    total = float(sum(range(1, world + 1)))
+    for rank, summed, broadcast, gathered, sub in results:
+        assert summed == [total] * 3
+        assert broadcast == [float(world - 1)] * 2
+        assert gathered == [x for r in range(world) for x in (r, 10 * r)]
+        if world == 4:
+            pair = [0, 1] if rank < 2 else [2, 3]
+            assert sub == [float(sum(pair)), pair.index(rank)]
+    assert all(p.exitcode == 0 for p in procs)
+    del store

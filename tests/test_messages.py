@@ -1,0 +1,127 @@
+"""The stage protocol's messages: every control message and every pipeline message survives its
+frame and the codec unchanged, and a message with a wrong or missing field is refused naming the
+field, never half-read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stagewise.engine.sampling import SamplingParams
+from stagewise.model.batch import StepBatch
+from stagewise.pipeline import messages, protocol
+from stagewise.pipeline.protocol import ProtocolError, StageShape
+from stagewise.transport import decode_frame, encode_frame
+from stagewise.transport.frame import Frame, StepKind
+
+PARAMS = SamplingParams(max_new_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=2**63, stop=["x"],
+                        stop_token_ids=[4], ignore_eos=True)
+CONTROL = [
+    messages.Ready(stage=2, capacity_blocks=99, layers=(4, 9), pid=1234, fingerprint="abc"),
+    messages.Setup(num_blocks=64, next=("10.0.0.2", 7100), transport="shm", microbatches=3, store=("h", 5)),
+    messages.Setup(num_blocks=1, next=None, transport="tcp", microbatches=1),
+    messages.Connected(stage=1), messages.Heartbeat(), messages.Shutdown(),
+    messages.Fatal(message="boom", neighbour=True),
+    messages.Add(request_id=2**64 - 1, prompt_ids=[1, 2, 3], params=PARAMS),
+    messages.Cancel(request_id=5),
+    messages.Events(text=[(1, "a"), (2, "é")], first_tokens=[1],
+                    done=[messages.Result(request_id=3, token_ids=[5, 6], text="hi", finish_reason="stop"),
+                          messages.Result(request_id=4, token_ids=[], text="", finish_reason="error", error="e")]),
+    messages.Status(waiting=1, running=2, max_num_seqs=3, free_blocks=4, total_blocks=5),
+    messages.GetStats(trace=True, reset=False),
+    messages.Stats(stage=0, layers=(0, 3), busy_s=1.5, send_s=0.0, recv_wait_s=2.0, steps=3, tokens=9,
+                   bytes_sent=10, bytes_received=11, rejected_frames=0, wall_s=4.0,
+                   trace=[("compute", 1.0, 0.5, 0), ("send", 1.5, 0.1, -1)]),
+]
+
+
+def wire(frame: Frame) -> Frame:
+    return decode_frame(encode_frame(frame))
+
+
+@pytest.mark.parametrize("msg", CONTROL, ids=lambda m: type(m).__name__)
+def test_control_messages_round_trip(msg):
+    assert messages.from_frame(wire(messages.to_frame(msg, stage_from=1))) == msg
+
+
+@pytest.mark.parametrize("body, match", [
+    ({"op": "launch"}, "unknown control message 'launch'"),
+    ({}, "unknown control message None"),
+    ({"op": "ready", "stage": "1", "capacity_blocks": 1, "layers": [0, 1], "pid": 1, "fingerprint": "f"},
+     r"ready\.stage: expected int, got '1'"),
+    ({"op": "ready", "stage": True, "capacity_blocks": 1, "layers": [0, 1], "pid": 1, "fingerprint": "f"},
+     r"ready\.stage: expected int, got True"),
+    ({"op": "ready", "stage": 1, "capacity_blocks": 1, "layers": [0], "pid": 1, "fingerprint": "f"},
+     r"ready\.layers: expected 2 items, got 1"),
+    ({"op": "cancel"}, r"cancel: .*request_id"),
+    ({"op": "cancel", "request_id": 1, "why": "x"}, r"cancel: unknown fields \['why'\]"),
+    ({"op": "add", "request_id": 1, "prompt_ids": [1, "2"], "params": {}}, r"add\.prompt_ids\[1\]: expected int"),
+    ({"op": "add", "request_id": 1, "prompt_ids": [1], "params": {"top_p": 2.0}}, r"add\.params: .*top_p"),
+    ({"op": "events", "done": [{"request_id": 1, "token_ids": [], "text": "", "finish_reason": "odd"}]},
+     r"events.done\[0\]: .*finish_reason"),
+])
+def test_bad_control_messages_name_the_field(body, match):
+    with pytest.raises(ProtocolError, match=match):
+        messages.from_frame(wire(Frame(step_kind=StepKind.CONTROL, control=body)))
+
+
+SHAPE = StageShape(index=1, hidden_size=8, dtype=torch.float32, max_model_len=32, device=torch.device("cpu"))
+
+
+def step_message(sampling=None) -> protocol.Step:
+    batch = StepBatch(request_ids=[7, 3, 9], num_prefills=1, query_lens=[4, 1, 1], context_lens=[0, 11, 5],
+                      positions=torch.tensor([0, 1, 2, 3, 11, 5]), hidden_states=torch.randn(6, 8))
+    return protocol.Step(step_id=12, group=2, batch=batch, sampling=sampling)
+
+
+def test_a_step_crosses_the_wire_as_one_conversion_each_way():
+    sampling = protocol.encode_sampling({7: PARAMS})
+    sent = step_message(sampling)
+    frame = wire(protocol.to_frame(sent, stage_from=0, stage_to=1))
+    assert frame.step_kind == StepKind.MIXED and frame.token_index == 11
+    got = protocol.from_frame(frame, SHAPE)
+    b, want = got.batch, sent.batch
+    assert (got.step_id, got.group) == (12, 2)
+    assert (b.request_ids, b.num_prefills, b.query_lens, b.context_lens) == (
+        want.request_ids, want.num_prefills, want.query_lens, want.context_lens)
+    assert torch.equal(b.positions, want.positions) and torch.equal(b.hidden_states, want.hidden_states)
+    assert protocol.decode_sampling(got.sampling) == {7: PARAMS}
+    assert protocol.encode_sampling({}) is None and protocol.decode_sampling(None) == {}
+
+
+@pytest.mark.parametrize("msg", [
+    protocol.Tokens(step_id=3, group=1, request_ids=[4, 5], tokens=[100, 2**40]),
+    protocol.Free(request_ids=[1, 2, 3]),
+    protocol.StepFailed(step_id=9, group=0, message="stage 2 step failed: x"),
+], ids=lambda m: type(m).__name__)
+def test_pipeline_messages_round_trip(msg):
+    assert protocol.from_frame(wire(protocol.to_frame(msg, stage_from=2, stage_to=0)), None) == msg
+
+
+def test_steps_that_do_not_fit_the_stage_are_refused():
+    good = protocol.to_frame(step_message(), stage_from=0, stage_to=1)
+
+    def refused(frame, match):
+        with pytest.raises(ProtocolError, match=match):
+            protocol.from_frame(wire(frame), SHAPE)
+
+    refused(Frame(**{**_fields(good), "stage_to": 2}), "stage_to is 2, this is stage 1")
+    refused(Frame(**{**_fields(good), "tensors": {"hidden": torch.randn(6, 8).double()}}), "expected dtype")
+    rows = list(good.rows)
+    refused(Frame(**{**_fields(good), "rows": [rows[1], rows[0], rows[2]]}), "prefill rows must come before")
+    rows[2].first_position = 40
+    refused(Frame(**{**_fields(good), "rows": rows}), "beyond max_model_len 32")
+    refused(Frame(**{**_fields(good), "tensors": {"hidden": good.tensors["hidden"],
+                                                  "sampling": torch.zeros(2, 2, dtype=torch.uint8)}}),
+            r"tensors\['sampling'\]: expected uint8 bytes")
+    with pytest.raises(ProtocolError, match="is not a pipeline message"):
+        protocol.from_frame(wire(good), None)  # no steps on the feedback link
+    with pytest.raises(ProtocolError, match=r"tensors\['sampling'\]\['7'\]: .*top_k"):
+        protocol.decode_sampling(protocol.encode_sampling({7: PARAMS}).clone().copy_(
+            torch.frombuffer(bytearray(b'{"7":{"top_k":-1}}'.ljust(len(protocol.encode_sampling({7: PARAMS})))),
+                             dtype=torch.uint8)))
+
+
+def _fields(frame: Frame) -> dict:
+    return {k: getattr(frame, k) for k in ("step_kind", "step_id", "microbatch", "stage_from", "stage_to",
+                                           "token_index", "rows", "tensors", "control")}
