@@ -52,21 +52,26 @@ PIPELINE_OPTIONS = ("partition", "transport", "checksum", "auth_token", "threads
 
 
 class _Local:
-    """The single-process backend: one engine over every layer."""
+    """The single-process backend: one engine over every layer. It answers the calls of
+    :class:`~stagewise.pipeline.driver.PipelineDriver` that :meth:`Pipeline.generate` makes."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
 
-    def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams,
-            on_text: Callable[[str], None] | None) -> None:
-        self.engine.add_request(request_id, prompt_ids, params,
-                                None if on_text is None else (lambda _rid, delta: on_text(delta)))
+    def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.engine.add_request(request_id, prompt_ids, params)
 
     def cancel(self, request_id: int) -> None:
         self.engine.cancel(request_id)
 
+    def abort(self, request_id: int, error: str) -> RequestOutput | None:
+        return self.engine.abort(request_id, error)
+
     def poll(self, timeout: float) -> list[RequestOutput]:
         return self.engine.step()
+
+    def take_text(self) -> list[tuple[int, str]]:
+        return self.engine.take_text()
 
     def close(self) -> None:
         self.engine = None
@@ -263,7 +268,7 @@ class Pipeline:
                                         ignore_eos=ignore_eos)
                 rid = next(self._ids)
                 try:
-                    backend.add(rid, list(ids), params, None if on_text is None else _stream(on_text, i))
+                    backend.add(rid, list(ids), params)
                 except ValueError as err:
                     results[i] = Completion(text="", token_ids=[], finish_reason="error", error=str(err),
                                             prompt_token_ids=list(ids))
@@ -271,6 +276,9 @@ class Pipeline:
                 index[rid] = i
             while len(outputs) < len(index):
                 outputs += backend.poll(0.05)
+                for rid, delta in backend.take_text():
+                    if on_text is not None:
+                        outputs += _stream(backend, on_text, index[rid], rid, delta)
         finally:
             finished = {o.request_id for o in outputs}
             for rid in index:  # an interrupted call leaves nothing queued and no KV held
@@ -341,8 +349,15 @@ class Pipeline:
         return render_chat(self.checkpoint, self.tokenizer, messages)
 
 
-def _stream(on_text: Callable[[int, str], None], i: int) -> Callable[[str], None]:
-    return lambda delta: on_text(i, delta)
+def _stream(backend, on_text: Callable[[int, str], None], i: int, rid: int, delta: str) -> list[RequestOutput]:
+    """Hand prompt ``i``'s text to the caller; a callback that raises ends that request only
+    (finish_reason 'error'), as its consumer is gone."""
+    try:
+        on_text(i, delta)
+    except Exception as err:  # noqa: BLE001 - the others go on
+        out = backend.abort(rid, f"{type(err).__name__}: {err}")
+        return [out] if out is not None else []
+    return []
 
 
 def _device(device: str | torch.device) -> torch.device:

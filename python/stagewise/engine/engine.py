@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from stagewise.engine.executor import Executor, model_dtype
-from stagewise.engine.requests import RequestOutput, Requests, TextCallback
+from stagewise.engine.requests import RequestOutput, Requests
 from stagewise.engine.sampling import SamplingParams
 from stagewise.engine.scheduler import GroupedScheduler, ScheduledStep, SchedulerStatus
 from stagewise.kv import KVCacheManager
@@ -93,12 +93,11 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------
 
-    def add_request(self, request_id: Hashable, prompt_ids: list[int], params: SamplingParams,
-                    on_text: TextCallback | None = None) -> None:
+    def add_request(self, request_id: Hashable, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. ValueError, with nothing queued, for a known id, an empty prompt, ids
         outside the vocabulary, a prompt the cache can never hold or stop strings without a
         tokenizer."""
-        seq = self.requests.add(request_id, prompt_ids, params, on_text)
+        seq = self.requests.add(request_id, prompt_ids, params)
         try:
             self.scheduler.add(seq)
         except Exception:
@@ -106,10 +105,18 @@ class Engine:
             raise
 
     def cancel(self, request_id: Hashable) -> RequestOutput | None:
-        """End a queued or running request now ('cancelled'); its KV blocks are freed at once."""
+        """End a queued or running request now ('cancelled'); its KV blocks are freed at once.
+        None for a request that is not live."""
         if request_id not in self.requests:
             return None
         return self._end(request_id, "cancelled")
+
+    def abort(self, request_id: Hashable, error: str) -> RequestOutput | None:
+        """End a live request now with finish_reason 'error' and ``error`` (e.g. its consumer
+        failed); None for a request that is not live."""
+        if request_id not in self.requests:
+            return None
+        return self._end(request_id, "error", error)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -125,6 +132,10 @@ class Engine:
     def take_first_tokens(self) -> list[Hashable]:
         """Requests whose first token was recorded since the last call."""
         return self.requests.take_first_tokens()
+
+    def take_text(self) -> list[tuple[Hashable, str]]:
+        """(request_id, text delta) since the last call, in order: what to stream."""
+        return self.requests.take_text()
 
     # ---- steps ---------------------------------------------------------------
 
@@ -174,7 +185,7 @@ class Engine:
         if list(request_ids) != expected:
             raise ValueError(f"Engine.complete: step {step_id} carries requests {list(request_ids)[:8]}, "
                              f"expected {expected[:8]}")
-        return [self._end(rid, reason, error) for rid, reason, error in self.requests.record(seqs, tokens)]
+        return [self._end(rid, reason) for rid, reason in self.requests.record(seqs, tokens)]
 
     def fail(self, group: int, step_id: int, message: str) -> list[RequestOutput]:
         """A later stage could not run a launched step: its requests end with ``message``."""

@@ -1,23 +1,22 @@
 """The text side of the requests stage 0 serves: prompt checks, the tokens each request has
-generated, detokenisation, stop rules, streamed text and the result when a request ends.
+generated, detokenisation, stop rules, the text deltas to stream and the result when a request
+ends.
 
 :class:`Requests` knows nothing of KV blocks, steps or stages: the
 :class:`~stagewise.engine.engine.Engine` hands it each step's sampled tokens and asks it to
-close a request, whatever ended it.
+close a request, whatever ended it. Whoever streams text takes the deltas
+(:meth:`Requests.take_text`); nothing here calls back into the caller.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from stagewise.engine.detokenize import IncrementalDetokenizer, StopChecker
 from stagewise.engine.sampling import SamplingParams
 from stagewise.engine.scheduler import SeqState
-
-TextCallback = Callable[[Hashable, str], None]
-"""Called with (request_id, text delta) whenever a request's visible text grows."""
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -51,7 +50,6 @@ class _Request:
     params: SamplingParams
     detok: IncrementalDetokenizer | None
     stop: StopChecker
-    on_text: TextCallback | None
     text: list[str] = field(default_factory=list)
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
@@ -66,6 +64,7 @@ class Requests:
         self.max_model_len, self.tokenizer = max_model_len, tokenizer
         self._live: dict[Hashable, _Request] = {}
         self._first_tokens: list[Hashable] = []
+        self._deltas: list[tuple[Hashable, str]] = []
 
     def __contains__(self, request_id: Hashable) -> bool:
         return request_id in self._live
@@ -73,8 +72,7 @@ class Requests:
     def __len__(self) -> int:
         return len(self._live)
 
-    def add(self, request_id: Hashable, prompt_ids: Sequence[int], params: SamplingParams,
-            on_text: TextCallback | None = None) -> SeqState:
+    def add(self, request_id: Hashable, prompt_ids: Sequence[int], params: SamplingParams) -> SeqState:
         """Check and register a request; returns the state the scheduler tracks. ValueError, with
         nothing registered, for a known id, an empty prompt, ids outside the vocabulary or stop
         strings without a tokenizer."""
@@ -96,7 +94,7 @@ class Requests:
         detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, ids)
         eos = () if params.ignore_eos else self.eos_token_ids
         self._live[request_id] = _Request(seq=seq, params=params, detok=detok,
-                                          stop=StopChecker(params.stop, params.stop_token_ids, eos), on_text=on_text)
+                                          stop=StopChecker(params.stop, params.stop_token_ids, eos))
         return seq
 
     def discard(self, request_id: Hashable) -> None:
@@ -106,23 +104,21 @@ class Requests:
     def params(self, request_id: Hashable) -> SamplingParams:
         return self._live[request_id].params
 
-    def record(self, seqs: Iterable[SeqState], tokens: Iterable[int]) -> list[tuple[Hashable, str, str | None]]:
+    def record(self, seqs: Iterable[SeqState], tokens: Iterable[int]) -> list[tuple[Hashable, str]]:
         """Append each request's sampled token (one per seq, in order) and return
-        ``(request_id, finish_reason, error)`` of those that end with it. Requests that ended
-        meanwhile are skipped; a streaming callback that raises ends its request ('error')."""
+        ``(request_id, finish_reason)`` of those that end with it. Requests that ended meanwhile
+        are skipped."""
         ended, now = [], time.perf_counter()
         for seq, token in zip(seqs, tokens, strict=True):
             req = self._live.get(seq.request_id)
-            if req is None:
-                continue  # ended during this loop (a streaming callback cancelled it)
-            try:
-                reason = self._append(req, token, now)
-            except Exception as err:  # noqa: BLE001 - the request ends, the others go on
-                ended.append((seq.request_id, "error", f"{type(err).__name__}: {err}"))
-                continue
-            if reason is not None:
-                ended.append((seq.request_id, reason, None))
+            if req is not None and (reason := self._append(req, token, now)) is not None:
+                ended.append((seq.request_id, reason))
         return ended
+
+    def take_text(self) -> list[tuple[Hashable, str]]:
+        """(request_id, text delta) in the order the text grew, since the last call."""
+        out, self._deltas = self._deltas, []
+        return out
 
     def take_first_tokens(self) -> list[Hashable]:
         """Requests whose first token was recorded since the last call."""
@@ -134,10 +130,7 @@ class Requests:
         returned. KeyError for an id that is not live."""
         req = self._live.pop(request_id)
         if reason in ("cancelled", "error"):
-            try:
-                self._emit(req, self._finish_text(req)[0])  # text held back for a possible stop string
-            except Exception:  # noqa: BLE001 - the request ends either way
-                pass
+            self._emit(req, self._finish_text(req)[0])  # text held back for a possible stop string
         seq = req.seq
         return RequestOutput(request_id=request_id, prompt_ids=seq.prompt_ids, token_ids=list(seq.output_ids),
                              text="".join(req.text), finish_reason=reason, error=error, arrival_s=req.arrival_s,
@@ -170,9 +163,7 @@ class Requests:
         stop string completes in it."""
         return req.stop.finish(req.detok.flush() if req.detok is not None else "")
 
-    @staticmethod
-    def _emit(req: _Request, text: str) -> None:
+    def _emit(self, req: _Request, text: str) -> None:
         if text:
             req.text.append(text)
-            if req.on_text is not None:
-                req.on_text(req.seq.request_id, text)
+            self._deltas.append((req.seq.request_id, text))

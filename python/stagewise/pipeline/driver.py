@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -60,10 +59,11 @@ class Fault(enum.IntEnum):
 @dataclass(slots=True)
 class _Request:
     prompt_ids: list[int]
-    on_text: Callable[[str], None] | None
     text: list[str] = field(default_factory=list)
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
+    error: str | None = None
+    """Why this side cancelled it (the request then ends with finish_reason 'error')."""
 
 
 class PipelineDriver:
@@ -78,6 +78,7 @@ class PipelineDriver:
         """Stage 0's latest status: waiting (queue depth), running (active rows), max_num_seqs,
         free_blocks, total_blocks."""
         self._requests: dict[int, _Request] = {}
+        self._deltas: list[tuple[int, str]] = []
         self._problems: list[tuple[Fault, int, str]] = []
         self._store = None
         n = plan.num_stages
@@ -164,20 +165,31 @@ class PipelineDriver:
 
     # ---- requests -----------------------------------------------------------------
 
-    def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams,
-            on_text: Callable[[str], None] | None = None) -> None:
-        """Send a request to stage 0; ``on_text(delta)`` streams its text."""
-        self._requests[request_id] = _Request(list(prompt_ids), on_text)
+    def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Send a request to stage 0."""
+        self._requests[request_id] = _Request(list(prompt_ids))
         self._send(0, Add(request_id=request_id, prompt_ids=list(prompt_ids), params=params))
 
     def cancel(self, request_id: int) -> None:
         if not self.broken and request_id in self._requests:
             self._send(0, Cancel(request_id=request_id))
 
+    def abort(self, request_id: int, error: str) -> None:
+        """Cancel a request that is to end with finish_reason 'error' and ``error``."""
+        req = self._requests.get(request_id)
+        if req is not None and req.error is None:
+            req.error = error
+            self.cancel(request_id)
+
+    def take_text(self) -> list[tuple[int, str]]:
+        """(request_id, text delta) received since the last call, in order: what to stream."""
+        out, self._deltas = self._deltas, []
+        return out
+
     def poll(self, timeout: float) -> list[RequestOutput]:
-        """Wait up to ``timeout`` for stage 0's events; returns the requests that ended. Checks
-        every stage's health on the way: when the pipeline breaks, every request still running
-        ends with an error naming the stage."""
+        """Wait up to ``timeout`` for stage 0's events; returns the requests that ended (their
+        text deltas wait in :meth:`take_text`). Checks every stage's health on the way: when the
+        pipeline breaks, every request still running ends with an error naming the stage."""
         if self.broken:
             return self._fail_all()
         done: list[RequestOutput] = []
@@ -222,15 +234,17 @@ class PipelineDriver:
             req = self._requests.get(rid)
             if req is not None:
                 req.text.append(delta)
-                if req.on_text is not None:
-                    req.on_text(delta)
+                self._deltas.append((rid, delta))
         return [self._output(r) for r in events.done if r.request_id in self._requests]
 
     def _output(self, result: Result) -> RequestOutput:
         req = self._requests.pop(result.request_id)
+        reason, error = result.finish_reason, result.error
+        if req.error is not None and reason == "cancelled":
+            reason, error = "error", req.error
         return RequestOutput(request_id=result.request_id, prompt_ids=req.prompt_ids, token_ids=result.token_ids,
-                             text=result.text, finish_reason=result.finish_reason, error=result.error,
-                             arrival_s=req.arrival_s, first_token_s=req.first_token_s, finish_s=time.perf_counter())
+                             text=result.text, finish_reason=reason, error=error, arrival_s=req.arrival_s,
+                             first_token_s=req.first_token_s, finish_s=time.perf_counter())
 
     def _check_health(self, now: float) -> None:
         for i in range(self.plan.num_stages):

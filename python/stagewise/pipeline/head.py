@@ -10,7 +10,6 @@ that may reuse its blocks) and messages for the driver.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
 
 from stagewise.engine.engine import Engine
 from stagewise.engine.requests import RequestOutput
@@ -41,7 +40,7 @@ class Head:
         """A request to add or cancel; problems become that request's error result."""
         if isinstance(msg, Add):
             try:
-                self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params, self._on_text)
+                self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params)
             except (ValueError, TypeError) as err:
                 self._events.done.append(Result(request_id=msg.request_id, token_ids=[], text="",
                                                 finish_reason="error", error=str(err)))
@@ -84,6 +83,7 @@ class Head:
     def take_events(self) -> Events | None:
         """Text, first tokens and finished requests since the last call (None: nothing new)."""
         self._events.first_tokens += self.engine.take_first_tokens()
+        self._events.text += [(int(rid), delta) for rid, delta in self.engine.take_text()]
         if not self._events:
             return None
         events, self._events = self._events, Events()
@@ -98,9 +98,6 @@ class Head:
         self._last_status = key
         return Status(waiting=st.waiting, running=st.running, max_num_seqs=st.max_num_seqs,
                       free_blocks=st.free_blocks, total_blocks=st.total_blocks)
-
-    def _on_text(self, request_id: Hashable, delta: str) -> None:
-        self._events.text.append((int(request_id), delta))
 
     def _finished(self, outs: list[RequestOutput]) -> None:
         for out in outs:
