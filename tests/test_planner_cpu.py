@@ -50,7 +50,7 @@ HEAD_WEIGHTS = 1000 * 64
 
 def test_quantised_linear_bytes_and_time():
     prec = compute.Precision(weight=4, act=4, kv=4, compute_dtype="float32", weight_quant="q4_1")
-    op = compute._linear("down", prec, tokens=3, n_in=128, n_out=64, layer=0)
+    op = compute.linear_op("down", prec, tokens=3, n_in=128, n_out=64, layer=0)
     assert op.weights == 128 * 64 and op.qtype == "q4_1" and op.flops == 2 * 3 * 128 * 64
     assert op.bytes == 128 * 64 * 5 / 8 + 3 * (128 + 64) * 4  # 20 bytes per 32 weights
     prof = profile_from_dict(_profile(quant={"q4_1": {"s_per_weight": 1e-9, "flops": 1e9}}, memory_bandwidth=1e12))
@@ -202,7 +202,7 @@ def test_quantised_linear_cost_by_measured_rows():
     w, n_out = 128 * 64, 64
 
     def t(rows: int) -> float:
-        return compute.op_time(compute._linear("down", prec, tokens=rows, n_in=128, n_out=n_out, layer=0), prof,
+        return compute.op_time(compute.linear_op("down", prec, tokens=rows, n_in=128, n_out=n_out, layer=0), prof,
                                "float32")[0]
 
     at1, at4 = w * 2e-9, w * 3e-9 + n_out * 1e-7
@@ -211,7 +211,7 @@ def test_quantised_linear_cost_by_measured_rows():
     assert t(10) == pytest.approx(at4 + 2 * 6 * w / 1e10)
     # Without the table: decode once plus the FMAs.
     plain = profile_from_dict(_profile(quant={"q4_1": {"s_per_weight": 1e-9, "flops": 1e10}}))
-    op = compute._linear("down", prec, tokens=3, n_in=128, n_out=n_out, layer=0)
+    op = compute.linear_op("down", prec, tokens=3, n_in=128, n_out=n_out, layer=0)
     assert compute.op_time(op, plain, "float32")[0] == pytest.approx(w * 1e-9 + 2 * 3 * w / 1e10)
     with pytest.raises(ValueError, match="rows_s_per_output must map row counts"):
         profile_from_dict(_profile(quant={"q4_1": {**q, "rows_s_per_output": {"2": 1e-7}}}))

@@ -68,7 +68,7 @@ class Precision:
         return n * QUANT_BITS[quant] / 8 if quant else n * self.weight
 
 
-def _linear(name: str, prec: Precision, *, tokens: int, n_in: int, n_out: int, layer: int | None,
+def linear_op(name: str, prec: Precision, *, tokens: int, n_in: int, n_out: int, layer: int | None,
             quant: str | None = None) -> Op:
     """``tokens`` rows through a ``[n_out, n_in]`` linear: its weights once, activations in and out."""
     q = prec.weight_quant if quant is None else quant
@@ -96,7 +96,7 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
     T = rows * new_tokens
     ops = [Op("input_norm", "vec", 4 * T * h, 2 * T * h * a + h * w, layer)]
     n_qkv = (hq + 2 * hk) * d
-    ops.append(_linear("qkv_proj", prec, tokens=T, n_in=h, n_out=n_qkv, layer=layer))
+    ops.append(linear_op("qkv_proj", prec, tokens=T, n_in=h, n_out=n_qkv, layer=layer))
     ops.append(Op("qk_norm_rope", "vec", 8 * T * (hq + hk) * d, 2 * T * (hq + hk) * d * a, layer))
     ops.append(Op("kv_write", "vec", 0, T * 2 * hk * d * (a + kv), layer))
     pairs = rows * _causal_pairs(context, new_tokens, config.sliding_window)
@@ -104,7 +104,7 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
     cache = rows * keys * 2 * hk * d * kv
     ops.append(Op("attention", "attention", 4 * hq * d * pairs, cache + 2 * T * hq * d * a, layer,
                   decode=new_tokens == 1, cache_bytes=cache))
-    ops.append(_linear("o_proj", prec, tokens=T, n_in=hq * d, n_out=h, layer=layer))
+    ops.append(linear_op("o_proj", prec, tokens=T, n_in=hq * d, n_out=h, layer=layer))
     if tp > 1:
         ops.append(Op("attn_all_reduce", "comm", 0, T * h * a, layer, "tp", tp))
     ops.append(Op("post_attn_norm", "vec", 5 * T * h, 3 * T * h * a + h * w, layer))
@@ -124,9 +124,9 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
         inter = config.intermediate_size // tp
         gated = config.architecture != "falcon"
         n_up = (2 if gated else 1) * inter
-        ops.append(_linear("gate_up_proj", prec, tokens=T, n_in=h, n_out=n_up, layer=layer))
+        ops.append(linear_op("gate_up_proj", prec, tokens=T, n_in=h, n_out=n_up, layer=layer))
         ops.append(Op("act", "vec", 8 * T * inter, (n_up + inter) * T * a, layer))
-        ops.append(_linear("down_proj", prec, tokens=T, n_in=inter, n_out=h, layer=layer))
+        ops.append(linear_op("down_proj", prec, tokens=T, n_in=inter, n_out=h, layer=layer))
     if tp > 1:
         ops.append(Op("mlp_all_reduce", "comm", 0, T * h * a, layer, "tp", tp))
     return ops
@@ -148,7 +148,7 @@ def stage_ops(config: ModelConfig, stage: PipelineStageInfo, *, rows: int, new_t
         tp, v = sharding.tp, config.vocab_size
         vr = -(-v // tp)
         ops.append(Op("final_norm", "vec", 4 * rows * h, 2 * rows * h * a + h * w))
-        ops.append(_linear("lm_head", prec, tokens=rows, n_in=h, n_out=vr, layer=None, quant=prec.embed_quant))
+        ops.append(linear_op("lm_head", prec, tokens=rows, n_in=h, n_out=vr, layer=None, quant=prec.embed_quant))
         if tp > 1:
             ops.append(Op("logits_all_gather", "comm", 0, rows * v * 4 / tp * (tp - 1), None, "tp", tp))
         ops.append(Op("sampling", "vec", 4 * rows * v, rows * v * 4))
