@@ -136,7 +136,7 @@ def test_a_live_stage_rejects_thousands_of_bad_frames_and_serves_on(folder):
     from stagewise.engine.executor import Executor
     from stagewise.model.loader import open_checkpoint
     from stagewise.model.stage import load_stage
-    from stagewise.pipeline.head import Head
+    from stagewise.pipeline.roles import Head
 
     ckpt = open_checkpoint(str(folder))
     prompts = [[5, 6, 7], [8, 9, 10, 11]]

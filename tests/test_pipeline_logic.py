@@ -18,10 +18,9 @@ from stagewise.engine.sampling import SamplingParams
 from stagewise.model.stage import load_stage
 from stagewise.parallel import StagePlan
 from stagewise.pipeline import protocol
-from stagewise.pipeline.head import Head
 from stagewise.pipeline.messages import Add, Cancel
 from stagewise.pipeline.protocol import ProtocolError, Step, StepFailed
-from stagewise.pipeline.worker import Route, Worker
+from stagewise.pipeline.roles import Head, Route, Worker
 from stagewise.transport import decode_frame, encode_frame
 
 transformers = pytest.importorskip("transformers")

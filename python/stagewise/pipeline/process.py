@@ -29,11 +29,9 @@ from stagewise.kv.cache import num_cache_blocks
 from stagewise.parallel import comm
 from stagewise.parallel.runplan import RunPlan, parse_address
 from stagewise.pipeline import links, messages, protocol
-from stagewise.pipeline.head import Head
 from stagewise.pipeline.messages import Add, Cancel, Connected, Fatal, GetStats, Heartbeat, Ready, Setup, Shutdown
 from stagewise.pipeline.protocol import ProtocolError
-from stagewise.pipeline.stats import StageStats
-from stagewise.pipeline.worker import Route, Worker
+from stagewise.pipeline.roles import Head, Route, StageStats, Worker
 from stagewise.transport.channel import Channel
 from stagewise.transport.errors import ChannelClosed, FrameError
 from stagewise.transport.frame import Frame
