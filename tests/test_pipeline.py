@@ -93,15 +93,15 @@ def test_tiny_models_equal_the_single_process(tiny_models, arch, stages, partiti
         assert stats[0]["bytes_sent"] > 0 and stats[-1]["bytes_received"] > 0
 
 
-def _ours(folder: str) -> set[str]:
-    return {n for n in os.listdir(folder) if "stagewise" in n}
-
-
 @pytest.mark.parametrize("transport", ["shm", "torch"])
-def test_a_run_removes_what_it_creates(tiny, transport):
-    """No temporary files, shared-memory segments or processes left behind, also when a stage dies."""
+def test_a_run_removes_what_it_creates(tiny, transport, tmp_path, monkeypatch):
+    """No temporary files, shared-memory segments or processes left behind, also when a stage dies.
+    The run gets a temporary folder of its own (other runs on the machine may use theirs)."""
     folder, prompts, greedy, _ = tiny
-    tmp, shm = _ours(tempfile.gettempdir()), _ours("/dev/shm")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     with stagewise.Pipeline(str(folder), stages=3, transport=transport, max_model_len=64) as pipe:
         got = pipe.generate(prompt_token_ids=prompts, max_new_tokens=NEW, ignore_eos=True)
         pids = pipe.driver.processes.pids
@@ -109,7 +109,10 @@ def test_a_run_removes_what_it_creates(tiny, transport):
         with pytest.raises(ValueError, match="the pipeline is broken .*stage 1"):
             pipe.generate(prompt_token_ids=prompts[:1], max_new_tokens=50, ignore_eos=True)
     assert [c.token_ids for c in got] == greedy
-    assert _ours(tempfile.gettempdir()) == tmp and _ours("/dev/shm") == shm
+    assert list(scratch.iterdir()) == []
+    # Ring segments are named <prefix>-<creating pid>-<random>.
+    ours = [n for n in os.listdir("/dev/shm") if any(f"-{pid}-" in n for pid in [*pids, os.getpid()])]
+    assert ours == []
     assert all(not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
                for pid in pids)
 
