@@ -130,13 +130,13 @@ def test_stage_ownership_and_hand_counts():
     emb, head, norm = 100 * 16, 100 * 16, 16
     config = _tiny()
     plan = StagePlan.build(4, 3, "even")  # 2, 1, 1 layers
-    assert shapes.stage_param_counts(config, plan.stages) == [emb + 2 * layer, layer, layer + norm + head]
+    assert shapes.stage_param_counts(config, plan.ranges) == [emb + 2 * layer, layer, layer + norm + head]
     one = StagePlan.build(4, 1)
-    assert shapes.stage_param_counts(config, one.stages) == [emb + 4 * layer + norm + head]
+    assert shapes.stage_param_counts(config, one.ranges) == [emb + 4 * layer + norm + head]
     tied = _tiny(tie_word_embeddings=True)
     # Tied: one stage stores the matrix once; a pipeline's last stage holds its own copy.
-    assert shapes.stage_param_counts(tied, one.stages) == [emb + 4 * layer + norm]
-    assert shapes.stage_param_counts(tied, plan.stages)[-1] == layer + norm + head
+    assert shapes.stage_param_counts(tied, one.ranges) == [emb + 4 * layer + norm]
+    assert shapes.stage_param_counts(tied, plan.ranges)[-1] == layer + norm + head
 
 
 def test_tensor_parallel_shards_by_hand():
