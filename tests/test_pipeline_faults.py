@@ -106,7 +106,7 @@ def test_port_in_use_is_a_clear_error(folder, tmp_path):
 
 
 def test_auth_token_and_fingerprint_are_checked(folder):
-    from stagewise.model.checkpoint import open_checkpoint
+    from stagewise.model.loader import open_checkpoint
 
     plan = RunPlan.build(str(folder), 4, 2)
     fingerprint = plan.fingerprint(open_checkpoint(str(folder)).hf_config)
@@ -137,9 +137,8 @@ def test_a_live_stage_rejects_thousands_of_bad_frames_and_serves_on(folder, tmp_
     import threading
 
     from stagewise.launch.local import _read_address
-    from stagewise.model.checkpoint import open_checkpoint
+    from stagewise.model.loader import load_stage_weights, open_checkpoint
     from stagewise.model.stage import StageModel
-    from stagewise.model.weights import load_stage_weights
     from stagewise.runtime.engine import Engine
     from stagewise.runtime.pipeline_head import PipelineHead
     from stagewise.runtime.sampling import SamplingParams

@@ -11,9 +11,8 @@ import random
 import pytest
 import torch
 
-from stagewise.model.checkpoint import open_checkpoint
+from stagewise.model.loader import load_stage_weights, open_checkpoint
 from stagewise.model.stage import StageModel
-from stagewise.model.weights import load_stage_weights
 from stagewise.parallel import StagePlan
 from stagewise.runtime.engine import Engine
 from stagewise.runtime.pipeline_head import PipelineHead

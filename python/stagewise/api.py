@@ -16,10 +16,9 @@ from typing import Any
 
 import torch
 
-from stagewise.model.checkpoint import Checkpoint, open_checkpoint
+from stagewise.model.loader import Checkpoint, open_checkpoint, resolve_dtype
 from stagewise.model.quant import check_precision
-from stagewise.model.stage import StageModel
-from stagewise.model.weights import DTYPES, load_stage_weights
+from stagewise.model.stage import load_stage
 from stagewise.runtime.engine import Engine, RequestOutput
 from stagewise.runtime.sampling import SamplingParams
 
@@ -58,7 +57,7 @@ class Pipeline:
         ``quantized``: whether block-quantised GGUF matrices stay in their blocks (run by
         ``stagewise.ops.quant_linear`` with their exact values); None (the default) keeps them when
         the stage computes in float32, which ``dtype="auto"`` is for a quantised GGUF. See
-        :func:`stagewise.model.weights.load_stage_weights`.
+        :func:`stagewise.model.loader.load_stage_weights`.
 
         ``linear_precision``: ``"exact"`` (default) or ``"int8"``, an approximate CPU mode in which
         those blocks multiply with the activations quantised to int8 per block of 32, as llama.cpp
@@ -81,7 +80,7 @@ class Pipeline:
         start = time.perf_counter()
         ckpt = open_checkpoint(model)
         cfg = ckpt.config
-        torch_dtype = _dtype(dtype, cfg.dtype)
+        torch_dtype = resolve_dtype(dtype, cfg.dtype)
         self.engine = self.driver = None
         self.last_stats: dict[str, Any] = {}
         self._ids = count()
@@ -94,11 +93,8 @@ class Pipeline:
                                  **pipeline_options)
             self.load_s = time.perf_counter() - start
             return
-        weights = load_stage_weights(ckpt, 0, cfg.num_layers, dtype=torch_dtype, quantized=quantized,
-                                     linear_precision=linear_precision,
-                                     progress=load_progress)
-        stage = StageModel.from_weights(cfg, 0, cfg.num_layers, weights, dtype=torch_dtype, device=dev)
-        del weights
+        stage = load_stage(ckpt, 0, cfg.num_layers, dtype=torch_dtype, device=dev, quantized=quantized,
+                           linear_precision=linear_precision, progress=load_progress)
         tokenizer = _tokenizer(ckpt)
         self.checkpoint, self.config, self.tokenizer = ckpt, cfg, tokenizer
         self.device, self.dtype = dev, torch_dtype
@@ -176,7 +172,7 @@ class Pipeline:
         ckpt = open_checkpoint(plan.model)
         self.checkpoint, self.config = ckpt, ckpt.config
         self.device = torch.device(plan.stages[0].device)
-        self.dtype = _dtype(plan.dtype, ckpt.config.dtype)
+        self.dtype = resolve_dtype(plan.dtype, ckpt.config.dtype)
         self.tokenizer = _tokenizer(ckpt)
         self.engine = self.driver = None
         self.last_stats, self._ids = {}, count()
@@ -418,16 +414,6 @@ def _device(device: str | torch.device) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("Pipeline: device 'cuda' was asked for but no CUDA device is available")
     return dev
-
-
-def _dtype(dtype: str | torch.dtype, stated: torch.dtype | None) -> torch.dtype:
-    if dtype == "auto":
-        return stated if stated in DTYPES.values() else torch.float32
-    if isinstance(dtype, str):
-        dtype = DTYPES.get(dtype.removeprefix("torch."), dtype)
-    if dtype not in DTYPES.values():
-        raise ValueError(f"Pipeline: dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
-    return dtype
 
 
 def _stats(outputs: list[RequestOutput], start: float, prefill_tokens: int, decode_tokens: int) -> dict:

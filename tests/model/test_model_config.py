@@ -17,7 +17,7 @@ from stagewise.model.hf_config import parse_config_file, parse_hf_config
 
 transformers = pytest.importorskip("transformers")
 
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 # CI clones the repository with shared/ beside it; a device checkout carries it inside.
 _CONFIG_DIRS = [_REPO / ".." / "shared" / "configs", _REPO / "shared" / "configs"]
 CONFIGS = next((d.resolve() for d in _CONFIG_DIRS if d.is_dir()), None)

@@ -18,7 +18,7 @@ import torch
 import stagewise.ops as ops
 from conftest import assert_close
 from stagewise.model.hf_config import parse_config_file, parse_hf_config
-from stagewise.model.rope import cos_sin_cache, rope_frequencies
+from stagewise.model.layers.rotary import cos_sin_cache, rope_frequencies
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
@@ -134,7 +134,7 @@ def test_partial_rotary_op_leaves_the_tail(device):
     assert_close(k.cpu(), k_hf)
 
 
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 _CONFIG_DIRS = [_REPO / ".." / "shared" / "configs", _REPO / "shared" / "configs"]
 CONFIGS = next((d.resolve() for d in _CONFIG_DIRS if d.is_dir()), None)
 

@@ -165,7 +165,7 @@ def load_plan(source, *, need_model: bool = True) -> RunPlan:
     the layer count from its model (which must then be readable here); ``need_model`` also
     checks the layer ranges against the model."""
     from stagewise.launch.planfile import read_plan_data
-    from stagewise.model.checkpoint import open_checkpoint
+    from stagewise.model.loader import open_checkpoint
 
     data = source if isinstance(source, dict) else read_plan_data(source)
     if not isinstance(data, dict):

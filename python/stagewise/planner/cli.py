@@ -48,7 +48,7 @@ def resolve_model(arg: str) -> tuple[ModelConfig, str]:
     builtin = MODELS_DIR / f"{arg.lower()}.json"
     if builtin.is_file():
         return parse_config_file(builtin), arg.lower()
-    from stagewise.model.checkpoint import open_checkpoint
+    from stagewise.model.loader import open_checkpoint
 
     try:
         return open_checkpoint(arg).config, path.stem or arg
@@ -439,7 +439,7 @@ def run_validate(argv: list[str]) -> int:
         profile = profile_from_dict(measure_profile("cpu", log=log), "measured in the same run")
     profile = profile.with_transport(args.transport) if args.transport and args.transport in profile.transports \
         else profile
-    from stagewise.model.checkpoint import open_checkpoint
+    from stagewise.model.loader import open_checkpoint
 
     ckpt = open_checkpoint(args.model)
     config = ckpt.config

@@ -114,7 +114,7 @@ class StageProcess:
 
     def _open(self) -> None:
         """The checkpoint's config (cheap): enough for the fingerprint before the weights load."""
-        from stagewise.model.checkpoint import open_checkpoint
+        from stagewise.model.loader import open_checkpoint
 
         self.checkpoint = open_checkpoint(self.plan.model)
         cfg = self.checkpoint.config
@@ -124,19 +124,15 @@ class StageProcess:
         self.fingerprint = self.plan.fingerprint(self.checkpoint.hf_config)
 
     def _load(self):
-        from stagewise.api import _dtype
-        from stagewise.model.stage import StageModel
-        from stagewise.model.weights import load_stage_weights
+        from stagewise.model.loader import resolve_dtype
+        from stagewise.model.stage import load_stage
 
         if self.spec.threads:
             torch.set_num_threads(self.spec.threads)
         ckpt, cfg = self.checkpoint, self.checkpoint.config
-        dtype = _dtype(self.plan.dtype, cfg.dtype)
-        weights = load_stage_weights(ckpt, self.spec.start_layer, self.spec.end_layer, dtype=dtype,
-                                     quantized=self.plan.quantized, linear_precision=self.plan.linear_precision)
-        self.model = StageModel.from_weights(cfg, self.spec.start_layer, self.spec.end_layer, weights, dtype=dtype,
-                                             device=self.spec.device)
-        del weights
+        dtype = resolve_dtype(self.plan.dtype, cfg.dtype)
+        self.model = load_stage(ckpt, self.spec.start_layer, self.spec.end_layer, dtype=dtype, device=self.spec.device,
+                                quantized=self.plan.quantized, linear_precision=self.plan.linear_precision)
         self.config, self.dtype = cfg, dtype
         self.device = torch.device(self.spec.device)
         self.max_model_len = self.plan.max_model_len or cfg.max_position_embeddings

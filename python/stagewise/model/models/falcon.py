@@ -1,13 +1,16 @@
 """Falcon (rotary variants): LayerNorm, fused qkv, GELU MLP, attention and MLP in parallel.
 
-transformers' FalconForCausalLM has three layouts of ``query_key_value [out, hidden]``:
-  new_decoder_architecture (40B/180B): per KV group ``[q_0 .. q_{g-1}, k, v]`` heads, g = Hq / Hk;
+transformers' FalconForCausalLM has three layouts of ``query_key_value [out, hidden]``, in blocks
+of ``head_dim`` rows:
+  new_decoder_architecture (40B/180B): per KV group ``[q_0 .. q_{g-1}, k, v]``, g = Hq / Hk;
   multi_query (7B): ``[q_0 .. q_{Hq-1}, k, v]``;
   neither (RW-1B style): per head ``[q_h, k_h, v_h]``.
-They are unpacked here into plain q, k, v so that one attention serves all three.
-HF names, per layer ``transformer.h.{i}.``: ``self_attention.{query_key_value,dense}``,
-``mlp.{dense_h_to_4h,dense_4h_to_h}``, norms ``input_layernorm`` (+ ``post_attention_layernorm``
-when sequential) or ``ln_attn`` + ``ln_mlp`` (two norms in parallel).
+A tensor-parallel rank's rows keep the layout with its own head counts (see
+:mod:`stagewise.model.loader.sharding`); they are unpacked here into plain q, k, v so that one
+attention serves all three. HF names, per layer ``transformer.h.{i}.``:
+``self_attention.{query_key_value,dense}``, ``mlp.{dense_h_to_4h,dense_4h_to_h}``, norms
+``input_layernorm`` (+ ``post_attention_layernorm`` when sequential) or ``ln_attn`` + ``ln_mlp``
+(two norms in parallel).
 """
 
 from __future__ import annotations
@@ -15,14 +18,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from stagewise.model.attention import Attention, Rotary
 from stagewise.model.batch import KVMetadata, StepBatch
 from stagewise.model.config import ModelConfig
-from stagewise.model.layers import LayerNorm, Linear, PlainMLP, Weights
-
-EMBED = "transformer.word_embeddings.weight"
-FINAL_NORM = "transformer.ln_f."
-LM_HEAD = "lm_head.weight"
+from stagewise.model.layers.attention import Attention
+from stagewise.model.layers.linear import AllReduce, Linear, RowParallelLinear
+from stagewise.model.layers.mlp import PlainMLP
+from stagewise.model.layers.norm import LayerNorm
+from stagewise.model.layers.rotary import Rotary
+from stagewise.model.models.weights import Weights
+from stagewise.model.shapes import final_norm_prefix, kv_heads_per_rank, layer_prefix
 
 
 def _norm(config: ModelConfig, w: Weights, prefix: str) -> LayerNorm:
@@ -30,13 +34,18 @@ def _norm(config: ModelConfig, w: Weights, prefix: str) -> LayerNorm:
 
 
 def final_norm(config: ModelConfig, w: Weights) -> LayerNorm:
-    return _norm(config, w, FINAL_NORM)
+    return _norm(config, w, final_norm_prefix(config))
 
 
-def split_qkv(config: ModelConfig, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q ``[Hq*D, ...]``, k and v ``[Hk*D, ...]`` out of a fused weight ``[out, hidden]`` or bias ``[out]``."""
-    hq, hk, d = config.num_heads, config.num_kv_heads, config.head_dim
+def unpack_qkv(config: ModelConfig, fused: torch.Tensor, tp_size: int = 1
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q ``[Hq*D, ...]``, k and v ``[Hk*D, ...]`` out of one rank's fused weight ``[out, hidden]`` or
+    bias ``[out]`` (``Hq``, ``Hk``: the rank's query and KV heads)."""
+    hq, hk, d = config.num_heads // tp_size, kv_heads_per_rank(config, tp_size), config.head_dim
     rest = fused.shape[1:]
+    if fused.shape[0] != (hq + 2 * hk) * d:
+        raise ValueError(f"falcon: query_key_value has {fused.shape[0]} rows, expected {(hq + 2 * hk) * d} for "
+                         f"{hq} query and {hk} KV heads of {d} (tp_size={tp_size})")
     if config.new_decoder_architecture:
         g = hq // hk
         x = fused.view(hk, g + 2, d, *rest)
@@ -69,19 +78,19 @@ class FalconLayer(nn.Module):
         return self.mlp(self.ln_mlp(h)[0]) + h, None
 
 
-def build_layer(config: ModelConfig, layer: int, w: Weights, rotary: Rotary, tp_rank: int, tp_size: int) -> FalconLayer:
-    p = f"transformer.h.{layer}."
-    qkv_w = split_qkv(config, w(p + "self_attention.query_key_value.weight"))
+def build_layer(config: ModelConfig, layer: int, w: Weights, rotary: Rotary, tp_size: int = 1,
+                all_reduce: AllReduce | None = None) -> FalconLayer:
+    """Decoder layer ``layer`` from this rank's weights; ``all_reduce`` sums the row-parallel partial
+    sums over the TP group (None: one rank)."""
+    p = layer_prefix(config, layer)
     qkv_b = w.get(p + "self_attention.query_key_value.bias")
-    qkv_b = (None, None, None) if qkv_b is None else split_qkv(config, qkv_b)
-    attn = Attention.from_parts(
-        config, layer, rotary, tp_rank, tp_size,
-        q=(qkv_w[0], qkv_b[0]), k=(qkv_w[1], qkv_b[1]), v=(qkv_w[2], qkv_b[2]),
-        o=(w(p + "self_attention.dense.weight"), w.get(p + "self_attention.dense.bias")),
-    )
+    qkv = Linear.fused(unpack_qkv(config, w(p + "self_attention.query_key_value.weight"), tp_size),
+                       None if qkv_b is None else unpack_qkv(config, qkv_b, tp_size))
+    dense = RowParallelLinear(w(p + "self_attention.dense.weight"), w.get(p + "self_attention.dense.bias"), all_reduce)
+    attn = Attention(config, layer, qkv, dense, rotary, tp_size)
     mlp = PlainMLP(
-        Linear.column([w(p + "mlp.dense_h_to_4h.weight")], [w.get(p + "mlp.dense_h_to_4h.bias")], tp_rank, tp_size),
-        Linear.row(w(p + "mlp.dense_4h_to_h.weight"), w.get(p + "mlp.dense_4h_to_h.bias"), tp_rank, tp_size),
+        Linear(w(p + "mlp.dense_h_to_4h.weight"), w.get(p + "mlp.dense_h_to_4h.bias")),
+        RowParallelLinear(w(p + "mlp.dense_4h_to_h.weight"), w.get(p + "mlp.dense_4h_to_h.bias"), all_reduce),
         config.activation,
     )
     if not config.parallel_attn:
