@@ -9,7 +9,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 from stagewise.model.loader import load_stage_weights, open_checkpoint  # noqa: E402
 from stagewise.model.loader.hf_folder import HFCheckpoint  # noqa: E402
@@ -201,6 +201,29 @@ def test_truncated_shard(broken):
     os.truncate(shard, shard.stat().st_size - 10)
     with pytest.raises(ValueError, match=re.escape(shard.name) + ".*truncated"):
         open_checkpoint(broken)
+
+
+def _drop(folder, name):
+    """``folder`` without tensor ``name`` (its shard rewritten, the index updated)."""
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = folder / index["weight_map"].pop(name)
+    save_file({k: v for k, v in load_file(shard).items() if k != name}, shard, metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("model, name, layer", [
+    ("llama_untied", "model.layers.2.mlp.up_proj.weight", 2),
+    ("qwen3_moe", "model.layers.2.mlp.experts.1.up_proj.weight", 2),
+])
+def test_missing_tensor_is_named_and_other_stages_still_load(saved, tmp_path, model, name, layer):
+    folder = tmp_path / model
+    shutil.copytree(saved[model][0], folder)
+    _drop(folder, name)
+    table_name = "model.layers.2.mlp.experts.gate_up_proj" if "experts" in name else name
+    with pytest.raises(ValueError, match=rf"needed by layers \[2, 3\) are missing: \[.{re.escape(table_name)}"):
+        load_stage_weights(folder, layer, layer + 1)
+    assert load_stage_weights(folder, 0, layer)  # a stage without that layer never looks for it
 
 
 def test_shape_mismatch_names_tensor_and_shapes(broken):

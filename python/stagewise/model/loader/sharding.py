@@ -49,12 +49,12 @@ def rank_sharding(tp_size: int) -> Sharding:
     return Sharding(tp=tp_size, moe_tp=tp_size)
 
 
-def check_tp(config: ModelConfig, tp_rank: int, tp_size: int, where: str = "load_stage_weights") -> None:
+def check_tp(config: ModelConfig, tp_rank: int, tp_size: int) -> None:
     """ValueError unless ``tp_rank`` of ``tp_size`` is a rank ``config`` can be split for."""
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"{where}: tp_size must be a positive integer, got {tp_size!r}")
+        raise ValueError(f"tensor parallel: tp_size must be a positive integer, got {tp_size!r}")
     if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
-        raise ValueError(f"{where}: tp_rank must be an integer in [0, {tp_size}), got {tp_rank!r}")
+        raise ValueError(f"tensor parallel: tp_rank must be an integer in [0, {tp_size}), got {tp_rank!r}")
     shapes.check_sharding(config, rank_sharding(tp_size))
 
 

@@ -61,7 +61,7 @@ def locate(ckpt: Checkpoint, config: ModelConfig, tensors: list[TensorShape], wh
             continue
         source = _per_expert(config, t)
         if source is None or any(p not in stored for parts in source.parts for p in parts):
-            missing.append(name if source is None else f"{name} (or per expert {source.name!r} ...)")
+            missing.append(name if source is None else f"{name} (or per expert: {source.name}, ...)")
             continue
         out[t.name] = source
         part_rows = t.shape[1] // len(source.parts[0])
@@ -92,11 +92,7 @@ def read_cut(ckpt: Checkpoint, source: Source, cut: Cut, keep_blocks: bool) -> W
     """``cut`` of the tensor ``source`` holds: block-quantised matrices kept in their blocks when
     ``keep_blocks``, every other tensor dense (quantised ones dequantised to float32)."""
     if source.per_expert:
-        # [E, ...]: expert e's slice is its parts stacked along rows; the cut's dim is one less in it.
-        dim = None if cut.whole else cut.dim - 1
-        return torch.stack([_join([_read_rows_of(ckpt, parts, dim, a, b) for a, b in cut.ranges], dim)
-                            if dim is not None else torch.cat([ckpt.read(p) for p in parts])
-                            for parts in source.parts])
+        return torch.stack([_read_expert(ckpt, parts, cut) for parts in source.parts])
     name = source.name
     blocks = keep_blocks and ckpt.qtype(name) is not None
     if cut.whole:
@@ -106,6 +102,15 @@ def read_cut(ckpt: Checkpoint, source: Source, cut: Cut, keep_blocks: bool) -> W
     if cut.pad:
         pieces.append(_zero_rows(ckpt, name, cut.pad, blocks, pieces))
     return _join(pieces, cut.dim)
+
+
+def _read_expert(ckpt: Checkpoint, parts: tuple[str, ...], cut: Cut) -> torch.Tensor:
+    """One expert's slice of a fused expert tensor: its ``parts`` stacked along their rows. The cut
+    counts the expert dim, so its dim is one less here."""
+    if cut.whole:
+        return torch.cat([ckpt.read(p) for p in parts])
+    dim = cut.dim - 1
+    return torch.cat([_read_rows_of(ckpt, parts, dim, a, b) for a, b in cut.ranges], dim)
 
 
 def _read_rows_of(ckpt: Checkpoint, parts: tuple[str, ...], dim: int, start: int, stop: int) -> torch.Tensor:
