@@ -7,8 +7,11 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
 SOURCES := CMakeLists.txt pyproject.toml $(shell find csrc include -type f 2>/dev/null)
+# The editable install maps every Python module to its file: when modules are added, moved or
+# deleted, this list changes and the package is installed again (the extension is not rebuilt).
+PY_MODULES := $(shell find python/stagewise -name '*.py' 2>/dev/null | sort)
 
-.PHONY: demo test build bench clean
+.PHONY: demo test build bench clean FORCE
 
 demo: $(VENV)/.built
 	$(PY) -m stagewise.demo
@@ -38,9 +41,13 @@ $(VENV)/.deps: $(PY) Makefile
 	touch $@
 
 # The extension, built against the torch installed above (no build isolation).
-$(VENV)/.built: $(VENV)/.deps $(SOURCES)
+$(VENV)/.built: $(VENV)/.deps $(SOURCES) $(VENV)/.modules
 	$(PIP) install --no-build-isolation --no-deps -e .
 	touch $@
+
+# Rewritten only when the list of modules differs, so that only then is .built out of date.
+$(VENV)/.modules: $(PY) FORCE
+	@echo "$(PY_MODULES)" | cmp -s - $@ || echo "$(PY_MODULES)" > $@
 
 bench: demo
 

@@ -10,9 +10,8 @@ import torch
 
 from stagewise.bench import e2e
 from stagewise.bench.__main__ import main
-from stagewise.model.checkpoint import open_checkpoint
+from stagewise.model.loader import load_stage_weights, open_checkpoint
 from stagewise.model.stage import StageModel
-from stagewise.model.weights import load_stage_weights
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

@@ -10,6 +10,7 @@ import torch
 
 from stagewise.model import shapes
 from stagewise.model.config import ModelConfig
+from stagewise.model.hf_config import parse_config_file
 from stagewise.parallel.plan import StagePlan
 from stagewise.planner import cli
 from stagewise.planner.memory import kv_bytes, nominal_params, stage_memory
@@ -57,7 +58,7 @@ def test_seed000_tables_reproduced_by_the_cli(capsys):
 
 def test_seed000_kv_formula_and_json():
     # 2 (K+V) * 4 heads * 128 * 2 bytes = 2048 bytes per layer and token; 47 layers at 262144 tokens.
-    config = ModelConfig.from_file(QWEN3_VL)
+    config = parse_config_file(QWEN3_VL)
     assert kv_bytes(config, 47, tokens=262_144) == 2048 * 47 * 262_144
     assert kv_bytes(config, 47, tokens=262_144, batch=3, kv_bytes_per_elem=1) == 2048 // 2 * 47 * 262_144 * 3
     with pytest.raises(ValueError, match="tokens and batch must be >= 0"):
@@ -102,7 +103,7 @@ def _hf_param_count(path) -> int:
 @pytest.mark.parametrize("name", ["qwen3-4b", "qwen3-vl-235b-a22b"])
 def test_exact_count_equals_transformers(name):
     path = cli.MODELS_DIR / f"{name}.json"
-    config = ModelConfig.from_file(path)
+    config = parse_config_file(path)
     assert shapes.count(config, shapes.model_tensors(config)) == _hf_param_count(path)
 
 
@@ -112,7 +113,7 @@ def test_falcon_count_equals_transformers(tmp_path):
     d.update(hidden_size=256, num_attention_heads=8, num_kv_heads=2, num_hidden_layers=3, vocab_size=1000)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(d))
-    config = ModelConfig.from_file(path)
+    config = parse_config_file(path)
     assert shapes.count(config, shapes.model_tensors(config)) == _hf_param_count(path)
 
 
@@ -129,13 +130,13 @@ def test_stage_ownership_and_hand_counts():
     emb, head, norm = 100 * 16, 100 * 16, 16
     config = _tiny()
     plan = StagePlan.build(4, 3, "even")  # 2, 1, 1 layers
-    assert shapes.stage_param_counts(config, plan.stages) == [emb + 2 * layer, layer, layer + norm + head]
+    assert shapes.stage_param_counts(config, plan.ranges) == [emb + 2 * layer, layer, layer + norm + head]
     one = StagePlan.build(4, 1)
-    assert shapes.stage_param_counts(config, one.stages) == [emb + 4 * layer + norm + head]
+    assert shapes.stage_param_counts(config, one.ranges) == [emb + 4 * layer + norm + head]
     tied = _tiny(tie_word_embeddings=True)
     # Tied: one stage stores the matrix once; a pipeline's last stage holds its own copy.
-    assert shapes.stage_param_counts(tied, one.stages) == [emb + 4 * layer + norm]
-    assert shapes.stage_param_counts(tied, plan.stages)[-1] == layer + norm + head
+    assert shapes.stage_param_counts(tied, one.ranges) == [emb + 4 * layer + norm]
+    assert shapes.stage_param_counts(tied, plan.ranges)[-1] == layer + norm + head
 
 
 def test_tensor_parallel_shards_by_hand():

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stagewise.model.checkpoint import Checkpoint
+from stagewise.model.loader import Checkpoint
 from stagewise.model.config import ModelConfig
 
 TEXT = ("The history of the lighthouse begins with fires lit on hilltops to guide ships into harbour. "
@@ -244,7 +244,7 @@ def run(args, log=print) -> int:
     from stagewise.api import Pipeline
     from stagewise.bench import report
     from stagewise.bench.timing import TimingPolicy, copy_bandwidth
-    from stagewise.model.checkpoint import open_checkpoint
+    from stagewise.model.loader import open_checkpoint
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     sizes = [int(b) for b in str(args.batch_sizes).split(",") if b.strip()]

@@ -24,9 +24,9 @@ LAYERS_HI = 5
 
 def tiny_config(num_layers: int, hidden: int = 64, intermediate: int = 128, heads: int = 2, kv_heads: int = 1):
     """A synthetic llama (head dim ``hidden / heads``); the default is of negligible width."""
-    from stagewise.model.config import ModelConfig
+    from stagewise.model.hf_config import parse_hf_config
 
-    return ModelConfig.from_hf({
+    return parse_hf_config({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": hidden,
         "intermediate_size": intermediate, "num_hidden_layers": num_layers, "num_attention_heads": heads,
         "num_key_value_heads": kv_heads, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,

@@ -3,14 +3,14 @@
 :class:`ModelConfig` says everything about a decoder-only LM that decides the
 shape of its weights, its KV cache and its maths; :class:`RopeConfig` says how
 its rotary tables are built. Both validate themselves; the parsing of HF
-``config.json`` files lives in :mod:`stagewise.model.hf_config`.
+``config.json`` files lives in :mod:`stagewise.model.hf_config`, which builds on this module
+(never the other way round).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -196,17 +196,3 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         """A validated copy with ``changes`` applied."""
         return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Parse an HF ``config.json`` dict (classic or transformers 5 rope keys)."""
-        from stagewise.model.hf_config import parse_hf_config
-
-        return parse_hf_config(hf)
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> ModelConfig:
-        """Parse ``path``: a ``config.json`` file or a folder holding one."""
-        from stagewise.model.hf_config import read_config_json
-
-        return cls.from_hf(read_config_json(path))

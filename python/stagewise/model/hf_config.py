@@ -39,6 +39,11 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     return hf
 
 
+def parse_config_file(path: str | Path) -> ModelConfig:
+    """The :class:`ModelConfig` of ``path``: a ``config.json`` file or a folder holding one."""
+    return parse_hf_config(read_config_json(path))
+
+
 def _get(d: dict[str, Any], key: str, default: Any = _MISSING) -> Any:
     value = d.get(key)
     if value is None:

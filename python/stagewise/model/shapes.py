@@ -1,17 +1,33 @@
-"""Every weight tensor of a model, by shape, from its config alone: the one place that knows how
-many parameters a stage, a layer or a tensor-parallel shard holds.
+"""The table of every weight tensor of a model, from its config alone: the one place that knows
+each tensor's checkpoint name, shape, owner and tensor-parallel split. The loader reads what it
+loads from here, the architectures take their tensor names from here and the planner counts
+parameters, stage bytes and shard bytes from here.
 
-Names and shapes follow the HF checkpoints (``[out, in]`` linears, fused ``gate_up_proj`` experts
-of transformers 5, Falcon's fused ``query_key_value``, the Qwen3-VL vision tower), so the totals
-equal the parameter count of the transformers model built from the same config.json.
+Names and shapes are those of the transformers model built from the same config.json (``[out, in]``
+linears, transformers 5's fused ``mlp.experts.gate_up_proj``, Falcon's fused ``query_key_value``,
+the Qwen3-VL vision tower), so the totals equal its parameter count. Checkpoint files that store a
+tensor in another form (one tensor per expert, a tied LM head left out) are mapped onto these
+entries by :mod:`stagewise.model.loader`.
 
-Ownership by pipeline stage (seed 000 §1, seed 001 §2.4.4): stage 0 holds the embedding and the
-vision tower, every stage its decoder layers, the last stage the final norm and the LM head. With
-tied embeddings a single stage stores the matrix once; a pipeline's last stage holds its own copy.
+Ownership by pipeline stage: the first stage holds the embedding and the vision tower, every stage
+its decoder layers, the last stage the final norm and the LM head. With tied embeddings a single
+stage stores the matrix once; a pipeline's last stage holds its own copy.
 
-Tensor parallel shards (seed 004, Megatron): q/k/v, gate/up column-parallel, o/down row-parallel,
-KV heads replicated when TP exceeds them, norms, router, embedding and vision tower replicated, LM
-head vocab-parallel. Experts: ``num_experts / ep`` per rank, each ``moe_intermediate / moe_tp`` wide.
+Tensor-parallel splits (``TensorShape.split``; Megatron's layout over ``tp`` ranks, ``W [out, in]``):
+
+- ``replicated``: every rank holds the whole tensor (norms, router, embedding, vision tower, and the
+  bias of a row-parallel linear, which is added once after the partial sums are reduced).
+- ``column``: rank ``r`` holds rows ``[r * out / tp, (r + 1) * out / tp)`` (q, gate, up and their
+  biases; whole query heads since ``tp`` divides the head count).
+- ``row``: rank ``r`` holds the same block of columns of ``in`` (o, down): partial sums.
+- ``kv_column``: k and v by whole KV heads, ``num_kv_heads / tp`` each; with more ranks than KV
+  heads each head is held by ``tp / num_kv_heads`` consecutive ranks.
+- ``fused_qkv``: Falcon's ``query_key_value``, by whole heads of its layout: each rank's rows keep
+  the layout, with the rank's query heads and KV heads (KV heads shared as in ``kv_column``).
+- ``vocab``: rows in blocks of ``ceil(vocab / tp)``, the last block padded with zero rows, so that
+  every rank holds the same shape (LM head).
+- ``expert_column`` / ``expert_row``: per expert, its gate and up halves column-split, its down
+  projection row-split, over ``moe_tp`` ranks; ``ep`` ranks hold ``num_experts / ep`` experts each.
 """
 
 from __future__ import annotations
@@ -23,10 +39,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from stagewise.model.config import ModelConfig
-    from stagewise.parallel.plan import PipelineStageInfo
 
 PARTS = ("vision", "embedding", "layer", "final_norm", "lm_head")
-SPLITS = ("replicated", "column", "row", "kv_column", "fused_qkv", "vocab", "expert")
+SPLITS = ("replicated", "column", "row", "kv_column", "fused_qkv", "vocab", "expert_column", "expert_row")
+LM_HEAD = "lm_head.weight"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +50,7 @@ class TensorShape:
     """One weight tensor."""
 
     name: str
+    """Its name in the HF checkpoint (and in the transformers model)."""
     shape: tuple[int, ...]
     part: str
     """vision, embedding, layer, final_norm or lm_head."""
@@ -42,7 +59,7 @@ class TensorShape:
     layer: int | None = None
     kind: str = "linear"
     """linear (a matmul weight), bias, norm, expert (read only for the experts a token picks),
-    router, embedding or conv/pos (vision stem)."""
+    router, embedding or conv (vision stem)."""
 
     @property
     def numel(self) -> int:
@@ -85,6 +102,33 @@ def kv_heads_per_rank(config: ModelConfig, tp: int = 1) -> int:
     return max(1, config.num_kv_heads // tp)
 
 
+# ---- checkpoint names -----------------------------------------------------------------------------
+
+def _text_prefix(config: ModelConfig) -> str:
+    if config.architecture == "falcon":
+        return "transformer."
+    return "model.language_model." if config.is_multimodal else "model."
+
+
+def layer_prefix(config: ModelConfig, layer: int) -> str:
+    """Name prefix of decoder layer ``layer``'s tensors (``model.layers.3.``, ``transformer.h.3.`` ...)."""
+    if config.architecture == "falcon":
+        return f"transformer.h.{layer}."
+    return f"{_text_prefix(config)}layers.{layer}."
+
+
+def embedding_name(config: ModelConfig) -> str:
+    word = "word_embeddings" if config.architecture == "falcon" else "embed_tokens"
+    return f"{_text_prefix(config)}{word}.weight"
+
+
+def final_norm_prefix(config: ModelConfig) -> str:
+    """``{prefix}weight`` (and with LayerNorm ``{prefix}bias``) of the final norm."""
+    return _text_prefix(config) + ("ln_f." if config.architecture == "falcon" else "norm.")
+
+
+# ---- the table ------------------------------------------------------------------------------------
+
 def _norm(name: str, width: int, part: str, layer: int | None, layer_norm: bool) -> list[TensorShape]:
     out = [TensorShape(f"{name}.weight", (width,), part, layer=layer, kind="norm")]
     if layer_norm:
@@ -101,28 +145,34 @@ def _linear(name: str, out_f: int, in_f: int, split: str, layer: int | None, bia
     return out
 
 
+def _falcon_layer(config: ModelConfig, layer: int, p: str) -> list[TensorShape]:
+    h, d, hq, hk = config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads
+    ln = config.norm == "layer"
+    t: list[TensorShape] = []
+    if config.parallel_attn and config.num_ln_in_parallel_attn == 2:
+        t += _norm(p + "ln_attn", h, "layer", layer, ln) + _norm(p + "ln_mlp", h, "layer", layer, ln)
+    else:
+        t += _norm(p + "input_layernorm", h, "layer", layer, ln)
+        if not config.parallel_attn:
+            t += _norm(p + "post_attention_layernorm", h, "layer", layer, ln)
+    t += _linear(p + "self_attention.query_key_value", (hq + 2 * hk) * d, h, "fused_qkv", layer,
+                 config.attention_bias)
+    t += _linear(p + "self_attention.dense", h, hq * d, "row", layer, config.attention_bias)
+    t += _linear(p + "mlp.dense_h_to_4h", config.intermediate_size, h, "column", layer, config.mlp_bias)
+    t += _linear(p + "mlp.dense_4h_to_h", h, config.intermediate_size, "row", layer, config.mlp_bias)
+    return t
+
+
 def layer_tensors(config: ModelConfig, layer: int) -> list[TensorShape]:
     """The weights of decoder layer ``layer``."""
     if not 0 <= layer < config.num_layers:
         raise ValueError(f"layer_tensors: layer must be in [0, {config.num_layers}), got {layer}")
+    p = layer_prefix(config, layer)
+    if config.architecture == "falcon":
+        return _falcon_layer(config, layer, p)
     h, d, hq, hk = config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads
     ln = config.norm == "layer"
-    p = f"layers.{layer}."
-    t: list[TensorShape] = []
-    if config.architecture == "falcon":
-        if config.parallel_attn and config.num_ln_in_parallel_attn == 2:
-            t += _norm(p + "ln_attn", h, "layer", layer, ln) + _norm(p + "ln_mlp", h, "layer", layer, ln)
-        else:
-            t += _norm(p + "input_layernorm", h, "layer", layer, ln)
-            if not config.parallel_attn:
-                t += _norm(p + "post_attention_layernorm", h, "layer", layer, ln)
-        t += _linear(p + "self_attention.query_key_value", (hq + 2 * hk) * d, h, "fused_qkv", layer,
-                     config.attention_bias)
-        t += _linear(p + "self_attention.dense", h, hq * d, "row", layer, config.attention_bias)
-        t += _linear(p + "mlp.dense_h_to_4h", config.intermediate_size, h, "column", layer, config.mlp_bias)
-        t += _linear(p + "mlp.dense_4h_to_h", h, config.intermediate_size, "row", layer, config.mlp_bias)
-        return t
-    t += _norm(p + "input_layernorm", h, "layer", layer, ln)
+    t = _norm(p + "input_layernorm", h, "layer", layer, ln)
     t += _norm(p + "post_attention_layernorm", h, "layer", layer, ln)
     bias = config.attention_bias
     t += _linear(p + "self_attn.q_proj", hq * d, h, "column", layer, bias)
@@ -135,8 +185,9 @@ def layer_tensors(config: ModelConfig, layer: int) -> list[TensorShape]:
     if config.is_moe_layer(layer):
         e, mi = config.num_experts, config.moe_intermediate_size
         t += [TensorShape(p + "mlp.gate.weight", (e, h), "layer", layer=layer, kind="router"),
-              TensorShape(p + "mlp.experts.gate_up_proj", (e, 2 * mi, h), "layer", "expert", layer, kind="expert"),
-              TensorShape(p + "mlp.experts.down_proj", (e, h, mi), "layer", "expert", layer, kind="expert")]
+              TensorShape(p + "mlp.experts.gate_up_proj", (e, 2 * mi, h), "layer", "expert_column", layer,
+                          kind="expert"),
+              TensorShape(p + "mlp.experts.down_proj", (e, h, mi), "layer", "expert_row", layer, kind="expert")]
     else:
         inter, mb = config.intermediate_size, config.mlp_bias
         t += _linear(p + "mlp.gate_proj", inter, h, "column", layer, mb)
@@ -161,12 +212,12 @@ def vision_tensors(config: ModelConfig) -> list[TensorShape]:
     c, pt, ps = _vision_int(v, "in_channels"), _vision_int(v, "temporal_patch_size"), _vision_int(v, "patch_size")
     vh, vi, depth = _vision_int(v, "hidden_size"), _vision_int(v, "intermediate_size"), _vision_int(v, "depth")
     out_h, merge = _vision_int(v, "out_hidden_size"), _vision_int(v, "spatial_merge_size")
-    t = [TensorShape("visual.patch_embed.proj.weight", (vh, c, pt, ps, ps), "vision", kind="conv"),
-         TensorShape("visual.patch_embed.proj.bias", (vh,), "vision", kind="bias"),
-         TensorShape("visual.pos_embed.weight", (_vision_int(v, "num_position_embeddings"), vh), "vision",
+    t = [TensorShape("model.visual.patch_embed.proj.weight", (vh, c, pt, ps, ps), "vision", kind="conv"),
+         TensorShape("model.visual.patch_embed.proj.bias", (vh,), "vision", kind="bias"),
+         TensorShape("model.visual.pos_embed.weight", (_vision_int(v, "num_position_embeddings"), vh), "vision",
                      kind="embedding")]
     for b in range(depth):
-        p = f"visual.blocks.{b}."
+        p = f"model.visual.blocks.{b}."
         t += _norm(p + "norm1", vh, "vision", None, True) + _norm(p + "norm2", vh, "vision", None, True)
         t += _linear(p + "attn.qkv", 3 * vh, vh, "replicated", None, True, "vision")
         t += _linear(p + "attn.proj", vh, vh, "replicated", None, True, "vision")
@@ -174,8 +225,8 @@ def vision_tensors(config: ModelConfig) -> list[TensorShape]:
         t += _linear(p + "mlp.linear_fc2", vh, vi, "replicated", None, True, "vision")
     merged = vh * merge * merge
     deepstack = v.get("deepstack_visual_indexes") or []
-    for name, norm_width in [("visual.merger", vh)] + [(f"visual.deepstack_merger_list.{i}", merged)
-                                                        for i in range(len(deepstack))]:
+    for name, norm_width in [("model.visual.merger", vh)] + [(f"model.visual.deepstack_merger_list.{i}", merged)
+                                                              for i in range(len(deepstack))]:
         t += _norm(name + ".norm", norm_width, "vision", None, True)
         t += _linear(name + ".linear_fc1", merged, merged, "replicated", None, True, "vision")
         t += _linear(name + ".linear_fc2", out_h, merged, "replicated", None, True, "vision")
@@ -183,50 +234,45 @@ def vision_tensors(config: ModelConfig) -> list[TensorShape]:
 
 
 def embedding_tensors(config: ModelConfig) -> list[TensorShape]:
-    return [TensorShape("embed_tokens.weight", (config.vocab_size, config.hidden_size), "embedding",
+    return [TensorShape(embedding_name(config), (config.vocab_size, config.hidden_size), "embedding",
                         kind="embedding")]
 
 
 def final_norm_tensors(config: ModelConfig) -> list[TensorShape]:
-    return _norm("norm", config.hidden_size, "final_norm", None, config.norm == "layer")
+    return _norm(final_norm_prefix(config).removesuffix("."), config.hidden_size, "final_norm", None,
+                 config.norm == "layer")
 
 
 def lm_head_tensors(config: ModelConfig) -> list[TensorShape]:
-    return [TensorShape("lm_head.weight", (config.vocab_size, config.hidden_size), "lm_head", "vocab")]
+    return [TensorShape(LM_HEAD, (config.vocab_size, config.hidden_size), "lm_head", "vocab")]
 
 
 def model_tensors(config: ModelConfig) -> list[TensorShape]:
     """Every stored tensor of the whole model (a tied LM head is the embedding: not listed twice)."""
-    t = vision_tensors(config) + embedding_tensors(config)
-    for layer in range(config.num_layers):
-        t += layer_tensors(config, layer)
-    t += final_norm_tensors(config)
-    if not config.tie_word_embeddings:
-        t += lm_head_tensors(config)
-    return t
+    return stage_tensors(config, range(config.num_layers), first=True, last=True)
 
 
-def stage_tensors(config: ModelConfig, stage: PipelineStageInfo) -> list[TensorShape]:
-    """The tensors pipeline stage ``stage`` stores (seed 001 §2.4.4, seed 000 §1 for the vision tower)."""
+def stage_tensors(config: ModelConfig, layers: range, *, first: bool, last: bool) -> list[TensorShape]:
+    """The tensors a pipeline stage stores: decoder ``layers`` (may be empty), plus the vision tower
+    and the embedding when it is the ``first`` stage, the final norm and LM head when the ``last``."""
     t: list[TensorShape] = []
-    if stage.is_first_stage:
+    if first:
         t += vision_tensors(config) + embedding_tensors(config)
-    for layer in stage.active_layer_indices:
+    for layer in layers:
         t += layer_tensors(config, layer)
-    if stage.is_last_stage:
+    if last:
         t += final_norm_tensors(config)
-        if not config.tie_word_embeddings or not stage.is_first_stage:
+        if not config.tie_word_embeddings or not first:
             t += lm_head_tensors(config)  # tied, on its own stage: a copy of the embedding
     return t
 
 
 def rank_numel(config: ModelConfig, tensor: TensorShape, sharding: Sharding = Sharding()) -> int:
     """Elements of ``tensor`` one rank holds under ``sharding``."""
-    tp, n = sharding.tp, tensor.numel
-    if tp == 1 and tensor.split != "expert":
-        return n
-    split = tensor.split
-    if split == "replicated":
+    tp, n, split = sharding.tp, tensor.numel, tensor.split
+    if split in ("expert_column", "expert_row"):
+        return n // (sharding.ep * sharding.moe_tp)
+    if tp == 1 or split == "replicated":
         return n
     if split in ("column", "row"):
         return n // tp
@@ -237,8 +283,6 @@ def rank_numel(config: ModelConfig, tensor: TensorShape, sharding: Sharding = Sh
         return per_head * (config.num_heads // tp + 2 * kv_heads_per_rank(config, tp))
     if split == "vocab":
         return math.ceil(config.vocab_size / tp) * (n // config.vocab_size)
-    if split == "expert":
-        return n // (sharding.ep * sharding.moe_tp)
     raise ValueError(f"rank_numel: unknown split {split!r}; expected one of {SPLITS}")
 
 
@@ -247,10 +291,12 @@ def count(config: ModelConfig, tensors: Iterable[TensorShape], sharding: Shardin
     return sum(rank_numel(config, t, sharding) for t in tensors)
 
 
-def stage_param_counts(config: ModelConfig, stages: Sequence[PipelineStageInfo],
+def stage_param_counts(config: ModelConfig, ranges: Sequence[tuple[int, int]],
                        sharding: Sharding = Sharding()) -> list[int]:
-    """Parameters one rank of each stage holds."""
-    return [count(config, stage_tensors(config, s), sharding) for s in stages]
+    """Parameters one rank of each stage holds, for stages owning layers ``[start, end)`` in order."""
+    last = len(ranges) - 1
+    return [count(config, stage_tensors(config, range(a, b), first=i == 0, last=i == last), sharding)
+            for i, (a, b) in enumerate(ranges)]
 
 
 def decode_read_params(config: ModelConfig, layer: int) -> int:
@@ -266,5 +312,5 @@ def decode_read_params(config: ModelConfig, layer: int) -> int:
 
 
 def kv_bytes_per_token_layer(config: ModelConfig, kv_bytes: int, tp: int = 1) -> int:
-    """K and V of one token in one layer on one TP rank (seed 000 §2.5: ``2 * kv_heads * head_dim * bytes``)."""
+    """K and V of one token in one layer on one TP rank (``2 * kv_heads * head_dim * bytes``)."""
     return 2 * kv_heads_per_rank(config, tp) * config.head_dim * kv_bytes

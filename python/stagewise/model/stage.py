@@ -1,9 +1,10 @@
 """One pipeline stage of a model: the embedding (first stage), layers ``[start, end)``, and the
-final norm and LM head (last stage)."""
+final norm and LM head (last stage); :func:`load_stage` reads one from a checkpoint."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -11,14 +12,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from stagewise.kv import KVCache, KVCacheSpec
-from stagewise.model import falcon, llama, qwen3, qwen3_moe
-from stagewise.model.attention import Rotary
 from stagewise.model.batch import KVMetadata, StepBatch
 from stagewise.model.config import ModelConfig
-from stagewise.model.layers import Weights, local_kv_heads
+from stagewise.model.layers.rotary import Rotary
+from stagewise.model.loader import Checkpoint, load_stage_weights, open_checkpoint, resolve_dtype
+from stagewise.model.models import falcon, llama, qwen3, qwen3_moe
+from stagewise.model.models.weights import Weights
 from stagewise.model.quant import QuantizedWeight
+from stagewise.model.shapes import LM_HEAD, embedding_name, kv_heads_per_rank
 
 _ARCHITECTURES: dict[str, ModuleType] = {"llama": llama, "qwen3": qwen3, "qwen3_moe": qwen3_moe, "falcon": falcon}
+
+
+def _check_tp(tp_rank: int, tp_size: int) -> None:
+    if tp_size != 1 or tp_rank != 0:
+        # The loader already gives each rank its shard; the all-reduce of the row-parallel partial
+        # sums is not wired to a process group yet.
+        raise ValueError(f"StageModel: tp_size must be 1 and tp_rank 0 for now, got {tp_size} and {tp_rank}")
 
 
 class StageModel(nn.Module):
@@ -36,31 +46,27 @@ class StageModel(nn.Module):
         self.lm_head = _frozen(lm_head)
 
     @classmethod
-    def from_weights(cls, config: ModelConfig, start_layer: int, end_layer: int, weights: Mapping[str, torch.Tensor],
+    def from_weights(cls, config: ModelConfig, start_layer: int, end_layer: int,
+                     weights: Mapping[str, torch.Tensor | QuantizedWeight],
                      dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                      tp_rank: int = 0, tp_size: int = 1) -> StageModel:
-        """Build from HF-named tensors (only this stage's are read; others may be absent)."""
+        """Build from this rank's HF-named tensors, as :func:`~stagewise.model.loader.load_stage_weights`
+        returns them (only this stage's are read; others may be absent)."""
         if not 0 <= start_layer < end_layer <= config.num_layers:
             raise ValueError(f"StageModel: layer range [{start_layer}, {end_layer}) must be non-empty and within "
                              f"[0, num_layers={config.num_layers})")
-        if tp_size != 1 or tp_rank != 0:
-            # Linears already shard per rank; the all-reduce after row-parallel linears is not wired yet.
-            raise ValueError(f"StageModel: tp_size must be 1 and tp_rank 0 for now, got {tp_size} and {tp_rank}")
+        _check_tp(tp_rank, tp_size)
         arch = _ARCHITECTURES[config.architecture]
         w = Weights(weights, dtype, device)
         rotary = Rotary(config, dtype, device)
-        layers = [arch.build_layer(config, i, w, rotary, tp_rank, tp_size) for i in range(start_layer, end_layer)]
-        embedding = w(arch.EMBED) if start_layer == 0 else None
+        layers = [arch.build_layer(config, i, w, rotary, tp_size) for i in range(start_layer, end_layer)]
+        embedding = w(embedding_name(config)) if start_layer == 0 else None
         final_norm = lm_head = None
         if end_layer == config.num_layers:
             final_norm = arch.final_norm(config, w)
-            if not config.tie_word_embeddings:
-                lm_head = w(arch.LM_HEAD)
-            elif embedding is not None:
-                lm_head = embedding  # one tensor for both
-            else:
-                # Checkpoints of tied models usually store only the embedding.
-                lm_head = w(arch.EMBED) if arch.EMBED in w else w(arch.LM_HEAD)
+            # Tied on a stage that also embeds: one tensor for both.
+            tied_here = config.tie_word_embeddings and embedding is not None
+            lm_head = embedding if tied_here else w(LM_HEAD)
         return cls(config, start_layer, end_layer, layers, embedding, final_norm, lm_head, tp_rank, tp_size)
 
     @property
@@ -74,7 +80,7 @@ class StageModel(nn.Module):
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """The shape of the KV cache this stage's layers write (this TP rank's KV heads)."""
         return KVCacheSpec(layer_start=self.start_layer, layer_end=self.end_layer,
-                           num_kv_heads=local_kv_heads(self.config.num_kv_heads, self.tp_size),
+                           num_kv_heads=kv_heads_per_rank(self.config, self.tp_size),
                            head_dim=self.config.head_dim, block_size=block_size, dtype=dtype)
 
     @torch.inference_mode()
@@ -112,20 +118,28 @@ class StageModel(nn.Module):
         return F.linear(x, self.lm_head)
 
 
+def load_stage(checkpoint: Checkpoint | str | Path, start_layer: int, end_layer: int, *,
+               dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu", quantized: bool | None = None,
+               linear_precision: str = "exact", tp_rank: int = 0, tp_size: int = 1,
+               progress: Callable[[int, int, int], None] | None = None) -> StageModel:
+    """The stage of layers ``[start_layer, end_layer)`` of ``checkpoint`` (a :class:`Checkpoint`, an HF
+    folder, a GGUF file or an embedded model name), tensor-parallel rank ``tp_rank`` of ``tp_size``.
+
+    ``dtype``: ``"auto"`` (the config's dtype when it is float32/bfloat16/float16, else float32) or
+    one of those; the weights are read in it and the stage computes in it. ``quantized``,
+    ``linear_precision`` and ``progress`` are :func:`~stagewise.model.loader.load_stage_weights`'s.
+    The weights are read, the stage is built on ``device``, and the read tensors are dropped."""
+    _check_tp(tp_rank, tp_size)
+    ckpt = open_checkpoint(checkpoint)
+    cfg = ckpt.config
+    torch_dtype = resolve_dtype(dtype, cfg.dtype)
+    weights = load_stage_weights(ckpt, start_layer, end_layer, tp_rank=tp_rank, tp_size=tp_size, dtype=torch_dtype,
+                                 quantized=quantized, linear_precision=linear_precision, progress=progress)
+    return StageModel.from_weights(cfg, start_layer, end_layer, weights, dtype=torch_dtype, device=device,
+                                   tp_rank=tp_rank, tp_size=tp_size)
+
+
 def _frozen(w: torch.Tensor | QuantizedWeight | None) -> nn.Parameter | QuantizedWeight | None:
     """A dense weight as a frozen parameter; blocks (or nothing) as they are."""
     return w if w is None or isinstance(w, QuantizedWeight) else nn.Parameter(w, requires_grad=False)
 
-
-def load_stage(checkpoint, start_layer: int, end_layer: int, *, dtype="auto", device="cpu", quantized=None,
-               linear_precision: str = "exact", tp_rank: int = 0, tp_size: int = 1, progress=None) -> StageModel:
-    # Interim bridge on this branch only; replaced when the model restructuring is merged.
-    from stagewise.model.loader import load_stage_weights, open_checkpoint, resolve_dtype
-
-    ckpt = open_checkpoint(checkpoint)
-    torch_dtype = resolve_dtype(dtype, ckpt.config.dtype)
-    weights = load_stage_weights(ckpt, start_layer, end_layer, dtype=torch_dtype, quantized=quantized,
-                                 linear_precision=linear_precision, tp_rank=tp_rank, tp_size=tp_size,
-                                 progress=progress)
-    return StageModel.from_weights(ckpt.config, start_layer, end_layer, weights, dtype=torch_dtype, device=device,
-                                   tp_rank=tp_rank, tp_size=tp_size)

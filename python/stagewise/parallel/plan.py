@@ -171,7 +171,7 @@ def decode_layer_costs(config: ModelConfig) -> tuple[list[float], float, float]:
     """Weights read per decoded token (parameters, active experts only) of each decoder layer,
     of stage 0's extras (one embedding row) and of the last stage's extras (final norm + LM head).
     The counts come from the tensor shapes of :mod:`stagewise.model.shapes`."""
-    from stagewise.model import shapes
+    from stagewise.model import shapes  # here: importing stagewise.model loads torch, which plans do not need
 
     costs = [float(shapes.decode_read_params(config, layer)) for layer in range(config.num_layers)]
     last = shapes.count(config, shapes.final_norm_tensors(config) + shapes.lm_head_tensors(config))

@@ -67,7 +67,8 @@ def stage_memory(config: ModelConfig, plan: StagePlan, *, tokens: int, batch: in
     total = exact_total if total_params is None else total_params
     out = []
     for info in plan.stages:
-        tensors = shapes.stage_tensors(config, info)
+        tensors = shapes.stage_tensors(config, info.active_layer_indices, first=info.is_first_stage,
+                                       last=info.is_last_stage)
         owns = tuple(p for p in ("vision", "embedding", "final_norm", "lm_head") if any(t.part == p for t in tensors))
         rough = round(total * weight_bytes * info.num_layers / config.num_layers / sharding.tp)
         out.append(StageMemory(

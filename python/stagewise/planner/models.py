@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from stagewise.model.config import ModelConfig
+from stagewise.model.hf_config import parse_config_file
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 
@@ -25,10 +26,10 @@ def resolve_model(arg: str) -> tuple[ModelConfig, str]:
     if path.is_file() and path.suffix == ".json" or path.is_dir() and (path / "config.json").is_file():
         name = path.stem if path.is_file() and path.name != "config.json" else path.resolve().parent.name \
             if path.is_file() else path.resolve().name
-        return ModelConfig.from_file(path), name
+        return parse_config_file(path), name
     builtin = MODELS_DIR / f"{arg.lower()}.json"
     if builtin.is_file():
-        return ModelConfig.from_file(builtin), arg.lower()
+        return parse_config_file(builtin), arg.lower()
     from stagewise.model.loader import open_checkpoint
 
     try:

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from stagewise.model import ModelConfig
+from stagewise.model.hf_config import parse_config_file, parse_hf_config
 
 transformers = pytest.importorskip("transformers")
 
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 # CI clones the repository with shared/ beside it; a device checkout carries it inside.
 _CONFIG_DIRS = [_REPO / ".." / "shared" / "configs", _REPO / "shared" / "configs"]
 CONFIGS = next((d.resolve() for d in _CONFIG_DIRS if d.is_dir()), None)
@@ -27,7 +28,7 @@ SMALL = dict(vocab_size=97, hidden_size=64, num_hidden_layers=4, num_attention_h
 
 def _load(name: str) -> tuple[dict, ModelConfig]:
     path = CONFIGS / name
-    return json.loads(path.read_text()), ModelConfig.from_file(path)
+    return json.loads(path.read_text()), parse_config_file(path)
 
 
 def _eos(value) -> tuple[int, ...]:
@@ -109,9 +110,9 @@ def _check_common(cfg: ModelConfig, t) -> None:
 
 def _round_trip(t, tmp_path: Path, how: str) -> ModelConfig:
     if how == "dict":
-        return ModelConfig.from_hf(t.to_dict())
+        return parse_hf_config(t.to_dict())
     t.save_pretrained(tmp_path)
-    return ModelConfig.from_file(tmp_path)
+    return parse_config_file(tmp_path)
 
 
 ROPES = [
@@ -147,7 +148,7 @@ def test_llama_round_trip(tmp_path, how, rope):
 
 def test_mistral_is_llama_with_its_window():
     t = transformers.MistralConfig(**SMALL, num_key_value_heads=4, intermediate_size=96, sliding_window=64)
-    cfg = ModelConfig.from_hf(t.to_dict())
+    cfg = parse_hf_config(t.to_dict())
     _check_common(cfg, t)
     assert cfg.architecture == "llama" and cfg.sliding_window == t.sliding_window
     assert (cfg.num_kv_heads, cfg.head_dim) == (t.num_key_value_heads, t.head_dim)
@@ -216,13 +217,13 @@ def test_transformers5_rope_parameters_and_classic_keys_agree():
     base = dict(model_type="llama", vocab_size=10, hidden_size=32, num_hidden_layers=1,
                 num_attention_heads=4, intermediate_size=8, max_position_embeddings=4096)
     scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=1024)
-    classic = ModelConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **scaling}})
-    new = ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
+    classic = parse_hf_config({**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **scaling}})
+    new = parse_hf_config({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
     assert classic == new and new.rope.type == "llama3" and new.rope.theta == 5e5
 
 
 def test_eos_list_and_partial_rotary():
-    cfg = ModelConfig.from_hf(dict(model_type="llama", vocab_size=10, hidden_size=32, num_hidden_layers=1,
+    cfg = parse_hf_config(dict(model_type="llama", vocab_size=10, hidden_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, intermediate_size=8, eos_token_id=[3, 4],
                                    partial_rotary_factor=0.25))
     assert cfg.eos_token_ids == (3, 4) and cfg.head_dim == 16 and cfg.rotary_dim == 4
@@ -254,28 +255,28 @@ GOOD = dict(model_type="llama", vocab_size=10, hidden_size=32, num_hidden_layers
 ])
 def test_bad_configs_name_the_field(changes, words):
     with pytest.raises(ValueError) as err:
-        ModelConfig.from_hf({**GOOD, **changes})
+        parse_hf_config({**GOOD, **changes})
     for word in words:
         assert word in str(err.value), (word, str(err.value))
 
 
 def test_from_file_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        ModelConfig.from_file(tmp_path)
+        parse_config_file(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        ModelConfig.from_file(tmp_path)
+        parse_config_file(tmp_path)
 
 
 def test_is_moe_layer_rejects_out_of_range():
-    cfg = ModelConfig.from_hf(GOOD)
+    cfg = parse_hf_config(GOOD)
     with pytest.raises(ValueError, match="layer"):
         cfg.is_moe_layer(cfg.num_layers)
     assert not cfg.is_moe_layer(0)
 
 
 def test_direct_construction_validates():
-    cfg = ModelConfig.from_hf(GOOD)
+    cfg = parse_hf_config(GOOD)
     with pytest.raises(ValueError, match="norm.*'batch'"):
         cfg.replace(norm="batch")
     with pytest.raises(ValueError, match="architecture"):

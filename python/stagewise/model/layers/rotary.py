@@ -1,4 +1,5 @@
-"""Rotary tables: the ``cos_sin_cache`` that :func:`stagewise.ops.rope` reads.
+"""Rotary position embedding: the ``cos_sin_cache`` table that :func:`stagewise.ops.rope` reads, and
+:class:`Rotary`, which applies it to q and k.
 
 Every step is done in float32 in the order transformers does it
 (``modeling_rope_utils``, and the models' ``RotaryEmbedding.forward``), so the
@@ -11,7 +12,9 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
+from stagewise import ops
 from stagewise.model.config import ModelConfig, RopeConfig
 
 
@@ -47,6 +50,26 @@ def cos_sin_cache(
     angles = positions[:, None] * inv_freq.to(device)[None, :]
     # HF multiplies by its attention scaling even when it is 1, which changes nothing.
     return torch.cat([angles.cos() * scale, angles.sin() * scale], dim=1).to(dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary embedding of q and k in place, with Qwen3's per-head q/k RMSNorm fused in when given."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        # The table in the model's dtype rounds cos/sin as HF's ``cos.to(x.dtype)`` does.
+        self.register_buffer("cos_sin_cache", cos_sin_cache(config, config.max_position_embeddings, dtype, device),
+                             persistent=False)
+        self.is_neox = config.rope.is_neox
+        self.eps = config.norm_eps
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None) -> None:
+        """``q [T, Hq, D]``, ``k [T, Hk, D]`` rotated in place; ``q_norm/k_norm [D]`` or None."""
+        if q_norm is None:
+            ops.rope(q, k, positions, self.cos_sin_cache, self.is_neox)
+        else:
+            ops.qk_norm_rope(q, k, q_norm, k_norm, positions, self.cos_sin_cache, self.eps, self.is_neox)
 
 
 def _llama3(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:

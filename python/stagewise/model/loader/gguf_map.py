@@ -93,7 +93,7 @@ def array_field(reader: Any, key: str) -> list[Any] | None:
 
 
 def hf_config_from_gguf(meta: dict[str, Any], vocab_size: int | None, has_output: bool) -> dict[str, Any]:
-    """HF-style config dict from GGUF metadata, for :meth:`ModelConfig.from_hf`.
+    """HF-style config dict from GGUF metadata, for :func:`~stagewise.model.hf_config.parse_hf_config`.
 
     ``vocab_size``: length of the token list (when the file has one); ``has_output``:
     whether an ``output.weight`` tensor exists (absent: the LM head is tied to the embedding).

@@ -1,0 +1,73 @@
+"""Self-attention over the paged KV cache: rotary, prefill by SDPA, decode by flash-decoding.
+
+Prefill requests start from an empty cache, so each attends causally over its
+own prompt with torch SDPA (GQA without repeating K/V). Decode requests attend
+with :func:`stagewise.ops.decode_attention` over their cached tokens plus the new
+token's k/v passed as ``k_new/v_new``. Then every token's K/V is written to the
+cache with :func:`stagewise.ops.reshape_and_cache`.
+
+Under tensor parallelism a rank runs its own query heads and KV heads (the loader gives it those
+rows of q, k and v) against its own cache, and the output projection's partial sums are reduced
+by its :class:`RowParallelLinear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stagewise import ops
+from stagewise.model.batch import KVMetadata, StepBatch
+from stagewise.model.config import ModelConfig
+from stagewise.model.layers.linear import Linear, RowParallelLinear
+from stagewise.model.layers.rotary import Rotary
+from stagewise.model.shapes import kv_heads_per_rank
+
+
+class Attention(nn.Module):
+    """Fused q/k/v projection, rope, attention, o projection (row parallel) of one TP rank."""
+
+    def __init__(self, config: ModelConfig, layer: int, qkv: Linear, o: RowParallelLinear, rotary: Rotary,
+                 tp_size: int = 1, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None) -> None:
+        """``qkv``: this rank's ``[q; k; v]`` rows, ``[(Hq + 2 * Hk) * D, hidden]`` with ``Hq`` and
+        ``Hk`` the rank's query and KV heads; ``o``: its ``[hidden, Hq * D]`` block."""
+        super().__init__()
+        if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
+            raise ValueError(f"Attention: sliding_window={config.sliding_window} is not supported "
+                             f"(only full attention over max_position_embeddings={config.max_position_embeddings})")
+        self.layer = layer
+        self.num_heads = config.num_heads // tp_size
+        self.num_kv_heads = kv_heads_per_rank(config, tp_size)
+        self.head_dim = config.head_dim
+        rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        if qkv.weight.shape[0] != rows:
+            raise ValueError(f"Attention: layer {layer} qkv weight has {qkv.weight.shape[0]} rows, expected "
+                             f"{rows} for {self.num_heads} query and {self.num_kv_heads} KV heads of {self.head_dim} "
+                             f"(tp_size={tp_size})")
+        self.scale = config.head_dim**-0.5
+        self.qkv, self.o, self.rotary = qkv, o, rotary
+        self.q_norm = None if q_norm is None else nn.Parameter(q_norm, requires_grad=False)
+        self.k_norm = None if k_norm is None else nn.Parameter(k_norm, requires_grad=False)
+
+    def forward(self, x: torch.Tensor, batch: StepBatch, meta: KVMetadata,
+                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``; writes this layer's K/V into ``kv = (k_cache, v_cache)``,
+        each ``[num_blocks, block_size, Hk, D]``."""
+        t, hq, hk, d = x.size(0), self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split([hq * d, hk * d, hk * d], dim=-1)
+        q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
+        self.rotary(q, k, batch.positions, self.q_norm, self.k_norm)
+        out = torch.empty((t, hq, d), dtype=x.dtype, device=x.device)
+        for start, n in batch.prefill_spans():
+            # [1, H, n, D] views; enable_gqa lets the Hq / Hk query heads share a KV head.
+            qs, ks, vs = (a[start : start + n].transpose(0, 1).unsqueeze(0) for a in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=hq != hk)
+            out[start : start + n] = o[0].transpose(0, 1)
+        p, r = batch.num_prefill_tokens, batch.num_prefills
+        if p < t:
+            k_cache, v_cache = kv
+            ops.decode_attention(q[p:], k_cache, v_cache, meta.block_tables[r:], meta.seq_lens[r:], self.scale,
+                                 k_new=k[p:], v_new=v[p:], out=out[p:])
+        ops.reshape_and_cache(k, v, kv[0], kv[1], meta.slot_mapping)
+        return self.o(out.view(t, hq * d))
