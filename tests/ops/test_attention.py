@@ -269,8 +269,9 @@ def test_baseline_isa_path(device):
     """The token loop built for the baseline ISA (no AVX2), as picked when ATen's CPU capability is default."""
     if device == "cuda":
         pytest.skip("checks the CPU kernel's instruction-set dispatch")
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where conftest.py is
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default",
+           "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", BASELINE_ISA_CHECK], env=env, cwd=tests_dir,
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr

@@ -14,7 +14,7 @@ from stagewise.model.config import ModelConfig
 from stagewise.model.hf_config import parse_hf_config
 from stagewise.parallel import PipelineStageInfo, StagePlan, decode_layer_costs, partition_layers
 
-CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "shared" / "configs"
 
 # Seed 000 §2.5, Qwen3-VL-235B-A22B (L = 94): the tables' [start, end) ranges.
 SEED000_RANGES = {

@@ -167,7 +167,8 @@ def test_lesser_isa_copies(isa):
     """The AVX2 and plain-loop copies, which this CPU would not pick (STAGEWISE_INT8_ISA is read once
     per process, hence a subprocess)."""
     here = Path(__file__).parent
-    env = dict(os.environ, STAGEWISE_INT8_ISA=isa, OMP_NUM_THREADS="1")
+    env = dict(os.environ, STAGEWISE_INT8_ISA=isa, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))  # conftest
     code = "import torch; torch.set_num_threads(1); import test_quant_linear_int8 as t; t.check_every_case()"
     done = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
