@@ -1,0 +1,27 @@
+"""The cuda-ipc transport in the pipeline: two GPU stages on one host exchange activations through
+a CUDA IPC ring. Needs a GPU (marked ``cuda``); unverified until it runs on one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import stagewise
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+transformers = pytest.importorskip("transformers")
+
+
+def test_two_gpu_stages_over_cuda_ipc_equal_one_process(tmp_path):
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=101, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=96, max_position_embeddings=128)).eval()
+    hf.save_pretrained(tmp_path)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+    with stagewise.Pipeline(str(tmp_path), device="cuda", max_model_len=64) as single:
+        want = [c.token_ids for c in single.generate(prompt_token_ids=prompts, max_new_tokens=6, ignore_eos=True)]
+    with stagewise.Pipeline(str(tmp_path), stages=2, device="cuda", transport="cuda-ipc", max_model_len=64) as pipe:
+        got = [c.token_ids for c in pipe.generate(prompt_token_ids=prompts, max_new_tokens=6, ignore_eos=True)]
+    assert got == want
