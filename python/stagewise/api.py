@@ -22,6 +22,7 @@ from stagewise.model.stage import StageModel
 from stagewise.model.weights import DTYPES, load_stage_weights
 from stagewise.runtime.engine import Engine, RequestOutput
 from stagewise.runtime.sampling import SamplingParams
+from stagewise.transport import select
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -391,21 +392,19 @@ def _tokenizer(ckpt: Checkpoint):
 
 
 def hop_transports(plan) -> list[str]:
-    """The transport of each stage's outgoing hop (stage i -> i + 1, the last -> 0): ``auto`` is
-    shm between two stages of one host (the same ``host`` in the plan; every locally spawned
-    stage), tcp between hosts."""
+    """The transport of each stage's outgoing hop (stage i -> i + 1, the last -> 0), by the one
+    rule of :func:`stagewise.transport.select.resolve`: ``auto`` is shm between two stages of one
+    host (the same ``host`` in the plan; every locally spawned stage), tcp between hosts."""
     n = plan.num_stages
-    if plan.transport == "cuda-ipc":
-        cpu = [s.index for s in plan.stages if not s.device.startswith("cuda")]
-        if cpu or len({s.host for s in plan.stages}) > 1:
-            raise ValueError(f"Pipeline: transport 'cuda-ipc' needs every stage on a GPU of one host; stages {cpu} "
-                             "run on the CPU" if cpu else "Pipeline: transport 'cuda-ipc' needs one host")
-        return ["cuda-ipc"] * n
-    if plan.transport in ("tcp", "shm", "torch"):
-        return [plan.transport] * n
-    if plan.transport == "auto":
-        return ["shm" if plan.stages[i].host == plan.stages[(i + 1) % n].host else "tcp" for i in range(n)]
-    raise ValueError(f"Pipeline: transport must be one of auto, tcp, shm, torch, cuda-ipc; got {plan.transport!r}")
+    hops = []
+    for i in range(n):
+        a, b = plan.stages[i], plan.stages[(i + 1) % n]
+        try:
+            hops.append(select.resolve(plan.transport, same_host=a.host == b.host,
+                                       cuda=a.device.startswith("cuda") and b.device.startswith("cuda")))
+        except ValueError as e:
+            raise ValueError(f"Pipeline: hop stage {a.index} -> {b.index}: {e}") from None
+    return hops
 
 
 def _device(device: str | torch.device) -> torch.device:
