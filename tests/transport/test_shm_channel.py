@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from stagewise.runtime import links
+from stagewise.transport import Hello, tcp
 from stagewise.transport.errors import ChannelClosed
 from stagewise.transport.frame import Frame, Row, StepKind
-from stagewise.transport.shm_channel import ShmChannel
+from stagewise.transport.rings import ShmChannel, open_link
 
 
 @pytest.fixture
@@ -50,11 +51,8 @@ def test_frames_arrive_in_order_bit_exact_and_in_place(pair):
             sender.send(_frame(i, n))
         done.set()
 
-    import ctypes
-
-    slots = receiver.ring._slots
-    lo = ctypes.addressof(ctypes.c_char.from_buffer(slots[0]))
-    hi = ctypes.addressof(ctypes.c_char.from_buffer(slots[-1])) + receiver.ring.slot_bytes
+    ring = receiver.ring
+    lo, hi = ring.slot_address(0), ring.slot_address(ring.num_slots - 1) + ring.slot_bytes
     t = threading.Thread(target=produce)
     t.start()
     for i, n in enumerate(sizes):
@@ -83,3 +81,25 @@ def test_the_reverse_direction_uses_tcp(pair):
     sender, receiver = pair
     receiver.send(Frame(step_kind=StepKind.CONTROL, control={"op": "hello back"}))
     assert sender.recv(timeout=10).control == {"op": "hello back"}
+
+
+@pytest.mark.parametrize("transport,kind", [("shm", ShmChannel), ("tcp", tcp.TcpChannel)])
+def test_open_link_sets_up_either_end(transport, kind):
+    hello = Hello(fingerprint="fp", stage_from=0, stage_to=1)
+    with tcp.listen(hello=hello) as lis:
+        box = {}
+        t = threading.Thread(target=lambda: box.update(ch=open_link(transport, hello=hello, listener=lis, timeout=10)))
+        t.start()
+        sender = open_link(transport, hello=hello, host=lis.address[0], port=lis.address[1], timeout=10,
+                           slot_bytes=4096, num_slots=2)  # fmt: skip
+        t.join(10)
+    receiver = box["ch"]
+    with sender, receiver:
+        assert isinstance(sender, kind) and isinstance(receiver, kind)
+        sender.send(Frame(step_kind=StepKind.DECODE, step_id=3, tensors={"hidden": torch.arange(4.0)}))
+        assert torch.equal(receiver.recv(timeout=10).tensors["hidden"], torch.arange(4.0))
+
+
+def test_unknown_link_transports_are_refused():
+    with pytest.raises(ValueError, match="one of \\('tcp', 'shm', 'cuda-ipc'\\), got 'torch'"):
+        open_link("torch", hello=Hello(fingerprint="fp", stage_from=0, stage_to=1), host="127.0.0.1", port=1)

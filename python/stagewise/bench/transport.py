@@ -77,15 +77,15 @@ SHM_SLOT_BYTES = (64 << 20) + (1 << 20)
 def _shm_pair(port: int | None, check: bool):
     """Peer side (``port`` given): dial the bench's listener for the ring towards it, then accept
     the bench's ring towards this side. Bench side: the reverse."""
-    from stagewise.transport import shm_channel
+    from stagewise.transport.rings import open_link
 
     opts = dict(checksum=check, verify_checksum=check)
     if port is not None:
-        out = shm_channel.open_channel(hello=HELLO, host="127.0.0.1", port=port, slot_bytes=SHM_SLOT_BYTES,
-                                       num_slots=WINDOW + 1, timeout=60, **opts)
+        out = open_link("shm", hello=HELLO, host="127.0.0.1", port=port, slot_bytes=SHM_SLOT_BYTES,
+                        num_slots=WINDOW + 1, timeout=60, **opts)
         lis = tcp.listen(hello=HELLO, **opts)
         out.send(Frame(step_kind=StepKind.CONTROL, control={"port": lis.address[1]}))
-        inn = shm_channel.open_channel(hello=HELLO, listener=lis, timeout=60, **opts)
+        inn = open_link("shm", hello=HELLO, listener=lis, timeout=60, **opts)
         lis.close()
         return _Duplex(out, inn)
     raise ValueError("_shm_pair: the bench side is _start_shm")
@@ -144,17 +144,17 @@ def _start_torch(check: bool):
 def _start_shm(check: bool):
     import multiprocessing as mp
 
-    from stagewise.transport import shm_channel
+    from stagewise.transport.rings import open_link
 
     opts = dict(checksum=check, verify_checksum=check)
     lis = tcp.listen(hello=HELLO, **opts)
     proc = mp.get_context("spawn").Process(target=_peer, args=("shm", lis.address[1], check), daemon=True)
     proc.start()
-    inn = shm_channel.open_channel(hello=HELLO, listener=lis, timeout=120, **opts)
+    inn = open_link("shm", hello=HELLO, listener=lis, timeout=120, **opts)
     lis.close()
     port = inn.recv(60).control["port"]
-    out = shm_channel.open_channel(hello=HELLO, host="127.0.0.1", port=port, slot_bytes=SHM_SLOT_BYTES,
-                                   num_slots=WINDOW + 1, timeout=60, **opts)
+    out = open_link("shm", hello=HELLO, host="127.0.0.1", port=port, slot_bytes=SHM_SLOT_BYTES,
+                    num_slots=WINDOW + 1, timeout=60, **opts)
     return _Duplex(out, inn), proc
 
 

@@ -4,14 +4,14 @@ and links named by role — ``driver`` (control), ``activations`` (stage i -> i 
 hello (protocol version, stage indices, role, model/plan fingerprint, optional auth token) over
 TCP; a data link (activations, feedback) then names its transport in a first ``link`` message:
 ``tcp`` keeps the TCP channel, ``shm`` moves the frames to a shared-memory ring (stages on one
-host; see :mod:`stagewise.transport.shm_channel`)."""
+host; see :mod:`stagewise.transport.rings`)."""
 
 from __future__ import annotations
 
 from stagewise.transport import tcp
 from stagewise.transport.hello import Hello
-from stagewise.transport.shm_channel import LINK_TRANSPORTS as DATA_TRANSPORTS
-from stagewise.transport.shm_channel import upgrade_accepted, upgrade_dialled
+from stagewise.transport.rings import LINK_TRANSPORTS as DATA_TRANSPORTS
+from stagewise.transport.rings import upgrade_accepted, upgrade_dialled
 
 ROLES = ("driver", "activations", "feedback")
 

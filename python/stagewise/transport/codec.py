@@ -26,7 +26,7 @@ import torch
 from stagewise import _C
 from stagewise.transport import codec_reference as reference
 from stagewise.transport import wire
-from stagewise.transport.frame import Frame, Layout, Row, RowFlags, StepKind, WireDType, shape_fields  # noqa: F401
+from stagewise.transport.frame import Frame, Layout, Row, RowFlags, StepKind, WireDType
 from stagewise.transport.wire import ALIGN, DEFAULT_MAX_PAYLOAD_BYTES, FLAG_CHECKSUM, FLAG_DETACHED_PAYLOAD, align
 
 _STEP_KINDS = (None, *StepKind)
@@ -110,7 +110,7 @@ def encode_descriptor(frame: Frame, *, checksum: bool = True) -> tuple[bytearray
 
 def is_descriptor(buf) -> bool:
     """Whether the bytes begin a descriptor frame (checked no further: decode it to check)."""
-    mv = memoryview(buf).cast("B")
+    mv = _as_bytes_view(buf)
     at = wire.HEADER_OFFSETS["frame_flags"]
     return mv.nbytes > at and mv[:4] == wire.MAGIC and bool(mv[at] & FLAG_DETACHED_PAYLOAD)
 
