@@ -88,16 +88,16 @@ def test_open_link_sets_up_either_end(transport, kind):
     hello = Hello(fingerprint="fp", stage_from=0, stage_to=1)
     with tcp.listen(hello=hello) as lis:
         box = {}
-        t = threading.Thread(target=lambda: box.update(ch=open_link(transport, hello=hello, listener=lis, timeout=10)))
+        t = threading.Thread(target=lambda: box.update(ch=open_link(transport, hello=hello, listener=lis, timeout=None)))
         t.start()
-        sender = open_link(transport, hello=hello, host=lis.address[0], port=lis.address[1], timeout=10,
-                           slot_bytes=4096, num_slots=2)  # fmt: skip
-        t.join(10)
+        sender = open_link(transport, hello=hello, host=lis.address[0], port=lis.address[1], slot_bytes=4096,
+                           num_slots=2)  # fmt: skip
+        t.join()
     receiver = box["ch"]
     with sender, receiver:
         assert isinstance(sender, kind) and isinstance(receiver, kind)
         sender.send(Frame(step_kind=StepKind.DECODE, step_id=3, tensors={"hidden": torch.arange(4.0)}))
-        assert torch.equal(receiver.recv(timeout=10).tensors["hidden"], torch.arange(4.0))
+        assert torch.equal(receiver.recv().tensors["hidden"], torch.arange(4.0))
 
 
 def test_unknown_link_transports_are_refused():
