@@ -171,7 +171,7 @@ PyObject* py_frame_head(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   uint64_t head_bytes = 0;
   const auto control_bytes = static_cast<uint64_t>(PyBytes_GET_SIZE(args[1]));
   if (!gather(*s, args[0], flags, &g) ||
-      !w::plan_frame(&g.header, g.rows.data(), g.rows.size(), g.tensors, g.num_tensors, control_bytes, &head_bytes))
+      !w::plan_frame(&g.header, g.rows.size(), g.tensors, g.num_tensors, control_bytes, &head_bytes))
     return decline();
   for (size_t i = 0; i < g.num_tensors; ++i)
     if (g.tensors[i].nbytes > 0 && g.spans[i].data == nullptr && !(flags & w::kFlagDetachedPayload)) return decline();

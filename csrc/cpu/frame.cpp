@@ -79,8 +79,8 @@ bool shape_fields(const uint32_t* dims, uint32_t ndim, uint64_t out[3]) {
 
 // ---- encoding -----------------------------------------------------------------------------
 
-bool plan_frame(Header* h, const Row* /*rows*/, size_t num_rows, Tensor* tensors, size_t num_tensors,
-                uint64_t control_bytes, uint64_t* head_bytes) {
+bool plan_frame(Header* h, size_t num_rows, Tensor* tensors, size_t num_tensors, uint64_t control_bytes,
+                uint64_t* head_bytes) {
   if (num_rows > kMaxRows || num_tensors > kMaxTensors || control_bytes > kMaxControlBytes) return false;
   uint64_t offset = 0;
   for (size_t i = 0; i < num_tensors; ++i) {

@@ -156,8 +156,8 @@ bool shape_fields(const uint32_t* dims, uint32_t ndim, uint64_t out[3]);
 // payload_bytes, and each tensor's offset and nbytes. *head_bytes = the bytes before the
 // payload (header, tables, control, padding). False when a value is outside the wire's
 // ranges (a count above its maximum, a dimension product that overflows, a batch above u32).
-bool plan_frame(Header* h, const Row* rows, size_t num_rows, Tensor* tensors, size_t num_tensors,
-                uint64_t control_bytes, uint64_t* head_bytes);
+bool plan_frame(Header* h, size_t num_rows, Tensor* tensors, size_t num_tensors, uint64_t control_bytes,
+                uint64_t* head_bytes);
 
 // Write header, tables, control and padding into out[0, head_bytes) (the checksum field as
 // h.checksum; plan_frame's caller leaves it 0 and stores the CRC later).
