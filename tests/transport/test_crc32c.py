@@ -19,8 +19,9 @@ PATHS = [
     pytest.param("hardware", marks=pytest.mark.skipif(
         HARDWARE is None, reason="this CPU has no CRC32C instruction (SSE4.2 / ARMv8 CRC); the software path is tested")),
 ]  # fmt: skip
-# Around the lane lengths (256 B, 8 KB, 128 KB lanes; blocks of three) and beyond.
-BOUNDARIES = [767, 768, 769, 768 * 2 + 7, 24575, 24576, 24577, 3 * 131072 - 1, 3 * 131072, 3 * 131072 + 9]
+# Around the lane lengths (64 B, 256 B, 2 KB, 8 KB, 128 KB lanes; blocks of three) and beyond.
+BOUNDARIES = [191, 192, 193, 767, 768, 769, 768 * 2 + 7, 6143, 6144, 6145, 8192 + 80, 24575, 24576, 24577,
+              3 * 131072 - 1, 3 * 131072, 3 * 131072 + 9]
 DATA = random.Random(7).randbytes(4 << 20)
 
 

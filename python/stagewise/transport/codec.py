@@ -38,7 +38,7 @@ _FRAME_FIELDS = ("step_kind", "request_id", "step_id", "microbatch", "stage_from
                  "layout", "rows", "tensors", "control", "batch", "seq", "hidden_size", "dtype", "payload_bytes",
                  "checksum")  # fmt: skip
 if tuple(f.name for f in dataclasses.fields(Frame))[: len(_FRAME_FIELDS)] != _FRAME_FIELDS:
-    raise ImportError("stagewise.transport.codec: Frame's fields moved; decode_fast builds it positionally")
+    raise ImportError("stagewise.transport.codec: Frame's fields moved; decode_frame builds it positionally")
 _C.frame_setup(Row, tuple(RowFlags(v) for v in range(wire.ROW_FLAG_BITS + 1)), torch.Tensor,
                {d.to_torch(): int(d) for d in WireDType}, _WIRE_DTYPES)  # fmt: skip
 
@@ -180,7 +180,7 @@ def encode_frame_into(frame: Frame, buffer, *, checksum: bool = True) -> int:
 
 
 def _as_bytes_view(buf) -> memoryview:
-    if type(buf) is memoryview and buf.ndim == 1 and buf.format == "B":
+    if type(buf) is memoryview and buf.ndim == 1 and buf.itemsize == 1:
         return buf
     if isinstance(buf, torch.Tensor):
         if buf.dtype != torch.uint8 or buf.device.type != "cpu" or not buf.is_contiguous():
@@ -203,48 +203,6 @@ _readonly_warned = False
 with that warning silenced (the caller was told not to write the views)."""
 
 
-def decode_fast(buf, *, verify_checksum: bool = True, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-                copy: bool = True, payload: torch.Tensor | None = None) -> Frame | None:  # fmt: skip
-    """The fast path alone: the frame, or None when it declines (any check fails)."""
-    if payload is not None:
-        _check_payload(payload)
-    return _decode_fast(_as_bytes_view(buf), verify_checksum, max_payload_bytes, copy, payload)
-
-
-def _decode_fast(mv: memoryview, verify_checksum: bool, max_payload_bytes: int, copy: bool, payload) -> Frame | None:
-    global _readonly_warned
-    parsed = _C.frame_parse(mv, max_payload_bytes, verify_checksum)
-    if parsed is None:
-        return None
-    (kind, dtype, layout, flags, stage_from, stage_to, microbatch, request_id, step_id, batch, seq, hidden,
-     token_index, payload_at, payload_bytes, checksum, rows, specs, control_at, control_len) = parsed  # fmt: skip
-    detached = flags & FLAG_DETACHED_PAYLOAD
-    if bool(detached) != (payload is not None) or (detached and payload_bytes > payload.numel()):
-        return None
-    try:
-        control = reference.decode_control(mv[control_at : control_at + control_len]) if control_len else None
-    except ValueError:  # FrameError: the reference names it, after the checks that come first
-        return None
-    tensors = {}
-    for name, code, shape, offset, numel in specs:
-        if detached:
-            tensors[name] = reference.tensor_in(payload, offset, _WIRE_DTYPES[code], shape, copy)
-        elif copy or numel == 0:
-            tensors[name] = reference.tensor_from(mv, payload_at + offset, _WIRE_DTYPES[code], shape, copy)
-        else:
-            if mv.readonly and (not _readonly_warned or torch.is_warn_always_enabled()):
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)
-                    t = torch.frombuffer(mv, dtype=_TORCH_DTYPES[code], count=numel, offset=payload_at + offset)
-                _readonly_warned = True
-            else:
-                t = torch.frombuffer(mv, dtype=_TORCH_DTYPES[code], count=numel, offset=payload_at + offset)
-            tensors[name] = t if len(shape) == 1 else t.view(*shape) if shape else t.view(())
-    return Frame(_STEP_KINDS[kind], request_id, step_id, microbatch, stage_from, stage_to, token_index,
-                 _LAYOUTS[layout], rows, tensors, control, batch, seq, hidden, _WIRE_DTYPES[dtype], payload_bytes,
-                 checksum)  # fmt: skip
-
-
 def decode_frame(buf, *, verify_checksum: bool = True, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
                  copy: bool = True, payload: torch.Tensor | None = None) -> Frame:  # fmt: skip
     """Parse and validate one whole frame; raise :class:`FrameError` naming the bad field.
@@ -254,11 +212,55 @@ def decode_frame(buf, *, verify_checksum: bool = True, max_payload_bytes: int = 
     ``payload``: for a descriptor frame (:func:`encode_descriptor`), the memory its tensors lie
     in, a 1-D uint8 tensor on any device (a ring slot); the tensors are views of it unless
     ``copy``. A descriptor without ``payload``, or ``payload`` with a whole frame, is refused."""
+    global _readonly_warned
+    # The fast path inline (this runs once per frame on every link; a call costs ~0.1 us here).
+    mv = buf if type(buf) is memoryview and buf.ndim == 1 and buf.itemsize == 1 else _as_bytes_view(buf)
     if payload is not None:
         _check_payload(payload)
-    mv = buf if type(buf) is memoryview and buf.ndim == 1 and buf.format == "B" else _as_bytes_view(buf)
-    frame = _decode_fast(mv, verify_checksum, max_payload_bytes, copy, payload)
-    if frame is None:  # some check failed (or an unusual argument): the reference raises the precise error
-        return reference.decode(mv, verify_checksum=verify_checksum, max_payload_bytes=max_payload_bytes, copy=copy,
-                                payload=payload)  # fmt: skip
-    return frame
+    parsed = _C.frame_parse(mv, max_payload_bytes, verify_checksum)
+    if parsed is None:  # some check failed (or an unusual argument): the reference raises the precise error
+        return _reference_decode(mv, verify_checksum, max_payload_bytes, copy, payload)
+    (kind, dtype, layout, flags, stage_from, stage_to, microbatch, request_id, step_id, batch, seq, hidden,
+     token_index, payload_at, payload_bytes, checksum, rows, specs, control_at, control_len) = parsed  # fmt: skip
+    detached = flags & FLAG_DETACHED_PAYLOAD
+    if detached or payload is not None:
+        if not detached or payload is None or payload_bytes > payload.numel():
+            return _reference_decode(mv, verify_checksum, max_payload_bytes, copy, payload)
+    control = _control(mv[control_at : control_at + control_len]) if control_len else None
+    if control is _BAD_CONTROL:
+        return _reference_decode(mv, verify_checksum, max_payload_bytes, copy, payload)
+    tensors = {}
+    for name, code, shape, offset, numel in specs:
+        if detached:
+            tensors[name] = reference.tensor_in(payload, offset, _WIRE_DTYPES[code], shape, copy)
+            continue
+        if copy or numel == 0:
+            tensors[name] = reference.tensor_from(mv, payload_at + offset, _WIRE_DTYPES[code], shape, copy)
+            continue
+        if mv.readonly and (not _readonly_warned or torch.is_warn_always_enabled()):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                t = torch.frombuffer(mv, dtype=_TORCH_DTYPES[code], count=numel, offset=payload_at + offset)
+            _readonly_warned = True
+        else:
+            t = torch.frombuffer(mv, dtype=_TORCH_DTYPES[code], count=numel, offset=payload_at + offset)
+        tensors[name] = t if len(shape) == 1 else t.view(*shape) if shape else t.view(())
+    return Frame(_STEP_KINDS[kind], request_id, step_id, microbatch, stage_from, stage_to, token_index,
+                 _LAYOUTS[layout], rows, tensors, control, batch, seq, hidden, _WIRE_DTYPES[dtype], payload_bytes,
+                 checksum)  # fmt: skip
+
+
+_BAD_CONTROL = object()
+
+
+def _control(mv: memoryview):
+    """The control JSON, or _BAD_CONTROL (the reference names the error, after the checks before it)."""
+    try:
+        return reference.decode_control(mv)
+    except ValueError:
+        return _BAD_CONTROL
+
+
+def _reference_decode(mv: memoryview, verify_checksum: bool, max_payload_bytes: int, copy: bool, payload) -> Frame:
+    return reference.decode(mv, verify_checksum=verify_checksum, max_payload_bytes=max_payload_bytes, copy=copy,
+                            payload=payload)  # fmt: skip
