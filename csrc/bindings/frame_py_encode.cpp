@@ -205,9 +205,10 @@ PyObject* py_frame_head(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // frame_fill(out, head, sources, checksum) -> checksum: the frame whose head and sources
 // frame_head returned (checksum field 0), the tensor bytes at the sources' addresses (memory
 // the caller keeps alive). With `checksum`, the CRC32C is computed from the head and the
-// tensors' own memory (not from `out`, whose cache lines may still be on the reader's core)
-// and stored in the head when it is writable. With `out` (a writable buffer, or None), the
-// frame is written there. Returns the checksum, 0 without one.
+// tensors' own memory as they are read for the copy (never read back from `out`, whose cache
+// lines may still be on the reader's core) and stored in the head when it is writable. With
+// `out` (a writable buffer, or None), the frame is written there. Returns the checksum, 0
+// without one.
 PyObject* py_frame_fill(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 4 || !PyList_Check(args[2])) {
     PyErr_SetString(PyExc_TypeError, "stagewise.frame_fill: expected (out or None, head, sources list, checksum)");
@@ -256,15 +257,16 @@ PyObject* py_frame_fill(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   const uint64_t checksum_at = w::at(w::kHChecksum);
   uint64_t crc = 0;
-  if (want_checksum) {
-    crc = w::frame_checksum(h, head_bytes, spans, static_cast<size_t>(count));
-    if (!head.view.readonly) std::memcpy(h + checksum_at, &crc, 8);
-  }
-  if (o != nullptr) {
+  if (o != nullptr && want_checksum) {  // one pass: the tensors are checksummed as they are copied
+    crc = w::write_frame_checksummed(h, head_bytes, spans, static_cast<size_t>(count), o);
+  } else if (o != nullptr) {
     std::memcpy(o, h, head_bytes);
-    std::memcpy(o + checksum_at, &crc, 8);
     w::write_payload(spans, static_cast<size_t>(count), o + head_bytes);
+  } else if (want_checksum) {
+    crc = w::frame_checksum(h, head_bytes, spans, static_cast<size_t>(count));
   }
+  if (o != nullptr) std::memcpy(o + checksum_at, &crc, 8);
+  if (want_checksum && !head.view.readonly) std::memcpy(h + checksum_at, &crc, 8);
   return PyLong_FromUnsignedLongLong(crc);
 }
 

@@ -56,6 +56,8 @@ uint64_t load64(const uint8_t* p) {
   return w;
 }
 
+void store64(uint8_t* p, uint64_t w) { std::memcpy(p, &w, 8); }
+
 // ---- software: slicing by 8 --------------------------------------------------------------
 
 uint32_t software_update(uint32_t s, const uint8_t* p, size_t n) {
@@ -155,48 +157,76 @@ const char* detect_hardware() {
 #endif
 
 #if defined(SW_CRC_TARGET)
-// Blocks of three lanes of `lane` bytes, while they last; returns the register after them.
-SW_CRC_TARGET inline uint32_t hw_three_lanes(uint32_t s, const uint8_t*& p, size_t& n, size_t lane,
+// Blocks of three lanes of `lane` bytes, while they last; returns the register after them. With
+// kCopy, each word is also stored at the same offset from d (checksum while copying: one read).
+template <bool kCopy>
+SW_CRC_TARGET inline uint32_t hw_three_lanes(uint32_t s, const uint8_t*& p, uint8_t*& d, size_t& n, size_t lane,
                                              const Shift& shift) {
-  for (; n >= 3 * lane; n -= 3 * lane, p += 3 * lane) {
+  for (; n >= 3 * lane; n -= 3 * lane, p += 3 * lane, d += kCopy ? 3 * lane : 0) {
     uint32_t a = s, b = 0, c = 0;
     const uint8_t* pb = p + lane;
     const uint8_t* pc = p + 2 * lane;
     for (size_t i = 0; i < lane; i += 16) {  // lanes are multiples of 16 bytes
-      a = hw_step64(a, load64(p + i));
-      b = hw_step64(b, load64(pb + i));
-      c = hw_step64(c, load64(pc + i));
-      a = hw_step64(a, load64(p + i + 8));
-      b = hw_step64(b, load64(pb + i + 8));
-      c = hw_step64(c, load64(pc + i + 8));
+      const uint64_t wa0 = load64(p + i), wb0 = load64(pb + i), wc0 = load64(pc + i);
+      const uint64_t wa1 = load64(p + i + 8), wb1 = load64(pb + i + 8), wc1 = load64(pc + i + 8);
+      if constexpr (kCopy) {
+        store64(d + i, wa0);
+        store64(d + lane + i, wb0);
+        store64(d + 2 * lane + i, wc0);
+        store64(d + i + 8, wa1);
+        store64(d + lane + i + 8, wb1);
+        store64(d + 2 * lane + i + 8, wc1);
+      }
+      a = hw_step64(a, wa0);
+      b = hw_step64(b, wb0);
+      c = hw_step64(c, wc0);
+      a = hw_step64(a, wa1);
+      b = hw_step64(b, wb1);
+      c = hw_step64(c, wc1);
     }
     s = shift(shift(a) ^ b) ^ c;
   }
   return s;
 }
 
-SW_CRC_TARGET uint32_t hardware_update(uint32_t s, const uint8_t* p, size_t n) {
-  if (n >= 3 * kHugeLane) s = hw_three_lanes(s, p, n, kHugeLane, shift_over<kHugeLane>());
-  if (n >= 3 * kLongLane) s = hw_three_lanes(s, p, n, kLongLane, shift_over<kLongLane>());
-  if (n >= 3 * kMidLane) s = hw_three_lanes(s, p, n, kMidLane, shift_over<kMidLane>());
-  if (n >= 3 * kShortLane) s = hw_three_lanes(s, p, n, kShortLane, shift_over<kShortLane>());
-  if (n >= 3 * kTinyLane) s = hw_three_lanes(s, p, n, kTinyLane, shift_over<kTinyLane>());
+template <bool kCopy>
+SW_CRC_TARGET uint32_t hardware_pass(uint32_t s, const uint8_t* p, uint8_t* d, size_t n) {
+  if (n >= 3 * kHugeLane) s = hw_three_lanes<kCopy>(s, p, d, n, kHugeLane, shift_over<kHugeLane>());
+  if (n >= 3 * kLongLane) s = hw_three_lanes<kCopy>(s, p, d, n, kLongLane, shift_over<kLongLane>());
+  if (n >= 3 * kMidLane) s = hw_three_lanes<kCopy>(s, p, d, n, kMidLane, shift_over<kMidLane>());
+  if (n >= 3 * kShortLane) s = hw_three_lanes<kCopy>(s, p, d, n, kShortLane, shift_over<kShortLane>());
+  if (n >= 3 * kTinyLane) s = hw_three_lanes<kCopy>(s, p, d, n, kTinyLane, shift_over<kTinyLane>());
+  if constexpr (kCopy) std::memcpy(d, p, n);
   for (; n >= 8; n -= 8, p += 8) s = hw_step64(s, load64(p));
   for (; n > 0; --n) s = hw_step8(s, *p++);
   return s;
 }
+
+uint32_t hardware_update(uint32_t s, const uint8_t* p, size_t n) { return hardware_pass<false>(s, p, nullptr, n); }
+
+uint32_t hardware_copy(uint32_t s, const uint8_t* p, uint8_t* d, size_t n) { return hardware_pass<true>(s, p, d, n); }
 #endif
 
+uint32_t software_copy(uint32_t s, const uint8_t* p, uint8_t* d, size_t n) {
+  std::memcpy(d, p, n);
+  return software_update(s, p, n);
+}
+
 using Update = uint32_t (*)(uint32_t, const uint8_t*, size_t);
+using Copy = uint32_t (*)(uint32_t, const uint8_t*, uint8_t*, size_t);
 
 struct Paths {
   const char* hardware_name = nullptr;
   Update best = software_update;
+  Copy best_copy = software_copy;
 
   Paths() {
 #if defined(SW_CRC_TARGET)
     hardware_name = detect_hardware();
-    if (hardware_name != nullptr) best = hardware_update;
+    if (hardware_name != nullptr) {
+      best = hardware_update;
+      best_copy = hardware_copy;
+    }
 #endif
   }
 };
@@ -216,6 +246,17 @@ uint32_t crc32c_extend_with(Crc32cPath path, uint32_t crc, const void* data, siz
   const auto* p = static_cast<const uint8_t*>(data);
   if (path == Crc32cPath::kSoftware) return ~software_update(~crc, p, n);
   return ~paths().best(~crc, p, n);  // kAuto, and kHardware (software where there is none)
+}
+
+uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t n) {
+  return ~paths().best_copy(~crc, static_cast<const uint8_t*>(src), static_cast<uint8_t*>(dst), n);
+}
+
+uint32_t crc32c_copy_with(Crc32cPath path, uint32_t crc, void* dst, const void* src, size_t n) {
+  const auto* p = static_cast<const uint8_t*>(src);
+  auto* d = static_cast<uint8_t*>(dst);
+  if (path == Crc32cPath::kSoftware) return ~software_copy(~crc, p, d, n);
+  return ~paths().best_copy(~crc, p, d, n);
 }
 
 const char* crc32c_hardware() { return paths().hardware_name; }

@@ -155,10 +155,18 @@ void write_head(const Header& h, const Row* rows, const Tensor* tensors, const u
   if (h.control_bytes > 0) std::memcpy(q, control, h.control_bytes);
 }
 
+namespace {
+
+// CRC32C of the head with its checksum field read as zero.
+uint32_t head_checksum(const uint8_t* head, uint64_t head_bytes) {
+  const uint32_t crc = crc32c_extend(crc32c_extend(0, head, kChecksumAt), kZeros, 8);
+  return crc32c_extend(crc, head + kHeaderBytes, head_bytes - kHeaderBytes);
+}
+
+}  // namespace
+
 uint32_t frame_checksum(const uint8_t* head, uint64_t head_bytes, const Span* spans, size_t num_spans) {
-  uint32_t crc = crc32c_extend(0, head, kChecksumAt);
-  crc = crc32c_extend(crc, kZeros, 8);
-  crc = crc32c_extend(crc, head + kHeaderBytes, head_bytes - kHeaderBytes);
+  uint32_t crc = head_checksum(head, head_bytes);
   uint64_t pos = 0;
   for (size_t i = 0; i < num_spans; ++i) {
     const uint64_t start = align_up(pos);
@@ -178,6 +186,24 @@ uint64_t write_payload(const Span* spans, size_t num_spans, uint8_t* out) {
     pos = start + spans[i].nbytes;
   }
   return pos;
+}
+
+uint32_t write_frame_checksummed(const uint8_t* head, uint64_t head_bytes, const Span* spans, size_t num_spans,
+                                 uint8_t* out) {
+  std::memcpy(out, head, head_bytes);
+  uint32_t crc = head_checksum(head, head_bytes);
+  uint8_t* payload = out + head_bytes;
+  uint64_t pos = 0;
+  for (size_t i = 0; i < num_spans; ++i) {
+    const uint64_t start = align_up(pos);
+    if (start > pos) {
+      std::memset(payload + pos, 0, start - pos);
+      crc = crc32c_extend(crc, kZeros, start - pos);
+    }
+    if (spans[i].nbytes > 0) crc = crc32c_copy(crc, payload + start, spans[i].data, spans[i].nbytes);
+    pos = start + spans[i].nbytes;
+  }
+  return crc;
 }
 
 // ---- decoding -----------------------------------------------------------------------------

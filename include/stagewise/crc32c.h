@@ -27,6 +27,11 @@ uint32_t crc32c_extend(uint32_t crc, const void* data, size_t n);
 // error (check crc32c_hardware() first): it falls back to software rather than crash.
 uint32_t crc32c_extend_with(Crc32cPath path, uint32_t crc, const void* data, size_t n);
 
+// crc32c_extend over src[0, n) that also copies it to dst (the regions must not overlap): one
+// pass over the bytes, for a sender that checksums a tensor while writing it into a ring slot.
+uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t n);
+uint32_t crc32c_copy_with(Crc32cPath path, uint32_t crc, void* dst, const void* src, size_t n);
+
 // The hardware path this CPU runs ("sse4.2", "armv8-crc"), or nullptr where it has none.
 const char* crc32c_hardware();
 

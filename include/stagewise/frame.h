@@ -172,6 +172,12 @@ uint32_t frame_checksum(const uint8_t* head, uint64_t head_bytes, const Span* sp
 // Write the payload of `spans` into out (64-aligned offsets, zero gaps); returns its bytes.
 uint64_t write_payload(const Span* spans, size_t num_spans, uint8_t* out);
 
+// Write the whole frame, head then payload, into out and return frame_checksum's value; the
+// payload is checksummed while it is copied (each byte read once). out's checksum field is
+// written as it is in head.
+uint32_t write_frame_checksummed(const uint8_t* head, uint64_t head_bytes, const Span* spans, size_t num_spans,
+                                 uint8_t* out);
+
 // ---- decoding ---------------------------------------------------------------------------
 
 struct Parsed {

@@ -1,6 +1,7 @@
 """The frame checksum: the extension's CRC32C (include/stagewise/crc32c.h) on each of its paths
 against the standard check value and the `crc32c` package, over every length up to 300 bytes,
-odd alignments, the lane boundaries of the three-stream hardware loop and large buffers."""
+odd alignments, the lane boundaries of the three-stream hardware loop and large buffers; and its
+checksum-while-copying variant (what the frame encoder writes ring slots with)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,20 @@ def test_continuing_from_a_previous_crc(path):
         crc = _C.crc32c(c, _C.crc32c(b, _C.crc32c(a, path=path), path=path), path=path)
         assert crc == crc32c.crc32c(DATA[:100_000])
     assert checksum.digest([a, b, c]) == checksum.reference_digest([a, b, c]) == crc
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_checksum_while_copying(path):
+    for n in [*range(0, 301, 7), *BOUNDARIES]:
+        for src_off, dst_off in ((0, 0), (1, 3), (5, 0)):
+            src = memoryview(DATA)[src_off : src_off + n]
+            dst = bytearray(n + 16)
+            crc = _C.crc32c_copy(memoryview(dst)[dst_off:], src, 7, path=path)
+            assert crc == crc32c.crc32c(src, 7), (n, src_off, dst_off)
+            assert dst[dst_off : dst_off + n] == src and dst[:dst_off] == bytes(dst_off)
+            assert dst[dst_off + n :] == bytes(16 - dst_off)  # nothing written past the copy
+    with pytest.raises(ValueError, match="'dst' has 3 bytes, 'src' 4"):
+        _C.crc32c_copy(bytearray(3), b"abcd", path=path)
 
 
 def test_bad_arguments_are_named():
