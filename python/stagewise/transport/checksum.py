@@ -2,9 +2,10 @@
 
 CRC32C (the Castagnoli CRC of iSCSI and ext4) because CPUs compute it in hardware: the
 extension's implementation (``include/stagewise/crc32c.h``; the SSE4.2 or ARMv8 CRC
-instruction on three interleaved streams, a table-driven loop elsewhere) runs at about 28 GB/s
-on one core of the development machine (AMD EPYC) for data in cache and 23 GB/s from memory,
-so checksummed frames cost little more than unchecksummed ones. :func:`digest` is that C++
+instruction on three interleaved streams, a table-driven loop elsewhere) runs at about 27 GB/s
+on one core of the development machine (AMD EPYC) for data in cache and 20-24 GB/s from memory
+(``bench/results/*-transport.md``), and the frame encoder checksums tensors while it copies them
+into a ring slot, so checksummed frames cost little more than unchecksummed ones. :func:`digest` is that C++
 code; :func:`reference_digest` is the maintained ``crc32c`` package, the independent reference
 the tests hold the C++ to and the codec's Python reference uses.
 """
