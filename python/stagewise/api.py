@@ -119,6 +119,9 @@ class Pipeline:
             plan = self._local_plan(model, stages, dev, dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                     kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens, quantized=quantized,
                                     linear_precision=linear_precision, **pipeline_options)
+            from stagewise.pipeline.links import hop_transports
+
+            hop_transports(plan)  # a transport a hop cannot use: said before any process starts
             procs, addresses = spawn_stages(plan, auth_token=pipeline_options.get("auth_token"))
             try:
                 self._drive(plan, addresses, auth_token=pipeline_options.get("auth_token"), processes=procs)

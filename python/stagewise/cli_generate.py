@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from stagewise.transport.select import TRANSPORTS
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
@@ -28,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pp.add_argument("--stages", type=int, default=1, metavar="S", help="pipeline stages, one process each")
     pp.add_argument("--partition", default="even", metavar="P",
                     help="even | ceil | balanced | explicit ranges such as 0-10,10-22,22-30")
-    pp.add_argument("--transport", default="auto", choices=["auto", "tcp", "shm", "cuda-ipc", "torch"],
-                    help="how stages pass activations (auto: shared memory / CUDA IPC on one host)")
+    pp.add_argument("--transport", default="auto", choices=TRANSPORTS,
+                    help="how stages pass activations (auto: shared memory on one host, tcp across hosts)")
     pp.add_argument("--no-checksum", action="store_true", help="skip frame checksums (on by default)")
     pp.add_argument("--auth-token", default=None, metavar="TOKEN",
                     help="shared secret for stage connections (default: $STAGEWISE_AUTH_TOKEN)")

@@ -145,8 +145,7 @@ def test_op_is_registered_with_a_fake(name):
 
 
 def test_every_registered_op_is_public():
-    from stagewise.transport.cuda_ipc import CUDA_IPC_OPS
-    from stagewise.transport.shm import RING_OPS
+    from stagewise.transport.rings import CUDA_IPC_OPS, RING_OPS
 
     registered = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("stagewise::")}
     # The transport's ring ops act on shared memory, not in graphs: stagewise.transport is their face.

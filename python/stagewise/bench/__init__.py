@@ -22,6 +22,7 @@ import torch
 
 from stagewise.bench import kernels, report
 from stagewise.bench.timing import TimingPolicy, copy_bandwidth, time_fn
+from stagewise.transport.select import TRANSPORTS
 
 SUITES = ("kernels", "e2e", "transport", "profile")
 
@@ -54,10 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="e2e: run the pipeline with these stage counts instead (batch 1 and S x 4 requests)")
     e2e_args.add_argument("--pipeline-partition", dest="partition", default="balanced",
                           help="e2e --stages: the partition policy (default: balanced)")
-    e2e_args.add_argument("--pipeline-transport", dest="transport", default="auto",
+    e2e_args.add_argument("--pipeline-transport", dest="transport", default="auto", choices=TRANSPORTS,
                           help="e2e --stages: the transport between stages (default: auto)")
     transport_args = parser.add_argument_group("transport")
-    transport_args.add_argument("--transports", default=None, help="transport: comma-separated subset of tcp,torch (default: all)")
+    transport_args.add_argument("--transports", default=None,
+                                help="transport: comma-separated subset of tcp,shm,torch (default: all)")
 
 
 def _policy(args, device: str) -> TimingPolicy:

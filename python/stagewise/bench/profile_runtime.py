@@ -266,11 +266,12 @@ def background_load(seconds: float = 1.0, samples: int = 50) -> float:
 def _link_peer(kind: str, port: int, conn) -> None:
     """The receiving end: reports one-way times (receive time minus the frame's send stamp)."""
     torch.set_num_threads(1)
-    from stagewise.transport import Hello, shm_channel, tcp
+    from stagewise.transport import Hello, tcp
+    from stagewise.transport.rings import upgrade_accepted
 
     hello = Hello(fingerprint="bench/profile", stage_from=0, stage_to=1)
     ch = tcp.connect("127.0.0.1", port, hello=hello, timeout=60)
-    ch = shm_channel.upgrade_accepted(ch)  # continues on the transport the other end names
+    ch = upgrade_accepted(ch)  # continues on the transport the other end names
     times: dict[int, list[float]] = {}
     while True:
         f = ch.recv(timeout=60)
@@ -285,7 +286,8 @@ def _link_peer(kind: str, port: int, conn) -> None:
 
 def measure_link(kind: str) -> dict:
     """One-way time of frames of :data:`LINK_SIZES` bytes over the pipeline's ``kind`` link."""
-    from stagewise.transport import Frame, Hello, StepKind, shm_channel, tcp
+    from stagewise.transport import Frame, Hello, StepKind, tcp
+    from stagewise.transport.rings import upgrade_dialled
 
     hello = Hello(fingerprint="bench/profile", stage_from=0, stage_to=1)
     lis = tcp.listen(hello=hello)
@@ -293,7 +295,7 @@ def measure_link(kind: str) -> dict:
     proc = mp.get_context("spawn").Process(target=_link_peer, args=(kind, lis.address[1], child), daemon=True)
     proc.start()
     try:
-        ch = shm_channel.upgrade_dialled(lis.accept(120), kind)
+        ch = upgrade_dialled(lis.accept(120), kind)
         lis.close()
         for n in LINK_SIZES:
             hidden = torch.randn(n // 4 // 64, 64)

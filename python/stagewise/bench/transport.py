@@ -12,7 +12,8 @@ Frames carry one bfloat16 "hidden" tensor of the given size, like a decode or pr
   the 4 frames over the median time of that burst.
 
 Both with the checksum on (computed by the sender, verified by the receiver) and off. The copy
-bandwidth of this machine and the checksum's own rate are measured in the same run, as ceilings.
+bandwidth of this machine and the checksum's own rate (the extension's CRC32C, which the links
+use, beside the ``crc32c`` package, the Python codec's reference) are measured in the same run.
 """
 
 from __future__ import annotations
@@ -77,15 +78,15 @@ SHM_SLOT_BYTES = (64 << 20) + (1 << 20)
 def _shm_pair(port: int | None, check: bool):
     """Peer side (``port`` given): dial the bench's listener for the ring towards it, then accept
     the bench's ring towards this side. Bench side: the reverse."""
-    from stagewise.transport import shm_channel
+    from stagewise.transport.rings import open_link
 
     opts = dict(checksum=check, verify_checksum=check)
     if port is not None:
-        out = shm_channel.open_channel(hello=HELLO, host="127.0.0.1", port=port, slot_bytes=SHM_SLOT_BYTES,
-                                       num_slots=WINDOW + 1, timeout=60, **opts)
+        out = open_link("shm", hello=HELLO, host="127.0.0.1", port=port, slot_bytes=SHM_SLOT_BYTES,
+                        num_slots=WINDOW + 1, timeout=60, **opts)
         lis = tcp.listen(hello=HELLO, **opts)
         out.send(Frame(step_kind=StepKind.CONTROL, control={"port": lis.address[1]}))
-        inn = shm_channel.open_channel(hello=HELLO, listener=lis, timeout=60, **opts)
+        inn = open_link("shm", hello=HELLO, listener=lis, timeout=60, **opts)
         lis.close()
         return _Duplex(out, inn)
     raise ValueError("_shm_pair: the bench side is _start_shm")
@@ -144,17 +145,17 @@ def _start_torch(check: bool):
 def _start_shm(check: bool):
     import multiprocessing as mp
 
-    from stagewise.transport import shm_channel
+    from stagewise.transport.rings import open_link
 
     opts = dict(checksum=check, verify_checksum=check)
     lis = tcp.listen(hello=HELLO, **opts)
     proc = mp.get_context("spawn").Process(target=_peer, args=("shm", lis.address[1], check), daemon=True)
     proc.start()
-    inn = shm_channel.open_channel(hello=HELLO, listener=lis, timeout=120, **opts)
+    inn = open_link("shm", hello=HELLO, listener=lis, timeout=120, **opts)
     lis.close()
     port = inn.recv(60).control["port"]
-    out = shm_channel.open_channel(hello=HELLO, host="127.0.0.1", port=port, slot_bytes=SHM_SLOT_BYTES,
-                                   num_slots=WINDOW + 1, timeout=60, **opts)
+    out = open_link("shm", hello=HELLO, host="127.0.0.1", port=port, slot_bytes=SHM_SLOT_BYTES,
+                    num_slots=WINDOW + 1, timeout=60, **opts)
     return _Duplex(out, inn), proc
 
 
@@ -199,13 +200,14 @@ def measure(ch, nbytes: int, quick: bool) -> dict:
             "stream_gbps": WINDOW * nbytes / statistics.median(times) / 1e9, "repeats": len(rtts)}  # fmt: skip
 
 
-def checksum_gbps(nbytes: int = 64 << 20) -> float:
+def checksum_gbps(nbytes: int = 64 << 20, digest=checksum.digest) -> float:
+    """One core's checksum rate over ``nbytes`` from memory (median of 5; 64 MB does not fit a cache)."""
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy()
-    checksum.digest([data])
+    digest([data])
     t = []
     for _ in range(5):
         t0 = time.perf_counter()
-        checksum.digest([data])
+        digest([data])
         t.append(time.perf_counter() - t0)
     return nbytes / statistics.median(t) / 1e9
 
@@ -253,6 +255,8 @@ def run(args, log: Callable[[str], None]) -> int:
 
     copy_bw = copy_bandwidth("cpu", 1 << 28, TimingPolicy(warmup=2, min_repeats=5, max_repeats=20))
     hash_gbps = checksum_gbps()
+    hash_cached_gbps = checksum_gbps(1 << 20)
+    reference_gbps = checksum_gbps(digest=checksum.reference_digest)
     codec_cost = codec_us()
     log(f"{info['device_name']}: copy bandwidth {copy_bw['gbps']:.1f} GB/s, {checksum.NAME} {hash_gbps:.2f} GB/s, "
         f"8 KB frame encode {codec_cost['encode_on']:.1f} µs / decode {codec_cost['decode_on']:.1f} µs")
@@ -277,7 +281,9 @@ def run(args, log: Callable[[str], None]) -> int:
         r["pct_copy"] = 100 * r["stream_gbps"] / copy_bw["gbps"]
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{info['device']}-transport"
-    info.update(checksum=checksum.NAME, checksum_gbps=hash_gbps, load_average={"start": list(load_start), "end": list(os.getloadavg())})
+    info.update(checksum=checksum.NAME, checksum_isa=checksum.hardware() or "software", checksum_gbps=hash_gbps,
+                checksum_cached_gbps=hash_cached_gbps, checksum_reference_gbps=reference_gbps,
+                load_average={"start": list(load_start), "end": list(os.getloadavg())})  # fmt: skip
     stem.with_suffix(".json").write_text(json.dumps({"machine": info, "copy_bandwidth": copy_bw, "codec_us": codec_cost,
                                                      "rows": rows}, indent=2) + "\n")  # fmt: skip
     md = _markdown(info, copy_bw, rows, codec_cost)
@@ -297,8 +303,10 @@ def _markdown(info: dict, copy_bw: dict, rows: list[dict], codec_cost: dict | No
         f"Machine: {info['device_name']} ({info['device']}), {info['cpu_count']} CPUs, "
         f"{info['torch_threads']} torch threads; torch {info['torch']}  ",
         f"Date (UTC): {info['date_utc']}; commit: {info['git_commit'] or 'unknown'}  ",
-        f"Copy bandwidth (read + write): {copy_bw['gbps']:.1f} GB/s; checksum {info['checksum']}: "
-        f"{info['checksum_gbps']:.2f} GB/s (one core)  ",
+        f"Copy bandwidth (read + write): {copy_bw['gbps']:.1f} GB/s; checksum {info['checksum']} "
+        f"({info.get('checksum_isa', '?')}), one core: {info['checksum_gbps']:.2f} GB/s from memory (64 MB), "
+        f"{info.get('checksum_cached_gbps', float('nan')):.2f} GB/s in cache (1 MB); the crc32c package "
+        f"{info.get('checksum_reference_gbps', float('nan')):.2f} GB/s  ",
         (f"Codec, one 8 KB frame in-process: encode into a slot {codec_cost['encode_on']:.1f} µs "
          f"({codec_cost['encode_off']:.1f} without checksum), decode as views {codec_cost['decode_on']:.1f} µs "
          f"({codec_cost['decode_off']:.1f})  " if codec_cost else ""),

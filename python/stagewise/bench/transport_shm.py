@@ -9,7 +9,7 @@
 
 Transports, measured side by side in one run:
 
-* ``shm``: :class:`~stagewise.transport.shm.ShmRing`; the sender copies the message into
+* ``shm``: :class:`~stagewise.transport.rings.ShmRing`; the sender copies the message into
   the slot, the receiver uses the slot in place (zero copy: what a pipeline stage does);
 * ``shm+copy``: the same, but the receiver also copies each message out (the work a socket
   receiver does; the strict comparison);
@@ -149,12 +149,12 @@ def _peer(plan: dict) -> None:
 
 def _open_peer_end(plan: dict):
     if plan["transport"].startswith("shm"):
-        from stagewise.transport.shm import ShmRing
+        from stagewise.transport.rings import ShmRing
 
         rx, tx = (ShmRing.attach(name, timeout=60) for name in plan["rings"])  # the driver's tx, rx
         if plan["transport"] == "shm/ops":
-            rx._use_torch_ops()
-            tx._use_torch_ops()
+            rx.use_torch_ops()
+            tx.use_torch_ops()
         return _RingEnd(tx=tx, rx=rx)
     if plan["transport"] == "tcp":
         sock = socket.create_connection(("127.0.0.1", plan["port"]))
@@ -172,13 +172,13 @@ class _Link:
         self.times: dict[int, tuple[list, list]] = {n: ([], []) for n in sizes}
         pass_fds, listener, theirs = (), None, None
         if transport.startswith("shm"):
-            from stagewise.transport.shm import ShmRing
+            from stagewise.transport.rings import ShmRing
 
             self.plan["rings"] = [ShmRing.unique_name("bench-shm") for _ in range(2)]
             rings = [ShmRing.create(nm, max(sizes), num_slots, spin_us=spin_us) for nm in self.plan["rings"]]
             if transport == "shm/ops":
                 for ring in rings:
-                    ring._use_torch_ops()
+                    ring.use_torch_ops()
             self.end = _RingEnd(tx=rings[0], rx=rings[1])
         elif transport == "tcp":
             listener = socket.create_server(("127.0.0.1", 0))

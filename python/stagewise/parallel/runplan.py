@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from stagewise.parallel.plan import PARTITION_POLICIES, StagePlan
-
-TRANSPORTS = ("auto", "tcp", "shm", "cuda-ipc", "torch")
+from stagewise.transport.select import TRANSPORTS
 PROTOCOL_VERSION = 1
 
 

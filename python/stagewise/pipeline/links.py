@@ -39,18 +39,18 @@ class LinkOptions:
 
 
 def hop_transports(plan: RunPlan) -> list[str]:
-    """The transport of each stage's outgoing hop (stage i -> i + 1, the last -> 0), the plan's
-    ``transport`` resolved per hop by :func:`stagewise.transport.select.resolve`."""
+    """The transport of each stage's outgoing hop (stage i -> i + 1, the last -> 0): the plan's
+    ``transport`` resolved per hop by the one rule, :func:`stagewise.transport.select.resolve`
+    (ValueError naming the hop for one it cannot use)."""
     n = plan.num_stages
     hops = []
     for i in range(n):
         a, b = plan.stages[i], plan.stages[(i + 1) % n]
-        cuda = a.device.startswith("cuda") and b.device.startswith("cuda")
-        hop = select.resolve(plan.transport, same_host=a.host == b.host, cuda=cuda)
-        if hop == "cuda-ipc" and (not cuda or a.host != b.host):
-            raise ValueError(f"run plan: transport 'cuda-ipc' needs every stage on a GPU of one host; stages {i} "
-                             f"({a.device} on {a.host}) and {(i + 1) % n} ({b.device} on {b.host}) are not")
-        hops.append(hop)
+        try:
+            hops.append(select.resolve(plan.transport, same_host=a.host == b.host,
+                                       cuda=a.device.startswith("cuda") and b.device.startswith("cuda")))
+        except ValueError as err:
+            raise ValueError(f"run plan: hop stage {a.index} -> {b.index}: {err}") from None
     return hops
 
 

@@ -1,8 +1,9 @@
-"""What a frame holds (seed 000 §3): the enums of the header, the row table, the ``Frame`` dataclass.
+"""What a frame holds: the enums of the header, the row table, the ``Frame`` dataclass.
 
-The byte layout lives in :mod:`stagewise.transport.codec` and ``docs/wire-format.md``; this
-module only describes the content, and the rule that derives the header's shape fields from
-the primary tensor (the first entry of ``Frame.tensors``).
+The byte layout lives in :mod:`stagewise.transport.wire` (the constants), the codec
+(:mod:`stagewise.transport.codec`) and ``docs/wire-format.md``; this module only describes the
+content, and the rule that derives the header's shape fields from the primary tensor (the first
+entry of ``Frame.tensors``). The enums' values are checked against the wire table at import.
 """
 
 from __future__ import annotations
@@ -13,18 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-MAGIC = b"SWFR"
-VERSION = 1
-MAX_NDIM = 8
-"""Most dimensions of one tensor (a KV block table [layers, blocks, block_size, heads, dim] needs 5)."""
-MAX_NAME_BYTES = 24
-"""Longest tensor name, in UTF-8 bytes."""
-MAX_TENSORS = 64
-MAX_ROWS = 1 << 20
-MAX_CONTROL_BYTES = 16 << 20
-DEFAULT_MAX_PAYLOAD_BYTES = 2 << 30
-"""Tensor bytes one frame may carry unless the receiver says otherwise (a long request's KV handoff
-for one stage can reach a gigabyte)."""
+from stagewise.transport import wire
+from stagewise.transport.wire import (  # noqa: F401  (the limits, where frames are built)
+    DEFAULT_MAX_PAYLOAD_BYTES, MAGIC, MAX_CONTROL_BYTES, MAX_NAME_BYTES, MAX_NDIM, MAX_ROWS, MAX_TENSORS, VERSION,
+)  # fmt: skip
 
 
 class StepKind(enum.IntEnum):
@@ -35,7 +28,7 @@ class StepKind(enum.IntEnum):
     TOKENS = 4
     """Sampled token ids, from the last stage back to stage 0."""
     KV_HANDOFF = 5
-    """One request's KV for one stage (seed 000 §2.2)."""
+    """One request's KV for one stage."""
     CONTROL = 6
     """Small JSON messages: add-request, cancel, result, shutdown..."""
     HEARTBEAT = 7
@@ -70,20 +63,16 @@ class WireDType(enum.IntEnum):
 
     @property
     def itemsize(self) -> int:
-        return _TO_TORCH[self].itemsize
+        return wire.DTYPES[self][1]
 
 
-_TO_TORCH = {
-    WireDType.FLOAT32: torch.float32, WireDType.FLOAT16: torch.float16, WireDType.BFLOAT16: torch.bfloat16,
-    WireDType.FLOAT64: torch.float64, WireDType.INT64: torch.int64, WireDType.INT32: torch.int32,
-    WireDType.INT16: torch.int16, WireDType.INT8: torch.int8, WireDType.UINT8: torch.uint8, WireDType.BOOL: torch.bool,
-}  # fmt: skip
+_TO_TORCH = {d: getattr(torch, wire.DTYPES[d][0]) for d in WireDType}  # the wire's names are torch's
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
 
 
 class Layout(enum.IntEnum):
     CONTIGUOUS = 1
-    """Row-major, no gaps: the only layout v1 sends (seed 000 §3.1)."""
+    """Row-major, no gaps: the only layout."""
 
 
 class RowFlags(enum.IntFlag):
@@ -129,7 +118,7 @@ class Frame:
     stage_from: int = 0
     stage_to: int = 0
     token_index: int = 0
-    """u32: the current decode position (seed 000 §3.2)."""
+    """u32: the current decode position."""
     layout: Layout = Layout.CONTIGUOUS
     rows: list[Row] = field(default_factory=list)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -161,3 +150,23 @@ def shape_fields(shape: tuple[int, ...]) -> tuple[int, int, int]:
     if len(shape) == 1:
         return shape[0], 1, 1
     return math.prod(shape[:-2]), shape[-2], shape[-1]
+
+
+def _check_against_the_wire_table() -> None:
+    """The enums above must be the extension's table (include/stagewise/frame.h): an extension
+    built from other sources would otherwise encode one thing and decode another."""
+    problems = []
+    if [int(k) for k in StepKind] != list(range(1, wire.NUM_STEP_KINDS + 1)):
+        problems.append(f"step kinds 1..{wire.NUM_STEP_KINDS}")
+    if (StepKind.CONTROL, StepKind.HELLO) != (wire.STEP_CONTROL, wire.STEP_HELLO):
+        problems.append("the CONTROL and HELLO codes")
+    if {int(d): (d.name.lower(), d.itemsize) for d in WireDType} != wire.DTYPES:
+        problems.append(f"dtypes {wire.DTYPES}")
+    if [int(x) for x in Layout] != [wire.LAYOUT_CONTIGUOUS] or sum(RowFlags) != wire.ROW_FLAG_BITS:
+        problems.append("layouts or row flags")
+    if problems:
+        raise ImportError(f"stagewise.transport.frame: the extension's wire table differs in {'; '.join(problems)}: "
+                          "rebuild stagewise._C from these sources (make build)")
+
+
+_check_against_the_wire_table()

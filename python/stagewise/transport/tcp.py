@@ -105,10 +105,8 @@ class TcpChannel(Channel):
     # -- receiving
     def recv(self, timeout: float | None = None, *, max_frame_bytes: int | None = None) -> Frame:
         t0 = time.perf_counter()
-        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            body = self._recv_record(deadline, max_frame_bytes)
-            self.stats.bytes_received += body.numel()
+            body = self._recv_body(timeout, max_frame_bytes)
             try:
                 limit = self.max_payload_bytes if max_frame_bytes is None else min(self.max_payload_bytes, max_frame_bytes)
                 frame = decode_frame(body, verify_checksum=self.verify_checksum, max_payload_bytes=limit, copy=False)
@@ -119,6 +117,22 @@ class TcpChannel(Channel):
             return frame
         finally:
             self.stats.recv_wait_s += time.perf_counter() - t0
+
+    def recv_bytes(self, timeout: float | None = None, *, max_frame_bytes: int | None = None) -> torch.Tensor:
+        """The next record's bytes (an encoded frame, uint8) without decoding them: for a link that
+        decodes its frames itself (the cuda-ipc ring pairs descriptors with slots). Raises what
+        :meth:`recv` raises about the stream (TimeoutError, ChannelClosed, FrameError of a record)."""
+        t0 = time.perf_counter()
+        try:
+            return self._recv_body(timeout, max_frame_bytes)
+        finally:
+            self.stats.recv_wait_s += time.perf_counter() - t0
+
+    def _recv_body(self, timeout: float | None, max_frame_bytes: int | None) -> torch.Tensor:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        body = self._recv_record(deadline, max_frame_bytes)
+        self.stats.bytes_received += body.numel()
+        return body
 
     def _recv_record(self, deadline: float | None, max_frame_bytes: int | None) -> torch.Tensor:
         self._check_open()

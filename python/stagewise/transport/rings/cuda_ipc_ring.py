@@ -1,11 +1,12 @@
-"""CUDA IPC activation ring: the ring of :mod:`stagewise.transport.shm` with its slots in GPU memory.
+"""CUDA IPC activation ring: the ring of :mod:`~stagewise.transport.rings.host_ring` with its slots
+in GPU memory.
 
 UNVERIFIED ON HARDWARE: compile-checked for sm_90 only; its tests (marked ``cuda``,
-tests/test_cuda_ipc_ring.py) have not yet run on a GPU.
+tests/transport/test_cuda_ipc_ring.py) have not yet run on a GPU.
 
 The slots (and two 32-bit counters) are one ``cudaMalloc`` allocation of the creator,
 mapped by the peer through CUDA IPC (the two processes may share one GPU). A host
-ring (a shared-memory segment like :class:`~stagewise.transport.shm.ShmRing`'s, without
+ring (a shared-memory segment like :class:`~stagewise.transport.rings.ShmRing`'s, without
 slot bytes) carries each message's slot and size and does the back-pressure between
 the hosts; the bytes are ordered on the GPU by stream memory operations
 (``cuStreamWaitValue32`` / ``cuStreamWriteValue32``, csrc/cuda/ring.cu):
@@ -49,11 +50,12 @@ from dataclasses import dataclass
 
 import torch
 
-from stagewise.transport.shm import HostRing, _open_segment
+from stagewise.transport.rings.host_ring import HostRing
+from stagewise.transport.rings.segment import open_segment
 
 __all__ = ["CudaIpcRing", "RingHandle", "CUDA_IPC_OPS"]
 
-# The torch ops behind this module besides shm.RING_OPS (CUDA builds only).
+# The torch ops behind this module besides host_ring.RING_OPS (CUDA builds only).
 CUDA_IPC_OPS = ("cuda_ipc_alloc", "cuda_ipc_handle", "cuda_ipc_open", "cuda_ring_wait", "cuda_ring_signal")
 
 _ops = torch.ops.stagewise
@@ -153,7 +155,7 @@ class CudaIpcRing(HostRing):
             handle = _ops.cuda_ipc_handle(bufs[0])
             return _USER.pack(bytes(handle.numpy().tobytes()), gpu_bytes)
 
-        segment = cls._create_segment(name, slot_bytes, num_slots, spin_us, user)
+        segment = cls.create_segment(name, slot_bytes, num_slots, spin_us, user)
         return cls(name, segment, bufs[0], index)
 
     @classmethod
@@ -162,7 +164,7 @@ class CudaIpcRing(HostRing):
         index = _cuda_device("attach", device)
         want = None if isinstance(spec, str) else RingHandle.unpack(spec)
         name = spec if want is None else want.name
-        segment = _open_segment(f"{cls.__name__}.attach", name, timeout, True)
+        segment = open_segment(f"{cls.__name__}.attach", name, timeout, True)
         try:
             user = _ops.ring_info(segment.tensor)[8]
             ipc, gpu_bytes = _USER.unpack(bytes(segment.mm[user : user + _USER.size]))
@@ -173,6 +175,11 @@ class CudaIpcRing(HostRing):
             segment.close()  # the creator's waits end: this peer will not come
             raise
         return cls(name, segment, buf, index)
+
+    @property
+    def slot_device(self) -> torch.device:
+        """Where the slots are: this end's GPU (the views :meth:`reserve` / :meth:`acquire` return)."""
+        return torch.device("cuda", self.device)
 
     @property
     def handle(self) -> bytes:

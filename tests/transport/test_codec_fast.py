@@ -1,4 +1,4 @@
-"""The codec's fast path (stagewise._C.frame_*) against the plain-Python reference in codec.py.
+"""The codec's fast path (stagewise._C.frame_*) against the plain-Python reference (codec_reference).
 
 The fast path may decline a frame (the reference then decides), but what it accepts it must accept
 exactly as the reference does: the same bytes when encoding, the same frame when decoding, and for
@@ -12,12 +12,14 @@ from __future__ import annotations
 import random
 import struct
 
+import crc32c
+import pytest
 import torch
-import xxhash
 
 from stagewise import _C
-from stagewise.transport import Frame, FrameError, Row, RowFlags, StepKind, codec, decode_frame, encode_frame
-from stagewise.transport.frame import DEFAULT_MAX_PAYLOAD_BYTES
+from stagewise.transport import Frame, FrameError, Row, RowFlags, StepKind, codec, codec_reference, decode_frame
+from stagewise.transport import encode_frame
+from stagewise.transport.frame import DEFAULT_MAX_PAYLOAD_BYTES, shape_fields
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool]  # fmt: skip
@@ -28,7 +30,7 @@ def reseal(buf: bytes) -> bytes:
     b = bytearray(buf)
     if len(b) >= 80 and b[9] & 1:
         b[72:80] = bytes(8)
-        b[72:80] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(b)))
+        b[72:80] = struct.pack("<Q", crc32c.crc32c(bytes(b)))
     return bytes(b)
 
 
@@ -69,14 +71,14 @@ def outcome(fn) -> tuple:
 
 
 def reference_decode(buf: bytes, verify: bool, limit: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Frame:
-    return codec._decode_frame_reference(memoryview(buf), verify, limit, True)
+    return codec_reference.decode(memoryview(buf), verify_checksum=verify, max_payload_bytes=limit)
 
 
 def test_the_fast_path_takes_well_formed_frames():
     for frame in sample_frames():
         for check in (True, False):
             data = encode_frame(frame, checksum=check)
-            assert codec._head_fast(frame, check) is not None
+            assert codec.encode_fast(frame, checksum=check) is not None
             assert _C.frame_parse(memoryview(data), DEFAULT_MAX_PAYLOAD_BYTES, True) is not None
             assert outcome(lambda: decode_frame(data)) == outcome(lambda: reference_decode(data, True))
 
@@ -136,7 +138,7 @@ def random_frame(rng: random.Random) -> Frame:
         tensors[rng.choice(["hidden", "residual", "x", "ü" * 11, "k", "v"]) + str(i)] = t
     rows = []
     if tensors and rng.random() < 0.7:
-        batch, seq, _ = codec.shape_fields(tuple(next(iter(tensors.values())).shape))
+        batch, seq, _ = shape_fields(tuple(next(iter(tensors.values())).shape))
         rows = [Row(rng.randrange(2**64), rng.randrange(2**32), rng.randrange(seq + 1), RowFlags(rng.randrange(32)))
                 for _ in range(min(batch, 40))]  # fmt: skip
     kind = rng.choice(list(StepKind))
@@ -151,11 +153,11 @@ def test_random_frames_encode_as_the_reference_encodes():
     for _ in range(300):
         frame = random_frame(rng)
         check = rng.random() < 0.5
-        assert codec._head_fast(frame, check) is not None
+        assert codec.encode_fast(frame, checksum=check) is not None
         head, parts = codec.encode_parts(frame, checksum=check)
         fast = bytes(head) + b"".join(bytes(p) for p in parts)
         fields = summary(frame)
-        ref_head, ref_parts = codec._encode_parts_reference(frame, checksum=check)
+        ref_head, ref_parts = codec_reference.encode_parts(frame, checksum=check)
         assert fast == bytes(ref_head) + b"".join(bytes(p) for p in ref_parts)
         assert summary(frame) == fields  # the derived fields (batch, dtype, checksum...) alike
         prepared = codec.prepare_frame(frame, checksum=check)
@@ -184,9 +186,9 @@ def test_frames_the_fast_path_declines_still_encode_or_fail_alike():
         Frame(step_kind=StepKind.DECODE, stage_to=70000, control=[1]),  # the range error comes first
     ]
     for frame in declined:
-        assert codec._head_fast(frame, True) is None
+        assert codec.encode_fast(frame) is None
         results = []
-        for encode in (codec.encode_parts, codec._encode_parts_reference):
+        for encode in (codec.encode_parts, codec_reference.encode_parts):
             try:
                 head, parts = encode(frame, checksum=True)
                 results.append(bytes(head) + b"".join(bytes(p) for p in parts))
@@ -194,3 +196,57 @@ def test_frames_the_fast_path_declines_still_encode_or_fail_alike():
                 results.append((type(e), str(e)))
         assert results[0] == results[1]
     assert isinstance(results[0], tuple) and "stage_to" in results[0][1]
+
+
+def test_descriptors_encode_and_decode_as_the_reference_does():
+    """A descriptor (its tensors' bytes elsewhere, e.g. in a GPU ring slot): the same head from
+    both encoders, and fuzzed descriptors decode alike against a payload buffer."""
+    rng = random.Random(2)
+    for frame in sample_frames():
+        for check in (True, False):
+            head, spans = codec.encode_descriptor(frame, checksum=check)
+            ref_head = codec_reference.encode_parts(frame, checksum=check, detached=True)[0]
+            assert bytes(head) == bytes(ref_head) and codec.is_descriptor(head)
+            assert spans == [(off, t.numel() * t.element_size()) for off, t in zip(_offsets(frame), frame.tensors.values())]
+        payload = torch.zeros(max(frame.payload_bytes, 1) + 64, dtype=torch.uint8)
+        for (off, n), t in zip(spans, frame.tensors.values()):
+            payload[off : off + n] = t.contiguous().reshape(-1).view(torch.uint8)
+        good = bytes(head)
+        for i in range(200):
+            b = bytearray(good)
+            for _ in range(rng.choice([0, 1, 2])):
+                b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+            buf = reseal(bytes(b)) if rng.random() < 0.85 else bytes(b)
+            room = payload if rng.random() < 0.8 else payload[: max(0, frame.payload_bytes - 1)]
+            fast = outcome(lambda: decode_frame(buf, payload=room, copy=bool(i % 2)))
+            ref = outcome(lambda: codec_reference.decode(memoryview(buf), payload=room, copy=bool(i % 2)))
+            assert fast == ref, (frame.step_kind, buf.hex())
+        view = decode_frame(good, payload=payload, copy=False)
+        for name, t in frame.tensors.items():
+            assert torch.equal(view.tensors[name], t)
+            if t.numel():
+                assert payload.data_ptr() <= view.tensors[name].data_ptr() < payload.data_ptr() + payload.numel()
+
+
+def _offsets(frame: Frame) -> list[int]:
+    out, end = [], 0
+    for t in frame.tensors.values():
+        end = (end + 63) // 64 * 64
+        out.append(end)
+        end += t.numel() * t.element_size()
+    return out
+
+
+def test_a_descriptor_and_a_whole_frame_are_not_taken_for_each_other():
+    frame = sample_frames()[0]
+    head, _ = codec.encode_descriptor(frame)
+    with pytest.raises(FrameError, match="descriptor frame .* where a whole frame was expected") as err:
+        decode_frame(head)
+    assert err.value.field == "frame_flags"
+    with pytest.raises(FrameError, match="a whole frame arrived where a descriptor was expected"):
+        decode_frame(encode_frame(frame), payload=torch.zeros(1024, dtype=torch.uint8))
+    with pytest.raises(FrameError, match="need 96 bytes, the memory they lie in has 95") as err:
+        decode_frame(head, payload=torch.zeros(95, dtype=torch.uint8))
+    assert err.value.field == "payload_bytes"
+    with pytest.raises(TypeError, match="1-D uint8 tensor"):
+        decode_frame(head, payload=bytearray(96))

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import struct
 
+import crc32c
 import pytest
 import torch
-import xxhash
 
 import stagewise
 from stagewise.transport import (
@@ -29,11 +29,11 @@ def pad64(b: bytes) -> bytes:
 
 
 def seal(buf: bytes) -> bytes:
-    """Set flag bit 0 and the XXH3-64 of the frame with its checksum field zeroed."""
+    """Set flag bit 0 and the CRC32C of the frame with its checksum field zeroed (in the field's low 32 bits)."""
     b = bytearray(buf)
     b[9] |= 1
     b[72:80] = bytes(8)
-    b[72:80] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(b)))
+    b[72:80] = struct.pack("<Q", crc32c.crc32c(bytes(b)))
     return bytes(b)
 
 
@@ -50,7 +50,7 @@ def golden_bytes(checksum: bool) -> bytes:
     hidden = torch.arange(8, dtype=torch.float16).numpy().tobytes()  # 16 bytes at payload offset 0
     positions = struct.pack("<4q", 0, 1, 2, 40)  # 32 bytes at payload offset 64
     control = b'{"k":1}'
-    header = struct.pack(HDR, b"SWFR", 1, 3, 2, 1, 0, 1, 2, 2, 0x0102030405060708, 9, 1, 4, 2, 17, 2, 2, 0,
+    header = struct.pack(HDR, b"SWFR", 2, 3, 2, 1, 0, 1, 2, 2, 0x0102030405060708, 9, 1, 4, 2, 17, 2, 2, 0,
                          len(control), 0, 64 + 32, 0)  # fmt: skip
     rows = struct.pack(ROW, 11, 0, 3, 1 | 2, 0) + struct.pack(ROW, 12, 40, 1, 0, 0)
     t0 = struct.pack(TENSOR, b"hidden", 2, 3, 0, 0, 0, 16, 1, 4, 2, 0, 0, 0, 0, 0)
@@ -75,7 +75,7 @@ def test_golden_bytes(checksum):
 
 def test_golden_control_frame_without_tensors():
     control = json.dumps({"op": "cancel", "request_id": 5}, separators=(",", ":")).encode()
-    header = struct.pack(HDR, b"SWFR", 1, 6, 0, 1, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0, 0, len(control), 0, 0, 0)
+    header = struct.pack(HDR, b"SWFR", 2, 6, 0, 1, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0, 0, len(control), 0, 0, 0)
     expected = seal(pad64(header + control))
     frame = Frame(step_kind=StepKind.CONTROL, request_id=5, control={"op": "cancel", "request_id": 5})
     assert encode_frame(frame) == expected and frame_nbytes(frame) == len(expected) == 128
@@ -159,7 +159,7 @@ def patch(buf: bytes, offset: int, fmt: str, value) -> bytes:
 # payload 320 (hidden, 16 bytes) and 384 (positions, 32 bytes); 416 bytes in all.
 BAD = {
     "magic": lambda g: patch(g, 0, "<4s", b"XXXX"),
-    "version": lambda g: patch(g, 4, "<H", 2),
+    "version": lambda g: patch(g, 4, "<H", 1),
     "step_kind": lambda g: patch(g, 6, "<B", 99),
     "dtype": lambda g: patch(g, 7, "<B", 77),
     "layout": lambda g: patch(g, 8, "<B", 5),
@@ -180,6 +180,31 @@ BAD = {
     "control": lambda g: patch(g, 288, "<7s", b'{"k":1,'),
     "frame_flags": lambda g: patch(g, 9, "<B", 1 | 4),
 }
+
+
+def test_golden_crc32c_check_value():
+    """The checksum is the standard CRC32C (check value of b"123456789"), not just some CRC."""
+    assert crc32c.crc32c(b"123456789") == 0xE3069283
+    frame = golden_bytes(checksum=True)
+    zeroed = frame[:72] + bytes(8) + frame[80:]
+    assert struct.unpack_from("<Q", frame, 72)[0] == crc32c.crc32c(zeroed) < 1 << 32
+
+
+def test_checksum_upper_bits_must_be_zero():
+    sealed = bytearray(golden_bytes(checksum=True))
+    sealed[76] = 1  # bit 32 of the field: the CRC itself still matches its low 32 bits
+    with pytest.raises(FrameError, match="upper 32 must be zero") as err:
+        decode_frame(bytes(sealed))
+    assert err.value.field == "checksum"
+    with pytest.raises(FrameError, match="upper 32 must be zero"):
+        decode_frame(bytes(sealed), verify_checksum=False)
+
+
+def test_version_1_frames_are_refused_naming_both_versions():
+    old = patch(golden_bytes(checksum=True), 4, "<H", 1)
+    with pytest.raises(FrameError, match="this side speaks version 2, the frame has version 1") as err:
+        decode_frame(old)
+    assert err.value.field == "version"
 
 
 @pytest.mark.parametrize("field", list(BAD))
@@ -210,7 +235,7 @@ def test_checksum_off_per_run_and_control_frames_need_json():
     with pytest.raises(FrameError) as err:
         decode_frame(patch(raw, 72, "<Q", 1)[:9] + bytes([0]) + patch(raw, 72, "<Q", 1)[10:])
     assert err.value.field == "checksum"
-    header = struct.pack(HDR, b"SWFR", 1, 6, 0, 1, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    header = struct.pack(HDR, b"SWFR", 2, 6, 0, 1, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     with pytest.raises(FrameError) as err:
         decode_frame(seal(pad64(header)))
     assert err.value.field == "control"

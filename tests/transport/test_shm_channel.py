@@ -9,29 +9,28 @@ import threading
 import pytest
 import torch
 
-from stagewise.pipeline import links
+from stagewise.transport import Hello, tcp
 from stagewise.transport.errors import ChannelClosed
 from stagewise.transport.frame import Frame, Row, StepKind
-from stagewise.transport.shm_channel import ShmChannel
+from stagewise.transport.rings import ShmChannel, open_link
 
 
 @pytest.fixture
 def pair():
-    """(sending end, receiving end) of an activations link on shm with 4 slots of 64 KiB."""
-    options = links.LinkOptions(fingerprint="fp", auth_token="secret")
-    acceptor = links.Acceptor(links.listen(("127.0.0.1", 0), options), stage=1)
-    got = {}
-    t = threading.Thread(target=lambda: got.update(ch=acceptor.take("activations", 30)))
-    t.start()
-    sender = links.dial(acceptor.listener.address, options, transport="shm", stage=0, peer=1, role="activations",
-                        slot_bytes=64 << 10, num_slots=4)
-    t.join()
+    """(sending end, receiving end) of an authenticated link on shm with 4 slots of 64 KiB."""
+    hello = Hello(fingerprint="fp", stage_from=0, stage_to=1)
+    with tcp.listen(hello=hello, auth_token="secret") as lis:
+        got = {}
+        t = threading.Thread(target=lambda: got.update(ch=open_link("shm", hello=hello, listener=lis)))
+        t.start()
+        sender = open_link("shm", hello=hello, host=lis.address[0], port=lis.address[1], auth_token="secret",
+                           slot_bytes=64 << 10, num_slots=4)
+        t.join()
     receiver = got["ch"]
     assert isinstance(sender, ShmChannel) and isinstance(receiver, ShmChannel)
     yield sender, receiver
     sender.close()
     receiver.close()
-    acceptor.close()
 
 
 def _frame(i: int, rows: int) -> Frame:
@@ -51,11 +50,8 @@ def test_frames_arrive_in_order_bit_exact_and_in_place(pair):
             sender.send(_frame(i, n))
         done.set()
 
-    import ctypes
-
-    slots = receiver.ring._slots
-    lo = ctypes.addressof(ctypes.c_char.from_buffer(slots[0]))
-    hi = ctypes.addressof(ctypes.c_char.from_buffer(slots[-1])) + receiver.ring.slot_bytes
+    ring = receiver.ring
+    lo, hi = ring.slot_address(0), ring.slot_address(ring.num_slots - 1) + ring.slot_bytes
     t = threading.Thread(target=produce)
     t.start()
     for i, n in enumerate(sizes):
@@ -84,3 +80,25 @@ def test_the_reverse_direction_uses_tcp(pair):
     sender, receiver = pair
     receiver.send(Frame(step_kind=StepKind.CONTROL, control={"op": "hello back"}))
     assert sender.recv(timeout=10).control == {"op": "hello back"}
+
+
+@pytest.mark.parametrize("transport,kind", [("shm", ShmChannel), ("tcp", tcp.TcpChannel)])
+def test_open_link_sets_up_either_end(transport, kind):
+    hello = Hello(fingerprint="fp", stage_from=0, stage_to=1)
+    with tcp.listen(hello=hello) as lis:
+        box = {}
+        t = threading.Thread(target=lambda: box.update(ch=open_link(transport, hello=hello, listener=lis, timeout=None)))
+        t.start()
+        sender = open_link(transport, hello=hello, host=lis.address[0], port=lis.address[1], slot_bytes=4096,
+                           num_slots=2)  # fmt: skip
+        t.join()
+    receiver = box["ch"]
+    with sender, receiver:
+        assert isinstance(sender, kind) and isinstance(receiver, kind)
+        sender.send(Frame(step_kind=StepKind.DECODE, step_id=3, tensors={"hidden": torch.arange(4.0)}))
+        assert torch.equal(receiver.recv().tensors["hidden"], torch.arange(4.0))
+
+
+def test_unknown_link_transports_are_refused():
+    with pytest.raises(ValueError, match="one of \\('tcp', 'shm', 'cuda-ipc'\\), got 'torch'"):
+        open_link("torch", hello=Hello(fingerprint="fp", stage_from=0, stage_to=1), host="127.0.0.1", port=1)

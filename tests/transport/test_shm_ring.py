@@ -1,6 +1,6 @@
-"""The shared-memory activation ring (stagewise.transport.shm, csrc/cpu/ring.cpp).
+"""The shared-memory activation ring (stagewise.transport.rings.shm_ring, csrc/cpu/ring.cpp).
 
-Between two real processes (tests/ring_peer.py is the other one): thousands of
+Between two real processes (ring_peer.py beside this file is the other one): thousands of
 messages of random sizes checked byte for byte in both directions, through the
 extension's direct functions and through the torch ops; back-pressure; a peer's
 close and a peer's death; several rings at once. In one process: timeouts,
@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from ring_peer import messages
-from stagewise.transport.shm import SHM_DIR, RingClosedError, ShmRing
+from stagewise import _C
+from stagewise.transport.rings import SHM_DIR, RingClosedError, ShmRing
 
 PEER = str(Path(__file__).with_name("ring_peer.py"))
 ops = torch.ops.stagewise
@@ -252,8 +253,7 @@ def test_tensors_travel_without_a_copy_on_the_reader(pair):
     finally:
         torch.set_warn_always(warn_always)
     assert torch.equal(y, x)
-    slot_addr = reader._segment.tensor.data_ptr() + ops.ring_info(reader._segment.tensor)[3]
-    assert y.data_ptr() == slot_addr, "the reader's tensor is the slot itself"
+    assert y.data_ptr() == reader.slot_address(0), "the reader's tensor is the slot itself"
     del y
     reader.release()
 
@@ -302,19 +302,24 @@ def test_no_segment_is_left_behind(name):
 
 
 @pytest.mark.parametrize("path", ["direct", "torch-ops"])
-def test_a_blocked_wait_releases_the_gil_and_uses_no_cpu(pair, path):
-    writer, reader = pair
-    if path == "torch-ops":
-        reader._use_torch_ops()
+def test_a_blocked_wait_releases_the_gil_and_uses_no_cpu(path):
+    # A ring in a plain tensor, and one 3-second call into C++ (ShmRing splits long waits in
+    # 0.1 s calls, which would hide a held GIL): the extension's function or the torch op.
+    ring = torch.zeros(ops.ring_bytes(256, 4, False), dtype=torch.uint8)
+    ops.ring_init(ring, 256, 4, False, 50)
+    if path == "direct":
+        wait = lambda: _C.ring_acquire(ring.data_ptr(), ring.numel(), 3_000_000)  # noqa: E731
+    else:
+        wait = lambda: ops.ring_acquire(ring, 3_000_000)  # noqa: E731
     got = []
-    # One 3-second call into C++ (ShmRing splits long waits in 0.1 s calls, which would hide a held GIL).
-    thread = threading.Thread(target=lambda: got.append(reader._acquire_fn(3_000_000)))
+    thread = threading.Thread(target=lambda: got.append(wait()))
     cpu0 = time.process_time()
     thread.start()
     time.sleep(0.5)  # the reader waits meanwhile; then this thread must get the GIL at once
     cpu = time.process_time() - cpu0
     t0 = time.monotonic()
-    writer.send(b"wake up")
+    slot = ops.ring_reserve(ring, 0)
+    ops.ring_commit(ring, slot, 7)
     thread.join(timeout=10)
     assert time.monotonic() - t0 < 1.5, "the waiting reader held the GIL"
     assert got and tuple(got[0]) == (0, 7), f"the reader got {got}, not the message"

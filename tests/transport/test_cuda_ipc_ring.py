@@ -1,4 +1,4 @@
-"""The CUDA IPC activation ring (stagewise.transport.cuda_ipc, csrc/cuda/ring.cu).
+"""The CUDA IPC activation ring (stagewise.transport.rings.cuda_ipc_ring, csrc/cuda/ring.cu).
 
 The tests marked `cuda` need one GPU and run two processes on it (tests/ring_peer.py is
 the other): random messages checked byte for byte in both directions, the name and the
@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from ring_peer import as_tensor, messages
-from stagewise.transport.cuda_ipc import CudaIpcRing, RingHandle
-from stagewise.transport.shm import SHM_DIR, RingClosedError, ShmRing
+from stagewise.transport.rings import SHM_DIR, CudaIpcRing, RingClosedError, RingHandle, ShmRing
 from test_shm_ring import finish, spawn
 
 HAS_CUDA = torch.cuda.is_available()
@@ -46,7 +45,7 @@ def test_without_a_gpu_the_error_says_so():
 
 def test_a_shm_ring_is_not_attached_as_the_other_kind():
     name = ShmRing.unique_name("test-ring")
-    host_half = CudaIpcRing._create_segment(name, 64, 2, 0)  # a CUDA ring's host half, no GPU needed
+    host_half = CudaIpcRing.create_segment(name, 64, 2)  # a CUDA ring's host half, no GPU needed
     try:
         with pytest.raises(ValueError, match="is a CudaIpcRing"):
             ShmRing.attach(name)

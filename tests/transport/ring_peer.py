@@ -1,4 +1,4 @@
-"""The other process of tests/test_shm_ring.py: `python tests/ring_peer.py MODE ARGS...`.
+"""The other process of the ring tests: `python tests/transport/ring_peer.py MODE ARGS...`.
 
 Modes:
   read NAME SEED COUNT DELAY [ops]  attach, sleep DELAY s, read COUNT messages and check each
@@ -18,7 +18,7 @@ import random
 import sys
 import time
 
-from stagewise.transport.shm import RingClosedError, ShmRing
+from stagewise.transport.rings import CudaIpcRing, RingClosedError, ShmRing
 
 
 def messages(seed: int, count: int, slot_bytes: int):
@@ -37,7 +37,7 @@ def as_tensor(data: bytes, device: str = "cpu"):
 
 def _ops(ring: ShmRing, argv: list[str]) -> ShmRing:
     if "ops" in argv:
-        ring._use_torch_ops()
+        ring.use_torch_ops()
     return ring
 
 
@@ -85,8 +85,6 @@ def main(argv: list[str]) -> int:
     elif mode == "cuda-read":
         import torch
 
-        from stagewise.transport.cuda_ipc import CudaIpcRing
-
         ring = CudaIpcRing.attach(argv[1], timeout=60)
         for i, expected in enumerate(messages(int(argv[2]), int(argv[3]), ring.slot_bytes)):
             view = ring.acquire(timeout=60)
@@ -103,8 +101,6 @@ def main(argv: list[str]) -> int:
             pass
         ring.close()
     elif mode == "cuda-write":
-        from stagewise.transport.cuda_ipc import CudaIpcRing
-
         ring = CudaIpcRing.attach(bytes.fromhex(argv[1]), timeout=60)  # by handle
         for data in messages(int(argv[2]), int(argv[3]), ring.slot_bytes):
             ring.send(as_tensor(data, "cuda"), timeout=60)
