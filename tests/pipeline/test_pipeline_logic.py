@@ -155,6 +155,19 @@ def test_a_failing_later_stage_ends_only_that_step(folder):
     assert engine.has_unfinished()
 
 
+def test_each_groups_step_goes_out_before_the_next_group_computes(folder):
+    """Stage 1 can start on group 0 while stage 0 computes group 1 (not after both)."""
+    head = Head(Engine(executor(folder, 0, 2), max_num_seqs=4, num_groups=2))
+    for rid in range(2):
+        head.on_message(Add(request_id=rid, prompt_ids=[5, 6, 7 + rid], params=SamplingParams(max_new_tokens=2)))
+    frames = head.launch()
+    first = next(frames)
+    assert first.microbatch == 0 and list(head.engine.inflight) == [0]
+    second = next(frames)
+    assert second.microbatch == 1 and sorted(head.engine.inflight) == [0, 1]
+    assert list(frames) == []
+
+
 def test_a_worker_rejects_frames_that_do_not_fit_and_reports_failed_steps(folder):
     head = Head(Engine(executor(folder, 0, 2), max_num_seqs=2))
     worker = Worker(executor(folder, 2, 5, num_blocks=1), index=1, num_stages=2)

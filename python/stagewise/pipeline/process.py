@@ -210,7 +210,8 @@ class StageProcess:
         while True:
             for msg in self._driver_messages():
                 head.on_message(msg)
-            self._send_all(self.links.downstream, head.launch())
+            for frame in head.launch():  # each group's step goes on as soon as it is computed
+                self._send(self.links.downstream, frame)
             events, status = head.take_events(), head.take_status()
             if events is not None:
                 self.tell_driver(events)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from stagewise.engine.engine import Engine
@@ -35,6 +36,8 @@ MAX_TRACE_EVENTS = 200_000
 
 @dataclass(slots=True)
 class StageStats:
+    """What a stage measures of itself since it started or was last reset."""
+
     busy_s: float = 0.0
     send_s: float = 0.0
     recv_wait_s: float = 0.0
@@ -103,23 +106,23 @@ class Head:
         else:
             raise TypeError(f"Head.on_message: expected Add or Cancel, got {type(msg).__name__}")
 
-    def launch(self) -> list[Frame]:
-        """Every idle group with work: schedule it, run stage 0's layers. Returns the frames for
-        stage 1 in order: frees before the steps that may reuse the freed blocks."""
-        out: list[Frame] = []
+    def launch(self) -> Iterator[Frame]:
+        """Every idle group with work: schedule it, run stage 0's layers. Yields the frames for
+        stage 1 in order, each group's as soon as it is computed (stage 1 starts on it while the
+        next group computes here): frees before the steps that may reuse the freed blocks."""
         for group in self.engine.idle_groups_with_work():
             start = time.perf_counter()
             launched, done = self.engine.launch(group)
             end = time.perf_counter()
             self._finished(done)
-            out += self._frees()
+            yield from self._frees()
             if launched is not None:
                 self.stats.computed(start, end, launched.batch.num_tokens, group)
                 step = Step(step_id=launched.step_id, group=group,
                             batch=launched.batch.for_next_stage(launched.output),
                             sampling=protocol.encode_sampling(launched.sampling))
-                out.append(protocol.to_frame(step, stage_from=0, stage_to=1))
-        return out + self._frees()
+                yield protocol.to_frame(step, stage_from=0, stage_to=1)
+        yield from self._frees()
 
     def on_feedback(self, msg: Tokens | StepFailed) -> list[Frame]:
         """The last stage's answer to a step; returns frames for stage 1 (frees)."""
