@@ -15,66 +15,20 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from itertools import count
 from typing import Any
 
 import torch
 
-from stagewise.engine.requests import FINISH_REASONS, RequestOutput
-from stagewise.engine.sampling import SamplingParams
+from stagewise.engine.text import TextStreams
+from stagewise.frontend import Completion, LocalBackend, Run, sampling_per_prompt
 from stagewise.model.loader import Checkpoint, open_checkpoint, resolve_dtype
 from stagewise.model.quant import check_precision
 from stagewise.prompts import encode_prompts, render_chat
 
 
-@dataclass(kw_only=True, slots=True)
-class Completion:
-    """The result of one prompt."""
-
-    text: str
-    """Generated text (stop strings and stop tokens not included)."""
-    token_ids: list[int]
-    """Generated token ids only (a stop token that ended generation included)."""
-    finish_reason: str
-    """'stop' (EOS, stop token or stop string), 'length', 'cancelled' or 'error'."""
-    error: str | None = None
-    """What went wrong when finish_reason is 'error'."""
-    prompt_token_ids: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"Completion.finish_reason: expected one of {FINISH_REASONS}, got {self.finish_reason!r}")
-
-
 PIPELINE_OPTIONS = ("partition", "transport", "checksum", "auth_token", "threads")
-
-
-class _Local:
-    """The single-process backend: one engine over every layer. It answers the calls of
-    :class:`~stagewise.pipeline.driver.PipelineDriver` that :meth:`Pipeline.generate` makes."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-
-    def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.engine.add_request(request_id, prompt_ids, params)
-
-    def cancel(self, request_id: int) -> None:
-        self.engine.cancel(request_id)
-
-    def abort(self, request_id: int, error: str) -> RequestOutput | None:
-        return self.engine.abort(request_id, error)
-
-    def poll(self, timeout: float) -> list[RequestOutput]:
-        return self.engine.step()
-
-    def take_text(self) -> list[tuple[int, str]]:
-        return self.engine.take_text()
-
-    def close(self) -> None:
-        self.engine = None
 
 
 class Pipeline:
@@ -134,10 +88,10 @@ class Pipeline:
 
             stage = load_stage(self.checkpoint, 0, self.config.num_layers, dtype=self.dtype, device=dev,
                                quantized=quantized, linear_precision=linear_precision, progress=load_progress)
-            engine = Engine.for_model(stage, tokenizer=self.tokenizer, device=dev, max_num_seqs=max_num_seqs,
+            engine = Engine.for_model(stage, device=dev, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
                                       max_num_tokens=max_num_tokens)
-            self._backend = _Local(engine)
+            self._backend = LocalBackend(engine)
         self.load_s = time.perf_counter() - start
 
     def _open(self, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype) -> None:
@@ -234,22 +188,31 @@ class Pipeline:
     def generate(self, prompts: str | Sequence[str] | None = None, *,
                  prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int | None = None, stop: str | Sequence[str] | None = None, chat: bool = False,
-                 ignore_eos: bool = False, on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
+                 min_p: float = 0.0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
+                 chat: bool = False, ignore_eos: bool = False, logprobs: int | None = None,
+                 overrides: Sequence[Mapping[str, Any] | None] | None = None,
+                 on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
         """One :class:`Completion` per prompt, in order. Argument errors raise ValueError before
         anything runs; a prompt's own problem (empty, ids outside the vocabulary, longer than
         max_model_len, out of KV blocks) gives that prompt finish_reason 'error'. With ``seed``,
         prompt i samples from seed + i. ``on_text(i, delta)`` streams prompt i's text. ``ignore_eos``
-        generates past the model's EOS ids (for benchmarks: every prompt gets max_new_tokens)."""
+        generates past the model's EOS ids (for benchmarks: every prompt gets max_new_tokens).
+        ``logprobs=K`` gives each generated token's log-probability and the K most likely tokens'
+        (:class:`~stagewise.engine.sampling.TokenLogprobs`). ``overrides[i]``, when given, holds
+        sampling fields (the names of the arguments above, and ``stop_token_ids``) that replace the
+        call's for prompt i."""
         backend = self._backend
         if backend is None:
             raise ValueError("Pipeline.generate: the pipeline is closed")
-        stop = [stop] if isinstance(stop, str) else list(stop or [])
-        # Checks every sampling value (ValueError) before anything runs.
-        SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                       seed=seed, stop=stop, ignore_eos=ignore_eos)
+        base = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                    repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                    frequency_penalty=frequency_penalty, seed=seed,
+                    stop=[stop] if isinstance(stop, str) else list(stop or []), ignore_eos=ignore_eos,
+                    logprobs=logprobs)
         encoded = self._encode(prompts, prompt_token_ids, chat)
-        if stop and self.tokenizer is None:
+        params = sampling_per_prompt(base, len(encoded), overrides)  # every value checked before anything runs
+        if any(p.stop for p in params) and self.tokenizer is None:
             raise ValueError("Pipeline.generate: stop strings need a tokenizer; this checkpoint has none")
         if self.driver is not None:
             from stagewise.pipeline.driver import PipelineBroken
@@ -260,44 +223,17 @@ class Pipeline:
                 self.driver.stage_stats(reset=True)
             except PipelineBroken as err:
                 raise ValueError(f"Pipeline.generate: the pipeline is broken ({err}); create a new one") from None
-        start = time.perf_counter()
-        results: dict[int, Completion] = {}
-        index: dict[int, int] = {}
-        outputs: list[RequestOutput] = []
+        run = Run(backend, TextStreams(self.tokenizer, self.config.eos_token_ids), on_text)
         try:
-            for i, ids in enumerate(encoded):
-                params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                        top_p=top_p, seed=None if seed is None else (seed + i) % 2**64, stop=stop,
-                                        ignore_eos=ignore_eos)
-                rid = next(self._ids)
-                try:
-                    backend.add(rid, list(ids), params)
-                except ValueError as err:
-                    results[i] = Completion(text="", token_ids=[], finish_reason="error", error=str(err),
-                                            prompt_token_ids=list(ids))
-                    continue
-                index[rid] = i
-            while len(outputs) < len(index):
-                outputs += backend.poll(0.05)
-                for rid, delta in backend.take_text():
-                    if on_text is not None:
-                        outputs += _stream(backend, on_text, index[rid], rid, delta)
+            for i, (ids, p) in enumerate(zip(encoded, params)):
+                run.add(next(self._ids), i, list(ids), p)
+            run.wait()
         finally:
-            finished = {o.request_id for o in outputs}
-            for rid in index:  # an interrupted call leaves nothing queued and no KV held
-                if rid not in finished:
-                    try:
-                        backend.cancel(rid)
-                    except Exception:  # noqa: BLE001 - a broken pipeline has nothing left to cancel
-                        pass
-        for out in outputs:
-            results[index[out.request_id]] = Completion(text=out.text, token_ids=out.token_ids,
-                                                        finish_reason=out.finish_reason, error=out.error,
-                                                        prompt_token_ids=list(out.prompt_ids))
-        self.last_stats = _stats(outputs, start)
+            run.cancel_unfinished()  # an interrupted call leaves nothing queued and no KV held
+        self.last_stats = run.stats()
         if self.driver is not None and not self.driver.broken:
             self.last_stats["stages"] = self.stage_stats()
-        return [results[i] for i in range(len(encoded))]
+        return [run.results[i] for i in range(len(encoded))]
 
     def stage_stats(self, *, trace: bool = False) -> list[dict[str, Any]]:
         """Each stage's measurements since the last generate() began: layers, busy_s and
@@ -352,17 +288,6 @@ class Pipeline:
         return render_chat(self.checkpoint, self.tokenizer, messages)
 
 
-def _stream(backend, on_text: Callable[[int, str], None], i: int, rid: int, delta: str) -> list[RequestOutput]:
-    """Hand prompt ``i``'s text to the caller; a callback that raises ends that request only
-    (finish_reason 'error'), as its consumer is gone."""
-    try:
-        on_text(i, delta)
-    except Exception as err:  # noqa: BLE001 - the others go on
-        out = backend.abort(rid, f"{type(err).__name__}: {err}")
-        return [out] if out is not None else []
-    return []
-
-
 def _device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
@@ -373,21 +298,3 @@ def _device(device: str | torch.device) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("Pipeline: device 'cuda' was asked for but no CUDA device is available")
     return dev
-
-
-def _stats(outputs: list[RequestOutput], start: float) -> dict[str, Any]:
-    """Timings of one generate call; decode time runs from the first token to the end."""
-    end = time.perf_counter()
-    firsts = [o.first_token_s for o in outputs if o.first_token_s is not None]
-    first = min(firsts, default=end)
-    decode_tokens = sum(max(len(o.token_ids) - 1, 0) for o in outputs)
-    decode_s = end - first
-    return {
-        "wall_s": end - start,
-        "prefill_tokens": sum(len(o.prompt_ids) for o in outputs if o.first_token_s is not None),
-        "decode_tokens": decode_tokens,
-        "ttft_s": first - start,
-        "mean_ttft_s": sum(f - start for f in firsts) / len(firsts) if firsts else 0.0,
-        "decode_s": decode_s,
-        "decode_tokens_per_s": decode_tokens / decode_s if decode_tokens and decode_s > 0 else 0.0,
-    }

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stagewise.engine.sampling import SamplingParams
+from stagewise.engine.sampling import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.model.batch import StepBatch
 from stagewise.pipeline import messages, protocol
 from stagewise.pipeline.protocol import ProtocolError, StageShape
@@ -15,7 +15,8 @@ from stagewise.transport import decode_frame, encode_frame
 from stagewise.transport.frame import Frame, StepKind
 
 PARAMS = SamplingParams(max_new_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=2**63, stop=["x"],
-                        stop_token_ids=[4], ignore_eos=True)
+                        stop_token_ids=[4], ignore_eos=True, repetition_penalty=1.3, presence_penalty=-0.5,
+                        frequency_penalty=2.0, min_p=0.05, logprobs=3)
 CONTROL = [
     messages.Ready(stage=2, capacity_blocks=99, layers=(4, 9), pid=1234, fingerprint="abc"),
     messages.Setup(num_blocks=64, next=("10.0.0.2", 7100), transport="shm", microbatches=3, store=("h", 5)),
@@ -24,9 +25,11 @@ CONTROL = [
     messages.Fatal(message="boom", neighbour=True),
     messages.Add(request_id=2**64 - 1, prompt_ids=[1, 2, 3], params=PARAMS),
     messages.Cancel(request_id=5),
-    messages.Events(text=[(1, "a"), (2, "é")], first_tokens=[1],
-                    done=[messages.Result(request_id=3, token_ids=[5, 6], text="hi", finish_reason="stop"),
-                          messages.Result(request_id=4, token_ids=[], text="", finish_reason="error", error="e")]),
+    messages.Events(tokens=[messages.NewToken(request_id=1, token=5),
+                            messages.NewToken(request_id=2, token=7, logprobs=TokenLogprobs(
+                                token=7, logprob=-0.25, top=((7, -0.25), (3, -1.5))))],
+                    done=[messages.Result(request_id=3, token_ids=[5, 6], finish_reason="stop"),
+                          messages.Result(request_id=4, token_ids=[], finish_reason="error", error="e")]),
     messages.Status(waiting=1, running=2, max_num_seqs=3, free_blocks=4, total_blocks=5),
     messages.GetStats(trace=True, reset=False),
     messages.Stats(stage=0, layers=(0, 3), busy_s=1.5, send_s=0.0, recv_wait_s=2.0, steps=3, tokens=9,
@@ -57,7 +60,7 @@ def test_control_messages_round_trip(msg):
     ({"op": "cancel", "request_id": 1, "why": "x"}, r"cancel: unknown fields \['why'\]"),
     ({"op": "add", "request_id": 1, "prompt_ids": [1, "2"], "params": {}}, r"add\.prompt_ids\[1\]: expected int"),
     ({"op": "add", "request_id": 1, "prompt_ids": [1], "params": {"top_p": 2.0}}, r"add\.params: .*top_p"),
-    ({"op": "events", "done": [{"request_id": 1, "token_ids": [], "text": "", "finish_reason": "odd"}]},
+    ({"op": "events", "done": [{"request_id": 1, "token_ids": [], "finish_reason": "odd"}]},
      r"events.done\[0\]: .*finish_reason"),
 ])
 def test_bad_control_messages_name_the_field(body, match):
@@ -75,7 +78,7 @@ def step_message(sampling=None) -> protocol.Step:
 
 
 def test_a_step_crosses_the_wire_as_one_conversion_each_way():
-    sampling = protocol.encode_sampling({7: PARAMS})
+    sampling = protocol.encode_sampling({7: SamplingRequest.of(PARAMS, [9, 8, 7])})
     sent = step_message(sampling)
     frame = wire(protocol.to_frame(sent, stage_from=0, stage_to=1))
     assert frame.step_kind == StepKind.MIXED and frame.token_index == 11
@@ -85,12 +88,14 @@ def test_a_step_crosses_the_wire_as_one_conversion_each_way():
     assert (b.request_ids, b.num_prefills, b.query_lens, b.context_lens) == (
         want.request_ids, want.num_prefills, want.query_lens, want.context_lens)
     assert torch.equal(b.positions, want.positions) and torch.equal(b.hidden_states, want.hidden_states)
-    assert protocol.decode_sampling(got.sampling) == {7: PARAMS}
+    assert protocol.decode_sampling(got.sampling) == {7: SamplingRequest(PARAMS, (9, 8, 7))}
     assert protocol.encode_sampling({}) is None and protocol.decode_sampling(None) == {}
 
 
 @pytest.mark.parametrize("msg", [
     protocol.Tokens(step_id=3, group=1, request_ids=[4, 5], tokens=[100, 2**40]),
+    protocol.Tokens(step_id=4, group=0, request_ids=[4, 5], tokens=[1, 2],
+                    logprobs=[None, TokenLogprobs(token=2, logprob=-0.125, top=((2, -0.125), (9, -3.0)))]),
     protocol.Free(request_ids=[1, 2, 3]),
     protocol.StepFailed(step_id=9, group=0, message="stage 2 step failed: x"),
 ], ids=lambda m: type(m).__name__)
@@ -116,10 +121,9 @@ def test_steps_that_do_not_fit_the_stage_are_refused():
             r"tensors\['sampling'\]: expected uint8 bytes")
     with pytest.raises(ProtocolError, match="is not a pipeline message"):
         protocol.from_frame(wire(good), None)  # no steps on the feedback link
+    bad = torch.frombuffer(bytearray(b'{"7":{"params":{"top_k":-1}}}'), dtype=torch.uint8)
     with pytest.raises(ProtocolError, match=r"tensors\['sampling'\]\['7'\]: .*top_k"):
-        protocol.decode_sampling(protocol.encode_sampling({7: PARAMS}).clone().copy_(
-            torch.frombuffer(bytearray(b'{"7":{"top_k":-1}}'.ljust(len(protocol.encode_sampling({7: PARAMS})))),
-                             dtype=torch.uint8)))
+        protocol.decode_sampling(bad)
 
 
 def _fields(frame: Frame) -> dict:

@@ -54,9 +54,12 @@ def requests(n: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
     out = []
     for i in range(n):
         prompt = [rng.randrange(3, 101) for _ in range(rng.randint(1, 13))]
-        sampled = i % 3 == 1
+        sampled, penalised = i % 3 == 1, i % 4 == 2
         out.append((prompt, SamplingParams(max_new_tokens=rng.randint(1, 9), temperature=0.8 if sampled else 0.0,
-                                           top_k=20 if sampled else 0, seed=100 + i, ignore_eos=True)))
+                                           top_k=20 if sampled else 0, min_p=0.05 if sampled else 0.0, seed=100 + i,
+                                           ignore_eos=True, repetition_penalty=1.5 if penalised else 1.0,
+                                           presence_penalty=0.5 if penalised else 0.0,
+                                           logprobs=2 if i % 5 == 3 else None)))
     return out
 
 
@@ -196,9 +199,11 @@ def test_a_worker_rejects_frames_that_do_not_fit_and_reports_failed_steps(folder
 
 def test_kv_handoff_moves_a_request_between_two_stage_instances(folder):
     """Run a request on one instance of the last stage, move its KV (through the wire codec) to
-    a second instance, continue there: the tokens are those of the engine, with seeded sampling."""
+    a second instance, continue there: the tokens are those of the engine, with seeded sampling
+    and penalties (their history moves too)."""
     prompt, params = [5, 9, 14, 3, 77, 21], SamplingParams(max_new_tokens=10, temperature=0.7, top_k=30, seed=5,
-                                                            ignore_eos=True)
+                                                            ignore_eos=True, repetition_penalty=1.3,
+                                                            frequency_penalty=0.4)
     expected = run_engine(folder, [(prompt, params)])[0][0]
     engine = Engine(executor(folder, 0, 2), max_num_seqs=2)
     first, second = executor(folder, 2, 5), executor(folder, 2, 5)
@@ -207,7 +212,7 @@ def test_kv_handoff_moves_a_request_between_two_stage_instances(folder):
     stage, tokens = first, []
     while engine.has_unfinished():
         step, _ = engine.launch(0)
-        out = stage.run(step.batch.for_next_stage(step.output), step.sampling).tolist()
+        out = stage.run(step.batch.for_next_stage(step.output), step.sampling).tokens.tolist()
         tokens += out
         engine.complete(0, step.step_id, [0], out)
         if len(tokens) == 4:  # move mid-generation

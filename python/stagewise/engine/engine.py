@@ -1,5 +1,6 @@
 """Stage 0's serving logic: requests, scheduling and token bookkeeping over one
-:class:`~stagewise.engine.executor.Executor`.
+:class:`~stagewise.engine.executor.Executor`. It works in tokens: text (detokenisation, stop
+strings) is the front end's (:mod:`stagewise.engine.text`), so no stage needs the tokenizer.
 
 In one process the executor holds every layer and :meth:`Engine.step` runs one step of every
 microbatch group: schedule, run, sample, record. As stage 0 of a pipeline the executor holds the
@@ -19,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from stagewise.engine.executor import Executor, model_dtype
+from stagewise.engine.executor import Executor, Sampled, model_dtype
 from stagewise.engine.requests import RequestOutput, Requests
-from stagewise.engine.sampling import SamplingParams
+from stagewise.engine.sampling import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.engine.scheduler import GroupedScheduler, ScheduledStep, SchedulerStatus
 from stagewise.kv import KVCacheManager
 from stagewise.kv.cache import num_cache_blocks
@@ -38,22 +39,22 @@ class LaunchedStep:
     group: int
     step_id: int
     batch: StepBatch
-    output: torch.Tensor
-    """Hidden states ``[T, hidden]`` for the next stage, or the sampled token ids ``int64 [R]``
-    when the executor holds the last layer."""
-    sampling: dict[Hashable, SamplingParams]
-    """Sampling parameters of the requests that start in this step (the last stage needs them)."""
+    output: torch.Tensor | Sampled
+    """Hidden states ``[T, hidden]`` for the next stage, or the sampled tokens when the executor
+    holds the last layer."""
+    sampling: dict[Hashable, SamplingRequest]
+    """What the last stage needs of the requests that start in this step."""
 
 
 class Engine:
     """Generates for many requests at once; the executor holds stage 0's layers (or all)."""
 
-    def __init__(self, executor: Executor, *, tokenizer=None, max_num_seqs: int = 32, num_groups: int = 1,
+    def __init__(self, executor: Executor, *, max_num_seqs: int = 32, num_groups: int = 1,
                  max_prefill_tokens: int = 8192) -> None:
         if not executor.is_first:
             raise ValueError("Engine: the executor must hold the model's first layer (stage 0)")
         cfg = executor.model.config
-        self.executor, self.config, self.tokenizer = executor, cfg, tokenizer
+        self.executor, self.config = executor, cfg
         self.max_model_len = executor.max_model_len
         # The scheduler's own block accounting: it admits what every stage's cache can hold.
         manager = KVCacheManager(block_size=executor.block_size, num_blocks=executor.num_blocks,
@@ -61,14 +62,14 @@ class Engine:
         self.scheduler = GroupedScheduler(manager, num_groups=num_groups, max_num_seqs=max_num_seqs,
                                           max_model_len=self.max_model_len, max_prefill_tokens=max_prefill_tokens)
         self.requests = Requests(vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids,
-                                 max_model_len=self.max_model_len, tokenizer=tokenizer)
+                                 max_model_len=self.max_model_len)
         self.inflight: dict[int, tuple[int, ScheduledStep]] = {}
         """group -> (step_id, its scheduled step), while the step is in the pipeline."""
         self._next_step_id = 0
         self._freed: list[Hashable] = []
 
     @classmethod
-    def for_model(cls, model: StageModel, *, tokenizer=None, device: torch.device | str = "cpu",
+    def for_model(cls, model: StageModel, *, device: torch.device | str = "cpu",
                   max_num_seqs: int = 32, max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                   max_num_tokens: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE, num_groups: int = 1,
                   max_prefill_tokens: int = 8192) -> Engine:
@@ -84,8 +85,7 @@ class Engine:
                                   kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens)
         executor = Executor(model, num_blocks=blocks, block_size=block_size, max_model_len=max_model_len,
                             device=device)
-        return cls(executor, tokenizer=tokenizer, max_num_seqs=max_num_seqs, num_groups=num_groups,
-                   max_prefill_tokens=max_prefill_tokens)
+        return cls(executor, max_num_seqs=max_num_seqs, num_groups=num_groups, max_prefill_tokens=max_prefill_tokens)
 
     @property
     def num_groups(self) -> int:
@@ -95,8 +95,8 @@ class Engine:
 
     def add_request(self, request_id: Hashable, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. ValueError, with nothing queued, for a known id, an empty prompt, ids
-        outside the vocabulary, a prompt the cache can never hold or stop strings without a
-        tokenizer."""
+        outside the vocabulary or a prompt the cache can never hold. (Stop strings are the front
+        end's; the engine ignores ``params.stop``.)"""
         seq = self.requests.add(request_id, prompt_ids, params)
         try:
             self.scheduler.add(seq)
@@ -129,13 +129,10 @@ class Engine:
         freed, self._freed = self._freed, []
         return freed
 
-    def take_first_tokens(self) -> list[Hashable]:
-        """Requests whose first token was recorded since the last call."""
-        return self.requests.take_first_tokens()
-
-    def take_text(self) -> list[tuple[Hashable, str]]:
-        """(request_id, text delta) since the last call, in order: what to stream."""
-        return self.requests.take_text()
+    def take_tokens(self) -> list[tuple[Hashable, int, TokenLogprobs | None]]:
+        """(request_id, token, its logprobs or None) recorded since the last call, in order: what
+        a front end streams."""
+        return self.requests.take_tokens()
 
     # ---- steps ---------------------------------------------------------------
 
@@ -149,8 +146,9 @@ class Engine:
             launched, ended = self.launch(group)
             done += ended
             if launched is not None:
-                done += self.complete(group, launched.step_id, launched.batch.request_ids,
-                                      launched.output.tolist())
+                sampled = launched.output
+                done += self.complete(group, launched.step_id, launched.batch.request_ids, sampled.tokens.tolist(),
+                                      sampled.logprobs)
         return done
 
     def idle_groups_with_work(self) -> list[int]:
@@ -165,7 +163,8 @@ class Engine:
         done = [self._end(seq.request_id, "error", message) for seq, message in plan.failed]
         if plan.empty:
             return None, done
-        sampling = {s.request_id: self.requests.params(s.request_id) for s in plan.prefills}
+        sampling = {s.request_id: SamplingRequest.of(self.requests.params(s.request_id), s.prompt_ids)
+                    for s in plan.prefills}
         try:
             batch = self._batch(plan)
             output = self.executor.run(batch, sampling)
@@ -176,16 +175,17 @@ class Engine:
         self.inflight[group] = (step_id, plan)
         return LaunchedStep(group=group, step_id=step_id, batch=batch, output=output, sampling=sampling), done
 
-    def complete(self, group: int, step_id: int, request_ids, tokens: list[int]) -> list[RequestOutput]:
-        """The sampled tokens of a launched step (one per request, in row order); returns the
-        requests that ended with them."""
+    def complete(self, group: int, step_id: int, request_ids, tokens: list[int],
+                 logprobs: list[TokenLogprobs | None] | None = None) -> list[RequestOutput]:
+        """The sampled tokens of a launched step (one per request, in row order, with their
+        logprobs where asked); returns the requests that ended with them."""
         plan = self._take(group, step_id)
         seqs = plan.prefills + plan.decodes
         expected = [s.request_id for s in seqs]
         if list(request_ids) != expected:
             raise ValueError(f"Engine.complete: step {step_id} carries requests {list(request_ids)[:8]}, "
                              f"expected {expected[:8]}")
-        return [self._end(rid, reason) for rid, reason in self.requests.record(seqs, tokens)]
+        return [self._end(rid, reason) for rid, reason in self.requests.record(seqs, tokens, logprobs)]
 
     def fail(self, group: int, step_id: int, message: str) -> list[RequestOutput]:
         """A later stage could not run a launched step: its requests end with ``message``."""

@@ -19,10 +19,31 @@ from dataclasses import dataclass
 
 import torch
 
-from stagewise.engine.sampling import Sampler, SamplingParams, make_generator
+from stagewise.engine.sampling import (
+    History, Sampler, SamplingParams, SamplingRequest, TokenLogprobs, make_generator, token_logprobs,
+)  # fmt: skip
 from stagewise.kv import KVCache, KVCacheManager
 from stagewise.model.batch import KVMetadata, StepBatch
 from stagewise.model.stage import StageModel
+
+
+@dataclass(kw_only=True, slots=True)
+class Sampled:
+    """What the last stage returns for a step: one token per request, and the log-probabilities
+    of the requests that asked for them."""
+
+    tokens: torch.Tensor
+    """``int64 [R]``."""
+    logprobs: list[TokenLogprobs | None] | None = None
+    """One entry per request (None where not asked); None when no request asked."""
+
+
+@dataclass(kw_only=True, slots=True)
+class _Sampling:
+    params: SamplingParams
+    generator: torch.Generator | None
+    history: History | None
+    """The tokens it has seen, when a penalty needs them."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,6 +60,8 @@ class KVHandoff:
     """Last stage: the request's sampling parameters."""
     generator_state: torch.Tensor | None = None
     """Last stage: the state of the request's seeded generator (uint8)."""
+    history: tuple[list[int], list[int]] | None = None
+    """Last stage, with a penalty: the (prompt, generated) tokens its penalties count."""
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +88,7 @@ class Executor:
         self.manager = KVCacheManager(block_size=block_size, num_blocks=num_blocks,
                                       max_blocks_per_seq=-(-max_model_len // block_size))
         self.sampler = Sampler()
-        self._sampling: dict[Hashable, tuple[SamplingParams, torch.Generator | None]] = {}
+        self._sampling: dict[Hashable, _Sampling] = {}
 
     @property
     def is_first(self) -> bool:
@@ -88,11 +111,12 @@ class Executor:
         """Every request this rank keeps state of (KV or, on the last stage, sampling)."""
         return {*self.manager.request_ids(), *self._sampling}
 
-    def run(self, batch: StepBatch, sampling: Mapping[Hashable, SamplingParams] | None = None) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` for the next stage or, on the last stage, the sampled
-        token ids ``int64 [R]``. ``sampling`` gives the parameters of the requests that start in
-        this step (the last stage keeps them until the request is freed). On an error the step's
-        new requests are forgotten, and the exception propagates."""
+    def run(self, batch: StepBatch,
+            sampling: Mapping[Hashable, SamplingRequest] | None = None) -> torch.Tensor | Sampled:
+        """Hidden states ``[T, hidden]`` for the next stage or, on the last stage, the
+        :class:`Sampled` tokens. ``sampling`` describes the requests that start in this step (the
+        last stage keeps it until the request is freed). On an error the step's new requests are
+        forgotten, and the exception propagates."""
         added = []
         try:
             for rid, ctx, n, prefill in zip(batch.request_ids, batch.context_lens, batch.query_lens,
@@ -110,18 +134,31 @@ class Executor:
                     self.manager.append(rid, 1)
             if self.is_last:
                 for rid in added:
-                    params = (sampling or {}).get(rid)
-                    if params is None:
+                    new = (sampling or {}).get(rid)
+                    if new is None:
                         raise ValueError(f"request {rid!r} has no sampling parameters on the last stage")
-                    self._sampling[rid] = (params, make_generator(params, self.device))
+                    params = new.params
+                    self._sampling[rid] = _Sampling(params=params, generator=make_generator(params, self.device),
+                                                    history=History(new.prompt_ids) if params.penalised else None)
             out = self.model(batch, self.kv_cache, KVMetadata.build(batch, self.manager, self.device))
             if not self.is_last:
                 return out
-            entries = [self._sampling[rid] for rid in batch.request_ids]
-            return self.sampler.sample(out, [p for p, _ in entries], [g for _, g in entries])
+            return self._sample(out, [self._sampling[rid] for rid in batch.request_ids])
         except Exception:
             self.free(added)
             raise
+
+    def _sample(self, logits: torch.Tensor, entries: list[_Sampling]) -> Sampled:
+        params = [e.params for e in entries]
+        tokens = self.sampler.sample(logits, params, [e.generator for e in entries], [e.history for e in entries])
+        logprobs = None
+        if any(p.logprobs is not None for p in params):
+            logprobs = token_logprobs(logits, tokens, [p.logprobs for p in params])
+        if any(e.history is not None for e in entries):
+            for e, token in zip(entries, tokens.tolist()):
+                if e.history is not None:
+                    e.history.append(token)
+        return Sampled(tokens=tokens, logprobs=logprobs)
 
     def free(self, request_ids: Sequence[Hashable]) -> None:
         """Forget requests that ended (unknown ids are ignored: a request may end before it
@@ -141,11 +178,15 @@ class Executor:
         blocks = torch.tensor(self.manager.block_ids(request_id), dtype=torch.int64, device=storage.device)
         # storage [L, 2, num_blocks, block, Hk, D] -> the request's blocks -> [L, 2, n, Hk, D]
         kv = storage.index_select(2, blocks).flatten(2, 3)[:, :, :n]
-        spec = self.kv_cache.spec
-        params, generator = self._sampling.get(request_id, (None, None))
+        spec, entry = self.kv_cache.spec, self._sampling.get(request_id)
+        history = None
+        if entry is not None and entry.history is not None:
+            history = (sorted(entry.history.prompt), list(entry.history.output.elements()))
         return KVHandoff(request_id=request_id, layers=(spec.layer_start, spec.layer_end),
-                         k=kv[:, 0].contiguous().cpu(), v=kv[:, 1].contiguous().cpu(), sampling=params,
-                         generator_state=None if generator is None else generator.get_state())
+                         k=kv[:, 0].contiguous().cpu(), v=kv[:, 1].contiguous().cpu(),
+                         sampling=None if entry is None else entry.params,
+                         generator_state=None if entry is None or entry.generator is None
+                         else entry.generator.get_state(), history=history)
 
     def import_request(self, handoff: KVHandoff) -> None:
         """Take over a request from another instance of this stage: allocate its blocks and copy
@@ -173,10 +214,14 @@ class Executor:
                 padded[:, :n] = t.to(storage.device)
                 storage[:, j].index_copy_(1, blocks, padded.unflatten(1, (len(blocks), spec.block_size)))
             if self.is_last:
-                generator = make_generator(handoff.sampling, self.device)
+                params = handoff.sampling
+                generator = make_generator(params, self.device)
                 if generator is not None and handoff.generator_state is not None:
                     generator.set_state(handoff.generator_state)
-                self._sampling[rid] = (handoff.sampling, generator)
+                history = None
+                if params.penalised:
+                    history = History(*(handoff.history or ([], [])))
+                self._sampling[rid] = _Sampling(params=params, generator=generator, history=history)
         except Exception:
             self.manager.free(rid)
             raise

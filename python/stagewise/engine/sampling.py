@@ -1,10 +1,18 @@
 """Per-request sampling settings and the batched token sampler.
 
-The filter chain is the one Hugging Face ``generate`` applies when sampling, in
-the same order and with the same arithmetic, so a request sampled here sees the
-same candidate set and probabilities as under transformers:
+The chain is the one Hugging Face ``generate`` applies, in the same order and with the same
+arithmetic, so a request sampled here sees the same candidate set and probabilities as under
+transformers:
 
-    logits / temperature  ->  top-k  ->  top-p (nucleus, keeps at least 1 token)  ->  draw
+    penalties  ->  greedy argmax, or:  logits / temperature  ->  top-k  ->  top-p  ->  min-p  ->  draw
+
+Penalties change the logits of tokens a request has already seen, greedy or not: the
+repetition penalty (transformers' ``RepetitionPenaltyLogitsProcessor``) divides a positive
+logit and multiplies a negative one by ``repetition_penalty`` for every token of the prompt and
+of the output; the presence and frequency penalties (OpenAI's definition; transformers has no
+such processor) subtract ``presence_penalty`` once and ``frequency_penalty`` per occurrence for
+every token of the output. Min-p (``MinPLogitsWarper``) drops the tokens whose probability is
+below ``min_p`` times the most likely one's.
 
 Top-k keeps every token whose logit is >= the k-th largest (ties at the
 threshold all survive). Top-p walks the tokens from least to most likely and
@@ -19,11 +27,14 @@ its seed alone and not on what else shares the batch.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SamplingParams", "Sampler", "make_generator"]
+__all__ = ["History", "SamplingParams", "SamplingRequest", "Sampler", "TokenLogprobs", "make_generator",
+           "token_logprobs"]
 
 _SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed accepts without wrapping
 
@@ -57,6 +68,18 @@ class SamplingParams:
     ignore_eos: bool = False
     """Keep generating past the model's EOS ids (stop_token_ids and stop strings still apply);
     benchmarks use it so that every row decodes exactly max_new_tokens."""
+    repetition_penalty: float = 1.0
+    """> 0; 1 turns it off. Logits of prompt and output tokens: divided (positive) or multiplied
+    (negative) by it."""
+    presence_penalty: float = 0.0
+    """In [-2, 2]; subtracted once from the logit of every token the output already holds."""
+    frequency_penalty: float = 0.0
+    """In [-2, 2]; subtracted from a token's logit as many times as the output holds it."""
+    min_p: float = 0.0
+    """In [0, 1]; sampling drops tokens less likely than ``min_p`` times the most likely one."""
+    logprobs: int | None = None
+    """Return each generated token's log-probability and the ``logprobs`` most likely tokens'
+    (0 .. 20; None: none). From the model's float32 logits, before penalties and temperature."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -81,12 +104,69 @@ class SamplingParams:
             )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not _is_number(self.repetition_penalty) or not (0.0 < self.repetition_penalty < float("inf")):
+            raise ValueError(f"SamplingParams.repetition_penalty must be a finite number > 0 (1 = off), "
+                             f"got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"SamplingParams.{name} must be a number in [-2, 2] (0 = off), got {value!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"SamplingParams.logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
+                             f"got {self.logprobs!r}")
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether its tokens so far change its logits (a penalty is on)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRequest:
+    """What the stage that samples needs of a request when its first step arrives."""
+
+    params: SamplingParams
+    prompt_ids: tuple[int, ...] = ()
+    """The prompt, when a repetition penalty needs it (else empty)."""
+
+    @classmethod
+    def of(cls, params: SamplingParams, prompt_ids: Iterable[int]) -> SamplingRequest:
+        return cls(params, tuple(prompt_ids) if params.repetition_penalty != 1.0 else ())
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One generated token's log-probability and the most likely tokens' at its position."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    """(token, log-probability) of the ``logprobs`` most likely tokens, most likely first."""
+
+
+class History:
+    """The tokens one request has seen, for its penalties: the prompt (repetition) and the
+    output so far (repetition, presence, frequency)."""
+
+    __slots__ = ("prompt", "output")
+
+    def __init__(self, prompt_ids: Iterable[int], output_ids: Iterable[int] = ()) -> None:
+        self.prompt = frozenset(int(t) for t in prompt_ids)
+        self.output: Counter[int] = Counter(int(t) for t in output_ids)
+
+    def append(self, token: int) -> None:
+        self.output[int(token)] += 1
 
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -106,13 +186,17 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        histories: list[History | None] | None = None,
     ) -> torch.Tensor:
         """``logits [B, V]`` (any float dtype) -> token ids ``LongTensor [B]``.
 
-        ``params[i]`` and ``generators[i]`` belong to row i; a None generator
-        draws from torch's global generator for ``logits.device``.
+        ``params[i]``, ``generators[i]`` and ``histories[i]`` belong to row i; a None generator
+        draws from torch's global generator for ``logits.device``; a row with a penalty needs
+        its history.
         """
         _check_batch(logits, params, generators)
+        if any(p.penalised for p in params):
+            logits = apply_penalties(logits, params, histories or [None] * len(params))
         batch = logits.size(0)
         out = torch.empty(batch, dtype=torch.long, device=logits.device)
         if batch == 0:
@@ -149,7 +233,7 @@ class Sampler:
 
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         if all(k == vocab for k in ks) and all(p.top_p == 1.0 for p in params):
-            return scores  # nothing to filter: skip the sort
+            return _min_p(scores, params)  # nothing else to filter: skip the sort
 
         # One ascending sort serves both filters. The vocab is flipped before a stable
         # sort so that among equal logits the higher id comes first: it is then the one
@@ -172,7 +256,63 @@ class Sampler:
             drop[:, -1] = False  # always keep the most likely token
             sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
 
-        return torch.empty_like(scores).scatter_(1, order, sorted_scores)
+        return _min_p(torch.empty_like(scores).scatter_(1, order, sorted_scores), params)
+
+
+def _min_p(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """MinPLogitsWarper's arithmetic on the rows with ``min_p`` > 0 (the most likely token kept)."""
+    rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if not rows:
+        return scores
+    idx = torch.tensor(rows, device=scores.device)
+    sub = scores.index_select(0, idx)
+    probs = sub.softmax(dim=-1)
+    limit = torch.tensor([params[i].min_p for i in rows], dtype=probs.dtype, device=probs.device).unsqueeze(1)
+    drop = probs < limit * probs.amax(dim=-1, keepdim=True)
+    drop.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
+    return scores.index_copy(0, idx, sub.masked_fill(drop, float("-inf")))
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                    histories: list[History | None]) -> torch.Tensor:
+    """``logits [B, V]`` -> float32 ``[B, V]`` with each row's penalties applied for the tokens of
+    its history (see the module doc)."""
+    scores = logits.float().clone()
+    for i, (p, h) in enumerate(zip(params, histories, strict=True)):
+        if not p.penalised:
+            continue
+        if h is None:
+            raise ValueError(f"Sampler: row {i} has a penalty but no history of its tokens")
+        row = scores[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(h.prompt | h.output.keys()), dtype=torch.long, device=scores.device)
+            picked = row.index_select(0, seen)
+            penalty = p.repetition_penalty
+            row.index_copy_(0, seen, torch.where(picked < 0, picked * penalty, picked / penalty))
+        if h.output and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
+            ids = torch.tensor(list(h.output.keys()), dtype=torch.long, device=scores.device)
+            counts = torch.tensor(list(h.output.values()), dtype=torch.float32, device=scores.device)
+            row.index_add_(0, ids, -(p.presence_penalty + p.frequency_penalty * counts))
+    return scores
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int | None]) -> list[TokenLogprobs | None]:
+    """Each row's chosen token's log-probability and the ``ks[i]`` most likely tokens' (None where
+    ``ks[i]`` is None), from the float32 log-softmax of ``logits [B, V]``."""
+    rows = [i for i, k in enumerate(ks) if k is not None]
+    out: list[TokenLogprobs | None] = [None] * len(ks)
+    if not rows:
+        return out
+    idx = torch.tensor(rows, device=logits.device)
+    lp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)
+    chosen = lp.gather(1, tokens.index_select(0, idx).view(-1, 1)).view(-1).tolist()
+    k_max = max(ks[i] for i in rows)
+    top_lp, top_ids = lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], lp[:, :0].long())
+    top_lp, top_ids, picked = top_lp.tolist(), top_ids.tolist(), tokens.index_select(0, idx).tolist()
+    for j, i in enumerate(rows):
+        k = ks[i]
+        out[i] = TokenLogprobs(token=picked[j], logprob=chosen[j], top=tuple(zip(top_ids[j][:k], top_lp[j][:k])))
+    return out
 
 
 def _check_batch(logits: torch.Tensor, params: list, generators: list) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from stagewise.engine.requests import RequestOutput
-from stagewise.engine.sampling import SamplingParams
+from stagewise.engine.sampling import SamplingParams, TokenLogprobs
 from stagewise.parallel.runplan import RunPlan
 from stagewise.pipeline import links, messages
 from stagewise.pipeline.messages import (
@@ -59,7 +59,9 @@ class Fault(enum.IntEnum):
 @dataclass(slots=True)
 class _Request:
     prompt_ids: list[int]
-    text: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    """What it generated so far (a failed request still reports them)."""
+    logprobs: list[TokenLogprobs | None] | None = None
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     error: str | None = None
@@ -78,7 +80,7 @@ class PipelineDriver:
         """Stage 0's latest status: waiting (queue depth), running (active rows), max_num_seqs,
         free_blocks, total_blocks."""
         self._requests: dict[int, _Request] = {}
-        self._deltas: list[tuple[int, str]] = []
+        self._tokens: list[tuple[int, int, TokenLogprobs | None]] = []
         self._problems: list[tuple[Fault, int, str]] = []
         self._store = None
         n = plan.num_stages
@@ -167,7 +169,7 @@ class PipelineDriver:
 
     def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams) -> None:
         """Send a request to stage 0."""
-        self._requests[request_id] = _Request(list(prompt_ids))
+        self._requests[request_id] = _Request(list(prompt_ids), logprobs=[] if params.logprobs is not None else None)
         self._send(0, Add(request_id=request_id, prompt_ids=list(prompt_ids), params=params))
 
     def cancel(self, request_id: int) -> None:
@@ -181,14 +183,15 @@ class PipelineDriver:
             req.error = error
             self.cancel(request_id)
 
-    def take_text(self) -> list[tuple[int, str]]:
-        """(request_id, text delta) received since the last call, in order: what to stream."""
-        out, self._deltas = self._deltas, []
+    def take_tokens(self) -> list[tuple[int, int, TokenLogprobs | None]]:
+        """(request_id, token, its logprobs or None) received since the last call, in order: what
+        a front end streams."""
+        out, self._tokens = self._tokens, []
         return out
 
     def poll(self, timeout: float) -> list[RequestOutput]:
         """Wait up to ``timeout`` for stage 0's events; returns the requests that ended (their
-        text deltas wait in :meth:`take_text`). Checks every stage's health on the way: when the
+        new tokens wait in :meth:`take_tokens`). Checks every stage's health on the way: when the
         pipeline breaks, every request still running ends with an error naming the stage."""
         if self.broken:
             return self._fail_all()
@@ -226,15 +229,16 @@ class PipelineDriver:
 
     def _events(self, events: Events) -> list[RequestOutput]:
         stamp = time.perf_counter()
-        for rid in events.first_tokens:
-            req = self._requests.get(rid)
-            if req is not None and req.first_token_s is None:
+        for new in events.tokens:
+            req = self._requests.get(new.request_id)
+            if req is None:
+                continue
+            if req.first_token_s is None:
                 req.first_token_s = stamp
-        for rid, delta in events.text:
-            req = self._requests.get(rid)
-            if req is not None:
-                req.text.append(delta)
-                self._deltas.append((rid, delta))
+            req.tokens.append(new.token)
+            if req.logprobs is not None:
+                req.logprobs.append(new.logprobs)
+            self._tokens.append((new.request_id, new.token, new.logprobs))
         return [self._output(r) for r in events.done if r.request_id in self._requests]
 
     def _output(self, result: Result) -> RequestOutput:
@@ -243,7 +247,7 @@ class PipelineDriver:
         if req.error is not None and reason == "cancelled":
             reason, error = "error", req.error
         return RequestOutput(request_id=result.request_id, prompt_ids=req.prompt_ids, token_ids=result.token_ids,
-                             text=result.text, finish_reason=reason, error=error, arrival_s=req.arrival_s,
+                             finish_reason=reason, error=error, logprobs=req.logprobs, arrival_s=req.arrival_s,
                              first_token_s=req.first_token_s, finish_s=time.perf_counter())
 
     def _check_health(self, now: float) -> None:
@@ -267,13 +271,10 @@ class PipelineDriver:
         return min(self._problems)[2]
 
     def _fail_all(self) -> list[RequestOutput]:
-        """Every request still running, ended with the pipeline's failure (its text so far kept)."""
-        out = []
-        for rid in list(self._requests):
-            req = self._requests[rid]
-            out.append(self._output(Result(request_id=rid, token_ids=[], text="".join(req.text), finish_reason="error",
-                                           error=f"pipeline failed: {self.broken}")))
-        return out
+        """Every request still running, ended with the pipeline's failure (what it generated
+        so far kept)."""
+        return [self._output(Result(request_id=rid, token_ids=list(self._requests[rid].tokens), finish_reason="error",
+                                    error=f"pipeline failed: {self.broken}")) for rid in list(self._requests)]
 
     # ---- stats and shutdown ----------------------------------------------------------
 

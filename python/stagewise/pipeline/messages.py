@@ -4,7 +4,7 @@ Start-up: a stage that loaded its layers says :class:`Ready` (how many KV blocks
 the driver answers every stage with :class:`Setup` (the block count they all use, the next
 stage's address, the transport); each stage reports :class:`Connected` once its links are open.
 Serving: the driver sends :class:`Add` and :class:`Cancel` to stage 0, which answers with
-:class:`Events` (text deltas, first tokens, finished requests) and :class:`Status`; every stage
+:class:`Events` (each new token, finished requests) and :class:`Status`; every stage
 sends a :class:`Heartbeat` twice a second, :class:`Stats` when asked (:class:`GetStats`) and
 :class:`Fatal` before it dies of an error. :class:`Shutdown` stops a stage.
 
@@ -22,7 +22,7 @@ import typing
 from dataclasses import dataclass, field
 
 from stagewise.engine.requests import FINISH_REASONS
-from stagewise.engine.sampling import SamplingParams
+from stagewise.engine.sampling import SamplingParams, TokenLogprobs
 from stagewise.pipeline.protocol import ProtocolError
 from stagewise.transport.frame import Frame, StepKind
 
@@ -102,11 +102,10 @@ class Cancel:
 
 @dataclass(kw_only=True, slots=True)
 class Result:
-    """A finished request as stage 0 reports it."""
+    """A finished request as stage 0 reports it (its text is the front end's)."""
 
     request_id: int
     token_ids: list[int]
-    text: str
     finish_reason: str
     error: str | None = None
 
@@ -116,16 +115,21 @@ class Result:
 
 
 @dataclass(kw_only=True, slots=True)
+class NewToken:
+    request_id: int
+    token: int
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass(kw_only=True, slots=True)
 class Events:
     OP = Op.EVENTS
-    text: list[tuple[int, str]] = field(default_factory=list)
-    """(request_id, text delta) in the order they were produced."""
-    first_tokens: list[int] = field(default_factory=list)
-    """Requests whose first token was sampled."""
+    tokens: list[NewToken] = field(default_factory=list)
+    """Every new token, in the order they were sampled."""
     done: list[Result] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.text or self.first_tokens or self.done)
+        return bool(self.tokens or self.done)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -240,7 +244,8 @@ def _value(value, hint, where: str):
                 raise ProtocolError(f"{where}: expected {len(args)} items, got {len(value)}")
             return tuple(_value(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
         item = args[0] if args else typing.Any
-        return [_value(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        items = [_value(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
     if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if hint in (int, str, bool):

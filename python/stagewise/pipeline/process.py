@@ -107,8 +107,7 @@ class StageProcess:
             threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
             self.stats.reset()
             if self.index == 0:
-                engine = Engine(executor, tokenizer=_tokenizer(checkpoint), max_num_seqs=self.plan.max_num_seqs,
-                                num_groups=setup.microbatches)
+                engine = Engine(executor, max_num_seqs=self.plan.max_num_seqs, num_groups=setup.microbatches)
                 self._serve_head(Head(engine, stats=self.stats))
             else:
                 self._serve_worker(Worker(executor, index=self.index, num_stages=self.plan.num_stages,
@@ -287,10 +286,3 @@ class StageProcess:
             print(f"stagewise stage {self.index}: rejected frame #{self.stats.rejected_frames} {why}",
                   file=sys.stderr, flush=True)
 
-
-def _tokenizer(checkpoint):
-    """Stage 0 detokenises and applies stop strings; a checkpoint without a tokenizer serves ids."""
-    try:
-        return checkpoint.tokenizer()
-    except FileNotFoundError:
-        return None

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from stagewise.engine.executor import KVHandoff
-from stagewise.engine.sampling import SamplingParams
+from stagewise.engine.executor import KVHandoff, Sampled
+from stagewise.engine.sampling import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.model.batch import StepBatch
 from stagewise.transport.frame import Frame, Row, RowFlags, StepKind
 
@@ -57,6 +57,8 @@ class Tokens:
     group: int
     request_ids: list[int]
     tokens: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+    """One entry per request where some asked for logprobs (None: nobody did)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,10 +93,12 @@ def to_frame(msg: Message, *, stage_from: int, stage_to: int) -> Frame:
                      stage_to=stage_to, token_index=max(r.first_position + r.num_tokens - 1 for r in rows),
                      rows=rows, tensors=tensors)
     if isinstance(msg, Tokens):
-        ids = torch.tensor(msg.tokens, dtype=torch.int64)
+        tensors = {"token_ids": torch.tensor(msg.tokens, dtype=torch.int64)}
+        if msg.logprobs is not None:
+            tensors["logprobs"] = _json_bytes([None if lp is None else [lp.token, lp.logprob, lp.top]
+                                               for lp in msg.logprobs])
         return Frame(step_kind=StepKind.TOKENS, step_id=msg.step_id, microbatch=msg.group, stage_from=stage_from,
-                     stage_to=stage_to, rows=[Row(int(r), 0, 1) for r in msg.request_ids],
-                     tensors={"token_ids": ids})
+                     stage_to=stage_to, rows=[Row(int(r), 0, 1) for r in msg.request_ids], tensors=tensors)
     if isinstance(msg, Free):
         return Frame(step_kind=StepKind.CONTROL, stage_from=stage_from, stage_to=stage_to,
                      rows=[Row(int(r), 0, 0, RowFlags.FINISHED) for r in msg.request_ids], control={"op": "free"})
@@ -104,9 +108,10 @@ def to_frame(msg: Message, *, stage_from: int, stage_to: int) -> Frame:
     raise TypeError(f"pipeline.protocol.to_frame: not a pipeline message: {type(msg).__name__}")
 
 
-def tokens_message(step_id: int, group: int, request_ids: Sequence[int], tokens: torch.Tensor) -> Tokens:
-    """The last stage's answer to a step: ``tokens int64 [R]`` on any device."""
-    return Tokens(step_id=step_id, group=group, request_ids=list(request_ids), tokens=tokens.tolist())
+def tokens_message(step_id: int, group: int, request_ids: Sequence[int], sampled: Sampled) -> Tokens:
+    """The last stage's answer to a step (its tokens on any device)."""
+    return Tokens(step_id=step_id, group=group, request_ids=list(request_ids), tokens=sampled.tokens.tolist(),
+                  logprobs=sampled.logprobs)
 
 
 # ---- decoding ------------------------------------------------------------------------------
@@ -142,7 +147,11 @@ def from_frame(frame: Frame, stage: StageShape | None) -> Message:
         if ids is None or tuple(ids.shape) != (len(rids),) or ids.dtype != torch.int64:
             raise ProtocolError(f"tensors['token_ids']: expected int64 of shape ({len(rids)},), got "
                                 f"{None if ids is None else (tuple(ids.shape), ids.dtype)}")
-        return Tokens(step_id=frame.step_id, group=frame.microbatch, request_ids=rids, tokens=ids.tolist())
+        logprobs = None
+        if "logprobs" in frame.tensors:
+            logprobs = _logprobs(_from_json_bytes(frame.tensors["logprobs"], "logprobs"), len(rids))
+        return Tokens(step_id=frame.step_id, group=frame.microbatch, request_ids=rids, tokens=ids.tolist(),
+                      logprobs=logprobs)
     if kind in STEP_KINDS and stage is not None:
         return _step(frame, stage)
     raise ProtocolError(f"step_kind {kind!r} is not a pipeline message")
@@ -188,34 +197,64 @@ def _step(frame: Frame, stage: StageShape) -> Step:
     return Step(step_id=frame.step_id, group=frame.microbatch, batch=batch, sampling=sampling)
 
 
-# ---- sampling parameters -------------------------------------------------------------------
+# ---- sampling parameters and logprobs: bytes only the last stage (or stage 0) decodes ----------
 
-def encode_sampling(params: Mapping[int, SamplingParams]) -> torch.Tensor | None:
-    """The sampling parameters of a step's new requests as uint8 bytes (UTF-8 JSON), or None."""
-    if not params:
+def encode_sampling(requests: Mapping[int, SamplingRequest]) -> torch.Tensor | None:
+    """What the last stage needs of a step's new requests, as uint8 bytes (UTF-8 JSON), or None."""
+    if not requests:
         return None
-    data = json.dumps({str(int(rid)): dataclasses.asdict(p) for rid, p in params.items()},
-                      separators=(",", ":")).encode()
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return _json_bytes({str(int(rid)): {"params": dataclasses.asdict(r.params), "prompt_ids": list(r.prompt_ids)}
+                        for rid, r in requests.items()})
 
 
-def decode_sampling(data: torch.Tensor | None) -> dict[int, SamplingParams]:
-    """:func:`encode_sampling`'s parameters back; ProtocolError naming the bad request."""
+def decode_sampling(data: torch.Tensor | None) -> dict[int, SamplingRequest]:
+    """:func:`encode_sampling`'s requests back; ProtocolError naming the bad request."""
     if data is None:
         return {}
-    try:
-        table = json.loads(bytes(data.cpu().numpy()).decode())
-    except (UnicodeDecodeError, ValueError) as err:
-        raise ProtocolError(f"tensors['sampling']: not UTF-8 JSON ({err})") from None
+    table = _from_json_bytes(data, "sampling")
     if not isinstance(table, dict):
         raise ProtocolError(f"tensors['sampling']: expected a JSON object, got {type(table).__name__}")
     out = {}
-    for key, fields in table.items():
+    for key, entry in table.items():
         try:
-            out[int(key)] = SamplingParams(**fields)
-        except (TypeError, ValueError) as err:
+            prompt = entry.get("prompt_ids", [])
+            if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+                raise ValueError(f"prompt_ids must be a list of ints, got {prompt!r:.80}")
+            out[int(key)] = SamplingRequest(SamplingParams(**entry["params"]), tuple(prompt))
+        except (TypeError, ValueError, KeyError, AttributeError) as err:
             raise ProtocolError(f"tensors['sampling'][{key!r}]: {err}") from None
     return out
+
+
+def _logprobs(rows, n: int) -> list[TokenLogprobs | None]:
+    if not isinstance(rows, list) or len(rows) != n:
+        raise ProtocolError(f"tensors['logprobs']: expected a list of {n} entries")
+    out = []
+    for i, row in enumerate(rows):
+        if row is None:
+            out.append(None)
+            continue
+        try:
+            token, logprob, top = row
+            out.append(TokenLogprobs(token=int(token), logprob=float(logprob),
+                                     top=tuple((int(t), float(v)) for t, v in top)))
+        except (TypeError, ValueError) as err:
+            raise ProtocolError(f"tensors['logprobs'][{i}]: expected [token, logprob, [[token, logprob], ...]] "
+                                f"({err})") from None
+    return out
+
+
+def _json_bytes(value) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(value, separators=(",", ":")).encode()), dtype=torch.uint8)
+
+
+def _from_json_bytes(data: torch.Tensor, name: str):
+    if data.dtype != torch.uint8 or data.dim() != 1:
+        raise ProtocolError(f"tensors[{name!r}]: expected uint8 bytes, got {data.dtype} {tuple(data.shape)}")
+    try:
+        return json.loads(bytes(data.cpu().numpy()).decode())
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ProtocolError(f"tensors[{name!r}]: not UTF-8 JSON ({err})") from None
 
 
 # ---- KV handoff ----------------------------------------------------------------------------
@@ -230,6 +269,8 @@ def handoff_frame(handoff: KVHandoff, *, stage: int) -> Frame:
     control = {"layers": list(handoff.layers)}
     if handoff.sampling is not None:
         control["sampling"] = dataclasses.asdict(handoff.sampling)
+    if handoff.history is not None:
+        control["history"] = [list(handoff.history[0]), list(handoff.history[1])]
     return Frame(step_kind=StepKind.KV_HANDOFF, request_id=int(handoff.request_id), stage_from=stage, stage_to=stage,
                  token_index=handoff.num_tokens, tensors=tensors, control=control)
 
@@ -251,5 +292,10 @@ def handoff_from_frame(frame: Frame) -> KVHandoff:
         params = None if sampling is None else SamplingParams(**sampling)
     except (TypeError, ValueError) as err:
         raise ProtocolError(f"control['sampling']: {err}") from None
+    history = control.get("history")
+    if history is not None and not (isinstance(history, list) and len(history) == 2
+                                    and all(isinstance(h, list) for h in history)):
+        raise ProtocolError(f"control['history']: expected [prompt tokens, generated tokens], got {history!r:.80}")
     return KVHandoff(request_id=frame.request_id, layers=(layers[0], layers[1]), k=k, v=v, sampling=params,
-                     generator_state=frame.tensors.get("generator_state"))
+                     generator_state=frame.tensors.get("generator_state"),
+                     history=None if history is None else (history[0], history[1]))

@@ -27,7 +27,7 @@ from stagewise.engine.engine import Engine
 from stagewise.engine.executor import Executor, model_dtype
 from stagewise.engine.requests import RequestOutput
 from stagewise.pipeline import protocol
-from stagewise.pipeline.messages import Add, Cancel, Events, Result, Stats, Status
+from stagewise.pipeline.messages import Add, Cancel, Events, NewToken, Result, Stats, Status
 from stagewise.pipeline.protocol import Free, ProtocolError, StageShape, Step, StepFailed, Tokens
 from stagewise.transport.frame import Frame
 
@@ -97,8 +97,8 @@ class Head:
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params)
             except (ValueError, TypeError) as err:
-                self._events.done.append(Result(request_id=msg.request_id, token_ids=[], text="",
-                                                finish_reason="error", error=str(err)))
+                self._events.done.append(Result(request_id=msg.request_id, token_ids=[], finish_reason="error",
+                                                error=str(err)))
         elif isinstance(msg, Cancel):  # the request ends at once; its KV is freed on every stage
             out = self.engine.cancel(msg.request_id)
             if out is not None:
@@ -127,18 +127,17 @@ class Head:
     def on_feedback(self, msg: Tokens | StepFailed) -> list[Frame]:
         """The last stage's answer to a step; returns frames for stage 1 (frees)."""
         if isinstance(msg, Tokens):
-            self._finished(self.engine.complete(msg.group, msg.step_id, msg.request_ids, msg.tokens))
+            self._finished(self.engine.complete(msg.group, msg.step_id, msg.request_ids, msg.tokens, msg.logprobs))
         elif isinstance(msg, StepFailed):
             self._finished(self.engine.fail(msg.group, msg.step_id, msg.message))
         else:
             raise protocol.ProtocolError(f"{type(msg).__name__} is not expected on the feedback link")
-        self._events.first_tokens += self.engine.take_first_tokens()
         return self._frees()
 
     def take_events(self) -> Events | None:
-        """Text, first tokens and finished requests since the last call (None: nothing new)."""
-        self._events.first_tokens += self.engine.take_first_tokens()
-        self._events.text += [(int(rid), delta) for rid, delta in self.engine.take_text()]
+        """New tokens and finished requests since the last call (None: nothing new)."""
+        self._events.tokens += [NewToken(request_id=int(rid), token=token, logprobs=lp)
+                                for rid, token, lp in self.engine.take_tokens()]
         if not self._events:
             return None
         events, self._events = self._events, Events()
@@ -156,7 +155,7 @@ class Head:
 
     def _finished(self, outs: list[RequestOutput]) -> None:
         for out in outs:
-            self._events.done.append(Result(request_id=int(out.request_id), token_ids=out.token_ids, text=out.text,
+            self._events.done.append(Result(request_id=int(out.request_id), token_ids=out.token_ids,
                                             finish_reason=out.finish_reason, error=out.error))
 
     def _frees(self) -> list[Frame]:

@@ -1,0 +1,91 @@
+"""The front end's side of generation: the text of each request's token stream.
+
+The engine works in tokens; whoever holds the tokenizer (the process that serves the user: the
+API, the CLI) turns each request's tokens into text as they arrive, with the incremental
+detokeniser, and applies its stop strings. A stop string can end a request in the middle of its
+stream: :meth:`TextStreams.feed` says so, and the caller then cancels the request in the engine
+(it may have sampled a token or two more meanwhile, which are dropped) and reports it as ended
+with 'stop', its tokens up to the one that completed the stop string.
+
+Per request and token::
+
+    delta, stopped = streams.feed(rid, token)     # EOS / stop ids: no text of their own
+    ... when the engine ends the request (stop token, length, cancel, error):
+    closed = streams.close(rid, reason)           # a stop string may still complete in the tail
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from stagewise.engine.detokenize import IncrementalDetokenizer, StopChecker
+from stagewise.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    """A request's text when it ended."""
+
+    text: str
+    """All of it."""
+    tail: str
+    """What :meth:`TextStreams.close` released: the text held back until the end."""
+    finish_reason: str
+    tokens: list[int]
+    """Its tokens, up to the one that completed a stop string."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    detok: IncrementalDetokenizer | None
+    stop: StopChecker
+    tokens: list[int]
+    text: list[str]
+    stopped: bool = False
+
+
+class TextStreams:
+    """The text of every open request, by id. Without a tokenizer every text is empty (token
+    ids in and out), and stop strings cannot be asked for."""
+
+    def __init__(self, tokenizer=None, eos_token_ids: Sequence[int] = ()) -> None:
+        self.tokenizer, self.eos_token_ids = tokenizer, tuple(eos_token_ids)
+        self._open: dict[Hashable, _Stream] = {}
+
+    def open(self, request_id: Hashable, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"request {request_id!r}: stop strings need a tokenizer; this model has none")
+        detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        eos = () if params.ignore_eos else self.eos_token_ids
+        self._open[request_id] = _Stream(detok=detok, stop=StopChecker(params.stop, params.stop_token_ids, eos),
+                                         tokens=[], text=[])
+
+    def feed(self, request_id: Hashable, token: int) -> tuple[str, bool]:
+        """A new token of an open request: (the text it adds, True when a stop string completed
+        with it: the request ends here)."""
+        s = self._open[request_id]
+        if s.stopped:
+            return "", True
+        s.tokens.append(token)
+        if s.stop.is_stop_token(token):  # its own text is not shown; the engine ends the request
+            return "", False
+        text, reason = s.stop.feed(s.detok.push(token) if s.detok is not None else "")
+        s.text.append(text)
+        s.stopped = reason is not None
+        return text, s.stopped
+
+    def close(self, request_id: Hashable, reason: str) -> Closed:
+        """End a request: its text (the text held back released) and its final finish reason:
+        'stop' when a stop string completed earlier, or completes in the text held back of a
+        request that ran out of length; else ``reason``."""
+        s = self._open.pop(request_id)
+        if s.stopped:
+            return Closed(text="".join(s.text), tail="", finish_reason="stop", tokens=s.tokens)
+        tail, stopped = s.stop.finish(s.detok.flush() if s.detok is not None else "")
+        s.text.append(tail)
+        final = "stop" if stopped and reason == "length" else reason
+        return Closed(text="".join(s.text), tail=tail, finish_reason=final, tokens=s.tokens)
+
+    def __contains__(self, request_id: Hashable) -> bool:
+        return request_id in self._open

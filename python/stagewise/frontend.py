@@ -1,0 +1,193 @@
+"""The front end of a generate call: requests handed to a backend — the single-process engine
+(:class:`LocalBackend`) or the pipeline's driver (:class:`~stagewise.pipeline.driver.PipelineDriver`),
+which answer the same calls — and their tokens turned into text, streamed, and collected into
+results and timings.
+
+The backends work in tokens; the text (incremental detokenisation, stop strings) is made here,
+where the tokenizer is (:class:`~stagewise.engine.text.TextStreams`). A stop string that
+completes ends the request here at once; the backend is told to cancel it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from stagewise.engine.requests import FINISH_REASONS, RequestOutput
+from stagewise.engine.sampling import SamplingParams, TokenLogprobs
+from stagewise.engine.text import TextStreams
+
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Completion:
+    """The result of one prompt."""
+
+    text: str
+    """Generated text (stop strings and stop tokens not included)."""
+    token_ids: list[int]
+    """Generated token ids only (a stop token that ended generation included; with a stop string,
+    up to the token that completed it)."""
+    finish_reason: str
+    """'stop' (EOS, stop token or stop string), 'length', 'cancelled' or 'error'."""
+    error: str | None = None
+    """What went wrong when finish_reason is 'error' (the tokens generated before are kept)."""
+    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    """With ``logprobs=K``: one entry per generated token."""
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"Completion.finish_reason: expected one of {FINISH_REASONS}, got {self.finish_reason!r}")
+
+
+class LocalBackend:
+    """The single-process backend: one engine over every layer."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.engine.add_request(request_id, prompt_ids, params)
+
+    def cancel(self, request_id: int) -> None:
+        self.engine.cancel(request_id)
+
+    def abort(self, request_id: int, error: str) -> RequestOutput | None:
+        return self.engine.abort(request_id, error)
+
+    def poll(self, timeout: float) -> list[RequestOutput]:
+        return self.engine.step()
+
+    def take_tokens(self) -> list[tuple[int, int, TokenLogprobs | None]]:
+        return self.engine.take_tokens()
+
+    def close(self) -> None:
+        self.engine = None
+
+
+def sampling_per_prompt(base: Mapping[str, Any], n: int,
+                        overrides: Sequence[Mapping[str, Any] | None] | None) -> list[SamplingParams]:
+    """Each prompt's :class:`SamplingParams`: ``base`` with ``overrides[i]``'s fields replaced,
+    and with a ``seed`` given, prompt i seeded ``seed + i`` unless its override names a seed.
+    ValueError naming the prompt and field for anything wrong."""
+    if overrides is not None and len(overrides) != n:
+        raise ValueError(f"Pipeline.generate: overrides must hold one entry per prompt ({n}), got {len(overrides)}")
+    SamplingParams(**base)  # the call's own values, checked as given (a seed before it is offset)
+    out = []
+    for i in range(n):
+        fields = dict(base)
+        if fields.get("seed") is not None:
+            fields["seed"] = (fields["seed"] + i) % 2**64
+        extra = (overrides or [None] * n)[i] or {}
+        unknown = sorted(set(extra) - set(SAMPLING_FIELDS))
+        if unknown:
+            raise ValueError(f"Pipeline.generate: prompt {i}: unknown sampling fields {unknown}; expected some of "
+                             f"{sorted(SAMPLING_FIELDS)}")
+        fields.update(extra)
+        try:
+            out.append(SamplingParams(**fields))
+        except ValueError as err:
+            raise ValueError(f"Pipeline.generate: prompt {i}: {err}" if overrides else str(err)) from None
+    return out
+
+
+class Run:
+    """One generate call's requests on a backend, from added to their results."""
+
+    def __init__(self, backend, streams: TextStreams, on_text: Callable[[int, str], None] | None) -> None:
+        self.backend, self.streams, self.on_text = backend, streams, on_text
+        self.start = time.perf_counter()
+        self.results: dict[int, Completion] = {}
+        """prompt index -> its result."""
+        self._index: dict[int, int] = {}
+        self._prompts: dict[int, list[int]] = {}
+        self._logprobs: dict[int, list[TokenLogprobs | None]] = {}
+        self._first: dict[int, float] = {}
+        self._ended: dict[int, tuple[int, float | None]] = {}
+        """request id -> (tokens, first token time) of the requests that ended."""
+        self._quiet: set[int] = set()
+        """Requests whose consumer raised: no more text is handed to it."""
+
+    def add(self, request_id: int, index: int, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Start a request for prompt ``index``; a request the backend refuses ends at once with
+        its error."""
+        try:
+            self.backend.add(request_id, prompt_ids, params)  # checks the prompt's ids first
+        except ValueError as err:
+            self._complete(index, prompt_ids, [], "", "error", str(err), None)
+            return
+        self.streams.open(request_id, prompt_ids, params)
+        self._index[request_id], self._prompts[request_id] = index, prompt_ids
+        if params.logprobs is not None:
+            self._logprobs[request_id] = []
+
+    def wait(self) -> None:
+        """Until every request ended."""
+        while len(self._ended) < len(self._index):
+            outputs = self.backend.poll(0.05)
+            for rid, token, lp in self.backend.take_tokens():
+                if rid in self.streams:
+                    self._token(rid, token, lp)
+            for out in outputs:
+                if out.request_id in self.streams:  # else: the cancel of one a stop string ended
+                    self._finish(out.request_id, out.finish_reason, out)
+
+    def _token(self, rid: int, token: int, lp: TokenLogprobs | None) -> None:
+        self._first.setdefault(rid, time.perf_counter())
+        if rid in self._logprobs:
+            self._logprobs[rid].append(lp)
+        delta, stopped = self.streams.feed(rid, token)
+        self._hand_out(rid, delta)
+        if stopped:
+            self._finish(rid, "stop", None)
+            self.backend.cancel(rid)
+
+    def _hand_out(self, rid: int, text: str) -> None:
+        if not text or self.on_text is None or rid in self._quiet:
+            return
+        try:
+            self.on_text(self._index[rid], text)
+        except Exception as err:  # noqa: BLE001 - its consumer is gone: that request ends, the others go on
+            self._quiet.add(rid)
+            out = self.backend.abort(rid, f"{type(err).__name__}: {err}")
+            if out is not None and rid in self.streams:
+                self._finish(rid, out.finish_reason, out)
+
+    def _finish(self, rid: int, reason: str, out: RequestOutput | None) -> None:
+        closed = self.streams.close(rid, reason)
+        self._hand_out(rid, closed.tail)
+        tokens = closed.tokens if out is None else out.token_ids
+        logprobs = self._logprobs.get(rid)
+        self._ended[rid] = (len(tokens), self._first.get(rid))
+        self._complete(self._index[rid], self._prompts[rid], tokens, closed.text, closed.finish_reason,
+                       None if out is None else out.error, None if logprobs is None else logprobs[: len(tokens)])
+
+    def _complete(self, index: int, prompt_ids, tokens, text, reason, error, logprobs) -> None:
+        self.results[index] = Completion(text=text, token_ids=list(tokens), finish_reason=reason, error=error,
+                                         prompt_token_ids=list(prompt_ids), logprobs=logprobs)
+
+    def cancel_unfinished(self) -> None:
+        for rid in self._index:
+            if rid not in self._ended:
+                try:
+                    self.backend.cancel(rid)
+                except Exception:  # noqa: BLE001 - a broken pipeline has nothing left to cancel
+                    pass
+
+    def stats(self) -> dict[str, Any]:
+        """Timings of the call; decode time runs from the first token to the end."""
+        end = time.perf_counter()
+        firsts = [f for _, f in self._ended.values() if f is not None]
+        first = min(firsts, default=end)
+        decode_tokens = sum(max(n - 1, 0) for n, _ in self._ended.values())
+        decode_s = end - first
+        prefill = sum(len(self._prompts[rid]) for rid, (_, f) in self._ended.items() if f is not None)
+        return {"wall_s": end - self.start, "prefill_tokens": prefill, "decode_tokens": decode_tokens,
+                "ttft_s": first - self.start,
+                "mean_ttft_s": sum(f - self.start for f in firsts) / len(firsts) if firsts else 0.0,
+                "decode_s": decode_s,
+                "decode_tokens_per_s": decode_tokens / decode_s if decode_tokens and decode_s > 0 else 0.0}
