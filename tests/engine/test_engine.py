@@ -263,6 +263,39 @@ def test_engine_queue_status_and_cancel(checkpoint):
         engine.add_request(7, [4], SamplingParams())
 
 
+@pytest.mark.parametrize("penalties", [dict(repetition_penalty=1.4), dict(repetition_penalty=0.7)])
+def test_greedy_with_a_repetition_penalty_equals_transformers(checkpoint, penalties):
+    folder, hf = checkpoint
+    prompts = random_prompts((6, 2, 9), seed=5)
+    with stagewise.Pipeline(str(folder), max_num_seqs=3) as pipe:
+        outs = pipe.generate(prompt_token_ids=prompts, max_new_tokens=12, **penalties)
+    for p, c in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                          max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0, **penalties)
+        assert c.token_ids == ref[0, len(p):].tolist()
+
+
+def test_logprobs_equal_the_log_softmax_of_transformers_logits(checkpoint):
+    folder, hf = checkpoint
+    [p] = random_prompts((7,), seed=8)
+    with stagewise.Pipeline(str(folder)) as pipe:
+        [c] = pipe.generate(prompt_token_ids=[p], max_new_tokens=5, logprobs=3)
+        [plain] = pipe.generate(prompt_token_ids=[p], max_new_tokens=5)
+    assert plain.logprobs is None and plain.token_ids == c.token_ids
+    out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=5,
+                      do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                      return_dict_in_generate=True)
+    assert c.token_ids == out.sequences[0, len(p):].tolist() and len(c.logprobs) == 5
+    for entry, token, logits in zip(c.logprobs, c.token_ids, out.logits):
+        ref = torch.log_softmax(logits[0].float(), dim=-1)
+        assert entry.token == token
+        # float32 logits of two implementations: summation order apart (the parity tests' 1e-4)
+        assert entry.logprob == pytest.approx(ref[token].item(), abs=2e-4)
+        top, ids = ref.topk(3)
+        assert [t for t, _ in entry.top] == ids.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(top.tolist(), abs=2e-4)
+
+
 def test_cli_json(checkpoint, capsys):
     folder, hf = checkpoint
     p = random_prompts((5,), seed=17)[0]

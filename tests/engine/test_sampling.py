@@ -1,5 +1,6 @@
-"""Sampler: greedy, the temperature/top-k/top-p chain against transformers' own
-warpers, seeded reproducibility, draw frequencies, and parameter validation."""
+"""Sampler: greedy, the temperature/top-k/top-p/min-p chain and the repetition penalty against
+transformers' own processors, the presence and frequency penalties against their definition,
+logprobs against log-softmax, seeded reproducibility, draw frequencies, and parameter validation."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import math
 import pytest
 import torch
 
-from stagewise.engine.sampling import Sampler, SamplingParams, make_generator
+from stagewise.engine.sampling import (
+    History, Sampler, SamplingParams, apply_penalties, make_generator, token_logprobs,
+)  # fmt: skip
 
 transformers_lp = pytest.importorskip("transformers.generation.logits_process")
 
@@ -24,6 +27,8 @@ def hf_filtered_logits(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         warpers.append(transformers_lp.TopKLogitsWarper(p.top_k, min_tokens_to_keep=1))
     if p.top_p < 1.0:
         warpers.append(transformers_lp.TopPLogitsWarper(p.top_p, min_tokens_to_keep=1))
+    if p.min_p > 0.0:
+        warpers.append(transformers_lp.MinPLogitsWarper(p.min_p, min_tokens_to_keep=1))
     for w in warpers:
         scores = w(None, scores)
     return scores.squeeze(0)
@@ -33,7 +38,9 @@ def settings_grid() -> list[SamplingParams]:
     temps = [0.3, 1.0, 1.7]
     top_ks = [0, 1, 5, 40, VOCAB, VOCAB + 10]
     top_ps = [1.0, 0.95, 0.5, 0.1, 1e-6]
-    return [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in itertools.product(temps, top_ks, top_ps)]
+    min_ps = [0.0, 0.05, 0.3, 1.0]
+    return [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+            for t, k, p, m in itertools.product(temps, top_ks, top_ps, min_ps)]
 
 
 def test_filtered_distribution_matches_transformers():
@@ -203,3 +210,68 @@ def test_sample_checks_its_arguments():
         Sampler().sample(torch.zeros(3), [SamplingParams()], [None])
     with pytest.raises(ValueError, match="one SamplingParams and one generator per row"):
         Sampler().sample(torch.zeros(2, 5), [SamplingParams()], [None, None])
+
+
+# --- penalties and logprobs ----------------------------------------------------------------------
+
+def test_repetition_penalty_equals_transformers_processor():
+    """transformers' RepetitionPenaltyLogitsProcessor over the prompt and the output tokens."""
+    logits = torch.randn(4, VOCAB) * 4
+    seen = [([3, 5, 5, 90], [5, 7]), ([1], []), ([10, 20], [20, 30, 40, 40]), ([0, 96], [96])]
+    for penalty in (0.5, 1.3, 2.0):
+        params = [SamplingParams(repetition_penalty=penalty, temperature=0.0)] * 4
+        ours = apply_penalties(logits, params, [History(p, o) for p, o in seen])
+        for i, (prompt, output) in enumerate(seen):
+            processor = transformers_lp.RepetitionPenaltyLogitsProcessor(penalty)
+            ref = processor(torch.tensor([prompt + output]), logits[i : i + 1].clone())[0]
+            torch.testing.assert_close(ours[i], ref, rtol=0, atol=0)
+
+
+def test_presence_and_frequency_penalties_by_their_definition():
+    """logit -= presence * [token in output] + frequency * (count in output); the prompt does not
+    count (transformers has no such processor: this is OpenAI's definition)."""
+    logits = torch.randn(2, VOCAB)
+    history = History([4, 6], [7, 7, 7, 9])
+    params = SamplingParams(presence_penalty=0.75, frequency_penalty=-0.5, temperature=0.0)
+    ours = apply_penalties(logits, [params, SamplingParams()], [history, None])
+    want = logits[0].clone()
+    want[7] -= 0.75 + 3 * -0.5
+    want[9] -= 0.75 + 1 * -0.5
+    torch.testing.assert_close(ours[0], want)
+    torch.testing.assert_close(ours[1], logits[1])  # a row without penalties is unchanged
+    with pytest.raises(ValueError, match="row 0 has a penalty but no history"):
+        apply_penalties(logits[:1], [params], [None])
+
+
+def test_greedy_with_a_repetition_penalty_takes_the_penalised_argmax():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 11], logits[0, 12] = 3.0, 2.0  # 11 wins unless penalised: 3 / 2 = 1.5 < 2
+    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0)]
+    assert Sampler().sample(logits, params, [None], [History([11])]).tolist() == [12]
+    assert Sampler().sample(logits, [SamplingParams(temperature=0.0)], [None]).tolist() == [11]
+
+
+def test_logprobs_are_the_log_softmax_of_the_logits():
+    logits = torch.randn(3, VOCAB, dtype=torch.bfloat16)
+    tokens = torch.tensor([4, 50, 96])
+    out = token_logprobs(logits, tokens, [2, None, 0])
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    assert out[1] is None
+    assert out[0].token == 4 and out[0].logprob == pytest.approx(ref[0, 4].item(), abs=1e-6)
+    top, ids = ref[0].topk(2)
+    assert [t for t, _ in out[0].top] == ids.tolist()
+    assert [v for _, v in out[0].top] == pytest.approx(top.tolist(), abs=1e-6)
+    assert out[2].top == () and out[2].logprob == pytest.approx(ref[2, 96].item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("repetition_penalty", 0.0, "repetition_penalty must be a finite number > 0"),
+    ("presence_penalty", 2.5, r"presence_penalty must be a number in \[-2, 2\]"),
+    ("frequency_penalty", -3, r"frequency_penalty must be a number in \[-2, 2\]"),
+    ("min_p", 1.5, r"min_p must be a number in \[0, 1\]"),
+    ("logprobs", 21, r"logprobs must be None or an int in \[0, 20\]"),
+    ("logprobs", True, "logprobs must be None or an int"),
+])
+def test_new_sampling_values_are_checked(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**{field: value})

@@ -93,6 +93,23 @@ def test_tiny_models_equal_the_single_process(tiny_models, arch, stages, partiti
         assert stats[0]["bytes_sent"] > 0 and stats[-1]["bytes_received"] > 0
 
 
+def test_penalties_min_p_and_logprobs_equal_the_single_process(tiny):
+    """The options the last stage applies (penalties, min-p, logprobs) give what one process gives."""
+    folder, prompts, _, _ = tiny
+    options = dict(max_new_tokens=NEW, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.4,
+                   frequency_penalty=0.2, min_p=0.05, temperature=0.8, seed=3, logprobs=2)
+    with stagewise.Pipeline(str(folder), max_model_len=64) as single:
+        want = single.generate(prompt_token_ids=prompts, **options)
+    with stagewise.Pipeline(str(folder), stages=2, max_model_len=64) as pipe:
+        got = pipe.generate(prompt_token_ids=prompts, **options)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    for g, w in zip(got, want):
+        assert [e.token for e in g.logprobs] == g.token_ids
+        # float32 log-softmax of logits that two stages and one process round alike to ~1e-6
+        assert [e.logprob for e in g.logprobs] == pytest.approx([e.logprob for e in w.logprobs], abs=1e-5)
+        assert [[t for t, _ in e.top] for e in g.logprobs] == [[t for t, _ in e.top] for e in w.logprobs]
+
+
 @pytest.mark.parametrize("transport", ["shm", "torch"])
 def test_a_run_removes_what_it_creates(tiny, transport, tmp_path, monkeypatch):
     """No temporary files, shared-memory segments or processes left behind, also when a stage dies.
