@@ -45,22 +45,29 @@ class Completion:
 
 
 class LocalBackend:
-    """The single-process backend: one engine over every layer."""
+    """The single-process backend: one engine over every layer. As with the driver, every request
+    added ends with exactly one output from :meth:`poll`, a cancelled or aborted one included."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
+        self._ended: list[RequestOutput] = []
 
     def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams) -> None:
         self.engine.add_request(request_id, prompt_ids, params)
 
     def cancel(self, request_id: int) -> None:
-        self.engine.cancel(request_id)
+        out = self.engine.cancel(request_id)
+        if out is not None:
+            self._ended.append(out)
 
-    def abort(self, request_id: int, error: str) -> RequestOutput | None:
-        return self.engine.abort(request_id, error)
+    def abort(self, request_id: int, error: str) -> None:
+        out = self.engine.abort(request_id, error)
+        if out is not None:
+            self._ended.append(out)
 
     def poll(self, timeout: float) -> list[RequestOutput]:
-        return self.engine.step()
+        ended, self._ended = self._ended, []
+        return ended + self.engine.step()
 
     def take_tokens(self) -> list[tuple[int, int, TokenLogprobs | None]]:
         return self.engine.take_tokens()
@@ -109,6 +116,9 @@ class Run:
         self._first: dict[int, float] = {}
         self._ended: dict[int, tuple[int, float | None]] = {}
         """request id -> (tokens, first token time) of the requests that ended."""
+        self._reported: set[int] = set()
+        """Requests whose output the backend gave (a stop string's cancel too): the call returns
+        when every request's has come, so that nothing of it is left on the backend."""
         self._quiet: set[int] = set()
         """Requests whose consumer raised: no more text is handed to it."""
 
@@ -126,13 +136,14 @@ class Run:
             self._logprobs[request_id] = []
 
     def wait(self) -> None:
-        """Until every request ended."""
-        while len(self._ended) < len(self._index):
+        """Until every request ended and the backend reported each."""
+        while len(self._reported) < len(self._index):
             outputs = self.backend.poll(0.05)
             for rid, token, lp in self.backend.take_tokens():
                 if rid in self.streams:
                     self._token(rid, token, lp)
             for out in outputs:
+                self._reported.add(out.request_id)
                 if out.request_id in self.streams:  # else: the cancel of one a stop string ended
                     self._finish(out.request_id, out.finish_reason, out)
 
@@ -153,9 +164,7 @@ class Run:
             self.on_text(self._index[rid], text)
         except Exception as err:  # noqa: BLE001 - its consumer is gone: that request ends, the others go on
             self._quiet.add(rid)
-            out = self.backend.abort(rid, f"{type(err).__name__}: {err}")
-            if out is not None and rid in self.streams:
-                self._finish(rid, out.finish_reason, out)
+            self.backend.abort(rid, f"{type(err).__name__}: {err}")
 
     def _finish(self, rid: int, reason: str, out: RequestOutput | None) -> None:
         closed = self.streams.close(rid, reason)
@@ -172,7 +181,7 @@ class Run:
 
     def cancel_unfinished(self) -> None:
         for rid in self._index:
-            if rid not in self._ended:
+            if rid not in self._reported:
                 try:
                     self.backend.cancel(rid)
                 except Exception:  # noqa: BLE001 - a broken pipeline has nothing left to cancel

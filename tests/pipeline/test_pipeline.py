@@ -197,6 +197,18 @@ def test_smollm2_pipeline_equals_the_single_process(smollm2_reference, stages, p
 
 
 @smollm2
+def test_smollm2_stop_strings_end_a_pipelines_request_in_the_front_end(smollm2_reference):
+    """The stages never see the stop string (no stage holds the tokenizer): the front end finds
+    it, cancels the request on the stages and reports the tokens up to the one that completed it."""
+    with stagewise.Pipeline("smollm2-135m", stages=2, max_model_len=256, max_num_seqs=4, threads=1) as pipe:
+        [c] = pipe.generate(QUESTIONS[:1], chat=True, max_new_tokens=12, stop=["Paris"])
+        assert pipe.status()["running"] == 0
+    assert c.finish_reason == "stop" and "Paris" not in c.text and c.text.endswith("is ")
+    assert c.token_ids == smollm2_reference[0][: len(c.token_ids)] and len(c.token_ids) < 12
+    assert "Paris" in pipe.tokenizer.decode(c.token_ids)
+
+
+@smollm2
 def test_cli_generate_with_stages_reports_each_stage(tmp_path):
     trace = tmp_path / "trace.json"
     run = subprocess.run([sys.executable, "-m", "stagewise.cli", "generate", "smollm2-135m", "--stages", "2",
