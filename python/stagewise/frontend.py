@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from stagewise.engine.requests import FINISH_REASONS, RequestOutput
-from stagewise.engine.sampling import SamplingParams, TokenLogprobs
+from stagewise.engine.params import SamplingParams, TokenLogprobs
 from stagewise.engine.text import TextStreams
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))

@@ -16,7 +16,7 @@ import torch
 
 import stagewise
 from stagewise.cli import main as cli_main
-from stagewise.engine.sampling import SamplingParams
+from stagewise.engine.params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

@@ -10,9 +10,8 @@ import math
 import pytest
 import torch
 
-from stagewise.engine.sampling import (
-    History, Sampler, SamplingParams, apply_penalties, make_generator, token_logprobs,
-)  # fmt: skip
+from stagewise.engine.params import SamplingParams
+from stagewise.engine.sampling import History, Sampler, apply_penalties, make_generator, token_logprobs
 
 transformers_lp = pytest.importorskip("transformers.generation.logits_process")
 

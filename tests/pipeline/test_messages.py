@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stagewise.engine.sampling import SamplingParams, SamplingRequest, TokenLogprobs
+from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.model.batch import StepBatch
 from stagewise.pipeline import messages, protocol
 from stagewise.pipeline.protocol import ProtocolError, StageShape

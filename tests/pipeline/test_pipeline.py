@@ -142,7 +142,7 @@ def test_concurrent_requests_with_cancellations(tiny):
                                                          ignore_eos=True)]
     with stagewise.Pipeline(str(folder), stages=3, max_model_len=64, max_num_seqs=6) as pipe:
         driver = pipe.driver
-        from stagewise.engine.sampling import SamplingParams
+        from stagewise.engine.params import SamplingParams
 
         params = SamplingParams(max_new_tokens=9, temperature=0.0, ignore_eos=True)
         for rid, prompt in enumerate(prompts):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import stagewise
-from stagewise.engine.sampling import SamplingParams
+from stagewise.engine.params import SamplingParams
 from stagewise.launch.local import read_address, spawn_stages
 from stagewise.parallel.runplan import RunPlan
 from stagewise.pipeline import links, messages, protocol

@@ -14,7 +14,7 @@ import torch
 
 from stagewise.engine.engine import Engine
 from stagewise.engine.executor import Executor
-from stagewise.engine.sampling import SamplingParams
+from stagewise.engine.params import SamplingParams
 from stagewise.model.stage import load_stage
 from stagewise.parallel import StagePlan
 from stagewise.pipeline import protocol

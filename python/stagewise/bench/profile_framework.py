@@ -69,7 +69,7 @@ def _median_step(fn, steps: int) -> float:
 
 def _tiny_engine(cfg, prompt: int, steps: int, weights: dict | None = None):
     from stagewise.engine.engine import Engine
-    from stagewise.engine.sampling import SamplingParams
+    from stagewise.engine.params import SamplingParams
     from stagewise.model.stage import StageModel
 
     weights = tiny_weights(cfg) if weights is None else weights
@@ -132,7 +132,7 @@ def _executor(cfg, start: int, end: int, max_model_len: int):
 def _head_step_s(layers: int, prompt: int, steps: int) -> tuple[float, float]:
     """Stage 0 of a ``layers + 1``-layer model: (launch of a decode step, taking its tokens back)."""
     from stagewise.engine.engine import Engine
-    from stagewise.engine.sampling import SamplingParams
+    from stagewise.engine.params import SamplingParams
 
     engine = Engine(_executor(tiny_config(layers + 1), 0, layers, prompt + steps + 8), max_num_seqs=1)
     engine.add_request(0, list(range(1, prompt + 1)), SamplingParams(max_new_tokens=steps + 8, temperature=0.0,
@@ -152,7 +152,7 @@ def _head_step_s(layers: int, prompt: int, steps: int) -> tuple[float, float]:
 
 def _later_step_s(layers: int, last: bool, prompt: int, steps: int) -> float:
     """A later stage running ``layers`` layers (the last one: also final norm, LM head, sampling)."""
-    from stagewise.engine.sampling import SamplingParams
+    from stagewise.engine.params import SamplingParams
     from stagewise.model.batch import StepBatch
 
     total = layers + 1 if last else layers + 2

@@ -22,7 +22,7 @@ import torch
 
 from stagewise.engine.executor import Executor, Sampled, model_dtype
 from stagewise.engine.requests import RequestOutput, Requests
-from stagewise.engine.sampling import SamplingParams, SamplingRequest, TokenLogprobs
+from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.engine.scheduler import GroupedScheduler, ScheduledStep, SchedulerStatus
 from stagewise.kv import KVCacheManager
 from stagewise.kv.cache import num_cache_blocks

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from stagewise.engine.sampling import (
-    History, Sampler, SamplingParams, SamplingRequest, TokenLogprobs, make_generator, token_logprobs,
-)  # fmt: skip
+from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
+from stagewise.engine.sampling import History, Sampler, make_generator, token_logprobs
 from stagewise.kv import KVCache, KVCacheManager
 from stagewise.model.batch import KVMetadata, StepBatch
 from stagewise.model.stage import StageModel

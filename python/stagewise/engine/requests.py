@@ -15,7 +15,7 @@ import time
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from stagewise.engine.sampling import SamplingParams, TokenLogprobs
+from stagewise.engine.params import SamplingParams, TokenLogprobs
 from stagewise.engine.scheduler import SeqState
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")

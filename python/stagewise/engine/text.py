@@ -20,7 +20,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from stagewise.engine.detokenize import IncrementalDetokenizer, StopChecker
-from stagewise.engine.sampling import SamplingParams
+from stagewise.engine.params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from stagewise.engine.requests import RequestOutput
-from stagewise.engine.sampling import SamplingParams, TokenLogprobs
+from stagewise.engine.params import SamplingParams, TokenLogprobs
 from stagewise.parallel.runplan import RunPlan
 from stagewise.pipeline import links, messages
 from stagewise.pipeline.messages import (

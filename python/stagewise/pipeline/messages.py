@@ -22,7 +22,7 @@ import typing
 from dataclasses import dataclass, field
 
 from stagewise.engine.requests import FINISH_REASONS
-from stagewise.engine.sampling import SamplingParams, TokenLogprobs
+from stagewise.engine.params import SamplingParams, TokenLogprobs
 from stagewise.pipeline.protocol import ProtocolError
 from stagewise.transport.frame import Frame, StepKind
 

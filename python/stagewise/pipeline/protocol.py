@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from stagewise.engine.executor import KVHandoff, Sampled
-from stagewise.engine.sampling import SamplingParams, SamplingRequest, TokenLogprobs
+from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.model.batch import StepBatch
 from stagewise.transport.frame import Frame, Row, RowFlags, StepKind
 
