@@ -16,12 +16,18 @@ def main(argv: list[str] | None = None) -> int:
         from stagewise.planner.cli import main as plan_main
 
         return plan_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="stagewise", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="microbenchmarks against their baselines")
-    from stagewise.bench import add_arguments
+    if argv and argv[0] == "bench":  # its own parser, built only here: the benchmarks import torch
+        from stagewise.bench import add_arguments, run
 
-    add_arguments(bench)
+        bench = argparse.ArgumentParser(prog="stagewise bench", description="microbenchmarks against their baselines")
+        add_arguments(bench)
+        return run(bench.parse_args(argv[1:]))
+    parser = argparse.ArgumentParser(prog="stagewise", description=__doc__)
+    from stagewise import __version__
+
+    parser.add_argument("--version", action="version", version=f"stagewise {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("bench", add_help=False, help="microbenchmarks against their baselines (bench --help)")
     from stagewise import cli_generate
 
     cli_generate.add_arguments(sub.add_parser("generate", help="generate text with a model in this process"))
@@ -35,11 +41,9 @@ def main(argv: list[str] | None = None) -> int:
 
     cli_launch.add_arguments(sub.add_parser("launch", help="start a run plan's stages on their hosts (printed "
                                             "commands, ssh) and drive them"))
-    args = parser.parse_args(argv)
-    if args.command == "bench":
-        from stagewise.bench import run
+    from stagewise.cli_prompts import negative_ids_fix
 
-        return run(args)
+    args = parser.parse_args(negative_ids_fix(argv))
     if args.command == "generate":
         return cli_generate.run(args)
     if args.command == "stage":

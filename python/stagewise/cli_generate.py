@@ -1,16 +1,27 @@
-"""``stagewise generate``: load a model in this process and generate for one or more prompts.
+"""``stagewise generate``: load a model (in this process, or as pipeline stages) and generate for
+one or more prompts.
 
-Plain output streams each prompt's text as it is generated; ``--json`` prints one
-object ``{"completions": [{"text", "token_ids", "finish_reason"}], "stats": {...}}``.
+Every argument is checked before anything loads, and every problem is named at once: first what
+needs no model, then what the model's config rules out (reading the config only). Plain output
+streams each prompt's text as it is generated; ``--json`` prints one object
+``{"completions": [...], "stats": {...}}``; ``--prompt-file`` prints one JSON line per request (see
+:mod:`stagewise.cli_prompts`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+from stagewise.cli_prompts import (
+    Requests, add_prompt_arguments, completion_json, config_problems, read_requests, report, sampling_args,
+    sampling_problems,
+)  # fmt: skip
 from stagewise.transport.select import TRANSPORTS
+
+PROG = "stagewise generate"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,10 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most tokens (prompt + generated) per request; default: the model's")
     pp = parser.add_argument_group("pipeline (stages as processes)")
     pp.add_argument("--stages", type=int, default=1, metavar="S", help="pipeline stages, one process each")
-    pp.add_argument("--partition", default="even", metavar="P",
-                    help="even | ceil | balanced | explicit ranges such as 0-10,10-22,22-30")
-    pp.add_argument("--transport", default="auto", choices=TRANSPORTS,
-                    help="how stages pass activations (auto: shared memory on one host, tcp across hosts)")
+    pp.add_argument("--partition", default=None, metavar="P",
+                    help="with --stages: even (default) | ceil | balanced | explicit ranges such as 0-10,10-22,22-30")
+    pp.add_argument("--transport", default=None, choices=TRANSPORTS,
+                    help="with --stages: how stages pass activations (auto, the default: shared memory on one "
+                         "host, tcp across hosts)")
     pp.add_argument("--no-checksum", action="store_true", help="skip frame checksums (on by default)")
     pp.add_argument("--auth-token", default=None, metavar="TOKEN",
                     help="shared secret for stage connections (default: $STAGEWISE_AUTH_TOKEN)")
@@ -47,66 +59,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="with --plan: how long to wait for the stages (default 60)")
 
 
-def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt", action="append", default=[], metavar="TEXT",
-                        help="a prompt (repeat for several, generated as one batch)")
-    parser.add_argument("--prompt-ids", action="append", default=[], metavar="1,2,3", type=_ids,
-                        help="a prompt as comma-separated token ids (repeatable; not with --prompt)")
-    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
-    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="1 = off")
-    parser.add_argument("--seed", type=int, default=None, metavar="S")
-    parser.add_argument("--stop", action="append", default=[], metavar="S", help="a stop string (repeatable)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-
-
-def _ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def check_prompts(args: argparse.Namespace, prog: str = "stagewise generate") -> str | None:
-    """The reason the prompt arguments cannot work, or None."""
-    if bool(args.prompt) == bool(args.prompt_ids):
-        return f"{prog}: give --prompt TEXT or --prompt-ids 1,2,3 (not both)"
-    if args.prompt_ids and args.chat:
-        return f"{prog}: --chat needs --prompt TEXT, not --prompt-ids"
-    return None
+def argument_problems(args: argparse.Namespace) -> tuple[list[str], Requests]:
+    """Every problem of the arguments that needs no model."""
+    problems: list[str] = []
+    req = read_requests(args, problems)
+    problems += sampling_problems(sampling_args(args))
+    if (args.model is None) == (args.plan is None):
+        problems.append("give a model, or --plan PLAN to attach to running stages (not both)")
+    if args.store and not args.plan:
+        problems.append("--store needs --plan")
+    if args.plan and args.stages != 1:
+        problems.append("--stages starts local stages; with --plan the plan's stages are used")
+    for name, value in (("--max-num-seqs", args.max_num_seqs), ("--stages", args.stages),
+                        ("--max-model-len", args.max_model_len)):
+        if value is not None and value < 1:
+            problems.append(f"{name} must be >= 1, got {value}")
+    local_pipeline = args.stages > 1 and not args.plan
+    for flag, given in (("--partition", args.partition is not None), ("--transport", args.transport is not None),
+                        ("--no-checksum", args.no_checksum), ("--trace", args.trace is not None)):
+        if given and not local_pipeline and not (flag == "--trace" and args.plan):
+            problems.append(f"{flag} applies to a pipeline (--stages S > 1){' or --plan' if flag == '--trace' else ''}")
+    if args.logprobs is not None and not (args.json or args.prompt_file):
+        problems.append("--logprobs needs --json or --prompt-file (the log-probabilities are printed as JSON)")
+    if args.prompt_file and args.json:
+        problems.append("--prompt-file prints JSON lines already; leave out --json")
+    return problems, req
 
 
 def run(args: argparse.Namespace) -> int:
-    problem = check_prompts(args)
-    if problem is None and (args.model is None) == (args.plan is None):
-        problem = "stagewise generate: give a model, or --plan PLAN to attach to running stages (not both)"
-    if problem is None and args.store and not args.plan:
-        problem = "stagewise generate: --store needs --plan"
-    if problem is None and args.plan and args.stages > 1:
-        problem = "stagewise generate: --stages starts local stages; with --plan the plan's stages are used"
-    if problem is None and args.trace and args.stages == 1 and not args.plan:
-        problem = "stagewise generate: --trace needs --stages > 1"
-    if problem:
-        print(problem, file=sys.stderr)
-        return 2
+    # Two passes, each naming every problem it finds: what the arguments alone decide (at once,
+    # before torch is even imported), then what the model's config decides (its config only).
+    problems, req = argument_problems(args)
+    if problems:
+        return report(PROG, problems)
+    if args.model is not None:
+        try:
+            from stagewise.model.loader import open_checkpoint
+
+            config = open_checkpoint(args.model).config  # the config only: nothing is loaded yet
+        except (ValueError, FileNotFoundError, OSError) as err:
+            return report(PROG, [f"cannot open {args.model!r}: {err}"])
+        problems = config_problems(config, req, args, sampling=sampling_args(args), max_model_len=args.max_model_len,
+                                   stages=args.stages, partition=args.partition)
+        if problems:
+            return report(PROG, problems)
     pipe = _attach(args) if args.plan else _load(args)
     if pipe is None:
         return 1
-    return generate_and_print(pipe, args, prog="stagewise generate")
+    return generate_and_print(pipe, args, req, prog=PROG)
 
 
 def _attach(args: argparse.Namespace):
-    import os
-
     from stagewise.api import Pipeline
 
     token = args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None
     try:
         return Pipeline.attach(args.plan, store=args.store, auth_token=token, connect_timeout=args.connect_timeout)
     except (ValueError, FileNotFoundError, KeyError, RuntimeError, TimeoutError, OSError) as err:
-        print(f"stagewise generate: cannot attach to the stages of {args.plan!r}: {err}", file=sys.stderr)
+        print(f"{PROG}: cannot attach to the stages of {args.plan!r}: {err}", file=sys.stderr)
         return None
 
 
@@ -118,9 +128,8 @@ def _load(args: argparse.Namespace):
     bar = _LoadBar(f"stagewise: loading {args.model} on {args.device}") if chatty else None
     options = {}
     if args.stages > 1:
-        import os
-
-        options = dict(partition=args.partition, transport=args.transport, checksum=not args.no_checksum,
+        options = dict(partition=args.partition or "even", transport=args.transport or "auto",
+                       checksum=not args.no_checksum,
                        auth_token=args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None)
         bar = None  # the stages load in their own processes
     try:
@@ -132,7 +141,7 @@ def _load(args: argparse.Namespace):
             if bar is not None:
                 bar.close()
     except (ValueError, FileNotFoundError, KeyError, RuntimeError, TimeoutError, OSError, NotImplementedError) as err:
-        print(f"stagewise generate: cannot load {args.model!r}: {err}", file=sys.stderr)
+        print(f"{PROG}: cannot load {args.model!r}: {err}", file=sys.stderr)
         return None
     if chatty:
         print(f"stagewise: loaded {args.model} in {pipe.load_s:.1f} s ({pipe.config.num_layers} layers, "
@@ -140,20 +149,19 @@ def _load(args: argparse.Namespace):
     return pipe
 
 
-def generate_and_print(pipe, args: argparse.Namespace, *, prog: str, close: bool = True) -> int:
-    """Generate for the prompts of ``args`` and print them (streamed text or ``--json``);
-    closes ``pipe`` afterwards unless ``close`` is False."""
-    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
-    if args.prompt:
-        kwargs["prompts"] = args.prompt
-    else:
-        kwargs["prompt_token_ids"] = args.prompt_ids
-    stream = None if args.json else _Streamer(len(args.prompt or args.prompt_ids))
+def generate_and_print(pipe, args: argparse.Namespace, req: Requests, *, prog: str, close: bool = True,
+                       label: str | None = None) -> int:
+    """Generate for ``req`` and print the results (streamed text, ``--json`` or JSON lines);
+    closes ``pipe`` afterwards unless ``close`` is False. ``label`` heads the streamed answer
+    (``stagewise launch`` names the input line)."""
+    defaults = getattr(pipe.plan, "sampling", None) if pipe.plan is not None else None
+    kwargs = dict(sampling_args(args, defaults), chat=args.chat, overrides=req.overrides if req.from_file else None)
+    kwargs.update(prompts=req.texts) if req.texts else kwargs.update(prompt_token_ids=req.ids)
+    stream = None if args.json or req.from_file else _Streamer(len(req), label)
     trace = getattr(args, "trace", None)
     try:
         try:
-            completions = pipe.generate(**kwargs, on_text=None if stream is None else stream)
+            completions = pipe.generate(**kwargs, on_text=stream)
             stats = {"load_s": pipe.load_s, **pipe.last_stats}
             if trace:
                 pipe.write_trace(trace)
@@ -163,13 +171,13 @@ def generate_and_print(pipe, args: argparse.Namespace, *, prog: str, close: bool
     except ValueError as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return 2
-    if args.json:
-        out = {"completions": [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
-                                **({"error": c.error} if c.error else {})} for c in completions],
-               "stats": stats}
-        print(json.dumps(out), flush=True)
+    if req.from_file:
+        for i, (c, line) in enumerate(zip(completions, req.lines)):
+            print(json.dumps(completion_json(c, index=i, line=line)), flush=True)
+    elif args.json:
+        print(json.dumps({"completions": [completion_json(c) for c in completions], "stats": stats}), flush=True)
     else:
-        stream.finish(completions)
+        stream.finish(completions, prog)
     return 1 if any(c.finish_reason == "error" for c in completions) else 0
 
 
@@ -195,21 +203,33 @@ class _LoadBar:
 
 class _Streamer:
     """Prints text as it arrives. One prompt streams live; with several, each prompt's text is
-    printed as a block once it is complete (their tokens arrive interleaved)."""
+    printed as a block once it is complete (their tokens arrive interleaved). ``label`` heads a
+    single prompt's answer (``--- label``)."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self, n: int, label: str | None = None) -> None:
+        self.n, self.label, self.started = n, label, False
 
     def __call__(self, index: int, text: str) -> None:
         if self.n == 1:
+            self._head()
             sys.stdout.write(text)
             sys.stdout.flush()
 
-    def finish(self, completions) -> None:
+    def _head(self) -> None:
+        if self.label is not None and not self.started:
+            sys.stdout.write(f"--- {self.label}\n")
+        self.started = True
+
+    def finish(self, completions, prog: str) -> None:
         for i, c in enumerate(completions):
             if self.n > 1:
                 sys.stdout.write(f"--- [{i}] {c.finish_reason}\n{c.text}")
+            else:
+                self._head()
+                if not c.text:
+                    sys.stdout.write(f"(no text: {c.finish_reason}, {len(c.token_ids)} tokens)")
             if c.error:
-                print(f"\nstagewise generate: prompt {i}: {c.error}", file=sys.stderr)
+                where = f"prompt {i}" if self.label is None else self.label
+                print(f"\n{prog}: {where}: {c.error} (after {len(c.token_ids)} tokens)", file=sys.stderr)
             sys.stdout.write("\n")
         sys.stdout.flush()

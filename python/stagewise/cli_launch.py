@@ -2,8 +2,9 @@
 
 Without ``--ssh`` it prints the command each host must run (and waits for those stages to accept
 the driver); with ``--ssh`` it runs them over ssh itself. Then, as the driver, it generates for
-the ``--prompt`` arguments, or for each line read from stdin, and stops the stages at the end.
-See docs/multi-host.md.
+the prompt arguments (``--prompt``, ``--prompt-ids``, ``--prompt-file``), or for each line read
+from stdin (each answer printed under ``--- line N``), and stops the stages at the end. The
+plan's ``sampling`` section gives the defaults of the sampling options. See docs/multi-host.md.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import os
 import shlex
 import sys
 
-from stagewise.cli_generate import add_prompt_arguments, check_prompts, generate_and_print
+from stagewise.cli_generate import generate_and_print
+from stagewise.cli_prompts import Requests, add_prompt_arguments, read_requests, report, sampling_args, sampling_problems
 
 PROG = "stagewise launch"
 
@@ -39,11 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from stagewise.launch.multihost import check_plan, load_plan, printed_command, ssh_spawn
 
-    interactive = not args.prompt and not args.prompt_ids
-    problem = None if interactive else check_prompts(args, PROG)
-    if problem:
-        print(problem, file=sys.stderr)
-        return 2
+    interactive = not args.prompt and not args.prompt_ids and not args.prompt_file
+    problems: list[str] = []
+    req = Requests() if interactive else read_requests(args, problems)
+    problems += sampling_problems(sampling_args(args))
+    if problems:
+        return report(PROG, problems)
     token = args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None
     program = shlex.split(args.remote_command)
     try:
@@ -76,10 +79,10 @@ def run(args: argparse.Namespace) -> int:
             return 0
         addresses = None
         print(f"{PROG}: waiting up to {args.connect_timeout:.0f} s for the stages", file=sys.stderr)
-    return _drive(plan, args, token=token, addresses=addresses, procs=procs, interactive=interactive)
+    return _drive(plan, args, req, token=token, addresses=addresses, procs=procs, interactive=interactive)
 
 
-def _drive(plan, args, *, token, addresses, procs, interactive: bool) -> int:
+def _drive(plan, args, req: Requests, *, token, addresses, procs, interactive: bool) -> int:
     from stagewise.api import Pipeline
 
     try:
@@ -92,16 +95,17 @@ def _drive(plan, args, *, token, addresses, procs, interactive: bool) -> int:
         return 1
     print(f"{PROG}: connected to {plan.num_stages} stages", file=sys.stderr)
     if not interactive:
-        return generate_and_print(pipe, args, prog=PROG)
+        return generate_and_print(pipe, args, req, prog=PROG)
     code = 0
     try:
         if sys.stdin.isatty():
             print("one prompt per line; Ctrl-D ends", file=sys.stderr)
-        for line in sys.stdin:
+        for number, line in enumerate(sys.stdin, start=1):
             if not line.strip():
                 continue
-            args.prompt = [line.rstrip("\n")]
-            code = max(code, generate_and_print(pipe, args, prog=PROG, close=False))
+            one = Requests()
+            one.texts, one.overrides, one.lines = [line.rstrip("\n")], [None], [number]
+            code = max(code, generate_and_print(pipe, args, one, prog=PROG, close=False, label=f"line {number}"))
     except KeyboardInterrupt:
         code = 130
     finally:

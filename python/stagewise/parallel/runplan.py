@@ -86,6 +86,10 @@ class RunPlan:
     linear_precision: str = "exact"
     """How those blocks multiply: "exact" (float32 dequantised values) or "int8" (approximate)."""
     partition: str = "explicit"
+    sampling: dict[str, Any] | None = None
+    """Defaults for the requests sent to this plan's stages (``stagewise launch``, ``generate
+    --plan``): sampling fields such as temperature, top_p, repetition_penalty; the command line's
+    options replace them."""
 
     @property
     def num_stages(self) -> int:
@@ -140,82 +144,146 @@ class RunPlan:
 
     @classmethod
     def from_dict(cls, data: Any, num_layers: int | None = None) -> RunPlan:
+        """A plan from its parsed document; ValueError naming every problem found."""
         if not isinstance(data, dict):
             raise _fail("the document", type(data).__name__, "a mapping")
-        data = dict(data)
-        known = {"model", "stages", "num_layers", "dtype", "transport", "checksum", "max_num_seqs", "max_model_len",
-                 "kv_cache_bytes", "max_num_tokens", "block_size", "partition", "quantized",
-                 "linear_precision"}
-        unknown = sorted(set(data) - known)
+        data, problems = dict(data), []
+        unknown = sorted(set(data) - KNOWN_KEYS)
         if unknown:
-            raise ValueError(f"run plan: unknown keys {unknown}; expected some of {sorted(known)}")
+            problems.append(f"unknown keys {unknown}; expected some of {sorted(KNOWN_KEYS)}")
+            for key in unknown:
+                data.pop(key)
         model = data.pop("model", None)
         if not isinstance(model, str) or not model:
-            raise _fail("model", model, "a path or model name")
+            problems.append(_problem("model", model, "a path or model name"))
         raw = data.pop("stages", None)
-        if not isinstance(raw, list) or not raw:
-            raise _fail("stages", raw, "a non-empty list of stages")
-        layers_given = ["layers" in s for s in raw if isinstance(s, dict)]
         stated = data.pop("num_layers", None)
-        total = num_layers if num_layers is not None else stated
         partition = data.pop("partition", None)
-        if all(layers_given) and layers_given:
-            ranges_text = ",".join(str(s["layers"]) for s in raw)
-            if total is None:
-                total = int(ranges_text.rsplit("-", 1)[-1]) if ranges_text else 0
-            plan = StagePlan.build(total, len(raw), ranges_text)
-            policy = partition or "explicit"  # recorded only: the ranges decide
-        elif any(layers_given):
-            raise ValueError("run plan: give 'layers' for every stage or for none (then 'partition' decides)")
-        else:
-            if total is None:
-                raise ValueError("run plan: without per-stage 'layers' the number of layers must be known")
-            policy = partition or "even"
-            if policy not in PARTITION_POLICIES:
-                raise _fail("partition", policy, f"one of {PARTITION_POLICIES}")
-            if policy == "balanced":
-                raise ValueError("run plan: partition 'balanced' needs the model's config; "
-                                 "use RunPlan.build or per-stage 'layers'")
-            plan = StagePlan.build(total, len(raw), policy)
-        if stated is not None and stated != total:
-            raise _fail("num_layers", stated, f"{total} (the model's)")
+        total = num_layers if num_layers is not None else stated
+        if not isinstance(raw, list) or not raw:
+            problems.append(_problem("stages", raw, "a non-empty list of stages"))
+            raise _all(problems)
+        plan, policy = None, partition or "explicit"
+        layers_given = [isinstance(s, dict) and "layers" in s for s in raw]
+        try:
+            if all(layers_given):
+                ranges_text = ",".join(str(s["layers"]) for s in raw)
+                if total is None:
+                    total = int(ranges_text.rsplit("-", 1)[-1]) if ranges_text else 0
+                plan = StagePlan.build(total, len(raw), ranges_text)  # the ranges decide; a policy is recorded
+            elif any(layers_given):
+                problems.append("give 'layers' for every stage or for none (then 'partition' decides)")
+            elif total is None:
+                problems.append("without per-stage 'layers' the number of layers must be known")
+            else:
+                policy = partition or "even"
+                if policy not in PARTITION_POLICIES:
+                    problems.append(_problem("partition", policy, f"one of {PARTITION_POLICIES}"))
+                elif policy == "balanced":
+                    problems.append("partition 'balanced' needs the model's config; use RunPlan.build or per-stage "
+                                    "'layers'")
+                else:
+                    plan = StagePlan.build(total, len(raw), policy)
+        except ValueError as err:
+            problems.append(str(err))
+        if stated is not None and total is not None and stated != total:
+            problems.append(_problem("num_layers", stated, f"{total} (the model's)"))
         stages = []
-        for i, (s, info) in enumerate(zip(raw, plan.stages)):
-            if not isinstance(s, dict):
-                raise _fail(f"stages[{i}]", s, "a mapping")
-            extra = sorted(set(s) - {"host", "listen", "layers", "device", "threads"})
-            if extra:
-                raise ValueError(f"run plan: stages[{i}] has unknown keys {extra}")
-            listen = s.get("listen", "127.0.0.1:0")
-            host = s.get("host", parse_address(listen, f"stages[{i}].listen")[0])
-            threads = s.get("threads")
-            if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-                raise _fail(f"stages[{i}].threads", threads, "an int >= 1")
-            stages.append(StageSpec(index=i, start_layer=info.start_layer, end_layer=info.end_layer, host=str(host),
-                                    listen=str(listen), device=str(s.get("device", "cpu")), threads=threads))
+        for i, spec in enumerate(raw):
+            stage = _stage(i, spec, None if plan is None else plan.stages[i], problems)
+            if stage is not None:
+                stages.append(stage)
+        if plan is None or len(stages) != len(raw) or problems:
+            raise _all(problems + _option_problems(data))
         return cls(model=model, stages=tuple(stages), num_layers=total, partition=policy, **data).validated()
 
     def validated(self) -> RunPlan:
-        if self.transport not in TRANSPORTS:
-            raise _fail("transport", self.transport, f"one of {TRANSPORTS}")
-        if not isinstance(self.checksum, bool):
-            raise _fail("checksum", self.checksum, "true or false")
-        if self.quantized is not None and not isinstance(self.quantized, bool):
-            raise _fail("quantized", self.quantized, "true, false or null")
-        if self.linear_precision not in ("exact", "int8"):
-            raise _fail("linear_precision", self.linear_precision, "'exact' or 'int8'")
-        for name in ("max_num_seqs", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise _fail(name, value, "an int >= 1")
-        for name in ("max_model_len", "kv_cache_bytes", "max_num_tokens"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise _fail(name, value, "an int >= 1 or null")
-        if self.kv_cache_bytes is not None and self.max_num_tokens is not None:
-            raise ValueError("run plan: give at most one of kv_cache_bytes and max_num_tokens")
-        for s in self.stages:
-            parse_address(s.listen, f"stages[{s.index}].listen")
-            if not s.host or s.host.startswith("-") or any(c.isspace() or c in "'\"`$;&|<>" for c in s.host):
-                raise _fail(f"stages[{s.index}].host", s.host, "a host name or address")
+        problems = _option_problems({f: getattr(self, f) for f in OPTION_KEYS})
+        for st in self.stages:
+            try:
+                parse_address(st.listen, f"stages[{st.index}].listen")
+            except ValueError as err:
+                problems.append(str(err).removeprefix("run plan: "))
+            if not st.host or st.host.startswith("-") or any(c.isspace() or c in "'\"`$;&|<>" for c in st.host):
+                problems.append(_problem(f"stages[{st.index}].host", st.host, "a host name or address"))
+        if problems:
+            raise _all(problems)
         return self
+
+
+OPTION_KEYS = ("dtype", "transport", "checksum", "max_num_seqs", "max_model_len", "kv_cache_bytes", "max_num_tokens",
+               "block_size", "quantized", "linear_precision", "sampling")
+KNOWN_KEYS = frozenset({"model", "stages", "num_layers", "partition", *OPTION_KEYS})
+STAGE_KEYS = frozenset({"host", "listen", "layers", "device", "threads"})
+
+
+def _problem(what: str, value: Any, expected: str) -> str:
+    return f"{what} must be {expected}, got {value!r}"
+
+
+def _all(problems: list[str]) -> ValueError:
+    if len(problems) == 1:
+        return ValueError(f"run plan: {problems[0]}")
+    return ValueError(f"run plan: {len(problems)} problems: " + "; ".join(problems))
+
+
+def _stage(i: int, spec: Any, info, problems: list[str]) -> StageSpec | None:
+    where = f"stages[{i}]"
+    if not isinstance(spec, dict):
+        problems.append(_problem(where, spec, "a mapping"))
+        return None
+    extra = sorted(set(spec) - STAGE_KEYS)
+    if extra:
+        problems.append(f"{where} has unknown keys {extra}")
+    listen = spec.get("listen", "127.0.0.1:0")
+    try:
+        host = spec.get("host", parse_address(listen, f"{where}.listen")[0])
+    except ValueError as err:
+        problems.append(str(err).removeprefix("run plan: "))
+        return None
+    threads = spec.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        problems.append(_problem(f"{where}.threads", threads, "an int >= 1"))
+    if info is None:
+        return None
+    return StageSpec(index=i, start_layer=info.start_layer, end_layer=info.end_layer, host=str(host),
+                     listen=str(listen), device=str(spec.get("device", "cpu")), threads=threads)
+
+
+def _option_problems(options: dict[str, Any]) -> list[str]:
+    """Every problem of the plan's run options (absent ones keep their defaults)."""
+    problems = []
+    get = options.get
+    if get("dtype", "auto") not in ("auto", "float32", "bfloat16", "float16"):
+        problems.append(_problem("dtype", get("dtype"), "auto, float32, bfloat16 or float16"))
+    if get("transport", "auto") not in TRANSPORTS:
+        problems.append(_problem("transport", get("transport"), f"one of {TRANSPORTS}"))
+    if not isinstance(get("checksum", True), bool):
+        problems.append(_problem("checksum", get("checksum"), "true or false"))
+    if get("quantized") is not None and not isinstance(get("quantized"), bool):
+        problems.append(_problem("quantized", get("quantized"), "true, false or null"))
+    if get("linear_precision", "exact") not in ("exact", "int8"):
+        problems.append(_problem("linear_precision", get("linear_precision"), "'exact' or 'int8'"))
+    for name in ("max_num_seqs", "block_size"):
+        value = get(name, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(_problem(name, value, "an int >= 1"))
+    for name in ("max_model_len", "kv_cache_bytes", "max_num_tokens"):
+        value = get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            problems.append(_problem(name, value, "an int >= 1 or null"))
+    if get("kv_cache_bytes") is not None and get("max_num_tokens") is not None:
+        problems.append("give at most one of kv_cache_bytes and max_num_tokens")
+    sampling = get("sampling")
+    if sampling is not None:
+        if not isinstance(sampling, dict):
+            problems.append(_problem("sampling", sampling, "a mapping of sampling fields"))
+        else:
+            from stagewise.engine.params import SamplingParams
+
+            for name, value in sampling.items():
+                try:
+                    SamplingParams(**{name: value})
+                except (TypeError, ValueError) as err:
+                    problems.append(f"sampling.{str(err).removeprefix('SamplingParams.')}")
+    return problems
