@@ -195,25 +195,28 @@ def config_problems(config, req: Requests, args: argparse.Namespace, *, sampling
     table, more tokens asked than the context leaves, a layout it cannot take."""
     problems = []
     length = config.max_position_embeddings if max_model_len is None else max_model_len
-    too_many = isinstance(sampling["max_new_tokens"], int) and sampling["max_new_tokens"] >= length
     if max_model_len is not None and max_model_len > config.max_position_embeddings:
         problems.append(f"--max-model-len {max_model_len} is above the model's max_position_embeddings "
                         f"({config.max_position_embeddings})")
-    for i, ids in enumerate(req.ids):  # (a file holds ids or texts, not both)
-        extra = req.overrides[i]
-        where = f"prompt {i}" if req.lines[i] is None else f"{args.prompt_file}:{req.lines[i]}"
-        bad = [t for t in ids if not 0 <= t < config.vocab_size]
-        if not ids:
-            problems.append(f"{where}: the prompt is empty")
-        if bad:
-            problems.append(f"{where}: token ids must be in [0, vocab_size={config.vocab_size}), got {bad[:8]}")
+    overrides = req.overrides or [None] * len(req)
+    no_room = set()
+    for i, extra in enumerate(overrides):
         new = (extra or {}).get("max_new_tokens", sampling["max_new_tokens"])
-        if isinstance(new, int) and ids and len(ids) + new > length and not (too_many and extra is None):
-            problems.append(f"{where}: {len(ids)} prompt tokens + max_new_tokens {new} exceed the model length "
-                            f"{length} (lower max_new_tokens, or raise --max-model-len)")
-    if too_many:
-        problems.append(f"max_new_tokens {sampling['max_new_tokens']} leaves no room for a prompt in the model "
-                        f"length {length}")
+        if isinstance(new, int) and new >= length:
+            no_room.add(new)
+        if i < len(req.ids):  # (a file holds ids or texts, not both)
+            ids = req.ids[i]
+            where = f"prompt {i}" if req.lines[i] is None else f"{args.prompt_file}:{req.lines[i]}"
+            bad = [t for t in ids if not 0 <= t < config.vocab_size]
+            if not ids:
+                problems.append(f"{where}: the prompt is empty")
+            if bad:
+                problems.append(f"{where}: token ids must be in [0, vocab_size={config.vocab_size}), got {bad[:8]}")
+            if isinstance(new, int) and new < length and ids and len(ids) + new > length:
+                problems.append(f"{where}: {len(ids)} prompt tokens + max_new_tokens {new} exceed the model length "
+                                f"{length} (lower max_new_tokens, or raise --max-model-len)")
+    for new in sorted(no_room):
+        problems.append(f"max_new_tokens {new} leaves no room for a prompt in the model length {length}")
     if stages > config.num_layers:
         problems.append(f"--stages {stages}: the model has {config.num_layers} layers")
     elif stages > 1 and partition is not None:

@@ -113,6 +113,24 @@ def test_bad_stage_entries_name_the_field(stages, message):
         plan_of(stages)
 
 
+def test_a_plan_names_every_problem_at_once():
+    with pytest.raises(ValueError) as info:
+        plan_of([{"listen": "10.0.0.1", "threads": 0}, {"listen": "10.0.0.2:1", "cores": 2}], transport="udp",
+                max_num_seqs=0, dtype="int4", sampling={"temperature": -1, "top_p": 5})
+    message = str(info.value)
+    for fragment in ("stages[0].listen must be 'host:port'", "stages[0].threads must be an int >= 1",
+                     "stages[1] has unknown keys ['cores']", "transport must be one of", "max_num_seqs must be an int",
+                     "dtype must be auto, float32, bfloat16 or float16", "sampling.temperature must be",
+                     "sampling.top_p must be"):
+        assert fragment in message, (fragment, message)
+
+
+def test_a_plans_sampling_defaults_are_kept_and_travel_inline():
+    plan = plan_of([{"listen": "10.0.0.1:1"}], sampling={"temperature": 0.7, "repetition_penalty": 1.2})
+    assert plan.sampling == {"temperature": 0.7, "repetition_penalty": 1.2}
+    assert RunPlan.from_dict(json.loads(plan.to_json()), 4) == plan
+
+
 def test_plan_linear_precision():
     assert plan_of([{"listen": "10.0.0.1:1"}]).linear_precision == "exact"
     assert plan_of([{"listen": "10.0.0.1:1"}], linear_precision="int8").linear_precision == "int8"
@@ -256,6 +274,34 @@ def test_launch_over_ssh_on_this_machine(tiny, tmp_path):
     assert json.loads(done.stdout)["completions"][0]["token_ids"][:8] == ref
     log = (tmp_path / "ssh.log").read_text()
     assert log.count("127.0.0.1 sh -c") == 2 and TOKEN not in log
+
+
+def test_launch_reads_prompts_from_stdin_and_labels_each_answer(tiny, tmp_path):
+    """Each stdin line is a prompt; its answer is printed under its line number (blank lines are
+    skipped, their numbers kept); the plan's sampling section sets the defaults."""
+    import shutil
+
+    import tokenizers
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny[0], model)
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, 101)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins the words with spaces
+    tok.save(str(model / "tokenizer.json"))
+    plan_path = write_plan(tmp_path / "plan.json", str(model), [{"listen": "127.0.0.1:0"}, {"listen": "127.0.0.1:0"}],
+                           sampling={"max_new_tokens": 3, "ignore_eos": True})
+    env = dict(os.environ, FAKE_SSH_LOG=str(tmp_path / "ssh.log"), FAKE_SSH_NETNS="")
+    env.pop("STAGEWISE_AUTH_TOKEN", None)
+    done = subprocess.run([PY, "-m", "stagewise.cli", "launch", str(plan_path), "--ssh", "--ssh-command",
+                           str(fake_ssh(tmp_path)), "--remote-command", f"{PY} -m stagewise.cli", "--connect-timeout",
+                           "120"], input="w5 w6 w7\n\nw9\n", capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr
+    blocks = done.stdout.split("--- ")[1:]
+    assert [b.splitlines()[0] for b in blocks] == ["line 1", "line 3"]
+    for b in blocks:
+        assert len(b.splitlines()[1].split()) == 3  # three generated words, from the plan's max_new_tokens
 
 
 # ---- network namespaces -----------------------------------------------------------------------

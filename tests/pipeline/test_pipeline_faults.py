@@ -85,6 +85,8 @@ def test_a_dead_or_hung_stage_ends_requests_with_an_error_naming_it(folder, faul
     assert ended - struck[0] < 5.0
     for out in outs:
         assert out.finish_reason == "error" and "stage 1" in out.error, out.error
+    assert any(out.token_ids for out in outs), "the tokens generated before the failure are kept"
+    assert all(len(out.token_ids) < 480 for out in outs)
     assert _gone(pids), "stage processes left behind"
     with pytest.raises(ValueError, match="closed"):
         pipe.generate(prompt_token_ids=[[1, 2]], max_new_tokens=2)

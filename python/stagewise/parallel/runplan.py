@@ -235,16 +235,17 @@ def _stage(i: int, spec: Any, info, problems: list[str]) -> StageSpec | None:
     extra = sorted(set(spec) - STAGE_KEYS)
     if extra:
         problems.append(f"{where} has unknown keys {extra}")
-    listen = spec.get("listen", "127.0.0.1:0")
+    listen, host = spec.get("listen", "127.0.0.1:0"), spec.get("host")
     try:
-        host = spec.get("host", parse_address(listen, f"{where}.listen")[0])
+        bound = parse_address(listen, f"{where}.listen")[0]
     except ValueError as err:
         problems.append(str(err).removeprefix("run plan: "))
-        return None
+        bound = None
     threads = spec.get("threads")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         problems.append(_problem(f"{where}.threads", threads, "an int >= 1"))
-    if info is None:
+    host = host if host is not None else bound
+    if info is None or host is None:
         return None
     return StageSpec(index=i, start_layer=info.start_layer, end_layer=info.end_layer, host=str(host),
                      listen=str(listen), device=str(spec.get("device", "cpu")), threads=threads)
