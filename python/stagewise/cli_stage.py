@@ -43,8 +43,17 @@ def main(args: argparse.Namespace) -> int:
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
     except Exception as err:  # noqa: BLE001 - one line for the operator, not a traceback
+        import json
+        import socket
+
+        from stagewise.pipeline.process import FAILED_LINE
+
         which = args.stage if args.stage is not None else os.environ.get("RANK", "?")
-        print(f"stagewise stage {which}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        message = f"{type(err).__name__}: {err}"
+        print(f"stagewise stage {which}: {message}", file=sys.stderr, flush=True)
+        # For the launcher, which reads this process's output (also through ssh).
+        print(f"{FAILED_LINE} {json.dumps({'stage': which, 'host': socket.gethostname(), 'error': message})}",
+              flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: the heartbeat and accept threads may still be blocked in I/O.

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 
 from stagewise.parallel.runplan import RunPlan
-from stagewise.pipeline.process import READY_LINE
+from stagewise.pipeline.process import FAILED_LINE, READY_LINE
 
 
 class StageProcesses:
@@ -29,6 +29,16 @@ class StageProcesses:
 
     def exit_code(self, stage: int) -> int | None:
         return self.procs[stage].poll()
+
+    def failure(self, stage: int) -> str | None:
+        """The ``STAGEWISE-FAILED`` words of an exited stage (what it printed after listening)."""
+        proc = self.procs[stage]
+        if proc.poll() is None or proc.stdout is None or proc.stdout.closed:
+            return None
+        for line in proc.stdout.read().splitlines():
+            if line.startswith(FAILED_LINE):
+                return failure_message(stage, line)
+        return None
 
     @property
     def pids(self) -> list[int]:
@@ -92,7 +102,8 @@ def spawn_stages(plan: RunPlan, *, auth_token: str | None = None,
 
 
 def read_address(proc: subprocess.Popen, index: int, timeout_s: float) -> tuple[str, int]:
-    """The address stage ``index`` printed once it listens."""
+    """The address stage ``index`` printed once it listens; RuntimeError with the stage's own
+    words when it failed before."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         ready, _, _ = select.select([proc.stdout], [], [], 0.2)
@@ -103,9 +114,22 @@ def read_address(proc: subprocess.Popen, index: int, timeout_s: float) -> tuple[
             parts = line.split()
             if len(parts) == 3 and parts[0] == READY_LINE:
                 return parts[1], int(parts[2])
+            if parts and parts[0] == FAILED_LINE:
+                raise RuntimeError(failure_message(index, line))
         elif proc.poll() is not None:
             break
     code = proc.poll()
     if code is not None:
         raise RuntimeError(f"stage {index} exited with code {code} before listening (see its error above)")
     raise TimeoutError(f"stage {index} did not start listening within {timeout_s:.0f} s")
+
+
+def failure_message(index: int, line: str) -> str:
+    """``stage I on HOST failed: ERROR`` from a stage's ``STAGEWISE-FAILED {json}`` line."""
+    import json
+
+    try:
+        info = json.loads(line.split(None, 1)[1])
+        return f"stage {index} on {info['host']} failed: {info['error']}"
+    except (IndexError, ValueError, KeyError, TypeError):
+        return f"stage {index} failed: {line.strip()}"

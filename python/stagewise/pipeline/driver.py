@@ -23,7 +23,7 @@ from stagewise.pipeline.messages import (
     Add, Cancel, Connected, Events, Fatal, GetStats, Ready, Result, Setup, Shutdown, Stats, Status,
 )  # fmt: skip
 from stagewise.pipeline.protocol import ProtocolError
-from stagewise.transport.errors import ChannelClosed
+from stagewise.transport.errors import ChannelClosed, HandshakeError
 
 HEARTBEAT_TIMEOUT_S = 3.0
 
@@ -33,6 +33,9 @@ class StageProcesses(Protocol):
 
     def exit_code(self, stage: int) -> int | None:
         """None while stage's process runs; its exit code (negative: killed by that signal)."""
+
+    def failure(self, stage: int) -> str | None:
+        """What an exited stage said of its failure (its own words), if it said anything."""
 
     def stop(self, grace_s: float) -> None:
         """Wait up to ``grace_s`` for every process to exit, then terminate, then kill."""
@@ -88,9 +91,8 @@ class PipelineDriver:
         options = links.LinkOptions(fingerprint=fingerprint, auth_token=auth_token)
         try:
             for i, address in enumerate(addresses):
-                self.controls.append(links.dial(address, options, transport="tcp", stage=-1, peer=i, role="driver",
-                                                timeout=connect_timeout_s))
-            ready = [self._expect(i, Ready, ready_timeout_s) for i in range(n)]
+                self.controls.append(self._dial(i, address, options, connect_timeout_s))
+            ready = self._expect_all(Ready, ready_timeout_s)
             for i, msg in enumerate(ready):
                 if msg.fingerprint != fingerprint:
                     raise ValueError(f"stage {i} runs model/plan fingerprint {msg.fingerprint!r}, the driver "
@@ -102,8 +104,7 @@ class PipelineDriver:
             for i in range(n):
                 self._send(i, Setup(num_blocks=self.num_blocks, next=None if n == 1 else tuple(addresses[(i + 1) % n]),
                                     transport=hops[i], microbatches=n, store=store))
-            for i in range(n):
-                self._expect(i, Connected, 120.0)
+            self._expect_all(Connected, 120.0)
         except BaseException:
             self.close(force=True)
             raise
@@ -119,27 +120,66 @@ class PipelineDriver:
 
     # ---- low level --------------------------------------------------------------
 
-    def _expect(self, stage: int, kind: type, timeout: float):
-        """The next message of type ``kind`` from ``stage`` (status and heartbeats are taken on
-        the way)."""
+    def _dial(self, stage: int, address: tuple[str, int], options: links.LinkOptions, timeout: float):
+        """Stage ``stage``'s control link, giving up as soon as its process is gone."""
         deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return links.dial(address, options, transport="tcp", stage=-1, peer=stage, role="driver",
+                                  timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+            except (TimeoutError, ConnectionError) as err:
+                if isinstance(err, HandshakeError):
+                    raise
+                self._check_process(stage)
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{self._name(stage)}: no answer at {address[0]}:{address[1]} within "
+                                       f"{timeout:.0f} s ({err})") from None
+
+    def _name(self, stage: int) -> str:
+        return f"stage {stage} on {self.plan.stages[stage].host}"
+
+    def _expect_all(self, kind: type, timeout: float) -> list:
+        """The next message of type ``kind`` from every stage, watching them all at once: the
+        first stage that fails or exits meanwhile ends the wait with its own words."""
+        got: dict[int, object] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < len(self.controls):
+            for i in range(len(self.controls)):
+                if i not in got:
+                    msg = self._expect(i, kind, max(0.0, deadline - time.monotonic()), wait=0.05)
+                    if msg is not None:
+                        got[i] = msg
+            if len(got) < len(self.controls) and time.monotonic() > deadline:
+                missing = [i for i in range(len(self.controls)) if i not in got]
+                raise TimeoutError(f"stages {missing} did not report {kind.__name__} within {timeout:.0f} s")
+        return [got[i] for i in range(len(self.controls))]
+
+    def _expect(self, stage: int, kind: type, timeout: float, wait: float | None = None):
+        """The next message of type ``kind`` from ``stage`` (status and heartbeats are taken on
+        the way). With ``wait``, None when none came within that many seconds."""
+        deadline = time.monotonic() + (timeout if wait is None else min(wait, timeout))
         while True:
             self._check_process(stage)
             try:
                 frame = self.controls[stage].recv(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
             except TimeoutError:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"stage {stage} did not report {kind.__name__} within {timeout:.0f} s") \
+                    if wait is not None:
+                        return None
+                    raise TimeoutError(f"{self._name(stage)} did not report {kind.__name__} within {timeout:.0f} s") \
                         from None
                 continue
             except ChannelClosed as err:
-                raise PipelineBroken(f"stage {stage} closed its connection before {kind.__name__}: {err}") from None
+                time.sleep(0.2)  # an exiting stage's process and words come a moment after its connection ends
+                self._check_process(stage)
+                raise PipelineBroken(f"{self._name(stage)} closed its connection before {kind.__name__}: {err}") \
+                    from None
             msg = messages.from_frame(frame)
             self.last_seen[stage] = time.monotonic()
             if isinstance(msg, kind):
                 return msg
             if isinstance(msg, Fatal):
-                raise PipelineBroken(f"stage {stage} failed: {msg.message}")
+                raise PipelineBroken(f"{self._name(stage)} failed: {msg.message}")
             if isinstance(msg, Status):
                 self.status = _status_dict(msg)
             elif not isinstance(msg, (messages.Heartbeat, Events)):  # events only come after all requests ended
@@ -149,7 +189,11 @@ class PipelineDriver:
         if self.processes is not None:
             code = self.processes.exit_code(stage)
             if code is not None:
-                raise PipelineBroken(f"stage {stage} process exited with code {code}")
+                said = self.processes.failure(stage)
+                if said:
+                    raise PipelineBroken(said)
+                raise PipelineBroken(f"{self._name(stage)}: its process exited with "
+                                     + (f"signal {-code}" if code < 0 else f"code {code}"))
 
     def _send(self, stage: int, msg: messages.Message) -> None:
         if self.broken:

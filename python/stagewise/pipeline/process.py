@@ -5,13 +5,17 @@ Life of a stage:
 
 1. read the model's config (for the fingerprint), listen on the plan's address and print
    ``STAGEWISE-LISTENING host port`` on stdout, so that a launcher learns an ephemeral port;
-2. load only this stage's layers;
-3. accept the driver's control link and report :class:`~stagewise.pipeline.messages.Ready`
-   (how many KV blocks it can hold);
-4. on :class:`~stagewise.pipeline.messages.Setup`: allocate the KV cache, connect to the
+2. load only this stage's layers while accepting the driver's control link (heartbeats start
+   then), and report :class:`~stagewise.pipeline.messages.Ready` (how many KV blocks it can hold)
+   or, if loading failed, :class:`~stagewise.pipeline.messages.Fatal` with the error;
+3. on :class:`~stagewise.pipeline.messages.Setup`: allocate the KV cache, connect to the
    neighbours (:func:`~stagewise.pipeline.links.open_data_links`), report ``Connected``;
-5. serve until ``Shutdown``, the driver's disconnection or a dead neighbour. A heartbeat goes to
+4. serve until ``Shutdown``, the driver's disconnection or a dead neighbour. A heartbeat goes to
    the driver every ``HEARTBEAT_S`` so that it notices a hung stage.
+
+Whatever stops it with an error is sent to the driver (``Fatal``) and printed on stdout as
+``STAGEWISE-FAILED {json}`` (:mod:`stagewise.cli_stage`), so that a launcher reads a stage's own
+words even when it failed before the driver connected.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from stagewise.transport.frame import Frame
 
 HEARTBEAT_S = 0.5
 READY_LINE = "STAGEWISE-LISTENING"
+FAILED_LINE = "STAGEWISE-FAILED"
 
 
 class _Shutdown(Exception):
@@ -69,8 +74,8 @@ class StageProcess:
 
         checkpoint = open_checkpoint(self.plan.model)  # the config only: the fingerprint before the weights
         if checkpoint.config.num_layers != self.plan.num_layers:
-            raise ValueError(f"stage {self.index}: the plan has {self.plan.num_layers} layers but "
-                             f"{self.plan.model!r} has {checkpoint.config.num_layers}")
+            raise ValueError(f"the plan has {self.plan.num_layers} layers but {self.plan.model!r} has "
+                             f"{checkpoint.config.num_layers}")
         self.fingerprint = self.plan.fingerprint(checkpoint.hf_config)
         options = links.LinkOptions(fingerprint=self.fingerprint, auth_token=self.auth_token,
                                     checksum=self.plan.checksum)
@@ -79,22 +84,30 @@ class StageProcess:
         print(f"{READY_LINE} {host} {port}", flush=True)
         if self.on_listening is not None:
             self.on_listening(self)
-        model, device = self._load(checkpoint)
+        device = torch.device(self.spec.device)
         acceptor = links.Acceptor(self.listener, stage=self.index, checksum=self.plan.checksum,
                                   device=device.index if device.type == "cuda" else None)
+        # The driver connects while the layers load, so that a failure to load reaches it at once.
+        driver = threading.Thread(target=self._accept_driver, args=(acceptor,), name="accept-driver", daemon=True)
+        driver.start()
         try:
-            self.control = acceptor.take("driver", self.driver_timeout_s)
-            max_model_len = self.plan.max_model_len or model.config.max_position_embeddings
-            spec = model.kv_cache_spec(self.plan.block_size, model_dtype(model))
-            capacity = num_cache_blocks(spec, device, max_num_seqs=self.plan.max_num_seqs, max_model_len=max_model_len,
-                                        kv_cache_bytes=self.plan.kv_cache_bytes,
-                                        max_num_tokens=self.plan.max_num_tokens)
+            try:
+                model = self._load(checkpoint, device)
+                max_model_len = self.plan.max_model_len or model.config.max_position_embeddings
+                spec = model.kv_cache_spec(self.plan.block_size, model_dtype(model))
+                capacity = num_cache_blocks(spec, device, max_num_seqs=self.plan.max_num_seqs,
+                                            max_model_len=max_model_len, kv_cache_bytes=self.plan.kv_cache_bytes,
+                                            max_num_tokens=self.plan.max_num_tokens)
+            finally:
+                driver.join(self.driver_timeout_s)
+            if self.control is None:
+                raise TimeoutError(f"no driver connected within {self.driver_timeout_s:.0f} s")
             self.tell_driver(Ready(stage=self.index, capacity_blocks=capacity,
                                    layers=(self.spec.start_layer, self.spec.end_layer), pid=os.getpid(),
                                    fingerprint=self.fingerprint))
             setup = messages.from_frame(self.control.recv(timeout=self.driver_timeout_s))
             if not isinstance(setup, Setup):
-                raise ValueError(f"stage {self.index}: expected the driver's setup, got {type(setup).__name__}")
+                raise ValueError(f"expected the driver's setup, got {type(setup).__name__}")
             executor = Executor(model, num_blocks=setup.num_blocks, block_size=self.plan.block_size,
                                 max_model_len=max_model_len, device=device)
             slot_bytes, num_slots = self._ring_size(model.config.hidden_size, spec.dtype, max_model_len)
@@ -104,7 +117,6 @@ class StageProcess:
                 slot_bytes=slot_bytes, num_slots=num_slots, device=device.index if device.type == "cuda" else None,
                 backend=comm.backend_for([s.device for s in self.plan.stages]))
             self.tell_driver(Connected(stage=self.index))
-            threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
             self.stats.reset()
             if self.index == 0:
                 engine = Engine(executor, max_num_seqs=self.plan.max_num_seqs, num_groups=setup.microbatches)
@@ -123,18 +135,28 @@ class StageProcess:
             acceptor.close()
         return 0
 
-    def _load(self, checkpoint):
+    def _accept_driver(self, acceptor: links.Acceptor) -> None:
+        """Take the driver's control link, then tell it every HEARTBEAT_S that this stage lives
+        (also while its layers load)."""
+        try:
+            self.control = acceptor.take("driver", self.driver_timeout_s)
+        except TimeoutError:
+            return
+        threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
+
+    def _load(self, checkpoint, device: torch.device):
         from stagewise.model.stage import load_stage
 
         if self.spec.threads:
             torch.set_num_threads(self.spec.threads)
-        device = torch.device(self.spec.device)
         if device.type == "cuda":
+            if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
+                found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+                raise ValueError(f"device {self.spec.device!r}: this host has {found} CUDA device(s)"
+                                 + ("" if torch.version.cuda else f" (torch {torch.__version__} is built without CUDA)"))
             torch.cuda.set_device(device)  # this process's GPU: the ring, the streams and NCCL use it
-        model = load_stage(checkpoint, self.spec.start_layer, self.spec.end_layer, dtype=self.plan.dtype,
-                           device=device, quantized=self.plan.quantized,
-                           linear_precision=self.plan.linear_precision)
-        return model, device
+        return load_stage(checkpoint, self.spec.start_layer, self.spec.end_layer, dtype=self.plan.dtype,
+                          device=device, quantized=self.plan.quantized, linear_precision=self.plan.linear_precision)
 
     def _ring_size(self, hidden_size: int, dtype: torch.dtype, max_model_len: int) -> tuple[int, int]:
         """Slots of this stage's outgoing ring: a step's hidden states (a long prefill that does
@@ -161,6 +183,8 @@ class StageProcess:
                 return
 
     def _report_fatal(self, err: Exception) -> None:
+        """Tell the driver why this stage stops, in its own words (the launcher also reads them
+        from the process's output: see :mod:`stagewise.cli_stage`)."""
         if self.control is None:
             return
         try:
