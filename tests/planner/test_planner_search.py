@@ -271,38 +271,3 @@ def test_profiles_builtin_and_bad():
                            "op_overhead_s": 0, "links": {k: {"latency_s": 0, "bandwidth": 1} for k in ("tp", "pp", "ep")}})
     with pytest.raises(ValueError, match="transport 'shm' was not measured"):
         load_profile("h100").with_transport("shm")
-
-
-# --- the validation record: expected error and range flags ---
-
-def test_validation_record_flags_and_error(tmp_path):
-    import json
-
-    from stagewise.planner.validate import compare, load_latest, summary
-
-    config = _dense()
-    est = estimate_layout(config, ParallelConfig(world_size=1), Workload(input_length=16, output_length=4),
-                          load_profile("cpu-generic"))
-    from stagewise.planner.validate import MeasuredRun
-
-    measured = MeasuredRun(stages=1, per_stage_busy_s=[est.tpot_s * 1.25], tpot_s=est.tpot_s * 1.25,
-                           ttft_s=est.ttft_s * 0.5, bubble_s=0.0)
-    rows = compare(est, measured)
-    by = {r["metric"]: r for r in rows}
-    assert by["tpot"]["error_pct"] == pytest.approx(-20.0)  # predicted 1 vs measured 1.25
-    assert by["ttft"]["error_pct"] == pytest.approx(100.0)
-    assert by["bubble"]["error_pct"] == 0.0
-    data = summary(rows, model="m", architecture="qwen3", profile={"name": "cpu-generic", "kind": "cpu"},
-                   workload={"batch": 1, "input_length": 16, "output_length": 4}, machine={"date_utc": "d"})
-    path = tmp_path / "validation.json"
-    path.write_text(json.dumps(data))
-    v = load_latest(path)
-    assert v.expected_error_pct["tpot"] == pytest.approx(20.0)
-    assert "TPOT ±20%" in v.describe()
-    assert v.flags(stages=1, batch=1, input_length=16, output_length=4, architecture="qwen3",
-                   profile_name="cpu-generic", profile_kind="cpu") == []
-    flags = v.flags(stages=4, batch=1, input_length=16, output_length=4, architecture="qwen3_moe",
-                    profile_name="h100-sxm", profile_kind="gpu")
-    assert flags == ["PP=4 outside validated 1..1", "qwen3_moe not validated",
-                     "profile h100-sxm not validated (cpu only)"]
-    assert load_latest(tmp_path / "missing.json") is None
