@@ -39,7 +39,7 @@ def test_search_json_rows_and_breakdown(capsys):
 
 
 def test_search_text_and_trailing_model_id(capsys):
-    # The model id may trail the last size list, as in the original optimizer's CLI.
+    # The model id may trail the last size list, as throughput-optimizer command lines put it.
     code, out, _ = _run(capsys, "--num-devices", "8", "--input-length", "2048", "--output-length", "512",
                         "--tp-sizes", "1", "2", "--pp-sizes", "1", "2", "4", QWEN3_4B)
     assert code == 0

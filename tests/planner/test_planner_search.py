@@ -1,5 +1,5 @@
-"""Planner search space, rank groups, serving YAML, communication, latency and breakdown
-(seed 001 §2.2-2.8, §4.2); expected values computed by hand from the seed's formulas."""
+"""Planner search space, rank groups, serving YAML, communication, latency and breakdown;
+expected values computed by hand from the formulas the README states."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _dense(**kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
-# --- search space (§2.2) ---
+# --- search space ---
 
 def test_resolve_search_sizes_contract():
     assert resolve_search_sizes(None, 8, 1) == [1]  # --pp-sizes not given: PP fixed to 1
@@ -83,7 +83,7 @@ def test_workload_rejects_bad_lengths():
         Workload(input_length=4, output_length=4, kv_dtype="int4")
 
 
-# --- serving YAML (§2.2.2) and propagation ---
+# --- serving YAML and propagation ---
 
 def test_serving_yaml_propagates_to_the_estimate(tmp_path):
     path = tmp_path / "serving.yaml"
@@ -114,9 +114,9 @@ def test_serving_yaml_errors(tmp_path, text, message):
         load_serving_yaml(path)
 
 
-# --- rank groups (§2.3) ---
+# --- rank groups ---
 
-def test_rank_groups_seed_example():
+def test_rank_groups_of_world_8_tp_2_pp_4():
     cfg = ParallelConfig(world_size=8, tp=2, pp=4, dp=1)
     pp = cfg.group("pp", 4)
     assert pp.rank_group == (0, 2, 4, 6) and pp.rank_in_group == 2 and pp.world_size == 4
@@ -142,7 +142,7 @@ def test_rank_groups_with_dp_and_moe():
         cfg.group("tp", 8)
 
 
-# --- communication (§2.7.1-2.7.2) ---
+# --- communication ---
 
 def test_message_bytes_and_comm_by_stage_position():
     assert estimate_hidden_states_message_bytes(128, 4096, 2) == 1_048_576
@@ -172,7 +172,7 @@ def test_pp_comm_in_the_estimate_uses_the_pp_link():
     assert single.prefill.pipeline.stage_comm_times_s == (0.0,) and single.decode.pipeline.bubble_s == 0.0
 
 
-# --- latency, microbatches, bubble (§2.7.4, §2.8) ---
+# --- latency, microbatches, bubble ---
 
 def test_fill_drain_latency_and_bubble():
     est = estimate_pipeline_runtime_from_stage_times([1.0, 2.0, 1.0], [0.1, 0.2, 0.1], 3)
@@ -197,7 +197,7 @@ def test_microbatches_default_to_min_batch_pp():
     link = prof.links["pp"]
     hop, back = link.latency_s + 64 * 2 / link.bandwidth, link.latency_s + 8 / link.bandwidth  # 1 row each
     assert d.stage_comm_times_s == pytest.approx((hop, hop, hop, back))  # the last stage sends tokens to stage 0
-    # Prefill, §2.7.4 with equal microbatches: the first leaves the last stage after sum(stage_times),
+    # Prefill, fill-drain with equal microbatches: the first leaves the last stage after sum(stage_times),
     # the last after sum + 2 x max; TTFT is the first's tokens back on stage 0.
     st = est.prefill.pipeline.stage_times_s
     assert est.prefill.pipeline.latency_s == pytest.approx(sum(st) + 2 * max(st))
@@ -209,7 +209,7 @@ def test_microbatches_default_to_min_batch_pp():
     assert est.tokens_per_s == pytest.approx(3 * 4 / (est.ttft_s + 3 * est.tpot_s))
 
 
-def test_breakdown_line_seed_example():
+def test_breakdown_line_shares():
     line = format_breakdowns({"mem": 1.0, "comm": 1.0, "cube": 2.0, "vec": 0.0},
                              {"compute": 3.0, "communication": 1.0, "bubble": 2.0})
     assert line == "Mem 25.00 | Comm 25.00 | Cube 50.00 | Vec 0.00 | PP Compute 50.00 | PP Comm 16.67 | PP Bubble 33.33"
