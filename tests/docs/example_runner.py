@@ -5,15 +5,21 @@ stopped by the first failing command; a trap reports that command and its line, 
 :func:`failure` maps back to the page. A Python block runs with the interpreter of the tests,
 compiled under the page's name with its lines where the page has them, so a traceback names
 ``README.md``, line N. The process group is killed on a timeout, background stages included.
+
+Some examples listen on fixed ports (``examples/plan.yaml``'s stages, torchrun's store), so one
+example runs at a time on a machine, whichever checkout's tests run it: a lock file in the
+system's temporary folder serialises them.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +36,7 @@ _PYTHON_RUNNER = ("import sys; doc, line, path = sys.argv[1], int(sys.argv[2]), 
                   "sys.argv = [doc]; src = '\\n' * line + open(path, encoding='utf-8').read(); "
                   "exec(compile(src, doc, 'exec'), {'__name__': '__main__'})")
 TAIL_LINES = 40
+LOCK = Path(tempfile.gettempdir()) / "stagewise-doc-examples.lock"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,15 +58,17 @@ def run(example: Example, scratch: Path, env: dict[str, str], timeout_s: float) 
         path = script_dir / f"{stem}.py"
         path.write_text(example.code, encoding="utf-8")
         argv = [sys.executable, "-c", _PYTHON_RUNNER, example.doc, str(example.line), str(path)]
-    proc = subprocess.Popen(argv, cwd=scratch, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-        return Outcome(proc.returncode, out)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return Outcome(proc.returncode, out, timed_out=True)
+    with open(LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        proc = subprocess.Popen(argv, cwd=scratch, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+            return Outcome(proc.returncode, out)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            return Outcome(proc.returncode, out, timed_out=True)
 
 
 def failure(example: Example, outcome: Outcome, timeout_s: float) -> str | None:

@@ -2,8 +2,8 @@
 
 Each page gets a scratch folder holding a copy of ``examples/`` and the page's ``file`` blocks;
 its examples run there in page order (a later one may use what an earlier one wrote), with the
-project's environment first on ``PATH`` (the ``stagewise`` console script) and
-``STAGEWISE_BENCH_TINY=1``, which gives the benchmarks toy sizes. Blocks marked ``skip`` are
+project's environment first on ``PATH`` (the ``stagewise`` console script),
+``STAGEWISE_BENCH_TINY=1``, which gives the benchmarks toy sizes, and one torch thread per process. Blocks marked ``skip`` are
 listed with their reasons at the end of the run; ``slow`` ones run when ``STAGEWISE_DOCS_SLOW=1``.
 A last test checks that no example wrote into the repository.
 """
@@ -54,6 +54,10 @@ def environment() -> dict[str, str]:
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     env["STAGEWISE_BENCH_TINY"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
+    # One torch thread per process: on a test machine shared with other work, kernels split over
+    # every core wait on the busy ones (a step can take 50x longer); nothing the examples show
+    # depends on the thread count.
+    env["OMP_NUM_THREADS"] = "1"
     return env
 
 
