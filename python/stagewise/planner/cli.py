@@ -51,7 +51,8 @@ def _search_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="config.json, folder, built-in config name "
                                             f"({', '.join(builtin_models())}) or checkpoint")
     p.add_argument("--config", type=Path, help="serving YAML with parallel_config (world_size, tp_size, pp_size, "
-                                               "dp_size); evaluates that one layout")
+                                               "dp_size) and optionally the model and workload; evaluates that one "
+                                               "layout (example: examples/serving.yaml)")
     p.add_argument("--num-devices", type=int, help="devices to spread the replicas over")
     for name, what in (("tp", "TP sizes (default: powers of two up to N)"),
                        ("pp", "PP sizes (not given: 1; given without values: powers of two up to N)"),
