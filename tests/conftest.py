@@ -1,5 +1,6 @@
 """Shared fixtures: devices (CUDA marked and skipped without a GPU), dtypes,
-per-dtype tolerances, per-test seeding and output poisoning."""
+per-dtype tolerances, per-test seeding and output poisoning; and, at the end of a run, the list of
+documentation examples that did not run."""
 
 from __future__ import annotations
 
@@ -60,3 +61,17 @@ def strided(t: torch.Tensor, pad: int = 3) -> torch.Tensor:
     view = buf[:, :inner].view(rows, *t.shape[1:])
     view.copy_(t)
     return view
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Lists the documentation examples that did not run here, and why (tests/docs/test_examples.py)."""
+    reasons = []
+    for report in terminalreporter.stats.get("skipped", []):
+        if "tests/docs/test_examples.py::test_example" not in report.nodeid:
+            continue
+        longrepr = report.longrepr
+        reasons.append(longrepr[2].removeprefix("Skipped: ") if isinstance(longrepr, tuple) else str(longrepr))
+    if reasons:
+        terminalreporter.write_sep("-", f"documentation examples not run here ({len(reasons)})")
+        for reason in reasons:
+            terminalreporter.write_line(reason)

@@ -27,7 +27,7 @@ inline void copy_token(const char* src, int64_t token_stride, int64_t head_strid
   }
 }
 
-// Where position pos (>= 0) lives under seed 003's interleaved layout (cache.h).
+// Where position pos (>= 0) lives under the context-parallel interleaved layout (cache.h).
 struct Placement {
   int64_t vblock;     // column of block_tables
   int64_t local_off;  // offset inside this rank's block

@@ -1,5 +1,5 @@
 // Flash-decoding over a paged KV cache, and the log-sum-exp merge of partial
-// attention results (seed 002's two-part attention: cache part + new-token part).
+// attention results (attention in two parts, the cached context and the new tokens, merged).
 //
 // For sequence b and query head h (kv head g = h / (num_q_heads / num_kv_heads)):
 //   keys = the first seq_lens[b] cached tokens of b (token t lives in block

@@ -3,7 +3,7 @@
 // Cache layout: [num_blocks, block_size, num_heads, head_dim], contiguous;
 // slot = block * block_size + offset_in_block. Slot -1 (kPaddingSlot) = skip.
 //
-// Slot mapping with context parallelism (seed 003, "Block Table"): with
+// Slot mapping with context parallelism (KV sharded along the sequence): with
 // cp = cp_world_size and I = interleave_size, a virtual block spans
 // block_size * cp tokens. For position x:
 //   vblock = x / (block_size*cp);  off = x % (block_size*cp)

@@ -18,7 +18,7 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def plain_slot(blocks: list[int], pos: int, block_size: int, cp: int = 1, rank: int = 0, inter: int = 1) -> int:
-    """Seed 003's slot of one position, written out for one request (cache.h)."""
+    """The context-parallel slot of one position, written out for one request (cache.h)."""
     vbs = block_size * cp
     off = pos % vbs
     local_block = off // inter

@@ -161,7 +161,7 @@ def test_slot_mapping_context_parallel(device, cp_world_size, interleave, tokens
 
 
 def test_slot_mapping_worked_example(device):
-    # Seed 003, "Block Table", with block_size 4, pcp_size * dcp_size = 2 ranks and
+    # The context-parallel layout (cache.h) with block_size 4, pcp_size * dcp_size = 2 ranks and
     # cp_kv_cache_interleave_size 2: virtual_block_size = 4 * 2 = 8. One sequence with
     # block table [7, 3]. For token x: virtual block x // 8 (block 7, then 3),
     # offset o = x % 8, local block index o // 2, device (o // 2) % 2, offset in the

@@ -1,4 +1,4 @@
-"""Stage plans: the partition policies of seed 000 (even) and seed 001 (ceil), explicit ranges,
+"""Stage plans: the partition policies even and ceil, explicit ranges,
 and the cost-balanced policy (checked against brute force)."""
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ from stagewise.parallel import PipelineStageInfo, StagePlan, decode_layer_costs,
 
 CONFIGS = Path(__file__).resolve().parents[3] / "shared" / "configs"
 
-# Seed 000 §2.5, Qwen3-VL-235B-A22B (L = 94): the tables' [start, end) ranges.
-SEED000_RANGES = {
+# Qwen3-VL-235B-A22B (L = 94), even partition: the [start, end) ranges of its planning tables.
+QWEN3_VL_EVEN = {
     2: [(0, 47), (47, 94)],
     4: [(0, 24), (24, 48), (48, 71), (71, 94)],
     8: [(0, 12), (12, 24), (24, 36), (36, 48), (48, 60), (60, 72), (72, 83), (83, 94)],
 }
 
 
-@pytest.mark.parametrize("stages", sorted(SEED000_RANGES))
-def test_even_reproduces_seed000_tables(stages):
-    assert partition_layers(94, stages, "even") == SEED000_RANGES[stages]
+@pytest.mark.parametrize("stages", sorted(QWEN3_VL_EVEN))
+def test_even_reproduces_the_qwen3_vl_ranges(stages):
+    assert partition_layers(94, stages, "even") == QWEN3_VL_EVEN[stages]
 
 
 def test_even_on_the_real_config():
@@ -35,10 +35,10 @@ def test_even_on_the_real_config():
         pytest.skip("shared/configs is not beside the repository")
     config = parse_hf_config(json.loads(path.read_text()))
     assert config.num_layers == 94
-    assert StagePlan.for_model(config, 4).ranges == SEED000_RANGES[4]
+    assert StagePlan.for_model(config, 4).ranges == QWEN3_VL_EVEN[4]
 
 
-def test_ceil_follows_seed001_formula():
+def test_ceil_follows_its_formula():
     # layers_per_stage = ceil(L / S); start = min(s * per, L); end = min((s + 1) * per, L)
     assert partition_layers(10, 4, "ceil") == [(0, 3), (3, 6), (6, 9), (9, 10)]
     assert partition_layers(94, 8, "ceil")[-1] == (84, 94)

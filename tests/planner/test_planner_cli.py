@@ -33,11 +33,13 @@ def test_search_json_rows_and_breakdown(capsys):
     row = next(r for r in data["layouts"] if (r["tp"], r["pp"]) == (2, 2))
     assert row["parallel"] == "TP=2 | PP=2 | DP=1" and row["stage_ranges"] == [[0, 18], [18, 36]]
     assert "| PP Compute " in row["decode"]["breakdown"] and "PP Bubble" in row["decode"]["breakdown"]
-    assert row["decode"]["num_microbatches"] == 2 and "flags" in row and "expected_error" in row
+    assert row["decode"]["num_microbatches"] == 2
+    assert row["confidence"]["validated"] is False and row["confidence"]["expected_error_pct"] is None
+    assert "TP=2 outside validated 1..1" in row["confidence"]["not_validated_because"]
 
 
 def test_search_text_and_trailing_model_id(capsys):
-    # The model id may trail the last size list, as in the original optimizer's CLI.
+    # The model id may trail the last size list, as throughput-optimizer command lines put it.
     code, out, _ = _run(capsys, "--num-devices", "8", "--input-length", "2048", "--output-length", "512",
                         "--tp-sizes", "1", "2", "--pp-sizes", "1", "2", "4", QWEN3_4B)
     assert code == 0
@@ -69,7 +71,25 @@ def test_serving_config(capsys, tmp_path):
     assert code == 2 and "world_size=8 must equal tp_size * pp_size * dp_size = 2 * 2 * 1 = 4" in err
 
 
-def test_ranks_seed_example(capsys):
+def test_lengths_default_to_a_stated_workload(capsys):
+    code, out, _ = _run(capsys, "qwen3-4b", "--num-devices", "2", "--tp-sizes", "1", "--json")
+    assert code == 0
+    workload = json.loads(out)["workload"]
+    assert (workload["input_length"], workload["output_length"]) == (cli.DEFAULT_INPUT_LENGTH, cli.DEFAULT_OUTPUT_LENGTH)
+
+
+def test_help_names_every_plan_command_and_the_default_workload(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        stagewise_main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    for command in ("stagewise plan memory", "stagewise plan ranks", "stagewise plan validate"):
+        assert command in out
+    assert "else 2048" in out and "else 512" in out
+    assert "seed" not in out.lower() and "§" not in out
+
+
+def test_ranks_of_world_8_tp_2_pp_4(capsys):
     code, out, _ = _run(capsys, "ranks", "--world-size", "8", "--tp", "2", "--pp", "4", "--json")
     assert code == 0
     data = json.loads(out)
@@ -112,7 +132,7 @@ def test_plot_and_trace(capsys, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["qwen3-4b", "--num-devices", "8", "--input-length", "-5", "--output-length", "8"],
      "--input-length must be a positive integer, got -5"),
-    (["qwen3-4b", "--num-devices", "8", "--input-length", "8"], "--output-length is required"),
+    (["qwen3-4b", "--num-devices", "8", "--output-length", "0"], "--output-length must be a positive integer, got 0"),
     (["qwen3-4b", "--input-length", "8", "--output-length", "8"], "--num-devices is required"),
     (["qwen3-4b", "--num-devices", "8", "--pp-sizes", "16", "--input-length", "8", "--output-length", "8"],
      "positive integer not greater than --num-devices=8"),

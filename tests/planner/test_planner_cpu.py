@@ -261,7 +261,7 @@ def test_decode_groups_of_different_sizes():
         estimate_decode_groups([[1.0, 1.0], [1.0]], [0.1, 0.1])
 
 
-def test_fill_drain_pass_matches_the_seed_formula():
+def test_fill_drain_pass_matches_the_closed_formula():
     from stagewise.planner.pipeline import estimate_pipeline_runtime_from_stage_times, fill_drain_finish
 
     st = [1.0, 3.0, 2.0]

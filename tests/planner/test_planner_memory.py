@@ -1,5 +1,5 @@
-"""Planner memory: seed 000 §2.5's three tables exactly, exact tensor counts against transformers,
-stage ownership (seed 001 §2.4.4, §2.5) and stage-local KV (§2.6)."""
+"""Planner memory: the rough capacity-planning tables of Qwen3-VL-235B-A22B exactly, exact tensor
+counts against transformers, what the edge stages own, and stage-local KV."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from stagewise.planner.memory import kv_bytes, nominal_params, stage_memory
 
 QWEN3_VL = cli.MODELS_DIR / "qwen3-vl-235b-a22b.json"
 
-# Seed 000 §2.5, verbatim.
-SEED000 = {
+# The rough tables for Qwen3-VL-235B-A22B (94 layers, even partition, BF16, batch 1, KV at
+# max_ctx = 262,144 tokens, ~235B params by name) the planner must print, cell for cell.
+ROUGH_TABLES = {
     2: """
 | 0 | [0, 47)  | 47 | ~235 GB | ~23.5 GiB |
 | 1 | [47, 94) | 47 | ~235 GB | ~23.5 GiB |""",
@@ -37,26 +38,26 @@ SEED000 = {
 | 6 | [72, 83) | 11 | ~55 GB  | ~5.5 GiB |
 | 7 | [83, 94) | 11 | ~55 GB  | ~5.5 GiB |""",
 }
-SEED000_HEADER = "| Stage | Decoder layers | #layers | Weights (BF16, rough) | KV @ max_ctx (BF16, rough) |"
+ROUGH_HEADER = "| Stage | Decoder layers | #layers | Weights (BF16, rough) | KV @ max_ctx (BF16, rough) |"
 
 
 def _cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
-def test_seed000_tables_reproduced_by_the_cli(capsys):
+def test_rough_tables_reproduced_by_the_cli(capsys):
     assert cli.main(["memory", str(QWEN3_VL), "--stages", "2", "4", "8"]) == 0
     out = capsys.readouterr().out.splitlines()
     headers = [i for i, line in enumerate(out) if line.startswith("| Stage | Decoder layers | #layers | Weights (BF16, rough)")]
     assert len(headers) == 3
     for i, S in zip(headers, (2, 4, 8)):
-        assert _cells(out[i]) == _cells(SEED000_HEADER)
-        expected = [_cells(line) for line in SEED000[S].strip().splitlines()]
+        assert _cells(out[i]) == _cells(ROUGH_HEADER)
+        expected = [_cells(line) for line in ROUGH_TABLES[S].strip().splitlines()]
         assert [_cells(line) for line in out[i + 2:i + 2 + S]] == expected
         assert not out[i + 2 + S].startswith("| ")  # exactly S rows
 
 
-def test_seed000_kv_formula_and_json():
+def test_kv_formula_and_json():
     # 2 (K+V) * 4 heads * 128 * 2 bytes = 2048 bytes per layer and token; 47 layers at 262144 tokens.
     config = parse_config_file(QWEN3_VL)
     assert kv_bytes(config, 47, tokens=262_144) == 2048 * 47 * 262_144
@@ -167,7 +168,7 @@ def test_moe_layer_counts_and_expert_parallel():
 
 def test_kv_only_counts_the_stage_layers_and_empty_stages():
     config = _tiny(num_layers=3)
-    plan = StagePlan.build(3, 5, "ceil", allow_empty=True)  # seed 001: S > L leaves later stages empty
+    plan = StagePlan.build(3, 5, "ceil", allow_empty=True)  # S > L leaves later stages empty
     mem = stage_memory(config, plan, tokens=10, batch=2)
     per_layer_token = 2 * 2 * 8 * 2
     assert [m.kv_bytes for m in mem] == [per_layer_token * 10 * 2] * 3 + [0, 0]

@@ -3,6 +3,10 @@
 `stagewise bench transport`: latency and GB/s of each transport (see :mod:`stagewise.bench.transport`).
 `stagewise bench profile`: this machine as a planner device profile (see :mod:`stagewise.bench.profile`).
 
+``--tiny`` (or ``STAGEWISE_BENCH_TINY=1`` in the environment) runs any suite at toy sizes with the
+fewest repeats: a check that the command works (the documentation's examples run this way), whose
+numbers mean nothing.
+
 For every case: validate OURS against the reference once (max abs error), then
 time OURS, the pure-torch baseline, torch.compile of that baseline and
 FlashInfer when available (median after warm-up), and express OURS as GB/s and
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +30,20 @@ from stagewise.bench.timing import TimingPolicy, copy_bandwidth, time_fn
 from stagewise.transport.select import TRANSPORTS
 
 SUITES = ("kernels", "e2e", "transport", "profile")
+TINY_ENV = "STAGEWISE_BENCH_TINY"
+"""Set to 1, it has every suite (and ``stagewise plan validate``) run as with ``--tiny``."""
+E2E_SIZES = {"batch_sizes": ("1,16", "1"), "prompt_len": (128, 8), "new_tokens": (64, 4), "repeats": (3, 1)}
+"""e2e's sizes when not given: (full, --tiny)."""
+
+
+def tiny_from_environment(log=None) -> bool:
+    """Whether ``STAGEWISE_BENCH_TINY=1`` asks for toy sizes (said on ``log`` when it does)."""
+    value = os.environ.get(TINY_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{TINY_ENV} must be 1 (toy sizes) or 0, got {value!r}")
+    if value == "1" and log is not None:
+        log(f"{TINY_ENV}=1: toy sizes and the fewest repeats, as with --tiny; the numbers mean nothing")
+    return value == "1"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,19 +54,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated subset of: {','.join(kernels.OPS)} (default: all)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes, dtypes and repeats")
     parser.add_argument("--tiny", action="store_true",
-                        help="toy shapes for smoke tests (the timings mean nothing)")
+                        help=f"toy sizes and the fewest repeats, to check that a suite works (the timings mean "
+                             f"nothing; {TINY_ENV}=1 does the same)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--repeats", type=int, default=None,
-                        help="most timed calls per measurement (e2e: timed runs per batch size, default 3)")
+                        help="most timed calls per measurement (e2e: timed runs per batch size, default 3; "
+                             "--tiny: 1)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls before timing")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"),
                         help="directory for <device>-<suite>.json and .md (default: bench/results)")  # fmt: skip
     e2e_args = parser.add_argument_group("e2e")
     e2e_args.add_argument("--model", default="smollm2-135m", help="e2e: folder, .gguf file or smollm2-135m")
-    e2e_args.add_argument("--batch-sizes", default="1,16", help="e2e: comma-separated batch sizes (default: 1,16)")
-    e2e_args.add_argument("--prompt-len", type=int, default=128, help="e2e: prompt tokens per row (default: 128)")
-    e2e_args.add_argument("--new-tokens", type=int, default=64, help="e2e: generated tokens per row (default: 64)")
+    e2e_args.add_argument("--batch-sizes", default=None,
+                          help="e2e: comma-separated batch sizes (default: 1,16; --tiny: 1)")
+    e2e_args.add_argument("--prompt-len", type=int, default=None,
+                          help="e2e: prompt tokens per row (default: 128; --tiny: 8)")
+    e2e_args.add_argument("--new-tokens", type=int, default=None,
+                          help="e2e: generated tokens per row (default: 64; --tiny: 4)")
     e2e_args.add_argument("--linear-precision", default="exact,int8", metavar="exact,int8",
                           help="e2e: ours' linear precisions, a row each (default: exact,int8; int8 only for "
                                "GGUF block-quantised models)")
@@ -58,8 +82,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e_args.add_argument("--pipeline-transport", dest="transport", default="auto", choices=TRANSPORTS,
                           help="e2e --stages: the transport between stages (default: auto)")
     transport_args = parser.add_argument_group("transport")
+    from stagewise.bench.transport import TRANSPORTS as MEASURED
+
     transport_args.add_argument("--transports", default=None,
-                                help="transport: comma-separated subset of tcp,shm,torch (default: all)")
+                                help=f"transport: comma-separated subset of {','.join(MEASURED)} (default: all)")
+
+
+def resolve_e2e_sizes(args: argparse.Namespace) -> None:
+    """Fill in the e2e sizes not given: toy ones with ``--tiny``, the full ones otherwise."""
+    for name, (full, tiny) in E2E_SIZES.items():
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else full)
 
 
 def _policy(args, device: str) -> TimingPolicy:
@@ -145,6 +178,14 @@ def measure(
 
 
 def run(args: argparse.Namespace) -> int:
+    log = (lambda line: print(line, file=sys.stderr, flush=True))
+    try:
+        args.tiny = args.tiny or tiny_from_environment(log)
+    except ValueError as e:
+        print(f"stagewise bench: {e}", file=sys.stderr)
+        return 2
+    if args.suite == "e2e":
+        resolve_e2e_sizes(args)
     if args.threads is not None:
         if args.threads < 1:
             print(f"stagewise bench: --threads must be >= 1, got {args.threads}", file=sys.stderr)
@@ -153,19 +194,19 @@ def run(args: argparse.Namespace) -> int:
     if args.suite == "profile":
         from stagewise.bench import profile
 
-        return profile.run(args, log=lambda line: print(line, file=sys.stderr, flush=True))
+        return profile.run(args, log=log)
     if args.suite == "e2e" and args.stages:
         from stagewise.bench import e2e_stages
 
-        return e2e_stages.run(args, log=lambda line: print(line, file=sys.stderr, flush=True))
+        return e2e_stages.run(args, log=log)
     if args.suite == "e2e":
         from stagewise.bench import e2e
 
-        return e2e.run(args, log=lambda line: print(line, file=sys.stderr, flush=True))
+        return e2e.run(args, log=log)
     if args.suite == "transport":
         from stagewise.bench import transport
 
-        return transport.run(args, log=lambda line: print(line, file=sys.stderr, flush=True))
+        return transport.run(args, log=log)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("stagewise bench: --device cuda was asked for, but torch sees no CUDA device", file=sys.stderr)

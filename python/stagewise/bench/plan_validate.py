@@ -1,7 +1,10 @@
 """``stagewise plan validate MODEL --stages 1 2 3``: run the real pipeline for each stage count and
 batch, predict the same runs from a device profile, and compare (the planner's side is
 :mod:`stagewise.planner.validate`). Results go to ``bench/results/<device>-plan-validate.{json,md}``
-and, as the planner's latest validation, to ``planner/validation.json``.
+and, as the planner's latest validation, to ``planner/validation.json``. With ``--tiny`` (or
+``STAGEWISE_BENCH_TINY=1``) it runs at toy sizes (16 prompt and 4 new tokens, one repeat unless
+given, the profile measured quickly) to check that the command works, and keeps the planner's
+validation record as it is: toy numbers must not become the planner's expected error.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from stagewise.bench import report
+from stagewise.bench import report, tiny_from_environment
 from stagewise.bench.e2e import make_prompts
 from stagewise.bench.profile_runtime import background_load, concurrent_pass_s
 from stagewise.model.loader import open_checkpoint
@@ -44,20 +47,27 @@ def _run(argv: list[str]) -> int:
                         "on a shared machine a stored profile may describe other conditions)")
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes, each run at every stage count")
     p.add_argument("--microbatches", type=int, default=None)
-    p.add_argument("--input-length", type=int, default=128)
-    p.add_argument("--output-length", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--input-length", type=int, default=None, help="prompt tokens (default 128; --tiny: 16)")
+    p.add_argument("--output-length", type=int, default=None, help="new tokens (default 32; --tiny: 4)")
+    p.add_argument("--repeats", type=int, default=None, help="runs per configuration (default 3; --tiny: 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the profile is measured)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--no-store", action="store_true", help="do not update the planner's validation record")
+    p.add_argument("--tiny", action="store_true",
+                   help="toy sizes, to check that the command works; never stored as the validation record "
+                        "(STAGEWISE_BENCH_TINY=1 does the same)")
     args = p.parse_args(argv)
     import torch
 
+    log = (lambda line: print(line, file=sys.stderr, flush=True))
+    args.tiny = args.tiny or tiny_from_environment(log)
+    for name, full, tiny in (("input_length", 128, 16), ("output_length", 32, 4), ("repeats", 3, 1)):
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else full)
 
     if min(args.stages) < 1 or min(args.batch) < 1 or args.input_length < 1 or args.output_length < 2 or args.repeats < 1:
         raise ValueError("--stages, --batch, --input-length, --repeats must be >= 1 and --output-length >= 2")
     torch.set_num_threads(args.threads)
-    log = (lambda line: print(line, file=sys.stderr, flush=True))
     info = report.machine_info("cpu")
     if args.device_profile:
         profile = load_profile(args.device_profile)
@@ -65,7 +75,7 @@ def _run(argv: list[str]) -> int:
         from stagewise.bench.profile import measure_profile
 
         log("measuring this machine's profile now")
-        profile = profile_from_dict(measure_profile("cpu", log=log), "measured in the same run")
+        profile = profile_from_dict(measure_profile("cpu", quick=args.tiny, log=log), "measured in the same run")
     profile = profile.with_transport(args.transport) if args.transport and args.transport in profile.transports \
         else profile
     ckpt = open_checkpoint(args.model)
@@ -126,7 +136,9 @@ def _run(argv: list[str]) -> int:
         "Error = (predicted - measured) / measured; the bubble's error is in % of the measured TPOT.", "",
         table, "", VALIDATE_METHOD, ""]))
     log(f"wrote {stem}.json and {stem}.md")
-    if not args.no_store:
+    if args.tiny:
+        log("toy sizes (--tiny): the planner's validation record stays as it is")
+    elif not args.no_store:
         val.STORE.write_text(json.dumps(data, indent=2) + "\n")
         log(f"updated the planner's validation record {val.STORE}")
     return 0
@@ -149,10 +161,11 @@ count. The planner adds the per-operator content of the model's stages (weights,
 FLOPs, cached bytes) to the framework cost per stage, for each microbatch at the size the runtime's
 grouped scheduler deals it (batch 4 on 3 stages: 2, 1, 1 rows). Decode runs in the runtime's
 steady state (groups cycle through the stages; a step lasts max(round trip, busiest stage's work
-of all groups)); prefill is a fill-drain pass (seed 001 §2.7.4). TTFT is the first microbatch's
+of all groups)); prefill is a fill-drain pass (the last microbatch leaves the last stage after
+sum(stage times) + (m - 1) x the slowest stage's time). TTFT is the first microbatch's
 first token; TPOT is, as measured, decode time / steps from that token on, so it holds the rest
 of the prefill (the fill: the last microbatch's first token minus the first's) spread over the
-steps, and the bubble is that TPOT beyond one microbatch's stage times (seed 001 §2.8). Stage
+steps, and the bubble is that TPOT beyond one microbatch's stage times. Stage
 processes slow each other: just before each configuration, n = 1 .. min(microbatches, stages)
 spawned processes run the Q4_1 decode over 64 MiB of weights side by side for a second; their
 pace (n over their summed passes per second) against one process alone, linear in between, is
@@ -220,7 +233,7 @@ def measure(model: str, stages: int, *, batch: int, input_length: int, output_le
         busy = [statistics.median(run[i] for run in busy_runs) for i in range(stages)]
         send = [statistics.median(run[i] for run in send_runs) for i in range(stages)]
     microbatches = min(batch, stages)
-    # Seed 001 §2.8: the bubble is the step's latency beyond the sum of one microbatch's stage times.
+    # The bubble: the step's latency beyond the sum of one microbatch's stage times.
     bubble = max(0.0, tpot - (sum(busy) + sum(send)) / microbatches) if stages > 1 else 0.0
     # The least disturbed run (lowest TPOT): on a shared machine, the one closest to the conditions
     # the profile's primitives describe; reported beside the medians.

@@ -45,7 +45,9 @@ def tiny_weights(config) -> dict:
     def q(out: int, inp: int, qtype: int = q4) -> QuantizedWeight:
         return QuantizedWeight(random_blocks(out, inp, qtype, gen), qtype, inp)
 
-    w = {"model.embed_tokens.weight": q(config.vocab_size, h, q8), "model.norm.weight": torch.ones(h)}
+    embedding = q(config.vocab_size, h, q8)
+    # Tied, as the loader gives it: a last stage without the embedding holds the matrix as its LM head.
+    w = {"model.embed_tokens.weight": embedding, "lm_head.weight": embedding, "model.norm.weight": torch.ones(h)}
     for layer in range(config.num_layers):
         p = f"model.layers.{layer}."
         w |= {p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),

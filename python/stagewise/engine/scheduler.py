@@ -6,7 +6,7 @@ prefill in one step and one decode token per step after that. Every step is one
 :class:`~stagewise.model.batch.StepBatch`: the new prefills first, then the decodes
 of the running rows.
 
-KV lifecycle (seed 000 §2.2): blocks for the prompt when a request joins, one slot
+KV lifecycle: blocks for the prompt when a request joins, one slot
 per fed token (a block whenever a boundary is crossed), all freed at once when the
 request finishes, is cancelled or fails. Running requests take their decode slot
 before new requests are admitted, so a request in flight is never starved by a

@@ -1,12 +1,12 @@
 """Per-request KV bookkeeping of one stage: block ids, token counts, block tables
 and slot mappings.
 
-Lifecycle (seed 000 §2.2): a stage calls :meth:`KVCacheManager.add` when it first
+Lifecycle: a stage calls :meth:`KVCacheManager.add` when it first
 sees a request (blocks for the prompt), :meth:`~KVCacheManager.append` for every
 new token, and :meth:`~KVCacheManager.free` on finish, cancel or abort. It never
 asks another stage for KV.
 
-Context parallelism (seed 003, ``include/stagewise/cache.h``): with
+Context parallelism (the layout is spelled out in ``include/stagewise/cache.h``): with
 ``cp_world_size = cp`` a block-table entry is a *virtual* block of
 ``block_size * cp`` positions, of which this rank stores only its share in one
 local block of ``block_size`` slots. Every rank keeps the same token counts and

@@ -106,7 +106,10 @@ def slot_mapping(
     """Cache slot of each token: ``[T]`` int64, -1 where the token is padding or another CP rank's.
 
     ``block_tables [num_seqs, max_blocks]``, ``seq_index [T]`` (row of each token),
-    ``positions [T]``. With ``cp_world_size > 1`` the interleaved layout of seed 003.
+    ``positions [T]``. With ``cp_world_size > 1`` the context-parallel interleaved layout: a
+    block-table entry is a virtual block of ``block_size * cp_world_size`` positions, dealt to the
+    ranks in runs of ``interleave_size``; each rank stores its share in one local block
+    (``include/stagewise/cache.h`` has the formula).
     """
     return _ops.slot_mapping(block_tables, seq_index, positions, block_size, cp_world_size, cp_rank, interleave_size)
 

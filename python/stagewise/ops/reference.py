@@ -65,7 +65,8 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> tuple[torch.Tenso
 
 
 def slot_mapping(block_tables, seq_index, positions, block_size, cp_world_size=1, cp_rank=0, interleave_size=1):
-    """Seed 003's interleaved slot mapping (the plain paged slot when cp_world_size == 1)."""
+    """The context-parallel interleaved slot mapping of ``include/stagewise/cache.h`` (the plain
+    paged slot when cp_world_size == 1)."""
     if block_size % interleave_size:
         raise ValueError(f"block_size {block_size} must be a multiple of interleave_size {interleave_size}")
     pos = positions.long()

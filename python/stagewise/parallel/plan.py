@@ -3,12 +3,12 @@ the planner.
 
 Policies (``partition_layers``):
 
-- ``even`` (seed 000 §2.5): ``L // S`` layers per stage, the first ``L % S`` stages one more.
-- ``ceil`` (seed 001 §2.4.2): ``ceil(L / S)`` per stage, earlier stages first, the last clamped;
+- ``even``: ``L // S`` layers per stage, the first ``L % S`` stages one more.
+- ``ceil``: ``ceil(L / S)`` per stage, earlier stages first, the last clamped;
   with ``S`` close to ``L`` later stages may be empty.
 - ``balanced``: contiguous ranges that minimise the largest stage cost, where a stage's cost is
   its layers' costs plus, on stage 0, the embedding and, on the last stage, the final norm and LM
-  head (seed 001 §2.4.4 ownership). Costs default to :func:`decode_layer_costs` (weights read per
+  head (the parts those stages own). Costs default to :func:`decode_layer_costs` (weights read per
   decode token); ties go to the earliest split that reaches the optimum.
 - explicit ranges: ``"0-10,10-22,22-30"`` (or a sequence of ``(start, end)``) covering
   ``[0, L)`` with no gap, overlap or empty stage.
@@ -33,7 +33,7 @@ _RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
 @dataclass(frozen=True, slots=True)
 class PipelineStageInfo:
-    """One stage of a plan (seed 001 §2.4.1): layers ``[start_layer, end_layer)`` of ``total_layers``."""
+    """One stage of a plan: layers ``[start_layer, end_layer)`` of ``total_layers``."""
 
     stage_id: int
     num_stages: int

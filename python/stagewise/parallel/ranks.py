@@ -1,4 +1,4 @@
-"""Rank groups of a (DP, PP, EP, TP) layout (seed 001 §2.3).
+"""Rank groups of a (DP, PP, EP, TP) layout.
 
 Global ranks are laid out as ``[-1, DP, PP, EP, TP]`` (TP fastest). The dense groups use
 ``EP = 1`` inside that layout, so ``rank = (dp * PP + pp) * TP + tp``:
@@ -7,10 +7,11 @@ Global ranks are laid out as ``[-1, DP, PP, EP, TP]`` (TP fastest). The dense gr
 - ``pp``: the stages at one (DP, TP) coordinate, stride ``TP``;
 - ``dp``: the replicas at one (PP, TP) coordinate, stride ``PP * TP``.
 
-The MoE groups keep the global semantics of seed 001 (``EP * MOE_TP * MOE_DP == world_size``,
-pipeline size passed as 1): layout ``[MOE_DP, EP, MOE_TP]`` over all ranks.
+The MoE groups span all ranks rather than one stage (``EP * MOE_TP * MOE_DP == world_size``, as
+if the pipeline size were 1): layout ``[MOE_DP, EP, MOE_TP]`` over all ranks.
 
-Example (seed 001): world 8, TP 2, PP 4 -> rank 4 is in PP group [0, 2, 4, 6] at index 2.
+Example: world 8, TP 2, PP 4 -> rank 4 is in PP group [0, 2, 4, 6] at index 2 (the third stage
+of TP lane 0).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class ParallelGroup:
     kind: str
     rank: int
     world_size: int
-    """Size of the group (seed 001's ParallelGroup.world_size)."""
+    """Size of the group."""
     rank_group: tuple[int, ...]
     rank_in_group: int
 
@@ -62,7 +63,7 @@ class ParallelConfig:
 
     @classmethod
     def from_sizes(cls, world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, moe_dp: int = 1) -> ParallelConfig:
-        """DP derived as ``world_size // (tp * pp)`` (seed 001 §2.2.3)."""
+        """DP derived as ``world_size // (tp * pp)``: the number of pipeline replicas."""
         if isinstance(tp, int) and isinstance(pp, int) and tp > 0 and pp > 0 and world_size % (tp * pp):
             raise ValueError(f"ParallelConfig: tp * pp = {tp * pp} must divide world_size={world_size}")
         return cls(world_size=world_size, tp=tp, pp=pp, dp=world_size // (tp * pp), ep=ep, moe_dp=moe_dp)
@@ -102,7 +103,7 @@ class ParallelConfig:
         return list(seen)
 
     def label(self) -> str:
-        """The parallel label of seed 001 §2.9: ``TP=2 | PP=2 | DP=2``."""
+        """The parallel label: ``TP=2 | PP=2 | DP=2`` (EP, MoE-TP, MoE-DP appended when used)."""
         text = f"TP={self.tp} | PP={self.pp} | DP={self.dp}"
         if self.ep > 1 or self.moe_dp > 1:
             text += f" | EP={self.ep} | MOE_TP={self.moe_tp} | MOE_DP={self.moe_dp}"

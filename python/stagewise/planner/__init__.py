@@ -1,5 +1,5 @@
-"""The planner: memory and latency of any TP/PP/DP/EP layout from a config.json (seed 001,
-seed 000 §2.5), checked against measured runs of the runtime.
+"""The planner: memory and latency of any TP/PP/DP/EP layout from a config.json, checked
+against measured runs of the runtime.
 
 - :mod:`~stagewise.planner.memory`: per-stage weights (rough and exact) and KV;
 - :mod:`~stagewise.planner.compute`: the per-operator model of a stage (prefill, decode);

@@ -1,7 +1,7 @@
 """`stagewise plan ...`: the layout search, `plan memory`, `plan ranks` and `plan validate`.
 
     stagewise plan MODEL --num-devices 8 [--tp-sizes 1 2] [--pp-sizes [1 2 4]] [--ep-sizes ..]
-                   [--moe-dp-sizes ..] --input-length 2048 --output-length 512 [--batch 8]
+                   [--moe-dp-sizes ..] [--input-length 2048] [--output-length 512] [--batch 8]
                    [--device-profile h100-sxm|FILE] [--partition even|ceil|balanced] [--json]
                    [--plot FILE.png] [--trace FILE.json]
     stagewise plan --config serving.yaml [MODEL]
@@ -10,42 +10,61 @@
     stagewise plan validate MODEL --stages 1 2 3 [--transport tcp] [--device-profile FILE]
 
 MODEL is a config.json (or a folder holding one), a built-in config name (qwen3-4b, falcon-40b,
-qwen3-vl-235b-a22b) or a checkpoint stagewise can open (smollm2-135m). Like the original
-optimizer's CLI, the model id may also trail the last size list (``--pp-sizes 1 2 4 MODEL``).
+qwen3-vl-235b-a22b) or a checkpoint stagewise can open (smollm2-135m). The model id may also
+come last, after the size lists (``--pp-sizes 1 2 4 MODEL``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 from stagewise.model.config import ModelConfig
+from stagewise.planner import report
 from stagewise.planner.models import MODELS_DIR, PlanError, builtin_models, resolve_model
 
 ACTIONS = ("memory", "ranks")
 SIZE_ARGS = ("tp_sizes", "pp_sizes", "ep_sizes", "moe_dp_sizes")
+DEFAULT_INPUT_LENGTH = 2048
+DEFAULT_OUTPUT_LENGTH = 512
+"""The workload when neither the command line nor a serving YAML gives one: a long-ish chat or
+RAG prompt and a medium answer, the case most layout questions are about."""
+EVEN_CEIL = ("even: L // S layers per stage, the first (L mod S) stages one more; ceil: ceil(L / S) per stage from "
+             "the first, the last stages fewer")
+PARTITIONS = f"{EVEN_CEIL}; balanced: the embedding and LM head weigh on the edge stages"
+OTHER_COMMANDS = """other commands (each has its own --help):
+  stagewise plan memory MODEL --stages 2 4 8          per-stage layers, weights and KV cache
+  stagewise plan ranks --world-size 8 --tp 2 --pp 4   the rank groups of a layout
+  stagewise plan validate MODEL --stages 1 2 3        run the pipeline here and compare with the prediction"""
 
 
 # --- argument parsing ----------------------------------------------------------------------------
 
 def _search_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="stagewise plan", description="Search TP/PP/DP/EP layouts (seed 001 §2.2).")
-    p.add_argument("model", nargs="?", help="config.json, folder, built-in config name or checkpoint")
+    p = argparse.ArgumentParser(
+        prog="stagewise plan", epilog=OTHER_COMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Search the TP/PP/DP/EP layouts of a model on N devices: for each valid layout, best first, "
+                    "memory per rank, TTFT, TPOT, tokens/s and where the time goes, each with the error of the "
+                    "latest validation where it covers the case.")
+    p.add_argument("model", nargs="?", help="config.json, folder, built-in config name "
+                                            f"({', '.join(builtin_models())}) or checkpoint")
     p.add_argument("--config", type=Path, help="serving YAML with parallel_config (world_size, tp_size, pp_size, "
-                                               "dp_size); evaluates that one layout")
+                                               "dp_size) and optionally the model and workload; evaluates that one "
+                                               "layout (example: examples/serving.yaml)")
     p.add_argument("--num-devices", type=int, help="devices to spread the replicas over")
     for name, what in (("tp", "TP sizes (default: powers of two up to N)"),
                        ("pp", "PP sizes (not given: 1; given without values: powers of two up to N)"),
                        ("ep", "expert-parallel sizes (default 1)"), ("moe-dp", "MoE data-parallel sizes (default 1)")):
         p.add_argument(f"--{name}-sizes", nargs="*", default=None, metavar="N", help=what)
-    p.add_argument("--input-length", type=int, help="prompt tokens per sequence")
-    p.add_argument("--output-length", type=int, help="generated tokens per sequence")
+    p.add_argument("--input-length", type=int,
+                   help=f"prompt tokens per sequence (default: the serving YAML's, else {DEFAULT_INPUT_LENGTH})")
+    p.add_argument("--output-length", type=int,
+                   help=f"generated tokens per sequence (default: the serving YAML's, else {DEFAULT_OUTPUT_LENGTH})")
     _workload_args(p)
-    p.add_argument("--partition", default="even", help="even (seed 000), ceil (seed 001), balanced, or ranges "
-                                                      "'0-10,10-22,...' for one PP size")
+    p.add_argument("--partition", default="even", help=f"{PARTITIONS}; or ranges '0-10,10-22,...' for one PP size "
+                                                      "(default even)")
     p.add_argument("--total-params", type=float, default=None,
                    help="nominal parameter count for the rough weight estimate (default: from the model name)")
     p.add_argument("--top", type=int, default=None, help="print only the best K layouts")
@@ -98,8 +117,6 @@ def _workload(args: argparse.Namespace, config: ModelConfig, input_length: int, 
 
     for name, value in (("--input-length", input_length), ("--output-length", output_length),
                         ("--batch", args.batch)):
-        if value is None:
-            raise PlanError(f"{name} is required")
         if value < 1:
             raise PlanError(f"{name} must be a positive integer, got {value}")
     wd = args.weight_dtype or _dtype_default(config)
@@ -116,55 +133,6 @@ def _profile(args: argparse.Namespace):
 
 
 # --- formatting ---------------------------------------------------------------------------------
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
-def _annotations(est, workload, profile, config, validation) -> tuple[str, list[str]]:
-    if validation is None:
-        return "unvalidated", ["no validation on record"]
-    flags = validation.flags(stages=est.layout.pp, batch=workload.batch, input_length=workload.input_length,
-                             output_length=workload.output_length, architecture=config.architecture,
-                             profile_name=profile.name, profile_kind=profile.kind)
-    e = validation.expected_error_pct
-    err = f"±{e['tpot']:.0f}%" if "tpot" in e else "?"
-    return err, flags
-
-
-def format_search(results, rejected, *, name, config, workload, profile, validation, num_devices, top) -> str:
-    lines = [f"model {name} ({config.architecture}, {config.num_layers} layers), {num_devices} x {profile.name}, "
-             f"input {workload.input_length}, output {workload.output_length}, batch {workload.batch} per replica, "
-             f"weights {workload.weight_dtype}, KV {workload.kv_dtype}",
-             validation.describe() if validation else "no validation on record: predictions unchecked", "",
-             ]
-    header = ["#", "parallel", "stages", "weights/rank", "KV/rank", "fits", "TTFT ms", "TPOT ms", "tok/s",
-              "TPOT error", "flags"]
-    table: list[list[str]] = []
-    shown = results[:top] if top else results
-    breakdowns = []
-    for i, r in enumerate(shown, 1):
-        err, flags = _annotations(r, workload, profile, config, validation)
-        table.append([str(i), r.layout.label(), str(r.plan), _gib(r.weight_bytes_per_rank), _gib(r.kv_bytes_per_rank),
-                      "yes" if r.fits else "NO", f"{1e3 * r.ttft_s:.2f}", f"{1e3 * r.tpot_s:.3f}",
-                      f"{r.tokens_per_s:.1f}", err, "; ".join(flags) or "-"])
-        breakdowns.append(f"{i}. {r.layout.label()}  prefill: {r.prefill.breakdown_line()}")
-        breakdowns.append(f"{' ' * len(str(i))}  {' ' * len(r.layout.label())}  decode:  {r.decode.breakdown_line()}")
-    widths = [max(len(row[k]) for row in [header, *table]) for k in range(len(header))]
-    right = {0, 3, 4, 6, 7, 8}
-    for row in [header, *table]:
-        lines.append("  ".join(c.rjust(w) if k in right else c.ljust(w)
-                               for k, (c, w) in enumerate(zip(row, widths))).rstrip())
-    if len(shown) < len(results):
-        lines.append(f"({len(results) - len(shown)} more layouts not shown)")
-    lines += ["", "Breakdown (% of op time | % of pipeline latency):", *breakdowns]
-    if rejected:
-        lines += ["", f"{len(rejected)} combinations rejected:"]
-        lines += [f"  TP={r.tp} PP={r.pp} EP={r.ep} MOE_DP={r.moe_dp}: {r.reason}" for r in rejected[:10]]
-        if len(rejected) > 10:
-            lines.append(f"  ... and {len(rejected) - 10} more (see --json)")
-    return "\n".join(lines)
-
 
 def _timeline(est, decode_steps: int = 4):
     from stagewise.planner.timeline import phase_events
@@ -229,7 +197,9 @@ def run_search(argv: list[str]) -> int:
     if args.model is None:
         raise PlanError("a MODEL (config.json, folder, built-in name or checkpoint) is required")
     config, name = resolve_model(args.model)
-    workload = _workload(args, config, args.input_length, args.output_length)
+    input_length = DEFAULT_INPUT_LENGTH if args.input_length is None else args.input_length
+    output_length = DEFAULT_OUTPUT_LENGTH if args.output_length is None else args.output_length
+    workload = _workload(args, config, input_length, output_length)
     profile = _profile(args)
     total = args.total_params or nominal_params(name)
     if serving is not None:
@@ -251,26 +221,12 @@ def run_search(argv: list[str]) -> int:
             partition=args.partition, total_params=total)
     validation = load_latest()
     written = _write_pictures(args, results[0], name, profile)
+    view = dict(name=name, config=config, workload=workload, profile=profile, validation=validation,
+                num_devices=num_devices, top=args.top)
     if args.json:
-        layouts = []
-        for r in results[: args.top] if args.top else results:
-            d = r.to_dict()
-            err, flags = _annotations(r, workload, profile, config, validation)
-            d.update(expected_error=err, flags=flags)
-            layouts.append(d)
-        print(json.dumps({"model": name, "architecture": config.architecture, "num_devices": num_devices,
-                          "profile": profile.name, "workload": {
-                              "input_length": workload.input_length, "output_length": workload.output_length,
-                              "batch": workload.batch, "microbatches": workload.microbatches,
-                              "weight_dtype": workload.weight_dtype, "kv_dtype": workload.kv_dtype},
-                          "validation": validation.describe() if validation else None,
-                          "layouts": layouts,
-                          "rejected": [{"tp": r.tp, "pp": r.pp, "ep": r.ep, "moe_dp": r.moe_dp, "reason": r.reason}
-                                       for r in rejected],
-                          "files": written}, indent=2))
+        print(json.dumps(report.search_json(results, rejected, files=written, **view), indent=2))
     else:
-        print(format_search(results, rejected, name=name, config=config, workload=workload, profile=profile,
-                            validation=validation, num_devices=num_devices, top=args.top))
+        print(report.format_search(results, rejected, **view))
         for f in written:
             print(f"wrote {f}")
     return 0
@@ -278,7 +234,10 @@ def run_search(argv: list[str]) -> int:
 
 def run_memory(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="stagewise plan memory",
-                                description="Per-stage layers, weights and KV (seed 000 §2.5 tables, rough and exact).")
+                                description="Per-stage layers, weights and KV cache of S-stage pipelines: first a rough table "
+                                            "(weights proportional to the stage's share of the layers, from the "
+                                            "nominal parameter count), then the exact count from the tensor shapes "
+                                            "(the edge stages hold the embedding, final norm and LM head).")
     p.add_argument("model", help="config.json, folder, built-in config name or checkpoint")
     p.add_argument("--stages", type=int, nargs="+", required=True, help="stage counts, e.g. 2 4 8")
     p.add_argument("--max-ctx", type=int, default=None, help="tokens per sequence (default max_position_embeddings)")
@@ -286,7 +245,7 @@ def run_memory(argv: list[str]) -> int:
     p.add_argument("--kv-dtype", default=None, help="default: the weights' dtype")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--tp", type=int, default=1, help="bytes of one TP rank of each stage (default 1)")
-    p.add_argument("--partition", default="even", choices=("even", "ceil"))
+    p.add_argument("--partition", default="even", choices=("even", "ceil"), help=f"{EVEN_CEIL} (default even)")
     p.add_argument("--total-params", type=float, default=None,
                    help="nominal parameters for the rough estimate (default: from the model name, else the exact count)")
     p.add_argument("--json", action="store_true")
@@ -334,7 +293,10 @@ def run_memory(argv: list[str]) -> int:
 
 
 def run_ranks(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="stagewise plan ranks", description="Rank groups (seed 001 §2.3).")
+    p = argparse.ArgumentParser(prog="stagewise plan ranks",
+                                description="The rank groups of a layout: ranks laid out as [DP, PP, TP], TP "
+                                            "fastest (ranks r and r + 1 share a stage when TP > 1); with EP or MoE "
+                                            "DP, the expert groups span all ranks (EP x MoE-TP x MoE-DP = world).")
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)

@@ -13,8 +13,8 @@ What grows with what: attention FLOPs with the (causal, windowed) query-key pair
 the cached context; MoE layers compute ``num_experts_per_tok`` experts per token and read the
 experts the microbatch touches (``E * (1 - (1 - k/E)^T)`` expected under uniform routing).
 Per-rank work under TP: heads, MLP width and vocab divided by ``tp`` (KV heads replicated beyond);
-expert FLOPs are shared by the stage's ``tp`` ranks, expert bytes by ``ep * moe_tp`` (seed 001 keeps
-MoE groups global). Text only: the vision tower is stored on stage 0 but not timed.
+expert FLOPs are shared by the stage's ``tp`` ranks, expert bytes by ``ep * moe_tp`` (the MoE
+groups span all ranks, not one stage's). Text only: the vision tower is stored on stage 0 but not timed.
 """
 
 from __future__ import annotations

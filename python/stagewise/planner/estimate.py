@@ -5,10 +5,11 @@ Workload: each DP replica serves ``batch`` sequences of ``input_length`` prompt 
 as the runtime keeps up to one microbatch per stage in flight), dealt as the runtime's grouped
 scheduler deals them (:func:`group_rows`: sizes differ by at most one row).
 
-Prefill: the pipeline latency of §2.7.4 (every microbatch at the largest one's size). The first
+Prefill: the fill-drain pipeline latency ``sum(stage_times) + (m - 1) * max(stage_times)`` (every
+microbatch at the largest one's size). The first
 token exists once the first microbatch has passed every stage and its sampled tokens are back
 on stage 0; the batch has all its first tokens once the last microbatch has
-(:func:`~stagewise.planner.pipeline.fill_drain_finish`, §2.7.4 for equal microbatches). TTFT is
+(:func:`~stagewise.planner.pipeline.fill_drain_finish`, the same formula for equal microbatches). TTFT is
 the first, as the runtime measures it (submit to the batch's first token).
 
 Decode: one step of every microbatch at the mean context ``input_length + output_length // 2``
@@ -128,7 +129,7 @@ class LayoutEstimate:
 
     @property
     def decode_bubble_s(self) -> float:
-        """Seed 001 §2.8 on the decode as measured: TPOT beyond one microbatch's stage times."""
+        """The decode's bubble as measured: TPOT beyond one microbatch's stage times."""
         return max(0.0, self.tpot_s - sum(self.decode.pipeline.stage_times_s))
 
     def to_dict(self) -> dict:
@@ -242,7 +243,7 @@ def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: c
         if new_tokens == 1:  # decode: the runtime's steady state, tokens going back to stage 0 each step
             comp = [[stage_base(r)[0][i] * slow[i] for r in groups] for i in range(plan.num_stages)]
             return estimate_decode_groups(comp, hops(rows), events)
-        comp = [t * k for t, k in zip(base, slow)]  # prefill: one pass, fill-drain (§2.7.4)
+        comp = [t * k for t, k in zip(base, slow)]  # prefill: one fill-drain pass
         return estimate_pipeline_runtime_from_stage_times(comp, [a + b for a, b in in_out], m, events, in_out)
 
     # Stage processes slow each other while they compute at once. While stage i computes, the

@@ -1,13 +1,13 @@
-"""Memory of each pipeline stage (seed 001 §2.5-2.6, seed 000 §2.5).
+"""Memory of each pipeline stage: weights and KV cache.
 
 Two weight estimates per stage:
 
-- ``rough`` (seed 000 §2.5): layer-proportional, ``total_params * bytes * L_s / L``, where
+- ``rough``: layer-proportional, ``total_params * bytes * L_s / L``, where
   ``total_params`` is the nominal size in the model's name ("235B") when there is one;
 - ``exact``: the tensors the stage stores (:mod:`stagewise.model.shapes`): its decoder layers,
   plus embedding and vision tower on stage 0, final norm and LM head on the last stage.
 
-KV cache (seed 000 §2.5, seed 001 §2.6): only the stage's own layers,
+KV cache: only the stage's own layers,
 ``2 * L_s * kv_heads * head_dim * bytes * batch * T``. A rank must hold its stage's weights and KV:
 the largest stage is what a layout needs per rank.
 """
@@ -100,7 +100,7 @@ def _md(header: list[str], rows: list[list[str]], align: list[str]) -> list[str]
 
 def format_tables(stages: list[StageMemory], *, weight_dtype: str, kv_dtype: str, ctx_label: str,
                   nominal_label: str) -> str:
-    """Seed 000's table (rough) followed by the exact count, Markdown."""
+    """The rough, layer-proportional table followed by the exact count, Markdown."""
     wd, kd = weight_dtype.upper(), kv_dtype.upper()
     S = len(stages)
     rough = _md(["Stage", "Decoder layers", "#layers", f"Weights ({wd}, rough)", f"KV @ {ctx_label} ({kd}, rough)"],

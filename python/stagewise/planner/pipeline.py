@@ -1,4 +1,4 @@
-"""Pipeline communication, fill-drain latency, bubble and the breakdown line (seed 001 §2.7-2.8)."""
+"""Pipeline communication, fill-drain latency, bubble and the breakdown line."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from stagewise.planner.profiles import Link
 
 
 def estimate_hidden_states_message_bytes(num_tokens: int, hidden_size: int, dtype_size: int) -> int:
-    """Seed 001 §2.7.1: ``num_tokens * hidden_size * dtype_size``."""
+    """The hidden states one hop carries: ``num_tokens * hidden_size * dtype_size`` bytes."""
     for name, value in (("num_tokens", num_tokens), ("hidden_size", hidden_size), ("dtype_size", dtype_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"estimate_hidden_states_message_bytes: {name} must be an int >= 0, got {value!r}")
@@ -33,7 +33,7 @@ def build_pipeline_send_recv_events(num_stages: int, message_bytes: int, link: L
 
 
 def stage_comm_times(num_stages: int, events: Sequence[PipelineSendRecvEvent]) -> list[tuple[float, float]]:
-    """``(incoming, outgoing)`` per stage (seed 001 §2.7.2 table): the first stage only sends, the
+    """``(incoming, outgoing)`` per stage: the first stage only sends, the
     last only receives, middle stages both; one stage or empty messages: zero."""
     comm = [[0.0, 0.0] for _ in range(num_stages)]
     for e in events:
@@ -46,7 +46,8 @@ def stage_comm_times(num_stages: int, events: Sequence[PipelineSendRecvEvent]) -
 
 @dataclass(frozen=True, slots=True)
 class PipelineRuntimeEstimate:
-    """Seed 001 §2.7.4."""
+    """One pass of ``num_microbatches`` through the stages: fill-drain latency
+    ``sum(stage_times) + (m - 1) * max(stage_times)``, each stage time its compute plus its hops."""
 
     latency_s: float
     stage_compute_times_s: tuple[float, ...]
@@ -58,11 +59,11 @@ class PipelineRuntimeEstimate:
 
     @property
     def bubble_s(self) -> float:
-        """Seed 001 §2.8: ``max(0, latency - sum(stage_times))``."""
+        """The time beyond one microbatch's stage times: ``max(0, latency - sum(stage_times))``."""
         return max(0.0, self.latency_s - sum(self.stage_times_s))
 
     def breakdown(self) -> dict[str, float]:
-        """Seed 001 §2.8's ``{model}_pipeline_parallel`` entry, in seconds."""
+        """Where the pipeline's latency goes: compute, communication, bubble (seconds)."""
         return {"compute": sum(self.stage_compute_times_s), "communication": sum(self.stage_comm_times_s),
                 "bubble": self.bubble_s}
 
@@ -95,7 +96,7 @@ def estimate_decode_steady_state(compute_s: Sequence[float], hop_s: Sequence[flo
     with the sampled tokens), so a microbatch's round trip is ``sum(compute) + sum(hops)`` and each
     stage is occupied ``compute + hop`` per microbatch. With ``m`` microbatches in flight the step
     takes ``max(round trip, m * max(compute + hop))``: the round trip when the stages wait for each
-    other, the busiest stage when it is the bottleneck (§2.7.4's fill-drain formula describes a
+    other, the busiest stage when it is the bottleneck (the fill-drain formula describes a
     batch that passes once; decode steps repeat, and the pipeline never drains between them).
     ``bubble_s`` is then the step beyond one microbatch's stage times (0 for one microbatch).
     Microbatches of different sizes: :func:`estimate_decode_groups`."""
@@ -135,8 +136,8 @@ def fill_drain_finish(stage_times_s: Sequence[Sequence[float]]) -> list[float]:
     """When each microbatch leaves the last stage in one fill-drain pass (prefill):
     ``stage_times_s[i][g]`` is stage ``i``'s time for microbatch ``g`` (its compute and comm); a
     stage takes microbatches in order, each once the previous stage handed it on. With equal
-    microbatches the last one leaves at ``sum(stage_times) + (m - 1) * max(stage_times)``
-    (§2.7.4), the first at ``sum(stage_times)``."""
+    microbatches the last one leaves at ``sum(stage_times) + (m - 1) * max(stage_times)``,
+    the first at ``sum(stage_times)``."""
     if not stage_times_s or not stage_times_s[0] or any(len(r) != len(stage_times_s[0]) for r in stage_times_s):
         raise ValueError("fill_drain_finish: need the same number (>= 1) of microbatch times per stage")
     done = [0.0] * len(stage_times_s[0])
@@ -149,9 +150,10 @@ def fill_drain_finish(stage_times_s: Sequence[Sequence[float]]) -> list[float]:
 
 
 def format_breakdowns(op_bound: Mapping[str, float] | None, pipeline: Mapping[str, float] | None) -> str:
-    """Seed 001 §2.8: ``Mem 25.00 | Comm 25.00 | Cube 50.00 | Vec 0.00 | PP Compute 50.00 | PP Comm 16.67 |
-    PP Bubble 33.33``; each group in percent of its own total (op-bound: of the summed op times;
-    PP: of compute + communication + bubble, which is the latency)."""
+    """``Mem 25.00 | Comm 25.00 | Cube 50.00 | Vec 0.00 | PP Compute 50.00 | PP Comm 16.67 |
+    PP Bubble 33.33``: the share of operator time bound by memory, communication, matrix and vector
+    FLOPs (of the summed op times), then of the pipeline's latency spent computing, sending and idle
+    (of compute + communication + bubble, which is the latency)."""
     parts = []
     if op_bound:
         total = sum(op_bound.values())

@@ -73,7 +73,7 @@ class Link:
     """bytes/s, one direction."""
 
     def one_way_s(self, nbytes: float) -> float:
-        """Seed 001 §2.7.2: ``latency + message_bytes / bandwidth`` (0 for an empty message)."""
+        """One message one way: ``latency + message_bytes / bandwidth`` (0 for an empty message)."""
         return 0.0 if nbytes <= 0 else self.latency_s + nbytes / self.bandwidth
 
 

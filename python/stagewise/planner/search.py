@@ -1,7 +1,7 @@
-"""The layout search space (seed 001 §2.2): ``tp_sizes x pp_sizes x ep_sizes x moe_dp_sizes``.
+"""The layout search space: ``tp_sizes x pp_sizes x ep_sizes x moe_dp_sizes``.
 
 Size arguments: ``None`` (not given) -> the default value alone (TP: every power of two up to
-the device count, as the original optimizer searches TP by default; PP, EP, MoE-DP: 1);
+the device count, so a plain search compares TP sizes; PP, EP, MoE-DP: 1);
 ``[]`` (given without values) -> powers of two up to the device count; explicit values -> each
 must be a positive integer not greater than the device count.
 
@@ -33,7 +33,8 @@ def powers_of_two(limit: int) -> list[int]:
 
 def resolve_search_sizes(values: Sequence[int] | None, num_devices: int, default: int | None,
                          name: str = "sizes") -> list[int]:
-    """Seed 001 §2.2.1. ``default=None`` means powers of two (TP's default)."""
+    """The sizes to try: ``values`` as given (each in ``[1, num_devices]``), powers of two up to
+    ``num_devices`` for ``[]``, ``[default]`` for None (``default=None``: powers of two, TP's)."""
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
         raise ValueError(f"--num-devices must be an int >= 1, got {num_devices!r}")
     if values is None:

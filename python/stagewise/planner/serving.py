@@ -1,4 +1,4 @@
-"""The serving YAML of seed 001 §2.2.2:
+"""The serving YAML of ``stagewise plan --config`` (``examples/serving.yaml``):
 
     model: qwen3-4b            # optional here; a MODEL argument wins
     input_length: 2048         # optional
@@ -13,7 +13,7 @@
       ep_size: 1               # optional (MoE), default 1
       moe_dp_size: 1           # optional (MoE), default 1
 
-``world_size == tp_size * pp_size * dp_size`` is checked (seed 001 §4.4); the layout becomes a
+``world_size == tp_size * pp_size * dp_size`` is checked; the layout becomes a
 :class:`~stagewise.parallel.ranks.ParallelConfig`, the same object the search evaluates.
 """
 

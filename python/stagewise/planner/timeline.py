@@ -1,9 +1,9 @@
 """The predicted pipeline timeline of one phase: events per stage (compute, comm, bubble), as a
 Chrome trace (:mod:`stagewise.trace`) or a PNG picture.
 
-Schedule (fill-drain, seed 001 §2.7.4): microbatch ``j`` runs on stage ``i`` after it left stage
-``i - 1`` and after microbatch ``j - 1`` left stage ``i``; on a stage it receives, computes and
-sends (the comm of seed 001 §2.7.2 is part of the stage time). With equal microbatches the
+Schedule (fill-drain): microbatch ``j`` runs on stage ``i`` after it left stage ``i - 1`` and
+after microbatch ``j - 1`` left stage ``i``; on a stage it receives, computes and sends (the hops'
+time is part of the stage time). With equal microbatches the
 makespan is exactly ``sum(stage_times) + (m - 1) * max(stage_times)``. Bubble events fill each
 stage's idle time inside that span.
 

@@ -4,16 +4,17 @@
 predicts the same run with a measured device profile, and prints predicted vs measured per-stage
 busy time, TPOT, TTFT and bubble with the error in %. The results go to
 ``bench/results/<device>-plan-validate.{json,md}`` and, as the planner's latest validation, to
-``planner/validation.json`` (:data:`STORE`), which every later ``stagewise plan`` reads to state
-its expected error and to flag predictions outside the validated range.
+``planner/validation.json`` (:data:`STORE`), which every later ``stagewise plan`` reads: a
+prediction whose case the validation covers carries the errors measured there, any other says
+"not validated" and why (:meth:`Validation.confidence`).
 
 Measurement lives in :mod:`stagewise.bench.plan_validate` (it runs the pipeline); this module
 only sees :class:`MeasuredRun`. Definitions (both sides): ``ttft_s`` = submit to first token (the prefill);
 ``tpot_s`` = decode time / decode steps; ``per_stage_busy_s`` = seconds each stage computes per
 decode step of all microbatches (the stages' ``busy_s``: their step without receiving and
 sending; predicted: the stage's compute time times the microbatches); ``bubble_s`` = per decode
-step, the time beyond one microbatch's stage work (compute and send), seed 001 §2.8's
-``latency - sum(stage_times)``: measured ``tpot - sum(busy + send) / m``, predicted from the
+step, the time beyond one microbatch's stage work (compute and send), the pipeline's latency
+minus the sum of its stage times: measured ``tpot - sum(busy + send) / m``, predicted from the
 steady-state estimate. Bubble errors are stated in % of TPOT, as the bubble itself may be zero.
 
 The prediction is made from the device profile only (primitive costs measured by
@@ -91,24 +92,73 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _largest_errors(rows: list[dict]) -> dict[str, float]:
+    """The largest absolute error per metric (every stage's busy time counts as ``stage_busy``)."""
+    worst: dict[str, float] = {}
+    for r in rows:
+        if r.get("error_pct") is None:
+            continue
+        key = "stage_busy" if r["metric"].startswith("stage") else r["metric"]
+        worst[key] = max(worst.get(key, 0.0), abs(r["error_pct"]))
+    return worst
+
+
 def summary(rows: list[dict], *, model: str, architecture: str, profile: dict, workload: dict,
             machine: dict) -> dict:
     """The store's content: the rows, the range they cover and the largest errors per metric."""
     stages = sorted({r["stages"] for r in rows})
     batches = workload["batch"] if isinstance(workload["batch"], list) else [workload["batch"]]
-    worst: dict[str, float] = {}
-    for r in rows:
-        if r["error_pct"] is None:
-            continue
-        key = "stage_busy" if r["metric"].startswith("stage") else r["metric"]
-        worst[key] = max(worst.get(key, 0.0), abs(r["error_pct"]))
     return {"date_utc": machine.get("date_utc"), "machine": machine, "model": model, "profile": profile,
-            "workload": workload, "rows": rows, "expected_error_pct": worst,
-            "range": {"stages": [stages[0], stages[-1]], "batch": [min(batches), max(batches)],
+            "workload": workload, "rows": rows, "expected_error_pct": _largest_errors(rows),
+            "range": {"stages": [stages[0], stages[-1]], "tp": [1, 1], "batch": [min(batches), max(batches)],
                       "input_length": [workload["input_length"]] * 2,
                       "output_length": [workload["output_length"]] * 2,
                       "architectures": [architecture], "device_kind": profile.get("kind"),
                       "profiles": [profile.get("name")]}}
+
+
+SHOWN = ("ttft", "tpot")
+"""The metrics whose error a prediction's band states (the record also holds per-stage busy time
+and the bubble)."""
+
+
+def _band(errors: dict[str, float]) -> str:
+    return ", ".join(f"{k.upper()} ±{errors[k]:.{0 if errors[k] >= 10 else 1}f}%" for k in SHOWN if k in errors) \
+        or "error unknown"
+
+
+def _weights(weight_quant: str, embed_quant: str, dtype: str | None) -> str:
+    if weight_quant or embed_quant:
+        return f"{weight_quant or 'dense'} linears, {embed_quant or 'dense'} embedding" + (f", {dtype} compute"
+                                                                                         if dtype else "")
+    return f"dense {dtype} weights" if dtype else "dense weights"
+
+
+@dataclass(frozen=True, slots=True)
+class Confidence:
+    """How far one prediction can be trusted: inside the validated range, the errors measured
+    there; outside it, why not."""
+
+    error_pct: dict[str, float] | None
+    """Largest absolute error per metric (``ttft``, ``tpot``, ``stage_busy``, ``bubble``) where the
+    case was validated; None when it was not."""
+    error_from: str = ""
+    """Which measurements the errors come from."""
+    not_validated_because: tuple[str, ...] = ()
+
+    @property
+    def validated(self) -> bool:
+        return self.error_pct is not None
+
+    def label(self) -> str:
+        return _band(self.error_pct) if self.error_pct is not None else "not validated"
+
+    def to_dict(self) -> dict:
+        return {"validated": self.validated, "expected_error_pct": self.error_pct, "error_from": self.error_from or None,
+                "not_validated_because": list(self.not_validated_because)}
+
+
+NO_RECORD = Confidence(None, not_validated_because=("no validation on record",))
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,28 +169,53 @@ class Validation:
     def expected_error_pct(self) -> dict[str, float]:
         return self.data.get("expected_error_pct", {})
 
-    def describe(self) -> str:
-        e, r = self.expected_error_pct, self.data.get("range", {})
-        errs = ", ".join(f"{k.upper()} ±{v:.0f}%" for k, v in sorted(e.items()) if k in ("ttft", "tpot", "bubble"))
-        s = r.get("stages", [1, 1])
-        return (f"expected error {errs or 'unknown'} (latest validation {self.data.get('date_utc', '?')}: "
-                f"{self.data.get('model')} on {self.data.get('profile', {}).get('name')}, S={s[0]}..{s[1]})")
+    def _quant(self) -> tuple[str, str, str | None]:
+        w = self.data.get("workload", {})
+        return w.get("weight_quant") or "", w.get("embed_quant") or "", w.get("dtype")
 
-    def flags(self, *, stages: int, batch: int, input_length: int, output_length: int, architecture: str,
-              profile_name: str, profile_kind: str) -> list[str]:
-        """Why a prediction lies outside the validated range (empty: inside)."""
-        r, out = self.data.get("range", {}), []
-        for name, value in (("PP", stages), ("batch", batch), ("input", input_length), ("output", output_length)):
-            key = {"PP": "stages", "input": "input_length", "output": "output_length"}.get(name, name)
-            lo, hi = r.get(key, [value, value])
+    def describe(self) -> str:
+        """The validated range and the largest errors measured in it, in one line."""
+        r = self.data.get("range", {})
+
+        def span(key: str, default: list) -> str:
+            lo, hi = r.get(key, default)
+            return f"{lo}" if lo == hi else f"{lo}..{hi}"
+
+        return (f"latest validation ({self.data.get('date_utc', '?')}) covers {self.data.get('model')} "
+                f"({', '.join(r.get('architectures', ['?']))}) on {', '.join(r.get('profiles', ['?']))}: "
+                f"PP {span('stages', [1, 1])}, TP {span('tp', [1, 1])}, batch {span('batch', [1, 1])}, "
+                f"input {span('input_length', ['?', '?'])}, output {span('output_length', ['?', '?'])}, "
+                f"{_weights(*self._quant())}; largest errors there: {_band(self.expected_error_pct)}")
+
+    def confidence(self, *, tp: int, pp: int, batch: int, input_length: int, output_length: int,
+                   architecture: str, profile_name: str, profile_kind: str, weight_quant: str = "",
+                   embed_quant: str = "", weight_dtype: str | None = None) -> Confidence:
+        """The band of one prediction when the validation covers its case, else why it does not."""
+        r, why = self.data.get("range", {}), []
+        for name, value, key in (("PP", pp, "stages"), ("TP", tp, "tp"), ("batch", batch, "batch"),
+                                 ("input", input_length, "input_length"), ("output", output_length, "output_length")):
+            lo, hi = r.get(key, [1, 1] if key == "tp" else [value, value])  # validation runs pipelines: TP 1
             if not lo <= value <= hi:
-                out.append(f"{name}={value} outside validated {lo}..{hi}")
-        if architecture not in r.get("architectures", [architecture]):
-            out.append(f"{architecture} not validated")
-        if profile_name not in r.get("profiles", [profile_name]):
+                why.append(f"{name}={value} outside validated {lo}..{hi}")
+        archs = r.get("architectures", [architecture])
+        if architecture not in archs:
+            why.append(f"{architecture} not validated (only {', '.join(archs)})")
+        profiles = r.get("profiles", [profile_name])
+        if profile_name not in profiles:
             kind = r.get("device_kind")
-            out.append(f"profile {profile_name} not validated" + (f" ({kind} only)" if kind != profile_kind else ""))
-        return out
+            why.append(f"profile {profile_name} not validated (only {', '.join(profiles)}"
+                       + (f", a {kind} profile)" if kind and kind != profile_kind else ")"))
+        v_weight, v_embed, v_dtype = self._quant()
+        if (weight_quant, embed_quant) != (v_weight, v_embed) or (
+                weight_dtype is not None and v_dtype is not None and weight_dtype != v_dtype):
+            why.append(f"{_weights(weight_quant, embed_quant, weight_dtype)} not validated "
+                       f"(only {_weights(v_weight, v_embed, v_dtype)})")
+        if why:
+            return Confidence(None, not_validated_because=tuple(why))
+        measured = [row for row in self.data.get("rows", []) if row.get("stages") == pp and row.get("batch") == batch]
+        if measured:
+            return Confidence(_largest_errors(measured), f"its runs at PP={pp}, batch {batch}")
+        return Confidence(self.expected_error_pct, "over its whole range: this case was not run")
 
 
 def load_latest(path: Path | None = None) -> Validation | None:

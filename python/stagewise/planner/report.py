@@ -1,0 +1,90 @@
+"""What `stagewise plan MODEL ...` prints: the table of layouts (text) or the same as JSON, each
+layout with its own confidence: the errors measured where the latest validation covers its case,
+"not validated" and why elsewhere."""
+
+from __future__ import annotations
+
+from stagewise.planner.validate import NO_RECORD, Confidence, Validation
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def confidence(est, workload, profile, config, validation: Validation | None) -> Confidence:
+    if validation is None:
+        return NO_RECORD
+    return validation.confidence(tp=est.layout.tp, pp=est.layout.pp, batch=workload.batch,
+                                 input_length=workload.input_length, output_length=workload.output_length,
+                                 architecture=config.architecture, profile_name=profile.name,
+                                 profile_kind=profile.kind, weight_quant=workload.weight_quant,
+                                 embed_quant=workload.embed_quant, weight_dtype=workload.weight_dtype)
+
+
+def _shared(reasons: list[tuple[str, ...]]) -> list[str]:
+    """The reasons every row gives (in the first row's order): said once, above the table."""
+    if not reasons or any(not r for r in reasons):
+        return []
+    return [r for r in reasons[0] if all(r in other for other in reasons[1:])]
+
+
+def format_search(results, rejected, *, name, config, workload, profile, validation, num_devices, top) -> str:
+    shown = results[:top] if top else results
+    conf = [confidence(r, workload, profile, config, validation) for r in shown]
+    shared = _shared([c.not_validated_because for c in conf])
+    lines = [f"model {name} ({config.architecture}, {config.num_layers} layers), {num_devices} x {profile.name}, "
+             f"input {workload.input_length}, output {workload.output_length}, batch {workload.batch} per replica, "
+             f"weights {workload.weight_dtype}, KV {workload.kv_dtype}",
+             validation.describe() if validation else "no validation on record: no prediction has been checked"]
+    if shared:
+        lines.append(f"{'Every layout below' if len(shown) > 1 else 'This layout'} is not validated: "
+                     + "; ".join(shared))
+    lines.append("")
+    header = ["#", "parallel", "stages", "weights/rank", "KV/rank", "fits", "TTFT ms", "TPOT ms", "tok/s",
+              "expected error", "why not validated"]
+    table: list[list[str]] = []
+    breakdowns = []
+    for i, (r, c) in enumerate(zip(shown, conf), 1):
+        own = [w for w in c.not_validated_because if w not in shared]
+        why = "; ".join(own) if own else ("as above" if shared else "-")
+        table.append([str(i), r.layout.label(), str(r.plan), _gib(r.weight_bytes_per_rank), _gib(r.kv_bytes_per_rank),
+                      "yes" if r.fits else "NO", f"{1e3 * r.ttft_s:.2f}", f"{1e3 * r.tpot_s:.3f}",
+                      f"{r.tokens_per_s:.1f}", c.label(), why])
+        breakdowns.append(f"{i}. {r.layout.label()}  prefill: {r.prefill.breakdown_line()}")
+        breakdowns.append(f"{' ' * len(str(i))}  {' ' * len(r.layout.label())}  decode:  {r.decode.breakdown_line()}")
+    widths = [max(len(row[k]) for row in [header, *table]) for k in range(len(header))]
+    right = {0, 3, 4, 6, 7, 8}
+    for row in [header, *table]:
+        lines.append("  ".join(c.rjust(w) if k in right else c.ljust(w)
+                               for k, (c, w) in enumerate(zip(row, widths))).rstrip())
+    if len(shown) < len(results):
+        lines.append(f"({len(results) - len(shown)} more layouts not shown)")
+    froms = sorted({c.error_from for c in conf if c.validated})
+    if froms:
+        lines.append(f"expected error: the largest error the validation measured ({'; '.join(froms)})")
+    lines += ["", "Breakdown (% of op time | % of pipeline latency):", *breakdowns]
+    if rejected:
+        lines += ["", f"{len(rejected)} combinations rejected:"]
+        lines += [f"  TP={r.tp} PP={r.pp} EP={r.ep} MOE_DP={r.moe_dp}: {r.reason}" for r in rejected[:10]]
+        if len(rejected) > 10:
+            lines.append(f"  ... and {len(rejected) - 10} more (see --json)")
+    return "\n".join(lines)
+
+
+def search_json(results, rejected, *, name, config, workload, profile, validation, num_devices, top,
+                files: list[str]) -> dict:
+    layouts = []
+    for r in results[:top] if top else results:
+        d = r.to_dict()
+        d["confidence"] = confidence(r, workload, profile, config, validation).to_dict()
+        layouts.append(d)
+    return {"model": name, "architecture": config.architecture, "num_devices": num_devices, "profile": profile.name,
+            "workload": {"input_length": workload.input_length, "output_length": workload.output_length,
+                         "batch": workload.batch, "microbatches": workload.microbatches,
+                         "weight_dtype": workload.weight_dtype, "kv_dtype": workload.kv_dtype,
+                         "weight_quant": workload.weight_quant or None, "embed_quant": workload.embed_quant or None},
+            "validation": validation.describe() if validation else None,
+            "layouts": layouts,
+            "rejected": [{"tp": r.tp, "pp": r.pp, "ep": r.ep, "moe_dp": r.moe_dp, "reason": r.reason}
+                         for r in rejected],
+            "files": files}
