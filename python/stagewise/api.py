@@ -194,12 +194,13 @@ class Pipeline:
                  overrides: Sequence[Mapping[str, Any] | None] | None = None,
                  on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
         """One :class:`Completion` per prompt, in order. Argument errors raise ValueError before
-        anything runs; a prompt's own problem (empty, ids outside the vocabulary, longer than
-        max_model_len, out of KV blocks) gives that prompt finish_reason 'error'. With ``seed``,
+        anything runs, as does a prompt whose tokens plus ``max_new_tokens`` exceed
+        :attr:`max_model_len`; a prompt's own problem (empty, ids outside the vocabulary, out of KV
+        blocks) gives that prompt finish_reason 'error'. With ``seed``,
         prompt i samples from seed + i. ``on_text(i, delta)`` streams prompt i's text. ``ignore_eos``
         generates past the model's EOS ids (for benchmarks: every prompt gets max_new_tokens).
         ``logprobs=K`` gives each generated token's log-probability and the K most likely tokens'
-        (:class:`~stagewise.engine.sampling.TokenLogprobs`). ``overrides[i]``, when given, holds
+        (:class:`~stagewise.engine.params.TokenLogprobs`). ``overrides[i]``, when given, holds
         sampling fields (the names of the arguments above, and ``stop_token_ids``) that replace the
         call's for prompt i."""
         backend = self._backend
@@ -214,6 +215,7 @@ class Pipeline:
         params = sampling_per_prompt(base, len(encoded), overrides)  # every value checked before anything runs
         if any(p.stop for p in params) and self.tokenizer is None:
             raise ValueError("Pipeline.generate: stop strings need a tokenizer; this checkpoint has none")
+        self._check_lengths(encoded, params)
         if self.driver is not None:
             from stagewise.pipeline.driver import PipelineBroken
 
@@ -279,6 +281,24 @@ class Pipeline:
         write_chrome_trace(path, events, num_stages=len(stages), process="measured",
                            other={"model": self.plan.model, "layers": str(self.plan.stage_plan),
                                   "transport": self.plan.transport})
+
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens (prompt + generated) one request may hold."""
+        if self.plan is not None:
+            return self.plan.max_model_len or self.config.max_position_embeddings
+        return self._backend.engine.max_model_len
+
+    def _check_lengths(self, encoded: list[list[int]], params: list) -> None:
+        """Every prompt whose tokens plus max_new_tokens exceed max_model_len, named at once
+        (an error rather than a silent clamp: the caller asked for tokens the model cannot hold)."""
+        length = self.max_model_len
+        over = [f"prompt {i} has {len(ids)} tokens + max_new_tokens {p.max_new_tokens} = "
+                f"{len(ids) + p.max_new_tokens}" for i, (ids, p) in enumerate(zip(encoded, params))
+                if ids and len(ids) + p.max_new_tokens > length]
+        if over:
+            raise ValueError(f"Pipeline.generate: more tokens than the model length {length} allows: "
+                             + "; ".join(over[:8]) + (f"; and {len(over) - 8} more" if len(over) > 8 else ""))
 
     def _encode(self, prompts, prompt_token_ids, chat: bool) -> list[list[int]]:
         return encode_prompts(self.tokenizer, prompts, prompt_token_ids, chat=chat, render=self.render_chat)

@@ -161,18 +161,29 @@ def test_bad_prompts_fail_alone(checkpoint):
     folder, hf = checkpoint
     good = random_prompts((4,), seed=9)[0]
     with stagewise.Pipeline(str(folder), max_model_len=16) as pipe:
-        outs = pipe.generate(prompt_token_ids=[list(range(3, 19)), [], good, [5, VOCAB], [4, -1]],
-                             max_new_tokens=NEW)
+        outs = pipe.generate(prompt_token_ids=[[], good, [5, VOCAB], [4, -1]], max_new_tokens=NEW)
         [empty_text] = pipe.generate([""], max_new_tokens=NEW)
-        [long_run] = pipe.generate(prompt_token_ids=[list(range(3, 16))], max_new_tokens=NEW)
-    too_long, empty, ok, outside, negative = outs
-    assert too_long.finish_reason == "error" and "max_model_len=16" in too_long.error
+    empty, ok, outside, negative = outs
     assert empty.finish_reason == "error" and "empty" in empty.error
     assert empty_text.finish_reason == "error" and "empty" in empty_text.error
     for c in (outside, negative):
         assert c.finish_reason == "error" and f"vocab_size={VOCAB}" in c.error and c.token_ids == []
     assert ok.finish_reason == "length" and ok.token_ids == reference(hf, good)
-    # prompt + generated tokens stay within max_model_len: 13 + 3 = 16.
+
+
+def test_more_tokens_than_the_model_length_is_an_error_before_running(checkpoint):
+    folder, hf = checkpoint
+    assert NEW > 3
+    with stagewise.Pipeline(str(folder), max_model_len=16) as pipe:
+        assert pipe.max_model_len == 16
+        # every prompt over the length is named at once, and nothing runs
+        with pytest.raises(ValueError, match=r"model length 16 allows: prompt 1 has 13 tokens \+ max_new_tokens "
+                                             rf"{NEW} = {13 + NEW}; prompt 2 has 16 tokens"):
+            pipe.generate(prompt_token_ids=[[4, 5], list(range(3, 16)), list(range(3, 19))], max_new_tokens=NEW)
+        assert pipe.status()["running"] == 0 and pipe.status()["waiting"] == 0
+        # a per-prompt override counts; exactly the model length is allowed: 13 + 3 = 16
+        [long_run] = pipe.generate(prompt_token_ids=[list(range(3, 16))], max_new_tokens=NEW,
+                                   overrides=[{"max_new_tokens": 3}])
     assert long_run.finish_reason == "length" and long_run.token_ids == reference(hf, list(range(3, 16)), 3)
 
 

@@ -163,7 +163,7 @@ def test_concurrent_requests_with_cancellations(tiny):
             else:
                 assert (out.token_ids, out.finish_reason) == (expected[rid], "length"), rid
         assert any(out.finish_reason == "cancelled" for out in results.values())
-        # Seed 002's status: all six user rows were busy at some point, none is now.
+        # Every one of the six user rows was busy at some point, none is now.
         assert busiest == 6
         while pipe.status().get("running") != 0:
             driver.poll(0.05)
