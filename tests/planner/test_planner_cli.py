@@ -12,9 +12,10 @@ import pytest
 
 from stagewise.cli import main as stagewise_main
 from stagewise.planner import cli
+from stagewise.planner.models import MODELS_DIR
 from stagewise.trace import read_chrome_trace
 
-QWEN3_4B = str(cli.MODELS_DIR / "qwen3-4b.json")
+QWEN3_4B = str(MODELS_DIR / "qwen3-4b.json")
 
 
 def _run(capsys, *argv):

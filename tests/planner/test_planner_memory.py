@@ -13,9 +13,10 @@ from stagewise.model.config import ModelConfig
 from stagewise.model.hf_config import parse_config_file
 from stagewise.parallel.plan import StagePlan
 from stagewise.planner import cli
+from stagewise.planner.models import MODELS_DIR
 from stagewise.planner.memory import kv_bytes, nominal_params, stage_memory
 
-QWEN3_VL = cli.MODELS_DIR / "qwen3-vl-235b-a22b.json"
+QWEN3_VL = MODELS_DIR / "qwen3-vl-235b-a22b.json"
 
 # The rough tables for Qwen3-VL-235B-A22B (94 layers, even partition, BF16, batch 1, KV at
 # max_ctx = 262,144 tokens, ~235B params by name) the planner must print, cell for cell.
@@ -103,14 +104,14 @@ def _hf_param_count(path) -> int:
 
 @pytest.mark.parametrize("name", ["qwen3-4b", "qwen3-vl-235b-a22b"])
 def test_exact_count_equals_transformers(name):
-    path = cli.MODELS_DIR / f"{name}.json"
+    path = MODELS_DIR / f"{name}.json"
     config = parse_config_file(path)
     assert shapes.count(config, shapes.model_tensors(config)) == _hf_param_count(path)
 
 
 def test_falcon_count_equals_transformers(tmp_path):
     # Falcon-40B's layout (new decoder architecture, grouped KV, two layer norms), small.
-    d = json.loads((cli.MODELS_DIR / "falcon-40b.json").read_text())
+    d = json.loads((MODELS_DIR / "falcon-40b.json").read_text())
     d.update(hidden_size=256, num_attention_heads=8, num_kv_heads=2, num_hidden_layers=3, vocab_size=1000)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(d))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from stagewise.model.config import ModelConfig
 from stagewise.planner import report
-from stagewise.planner.models import MODELS_DIR, PlanError, builtin_models, resolve_model
+from stagewise.planner.models import PlanError, builtin_models, resolve_model
 
 ACTIONS = ("memory", "ranks")
 SIZE_ARGS = ("tp_sizes", "pp_sizes", "ep_sizes", "moe_dp_sizes")
