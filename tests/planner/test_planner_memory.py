@@ -13,8 +13,8 @@ from stagewise.model.config import ModelConfig
 from stagewise.model.hf_config import parse_config_file
 from stagewise.parallel.plan import StagePlan
 from stagewise.planner import cli
-from stagewise.planner.models import MODELS_DIR
 from stagewise.planner.memory import kv_bytes, nominal_params, stage_memory
+from stagewise.planner.models import MODELS_DIR
 
 QWEN3_VL = MODELS_DIR / "qwen3-vl-235b-a22b.json"
 
