@@ -47,8 +47,16 @@ def _rank(rank: int, world: int, store: tuple[str, int], out) -> None:
         for group in pairs:
             if rank in group.ranks:
                 sub = group.all_reduce(torch.tensor([float(rank)])).tolist() + [group.rank]
+        # gather to one rank, reduce-scatter and all-to-all against their definitions
+        x = torch.arange(world * 2, dtype=torch.float32).view(world, 2) * (rank + 1)
+        at_last = world_group.gather(x, dim=1, dst=world - 1)
+        scattered = world_group.reduce_scatter(x, dim=0)
+        exchanged = world_group.all_to_all(x, dim=0)
+        along1 = world_group.all_gather(torch.tensor([[rank], [rank + 100]]), dim=1)
         world_group.barrier()
-        out.put((rank, t.tolist(), b.tolist(), gathered.tolist(), sub))
+        extra = (None if at_last is None else at_last.tolist(), scattered.tolist(), exchanged.tolist(),
+                 along1.tolist(), world_group.calls)
+        out.put((rank, t.tolist(), b.tolist(), gathered.tolist(), sub, extra))
     finally:
         comm.destroy_world()
 
@@ -69,7 +77,14 @@ def test_gloo_collectives_between_processes():
             if p.is_alive():
                 p.kill()
     total = float(sum(range(1, world + 1)))
-    for rank, summed, broadcast, gathered, sub in results:
+    base = torch.arange(world * 2, dtype=torch.float32).view(world, 2)
+    for rank, summed, broadcast, gathered, sub, (at_last, scattered, exchanged, along1, calls) in results:
+        assert at_last == (torch.cat([base * (r + 1) for r in range(world)], dim=1).tolist()
+                           if rank == world - 1 else None)
+        assert scattered == (base[rank : rank + 1] * sum(r + 1 for r in range(world))).tolist()
+        assert exchanged == [(base[rank] * (r + 1)).tolist() for r in range(world)]
+        assert along1 == [list(range(world)), [r + 100 for r in range(world)]]
+        assert calls == 7  # every collective but the barrier counted (the subgroup's are its own)
         assert summed == [total] * 3
         assert broadcast == [float(world - 1)] * 2
         assert gathered == [x for r in range(world) for x in (r, 10 * r)]

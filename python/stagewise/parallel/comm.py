@@ -9,6 +9,7 @@ The group of a run is bootstrapped through a ``TCPStore``: one process hosts it
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
@@ -64,6 +65,16 @@ class Group:
             raise ValueError(f"Group: ranks must be distinct and non-empty, got {ranks}")
         self.ranks = list(ranks)
         self._handle = handle
+        self.seconds = 0.0
+        """Wall time spent in this group's collectives (on a GPU, until each was enqueued)."""
+        self.calls = 0
+        self.bytes = 0
+        """Bytes of the tensors this rank handed to collectives."""
+
+    def _count(self, start: float, t: torch.Tensor) -> None:
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        self.bytes += t.numel() * t.element_size()
 
     @classmethod
     def single(cls) -> Group:
@@ -89,22 +100,72 @@ class Group:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the group, in place; returns ``t``."""
         if self.size > 1:
+            start = time.perf_counter()
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._handle)
+            self._count(start, t)
         return t
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``t`` of group rank ``src`` on every rank, in place; returns ``t``."""
         if self.size > 1:
+            start = time.perf_counter()
             dist.broadcast(t, src=self.ranks[src], group=self._handle)
+            self._count(start, t)
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Every rank's ``t`` (same shape on each) concatenated along ``dim``, in rank order."""
         if self.size == 1:
             return t
-        parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t.contiguous(), group=self._handle)
-        return torch.cat(parts, dim=dim)
+        start = time.perf_counter()
+        out = torch.empty((self.size * t.size(0), *t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(out, t.contiguous(), group=self._handle)
+        self._count(start, t)
+        if dim == 0:
+            return out
+        return torch.cat(out.chunk(self.size), dim=dim)
+
+    def gather(self, t: torch.Tensor, dim: int = 0, dst: int = 0) -> torch.Tensor | None:
+        """Every rank's ``t`` (same shape on each) concatenated along ``dim`` on group rank
+        ``dst``, in rank order; None on the other ranks."""
+        if self.size == 1:
+            return t
+        start = time.perf_counter()
+        parts = [torch.empty_like(t) for _ in range(self.size)] if self.rank == dst else None
+        dist.gather(t.contiguous(), parts, dst=self.ranks[dst], group=self._handle)
+        self._count(start, t)
+        return None if parts is None else torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """The sum of every rank's ``t`` (same shape on each), split into ``size`` equal chunks
+        along ``dim``: group rank ``i`` gets chunk ``i``."""
+        if self.size == 1:
+            return t
+        if t.size(dim) % self.size:
+            raise ValueError(f"Group.reduce_scatter: dim {dim} of size {t.size(dim)} does not split into "
+                             f"{self.size} equal chunks")
+        start = time.perf_counter()
+        src = t.movedim(dim, 0).contiguous()
+        out = torch.empty((src.size(0) // self.size, *src.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.reduce_scatter_tensor(out, src, op=dist.ReduceOp.SUM, group=self._handle)
+        self._count(start, t)
+        return out.movedim(0, dim)
+
+    def all_to_all(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """``t`` split into ``size`` equal chunks along ``dim``; chunk ``i`` goes to group rank
+        ``i``, and the chunks received (one from each rank, in rank order) are concatenated
+        along ``dim``."""
+        if self.size == 1:
+            return t
+        if t.size(dim) % self.size:
+            raise ValueError(f"Group.all_to_all: dim {dim} of size {t.size(dim)} does not split into "
+                             f"{self.size} equal chunks")
+        start = time.perf_counter()
+        src = t.movedim(dim, 0).contiguous()
+        out = torch.empty_like(src)
+        dist.all_to_all_single(out, src, group=self._handle)
+        self._count(start, t)
+        return out.movedim(0, dim)
 
     def barrier(self) -> None:
         if self.size > 1:
