@@ -97,7 +97,7 @@ def test_ranks_of_world_8_tp_2_pp_4(capsys):
     r4 = data["ranks"][4]
     assert r4["pp_group"] == [0, 2, 4, 6] and r4["pp_rank_in_group"] == 2 and r4["tp_group"] == [4, 5]
     code, _, err = _run(capsys, "ranks", "--world-size", "8", "--tp", "3", "--pp", "4")
-    assert code == 2 and "tp * pp = 12 must divide world_size=8" in err
+    assert code == 2 and "tp * pcp * pp = 12 must divide world_size=8" in err
 
 
 def test_plot_and_trace(capsys, tmp_path):

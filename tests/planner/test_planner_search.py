@@ -127,7 +127,7 @@ def test_rank_groups_of_world_8_tp_2_pp_4():
 
 def test_rank_groups_with_dp_and_moe():
     cfg = ParallelConfig(world_size=8, tp=2, pp=2, dp=2)  # rank = (dp * 2 + pp) * 2 + tp
-    assert cfg.coordinates(5) == {"dp": 1, "pp": 0, "tp": 1}
+    assert cfg.coordinates(5) == {"dp": 1, "pp": 0, "pcp": 0, "tp": 1}
     assert cfg.group("pp", 5).rank_group == (5, 7)
     assert cfg.group("dp", 5).rank_group == (1, 5) and cfg.group("dp", 5).rank_in_group == 1
     assert cfg.groups("tp") == [(0, 1), (2, 3), (4, 5), (6, 7)]
@@ -136,7 +136,7 @@ def test_rank_groups_with_dp_and_moe():
     assert moe.group("moe_tp", 5).rank_group == (4, 5)
     assert moe.group("ep", 5).rank_group == (5, 7)
     assert moe.group("moe_dp", 5).rank_group == (1, 5)
-    with pytest.raises(ValueError, match="world_size=8 must equal tp \\* pp \\* dp = 2 \\* 2 \\* 1 = 4"):
+    with pytest.raises(ValueError, match="world_size=8 must equal tp \\* pcp \\* pp \\* dp = 2 \\* 1 \\* 2 \\* 1 = 4"):
         ParallelConfig(world_size=8, tp=2, pp=2, dp=1)
     with pytest.raises(ValueError, match="rank must be an int in \\[0, 8\\)"):
         cfg.group("tp", 8)

@@ -294,12 +294,16 @@ def run_memory(argv: list[str]) -> int:
 
 def run_ranks(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="stagewise plan ranks",
-                                description="The rank groups of a layout: ranks laid out as [DP, PP, TP], TP "
-                                            "fastest (ranks r and r + 1 share a stage when TP > 1); with EP or MoE "
-                                            "DP, the expert groups span all ranks (EP x MoE-TP x MoE-DP = world).")
+                                description="The rank groups of a layout, as the runtime builds them: ranks laid out "
+                                            "as [DP, PP, PCP, TP], TP fastest (a stage's PCP x TP ranks are "
+                                            "contiguous); DCP groups are runs of DCP ranks inside a TP group; with "
+                                            "EP or MoE DP, the expert groups span all ranks (EP x MoE-TP x MoE-DP = "
+                                            "world).")
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--pcp", type=int, default=1)
+    p.add_argument("--dcp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--moe-dp", type=int, default=1)
     p.add_argument("--rank", type=int, default=None, help="show this rank's groups only")
@@ -307,8 +311,11 @@ def run_ranks(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from stagewise.parallel.ranks import ParallelConfig
 
-    cfg = ParallelConfig.from_sizes(args.world_size, args.tp, args.pp, args.ep, args.moe_dp)
-    kinds = ["tp", "pp", "dp"] + (["ep", "moe_tp", "moe_dp"] if args.ep > 1 or args.moe_dp > 1 else [])
+    cfg = ParallelConfig.from_sizes(args.world_size, args.tp, args.pp, args.ep, args.moe_dp, pcp=args.pcp,
+                                    dcp=args.dcp)
+    kinds = (["tp"] + (["dcp"] if cfg.dcp > 1 else []) + (["pcp"] if cfg.pcp > 1 else []) + ["pp", "dp"]
+             + (["ep", "moe_tp", "moe_dp"] if args.ep > 1 or args.moe_dp > 1 else []))
+    dims = ["dp", "pp"] + (["pcp"] if cfg.pcp > 1 else []) + ["tp"]
     ranks = range(cfg.world_size) if args.rank is None else [args.rank]
     rows = [{"rank": r, **cfg.coordinates(r),
              **{f"{k}_group": list(cfg.group(k, r).rank_group) for k in kinds},
@@ -317,15 +324,16 @@ def run_ranks(argv: list[str]) -> int:
         print(json.dumps({"layout": cfg.label(), "groups": {k: [list(g) for g in cfg.groups(k)] for k in kinds},
                           "ranks": rows}, indent=2))
         return 0
-    print(f"{cfg.label()} (world size {cfg.world_size}; ranks laid out as [DP, PP, TP], TP fastest)")
+    print(f"{cfg.label()} (world size {cfg.world_size}; ranks laid out as [DP, PP, PCP, TP], TP fastest)")
     for k in kinds:
         print(f"{k} groups: {' '.join(str(list(g)) for g in cfg.groups(k))}")
     print()
-    print("| rank | dp | pp (stage) | tp | " + " | ".join(f"{k} group (index)" for k in kinds) + " |")
-    print("|---:|---:|---:|---:|" + "|".join(":---" for _ in kinds) + "|")
+    print("| rank | " + " | ".join("pp (stage)" if d == "pp" else d for d in dims) + " | "
+          + " | ".join(f"{k} group (index)" for k in kinds) + " |")
+    print("|---:|" + "---:|" * len(dims) + "|".join(":---" for _ in kinds) + "|")
     for r in rows:
         cells = [f"{r[f'{k}_group']} ({r[f'{k}_rank_in_group']})" for k in kinds]
-        print(f"| {r['rank']} | {r['dp']} | {r['pp']} | {r['tp']} | " + " | ".join(cells) + " |")
+        print(f"| {r['rank']} | " + " | ".join(str(r[d]) for d in dims) + " | " + " | ".join(cells) + " |")
     return 0
 
 

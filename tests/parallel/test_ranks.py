@@ -1,0 +1,62 @@
+"""Rank numbering of one stage (StageRanks) and of a whole layout (ParallelConfig): the same
+numbers, checked against seed 001's [DP, PP, PCP, TP] order written out by hand."""
+
+import pytest
+
+from stagewise.parallel.ranks import ParallelConfig, StageRanks, stage_ranks
+
+
+def test_stage_groups_follow_pcp_major_tp_minor_order():
+    s = StageRanks(tp=4, pcp=2, dcp=2, first=8)
+    assert s.ranks == tuple(range(8, 16))
+    assert s.groups("tp") == [(8, 9, 10, 11), (12, 13, 14, 15)]
+    assert s.groups("dcp") == [(8, 9), (10, 11), (12, 13), (14, 15)]
+    assert s.groups("pcp") == [(8, 12), (9, 13), (10, 14), (11, 15)]
+    # stage rank 7 = pcp 1, tp 3, dcp 1 -> 4th of the 4 ranks sharing its head's sequence
+    assert s.coordinates(7) == {"pcp": 1, "tp": 3, "dcp": 1}
+    assert s.cp_rank(7) == 3 and s.cp_rank(0) == 0 and s.cp_rank(4) == 2
+
+
+def test_cp_rank_enumerates_pcp_then_dcp():
+    s = StageRanks(tp=2, pcp=2, dcp=2)
+    assert [s.cp_rank(r) for r in range(4)] == [0, 1, 2, 3]
+    s = StageRanks(tp=4, pcp=1, dcp=2)
+    assert [s.cp_rank(r) for r in range(4)] == [0, 1, 0, 1]
+
+
+def test_heterogeneous_stages_follow_each_other():
+    a, b, c = stage_ranks([(2, 1, 1), (4, 1, 2), (1, 2, 1)])
+    assert (a.ranks, b.ranks, c.ranks) == ((0, 1), (2, 3, 4, 5), (6, 7))
+    assert b.groups("dcp") == [(2, 3), (4, 5)]
+    assert c.groups("pcp") == [(6, 7)] and c.groups("tp") == [(6,), (7,)]
+
+
+def test_dense_layout_numbers_stages_like_stage_ranks():
+    cfg = ParallelConfig.from_sizes(16, tp=2, pp=2, pcp=2, dcp=2)
+    assert cfg.dp == 2
+    for rank in range(16):
+        stage = cfg.stage(rank)
+        assert stage.first == rank - rank % 4
+        for kind in ("tp", "dcp", "pcp"):
+            assert cfg.group(kind, rank).rank_group == stage.group(kind, rank - stage.first)
+    assert cfg.coordinates(13) == {"dp": 1, "pp": 1, "pcp": 0, "tp": 1}
+    assert cfg.group("pp", 13).rank_group == (9, 13)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tp": 4, "dcp": 3}, "dcp=3 must divide tp=4"),
+    ({"tp": 0}, "tp: expected an int >= 1"),
+    ({"pcp": True}, "pcp: expected an int >= 1"),
+    ({"first": -1}, "first: expected an int >= 0"),
+])
+def test_bad_sizes_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        StageRanks(**kwargs)
+
+
+def test_bad_stage_rank_and_kind_are_named():
+    s = StageRanks(tp=2)
+    with pytest.raises(ValueError, match=r"stage rank must be an int in \[0, 2\)"):
+        s.coordinates(2)
+    with pytest.raises(ValueError, match="kind must be tp, dcp or pcp"):
+        s.group("pp", 0)
