@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "bindings/params.h"
+#include "cpu/quant_pack.h"
 #include "stagewise/ring.h"
 
 namespace stagewise::glue {
@@ -106,7 +107,17 @@ void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweigh
 
 void quant_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,
                        const std::optional<at::Tensor>& bias) {
-  cpu::quant_linear_int8(make_quant_linear_params(out, x, qweight, qtype, bias, "quant_linear_int8"));
+  cpu::quant_linear_int8(make_quant_linear_params(out, x, qweight, qtype, bias, /*packed=*/true));
+}
+
+// The GGUF rows [N, row bytes] regrouped into quant_linear_int8's panels [ceil(N / 16), panel bytes].
+at::Tensor quant_pack_int8(const at::Tensor& qweight, int64_t qtype) {
+  const QuantPackArgs a = make_quant_pack_args(qweight, qtype);
+  at::Tensor packed = at::empty({(a.rows + cpu::kPanelRows - 1) / cpu::kPanelRows,
+                                 a.in_features / quant_block_weights(a.qtype) * cpu::quant_pack_record_bytes(a.qtype)},
+                                qweight.options());
+  cpu::quant_pack_int8(qweight.data_ptr<uint8_t>(), a.qtype, a.rows, a.in_features, packed.data_ptr<uint8_t>());
+  return packed;
 }
 
 
@@ -198,6 +209,7 @@ TORCH_LIBRARY_IMPL(stagewise, CPU, m) {
   m.impl("merge_attn_states", &merge_attn_states);
   m.impl("quant_linear", &quant_linear);
   m.impl("quant_linear_int8", &quant_linear_int8);
+  m.impl("quant_pack_int8", &quant_pack_int8);
   m.impl("ring_init", &ring_init);
   m.impl("ring_attach", &ring_attach);
   m.impl("ring_info", &ring_info);

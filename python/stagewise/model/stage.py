@@ -43,7 +43,7 @@ class StageModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.embedding = _frozen(embedding)
         self.final_norm = final_norm
-        self.lm_head = _frozen(lm_head)
+        self.lm_head = lm_head.for_linear() if isinstance(lm_head, QuantizedWeight) else _frozen(lm_head)
 
     @classmethod
     def from_weights(cls, config: ModelConfig, start_layer: int, end_layer: int,
