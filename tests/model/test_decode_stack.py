@@ -111,3 +111,27 @@ def test_stack_refuses_a_cache_of_other_layers():
         stage.decode_stack.decode(x, x.clone(), True, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                                   torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), kv)
     assert ops.cpu_isa() in ("baseline", "avx2", "avx512", "avx512vnni")
+
+
+def test_generation_never_reads_unwritten_kv():
+    """The KV pool is not zeroed (kv/cache.py): requests that come and go over a NaN-filled pool,
+    reusing each other's blocks, give the tokens they give over a zeroed one."""
+    from stagewise.engine.engine import Engine
+    from stagewise.engine.sampling import SamplingParams
+
+    cfg = tiny_config(2)
+    weights = tiny_weights(cfg)
+    runs = []
+    for fill in (0.0, float("nan")):
+        engine = Engine.for_model(StageModel.from_weights(cfg, 0, 2, weights), max_num_seqs=2, max_model_len=64,
+                                  max_num_tokens=96, block_size=BLOCK)
+        engine.executor.kv_cache.storage.fill_(fill)
+        done = []
+        for rid, prompt in enumerate(([3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7], [2, 3])):
+            engine.add_request(rid, prompt, SamplingParams(max_new_tokens=6 + rid, temperature=0.0, ignore_eos=True))
+            if rid % 2:
+                while engine.has_unfinished():
+                    done += engine.step()
+        runs.append(sorted((o.request_id, o.token_ids) for o in done))
+    assert runs[0] == runs[1] and len(runs[0]) == 4
+
