@@ -1,6 +1,6 @@
 """``stagewise plan validate MODEL --stages 1 2 3``: run the real pipeline for each stage count and
 batch, predict the same runs from a device profile, and compare (the planner's side is
-:mod:`stagewise.planner.validate`). Results go to ``bench/results/<device>-plan-validate.{json,md}``
+:mod:`stagewise.planner.validate`). Results go to ``<out>/<device>-plan-validate.{json,md}`` (default out: bench/results/<device>-<date>)
 and, as the planner's latest validation, to ``planner/validation.json``.
 """
 
@@ -48,7 +48,8 @@ def _run(argv: list[str]) -> int:
     p.add_argument("--output-length", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the profile is measured)")
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for the results (default: a new folder bench/results/<device>-<date>)")
     p.add_argument("--no-store", action="store_true", help="do not update the planner's validation record")
     args = p.parse_args(argv)
     import torch
@@ -59,6 +60,7 @@ def _run(argv: list[str]) -> int:
     torch.set_num_threads(args.threads)
     log = (lambda line: print(line, file=sys.stderr, flush=True))
     info = report.machine_info("cpu")
+    args.out = args.out if args.out is not None else report.default_out(info["device"])
     if args.device_profile:
         profile = load_profile(args.device_profile)
     else:
