@@ -50,7 +50,8 @@ def _same_as_gguf(path) -> GGUFHeader:
             assert value == pytest.approx(field.contents()), key
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
     for a, b in zip(ours.tensors, theirs.tensors):
-        assert (tuple(a.shape), a.tensor_type, a.n_bytes) == (tuple(int(d) for d in b.shape), b.tensor_type, b.n_bytes)
+        assert (tuple(a.shape), a.tensor_type.id, a.tensor_type.name, a.n_bytes) == \
+            (tuple(int(d) for d in b.shape), int(b.tensor_type), b.tensor_type.name, b.n_bytes)
         assert np.array_equal(ours.data(a), b.data), a.name
     return ours
 
@@ -87,3 +88,15 @@ def test_damaged_file_is_refused(tmp_path, damage, reason):
     with pytest.raises(ValueError, match="is not a readable GGUF file") as err:
         GGUFHeader(path)
     assert reason in str(err.value)
+
+
+def test_type_table_equals_gguf():
+    """The reader's own table of the common GGML types (it spares importing gguf) against gguf's."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from stagewise.model.loader.gguf_reader import TensorType, _TYPES
+
+    for type_id in _TYPES:
+        kind = GGMLQuantizationType(type_id)
+        assert TensorType.of(type_id) == TensorType(type_id, kind.name, *GGML_QUANT_SIZES[kind])
+    assert TensorType.of(int(GGMLQuantizationType.IQ4_NL)).name == "IQ4_NL"  # one the table leaves to gguf

@@ -82,7 +82,7 @@ class GGUFCheckpoint(Checkpoint):
             tensor = gguf_map.numpy_to_torch(self._header.data(t))
         else:  # quantized (and bf16, exactly representable in float32) -> float32
             try:
-                values = gguf.quants.dequantize(self._header.data(t), t.tensor_type)
+                values = gguf.quants.dequantize(self._header.data(t), gguf.GGMLQuantizationType(t.tensor_type.id))
             except NotImplementedError:
                 raise ValueError(f"checkpoint {str(self.path)!r}: tensor {t.name!r} has GGML type {kind}, "
                                  "which cannot be loaded (no dequantization for it)") from None

@@ -19,16 +19,41 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
           12: "<f8"}
-_PLAIN_TENSORS = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
-                  GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
-                  GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
-                  GGMLQuantizationType.I64: np.int64}
+DEFAULT_ALIGNMENT = 32
+# GGML tensor types (ggml.h `enum ggml_type`): id -> (name, weights a block, bytes a block). The
+# common ones are here, so that opening a file does not import the gguf package (~0.1 s, it loads
+# YAML among others); any other type is looked up there.
+_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+          7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+          12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+          24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
+          30: ("BF16", 1, 2)}
+_PLAIN_TENSORS = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                  "I32": np.int32, "I64": np.int64}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorType:
+    """A GGML tensor type: its id, name and block (weights, bytes)."""
+
+    id: int
+    name: str
+    block: int
+    block_bytes: int
+
+    @staticmethod
+    def of(type_id: int) -> TensorType:
+        if type_id in _TYPES:
+            return TensorType(type_id, *_TYPES[type_id])
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        kind = GGMLQuantizationType(type_id)  # ValueError for an id ggml does not know
+        return TensorType(type_id, kind.name, *GGML_QUANT_SIZES[kind])
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +71,7 @@ class TensorInfo:
 
     name: str
     shape: tuple[int, ...]
-    tensor_type: GGMLQuantizationType
+    tensor_type: TensorType
     offset: int
     """Of its first byte in the file."""
     n_bytes: int
@@ -127,14 +152,13 @@ class GGUFHeader:
         for _ in range(n_tensors):
             name = self._string()
             dims = tuple(self._unpack("<Q") for _ in range(self._unpack("<I")))
-            kind, offset = GGMLQuantizationType(self._unpack("<I")), self._unpack("<Q")
+            kind, offset = TensorType.of(self._unpack("<I")), self._unpack("<Q")
             infos.append((name, dims, kind, offset))
-        alignment = self.metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         start = -(-self._at // alignment) * alignment
         self.tensors: list[TensorInfo] = []
         for name, dims, kind, offset in infos:
-            block, size = GGML_QUANT_SIZES[kind]
-            n_bytes = int(np.prod(dims, dtype=np.int64)) // block * size
+            n_bytes = int(np.prod(dims, dtype=np.int64)) // kind.block * kind.block_bytes
             if start + offset + n_bytes > len(self._mm):
                 raise ValueError(f"tensor {name!r} runs past the end of the file")
             self.tensors.append(TensorInfo(name, dims, kind, start + offset, n_bytes))
@@ -162,7 +186,7 @@ class GGUFHeader:
             self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
         raw = self._data[t.offset:t.offset + t.n_bytes]
         rows = tuple(reversed(t.shape[1:]))
-        if t.tensor_type in _PLAIN_TENSORS:
-            return raw.view(_PLAIN_TENSORS[t.tensor_type]).reshape(*rows, t.shape[0])
-        block, size = GGML_QUANT_SIZES[t.tensor_type]
-        return raw.reshape(*rows, t.shape[0] // block * size)
+        kind = t.tensor_type
+        if kind.name in _PLAIN_TENSORS:
+            return raw.view(_PLAIN_TENSORS[kind.name]).reshape(*rows, t.shape[0])
+        return raw.reshape(*rows, t.shape[0] // kind.block * kind.block_bytes)
