@@ -5,6 +5,7 @@ arrays are parsed when :meth:`GGUFCheckpoint.tokenizer` asks, a tensor's bytes w
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import torch
@@ -46,11 +47,18 @@ class GGUFCheckpoint(Checkpoint):
 
     def tokenizer(self):
         h = self._header
-        tokens = h.array("tokenizer.ggml.tokens")
-        if not tokens:
-            raise ValueError(f"checkpoint: {str(self.path)!r} stores no tokenizer (tokenizer.ggml.tokens)")
-        return gguf_map.gpt2_tokenizer(self._meta, tokens, h.array("tokenizer.ggml.merges") or [],
-                                       h.array("tokenizer.ggml.token_type"))
+        # ~100,000 small strings and tuples in a row: the cyclic GC's passes over them would add a third.
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            tokens = h.array("tokenizer.ggml.tokens")
+            if not tokens:
+                raise ValueError(f"checkpoint: {str(self.path)!r} stores no tokenizer (tokenizer.ggml.tokens)")
+            return gguf_map.gpt2_tokenizer(self._meta, tokens, h.array("tokenizer.ggml.merges") or [],
+                                           h.array("tokenizer.ggml.token_type"))
+        finally:
+            if paused:
+                gc.enable()
 
     def tensor_bytes(self) -> int:
         """Bytes of every tensor the model reads, as the file stores them."""

@@ -176,6 +176,13 @@ class GGUFHeader:
             return None
         if ref.kind in _NUMPY:
             return np.frombuffer(self._mm, dtype=_NUMPY[ref.kind], count=ref.count, offset=ref.offset).tolist()
+        if ref.kind == _STRING:  # the vocabulary's tens of thousands: one tight loop
+            mm, at, out = self._mm, ref.offset, []
+            for _ in range(ref.count):
+                n = int.from_bytes(mm[at:at + 8], "little")
+                out.append(mm[at + 8:at + 8 + n].decode("utf-8"))
+                at += 8 + n
+            return out
         self._at = ref.offset
         return [self._value(ref.kind) for _ in range(ref.count)]
 
