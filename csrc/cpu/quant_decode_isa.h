@@ -12,11 +12,20 @@ STAGEWISE_QD_INLINE float half_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// The block's fp16 d and min (quant_blocks.h: Block<Q>::kD, kM) as float32.
+// The block's fp16 d and min (quant_blocks.h: Block<Q>::kD, kM) as float32; d and m side by side
+// (kM = kD + 2) in one conversion.
 template <QType Q>
 STAGEWISE_QD_INLINE void block_d_m(const uint8_t* blk, float* d, float* m) {
-  *d = half_at(blk + Block<Q>::kD);
-  *m = Block<Q>::kM >= 0 ? half_at(blk + Block<Q>::kM) : 0.f;
+  if constexpr (Block<Q>::kM == Block<Q>::kD + 2) {
+    int32_t both;
+    std::memcpy(&both, blk + Block<Q>::kD, 4);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(both));
+    *d = _mm_cvtss_f32(f);
+    *m = _mm_cvtss_f32(_mm_movehdup_ps(f));
+  } else {
+    *d = half_at(blk + Block<Q>::kD);
+    *m = 0.f;
+  }
 }
 
 STAGEWISE_QD_INLINE __m256i srl16(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }
@@ -98,7 +107,8 @@ STAGEWISE_QD_INLINE VI lane_quants(const uint8_t* blk, int sub, int i0) {
   if constexpr (Q == QType::kQ8_0) {
     return widen_i8(blk + 2 + i0);
   } else if constexpr (Q == QType::kQ4_0 || Q == QType::kQ4_1) {  // weight i: byte i % 16, nibble i / 16
-    return low_bits(shr(widen_u8(blk + (Q == QType::kQ4_1 ? 4 : 2) + i0 % 16), 4 * (i0 / 16)), 4);
+    const VI bytes = widen_u8(blk + (Q == QType::kQ4_1 ? 4 : 2) + i0 % 16);
+    return i0 < 16 ? low_bits(bytes, 4) : shr(bytes, 4);  // a byte's high nibble needs no mask
   } else if constexpr (Q == QType::kQ4_K) {
     return low_bits(shr(widen_u8(blk + 16 + 32 * (sub / 2) + i0), 4 * (sub % 2)), 4);
   } else {  // Q6_K, quant.h: weight 128 h + r, r = 32 (sub % 4) + i
@@ -109,22 +119,33 @@ STAGEWISE_QD_INLINE VI lane_quants(const uint8_t* blk, int sub, int i0) {
   }
 }
 
-// w[0, kSubVectors) = the 32 exact float32 weights of sub-block `sub`: fma(q, a, b - offset * a),
-// one rounding (quant_blocks.h); Q8_0, whose b is 0, as the product d * q alone.
+// The exact-mode factors of every sub-block of one block: w = fma(q, a, b) per half, with b already
+// less kOffset * a (quant_blocks.h). Computed once per block and row, for all of its sub-blocks.
 template <QType Q>
-STAGEWISE_QD_INLINE void sub_weights(const uint8_t* blk, int sub, VF* w) {
-  VF a[2], b[2];
-  float fa[2], fb[2], d, m;
+struct Factors {
+  float a[Block<Q>::kSubs][2], b[Block<Q>::kSubs][2];
+};
+
+template <QType Q>
+STAGEWISE_QD_INLINE void block_factors(const uint8_t* blk, Factors<Q>& f) {
+  float d, m;
   block_d_m<Q>(blk, &d, &m);
-  sub_factors<Q>(d, m, blk, sub, fa, fb);
-  for (int h = 0; h < 2; ++h) {
-    a[h] = vset1(fa[h]);
-    b[h] = vset1(Block<Q>::kOffset != 0 ? fb[h] - static_cast<float>(Block<Q>::kOffset) * fa[h] : fb[h]);
+  for (int sub = 0; sub < Block<Q>::kSubs; ++sub) {
+    sub_factors<Q>(d, m, blk, sub, f.a[sub], f.b[sub]);
+    if constexpr (Block<Q>::kOffset != 0) {
+      for (int h = 0; h < 2; ++h) f.b[sub][h] -= static_cast<float>(Block<Q>::kOffset) * f.a[sub][h];
+    }
   }
+}
+
+// w[0, kSubVectors) = the 32 exact float32 weights of sub-block `sub` of the block at blk, whose
+// factors are f: fma(q, a, b), one rounding; Q8_0, whose b is 0, as the product d * q alone.
+template <QType Q>
+STAGEWISE_QD_INLINE void sub_weights(const uint8_t* blk, int sub, const Factors<Q>& f, VF* w) {
   for (int v = 0; v < kSubVectors; ++v) {
     const int i0 = v * kVecLanes, h = i0 / 16;
     const VF q = to_float(lane_quants<Q>(blk, sub, i0));
-    w[v] = Q == QType::kQ8_0 ? vmul(q, a[h]) : vfma(q, a[h], b[h]);
+    w[v] = Q == QType::kQ8_0 ? vmul(q, vset1(f.a[sub][h])) : vfma(q, vset1(f.a[sub][h]), vset1(f.b[sub][h]));
   }
 }
 
@@ -136,9 +157,11 @@ STAGEWISE_Q_TARGET void dequantize_rows(const uint8_t* qweight, int64_t K, int64
     const uint8_t* row = qweight + r * nblocks * Block<Q>::kBytes;
     float* dst = out + r * K;
     for (int64_t b = 0; b < nblocks; ++b) {
+      Factors<Q> f;
+      block_factors<Q>(row + b * Block<Q>::kBytes, f);
       for (int sub = 0; sub < Block<Q>::kSubs; ++sub, dst += kQuantBlock) {
         VF w[kSubVectors];
-        sub_weights<Q>(row + b * Block<Q>::kBytes, sub, w);
+        sub_weights<Q>(row + b * Block<Q>::kBytes, sub, f, w);
         for (int v = 0; v < kSubVectors; ++v) vstore(dst + v * kVecLanes, w[v]);
       }
     }

@@ -35,15 +35,19 @@ STAGEWISE_Q_INLINE F load_f32(const float* p) {
   return v;
 }
 
-// dst[0, 32) = the exact weights of sub-block `sub` of the block at blk.
+// dst[0, block weights) = the exact weights of the block at blk.
 template <QType Q>
-STAGEWISE_Q_INLINE void dequantize_sub(const uint8_t* blk, int sub, float* dst) {
+STAGEWISE_Q_INLINE void dequantize_block(const uint8_t* blk, float* dst) {
 #if STAGEWISE_Q_LEVEL >= 1
-  VF w[kSubVectors];
-  sub_weights<Q>(blk, sub, w);
-  for (int v = 0; v < kSubVectors; ++v) vstore(dst + v * kVecLanes, w[v]);
+  Factors<Q> f;
+  block_factors<Q>(blk, f);
+  for (int sub = 0; sub < Block<Q>::kSubs; ++sub) {
+    VF w[kSubVectors];
+    sub_weights<Q>(blk, sub, f, w);
+    for (int v = 0; v < kSubVectors; ++v) vstore(dst + sub * kQuantBlock + v * kVecLanes, w[v]);
+  }
 #else
-  dequantize_sub_scalar<Q>(blk, sub, dst);
+  for (int sub = 0; sub < Block<Q>::kSubs; ++sub) dequantize_sub_scalar<Q>(blk, sub, dst + sub * kQuantBlock);
 #endif
 }
 
@@ -128,11 +132,7 @@ STAGEWISE_Q_TARGET void panels(const QuantLinearParams& p, const Inputs& in, int
       float* dst = panel + r * K;
       if (r < n_count) {
         const uint8_t* row = p.qweight + (n_begin + r) * nblocks * Block<Q>::kBytes;
-        for (int64_t b = 0; b < nblocks; ++b) {
-          for (int sub = 0; sub < Block<Q>::kSubs; ++sub, dst += kQuantBlock) {
-            dequantize_sub<Q>(row + b * Block<Q>::kBytes, sub, dst);
-          }
-        }
+        for (int64_t b = 0; b < nblocks; ++b) dequantize_block<Q>(row + b * Block<Q>::kBytes, dst + b * Block<Q>::kWeights);
       } else {  // past the last output feature: zeros, computed and never stored
         std::fill(dst, dst + K, 0.f);
       }
@@ -163,6 +163,9 @@ STAGEWISE_Q_TARGET void direct_tile(const uint8_t* const* rows, const float* x, 
   }
   const int64_t nblocks = K / Block<Q>::kWeights;
   for (int64_t b = 0; b < nblocks; ++b) {
+    Factors<Q> f[kDirectNR];
+#pragma GCC unroll 8
+    for (int j = 0; j < kDirectNR; ++j) block_factors<Q>(rows[j] + b * Block<Q>::kBytes, f[j]);
     for (int sub = 0; sub < Block<Q>::kSubs; ++sub) {
       const int64_t xb = b * Block<Q>::kSubs + sub;
       if (pf != nullptr) pf->reach(rows[0] + (xb + 1) * step_bytes);
@@ -170,7 +173,7 @@ STAGEWISE_Q_TARGET void direct_tile(const uint8_t* const* rows, const float* x, 
 #pragma GCC unroll 8
       for (int j = 0; j < kDirectNR; ++j) {
         VF w[kSubVectors];
-        sub_weights<Q>(rows[j] + b * Block<Q>::kBytes, sub, w);
+        sub_weights<Q>(rows[j] + b * Block<Q>::kBytes, sub, f[j], w);
 #pragma GCC unroll 8
         for (int i = 0; i < kMR; ++i) {
 #pragma GCC unroll 4
