@@ -3,12 +3,11 @@
 //
 // The kernels (quant_linear_isa.h) are compiled once per ISA level of cpu/isa.h: baseline,
 // AVX2 (8-float vectors) and AVX-512 (16; the VNNI level adds nothing to float maths and runs
-// the AVX-512 copy), and the copy cpu_isa() names runs. Few rows of x (decode steps) take the
-// direct kernel, which decodes each sub-block into registers and multiplies it at once; more
-// rows take the panel kernel, which dequantises a panel of weight rows into scratch once and
-// runs a register-blocked micro-kernel over it (the glue sends 32 rows and more to a BLAS GEMM
-// over dequantised tiles instead, csrc/bindings/ops_cpu.cpp). The row counts where the direct
-// kernel stops paying are measured per level (kDirectMaxRows below).
+// the AVX-512 copy), and the copy cpu_isa() names runs. On AVX2 and AVX-512 the direct kernel
+// decodes each sub-block into registers and multiplies it at once; the baseline copy dequantises
+// a panel of weight rows into scratch and runs a register-blocked micro-kernel over it. From
+// quant_linear_dense_min_rows() rows on (a prompt) the glue multiplies dequantised tiles of W
+// with a BLAS GEMM instead (csrc/bindings/ops_cpu.cpp).
 //
 // FMAs may fuse the products and sums: the dequantisation is exact either way (quant_blocks.h),
 // and the sums are float32 in the kernel's order.
@@ -63,26 +62,31 @@ struct Inputs {
 #undef STAGEWISE_Q_TARGET
 #endif
 
-// Up to this many rows of x the direct kernel runs (AVX2, AVX-512); measured with 1 thread on
-// SmolLM2's shapes (Zen 4; AVX2 forced through STAGEWISE_CPU_ISA), see docs/ops.md.
-constexpr int64_t kDirectMaxRows[] = {0, 4, 8, 8};
+// From this many rows of x the dequantised-tile GEMM beats the kernels here, per ISA level
+// (baseline, AVX2, AVX-512, AVX-512 VNNI). Measured with 1 thread on SmolLM2's 30 layers of Q4_1
+// linears streamed from memory (Zen 4, AVX2 forced through STAGEWISE_CPU_ISA; ms for all of them):
+//   AVX-512 direct  8 rows 25.0, 24 rows 69-71, 28 rows 81.9, 32 rows 91-93 (panels: 34.5, 75.7, -, 97.8)
+//   AVX2 direct     8 rows 37.6, 10 rows 46.4, 12 rows 54.8, 16 rows 71.9 (panels: 36.0, -, 58.1, 58.9)
+//   GEMM            8 rows 38-39, 10 rows 46.2, 12 rows 46.9, 16 rows 55.3, 28 rows 80.5, 32 rows 88-89
+// The panel kernel never won where the direct one exists; the baseline keeps the earlier 32.
+constexpr int64_t kDenseMinRows[] = {32, 12, 28, 28};
 
 using KernelFn = void (*)(const QuantLinearParams&, const Inputs&, int64_t, int64_t);
 using DequantizeFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, float*);
 
-struct Kernels {
-  KernelFn direct = nullptr;  // tiles of `direct_nr` output features; nullptr at the baseline
-  int64_t direct_nr = 0;
-  KernelFn panels = nullptr;  // panels of kPanel output features
+// The kernel of an ISA level and the output features a work item of it covers.
+struct Kernel {
+  KernelFn fn = nullptr;
+  int64_t features = 0;
 };
 
 template <QType Q, typename D>
-Kernels kernels_for(Isa isa) {
+Kernel kernel_for(Isa isa) {
 #ifdef STAGEWISE_X86
-  if (isa >= Isa::kAvx512) return {isa_avx512::direct<Q, D>, isa_avx512::kDirectNR, isa_avx512::panels<Q, D>};
-  if (isa >= Isa::kAvx2) return {isa_avx2::direct<Q, D>, isa_avx2::kDirectNR, isa_avx2::panels<Q, D>};
+  if (isa >= Isa::kAvx512) return {isa_avx512::direct<Q, D>, isa_avx512::kDirectNR};
+  if (isa >= Isa::kAvx2) return {isa_avx2::direct<Q, D>, isa_avx2::kDirectNR};
 #endif
-  return {nullptr, 0, isa_baseline::panels<Q, D>};
+  return {isa_baseline::panels<Q, D>, kPanel};
 }
 
 template <QType Q>
@@ -95,6 +99,8 @@ DequantizeFn dequantize_for(Isa isa) {
 }
 
 }  // namespace
+
+int64_t quant_linear_dense_min_rows() { return kDenseMinRows[static_cast<int>(cpu_isa())]; }
 
 void quant_dequantize(const uint8_t* qweight, QType qtype, int64_t rows, int64_t in_features, float* out) {
   const Isa isa = cpu_isa();
@@ -110,7 +116,7 @@ void quant_linear(const QuantLinearParams& p) {
   const Isa isa = cpu_isa();
   std::vector<float> x_buf, bias_buf;
   Inputs in{static_cast<const float*>(p.x), p.x_row_stride, nullptr};
-  Kernels k;
+  Kernel k;
   dispatch_dtype(p.dtype, [&](auto tag) {
     using D = decltype(tag);
     if constexpr (!std::is_same_v<D, F32>) {  // activations to float32 once, shared by every tile
@@ -122,18 +128,11 @@ void quant_linear(const QuantLinearParams& p) {
       in.x_stride = K;
     }
     if (p.bias != nullptr) in.bias = as_float<D>(p.bias, p.out_features, bias_buf);
-    k = dispatch_qtype(p.qtype, [&](auto q) { return kernels_for<decltype(q)::value, D>(isa); });
+    k = dispatch_qtype(p.qtype, [&](auto q) { return kernel_for<decltype(q)::value, D>(isa); });
   });
-  if (k.direct != nullptr && p.rows <= kDirectMaxRows[static_cast<int>(isa)]) {
-    const int64_t tiles = (p.out_features + k.direct_nr - 1) / k.direct_nr;
-    at::parallel_for(0, tiles, grain_for(k.direct_nr * K * p.rows), [&](int64_t begin, int64_t end) {
-      k.direct(p, in, begin, end);
-    });
-    return;
-  }
-  const int64_t num_panels = (p.out_features + kPanel - 1) / kPanel;
-  at::parallel_for(0, num_panels, grain_for(kPanel * K * p.rows), [&](int64_t begin, int64_t end) {
-    k.panels(p, in, begin, end);
+  const int64_t items = (p.out_features + k.features - 1) / k.features;
+  at::parallel_for(0, items, grain_for(k.features * K * p.rows), [&](int64_t begin, int64_t end) {
+    k.fn(p, in, begin, end);
   });
 }
 

@@ -4,12 +4,12 @@
 //   STAGEWISE_Q_TARGET  the function attribute of that level (empty for the baseline).
 //
 // Two kernels, both over the exact float32 weights (quant_blocks.h):
-//   direct (AVX2 and up, few rows of x: decode steps): each 32-weight sub-block of kNR weight
-//     rows is decoded into registers and multiplied straight into kMR x kNR float32 partial-sum
-//     vectors; nothing is stored, the weights are read once per pass over the rows of x.
-//   panels (every level, more rows): kPanel weight rows are dequantised once into float32
-//     scratch (L1/L2 resident), then a register-blocked micro-kernel (MR rows of x by NR rows of
-//     the panel) runs every row of x against it.
+//   direct (AVX2 and AVX-512): each 32-weight sub-block of kNR weight rows is decoded into
+//     registers and multiplied straight into kMR x kNR float32 partial-sum vectors; nothing is
+//     stored, the weights are read once per pass over the rows of x.
+//   panels (the baseline): kPanel weight rows are dequantised once into float32 scratch (L1/L2
+//     resident), then a register-blocked micro-kernel (MR rows of x by NR rows of the panel)
+//     runs every row of x against it.
 #define STAGEWISE_Q_INLINE STAGEWISE_ALWAYS_INLINE STAGEWISE_Q_TARGET
 
 namespace STAGEWISE_Q_NS {

@@ -93,6 +93,9 @@ struct QuantLinearParams {
 
 namespace cpu {
 void quant_linear(const QuantLinearParams& p);
+// From this many rows of x, quant_linear's CPU glue multiplies dequantised tiles of W with a GEMM
+// (measured per ISA level in csrc/cpu/quant_linear.cpp).
+int64_t quant_linear_dense_min_rows();
 void quant_linear_int8(const QuantLinearParams& p);
 // packed [ceil(rows / 16), in_features / block weights * record bytes] = the GGUF rows
 // qweight [rows, ...] regrouped for quant_linear_int8 (csrc/cpu/quant_pack.h).

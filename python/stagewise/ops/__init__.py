@@ -208,8 +208,9 @@ def quant_linear(
     Q4_1, Q8_0 in blocks of 32 weights, Q4_K and Q6_K in blocks of 256).
     The weights are their exact float32 dequantised values and the sums are float32,
     rounded once to x's dtype with the bias added (bias ``[out_features]`` in x's dtype).
-    On the CPU, 32 rows or more (a prompt) take a GEMM over dequantised tiles of W, fewer
-    (decode) a kernel that reads each block once; both give these values up to summation order.
+    On the CPU, a prompt's rows (from 12 to 32 rows on, by ISA level) take a GEMM over dequantised
+    tiles of W, fewer (decode) a kernel that reads each block once; both give these values up to
+    summation order.
     """
     out = _linear_out(x, qweight, out)
     _ops.quant_linear(out, x, qweight, qtype, bias)
