@@ -40,7 +40,7 @@ def _linear_args(module: Linear | RowParallelLinear) -> tuple:
     w, bias = module.weight, module.bias
     if isinstance(w, QuantizedWeight):
         if w.precision == "int8":
-            return w.packed, w.qtype, True, w.shape[0], bias
+            return w.for_linear().packed, w.qtype, True, w.shape[0], bias
         return w.data, w.qtype, False, w.shape[0], bias
     return w, -1, False, w.shape[0], bias
 
@@ -50,9 +50,6 @@ def build_decode_stack(layers: list[torch.nn.Module], activation: str, device: t
     pre-norm decoder layers of one rank (see the module docstring)."""
     if not layers or not all(_fits(layer, activation) for layer in layers):
         return None
-    if any(isinstance(m.weight, QuantizedWeight) and m.weight.precision == "int8" and m.weight.packed is None
-           for layer in layers for m in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)):
-        return None  # int8 weights not prepared by their layers (for_linear): the Python path packs on the fly
     first = layers[0]
     attn, rotary = first.attn, first.attn.rotary
     stack = torch.classes.stagewise.DecoderStack(attn.num_heads, attn.num_kv_heads, attn.head_dim, rotary.eps,

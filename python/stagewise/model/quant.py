@@ -118,20 +118,18 @@ class QuantizedWeight:
             *ids.shape, self.in_features)
 
     def for_linear(self) -> QuantizedWeight:
-        """This weight as a linear layer keeps it: with ``precision="int8"`` its rows packed for the
-        int8 kernel (:func:`stagewise.ops.quant_pack_int8`, once, at load time), which also keeps the
-        GGUF rows (the same tensor may embed); otherwise itself."""
-        if self.precision != "int8" or self.packed is not None:
-            return self
-        return QuantizedWeight(self.data, self.qtype, self.in_features, self.dtype, self.precision,
-                               packed=ops.quant_pack_int8(self.data.contiguous(), self.qtype))
+        """Itself, ready to multiply: with ``precision="int8"`` its rows packed for the int8 kernel
+        (:func:`stagewise.ops.quant_pack_int8`) once, when a layer takes it at load time; the GGUF
+        rows stay (the same tensor may also embed)."""
+        if self.precision == "int8" and self.packed is None:
+            self.packed = ops.quant_pack_int8(self.data.contiguous(), self.qtype)
+        return self
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T + bias`` through :func:`stagewise.ops.quant_linear` (``precision="exact"``) or
         :func:`stagewise.ops.quant_linear_int8` (``"int8"``, over the packed rows of :meth:`for_linear`)."""
         if self.precision == "int8":
-            packed = self.packed if self.packed is not None else self.for_linear().packed
-            return ops.quant_linear_int8(x, packed, self.qtype, self.data.size(0), bias)
+            return ops.quant_linear_int8(x, self.for_linear().packed, self.qtype, self.data.size(0), bias)
         return ops.quant_linear(x, self.data, self.qtype, bias)
 
 
