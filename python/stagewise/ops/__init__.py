@@ -13,6 +13,13 @@ import torch
 
 from stagewise import _C  # noqa: F401  (loads the library; registers torch.ops.stagewise)
 from stagewise.ops import _fake  # noqa: F401  (registers the fake implementations)
+from stagewise.ops.qtypes import (  # noqa: F401  (re-exported)
+    QTYPES,
+    QUANT_BLOCK_BYTES,
+    QUANT_BLOCK_WEIGHTS,
+    QUANT_PACK_RECORD_BYTES,
+    quant_row_bytes,
+)
 
 __all__ = [
     "rms_norm",
@@ -27,21 +34,8 @@ __all__ = [
     "quant_linear_int8",
     "quant_pack_int8",
 ]
-# Also here, not ops: QTYPES and the block sizes, quant_row_bytes, cpu_isa, cpu_isa_supported.
-
-# GGUF block types quant_linear takes: name -> GGML type id (ggml.h), and the block layout of
-# include/stagewise/quant.h (weights a block: in_features must be a multiple; bytes a block).
-QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
-QUANT_BLOCK_WEIGHTS = {2: 32, 3: 32, 8: 32, 12: 256, 14: 256}
-QUANT_BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 12: 144, 14: 210}
-QUANT_PACK_RECORD_BYTES = {2: 288, 3: 320, 8: 544, 12: 2368, 14: 3360}
-"""Bytes of one block of 16 rows in :func:`quant_pack_int8`'s panels (csrc/cpu/quant_pack.h)."""
-
-
-def quant_row_bytes(qtype: int, in_features: int) -> int:
-    """Bytes of one row of ``in_features`` weights in blocks of ``qtype``."""
-    return in_features // QUANT_BLOCK_WEIGHTS[qtype] * QUANT_BLOCK_BYTES[qtype]
-
+# Also here, not ops: the GGUF block types (QTYPES, the block sizes, quant_row_bytes) and the
+# CPU kernels' instruction-set level (cpu_isa, cpu_isa_supported).
 
 def cpu_isa() -> str:
     """The instruction-set level the CPU kernels run: ``baseline``, ``avx2``, ``avx512`` or
