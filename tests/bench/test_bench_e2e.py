@@ -41,7 +41,7 @@ def test_e2e_writes_rows_with_the_transformers_baseline(folder, tmp_path):
     argv = ["e2e", "--model", str(folder), "--batch-sizes", "1,3", "--prompt-len", "6", "--new-tokens", "5",
             "--repeats", "2", "--threads", "1", "--tiny", "--out", str(out)]
     assert main(argv) == 0
-    [js] = list(out.glob("*-e2e.json"))
+    [js] = list(out.glob("*-e2e-t1.json"))
     md = js.with_suffix(".md")
     data = json.loads(js.read_text())
     assert data["machine"]["torch_threads"] == 1 and data["copy_bandwidth"]["gbps"] > 0
@@ -63,7 +63,7 @@ def test_e2e_writes_rows_with_the_transformers_baseline(folder, tmp_path):
     assert data["machine"]["linear_precisions"] == ["exact"] and data["machine"]["skipped_precisions"] == ["int8"]
     # The ISA the kernels ran at names the device and heads the results.
     isa = data["machine"]["cpu_isa"]
-    assert js.name.endswith(f"-{isa}-e2e.json") and f"ISA: stagewise kernels at {isa}" in text
+    assert js.name.endswith(f"-{isa}-e2e-t1.json") and f"ISA: stagewise kernels at {isa}" in text
 
 
 def test_default_out_is_a_dated_folder_of_its_own(folder, tmp_path, monkeypatch):
@@ -73,7 +73,7 @@ def test_default_out_is_a_dated_folder_of_its_own(folder, tmp_path, monkeypatch)
             "--repeats", "1", "--threads", "1", "--tiny"]
     assert main(argv) == 0
     [folder_made] = list((tmp_path / "bench" / "results").iterdir())
-    assert folder_made.is_dir() and folder_made.name.startswith("cpu-") and len(list(folder_made.glob("*-e2e.*"))) == 2
+    assert folder_made.is_dir() and folder_made.name.startswith("cpu-") and len(list(folder_made.glob("*-e2e-t1.*"))) == 2
 
 
 def test_llama_cpp_baseline_needs_a_gguf(folder, tmp_path, capsys):

@@ -68,10 +68,11 @@ def startup_lines(startup: dict) -> list[str]:
 
 
 def write(out: Path, info: dict, copy_bw: dict, rows: list[dict], agree: dict, startup: dict) -> Path:
-    """<out>/<device>-e2e.json and .md; returns their stem."""
+    """<out>/<device>-e2e-t<threads>.json and .md (one pair per ISA level and thread count);
+    returns their stem."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{info['device']}-e2e"
+    stem = out / f"{info['device']}-e2e-t{info['torch_threads']}"
     stem.with_suffix(".json").write_text(json.dumps({"machine": info, "copy_bandwidth": copy_bw, "rows": rows,
                                                      "agreement": agree, "startup": startup}, indent=2) + "\n")
     baselines = ", ".join(f"{n} ({', '.join(f'{k} {v}' for k, v in b.items() if k != 'system_info')})"
