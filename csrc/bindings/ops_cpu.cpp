@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "bindings/params.h"
+#include "cpu/quant_pack.h"
 #include "stagewise/ring.h"
 
 namespace stagewise::glue {
@@ -64,13 +65,10 @@ void merge_attn_states(at::Tensor& out, at::Tensor& lse, const at::Tensor& out_a
   cpu::merge_attn_states(make_merge_attn_states_params(out, lse, out_a, lse_a, out_b, lse_b));
 }
 
-// From this many rows of x (a prompt, not a decode step) quant_linear dequantises W a tile of
-// output features at a time and multiplies with at::mm (a packed BLAS GEMM): the same float32
-// weights, float32 sums in BLAS order. Below it the block kernel, which reads each block once
-// and needs no scratch, is as fast or faster: on SmolLM2's shapes with 1 thread (Zen 4) the two
-// cross between 24 and 64 rows (K = 576 sooner, K = 1536 later), and one layer's linears together
-// at about 24-32 rows; at 512 rows the GEMM is 1.1-1.4x faster.
-constexpr int64_t kDenseMinRows = 32;
+// From cpu::quant_linear_dense_min_rows() rows of x (a prompt, not a decode step) quant_linear
+// dequantises W a tile of output features at a time and multiplies with at::mm (a packed BLAS GEMM):
+// the same float32 weights, float32 sums in BLAS order. Below it the block kernels, which read each
+// block once and need no scratch, are as fast or faster (the crossing is measured per ISA level).
 constexpr int64_t kDenseTileBytes = int64_t{1} << 20;  // float32 weights per tile: L2-sized
 
 void quant_linear_dense(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
@@ -100,13 +98,25 @@ void quant_linear_dense(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,
                   const std::optional<at::Tensor>& bias) {
   const QuantLinearParams p = make_quant_linear_params(out, x, qweight, qtype, bias);
-  if (p.rows >= kDenseMinRows && p.out_features > 0) return quant_linear_dense(out, x, qweight, bias, p);
+  if (p.rows >= cpu::quant_linear_dense_min_rows() && p.out_features > 0) {
+    return quant_linear_dense(out, x, qweight, bias, p);
+  }
   cpu::quant_linear(p);
 }
 
 void quant_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,
                        const std::optional<at::Tensor>& bias) {
-  cpu::quant_linear_int8(make_quant_linear_params(out, x, qweight, qtype, bias, "quant_linear_int8"));
+  cpu::quant_linear_int8(make_quant_linear_params(out, x, qweight, qtype, bias, /*packed=*/true));
+}
+
+// The GGUF rows [N, row bytes] regrouped into quant_linear_int8's panels [ceil(N / 16), panel bytes].
+at::Tensor quant_pack_int8(const at::Tensor& qweight, int64_t qtype) {
+  const QuantPackArgs a = make_quant_pack_args(qweight, qtype);
+  at::Tensor packed = at::empty({(a.rows + cpu::kPanelRows - 1) / cpu::kPanelRows,
+                                 a.in_features / quant_block_weights(a.qtype) * cpu::quant_pack_record_bytes(a.qtype)},
+                                qweight.options());
+  cpu::quant_pack_int8(qweight.data_ptr<uint8_t>(), a.qtype, a.rows, a.in_features, packed.data_ptr<uint8_t>());
+  return packed;
 }
 
 
@@ -198,6 +208,7 @@ TORCH_LIBRARY_IMPL(stagewise, CPU, m) {
   m.impl("merge_attn_states", &merge_attn_states);
   m.impl("quant_linear", &quant_linear);
   m.impl("quant_linear_int8", &quant_linear_int8);
+  m.impl("quant_pack_int8", &quant_pack_int8);
   m.impl("ring_init", &ring_init);
   m.impl("ring_attach", &ring_attach);
   m.impl("ring_info", &ring_info);

@@ -111,7 +111,7 @@ void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweigh
 // The int8 mode is a CPU kernel only: arguments are checked as everywhere, then a clear error.
 void quant_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,
                        const std::optional<at::Tensor>& bias) {
-  (void)make_quant_linear_params(out, x, qweight, qtype, bias, "quant_linear_int8");
+  (void)make_quant_linear_params(out, x, qweight, qtype, bias, /*packed=*/true);
   TORCH_CHECK_NOT_IMPLEMENTED(false, "stagewise.quant_linear_int8: the int8 mode has no CUDA kernel (CPU only); "
                               "use quant_linear on ", x.device());
 }

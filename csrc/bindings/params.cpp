@@ -1,5 +1,7 @@
 #include "bindings/params.h"
 
+#include "cpu/quant_pack.h"
+
 #include <sstream>
 
 #include <ATen/ATen.h>
@@ -486,29 +488,40 @@ namespace stagewise::glue {
 
 QuantLinearParams make_quant_linear_params(at::Tensor& out, const at::Tensor& x,
                                            const at::Tensor& qweight, int64_t qtype,
-                                           const std::optional<at::Tensor>& bias, const char* op) {
+                                           const std::optional<at::Tensor>& bias, bool packed) {
+  const char* op = packed ? "quant_linear_int8" : "quant_linear";
   QuantLinearParams p{};
   p.dtype = float_dtype(op, "x", x);
   const Rows xr = rows_of(op, "x", x);
-  const char* qname = qtype == 2 ? "Q4_0" : qtype == 3 ? "Q4_1" : qtype == 8 ? "Q8_0" : nullptr;
-  TORCH_CHECK_VALUE(qname != nullptr, "stagewise.", op, ": argument 'qtype' must be a GGML type id of ",
-                    "Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", qtype);
+  const char* qname = qtype_name(op, qtype);
   p.qtype = static_cast<QType>(qtype);
-  const int64_t in = x.size(-1);
-  TORCH_CHECK_VALUE(in > 0 && in % kQuantBlock == 0, "stagewise.", op, ": argument 'x' last dim ",
-                    "(in_features) must be a positive multiple of the block size ", kQuantBlock,
-                    ", got shape ", shape_of(x));
-  check_dtype_is(op, "qweight", qweight, at::kByte, "the raw GGUF blocks");
+  const int64_t in = x.size(-1), block = quant_block_weights(p.qtype);
+  TORCH_CHECK_VALUE(in > 0 && in % block == 0, "stagewise.", op, ": argument 'x' last dim ",
+                    "(in_features) must be a positive multiple of ", qname, "'s block of ", block,
+                    " weights, got shape ", shape_of(x));
+  check_dtype_is(op, "qweight", qweight, at::kByte, packed ? "the packed panels of quant_pack_int8" : "the raw GGUF blocks");
   check_same_device(op, "qweight", qweight, "x", x);
-  check_dim(op, "qweight", qweight, 2, "[out_features, bytes_per_row]");
-  const int64_t row_bytes = in / kQuantBlock * quant_block_bytes(p.qtype);
-  TORCH_CHECK_VALUE(qweight.size(1) == row_bytes, "stagewise.", op, ": argument 'qweight' dim 1 ",
-                    "(bytes per row) must be in_features / ", kQuantBlock, " * ",
-                    quant_block_bytes(p.qtype), " = ", row_bytes, " for ", qname, " with in_features=",
-                    in, ", got ", qweight.size(1), " (shape ", shape_of(qweight), ")");
-  check_contiguous(op, "qweight", qweight);
-  const int64_t n = qweight.size(0);
+  check_dim(op, "qweight", qweight, 2, packed ? "[panels, bytes_per_panel]" : "[out_features, bytes_per_row]");
   check_float_like(op, "out", out, "x", x);
+  TORCH_CHECK_VALUE(out.dim() == x.dim(), "stagewise.", op, ": argument 'out' must have x's ", x.dim(),
+                    " dims (x's leading dims, out_features), got shape ", shape_of(out));
+  const int64_t n = packed ? out.size(-1) : qweight.size(0);
+  if (packed) {
+    const int64_t panel_bytes = in / block * cpu::quant_pack_record_bytes(p.qtype);
+    const int64_t panels = (n + cpu::kPanelRows - 1) / cpu::kPanelRows;
+    TORCH_CHECK_VALUE(qweight.size(0) == panels && qweight.size(1) == panel_bytes, "stagewise.", op,
+                      ": argument 'qweight' must be the packed panels [ceil(out_features / ", cpu::kPanelRows,
+                      "), in_features / ", block, " * ", cpu::quant_pack_record_bytes(p.qtype), "] = [", panels,
+                      ", ", panel_bytes, "] for ", qname, " with in_features=", in, " and out_features=", n,
+                      " (out's last dim), got shape ", shape_of(qweight));
+  } else {
+    const int64_t row_bytes = in / block * quant_block_bytes(p.qtype);
+    TORCH_CHECK_VALUE(qweight.size(1) == row_bytes, "stagewise.", op, ": argument 'qweight' dim 1 ",
+                      "(bytes per row) must be in_features / ", block, " * ", quant_block_bytes(p.qtype), " = ",
+                      row_bytes, " for ", qname, " with in_features=", in, ", got ", qweight.size(1), " (shape ",
+                      shape_of(qweight), ")");
+  }
+  check_contiguous(op, "qweight", qweight);
   std::vector<int64_t> want(x.sizes().begin(), x.sizes().end());
   want.back() = n;
   TORCH_CHECK_VALUE(out.sizes() == at::IntArrayRef(want), "stagewise.", op, ": argument 'out' must ",
@@ -518,7 +531,7 @@ QuantLinearParams make_quant_linear_params(at::Tensor& out, const at::Tensor& x,
   if (bias.has_value()) {
     check_float_like(op, "bias", *bias, "x", x);
     check_dim(op, "bias", *bias, 1, "[out_features]");
-    check_size(op, "bias", *bias, 0, n, "out_features, as qweight dim 0");
+    check_size(op, "bias", *bias, 0, n, "out_features");
     check_contiguous(op, "bias", *bias);
     p.bias = bias->data_ptr();
   }
@@ -531,6 +544,25 @@ QuantLinearParams make_quant_linear_params(at::Tensor& out, const at::Tensor& x,
   p.in_features = in;
   p.out_features = n;
   return p;
+}
+
+QuantPackArgs make_quant_pack_args(const at::Tensor& qweight, int64_t qtype) {
+  constexpr const char* op = "quant_pack_int8";
+  const char* qname = qtype_name(op, qtype);
+  const QType q = static_cast<QType>(qtype);
+  check_dtype_is(op, "qweight", qweight, at::kByte, "the raw GGUF blocks");
+  TORCH_CHECK_VALUE(qweight.dim() == 2 && qweight.is_contiguous() && qweight.size(1) % quant_block_bytes(q) == 0,
+                    "stagewise.", op, ": argument 'qweight' must be contiguous [rows, blocks * ", quant_block_bytes(q),
+                    "] (", qname, " blocks), got shape ", shape_of(qweight), " and strides ", qweight.strides());
+  return {q, qweight.size(0), qweight.size(1) / quant_block_bytes(q) * quant_block_weights(q)};
+}
+
+const char* qtype_name(const char* op, int64_t qtype) {
+  const char* name = qtype == 2 ? "Q4_0" : qtype == 3 ? "Q4_1" : qtype == 8 ? "Q8_0"
+                   : qtype == 12 ? "Q4_K" : qtype == 14 ? "Q6_K" : nullptr;
+  TORCH_CHECK_VALUE(name != nullptr, "stagewise.", op, ": argument 'qtype' must be a GGML type id of ",
+                    "Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12) or Q6_K (14), got ", qtype);
+  return name;
 }
 
 }  // namespace stagewise::glue

@@ -45,10 +45,18 @@ MergeAttnStatesParams make_merge_attn_states_params(at::Tensor& out, at::Tensor&
                                                     const at::Tensor& lse_a,
                                                     const at::Tensor& out_b,
                                                     const at::Tensor& lse_b);
-// qtype: a GGML type id (QType); bias: [out_features] in x's dtype, or none; op: the name in errors.
+// qtype: a GGML type id (QType); bias: [out_features] in x's dtype, or none; packed: qweight is
+// quant_pack_int8's panels (quant_linear_int8) rather than the GGUF rows (quant_linear).
 QuantLinearParams make_quant_linear_params(at::Tensor& out, const at::Tensor& x,
                                            const at::Tensor& qweight, int64_t qtype,
-                                           const std::optional<at::Tensor>& bias,
-                                           const char* op = "quant_linear");
+                                           const std::optional<at::Tensor>& bias, bool packed = false);
+// quant_pack_int8's argument: GGUF rows [rows, blocks * block bytes] of type qtype, contiguous.
+struct QuantPackArgs {
+  QType qtype;
+  int64_t rows, in_features;
+};
+QuantPackArgs make_quant_pack_args(const at::Tensor& qweight, int64_t qtype);
+// The GGUF name of a GGML type id the quantised ops take; ValueError naming `op` otherwise.
+const char* qtype_name(const char* op, int64_t qtype);
 
 }  // namespace stagewise::glue

@@ -34,6 +34,7 @@ TORCH_LIBRARY(stagewise, m) {
       "Tensor out_b, Tensor lse_b) -> ()");
   m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor qweight, int qtype, Tensor? bias) -> ()");
   m.def("quant_linear_int8(Tensor(a!) out, Tensor x, Tensor qweight, int qtype, Tensor? bias) -> ()");
+  m.def("quant_pack_int8(Tensor qweight, int qtype) -> Tensor");
 
   // Activation ring (CPU, shared memory). Slot results: >= 0, or -1 timed out, -2 closed.
   m.def("ring_bytes(int slot_bytes, int num_slots, bool external_slots) -> int");

@@ -19,14 +19,12 @@
 #include "stagewise/common.h"
 
 // The hot loops are compiled twice: for the baseline ISA and, on x86-64, for
-// AVX2+FMA, picked at run time like ATen's own kernels (so ATEN_CPU_CAPABILITY=
-// default selects the baseline), and the build needs no -march flag.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <ATen/Version.h>
-
-#include <string>
+// AVX2+FMA (STAGEWISE_TARGET_AVX2 of cpu/isa.h), picked at run time by
+// cpu_isa() (so STAGEWISE_CPU_ISA=baseline selects the baseline), and the
+// build needs no -march flag.
+#include "cpu/isa.h"
+#ifdef STAGEWISE_X86
 #define STAGEWISE_HAVE_AVX2_PATH 1
-#define STAGEWISE_TARGET_AVX2 __attribute__((target("avx2,fma")))
 #endif
 
 #if defined(__GNUC__) || defined(__clang__)
@@ -38,15 +36,7 @@
 namespace stagewise::cpu {
 
 #ifdef STAGEWISE_HAVE_AVX2_PATH
-// ATen's capability: the CPU's, capped by ATEN_CPU_CAPABILITY. Both AVX2 and
-// AVX512 imply AVX2 + FMA.
-inline bool use_avx2_path() {
-  static const bool avx2 = [] {
-    const std::string capability = at::get_cpu_capability();
-    return capability == "AVX2" || capability == "AVX512";
-  }();
-  return avx2;
-}
+inline bool use_avx2_path() { return cpu_isa() >= Isa::kAvx2; }
 #endif
 
 inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();

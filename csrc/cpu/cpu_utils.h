@@ -1,17 +1,17 @@
 // Helpers shared by the CPU kernels: storage dtypes and their float32
-// conversion, dtype dispatch, ISA multiversioning, the RMSNorm rounding and
-// index checks.
+// conversion, dtype dispatch, the ISA copies of element-wise kernels, the
+// RMSNorm rounding and index checks.
 //
 // How the kernels vectorise: the extension is compiled with plain -O3 (the
 // baseline ISA), so kernels convert a block of elements to float32 scratch,
 // do their maths there in plain loops the compiler vectorises, and convert
-// back. Entry points carry STAGEWISE_CPU_MULTIVERSION, which on x86-64 GCC
-// also emits an AVX2 copy picked at load time; every helper they use is
-// always-inline so that it is compiled into each copy. Element-wise kernels
-// are called through call_best_isa instead, which adds an AVX-512 copy. The copies do the same
-// float32 operations in the same order (no FMA), so they give the same bits.
-// float16 <-> float32 block conversion uses the F16C instructions when the CPU
-// has them (checked once at run time), else exact branch-free bit arithmetic.
+// back. Element-wise kernels are called through call_best_isa, which compiles
+// them once per ISA level (cpu/isa.h: baseline, AVX2, AVX-512) and runs the
+// copy cpu_isa() names; every helper they use is always-inline so that it is
+// compiled into each copy. The copies do the same float32 operations in the
+// same order (contraction into FMA is off), so they give the same bits.
+// float16 <-> float32 block conversion uses the F16C instructions from the
+// AVX2 level on, else exact branch-free bit arithmetic.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -22,26 +22,23 @@
 
 #include <c10/util/Exception.h>
 
+#include "cpu/isa.h"
 #include "stagewise/common.h"
 
-#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
 #define STAGEWISE_X86_F16C 1
+// The element-wise copies (see call_best_isa): AVX2 8 floats wide, AVX-512 16 wide (GCC's
+// generic tuning would otherwise vectorise 8 wide even there). Both ISAs carry FMA, which
+// the compiler would use to fuse a multiply and an add; contraction is off so every copy
+// gives the same bits.
+#define STAGEWISE_CPU_AVX2 __attribute__((target("avx2,fma,f16c"), optimize("fp-contract=off")))
+#define STAGEWISE_CPU_AVX512 \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,prefer-vector-width=512"), \
+                 optimize("fp-contract=off")))
 #endif
 
 #define STAGEWISE_ALWAYS_INLINE inline __attribute__((always_inline))
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__)
-#define STAGEWISE_CPU_MULTIVERSION __attribute__((target_clones("avx2", "default")))
-// The AVX-512 copy of an element-wise kernel (see call_best_isa), 16 floats
-// wide: GCC's generic tuning would otherwise vectorise 8 wide even there.
-// AVX-512 carries FMA instructions, which the compiler would use to fuse a
-// multiply and an add; contraction is off so every copy gives the same bits.
-#define STAGEWISE_CPU_AVX512 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,prefer-vector-width=512"), optimize("fp-contract=off")))
-#else
-#define STAGEWISE_CPU_MULTIVERSION
-#endif
 
 namespace stagewise::cpu {
 
@@ -49,10 +46,14 @@ namespace stagewise::cpu {
 
 namespace detail {
 template <typename Kernel, typename... Args>
-STAGEWISE_CPU_MULTIVERSION void call_multiversion(const Args&... args) {
+void call_baseline(const Args&... args) {
   Kernel::run(args...);
 }
 #ifdef STAGEWISE_CPU_AVX512
+template <typename Kernel, typename... Args>
+STAGEWISE_CPU_AVX2 void call_avx2(const Args&... args) {
+  Kernel::run(args...);
+}
 template <typename Kernel, typename... Args>
 STAGEWISE_CPU_AVX512 void call_avx512(const Args&... args) {
   Kernel::run(args...);
@@ -60,17 +61,16 @@ STAGEWISE_CPU_AVX512 void call_avx512(const Args&... args) {
 #endif
 }  // namespace detail
 
-// Kernel::run(args...) (a static always-inline function) compiled for the best
-// ISA this CPU has: AVX-512 where built and present, else as
-// STAGEWISE_CPU_MULTIVERSION picks.
+// Kernel::run(args...) (a static always-inline function) compiled for the ISA level
+// cpu_isa() names (cpu/isa.h).
 template <typename Kernel, typename... Args>
 void call_best_isa(const Args&... args) {
 #ifdef STAGEWISE_CPU_AVX512
-  static const bool has_avx512 = __builtin_cpu_supports("avx512f") &&
-                                 __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-  if (has_avx512) return detail::call_avx512<Kernel>(args...);
+  const Isa isa = cpu_isa();
+  if (isa >= Isa::kAvx512) return detail::call_avx512<Kernel>(args...);
+  if (isa >= Isa::kAvx2) return detail::call_avx2<Kernel>(args...);
 #endif
-  detail::call_multiversion<Kernel>(args...);
+  detail::call_baseline<Kernel>(args...);
 }
 
 // --- scalar float32 <-> storage conversion ------------------------------------
@@ -169,11 +169,8 @@ STAGEWISE_ALWAYS_INLINE float round_to(float x) {
 // --- float16 blocks through F16C ------------------------------------------------
 
 #ifdef STAGEWISE_X86_F16C
-// Whether this CPU has F16C (and AVX), looked up once.
-inline bool cpu_has_f16c() {
-  static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-  return has;
-}
+// Whether the kernels may use F16C (the AVX2 level and above, cpu/isa.h).
+inline bool cpu_has_f16c() { return cpu_isa() >= Isa::kAvx2; }
 
 __attribute__((target("avx,f16c"))) inline void f16_to_float_f16c(const uint16_t* src, float* dst,
                                                                   int64_t n) {

@@ -17,6 +17,8 @@
 // 256-entry tables (one per byte of v).
 #include "stagewise/crc32c.h"
 
+#include "cpu/isa.h"
+
 #include <cstring>
 
 #if defined(__x86_64__)
@@ -141,10 +143,7 @@ SW_CRC_TARGET inline uint32_t hw_step64(uint32_t s, uint64_t w) {
 }
 SW_CRC_TARGET inline uint32_t hw_step8(uint32_t s, uint8_t b) { return _mm_crc32_u8(s, b); }
 
-const char* detect_hardware() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("sse4.2") ? "sse4.2" : nullptr;
-}
+const char* detect_hardware() { return cpu::cpu_has_sse42() ? "sse4.2" : nullptr; }
 #elif defined(__aarch64__)
 #define SW_CRC_TARGET __attribute__((target("+crc")))
 SW_CRC_TARGET inline uint32_t hw_step64(uint32_t s, uint64_t w) { return __crc32cd(s, w); }

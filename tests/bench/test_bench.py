@@ -112,8 +112,12 @@ def test_compile_baseline_is_timed_or_reported_na(tmp_path, monkeypatch):
 
 
 def test_device_slug():
+    """The CPU's model, core count and the ISA level the kernels run at: an AVX2-only CPU of the
+    same model name gets another name (and so other results files)."""
     slug = report.device_slug("cpu")
-    assert re.fullmatch(r"cpu(-[a-z0-9]+)*-\d+c", slug) and slug.endswith(f"-{os.cpu_count()}c")
+    isa = stagewise.ops.cpu_isa()
+    assert re.fullmatch(r"cpu(-[a-z0-9]+)*-\d+c-(baseline|avx2|avx512|avx512vnni)", slug)
+    assert slug.endswith(f"-{os.cpu_count()}c-{isa}")
 
 
 @pytest.mark.parametrize("with_new", [False, True])

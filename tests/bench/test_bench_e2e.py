@@ -41,27 +41,46 @@ def test_e2e_writes_rows_with_the_transformers_baseline(folder, tmp_path):
     argv = ["e2e", "--model", str(folder), "--batch-sizes", "1,3", "--prompt-len", "6", "--new-tokens", "5",
             "--repeats", "2", "--threads", "1", "--tiny", "--out", str(out)]
     assert main(argv) == 0
-    [js] = list(out.glob("*-e2e.json"))
+    [js] = list(out.glob("*-e2e-t1.json"))
     md = js.with_suffix(".md")
     data = json.loads(js.read_text())
     assert data["machine"]["torch_threads"] == 1 and data["copy_bandwidth"]["gbps"] > 0
     assert [r["batch"] for r in data["rows"]] == [1, 3]
     for row in data["rows"]:
         assert (row["prompt_len"], row["new_tokens"]) == (6, 5)
-        for side in ("ours", "transformers"):
-            s = row[side]
+        o, t = row["ours"], row["baselines"]["transformers"]
+        for s in (o, t):
             assert s["runs"] == 2 and s["ttft_ms"] > 0 and s["decode_tokens_per_s"] > 0 and s["decode_step_ms"] > 0
-        o, t = row["ours"], row["transformers"]
-        assert row["decode_speedup"] == pytest.approx(o["decode_tokens_per_s"] / t["decode_tokens_per_s"])
-        assert row["ttft_speedup"] == pytest.approx(t["ttft_ms"] / o["ttft_ms"])
-        assert row["ours_pct_floor"] > 0 and row["transformers_pct_floor"] > 0
+        assert t["decode_speedup"] == pytest.approx(o["decode_tokens_per_s"] / t["decode_tokens_per_s"])
+        assert t["ttft_speedup"] == pytest.approx(t["ttft_ms"] / o["ttft_ms"])
+        assert row["ours_pct_floor"] > 0 and t["pct_floor"] > 0
         # Same weights, prompts and greedy decoding in float32: the same tokens, row by row.
-        assert row["rows_matching_transformers"] == row["batch"]
+        assert t["rows_matching"] == row["batch"]
     text = md.read_text()
-    assert "| batch |" in text and "hf tok/s" in text
+    assert "| batch |" in text and "transformers tok/s" in text and "decode x transformers" in text
     # A safetensors model has no GGUF blocks: only the exact linears run.
     assert text.count("\n| 1 | 6 | 5 | exact |") == 1 and text.count("\n| 3 | 6 | 5 | exact |") == 1
     assert data["machine"]["linear_precisions"] == ["exact"] and data["machine"]["skipped_precisions"] == ["int8"]
+    # The ISA the kernels ran at names the device and heads the results.
+    isa = data["machine"]["cpu_isa"]
+    assert js.name.endswith(f"-{isa}-e2e-t1.json") and f"ISA: stagewise kernels at {isa}" in text
+
+
+def test_default_out_is_a_dated_folder_of_its_own(folder, tmp_path, monkeypatch):
+    """Without --out nothing lands in bench/results itself: a folder named by device and day."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["e2e", "--model", str(folder), "--batch-sizes", "1", "--prompt-len", "4", "--new-tokens", "2",
+            "--repeats", "1", "--threads", "1", "--tiny"]
+    assert main(argv) == 0
+    [folder_made] = list((tmp_path / "bench" / "results").iterdir())
+    assert folder_made.is_dir() and folder_made.name.startswith("cpu-") and len(list(folder_made.glob("*-e2e-t1.*"))) == 2
+
+
+def test_llama_cpp_baseline_needs_a_gguf(folder, tmp_path, capsys):
+    argv = ["e2e", "--model", str(folder), "--batch-sizes", "1", "--prompt-len", "4", "--new-tokens", "2",
+            "--repeats", "1", "--threads", "1", "--tiny", "--baseline", "llama.cpp", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    assert "the llama.cpp baseline needs a GGUF model" in capsys.readouterr().err
 
 
 def test_prompts_have_the_asked_length_and_differ(folder):

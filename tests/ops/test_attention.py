@@ -8,9 +8,6 @@ made contiguous first, then scattered into randomly permuted cache blocks.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -240,38 +237,3 @@ def test_bad_metadata_raises_and_leaves_outputs(device, case):
         ops.decode_attention(q, k_cache, v_cache, tables, torch.tensor(seq_lens, device=device), 0.1,
                              num_splits=2, out=out, lse=lse)
     assert out.isnan().all() and lse.isnan().all(), "outputs written before the error"
-
-
-BASELINE_ISA_CHECK = """
-import torch
-from conftest import TOLERANCES
-import stagewise.ops as ops
-from stagewise.ops import reference
-
-assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
-torch.manual_seed(0)
-for dtype in TOLERANCES:
-    for d in (7, 91, 128):
-        k_cache, v_cache = torch.randn(40, 16, 2, d).to(dtype), torch.randn(40, 16, 2, d).to(dtype)
-        tables, lens = torch.randperm(40).view(4, 10), torch.tensor([0, 1, 77, 160])
-        q = torch.randn(4, 8, d).to(dtype)
-        k_new, v_new = torch.randn(4, 2, d).to(dtype), torch.randn(4, 2, d).to(dtype)
-        for num_splits in (1, 3):
-            args = (q, k_cache, v_cache, tables, lens, d**-0.5, k_new, v_new)
-            out, lse = ops.decode_attention(*args, num_splits)
-            ref_out, ref_lse = reference.decode_attention(*args)
-            torch.testing.assert_close(out, ref_out, **TOLERANCES[dtype])
-            torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-4)
-"""
-
-
-def test_baseline_isa_path(device):
-    """The token loop built for the baseline ISA (no AVX2), as picked when ATen's CPU capability is default."""
-    if device == "cuda":
-        pytest.skip("checks the CPU kernel's instruction-set dispatch")
-    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where conftest.py is
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default",
-           "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", BASELINE_ISA_CHECK], env=env, cwd=tests_dir,
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr

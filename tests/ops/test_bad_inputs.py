@@ -116,6 +116,15 @@ def _quant_linear(dev):
                 qweight=torch.zeros(6, 40, dtype=torch.uint8, device=dev), qtype=3, bias=_f(6, device=dev))
 
 
+def _quant_linear_int8(dev):
+    # The same weights packed (zeros pack into zeros): one panel of 2 records of 320 bytes.
+    return dict(_quant_linear(dev), qweight=torch.zeros(1, 640, dtype=torch.uint8, device=dev))
+
+
+def _quant_pack_int8(dev):
+    return dict(qweight=torch.zeros(6, 40, dtype=torch.uint8, device=dev), qtype=3)
+
+
 VALID = {
     "rms_norm": _rms_norm,
     "fused_add_rms_norm": _fused_add_rms_norm,
@@ -126,7 +135,8 @@ VALID = {
     "decode_attention": _decode_attention,
     "merge_attn_states": _merge_attn_states,
     "quant_linear": _quant_linear,
-    "quant_linear_int8": _quant_linear,
+    "quant_linear_int8": _quant_linear_int8,
+    "quant_pack_int8": _quant_pack_int8,
 }
 
 # The argument whose device every other tensor argument must share.
@@ -141,6 +151,7 @@ DEVICE_REF = {
     "merge_attn_states": "out_a",
     "quant_linear": "x",
     "quant_linear_int8": "x",
+    "quant_pack_int8": "qweight",
 }
 
 # ---------------------------------------------------------------------------
@@ -505,13 +516,13 @@ CASES = [
           ("dtype", "out", torch.bfloat16)),
     _case("quant_linear", TypeError, "argument 'bias' must have the dtype of 'x' (float32), got float16",
           ("dtype", "bias", torch.float16)),
-    _case("quant_linear", ValueError, "argument 'x' last dim (in_features) must be a positive multiple of the block size 32",
+    _case("quant_linear", ValueError, "argument 'x' last dim (in_features) must be a positive multiple of Q4_1's block of 32",
           ("shape", "x", (T, 40))),
     _case("quant_linear", ValueError, "argument 'qweight' dim 1 (bytes per row) must be in_features / 32 * 20 = 40",
           ("shape", "qweight", (6, 36))),
     _case("quant_linear", ValueError, "argument 'out' must have shape [3, 6] (x's leading dims, out_features)",
           ("shape", "out", (T, 7))),
-    _case("quant_linear", ValueError, "argument 'bias' dim 0 (out_features, as qweight dim 0) must be 6, got 5",
+    _case("quant_linear", ValueError, "argument 'bias' dim 0 (out_features) must be 6, got 5",
           ("shape", "bias", (5,))),
     _case("quant_linear", ValueError, "argument 'x' must have a contiguous last dim (stride 1)", ("last_dim", "x")),
     _case("quant_linear", ValueError, "argument 'qweight' must be contiguous", ("rows", "qweight")),
@@ -519,11 +530,24 @@ CASES = [
     # quant_linear_int8: the same checks, under its own name
     _case("quant_linear_int8", TypeError, "argument 'x' must be float32, float16 or bfloat16, got int32",
           ("dtype", "x", torch.int32)),
-    _case("quant_linear_int8", ValueError, "argument 'qweight' dim 1 (bytes per row) must be in_features / 32 * 20 = 40",
-          ("shape", "qweight", (6, 36))),
+    _case("quant_linear_int8", TypeError, "argument 'qweight' must be uint8 (the packed panels of quant_pack_int8), "
+          "got int8", ("dtype", "qweight", torch.int8)),
+    _case("quant_linear_int8", ValueError, "argument 'qweight' must be the packed panels [ceil(out_features / 16), "
+          "in_features / 32 * 320] = [1, 640] for Q4_1 with in_features=64 and out_features=6 (out's last dim), got "
+          "shape [1, 600]", ("shape", "qweight", (1, 600))),
+    _case("quant_linear_int8", ValueError, "argument 'qweight' must be contiguous", ("last_dim", "qweight")),
     _case("quant_linear_int8", ValueError, "argument 'out' must have shape [3, 6] (x's leading dims, out_features)",
+          ("shape", "out", (T + 1, 6))),
+    _case("quant_linear_int8", ValueError, "argument 'bias' dim 0 (out_features) must be 7, got 6",
           ("shape", "out", (T, 7))),
     _case("quant_linear_int8", ValueError, "argument 'x' must have a contiguous last dim (stride 1)", ("last_dim", "x")),
+    # quant_pack_int8(qweight, qtype)
+    _case("quant_pack_int8", TypeError, "argument 'qweight' must be uint8 (the raw GGUF blocks), got int8",
+          ("dtype", "qweight", torch.int8)),
+    _case("quant_pack_int8", ValueError, "argument 'qweight' must be contiguous [rows, blocks * 20] (Q4_1 blocks), got "
+          "shape [6, 30]", ("shape", "qweight", (6, 30))),
+    _case("quant_pack_int8", ValueError, "argument 'qweight' must be contiguous [rows, blocks * 20] (Q4_1 blocks), got "
+          "shape [6, 40] and strides [43, 1]", ("rows", "qweight")),
 ]
 
 

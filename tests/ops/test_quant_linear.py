@@ -1,36 +1,27 @@
 """quant_linear against a dequantisation written from the GGUF block layout (gguf.quants.dequantize).
 
-Weights are real GGUF blocks made by gguf.quants.quantize from random matrices (plus hand-built
-blocks for the layout itself); sizes are awkward (in_features one block, odd block counts; output
-features not a multiple of any panel or tile); batches 1, 3, 16, 33; inputs contiguous, row-strided
+Weights are real GGUF blocks made by gguf.quants.quantize from random matrices, random valid blocks
+for the K-quants (tests/quant_cases.py), plus hand-built blocks for the layout itself; sizes are
+awkward (in_features one block, odd block counts; output features not a multiple of any panel or
+tile); batches 1, 3, 9 (past every direct kernel's rows), 16, 33, 70; inputs contiguous, row-strided
 and with leading dims; outputs poisoned with NaN. The reference is float64 over the gguf-dequantised
-weights: what is left is float32 summation order, a few ulps of the sum of |x * w|.
+weights: what is left is float32 summation order, a few ulps of the sum of |x * w|. Every ISA copy
+runs these cases (tests/ops/test_isa.py).
 """
 
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import pytest
 import torch
 
 import stagewise.ops as ops
 from conftest import poison_, strided
+from quant_cases import QTYPES, dequantize as _dequantize, quantize as _quantize, shapes
 from stagewise.ops import reference
 
-QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
-SHAPES = [(1, 32), (7, 96), (37, 224), (70, 576)]  # (out_features, in_features)
-BATCHES = [1, 3, 16, 33, 70]  # from 32 rows the op runs a dequantised tile through a GEMM
-
-
-def _quantize(name: str, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
-    w = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
-    return torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[name]).copy())
-
-
-def _dequantize(qweight: torch.Tensor, name: str) -> torch.Tensor:
-    """The GGUF project's own dequantisation: the independent reference of the block layout."""
-    return torch.from_numpy(gguf.quants.dequantize(qweight.numpy(), gguf.GGMLQuantizationType[name]).copy())
+CASES = [(name, shape) for name in QTYPES for shape in shapes(name)]
+BATCHES = [1, 3, 9, 16, 33, 70]  # from 12 to 32 rows on, by ISA, the op runs dequantised tiles through a GEMM
 
 
 def _expected(x, w, bias):
@@ -53,14 +44,13 @@ def _check(actual: torch.Tensor, x, w, bias) -> None:
 
 @pytest.mark.parametrize("name", QTYPES)
 def test_reference_dequantize_matches_gguf(name):
-    qweight = _quantize(name, 37, 224)
+    qweight = _quantize(name, *shapes(name)[2])
     torch.testing.assert_close(reference.dequantize(qweight, ops.QTYPES[name]), _dequantize(qweight, name),
                                rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("name", QTYPES)
+@pytest.mark.parametrize("name,shape", CASES, ids=[f"{n}-{s[0]}x{s[1]}" for n, s in CASES])
 def test_quant_linear_float32(name, shape, batch):
     qweight = _quantize(name, *shape)
     w = _dequantize(qweight, name)
@@ -79,8 +69,9 @@ def test_quant_linear_float32(name, shape, batch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", QTYPES)
 def test_quant_linear_half_activations(name, dtype, rows):
-    qweight = _quantize(name, 37, 224)
-    x, bias = torch.randn(rows, 224).to(dtype), torch.randn(37).to(dtype)
+    n, k = shapes(name)[2]
+    qweight = _quantize(name, n, k)
+    x, bias = torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
 
     out = ops.quant_linear(x, qweight, ops.QTYPES[name], bias)
 
@@ -91,18 +82,19 @@ def test_quant_linear_half_activations(name, dtype, rows):
 @pytest.mark.parametrize("rows", [16, 40])
 @pytest.mark.parametrize("name", QTYPES)
 def test_quant_linear_strided_rows_and_leading_dims(name, rows):
-    qweight = _quantize(name, 37, 96)
+    n, k = shapes(name)[2]
+    qweight = _quantize(name, n, k)
     w = _dequantize(qweight, name)
-    x = strided(torch.randn(rows, 96), pad=5)  # rows 101 floats apart
-    out = strided(poison_(torch.empty(rows, 37)), pad=3)
-    bias = torch.randn(37)
+    x = strided(torch.randn(rows, k), pad=5)  # rows k + 5 floats apart
+    out = strided(poison_(torch.empty(rows, n)), pad=3)
+    bias = torch.randn(n)
     ops.quant_linear(x, qweight, ops.QTYPES[name], bias, out=out)
     _check(out, x, w, bias)
 
-    x3 = torch.randn(2, rows // 2, 96)
+    x3 = torch.randn(2, rows // 2, k)
     y3 = ops.quant_linear(x3, qweight, ops.QTYPES[name])
-    assert y3.shape == (2, rows // 2, 37)
-    _check(y3.reshape(rows, 37), x3.reshape(rows, 96), w, None)
+    assert y3.shape == (2, rows // 2, n)
+    _check(y3.reshape(rows, n), x3.reshape(rows, k), w, None)
 
 
 def test_quant_linear_hand_built_blocks():
@@ -126,8 +118,9 @@ def test_quant_linear_empty():
 def test_quant_linear_bad_inputs():
     qweight = _quantize("Q4_1", 8, 64)
     x = torch.randn(3, 64)
-    with pytest.raises(ValueError, match=r"'qtype' must be a GGML type id of Q4_0 \(2\), Q4_1 \(3\) or Q8_0 \(8\), got 12"):
-        ops.quant_linear(x, qweight, 12)
+    with pytest.raises(ValueError, match=r"'qtype' must be a GGML type id of Q4_0 \(2\), Q4_1 \(3\), Q8_0 \(8\), "
+                                         r"Q4_K \(12\) or Q6_K \(14\), got 13"):
+        ops.quant_linear(x, qweight, 13)
     with pytest.raises(TypeError, match="argument 'x' must be float32, float16 or bfloat16, got int32"):
         ops.quant_linear(x.int(), qweight, 3)
     with pytest.raises(TypeError, match="argument 'qweight' must be uint8"):
@@ -136,8 +129,10 @@ def test_quant_linear_bad_inputs():
         ops.quant_linear(torch.randn(3, 64), qweight[:, :30].contiguous(), 3)
     with pytest.raises(ValueError, match=r"bytes per row\) must be in_features / 32 \* 34 = 68 for Q8_0"):
         ops.quant_linear(x, qweight, 8)
-    with pytest.raises(ValueError, match="last dim \\(in_features\\) must be a positive multiple of the block size 32"):
+    with pytest.raises(ValueError, match="last dim \\(in_features\\) must be a positive multiple of Q4_1's block of 32"):
         ops.quant_linear(torch.randn(3, 48), qweight, 3)
+    with pytest.raises(ValueError, match="last dim \\(in_features\\) must be a positive multiple of Q4_K's block of 256"):
+        ops.quant_linear(x, qweight, 12)
     with pytest.raises(ValueError, match="'qweight' must have 2 dims"):
         ops.quant_linear(x, qweight.reshape(-1), 3)
     with pytest.raises(ValueError, match="'qweight' must be contiguous"):
@@ -150,3 +145,15 @@ def test_quant_linear_bad_inputs():
         ops.quant_linear(x, qweight, 3, torch.randn(8, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"argument 'out' must have shape \[3, 8\]"):
         ops.quant_linear(x, qweight, 3, out=torch.empty(3, 9))
+
+
+def check_every_case() -> None:
+    """Every type, shape and batch above against float64 (run under each ISA by test_isa.py)."""
+    for name, shape in CASES:
+        qweight = _quantize(name, *shape)
+        w = _dequantize(qweight, name)
+        for batch in BATCHES:
+            x = torch.randn(batch, shape[1])
+            bias = torch.randn(shape[0]) if batch % 2 else None
+            _check(ops.quant_linear(x, qweight, ops.QTYPES[name], bias, out=poison_(torch.empty(batch, shape[0]))),
+                   x, w, bias)

@@ -1,44 +1,35 @@
 """quant_linear_int8, the reduced-precision mode: x quantised to int8 per block of 32, integer block
-products with the GGUF weight blocks (include/stagewise/quant.h).
+products with the GGUF weight blocks (include/stagewise/quant.h), packed once by quant_pack_int8.
 
 Against its pure-torch reference (stagewise.ops.reference.quant_linear_int8, the same maths written
 plainly): the int8 activations must be identical (ties to even), so what is left is float32 rounding
 of the block terms and their summation order — a few ulps of sum |x_q * w|. Against the exact op
 (float64 over gguf's own dequantisation): within the error of quantising x, at most d_x / 2 per
 value. The tie-breaking and the layout are pinned by hand-built blocks. Every ISA copy of the
-kernel runs (STAGEWISE_INT8_ISA picks a lesser one in a subprocess). Sizes are awkward (one block;
-output features not a multiple of the 16- or 8-feature panels; 1 to 33 rows, past the 8-row pass).
+kernel runs these cases (tests/ops/test_isa.py). Sizes are awkward (one block; output features
+not a multiple of the 16-row panels; 1 to 33 rows, past every pass of rows).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import gguf
 import numpy as np
 import pytest
 import torch
 
 import stagewise.ops as ops
 from conftest import poison_, strided
+from quant_cases import QTYPES, dequantize as _dequantize, quantize as _quantize, shapes
 from stagewise.ops import reference
 
-QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
-SHAPES = [(1, 32), (7, 96), (37, 224), (19, 1536)]  # (out_features, in_features)
+CASES = [(name, shape) for name in QTYPES for shape in shapes(name)]
 BATCHES = [1, 3, 9, 33]
 ULP = 2.0**-23
 
 
-def _quantize(name: str, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
-    w = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
-    return torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[name]).copy())
-
-
-def _dequantize(qweight: torch.Tensor, name: str) -> torch.Tensor:
-    return torch.from_numpy(gguf.quants.dequantize(qweight.numpy(), gguf.GGMLQuantizationType[name]).copy())
+def _int8(x, qweight, name, bias=None, out=None):
+    """The op over the packed rows, as a model runs it."""
+    qtype = ops.QTYPES[name]
+    return ops.quant_linear_int8(x, ops.quant_pack_int8(qweight, qtype), qtype, qweight.shape[0], bias, out=out)
 
 
 def _activations(rows: int, in_features: int) -> torch.Tensor:
@@ -89,7 +80,7 @@ def test_hand_built_blocks():
     x = torch.zeros(1, 32)
     x[0, :7] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 3.49])
     ones = torch.tensor(list(np.float16(1.0).tobytes() + bytes([1] * 32)), dtype=torch.uint8).reshape(1, 34)
-    assert ops.quant_linear_int8(x, ones, ops.QTYPES["Q8_0"]).item() == 132.0
+    assert _int8(x, ones, "Q8_0").item() == 132.0
     assert ops.quant_linear(x, ones, ops.QTYPES["Q8_0"]).item() == pytest.approx(132.99)
 
     d, m = np.float16(0.5).tobytes(), np.float16(-1.0).tobytes()
@@ -98,19 +89,18 @@ def test_hand_built_blocks():
     nibbles = [i % 16 for i in range(16)] + [15 - i % 16 for i in range(16)]
     xq = [127, 0, 2, 2, 0, -2, 3] + [0] * 25  # as quantised above, d_x = 1
     expected = 0.5 * sum(n * v for n, v in zip(nibbles, xq)) - 1.0 * sum(xq)
-    assert ops.quant_linear_int8(x, q41, ops.QTYPES["Q4_1"]).item() == expected
+    assert _int8(x, q41, "Q4_1").item() == expected
 
 
 @pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("name", QTYPES)
+@pytest.mark.parametrize("name,shape", CASES, ids=[f"{n}-{s[0]}x{s[1]}" for n, s in CASES])
 def test_int8_matches_reference_and_stays_near_exact(name, shape, batch):
     qweight = _quantize(name, *shape)
     x = _activations(batch, shape[1])
     bias = torch.randn(shape[0]) if batch % 2 else None
     out = poison_(torch.empty(batch, shape[0]))
 
-    result = ops.quant_linear_int8(x, qweight, ops.QTYPES[name], bias, out=out)
+    result = _int8(x, qweight, name, bias, out=out)
 
     assert result is out
     _check_vs_reference(out, x, qweight, name, bias)
@@ -122,16 +112,17 @@ def test_int8_is_not_the_exact_op():
     """The mode does change the maths: a guard against a silent fallback to quant_linear."""
     qweight = _quantize("Q4_1", 37, 224)
     x = _activations(16, 224)
-    assert not torch.equal(ops.quant_linear_int8(x, qweight, 3), ops.quant_linear(x, qweight, 3))
+    assert not torch.equal(_int8(x, qweight, "Q4_1"), ops.quant_linear(x, qweight, 3))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", QTYPES)
 def test_int8_half_activations(name, dtype):
-    qweight = _quantize(name, 37, 224)
-    x, bias = _activations(16, 224).to(dtype), torch.randn(37).to(dtype)
+    n, k = shapes(name)[2]
+    qweight = _quantize(name, n, k)
+    x, bias = _activations(16, k).to(dtype), torch.randn(n).to(dtype)
 
-    out = ops.quant_linear_int8(x, qweight, ops.QTYPES[name], bias)
+    out = _int8(x, qweight, name, bias)
 
     assert out.dtype == dtype
     _check_vs_reference(out, x, qweight, name, bias)
@@ -139,47 +130,62 @@ def test_int8_half_activations(name, dtype):
 
 @pytest.mark.parametrize("name", QTYPES)
 def test_int8_strided_rows_and_leading_dims(name):
-    qweight = _quantize(name, 37, 96)
-    x = strided(_activations(12, 96), pad=5)
-    out = strided(poison_(torch.empty(12, 37)), pad=3)
-    ops.quant_linear_int8(x, qweight, ops.QTYPES[name], out=out)
+    n, k = shapes(name)[2]
+    qweight = _quantize(name, n, k)
+    x = strided(_activations(12, k), pad=5)
+    out = strided(poison_(torch.empty(12, n)), pad=3)
+    _int8(x, qweight, name, out=out)
     _check_vs_reference(out, x, qweight, name, None)
 
-    x3 = _activations(6, 96).reshape(2, 3, 96)
-    y3 = ops.quant_linear_int8(x3, qweight, ops.QTYPES[name])
-    assert y3.shape == (2, 3, 37)
+    x3 = _activations(6, k).reshape(2, 3, k)
+    y3 = _int8(x3, qweight, name)
+    assert y3.shape == (2, 3, n)
     _check_vs_reference(y3, x3, qweight, name, None)
 
 
 def check_every_case() -> None:
-    """Every qtype, shape and batch above against the reference (run in the subprocesses below)."""
-    for name in QTYPES:
-        for shape in SHAPES:
-            for batch in BATCHES:
-                qweight = _quantize(name, *shape)
-                x = _activations(batch, shape[1])
-                bias = torch.randn(shape[0]) if batch % 2 else None
-                _check_vs_reference(ops.quant_linear_int8(x, qweight, ops.QTYPES[name], bias), x, qweight, name, bias)
+    """Every qtype, shape and batch above against the reference (run under each ISA by test_isa.py)."""
+    for name, shape in CASES:
+        qweight = _quantize(name, *shape)
+        for batch in BATCHES:
+            x = _activations(batch, shape[1])
+            bias = torch.randn(shape[0]) if batch % 2 else None
+            out = poison_(torch.empty(batch, shape[0]))
+            _check_vs_reference(_int8(x, qweight, name, bias, out=out), x, qweight, name, bias)
 
 
-@pytest.mark.parametrize("isa", ["avx2", "scalar"])
-def test_lesser_isa_copies(isa):
-    """The AVX2 and plain-loop copies, which this CPU would not pick (STAGEWISE_INT8_ISA is read once
-    per process, hence a subprocess)."""
-    here = Path(__file__).parent
-    env = dict(os.environ, STAGEWISE_INT8_ISA=isa, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))  # conftest
-    code = "import torch; torch.set_num_threads(1); import test_quant_linear_int8 as t; t.check_every_case()"
-    done = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+@pytest.mark.parametrize("name", QTYPES)
+def test_pack_layout(name):
+    """The packed panels: 16 rows a panel (the last one padded with zero rows), one record per GGUF
+    block of them, and the record sizes of csrc/cpu/quant_pack.h."""
+    qtype = ops.QTYPES[name]
+    n, k = shapes(name)[2]
+    packed = ops.quant_pack_int8(_quantize(name, n, k), qtype)
+    blocks = k // ops.QUANT_BLOCK_WEIGHTS[qtype]
+    assert packed.dtype == torch.uint8 and packed.shape == ((n + 15) // 16, blocks * ops.QUANT_PACK_RECORD_BYTES[qtype])
+    assert ops.QUANT_PACK_RECORD_BYTES[qtype] in (16 * ops.QUANT_BLOCK_BYTES[qtype], 16 * 144 + 64)  # Q4_K: scales as bytes
+    # Zero rows pack into zero bytes, and a panel's rows move with it: the packing of rows 16-31 is panel 1.
+    assert not ops.quant_pack_int8(torch.zeros(3, blocks * ops.QUANT_BLOCK_BYTES[qtype], dtype=torch.uint8), qtype).any()
+    qweight = _quantize(name, 32, k, seed=1)
+    assert torch.equal(ops.quant_pack_int8(qweight, qtype)[1:], ops.quant_pack_int8(qweight[16:].contiguous(), qtype))
 
 
 def test_int8_empty_and_bad_inputs():
     qweight = _quantize("Q4_1", 8, 64)
-    assert ops.quant_linear_int8(torch.randn(0, 64), qweight, 3).shape == (0, 8)
+    packed = ops.quant_pack_int8(qweight, 3)
+    assert ops.quant_linear_int8(torch.randn(0, 64), packed, 3, 8).shape == (0, 8)
     with pytest.raises(ValueError, match=r"^stagewise\.quant_linear_int8: argument 'qtype' must be a GGML type id"):
-        ops.quant_linear_int8(torch.randn(3, 64), qweight, 12)
-    with pytest.raises(ValueError, match=r"^stagewise\.quant_linear_int8: argument 'qweight' dim 1 \(bytes per row\)"):
-        ops.quant_linear_int8(torch.randn(3, 64), qweight, 8)
+        ops.quant_linear_int8(torch.randn(3, 64), packed, 13, 8)
+    with pytest.raises(ValueError, match=r"^stagewise\.quant_linear_int8: argument 'qweight' must be the packed panels "
+                                         r"\[ceil\(out_features / 16\), in_features / 32 \* 544\] = \[1, 1088\] for Q8_0"):
+        ops.quant_linear_int8(torch.randn(3, 64), packed, 8, 8)
+    with pytest.raises(ValueError, match=r"'qweight' must be the packed panels .* = \[2, 640\] for Q4_1 with "
+                                         r"in_features=64 and out_features=17"):
+        ops.quant_linear_int8(torch.randn(3, 64), packed, 3, 17)
+    with pytest.raises(ValueError, match=r"^stagewise\.quant_pack_int8: argument 'qtype' must be a GGML type id"):
+        ops.quant_pack_int8(qweight, 13)
+    with pytest.raises(ValueError, match=r"^stagewise\.quant_pack_int8: argument 'qweight' must be contiguous "
+                                         r"\[rows, blocks \* 34\] \(Q8_0 blocks\)"):
+        ops.quant_pack_int8(qweight[:, :30].contiguous(), 8)
     with pytest.raises(NotImplementedError, match="the int8 mode runs on the CPU only"):
-        ops.quant_linear_int8(torch.randn(3, 64, device="meta"), qweight.to("meta"), 3)
+        ops.quant_linear_int8(torch.randn(3, 64, device="meta"), packed.to("meta"), 3, 8)

@@ -108,6 +108,15 @@ def _quant_linear(dev):
     return (torch.empty(T, 6, device=dev), x, qweight.to(dev), 3, torch.randn(6, device=dev))
 
 
+def _quant_linear_int8(dev):
+    out, x, qweight, qtype, bias = _quant_linear("cpu")
+    return (out.to(dev), x.to(dev), ops.quant_pack_int8(qweight, qtype).to(dev), qtype, bias.to(dev))
+
+
+def _quant_pack_int8(dev):
+    return (_quant_linear(dev)[2], 3)
+
+
 OPCHECK_CASES = [
     pytest.param("rms_norm", _rms_norm, id="rms_norm"),
     pytest.param("fused_add_rms_norm", _fused_add_rms_norm, id="fused_add_rms_norm"),
@@ -119,13 +128,14 @@ OPCHECK_CASES = [
     pytest.param("decode_attention", lambda dev: _decode_attention(dev, True), id="decode_attention-k_new"),
     pytest.param("merge_attn_states", _merge_attn_states, id="merge_attn_states"),
     pytest.param("quant_linear", _quant_linear, id="quant_linear"),
-    pytest.param("quant_linear_int8", _quant_linear, id="quant_linear_int8"),
+    pytest.param("quant_linear_int8", _quant_linear_int8, id="quant_linear_int8"),
+    pytest.param("quant_pack_int8", _quant_pack_int8, id="quant_pack_int8"),
 ]
 
 
 @pytest.mark.parametrize("op, make_args", OPCHECK_CASES)
 def test_opcheck(op, make_args, device):
-    if op == "quant_linear_int8" and device != "cpu":
+    if op in ("quant_linear_int8", "quant_pack_int8") and device != "cpu":
         pytest.skip("the int8 mode is a CPU kernel only")
     torch.library.opcheck(getattr(torch.ops.stagewise, op), make_args(device))
 
@@ -187,6 +197,9 @@ def test_fake_shapes_and_dtypes():
 
         out, lse = ops.merge_attn_states(q, torch.empty(T, HQ), torch.empty_like(q), torch.empty(T, HQ))
         assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((T, HQ, D), dt, (T, HQ), torch.float32)
+
+        packed = ops.quant_pack_int8(torch.empty(37, 3 * 144, dtype=torch.uint8), ops.QTYPES["Q4_K"])
+        assert (packed.shape, packed.dtype) == ((3, 3 * 2368), torch.uint8)
 
 
 # ---------------------------------------------------------------------------

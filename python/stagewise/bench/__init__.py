@@ -62,8 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--tiny: 1)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls before timing")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"),
-                        help="directory for <device>-<suite>.json and .md (default: bench/results)")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=None,
+                        help="directory for <device>-<suite>.json and .md (default: a new folder "
+                             "bench/results/<device>-<date>, never the committed results; <device> names the "
+                             "CPU model and the ISA level the kernels ran at)")  # fmt: skip
     e2e_args = parser.add_argument_group("e2e")
     e2e_args.add_argument("--model", default="smollm2-135m", help="e2e: folder, .gguf file or smollm2-135m")
     e2e_args.add_argument("--batch-sizes", default=None,
@@ -75,6 +77,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e_args.add_argument("--linear-precision", default="exact,int8", metavar="exact,int8",
                           help="e2e: ours' linear precisions, a row each (default: exact,int8; int8 only for "
                                "GGUF block-quantised models)")
+    e2e_args.add_argument("--baseline", default="transformers", metavar="transformers,llama.cpp",
+                          help="e2e: what ours runs beside, a column group each (default: transformers; llama.cpp: the "
+                               "same GGUF through llama-cpp-python, an optional dependency)")
+    e2e_args.add_argument("--install-baseline", action="store_true",
+                          help="e2e --baseline llama.cpp: pip install llama-cpp-python (a native source build) when "
+                               "it is missing")
+    e2e_args.add_argument("--startup", action="store_true",
+                          help="e2e: also time fresh processes to their first token (generate, a 3-stage pipeline "
+                               "and, with that baseline, llama.cpp)")
     e2e_args.add_argument("--stages", default=None, metavar="1,2,3",
                           help="e2e: run the pipeline with these stage counts instead (batch 1 and S x 4 requests)")
     e2e_args.add_argument("--pipeline-partition", dest="partition", default="balanced",
@@ -191,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"stagewise bench: --threads must be >= 1, got {args.threads}", file=sys.stderr)
             return 2
         torch.set_num_threads(args.threads)
+    if args.out is None:  # never over the committed results unless --out says so
+        args.out = report.default_out(report.device_slug(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     if args.suite == "profile":
         from stagewise.bench import profile
 

@@ -1,47 +1,37 @@
-"""`stagewise bench e2e`: time to first token and decode tokens/s of stagewise.Pipeline against
-transformers ``generate`` on the same weights, dtype, threads and prompts, in the same process.
+"""`stagewise bench e2e`: time to first token and decode tokens/s of stagewise.Pipeline against its
+baselines (:mod:`stagewise.bench.e2e_baselines`: transformers ``generate``, and with ``--baseline
+llama.cpp`` llama.cpp on the same GGUF file) on the same weights, threads and prompts.
 
 Every row of a batch gets a prompt of exactly ``prompt_len`` tokens (windows of one fixed text)
-and decodes exactly ``new_tokens`` tokens (EOS ignored on both sides), greedy, float32. Runs of
-ours and transformers alternate so that a noisy machine slows both alike; each figure is the
-median over the timed runs, after one short untimed warm-up of each.
+and decodes exactly ``new_tokens`` tokens (EOS ignored on every side), greedy. Runs of ours and of
+the baselines alternate so that a noisy machine slows all alike; each figure is the median over the
+timed runs, after one short untimed warm-up of each.
 
 Ours runs once per linear precision asked for (``--linear-precision``, default ``exact,int8``;
 int8 only where the model has GGUF block-quantised matrices): each gets its own result row, and
-its runs alternate with the same transformers runs, so every ratio is measured side by side.
+its runs alternate with the same baseline runs, so every ratio is measured side by side.
 
 TTFT is the time from submitting the batch to its first sampled token (the prefill). Decode
 tokens/s counts every token after each row's first, summed over the batch, over the time from
 the first token to the last. The memory floor is the decode time if every step only had to read
-its bytes (weights + KV cache) at the copy bandwidth measured in the same run.
+its bytes (weights + KV cache) at the copy bandwidth measured in the same run. Start-up rows
+(:mod:`stagewise.bench.e2e_startup`) time fresh processes to their first output.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
-from dataclasses import dataclass
 
 import torch
 
-from stagewise.model.loader import Checkpoint
+from stagewise.bench.e2e_baselines import BASELINES, Run, open_baseline
 from stagewise.model.config import ModelConfig
+from stagewise.model.loader import Checkpoint
 
 TEXT = ("The history of the lighthouse begins with fires lit on hilltops to guide ships into harbour. "
         "Over the centuries, towers of stone replaced the hills, oil lamps replaced the open flames, and "
         "lenses of polished glass sent the light far out to sea. Keepers lived in small houses beside the "
         "towers, trimming wicks, winding clockwork and writing the weather into their logbooks each night. ")
-
-
-@dataclass(kw_only=True, slots=True)
-class Run:
-    """One timed generate call of a whole batch."""
-
-    ttft_s: float
-    decode_s: float
-    decode_tokens: int
-    """Generated tokens after each row's first, summed over the batch."""
-    token_ids: list[list[int]]
 
 
 def make_prompts(ckpt: Checkpoint, batch: int, prompt_len: int) -> list[list[int]]:
@@ -69,58 +59,15 @@ def run_ours(pipe, prompts: list[list[int]], new_tokens: int) -> Run:
                token_ids=[c.token_ids for c in completions])
 
 
-class _Clock:
-    """A transformers streamer that only notes when each step's tokens arrive."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value) -> None:  # first call: the prompt; then one call per generated step
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        self.times.append(time.perf_counter())
-
-
-def load_transformers(ckpt: Checkpoint, dtype: torch.dtype, device: str):
-    """The same checkpoint through transformers (a GGUF file is dequantized by transformers itself),
-    set up for greedy decoding that never stops at EOS."""
-    from transformers import AutoModelForCausalLM
-
-    path = ckpt.path
-    if path.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model.to(device).eval()
-    # Greedy, exactly new_tokens per row: no EOS and no sampling defaults. generate() fills every
-    # unset value from model.generation_config, so that is the one to change.
-    config = model.generation_config
-    pad = config.pad_token_id if config.pad_token_id is not None else 0
-    config.update(do_sample=False, eos_token_id=None, temperature=None, top_k=None, top_p=None, pad_token_id=pad)
-    return model
-
-
-def run_transformers(model, prompts: list[list[int]], new_tokens: int) -> Run:
-    # All prompts have one length, so the left-padded batch has no padding; the mask is explicit anyway.
-    ids = torch.tensor(prompts, dtype=torch.int64, device=model.device)
-    mask = torch.ones_like(ids)
-    clock = _Clock()
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, streamer=clock)
-    end = time.perf_counter()  # the streamer's end() came after the last token's copy to the host
-    if out.shape != (len(prompts), ids.size(1) + new_tokens):
-        raise RuntimeError(f"bench e2e: transformers returned shape {tuple(out.shape)}, "
-                           f"expected {(len(prompts), ids.size(1) + new_tokens)}")
-    first = clock.times[1]  # times[0] is the prompt itself
-    return Run(ttft_s=first - start, decode_s=end - first, decode_tokens=len(prompts) * (new_tokens - 1),
-               token_ids=out[:, ids.size(1):].tolist())
-
-
-def weight_bytes_per_step(cfg: ModelConfig, batch: int, elem: int) -> int:
+def weight_bytes_per_step(cfg: ModelConfig, batch: int, elem: int, ckpt: Checkpoint | None = None) -> int:
     """Weight bytes one decode step must read (Llama/Qwen3 dense layout): every linear and norm
-    of every layer, the final norm, the LM head, and ``batch`` rows of the embedding."""
+    of every layer, the final norm, the LM head, and ``batch`` rows of the embedding. For a GGUF
+    file, whose matrices stay in their blocks, the file's own tensor bytes (the embedding, read
+    whole when it is the tied LM head) and ``batch`` embedding rows of ``elem`` bytes."""
+    from stagewise.model.loader.gguf_file import GGUFCheckpoint
+
+    if isinstance(ckpt, GGUFCheckpoint):
+        return ckpt.tensor_bytes() + batch * cfg.hidden_size * elem
     h, d, hq, hk, inter = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     if cfg.architecture not in ("llama", "qwen3"):
         raise ValueError(f"bench e2e: the byte count covers llama and qwen3 layouts, got {cfg.architecture!r}")
@@ -137,12 +84,13 @@ def kv_bytes_per_token(cfg: ModelConfig, elem: int) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
 
 
-def memory_floor(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int, elem: int, gbps: float) -> dict:
+def memory_floor(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int, elem: int, gbps: float,
+                 ckpt: Checkpoint | None = None) -> dict:
     """The least time the decode (new_tokens - 1 steps) could take at ``gbps``: each step reads
     every weight once and each row's cached K/V (prompt_len + s - 1 tokens at step s), and writes
     one new token's K/V per row."""
     steps = new_tokens - 1
-    weights = weight_bytes_per_step(cfg, batch, elem)
+    weights = weight_bytes_per_step(cfg, batch, elem, ckpt)
     kv_tok = kv_bytes_per_token(cfg, elem)
     kv_total = sum(batch * (prompt_len + s - 1 + 1) * kv_tok for s in range(1, steps + 1))
     total = steps * weights + kv_total
@@ -168,39 +116,41 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def bench_batch(pipes: dict, hf, ckpt: Checkpoint, batch: int, prompt_len: int, new_tokens: int,
+def bench_batch(pipes: dict, baselines: dict, ckpt: Checkpoint, batch: int, prompt_len: int, new_tokens: int,
                 repeats: int, gbps: float, log=print) -> list[dict]:
     """Result rows at one batch size, one per linear precision in ``pipes`` (precision ->
-    Pipeline), each against the same transformers runs; ours and transformers alternate."""
+    Pipeline), each against the same runs of every baseline; all take turns."""
     prompts = make_prompts(ckpt, batch, prompt_len)
-    for pipe in pipes.values():  # warm-up: allocator, first-call costs, page faults
-        run_ours(pipe, prompts, 2)
-    run_transformers(hf, prompts, 2)
+    for runner in (*pipes.values(), *baselines.values()):  # warm-up: allocator, first-call costs, page faults
+        (run_ours(runner, prompts, 2) if runner in pipes.values() else runner.run(prompts, 2))
     ours: dict[str, list[Run]] = {mode: [] for mode in pipes}
-    theirs = []
+    theirs: dict[str, list[Run]] = {name: [] for name in baselines}
     for i in range(repeats):
         for mode, pipe in pipes.items():
             ours[mode].append(run_ours(pipe, prompts, new_tokens))
-        theirs.append(run_transformers(hf, prompts, new_tokens))
-        mine = ", ".join(f"ours {mode} {r[-1].decode_tokens / r[-1].decode_s:.1f}" for mode, r in ours.items())
-        log(f"  batch {batch} run {i + 1}/{repeats}: {mine}, transformers "
-            f"{theirs[-1].decode_tokens / theirs[-1].decode_s:.1f} tok/s")
+        for name, base in baselines.items():
+            theirs[name].append(base.run(prompts, new_tokens))
+        rates = [f"ours {m} {r[-1].decode_tokens / r[-1].decode_s:.1f}" for m, r in ours.items()]
+        rates += [f"{n} {r[-1].decode_tokens / r[-1].decode_s:.1f}" for n, r in theirs.items()]
+        log(f"  batch {batch} run {i + 1}/{repeats}: {', '.join(rates)} tok/s")
     rows = []
     for mode, pipe in pipes.items():
+        o = summarise(ours[mode])
         row = {"batch": batch, "linear_precision": mode, "prompt_len": prompt_len, "new_tokens": new_tokens,
-               "ours": summarise(ours[mode]), "transformers": summarise(theirs)}
-        o, t = row["ours"], row["transformers"]
-        row["decode_speedup"] = o["decode_tokens_per_s"] / t["decode_tokens_per_s"]
-        row["ttft_speedup"] = t["ttft_ms"] / o["ttft_ms"]
-        row["floor"] = memory_floor(ckpt.config, batch, prompt_len, new_tokens, pipe.dtype.itemsize, gbps)
+               "ours": o, "baselines": {}, "floor": memory_floor(ckpt.config, batch, prompt_len, new_tokens,
+                                                                  pipe.dtype.itemsize, gbps, ckpt)}
         best = row["floor"]["floor_tokens_per_s"]
         row["ours_pct_floor"] = 100 * o["decode_tokens_per_s"] / best if best else None
-        row["transformers_pct_floor"] = 100 * t["decode_tokens_per_s"] / best if best else None
-        # Greedy rows identical to transformers' (fp32 rounding may let long continuations drift
-        # apart; the int8 mode changes the maths), and the mean length of the shared start.
-        pairs = list(zip(ours[mode][-1].token_ids, theirs[-1].token_ids))
-        row["rows_matching_transformers"] = sum(a == b for a, b in pairs)
-        row["mean_common_prefix"] = statistics.mean(common_prefix(a, b) for a, b in pairs)
+        for name, runs in theirs.items():
+            t = summarise(runs)
+            # Greedy rows identical to the baseline's (float32 rounding may let long continuations
+            # drift apart; the int8 mode changes the maths), and the mean length of the shared start.
+            pairs = list(zip(ours[mode][-1].token_ids, runs[-1].token_ids))
+            row["baselines"][name] = {
+                **t, "decode_speedup": o["decode_tokens_per_s"] / t["decode_tokens_per_s"],
+                "ttft_speedup": t["ttft_ms"] / o["ttft_ms"], "pct_floor": 100 * t["decode_tokens_per_s"] / best if best else None,
+                "rows_matching": sum(a == b for a, b in pairs),
+                "mean_common_prefix": statistics.mean(common_prefix(a, b) for a, b in pairs)}
         rows.append(row)
     return rows
 
@@ -212,11 +162,11 @@ QUESTIONS = ["What is the capital of France?", "Write one sentence about the sea
 AGREEMENT_TOKENS = (8, 24)
 
 
-def agreement(pipes: dict, hf, max_len: int, new_tokens: int = AGREEMENT_TOKENS[-1]) -> dict:
-    """Greedy tokens of each of ``pipes`` against transformers on the chat QUESTIONS (one at a
-    time, EOS ignored): the share of questions whose first n tokens are identical, for each n in
-    AGREEMENT_TOKENS, and the mean length of the shared start. Questions longer than ``max_len``
-    with their answer are left out."""
+def agreement(pipes: dict, reference, max_len: int, new_tokens: int = AGREEMENT_TOKENS[-1]) -> dict:
+    """Greedy tokens of each of ``pipes`` against ``reference`` (a baseline) on the chat QUESTIONS
+    (one at a time, EOS ignored): the share of questions whose first n tokens are identical, for
+    each n in AGREEMENT_TOKENS, and the mean length of the shared start. Questions longer than
+    ``max_len`` with their answer are left out."""
     any_pipe = next(iter(pipes.values()))
     try:
         prompts = [any_pipe._encode([q], None, chat=True)[0] for q in QUESTIONS]
@@ -225,7 +175,7 @@ def agreement(pipes: dict, hf, max_len: int, new_tokens: int = AGREEMENT_TOKENS[
     prompts = [p for p in prompts if len(p) + new_tokens <= max_len]
     if not prompts:
         return {}
-    theirs = [run_transformers(hf, [p], new_tokens).token_ids[0] for p in prompts]
+    theirs = [reference.run([p], new_tokens).token_ids[0] for p in prompts]
     out = {}
     for mode, pipe in pipes.items():
         ours = [c.token_ids for c in pipe.generate(prompt_token_ids=prompts, max_new_tokens=new_tokens, ignore_eos=True)]
@@ -237,28 +187,31 @@ def agreement(pipes: dict, hf, max_len: int, new_tokens: int = AGREEMENT_TOKENS[
 
 def run(args, log=print) -> int:
     """The `stagewise bench e2e` command: measure, print the table, write <device>-e2e.json/.md."""
-    import json
     import os
     import sys
 
     from stagewise.api import Pipeline
-    from stagewise.bench import report
+    from stagewise.bench import e2e_report, e2e_startup, report
     from stagewise.bench.timing import TimingPolicy, copy_bandwidth
     from stagewise.model.loader import open_checkpoint
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     sizes = [int(b) for b in str(args.batch_sizes).split(",") if b.strip()]
     repeats = args.repeats or 3
-    if not sizes or min(sizes) < 1 or args.prompt_len < 1 or args.new_tokens < 2 or repeats < 1:
-        print(f"stagewise bench e2e: need batch sizes >= 1, --prompt-len >= 1, --new-tokens >= 2, --repeats >= 1; "
-              f"got {args.batch_sizes!r}, {args.prompt_len}, {args.new_tokens}, {repeats}", file=sys.stderr)
+    names = [b.strip() for b in str(args.baseline).split(",") if b.strip()]
+    if not sizes or min(sizes) < 1 or args.prompt_len < 1 or args.new_tokens < 2 or repeats < 1 \
+            or not names or any(b not in BASELINES for b in names):
+        print(f"stagewise bench e2e: need batch sizes >= 1, --prompt-len >= 1, --new-tokens >= 2, --repeats >= 1 and "
+              f"--baseline among {','.join(BASELINES)}; got {args.batch_sizes!r}, {args.prompt_len}, {args.new_tokens}, "
+              f"{repeats}, {args.baseline!r}", file=sys.stderr)
         return 2
     info = report.machine_info(device)
     load_start = os.getloadavg()  # the machine may be shared: its load goes beside the figures
     policy = TimingPolicy(warmup=2, min_repeats=3, max_repeats=20, budget_s=0.5)
     copy_bytes = 2**24 if args.tiny else 2**30 if device == "cuda" else 2**28  # far beyond the caches
     copy_bw = copy_bandwidth(device, copy_bytes, policy)
-    log(f"{info['device_name']}: copy bandwidth {copy_bw['gbps']:.1f} GB/s, {torch.get_num_threads()} torch threads")
+    log(f"{info['device_name']}: copy bandwidth {copy_bw['gbps']:.1f} GB/s, {torch.get_num_threads()} torch threads; "
+        f"{report.isa_line(info)}")
     try:
         ckpt = open_checkpoint(args.model)
     except (FileNotFoundError, ValueError) as err:
@@ -282,58 +235,27 @@ def run(args, log=print) -> int:
     if not pipes:
         print(f"stagewise bench e2e: no linear precision could run ({asked})", file=sys.stderr)
         return 2
-    hf = load_transformers(ckpt, torch.float32, device)
-    rows = [row for b in sizes
-            for row in bench_batch(pipes, hf, ckpt, b, args.prompt_len, args.new_tokens, repeats, copy_bw["gbps"], log)]
-    agree = agreement(pipes, hf, max_len)
+    try:
+        baselines = {n: open_baseline(n, ckpt, device=device, threads=torch.get_num_threads(), max_seqs=max(sizes),
+                                      max_len=max_len, install=args.install_baseline, log=log) for n in names}
+    except (ImportError, ValueError) as err:
+        print(f"stagewise bench e2e: {err}", file=sys.stderr)
+        return 2
+    rows = [row for b in sizes for row in bench_batch(pipes, baselines, ckpt, b, args.prompt_len, args.new_tokens,
+                                                       repeats, copy_bw["gbps"], log)]
+    agree = {name: agreement(pipes, base, max_len) for name, base in baselines.items()}
+    startup = {}
+    if args.startup and not args.tiny:
+        ids = next(iter(pipes.values()))._encode([e2e_startup.PROMPT], None, chat=True)[0]
+        startup = e2e_startup.measure(str(args.model), torch.get_num_threads(), repeats,
+                                      llama_cpp_path=str(ckpt.path) if "llama.cpp" in baselines else None,
+                                      prompt_ids=ids, log=log)
+    for base in baselines.values():
+        base.close()
     info.update(model=str(args.model), dtype="float32", repeats=repeats, linear_precisions=list(pipes),
-                skipped_precisions=skipped, load_average={"start": list(load_start), "end": list(os.getloadavg())})
-    table = format_table(rows)
-    print(table)
-    n_questions = next(iter(agree.values()))["questions"] if agree else 0
-    agree_lines = [f"Greedy agreement with transformers on {n_questions} chat questions ({AGREEMENT_TOKENS[-1]} "
-                   f"tokens each, EOS ignored):", ""] if agree else []
-    for mode, a in agree.items():
-        firsts = ", ".join(f"first {n} tokens equal {a[f'first_{n}_equal']}/{a['questions']}" for n in AGREEMENT_TOKENS)
-        agree_lines.append(f"- {mode}: {firsts}; mean shared start {a['mean_common_prefix']:.1f} tokens")
-    print("\n".join(agree_lines))
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"{info['device']}-e2e"
-    stem.with_suffix(".json").write_text(json.dumps({"machine": info, "copy_bandwidth": copy_bw, "rows": rows,
-                                                     "agreement": agree}, indent=2) + "\n")
-    stem.with_suffix(".md").write_text("\n".join([
-        "# stagewise end to end: SmolLM2 decode", "",
-        f"Machine: {info['device_name']} ({info['device']}), {info['cpu_count']} CPUs, {info['torch_threads']} "
-        f"torch threads; torch {info['torch']}  ", f"Date (UTC): {info['date_utc']}; commit: {info['git_commit']}  ",
-        f"Model: {info['model']}, float32, greedy, EOS ignored; median of {repeats} runs  ",
-        f"Copy bandwidth (read + write): {copy_bw['gbps']:.1f} GB/s  ",
-        "Load average (1, 5, 15 min) at start / end: " + " / ".join(
-            ", ".join(f"{v:.2f}" for v in info["load_average"][k]) for k in ("start", "end")), "",
-        "ours = stagewise.Pipeline, hf = transformers generate on the same weights, threads and prompts. "
-        "TTFT = submit to first token; decode tok/s = tokens after each row's first, summed over the batch, "
-        "over the time from first to last token. floor = tokens/s if each decode step only read its weights "
-        "and KV cache at the copy bandwidth. linears = ours' linear precision: exact (float32 maths on the "
-        "exact dequantised weights) or int8 (activations quantised to int8 per block of 32: approximate). "
-        "rows = hf: rows whose tokens all equal transformers'; prefix: mean count of leading tokens equal "
-        "to transformers'. Targets: >= 1.5x transformers at batch 1, >= 3x at batch 16.", "",
-        table, "", *agree_lines, ""]))
+                skipped_precisions=skipped, baselines={n: b.info for n, b in baselines.items()},
+                load_average={"start": list(load_start), "end": list(os.getloadavg())})
+    print(e2e_report.format_table(rows))
+    stem = e2e_report.write(args.out, info, copy_bw, rows, agree, startup)
     log(f"wrote {stem}.json and {stem}.md")
     return 0
-
-
-COLUMNS = ["batch", "prompt", "new", "linears", "ours TTFT ms", "hf TTFT ms", "TTFT x", "ours tok/s", "hf tok/s",
-           "decode x", "floor tok/s", "ours % floor", "hf % floor", "MB/step", "rows = hf", "prefix"]
-
-
-def format_table(rows: list[dict]) -> str:
-    """A Markdown table (also what the console shows)."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
-    for r in rows:
-        o, t, f = r["ours"], r["transformers"], r["floor"]
-        cells = [r["batch"], r["prompt_len"], r["new_tokens"], r["linear_precision"], f"{o['ttft_ms']:.1f}", f"{t['ttft_ms']:.1f}",
-                 f"{r['ttft_speedup']:.2f}x", f"{o['decode_tokens_per_s']:.1f}", f"{t['decode_tokens_per_s']:.1f}",
-                 f"{r['decode_speedup']:.2f}x", f"{f['floor_tokens_per_s']:.1f}", f"{r['ours_pct_floor']:.0f}%",
-                 f"{r['transformers_pct_floor']:.0f}%", f"{f['bytes_per_step_mean'] / 1e6:.1f}",
-                 f"{r['rows_matching_transformers']}/{r['batch']}", f"{r['mean_common_prefix']:.1f}"]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines)

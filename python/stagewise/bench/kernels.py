@@ -48,14 +48,17 @@ SIZES = {
                          "tiny": [dict(B=2, ctx=40, Hq=4, Hk=2, D=32)]},
     "merge_attn_states": {"cpu": [dict(N=64)], "cuda": [dict(N=64), dict(N=16384)],
                           "tiny": [dict(N=3, H=4, D=32)]},
-    # SmolLM2-135M's fused gate/up (Q4_1) and tied LM head (Q8_0) at decode batch 1 and 16.
+    # SmolLM2-135M's fused gate/up (Q4_1) and tied LM head (Q8_0) at decode batch 1 and 16; a Llama-8B
+    # sized gate/up in the K-quants (the common GGUF types of larger models).
     "quant_linear": {"cpu": [dict(T=1, N=3072, K=576, q="Q4_1"), dict(T=16, N=3072, K=576, q="Q4_1"),
-                             dict(T=1, N=49152, K=576, q="Q8_0"), dict(T=16, N=49152, K=576, q="Q8_0")],
+                             dict(T=1, N=49152, K=576, q="Q8_0"), dict(T=16, N=49152, K=576, q="Q8_0"),
+                             dict(T=1, N=4096, K=4096, q="Q4_K"), dict(T=1, N=4096, K=4096, q="Q6_K")],
                      "cuda": [dict(T=1, N=14336, K=4096, q="Q4_1"), dict(T=16, N=14336, K=4096, q="Q4_1")],
                      "tiny": [dict(T=3, N=40, K=64, q="Q4_1")]},
     # The int8 mode (CPU only) on the same matrices.
     "quant_linear_int8": {"cpu": [dict(T=1, N=3072, K=576, q="Q4_1"), dict(T=16, N=3072, K=576, q="Q4_1"),
-                                  dict(T=1, N=49152, K=576, q="Q8_0"), dict(T=16, N=49152, K=576, q="Q8_0")],
+                                  dict(T=1, N=49152, K=576, q="Q8_0"), dict(T=16, N=49152, K=576, q="Q8_0"),
+                                  dict(T=1, N=4096, K=4096, q="Q4_K"), dict(T=1, N=4096, K=4096, q="Q6_K")],
                           "cuda": [], "tiny": [dict(T=3, N=40, K=64, q="Q4_1")]},
 }  # fmt: skip
 NORM_DTYPES = (torch.bfloat16, torch.float32)
@@ -280,21 +283,33 @@ def _quant_linear(dtype, dev, T, N, K, q, int8: bool = False) -> Case:
         d = (blocks.abs().amax(-1, keepdim=True) / 127).half()
         qv = (blocks / d.float().clamp_min(1e-8)).round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
         head = d.view(torch.uint8)
+    elif q in ("Q4_K", "Q6_K"):  # random valid super-blocks (quantising into them is llama.cpp's own search)
+        from stagewise.bench.profile_runtime import random_blocks
+
+        qv = head = None
     else:
-        raise ValueError(f"bench quant_linear: q must be Q4_1 or Q8_0, got {q!r}")
-    if q == "Q4_1":
-        qv = qv[..., :16] | (qv[..., 16:] << 4)
-    qweight = torch.cat([head, qv], -1).reshape(N, -1).contiguous()
+        raise ValueError(f"bench quant_linear: q must be Q4_1, Q8_0, Q4_K or Q6_K, got {q!r}")
+    if head is None:
+        qweight = random_blocks(N, K, qtype).to(dev)
+    else:
+        if q == "Q4_1":
+            qv = qv[..., :16] | (qv[..., 16:] << 4)
+        qweight = torch.cat([head, qv], -1).reshape(N, -1).contiguous()
     dense = ref.dequantize(qweight, qtype)
     x = _randn(T, K, dtype=dtype, dev=dev)
     out = torch.empty(T, N, dtype=dtype, device=dev)
     # Read the blocks and x, write out.
     nbytes = qweight.numel() + (T * K + T * N) * x.element_size()
-    op, ref_fn = (ops.quant_linear_int8, ref.quant_linear_int8) if int8 else (ops.quant_linear, ref.quant_linear)
-    return Case(op=op.__name__, name=f"{q} W[{N},{K}] x[{T}]", dtype=dtype, nbytes=nbytes,
-                ours=lambda: op(x, qweight, qtype, out=out), baseline=dense_linear,
+    if int8:  # the panels a model packs once at load time (as many bytes as the blocks)
+        packed = ops.quant_pack_int8(qweight, qtype)
+        op, ref_fn, name = (lambda xs, **kw: ops.quant_linear_int8(xs, packed, qtype, N, **kw)), ref.quant_linear_int8, \
+            "quant_linear_int8"
+    else:
+        op, ref_fn, name = (lambda xs, **kw: ops.quant_linear(xs, qweight, qtype, **kw)), ref.quant_linear, "quant_linear"
+    return Case(op=name, name=f"{q} W[{N},{K}] x[{T}]", dtype=dtype, nbytes=nbytes,
+                ours=lambda: op(x, out=out), baseline=dense_linear,
                 baseline_args=(x, dense),
-                validate=lambda: max_abs_err(op(x, qweight, qtype), ref_fn(x, qweight, qtype)),
+                validate=lambda: max_abs_err(op(x), ref_fn(x, qweight, qtype)),
                 flashinfer_note="FlashInfer has no GGUF block GEMM")  # fmt: skip
 
 

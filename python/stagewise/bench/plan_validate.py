@@ -1,10 +1,11 @@
 """``stagewise plan validate MODEL --stages 1 2 3``: run the real pipeline for each stage count and
 batch, predict the same runs from a device profile, and compare (the planner's side is
-:mod:`stagewise.planner.validate`). Results go to ``bench/results/<device>-plan-validate.{json,md}``
-and, as the planner's latest validation, to ``planner/validation.json``. With ``--tiny`` (or
-``STAGEWISE_BENCH_TINY=1``) it runs at toy sizes (16 prompt and 4 new tokens, one repeat unless
-given, the profile measured quickly) to check that the command works, and keeps the planner's
-validation record as it is: toy numbers must not become the planner's expected error.
+:mod:`stagewise.planner.validate`). Results go to ``<out>/<device>-plan-validate.{json,md}`` (default
+out: a new folder ``bench/results/<device>-<date>``) and, as the planner's latest validation, to
+``planner/validation.json``. With ``--tiny`` (or ``STAGEWISE_BENCH_TINY=1``) it runs at toy sizes (16
+prompt and 4 new tokens, one repeat unless given, the profile measured quickly) to check that the
+command works, and keeps the planner's validation record as it is: toy numbers must not become the
+planner's expected error.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def _run(argv: list[str]) -> int:
     p.add_argument("--output-length", type=int, default=None, help="new tokens (default 32; --tiny: 4)")
     p.add_argument("--repeats", type=int, default=None, help="runs per configuration (default 3; --tiny: 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the profile is measured)")
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for the results (default: a new folder bench/results/<device>-<date>)")
     p.add_argument("--no-store", action="store_true", help="do not update the planner's validation record")
     p.add_argument("--tiny", action="store_true",
                    help="toy sizes, to check that the command works; never stored as the validation record "
@@ -69,6 +71,7 @@ def _run(argv: list[str]) -> int:
         raise ValueError("--stages, --batch, --input-length, --repeats must be >= 1 and --output-length >= 2")
     torch.set_num_threads(args.threads)
     info = report.machine_info("cpu")
+    args.out = args.out if args.out is not None else report.default_out(info["device"])
     if args.device_profile:
         profile = load_profile(args.device_profile)
     else:

@@ -46,6 +46,8 @@ the kernel's cost per weight and per output row (its tiles' reductions and store
 QUANT_STREAM_BYTES = 96 << 20
 ROWS = 32
 QUANT_ROWS = (1, 2, 4, ROWS)
+QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+"""The GGUF types the planner models (its --weight-quant / --embed-quant choices)."""
 """Rows of x the block-quantised linear is timed with: the kernel runs register tiles of a few
 rows against each decoded panel, so its cost is not linear from one row to a few."""
 LINK_SIZES = (2304, 1 << 20)  # bytes of the hidden tensor: a SmolLM2-sized decode row, and 1 MiB
@@ -55,15 +57,19 @@ LINK_FRAMES = 60
 # ---- quant_linear --------------------------------------------------------------------------
 
 def random_blocks(out: int, inp: int, qtype: int, gen: torch.Generator | None = None) -> torch.Tensor:
-    """Valid GGUF blocks ``[out, inp / 32 * block_bytes]`` with random quants and small, normal scales."""
+    """Valid GGUF blocks ``[out, inp / block_weights * block_bytes]`` with random quants and small, normal scales."""
     from stagewise import ops
 
-    nb, bb = inp // ops.QUANT_BLOCK, ops.QUANT_BLOCK_BYTES[qtype]
+    nb, bb = inp // ops.QUANT_BLOCK_WEIGHTS[qtype], ops.QUANT_BLOCK_BYTES[qtype]
     data = torch.randint(0, 256, (out, nb, bb), dtype=torch.uint8, generator=gen)
     scale = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
-    data[..., 0:2] = scale
-    if qtype == ops.QTYPES["Q4_1"]:  # d, then the minimum m
-        data[..., 2:4] = torch.tensor([-0.05], dtype=torch.float16).view(torch.uint8)
+    at = 208 if qtype == ops.QTYPES["Q6_K"] else 0  # where the fp16 d is
+    data[..., at:at + 2] = scale
+    if qtype == ops.QTYPES["Q4_K"]:  # Q4_K's 6-bit scales multiply d: a smaller d
+        data[..., 0:2] = torch.tensor([0.0005], dtype=torch.float16).view(torch.uint8)
+    if qtype in (ops.QTYPES["Q4_1"], ops.QTYPES["Q4_K"]):  # d, then the minimum m (Q4_K: dmin)
+        data[..., 2:4] = torch.tensor([-0.05 if qtype == ops.QTYPES["Q4_1"] else 0.001],
+                                      dtype=torch.float16).view(torch.uint8)
     return data.reshape(out, nb * bb)
 
 
@@ -83,12 +89,13 @@ def quant_rates(log=print, rounds: int = 7) -> dict:
     shapes_ = (QUANT_SHAPE, narrow, wide)
     weights = QUANT_SHAPE[0] * QUANT_SHAPE[1]
     mats, counts = {}, {}
-    for name, qtype in ops.QTYPES.items():
-        counts[name] = max(1, QUANT_STREAM_BYTES // (weights // ops.QUANT_BLOCK * ops.QUANT_BLOCK_BYTES[qtype]))
+    for name in QUANT_TYPES:
+        qtype = ops.QTYPES[name]
+        counts[name] = max(1, QUANT_STREAM_BYTES // (ops.quant_row_bytes(qtype, weights)))
         for shape in shapes_:
             mats[name, shape] = [random_blocks(*shape, qtype) for _ in range(counts[name])]
     xs = {(rows, k): torch.randn(rows, k) for rows in QUANT_ROWS for k in {s_[1] for s_ in shapes_}}
-    t = {(name, shape, rows): [] for name in ops.QTYPES for shape in shapes_ for rows in QUANT_ROWS}
+    t = {(name, shape, rows): [] for name in QUANT_TYPES for shape in shapes_ for rows in QUANT_ROWS}
     for (name, shape), ms in mats.items():
         for rows in QUANT_ROWS:
             ops.quant_linear(xs[rows, shape[1]], ms[0], ops.QTYPES[name])
@@ -103,7 +110,7 @@ def quant_rates(log=print, rounds: int = 7) -> dict:
                 t[name, shape, rows].append((time.perf_counter() - t0) / counts[name])
     del mats
     result = {}
-    for name in ops.QTYPES:
+    for name in QUANT_TYPES:
         best = {(shape, rows): statistics.median(t[name, shape, rows]) for shape in shapes_ for rows in QUANT_ROWS}
         t1, tn = best[QUANT_SHAPE, 1], best[QUANT_SHAPE, ROWS]
         rate = 2 * (ROWS - 1) * weights / max(tn - t1, 1e-9)

@@ -44,7 +44,9 @@ def ratio(baseline_ms: float | None, ours_ms: float | None) -> float | None:
 
 
 def device_slug(device: str) -> str:
-    """A short file-name slug of the device: 'h100', 'h200', 'cpu-amd-epyc-2c'."""
+    """A short file-name slug of the device: 'h100', 'h200', 'cpu-amd-epyc-2c-avx512vnni' (a CPU's
+    model, core count and the ISA level the kernels ran at: an AVX2-only CPU of the same model
+    name gets another slug)."""
     if torch.device(device).type == "cuda":
         name = torch.cuda.get_device_name(torch.device(device))
         words = [w for w in re.split(r"[\s\-_]+", name.lower()) if w not in ("nvidia", "geforce", "tesla", "")]
@@ -55,7 +57,44 @@ def device_slug(device: str) -> str:
     for noise in (r"\(r\)", r"\(tm\)", r"\bcpu\b", r"\bprocessor\b", r"@.*$", r"\d+-core", r"\bwith\b.*$"):
         model = re.sub(noise, " ", model, flags=re.IGNORECASE)
     model = "-".join(model.split()[:4])
-    return "-".join(p for p in ("cpu", _slug(model), f"{os.cpu_count()}c") if p)
+    return "-".join(p for p in ("cpu", _slug(model), f"{os.cpu_count()}c", cpu_isa()) if p)
+
+
+def cpu_isa() -> str:
+    """The ISA level the CPU kernels run at (stagewise.ops.cpu_isa: the CPU's best, capped by
+    STAGEWISE_CPU_ISA)."""
+    from stagewise import ops
+
+    return ops.cpu_isa()
+
+
+def cpu_features() -> list[str]:
+    """The vector extensions of /proc/cpuinfo's flags that matter to the kernels and to llama.cpp."""
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx_vnni",
+              "avx512_bf16", "amx_int8")
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [w for w in wanted if w in flags]
+
+
+def isa_line(info: dict) -> str:
+    """The results header's ISA line."""
+    if info.get("cpu_isa") is None:
+        return ""
+    forced = "" if info["cpu_isa"] == info["cpu_isa_supported"] else \
+        f" (capped by STAGEWISE_CPU_ISA; the CPU has {info['cpu_isa_supported']})"
+    return (f"ISA: stagewise kernels at {info['cpu_isa']}{forced}; CPU flags: "
+            f"{' '.join(info.get('cpu_features') or []) or 'none of avx2/avx512'}")
+
+
+def default_out(device_name: str) -> Path:
+    """Where a suite writes when no --out is given: a folder of its own for this device and day
+    (bench/results/<device>-<YYYY-MM-DD>), so that a run never overwrites committed results."""
+    day = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    return Path("bench/results") / f"{device_name}-{day}"
 
 
 def _slug(s: str) -> str:
@@ -99,6 +138,10 @@ def machine_info(device: str) -> dict:
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "git_commit": _git_commit(),
     }
+    if dev.type == "cpu":
+        from stagewise import ops
+
+        info.update(cpu_isa=ops.cpu_isa(), cpu_isa_supported=ops.cpu_isa_supported(), cpu_features=cpu_features())
     try:
         import flashinfer
 
@@ -160,6 +203,7 @@ def _header(info: dict, copy_bw: dict) -> list[str]:
         f"{info['torch_threads']} torch threads; torch {info['torch']}"
         + (f", CUDA {info['cuda']}" if info.get("cuda") else "")
         + (f", FlashInfer {info['flashinfer']}" if info.get("flashinfer") else ""),
+        *([isa_line(info)] if info.get("cpu_isa") else []),
         f"Date (UTC): {info['date_utc']}; commit: {info['git_commit'] or 'unknown'}",
         f"Copy bandwidth (read + write): {copy_bw['gbps']:.1f} GB/s "
         f"({_bytes(copy_bw['bytes'])} in {copy_bw['median_ms']:.3g} ms)",

@@ -11,8 +11,8 @@ from stagewise import ops
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Default KV size when none is given: every row at full length, but at most this share of the
-# memory left after the weights, and on CPU at most DEFAULT_CPU_KV_BYTES (the cache is zeroed
-# up front, and a CPU run rarely fills more).
+# memory left after the weights, and on CPU at most DEFAULT_CPU_KV_BYTES (a CPU run rarely fills
+# more).
 DEFAULT_KV_FRACTION = {"cpu": 0.25, "cuda": 0.5}
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -101,9 +101,11 @@ class KVCache:
             raise ValueError(f"KVCache: num_blocks must be an int >= 1, got {num_blocks!r}")
         self.spec = spec
         self.num_blocks = num_blocks
-        # Zeroed rather than empty: slots no request has written stay finite, so a
-        # kernel that multiplies them by a zero weight cannot produce NaN.
-        self.storage = torch.zeros(
+        # Not zeroed: no kernel reads a slot no request has written (decode attention stops at each
+        # sequence's length on the CPU and skips masked slots on the GPU; prefills attend over their
+        # own K/V), so the pool costs no start-up time and its pages are touched only as they fill.
+        # tests/model/test_decode_stack.py runs steps and whole generations on a NaN-filled pool.
+        self.storage = torch.empty(
             (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
             dtype=spec.dtype,
             device=device,

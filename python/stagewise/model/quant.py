@@ -1,9 +1,10 @@
 """GGUF block-quantised matrices kept in their blocks: :class:`QuantizedWeight`.
 
-A linear weight ``W [out, in]`` of type Q4_0, Q4_1 or Q8_0 is stored as its raw GGUF rows,
-``data [out, in / 32 * block_bytes]`` uint8, and multiplied by :func:`stagewise.ops.quant_linear`
+A linear weight ``W [out, in]`` of type Q4_0, Q4_1, Q8_0 (blocks of 32 weights), Q4_K or Q6_K
+(blocks of 256) is stored as its raw GGUF rows, ``data [out, in / block_weights * block_bytes]`` uint8, and multiplied by :func:`stagewise.ops.quant_linear`
 with the exact dequantised values, or with ``precision="int8"`` by
-:func:`stagewise.ops.quant_linear_int8` (x quantised to int8 per block: approximate, CPU only).
+:func:`stagewise.ops.quant_linear_int8` (x quantised to int8 per block: approximate, CPU only)
+over the rows packed once by :func:`stagewise.ops.quant_pack_int8` (:meth:`QuantizedWeight.for_linear`).
 Rows can be sliced, permuted and concatenated freely (a row
 is whole blocks); a slice along ``in`` must start and stop on a block boundary.
 """
@@ -31,15 +32,18 @@ class QuantizedWeight:
     ``precision`` how :meth:`linear` multiplies (:data:`PRECISIONS`)."""
 
     def __init__(self, data: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype = torch.float32,
-                 precision: str = "exact") -> None:
+                 precision: str = "exact", packed: torch.Tensor | None = None) -> None:
         if qtype not in QTYPE_NAMES:
             raise ValueError(f"QuantizedWeight: qtype must be one of {ops.QTYPES}, got {qtype!r}")
-        row_bytes = in_features // ops.QUANT_BLOCK * ops.QUANT_BLOCK_BYTES[qtype]
-        if data.dtype != torch.uint8 or data.dim() != 2 or in_features % ops.QUANT_BLOCK or data.size(1) != row_bytes:
+        row_bytes = ops.quant_row_bytes(qtype, in_features)
+        if (data.dtype != torch.uint8 or data.dim() != 2 or in_features % ops.QUANT_BLOCK_WEIGHTS[qtype]
+                or data.size(1) != row_bytes):
             raise ValueError(f"QuantizedWeight: data must be uint8 [out, {row_bytes}] for {QTYPE_NAMES[qtype]} with "
                              f"in_features={in_features}, got {data.dtype} {list(data.shape)}")
         self.data, self.qtype, self.in_features, self.dtype = data, qtype, in_features, dtype
         self.precision = check_precision("QuantizedWeight", precision)
+        self.packed = packed
+        """The int8 kernel's panels of ``data`` (:meth:`for_linear`), or None."""
 
     @property
     def shape(self) -> torch.Size:
@@ -81,7 +85,7 @@ class QuantizedWeight:
             return self._like(self.data.narrow(0, start, length).contiguous(), self.in_features)
         if dim not in (1, -1):
             raise ValueError(f"QuantizedWeight.narrow: dim must be 0 or 1, got {dim}")
-        block = ops.QUANT_BLOCK
+        block = ops.QUANT_BLOCK_WEIGHTS[self.qtype]
         if start % block or length % block:
             raise ValueError(f"QuantizedWeight.narrow: {self.qtype_name} stores {block} weights a block, so a slice "
                              f"of in_features must fall on block boundaries; got [{start}, {start + length}) of "
@@ -113,11 +117,19 @@ class QuantizedWeight:
         return reference.dequantize(self.data[ids.reshape(-1)], self.qtype).to(self.dtype).reshape(
             *ids.shape, self.in_features)
 
+    def for_linear(self) -> QuantizedWeight:
+        """Itself, ready to multiply: with ``precision="int8"`` its rows packed for the int8 kernel
+        (:func:`stagewise.ops.quant_pack_int8`) once, when a layer takes it at load time; the GGUF
+        rows stay (the same tensor may also embed)."""
+        if self.precision == "int8" and self.packed is None:
+            self.packed = ops.quant_pack_int8(self.data.contiguous(), self.qtype)
+        return self
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T + bias`` through :func:`stagewise.ops.quant_linear` (``precision="exact"``) or
-        :func:`stagewise.ops.quant_linear_int8` (``"int8"``)."""
+        :func:`stagewise.ops.quant_linear_int8` (``"int8"``, over the packed rows of :meth:`for_linear`)."""
         if self.precision == "int8":
-            return ops.quant_linear_int8(x, self.data, self.qtype, bias)
+            return ops.quant_linear_int8(x, self.for_linear().packed, self.qtype, self.data.size(0), bias)
         return ops.quant_linear(x, self.data, self.qtype, bias)
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from stagewise.kv import KVCache, KVCacheSpec
 from stagewise.model.batch import KVMetadata, StepBatch
 from stagewise.model.config import ModelConfig
+from stagewise.model.decode_stack import build_decode_stack
 from stagewise.model.layers.rotary import Rotary
 from stagewise.model.loader import Checkpoint, load_stage_weights, open_checkpoint, resolve_dtype
 from stagewise.model.models import falcon, llama, qwen3, qwen3_moe
@@ -43,7 +44,10 @@ class StageModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.embedding = _frozen(embedding)
         self.final_norm = final_norm
-        self.lm_head = _frozen(lm_head)
+        self.lm_head = lm_head.for_linear() if isinstance(lm_head, QuantizedWeight) else _frozen(lm_head)
+        device = next((p.device for p in self.parameters()), torch.device("cpu"))
+        # Decode steps run the layer loop in C++ where the layers allow (CPU, one rank): same ops, same bits.
+        self.decode_stack = None if device.type != "cpu" else build_decode_stack(layers, config.activation, device)
 
     @classmethod
     def from_weights(cls, config: ModelConfig, start_layer: int, end_layer: int,
@@ -103,8 +107,14 @@ class StageModel(nn.Module):
             # Layers update x and residual in place: work on copies, never on the caller's tensors.
             x = batch.hidden_states.clone()
             residual = None if batch.residual is None else batch.residual.clone()
-        for i, layer in enumerate(self.layers, start=self.start_layer):
-            x, residual = layer(x, residual, batch, meta, kv_cache.layer(i))
+        if self.decode_stack is not None and batch.num_prefills == 0 and batch.num_tokens > 0:
+            has_residual = residual is not None
+            residual = residual if has_residual else torch.empty_like(x)
+            self.decode_stack.decode(x, residual, has_residual, batch.positions, meta.slot_mapping,
+                                     meta.block_tables, meta.seq_lens, kv_cache.storage)
+        else:
+            for i, layer in enumerate(self.layers, start=self.start_layer):
+                x, residual = layer(x, residual, batch, meta, kv_cache.layer(i))
         if not self.is_last:
             # Sending x + residual rather than both halves the bytes; the next layer's norm sees
             # the same sum, rounded the same way, as fused_add_rms_norm would form.

@@ -13,6 +13,13 @@ import torch
 
 from stagewise import _C  # noqa: F401  (loads the library; registers torch.ops.stagewise)
 from stagewise.ops import _fake  # noqa: F401  (registers the fake implementations)
+from stagewise.ops.qtypes import (  # noqa: F401  (re-exported)
+    QTYPES,
+    QUANT_BLOCK_BYTES,
+    QUANT_BLOCK_WEIGHTS,
+    QUANT_PACK_RECORD_BYTES,
+    quant_row_bytes,
+)
 
 __all__ = [
     "rms_norm",
@@ -25,13 +32,21 @@ __all__ = [
     "merge_attn_states",
     "quant_linear",
     "quant_linear_int8",
+    "quant_pack_int8",
 ]
+# Also here, not ops: the GGUF block types (QTYPES, the block sizes, quant_row_bytes) and the
+# CPU kernels' instruction-set level (cpu_isa, cpu_isa_supported).
 
-# GGUF block types quant_linear takes: name -> GGML type id (ggml.h), and the block layout
-# (32 weights a block; bytes per block) of include/stagewise/quant.h.
-QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-QUANT_BLOCK = 32
-QUANT_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+def cpu_isa() -> str:
+    """The instruction-set level the CPU kernels run: ``baseline``, ``avx2``, ``avx512`` or
+    ``avx512vnni`` (the CPU's best, capped by the environment variable ``STAGEWISE_CPU_ISA``,
+    read once per process)."""
+    return _C.cpu_isa()
+
+
+def cpu_isa_supported() -> str:
+    """The best instruction-set level this CPU has, whatever ``STAGEWISE_CPU_ISA`` says."""
+    return _C.cpu_isa_supported()
 
 _ops = torch.ops.stagewise
 
@@ -185,37 +200,52 @@ def quant_linear(
 ) -> torch.Tensor:
     """``x [..., in] @ dequant(qweight).T + bias`` -> ``[..., out_features]`` in x's dtype.
 
-    ``qweight [out_features, in / 32 * block_bytes]`` uint8 holds the GGUF blocks of
-    ``W [out_features, in]`` row by row, ``qtype`` their GGML type id (:data:`QTYPES`).
+    ``qweight [out_features, in / block_weights * block_bytes]`` uint8 holds the GGUF blocks of
+    ``W [out_features, in]`` row by row, ``qtype`` their GGML type id (:data:`QTYPES`: Q4_0,
+    Q4_1, Q8_0 in blocks of 32 weights, Q4_K and Q6_K in blocks of 256).
     The weights are their exact float32 dequantised values and the sums are float32,
     rounded once to x's dtype with the bias added (bias ``[out_features]`` in x's dtype).
-    On the CPU, 32 rows or more (a prompt) take a GEMM over dequantised tiles of W, fewer
-    (decode) a kernel that reads each block once; both give these values up to summation order.
+    On the CPU, a prompt's rows (from 12 to 32 rows on, by ISA level) take a GEMM over dequantised
+    tiles of W, fewer (decode) a kernel that reads each block once; both give these values up to
+    summation order.
     """
     out = _linear_out(x, qweight, out)
     _ops.quant_linear(out, x, qweight, qtype, bias)
     return out
 
 
+def quant_pack_int8(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
+    """The GGUF rows ``qweight [out_features, in / block_weights * block_bytes]`` regrouped for
+    :func:`quant_linear_int8`: panels of 16 rows, one row per 32-bit vector lane
+    (``[ceil(out_features / 16), in / block_weights * record_bytes]`` uint8, layout in
+    csrc/cpu/quant_pack.h). Done once per weight, when a model is loaded; CPU only."""
+    if qweight.device.type != "cpu":
+        raise NotImplementedError(f"stagewise.quant_pack_int8: the int8 mode runs on the CPU only, got qweight on "
+                                  f"{qweight.device}")
+    return _ops.quant_pack_int8(qweight, qtype)
+
+
 def quant_linear_int8(
     x: torch.Tensor,
-    qweight: torch.Tensor,
+    packed: torch.Tensor,
     qtype: int,
+    out_features: int,
     bias: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`quant_linear` in reduced precision (approximate; CPU only): each block of 32
-    values of a row of x is quantised to int8 with a float32 scale (``max|x| / 127``, ties
-    to even) and multiplied with the weight blocks in integer arithmetic, block results summed
-    in float32 (the maths of include/stagewise/quant.h, written plainly in
-    :func:`stagewise.ops.reference.quant_linear_int8`). The error against :func:`quant_linear`
-    is that of quantising x: at most ``max|x| / 254`` per value, per block. Arguments as
-    :func:`quant_linear`.
+    """:func:`quant_linear` in reduced precision (approximate; CPU only), over the weights as
+    :func:`quant_pack_int8` packed them: each block of 32 values of a row of x is quantised to int8
+    with a float32 scale (``max|x| / 127``, ties to even) and multiplied with the weight blocks in
+    integer arithmetic, block results summed in float32 (the maths of include/stagewise/quant.h,
+    written plainly in :func:`stagewise.ops.reference.quant_linear_int8`, which takes the GGUF rows).
+    The error against :func:`quant_linear` is that of quantising x: at most ``max|x| / 254`` per
+    value, per block. ``x [..., in]`` -> ``[..., out_features]`` in x's dtype.
     """
     if x.device.type != "cpu":
         raise NotImplementedError(f"stagewise.quant_linear_int8: the int8 mode runs on the CPU only, got x on "
                                   f"{x.device}; use quant_linear (exact) there")
-    out = _linear_out(x, qweight, out)
-    _ops.quant_linear_int8(out, x, qweight, qtype, bias)
+    if out is None:
+        out = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype, device=x.device)
+    _ops.quant_linear_int8(out, x, packed, qtype, bias)
     return out

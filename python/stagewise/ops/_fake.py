@@ -14,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from stagewise.ops.qtypes import QUANT_BLOCK_BYTES, QUANT_PACK_RECORD_BYTES
+
 
 def _fake(op: str, ref: str) -> Callable:
     """Register the decorated function as the fake of ``stagewise::<op>``, after checking
@@ -89,3 +91,9 @@ def _quant_linear(out, x, qweight, qtype, bias):
 @_fake("quant_linear_int8", ref="x")
 def _quant_linear_int8(out, x, qweight, qtype, bias):
     return None
+
+
+@_fake("quant_pack_int8", ref="qweight")
+def _quant_pack_int8(qweight, qtype):
+    blocks = qweight.shape[1] // QUANT_BLOCK_BYTES[qtype]
+    return qweight.new_empty(((qweight.shape[0] + 15) // 16, blocks * QUANT_PACK_RECORD_BYTES[qtype]))

@@ -22,7 +22,7 @@ AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _weight(w: torch.Tensor | QuantizedWeight) -> nn.Parameter | QuantizedWeight:
-    return w if isinstance(w, QuantizedWeight) else nn.Parameter(w, requires_grad=False)
+    return w.for_linear() if isinstance(w, QuantizedWeight) else nn.Parameter(w, requires_grad=False)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:

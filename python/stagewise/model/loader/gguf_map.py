@@ -77,21 +77,6 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def field_values(reader: Any) -> dict[str, Any]:
-    """Scalar and string metadata of a GGUFReader (token lists are read separately, on demand)."""
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.split(".")[-1] in ("tokens", "merges", "token_type", "scores"):
-            continue
-        out[key] = field.contents()
-    return out
-
-
-def array_field(reader: Any, key: str) -> list[Any] | None:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
 def hf_config_from_gguf(meta: dict[str, Any], vocab_size: int | None, has_output: bool) -> dict[str, Any]:
     """HF-style config dict from GGUF metadata, for :func:`~stagewise.model.hf_config.parse_hf_config`.
 

@@ -67,8 +67,8 @@ def _check_range(start_layer: int, end_layer: int, num_layers: int) -> None:
 
 
 def _check_blocks(ckpt: Checkpoint, name: str, cut: Cut, tp_size: int) -> None:
-    """A cut across a block-quantised matrix's inputs must keep whole blocks of 32 weights."""
-    block = ops.QUANT_BLOCK
+    """A cut across a block-quantised matrix's inputs must keep whole blocks (32 or 256 weights)."""
+    block = ops.QUANT_BLOCK_WEIGHTS[ckpt.qtype(name)]
     for a, b in cut.ranges:
         if a % block or b % block:
             raise ValueError(

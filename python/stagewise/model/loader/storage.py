@@ -132,7 +132,7 @@ def _zero_rows(ckpt: Checkpoint, name: str, rows: int, blocks: bool, pieces: lis
     cols = ckpt.shape(name)[1:]
     if blocks:
         qtype = ckpt.qtype(name)
-        row_bytes = cols[0] // ops.QUANT_BLOCK * ops.QUANT_BLOCK_BYTES[qtype]
+        row_bytes = ops.quant_row_bytes(qtype, cols[0])
         return QuantizedWeight(torch.zeros((rows, row_bytes), dtype=torch.uint8), qtype, cols[0])
     return torch.zeros((rows, *cols), dtype=pieces[0].dtype if pieces else ckpt.dtype(name))
 

@@ -1,0 +1,125 @@
+"""llama.cpp as the baseline of `stagewise bench e2e --baseline llama.cpp`: the same GGUF file,
+threads and prompt token ids, greedy, through llama-cpp-python's low-level API (an optional
+dependency of the benchmark only; :func:`find_or_install` installs it when asked).
+
+A batch of B prompts is one ``llama_decode`` of every prompt token (B sequences, the logits of
+each sequence's last token), then one ``llama_decode`` per step with B tokens, one per sequence:
+llama.cpp's batch API for parallel sequences. Tokens are picked by llama.cpp's greedy sampler
+(in C, as its own tools do). Every run starts from an empty KV cache.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REQUIREMENT = "llama-cpp-python>=0.3.30"
+BUILD_ARGS = "-DGGML_NATIVE=ON -DLLAMA_CURL=OFF"
+"""CMake flags of the install: a native build (every ISA extension of this CPU), as a user who
+builds llama-cpp-python from PyPI for speed would."""
+
+
+def find_or_install(install: bool, log=print):
+    """The ``llama_cpp`` module; with ``install``, ``pip install`` it first when missing (a source
+    build from PyPI, several minutes). ImportError naming the command otherwise."""
+    try:
+        return importlib.import_module("llama_cpp")
+    except ImportError:
+        if not install:
+            raise ImportError(f"bench e2e --baseline llama.cpp needs llama-cpp-python: "
+                              f'CMAKE_ARGS="{BUILD_ARGS}" pip install "{REQUIREMENT}" '
+                              f"(or pass --install-baseline)") from None
+    log(f"bench e2e: installing {REQUIREMENT} (CMAKE_ARGS={BUILD_ARGS}; a source build, several minutes)")
+    env = dict(os.environ, CMAKE_ARGS=BUILD_ARGS)
+    subprocess.run([sys.executable, "-m", "pip", "install", REQUIREMENT], env=env, check=True)
+    importlib.invalidate_caches()
+    return importlib.import_module("llama_cpp")
+
+
+_QUIET = []  # the log callback, kept alive as long as llama.cpp may call it
+
+
+def quiet(lib) -> None:
+    """Drop llama.cpp's log lines (every tensor it loads, on stderr) so the benchmark's own show."""
+    if not _QUIET:
+        _QUIET.append(lib.llama_log_callback(lambda level, text, user_data: None))
+        lib.llama_log_set(_QUIET[0], None)
+
+
+def system_info(lib) -> str:
+    """llama.cpp's own line of the CPU features it was built for and uses ("AVX2 = 1 | ...")."""
+    return lib.llama_print_system_info().decode(errors="replace").strip()
+
+
+class LlamaCpp:
+    """One model and one context sized for ``max_seqs`` sequences of ``max_len`` tokens."""
+
+    def __init__(self, lib, path: str | Path, threads: int, max_seqs: int, max_len: int) -> None:
+        self.lib, self.max_seqs = lib, max_seqs
+        quiet(lib)
+        lib.llama_backend_init()
+        start = time.perf_counter()
+        mparams = lib.llama_model_default_params()
+        self.model = lib.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self.model:
+            raise ValueError(f"llama.cpp could not load {str(path)!r}")
+        cparams = lib.llama_context_default_params()
+        cparams.n_seq_max = max_seqs
+        cparams.n_ctx = max_seqs * max_len
+        cparams.n_batch = max(512, max_seqs * max_len)  # a whole batch of prompts in one llama_decode
+        cparams.n_threads = cparams.n_threads_batch = threads
+        self.ctx = lib.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            raise ValueError("llama.cpp could not create a context")
+        self.load_s = time.perf_counter() - start
+        """Model load and context creation, seconds."""
+        self.sampler = lib.llama_sampler_init_greedy()
+        self.batch = lib.llama_batch_init(cparams.n_batch, 0, 1)
+
+    def close(self) -> None:
+        lib = self.lib
+        lib.llama_batch_free(self.batch)
+        lib.llama_sampler_free(self.sampler)
+        lib.llama_free(self.ctx)
+        lib.llama_model_free(self.model)
+
+    def _fill(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """The batch: (token, position, sequence, wants logits) per entry."""
+        b = self.batch
+        b.n_tokens = len(entries)
+        for i, (tok, pos, seq, logits) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i] = tok, pos, 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = logits
+
+    def _decode(self) -> None:
+        rc = self.lib.llama_decode(self.ctx, self.batch)
+        if rc != 0:
+            raise RuntimeError(f"llama.cpp: llama_decode returned {rc}")
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list[list[int]]]:
+        """Greedy ``new_tokens`` tokens after each prompt (EOS ignored): (TTFT seconds, seconds from
+        the first token to the last, the tokens of each row)."""
+        lib, rows = self.lib, len(prompts)
+        if rows > self.max_seqs:
+            raise ValueError(f"llama.cpp baseline: {rows} prompts, the context holds {self.max_seqs}")
+        lib.llama_memory_clear(lib.llama_get_memory(self.ctx), True)
+        start = time.perf_counter()
+        entries, outputs = [], []
+        for s, p in enumerate(prompts):
+            entries += [(tok, pos, s, pos == len(p) - 1) for pos, tok in enumerate(p)]
+            outputs.append(len(entries) - 1)
+        self._fill(entries)
+        self._decode()
+        out = [[lib.llama_sampler_sample(self.sampler, self.ctx, i)] for i in outputs]
+        first = time.perf_counter()
+        for step in range(1, new_tokens):
+            self._fill([(out[s][-1], len(p) + step - 1, s, True) for s, p in enumerate(prompts)])
+            self._decode()
+            for s in range(rows):
+                out[s].append(lib.llama_sampler_sample(self.sampler, self.ctx, s))
+        return first - start, time.perf_counter() - first, out
