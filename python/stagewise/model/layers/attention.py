@@ -19,6 +19,7 @@ from torch import nn
 
 from stagewise import ops
 from stagewise.model.batch import KVMetadata, StepBatch
+from stagewise.model.collectives import StageGroups
 from stagewise.model.config import ModelConfig
 from stagewise.model.layers.linear import Linear, RowParallelLinear
 from stagewise.model.layers.rotary import Rotary
@@ -29,9 +30,12 @@ class Attention(nn.Module):
     """Fused q/k/v projection, rope, attention, o projection (row parallel) of one TP rank."""
 
     def __init__(self, config: ModelConfig, layer: int, qkv: Linear, o: RowParallelLinear, rotary: Rotary,
-                 tp_size: int = 1, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None) -> None:
+                 tp_size: int = 1, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, *,
+                 groups: StageGroups = StageGroups()) -> None:
         """``qkv``: this rank's ``[q; k; v]`` rows, ``[(Hq + 2 * Hk) * D, hidden]`` with ``Hq`` and
-        ``Hk`` the rank's query and KV heads; ``o``: its ``[hidden, Hq * D]`` block."""
+        ``Hk`` the rank's query and KV heads; ``o``: its ``[hidden, Hq * D]`` block; ``groups``: the
+        stage's rank groups (context parallel shards the cached sequence over ``groups.dcp`` and
+        ``groups.pcp``)."""
         super().__init__()
         if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
             raise ValueError(f"Attention: sliding_window={config.sliding_window} is not supported "
@@ -47,6 +51,7 @@ class Attention(nn.Module):
                              f"(tp_size={tp_size})")
         self.scale = config.head_dim**-0.5
         self.qkv, self.o, self.rotary = qkv, o, rotary
+        self.groups = groups
         self.q_norm = None if q_norm is None else nn.Parameter(q_norm, requires_grad=False)
         self.k_norm = None if k_norm is None else nn.Parameter(k_norm, requires_grad=False)
 
