@@ -154,8 +154,8 @@ class Pipeline:
         if addresses is not None and store is not None:
             raise ValueError("Pipeline.attach: give addresses or store, not both")
         if addresses is None and store is None:
-            addresses = [connect_address(s) for s in plan.stages]
-            zero = [s.index for s, (_, port) in zip(plan.stages, addresses) if port == 0]
+            addresses = [connect_address(plan.stages[i], r) for i, r in plan.members]
+            zero = sorted({i for (i, _), (_, port) in zip(plan.members, addresses) if port == 0})
             if zero:
                 raise ValueError(f"Pipeline.attach: stages {zero} listen on port 0 in the plan; give their "
                                  "addresses or fixed ports")

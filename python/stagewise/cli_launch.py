@@ -68,10 +68,12 @@ def run(args: argparse.Namespace) -> int:
         out = sys.stdout if args.print_only else sys.stderr
         if token is not None:
             print("# every host needs STAGEWISE_AUTH_TOKEN set to the same token", file=out)
-        for spec in plan.stages:
-            print(f"# stage {spec.index} on {spec.host}: layers {spec.start_layer}-{spec.end_layer}, "
-                  f"listens on {spec.listen}, device {spec.device}", file=out)
-            print(printed_command(plan, spec.index, auth=token is not None, program=program,
+        for index, rank in plan.members:
+            spec = plan.stages[index]
+            who = f"stage {index}" + (f" rank {rank}" if spec.tp * plan.pcp > 1 else "")
+            print(f"# {who} on {spec.host}: layers {spec.start_layer}-{spec.end_layer}, "
+                  f"listens on {spec.rank_listen(rank)}, device {spec.rank_device(rank)}", file=out)
+            print(printed_command(plan, index, rank=rank, auth=token is not None, program=program,
                                   remote_plan=args.remote_plan), file=out)
         if args.remote_plan:
             print(f"# copy {args.plan} to {args.remote_plan} on every host first", file=out)

@@ -15,6 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--plan-json", metavar="JSON", help="the run plan itself, as JSON (what 'stagewise launch' "
                         "prints, so that no file needs copying)")
     parser.add_argument("--stage", type=int, default=None, help="this process's stage index")
+    parser.add_argument("--rank", type=int, default=0,
+                        help="this process's rank in its stage (0, the leader, unless the stage has tp * pcp ranks)")
     parser.add_argument("--torchrun", action="store_true",
                         help="under torchrun: the stage index is RANK, and the listen address is published in "
                              "torch.distributed's store at MASTER_ADDR:MASTER_PORT")
@@ -34,8 +36,8 @@ def main(args: argparse.Namespace) -> int:
         from stagewise.launch.multihost import stage_from_args
         from stagewise.pipeline.process import StageProcess
 
-        plan, index, on_listening = stage_from_args(args)
-        stage = StageProcess(plan, index, listen=args.listen, auth_token=token)
+        plan, index, rank, on_listening = stage_from_args(args)
+        stage = StageProcess(plan, index, rank=rank, listen=args.listen, auth_token=token)
         stage.on_listening = on_listening
         code = stage.run()
     except KeyboardInterrupt:

@@ -234,13 +234,20 @@ def test_torchrun_environment_is_checked(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(ValueError, match="WORLD_SIZE is 3 but the plan has 2 stages"):
+    with pytest.raises(ValueError, match=r"WORLD_SIZE is 3 but the plan has 2 processes \(2 stages"):
         torchrun_stage(plan, None)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="--stage 1 disagrees with RANK 0"):
         torchrun_stage(plan, 1)
-    plan0, index = torchrun_stage(plan, None)
-    assert index == 0 and plan0.stages[0].device == "cuda:3"
+    plan0, index, rank = torchrun_stage(plan, None)
+    assert (index, rank) == (0, 0) and plan0.stages[0].device == "cuda:3"
+    # A stage of two TP ranks: RANK 1 is its second rank, RANK 2 the next stage's leader.
+    tp_plan = plan.with_stage(0, tp=2)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "1")
+    assert torchrun_stage(tp_plan, None)[1:] == (0, 1)
+    monkeypatch.setenv("RANK", "2")
+    assert torchrun_stage(tp_plan, None)[1:] == (1, 0)
     monkeypatch.delenv("RANK")
     with pytest.raises(ValueError, match="RANK must be an integer"):
         torchrun_stage(plan, None)

@@ -57,8 +57,11 @@ class Engine:
         self.executor, self.config = executor, cfg
         self.max_model_len = executor.max_model_len
         # The scheduler's own block accounting: it admits what every stage's cache can hold.
+        # Every rank allocates the same block ids (context parallel ranks: one per virtual block).
+        theirs = executor.manager
         manager = KVCacheManager(block_size=executor.block_size, num_blocks=executor.num_blocks,
-                                 max_blocks_per_seq=-(-self.max_model_len // executor.block_size))
+                                 max_blocks_per_seq=theirs.max_blocks_per_seq, cp_world_size=theirs.cp_world_size,
+                                 interleave_size=theirs.interleave_size)
         self.scheduler = GroupedScheduler(manager, num_groups=num_groups, max_num_seqs=max_num_seqs,
                                           max_model_len=self.max_model_len, max_prefill_tokens=max_prefill_tokens)
         self.requests = Requests(vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids,

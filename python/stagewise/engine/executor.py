@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -67,11 +68,25 @@ class KVHandoff:
         return self.k.size(1)
 
 
+class Mirror(Protocol):
+    """The other ranks of a stage, as its leader sees them: each step the leader runs and each
+    request it frees is handed to them first, so that every rank of the stage runs the same steps
+    (see :mod:`stagewise.pipeline.fanout`)."""
+
+    def run(self, batch: StepBatch) -> None: ...
+
+    def free(self, request_ids: Sequence[Hashable]) -> None: ...
+
+
 class Executor:
-    """One rank's share of a model and of its KV cache."""
+    """One rank's share of a model and of its KV cache.
+
+    In a stage of several ranks every rank runs every step; only the leader (TP rank 0 of PCP rank
+    0) is driven by the pipeline, and hands each step to the others through its :attr:`mirror`.
+    On the last stage the leader alone receives the logits and samples."""
 
     def __init__(self, model: StageModel, *, num_blocks: int, block_size: int, max_model_len: int | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", interleave_size: int = 1) -> None:
         cfg = model.config
         max_model_len = cfg.max_position_embeddings if max_model_len is None else max_model_len
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
@@ -84,8 +99,16 @@ class Executor:
         self.max_model_len, self.block_size = max_model_len, block_size
         spec = model.kv_cache_spec(block_size, model_dtype(model))
         self.kv_cache = KVCache(spec, num_blocks=num_blocks, device=self.device)
+        groups = model.groups
+        # With context parallelism a block-table entry covers block_size * cp positions (a virtual
+        # block), of which this rank stores its share: every rank allocates the same block ids.
         self.manager = KVCacheManager(block_size=block_size, num_blocks=num_blocks,
-                                      max_blocks_per_seq=-(-max_model_len // block_size))
+                                      max_blocks_per_seq=-(-max_model_len // (block_size * groups.cp_size)),
+                                      cp_world_size=groups.cp_size, cp_rank=groups.cp_rank,
+                                      interleave_size=interleave_size)
+        self.leads = groups.tp.rank == 0 and groups.pcp.rank == 0
+        """Whether this rank drives the stage (and, on the last stage, samples)."""
+        self.mirror: Mirror | None = None
         self.sampler = Sampler()
         self._sampling: dict[Hashable, _Sampling] = {}
 
@@ -111,11 +134,11 @@ class Executor:
         return {*self.manager.request_ids(), *self._sampling}
 
     def run(self, batch: StepBatch,
-            sampling: Mapping[Hashable, SamplingRequest] | None = None) -> torch.Tensor | Sampled:
+            sampling: Mapping[Hashable, SamplingRequest] | None = None) -> torch.Tensor | Sampled | None:
         """Hidden states ``[T, hidden]`` for the next stage or, on the last stage, the
-        :class:`Sampled` tokens. ``sampling`` describes the requests that start in this step (the
-        last stage keeps it until the request is freed). On an error the step's new requests are
-        forgotten, and the exception propagates."""
+        :class:`Sampled` tokens (None on the last stage's other ranks). ``sampling`` describes the
+        requests that start in this step (the last stage's leader keeps it until the request is
+        freed). On an error the step's new requests are forgotten, and the exception propagates."""
         added = []
         try:
             for rid, ctx, n, prefill in zip(batch.request_ids, batch.context_lens, batch.query_lens,
@@ -131,7 +154,7 @@ class Executor:
                         raise ValueError(f"request {rid!r} decodes at position {ctx} but this stage holds "
                                          f"{have} of its tokens")
                     self.manager.append(rid, 1)
-            if self.is_last:
+            if self.is_last and self.leads:
                 for rid in added:
                     new = (sampling or {}).get(rid)
                     if new is None:
@@ -139,8 +162,11 @@ class Executor:
                     params = new.params
                     self._sampling[rid] = _Sampling(params=params, generator=make_generator(params, self.device),
                                                     history=History(new.prompt_ids) if params.penalised else None)
-            out = self.model(batch, self.kv_cache, KVMetadata.build(batch, self.manager, self.device))
-            if not self.is_last:
+            meta = KVMetadata.build(batch, self.manager, self.device)
+            if self.mirror is not None:
+                self.mirror.run(batch)
+            out = self.model(batch, self.kv_cache, meta)
+            if not self.is_last or not self.leads:
                 return out
             return self._sample(out, [self._sampling[rid] for rid in batch.request_ids])
         except Exception:
@@ -162,6 +188,8 @@ class Executor:
     def free(self, request_ids: Sequence[Hashable]) -> None:
         """Forget requests that ended (unknown ids are ignored: a request may end before it
         reached this stage)."""
+        if self.mirror is not None and request_ids:
+            self.mirror.free(request_ids)
         for rid in request_ids:
             if rid in self.manager:
                 self.manager.free(rid)
@@ -173,6 +201,8 @@ class Executor:
         """The KV (and, on the last stage, the sampling state) this rank holds of a request."""
         if request_id not in self.manager:
             raise ValueError(f"export_request: this stage holds no KV for request {request_id!r}")
+        if self.model.groups.tp.size * self.model.groups.pcp.size > 1:
+            raise NotImplementedError("export_request: a request's KV leaves a stage of one rank only")
         n, storage = self.manager.num_tokens(request_id), self.kv_cache.storage
         blocks = torch.tensor(self.manager.block_ids(request_id), dtype=torch.int64, device=storage.device)
         # storage [L, 2, num_blocks, block, Hk, D] -> the request's blocks -> [L, 2, n, Hk, D]

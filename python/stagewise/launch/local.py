@@ -19,10 +19,12 @@ from stagewise.pipeline.process import FAILED_LINE, READY_LINE
 
 
 class StageProcesses:
-    """The processes of a plan's stages (local children or ssh clients), one per stage."""
+    """The processes of a plan's stages (local children or ssh clients), one per rank of each
+    stage, in the plan's rank order (:attr:`RunPlan.members`)."""
 
-    def __init__(self, procs: Sequence[subprocess.Popen]) -> None:
+    def __init__(self, procs: Sequence[subprocess.Popen], labels: Sequence[str] | None = None) -> None:
         self.procs = list(procs)
+        self.labels = list(labels) if labels is not None else [f"stage {i}" for i in range(len(self.procs))]
 
     def __len__(self) -> int:
         return len(self.procs)
@@ -37,7 +39,7 @@ class StageProcesses:
             return None
         for line in proc.stdout.read().splitlines():
             if line.startswith(FAILED_LINE):
-                return failure_message(stage, line)
+                return failure_message(self.labels[stage], line)
         return None
 
     @property
@@ -66,44 +68,56 @@ class StageProcesses:
                     stream.close()
 
 
-def stage_argv(plan: RunPlan, index: int, *, program: Sequence[str] = (sys.executable, "-m", "stagewise.cli"),
-               remote_plan: str | None = None, extra: Sequence[str] = ()) -> list[str]:
-    """The argv that runs stage ``index`` of ``plan`` (the plan inline unless ``remote_plan``
-    names a plan file on the stage's host)."""
+def stage_argv(plan: RunPlan, index: int, *, rank: int = 0,
+               program: Sequence[str] = (sys.executable, "-m", "stagewise.cli"), remote_plan: str | None = None,
+               extra: Sequence[str] = ()) -> list[str]:
+    """The argv that runs rank ``rank`` of stage ``index`` of ``plan`` (the plan inline unless
+    ``remote_plan`` names a plan file on the stage's host)."""
     source = ["--plan", remote_plan] if remote_plan else ["--plan-json", plan.to_json()]
-    return [*program, "stage", *source, "--stage", str(index), *extra]
+    return [*program, "stage", *source, "--stage", str(index), *(["--rank", str(rank)] if rank else []), *extra]
+
+
+def member_label(plan: RunPlan, stage: int, rank: int) -> str:
+    """How a process is named in messages: ``stage I``, or ``stage I rank R`` in a stage of several."""
+    return f"stage {stage}" if plan.stages[stage].tp * plan.pcp == 1 else f"stage {stage} rank {rank}"
 
 
 def spawn_stages(plan: RunPlan, *, auth_token: str | None = None,
                  timeout_s: float = 120.0) -> tuple[StageProcesses, list[tuple[str, int]]]:
-    """Start every stage of ``plan`` here and wait until each listens. Returns the processes and
-    their listen addresses; on any error every process started is stopped."""
+    """Start every rank of every stage of ``plan`` here and wait until each listens. Returns the
+    processes and their listen addresses (in :attr:`RunPlan.members` order); on any error every
+    process started is stopped."""
     env = dict(os.environ)
     if auth_token:
         env["STAGEWISE_AUTH_TOKEN"] = auth_token
-    procs = StageProcesses([])
+    members = plan.members
+    procs = StageProcesses([], [member_label(plan, s, r) for s, r in members])
     try:
-        for spec in plan.stages:
+        for index, rank in members:
+            spec = plan.stages[index]
             stage_env = dict(env)
             if spec.threads:
                 stage_env["OMP_NUM_THREADS"] = str(spec.threads)
-            procs.procs.append(subprocess.Popen(stage_argv(plan, spec.index, extra=["--die-with-parent"]),
+            argv = stage_argv(plan, index, rank=rank, extra=["--die-with-parent"])
+            procs.procs.append(subprocess.Popen(argv,
                                                 env=stage_env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                                 text=True,
                                                 # A terminal's Ctrl-C goes to the driver alone, which then stops
                                                 # the stages; a stage still importing would otherwise die with a
                                                 # traceback.
                                                 start_new_session=True))
-        addresses = [read_address(p, i, timeout_s) for i, p in enumerate(procs.procs)]
+        addresses = [read_address(p, label, timeout_s) for p, label in zip(procs.procs, procs.labels)]
     except BaseException:
         procs.stop(grace_s=0.5)
         raise
     return procs, addresses
 
 
-def read_address(proc: subprocess.Popen, index: int, timeout_s: float) -> tuple[str, int]:
-    """The address stage ``index`` printed once it listens; RuntimeError with the stage's own
-    words when it failed before."""
+def read_address(proc: subprocess.Popen, index: int | str, timeout_s: float) -> tuple[str, int]:
+    """The address a stage process (``index``: its stage index, or its label such as
+    ``stage 1 rank 2``) printed once it listens; RuntimeError with its own words when it failed
+    before."""
+    label = index if isinstance(index, str) else f"stage {index}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         ready, _, _ = select.select([proc.stdout], [], [], 0.2)
@@ -115,21 +129,23 @@ def read_address(proc: subprocess.Popen, index: int, timeout_s: float) -> tuple[
             if len(parts) == 3 and parts[0] == READY_LINE:
                 return parts[1], int(parts[2])
             if parts and parts[0] == FAILED_LINE:
-                raise RuntimeError(failure_message(index, line))
+                raise RuntimeError(failure_message(label, line))
         elif proc.poll() is not None:
             break
     code = proc.poll()
     if code is not None:
-        raise RuntimeError(f"stage {index} exited with code {code} before listening (see its error above)")
-    raise TimeoutError(f"stage {index} did not start listening within {timeout_s:.0f} s")
+        raise RuntimeError(f"{label} exited with code {code} before listening (see its error above)")
+    raise TimeoutError(f"{label} did not start listening within {timeout_s:.0f} s")
 
 
-def failure_message(index: int, line: str) -> str:
-    """``stage I on HOST failed: ERROR`` from a stage's ``STAGEWISE-FAILED {json}`` line."""
+def failure_message(index: int | str, line: str) -> str:
+    """``stage I on HOST failed: ERROR`` (``stage I rank R ...``) from a process's
+    ``STAGEWISE-FAILED {json}`` line; ``index`` is the stage index or the process's label."""
     import json
 
+    label = index if isinstance(index, str) else f"stage {index}"
     try:
         info = json.loads(line.split(None, 1)[1])
-        return f"stage {index} on {info['host']} failed: {info['error']}"
+        return f"{label} on {info['host']} failed: {info['error']}"
     except (IndexError, ValueError, KeyError, TypeError):
-        return f"stage {index} failed: {line.strip()}"
+        return f"{label} failed: {line.strip()}"

@@ -17,7 +17,7 @@ import socket
 import subprocess
 from collections.abc import Sequence
 
-from stagewise.launch.local import StageProcesses, read_address, stage_argv
+from stagewise.launch.local import StageProcesses, member_label, read_address, stage_argv
 from stagewise.parallel.runplan import RunPlan, StageSpec, parse_address
 from stagewise.launch.torchrun import WILDCARD_HOSTS
 
@@ -58,10 +58,10 @@ def is_this_machine(host: str) -> bool:
     return False
 
 
-def connect_address(spec: StageSpec) -> tuple[str, int]:
-    """Where the driver and the previous stage dial stage ``spec``: its listen address, or its
-    ``host`` when it listens on every interface."""
-    host, port = parse_address(spec.listen, f"stages[{spec.index}].listen")
+def connect_address(spec: StageSpec, rank: int = 0) -> tuple[str, int]:
+    """Where the driver and the previous stage dial rank ``rank`` of stage ``spec``: its listen
+    address, or its ``host`` when it listens on every interface."""
+    host, port = parse_address(spec.rank_listen(rank), f"stages[{spec.index}].listen")
     return (spec.host if host in WILDCARD_HOSTS else host), port
 
 
@@ -99,10 +99,11 @@ def check_plan(plan: RunPlan, *, fixed_ports: bool) -> None:
         raise PlanError("run plan: " + "; ".join(problems))
 
 
-def printed_command(plan: RunPlan, index: int, *, auth: bool, program: Sequence[str] = ("stagewise",),
+def printed_command(plan: RunPlan, index: int, *, rank: int = 0, auth: bool, program: Sequence[str] = ("stagewise",),
                     **options) -> str:
-    """One shell line for the operator; with auth, the token comes from the host's environment."""
-    line = shlex.join(stage_argv(plan, index, program=program, **options))
+    """One shell line for the operator (rank ``rank`` of stage ``index``); with auth, the token
+    comes from the host's environment."""
+    line = shlex.join(stage_argv(plan, index, rank=rank, program=program, **options))
     # "$STAGEWISE_AUTH_TOKEN" must stay expandable: appended outside shlex's single quotes.
     return line + (' --auth-token "$STAGEWISE_AUTH_TOKEN"' if auth else "")
 
@@ -124,10 +125,12 @@ def ssh_spawn(plan: RunPlan, *, auth_token: str | None, program: Sequence[str], 
     """Start every stage on its host over ssh; wait for each ``STAGEWISE-LISTENING`` line (ssh
     forwards the remote stdout) and return the ssh processes and the stages' dial addresses.
     The stages get ``--die-with-parent``: when ssh goes, the remote session ends and so do they."""
-    procs = StageProcesses([])
+    members = plan.members
+    procs = StageProcesses([], [member_label(plan, i, r) for i, r in members])
     try:
-        for spec in plan.stages:
-            argv = stage_argv(plan, spec.index, program=program, remote_plan=remote_plan,
+        for index, rank in members:
+            spec = plan.stages[index]
+            argv = stage_argv(plan, index, rank=rank, program=program, remote_plan=remote_plan,
                               extra=["--die-with-parent"])
             proc = subprocess.Popen(ssh_argv(spec.host, argv, auth=auth_token is not None, ssh=ssh),
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -137,8 +140,9 @@ def ssh_spawn(plan: RunPlan, *, auth_token: str | None, program: Sequence[str], 
             proc.stdin.close()
             procs.procs.append(proc)
         addresses = []
-        for spec, proc in zip(plan.stages, procs.procs):
-            host, port = read_address(proc, spec.index, timeout_s)
+        for (index, _), proc, label in zip(members, procs.procs, procs.labels):
+            spec = plan.stages[index]
+            host, port = read_address(proc, label, timeout_s)
             addresses.append((spec.host if host in WILDCARD_HOSTS else host, port))
     except BaseException:
         procs.stop(grace_s=0.5)
@@ -163,9 +167,9 @@ def load_plan(source, *, need_model: bool = True) -> RunPlan:
     return RunPlan.from_dict(data)
 
 
-def stage_from_args(args) -> tuple[RunPlan, int, object]:
-    """``stagewise stage``'s plan, stage index and on-listening hook from its arguments
-    (``--plan`` or ``--plan-json``; ``--stage`` or ``--torchrun``)."""
+def stage_from_args(args) -> tuple[RunPlan, int, int, object]:
+    """``stagewise stage``'s plan, stage index, stage rank and on-listening hook from its
+    arguments (``--plan`` or ``--plan-json``; ``--stage`` and ``--rank``, or ``--torchrun``)."""
     if args.plan_json is not None:
         try:
             data = json.loads(args.plan_json)
@@ -177,12 +181,12 @@ def stage_from_args(args) -> tuple[RunPlan, int, object]:
     if args.torchrun:
         from stagewise.launch.torchrun import publish, torchrun_stage
 
-        plan, index = torchrun_stage(plan, args.stage)
+        plan, index, rank = torchrun_stage(plan, args.stage)
 
         def on_listening(stage) -> None:
             stage.store = publish(stage, timeout_s=stage.driver_timeout_s)  # kept: stage 0 may host it
 
-        return plan, index, on_listening
+        return plan, index, rank, on_listening
     if args.stage is None:
         raise ValueError("stagewise stage: give --stage I (or --torchrun, which takes it from RANK)")
-    return plan, args.stage, None
+    return plan, args.stage, args.rank, None

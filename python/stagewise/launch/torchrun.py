@@ -1,5 +1,6 @@
-"""Stages under ``torchrun``: the stage index is ``RANK``, the number of stages ``WORLD_SIZE``,
-and stages publish their listen addresses in torch.distributed's TCPStore at
+"""Stages under ``torchrun``: ``RANK`` names the process (stage and stage rank, in the plan's
+rank order: the stage index when every stage is one process), ``WORLD_SIZE`` is the number of
+processes of the plan, and they publish their listen addresses in torch.distributed's TCPStore at
 ``MASTER_ADDR:MASTER_PORT`` (no rendezvous of our own).
 
     torchrun --nproc-per-node 2 --master-port 29511 -m stagewise.cli stage --plan plan.yaml --torchrun
@@ -8,9 +9,9 @@ and stages publish their listen addresses in torch.distributed's TCPStore at
 Which process hosts the store follows torch's own ``env://`` rule
 (``torch.distributed.rendezvous._create_c10d_store``): with ``TORCHELASTIC_USE_AGENT_STORE=True``
 (torchrun's default) the torchrun agent of node 0 hosts it and every stage is a client; otherwise
-stage 0 hosts it. Each stage sets ``stagewise/<fingerprint>/stage/<i>`` to
+stage 0 hosts it. Each process sets ``stagewise/<fingerprint>/stage/<RANK>`` to
 ``{"host", "port", "pid", "restart"}``; the driver connects to the same store as a client and
-waits for all S keys. The fingerprint in the key keeps two different models or plans that share a
+waits for all of them. The fingerprint in the key keeps two different models or plans that share a
 store apart.
 """
 
@@ -41,18 +42,24 @@ def _env_int(name: str) -> int:
     return int(value)
 
 
-def torchrun_stage(plan: RunPlan, stage: int | None) -> tuple[RunPlan, int]:
-    """The stage index from ``RANK``, checked against ``WORLD_SIZE`` and ``--stage``. A plan
-    device of plain ``cuda`` becomes ``cuda:LOCAL_RANK``."""
+def torchrun_stage(plan: RunPlan, stage: int | None) -> tuple[RunPlan, int, int]:
+    """The stage index and stage rank of ``RANK``, checked against ``WORLD_SIZE`` and ``--stage``.
+    A plan device of plain ``cuda`` becomes ``cuda:LOCAL_RANK`` (for the stage's leader; its other
+    ranks take the next devices)."""
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-    if world != plan.num_stages:
-        raise ValueError(f"stagewise stage --torchrun: WORLD_SIZE is {world} but the plan has {plan.num_stages} "
-                         f"stages; start torchrun with {plan.num_stages} processes in all")
-    if stage is not None and stage != rank:
-        raise ValueError(f"stagewise stage --torchrun: --stage {stage} disagrees with RANK {rank}; leave --stage out")
-    if plan.stages[rank].device == "cuda":
-        plan = plan.with_stage(rank, device=f"cuda:{_env_int('LOCAL_RANK')}")
-    return plan, rank
+    if world != plan.world_size:
+        raise ValueError(f"stagewise stage --torchrun: WORLD_SIZE is {world} but the plan has {plan.world_size} "
+                         f"processes ({plan.num_stages} stages of pcp x tp ranks); start torchrun with "
+                         f"{plan.world_size} processes in all")
+    if not 0 <= rank < world:
+        raise ValueError(f"stagewise stage --torchrun: RANK {rank} is not in [0, {world})")
+    index, stage_rank = plan.members[rank]
+    if stage is not None and stage != index:
+        raise ValueError(f"stagewise stage --torchrun: --stage {stage} disagrees with RANK {rank} (stage {index}); "
+                         "leave --stage out")
+    if plan.stages[index].device == "cuda":
+        plan = plan.with_stage(index, device=f"cuda:{_env_int('LOCAL_RANK') - stage_rank}")
+    return plan, index, stage_rank
 
 
 def _master() -> tuple[str, int]:
@@ -99,9 +106,9 @@ def publish(stage, *, timeout_s: float = 300.0):
     """``on_listening`` hook of a StageProcess under torchrun: put its address in the store.
     Returns the store, which the stage must keep (stage 0 may host it)."""
     host, port = _master()
-    index = stage.index
+    index = stage.plan.stage_ranks()[stage.index].first + stage.rank
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = _open_store(host, port, world_size=stage.plan.num_stages, master=not agent and index == 0,
+    store = _open_store(host, port, world_size=stage.plan.world_size, master=not agent and index == 0,
                         timeout_s=timeout_s)
     bound_host, bound_port = stage.listener.address[:2]
     value = {"host": advertised_host(bound_host, host), "port": int(bound_port), "pid": os.getpid(),
@@ -115,15 +122,16 @@ def publish(stage, *, timeout_s: float = 300.0):
 
 def store_addresses(plan: RunPlan, fingerprint: str, store: tuple[str, int] | str, *,
                     timeout_s: float = 300.0) -> list[tuple[str, int]]:
-    """The driver's side: every stage's published address, waiting up to ``timeout_s`` for all."""
+    """The driver's side: every process's published address (in the plan's rank order), waiting
+    up to ``timeout_s`` for all."""
     host, port = parse_address(store, "store") if isinstance(store, str) else (store[0], int(store[1]))
     client = _open_store(host, port, world_size=None, master=False, timeout_s=timeout_s)
-    keys = [store_key(fingerprint, i) for i in range(plan.num_stages)]
+    keys = [store_key(fingerprint, i) for i in range(plan.world_size)]
     try:
         client.wait(keys, timedelta(seconds=timeout_s))
     except RuntimeError as err:  # torch raises DistStoreError (a RuntimeError) on timeout
         missing = [i for i, k in enumerate(keys) if not client.check([k])]
-        raise TimeoutError(f"stages {missing} did not publish their address under {store_key(fingerprint, 0)[:-1]}"
+        raise TimeoutError(f"processes (RANK) {missing} did not publish their address under {store_key(fingerprint, 0)[:-1]}"
                            f"<i> in the store at {host}:{port} within {timeout_s:.0f} s (a different model or "
                            f"plan gives a different fingerprint): {err}") from None
     out = []

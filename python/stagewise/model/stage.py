@@ -13,6 +13,7 @@ from torch import nn
 
 from stagewise.kv import KVCache, KVCacheSpec
 from stagewise.model.batch import KVMetadata, StepBatch
+from stagewise.model.collectives import StageGroups
 from stagewise.model.config import ModelConfig
 from stagewise.model.decode_stack import build_decode_stack
 from stagewise.model.layers.rotary import Rotary
@@ -41,6 +42,7 @@ class StageModel(nn.Module):
         super().__init__()
         self.config, self.start_layer, self.end_layer = config, start_layer, end_layer
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.groups = StageGroups()
         self.layers = nn.ModuleList(layers)
         self.embedding = _frozen(embedding)
         self.final_norm = final_norm
@@ -53,7 +55,7 @@ class StageModel(nn.Module):
     def from_weights(cls, config: ModelConfig, start_layer: int, end_layer: int,
                      weights: Mapping[str, torch.Tensor | QuantizedWeight],
                      dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                     tp_rank: int = 0, tp_size: int = 1) -> StageModel:
+                     tp_rank: int = 0, tp_size: int = 1, groups: StageGroups = StageGroups()) -> StageModel:
         """Build from this rank's HF-named tensors, as :func:`~stagewise.model.loader.load_stage_weights`
         returns them (only this stage's are read; others may be absent)."""
         if not 0 <= start_layer < end_layer <= config.num_layers:

@@ -9,13 +9,23 @@ A run plan is a YAML (or JSON) file::
     max_num_seqs: 32
     max_model_len: 2048          # optional
     kv_cache_bytes: 268435456    # optional, per stage
+    tp: 1                        # tensor-parallel ranks per stage (a stage may give its own)
+    dcp: 1                       # decode context parallel: ranks of the TP group sharding a KV head's sequence
+    pcp: 1                       # prefill context parallel: extra ranks per stage, each a part of the prompt
+    interleave_size: 1           # tokens in a row on one context-parallel rank (divides block_size)
     stages:
       - {host: 10.0.0.1, listen: "10.0.0.1:7100", layers: "0-15", device: cpu, threads: 8}
-      - {host: 10.0.0.2, listen: "10.0.0.2:7100", layers: "15-30", device: "cuda:0"}
+      - {host: 10.0.0.2, listen: "10.0.0.2:7100", layers: "15-30", device: "cuda:0", tp: 2}
 
 ``layers`` may be left out of every stage and ``partition`` (even, ceil, balanced) given
 instead; the ranges then come from :mod:`stagewise.parallel.plan`, the same code the planner
 uses. ``listen`` defaults to ``127.0.0.1:0`` (loopback, any free port).
+
+A stage of ``pcp * tp`` ranks is that many processes (:meth:`RunPlan.stage_ranks` numbers them);
+rank 0, its leader, listens at ``listen`` and talks to the other stages; rank ``r`` listens at
+the same host on port ``port + r`` (any free port when the port is 0) and, on a GPU, runs on
+``cuda:(index + r)`` of the stage's ``device``. Stages may differ in ``tp``; ``dcp``, ``pcp`` and
+``interleave_size`` are the run's, since every stage's KV blocks mirror stage 0's scheduler.
 """
 
 from __future__ import annotations
@@ -27,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from stagewise.parallel.plan import PARTITION_POLICIES, StagePlan
+from stagewise.parallel.ranks import StageRanks, stage_ranks
 from stagewise.transport.select import TRANSPORTS
+
 PROTOCOL_VERSION = 1
 
 
@@ -65,7 +77,21 @@ class StageSpec:
     listen: str = "127.0.0.1:0"
     device: str = "cpu"
     threads: int | None = None
-    """torch intra-op threads (None: torch's default)."""
+    """torch intra-op threads (None: torch's default), per rank."""
+    tp: int = 1
+    """Tensor-parallel ranks of this stage."""
+
+    def rank_device(self, rank: int) -> str:
+        """The device of stage rank ``rank``: ``cuda:(index + rank)`` on a GPU, else ``device``."""
+        if rank == 0 or not self.device.startswith("cuda"):
+            return self.device
+        index = int(self.device.partition(":")[2] or 0)
+        return f"cuda:{index + rank}"
+
+    def rank_listen(self, rank: int) -> str:
+        """Where stage rank ``rank`` listens: the leader's host, its port + ``rank`` (0: any)."""
+        host, _, port = self.listen.rpartition(":")
+        return f"{host}:{int(port) + rank if int(port) else 0}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +112,9 @@ class RunPlan:
     linear_precision: str = "exact"
     """How those blocks multiply: "exact" (float32 dequantised values) or "int8" (approximate)."""
     partition: str = "explicit"
+    pcp: int = 1
+    dcp: int = 1
+    interleave_size: int = 1
     sampling: dict[str, Any] | None = None
     """Defaults for the requests sent to this plan's stages (``stagewise launch``, ``generate
     --plan``): sampling fields such as temperature, top_p, repetition_penalty; the command line's
@@ -94,6 +123,20 @@ class RunPlan:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    def stage_ranks(self) -> list[StageRanks]:
+        """The ranks of every stage, numbered over the whole run (``[PP, PCP, TP]``)."""
+        return stage_ranks([(s.tp, self.pcp, self.dcp) for s in self.stages])
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the run: every stage's ``pcp * tp``."""
+        return sum(s.tp for s in self.stages) * self.pcp
+
+    @property
+    def members(self) -> list[tuple[int, int]]:
+        """(stage, stage rank) of every process of the run, in global rank order."""
+        return [(i, r) for i, ranks in enumerate(self.stage_ranks()) for r in range(ranks.size)]
 
     @property
     def stage_plan(self) -> StagePlan:
@@ -104,13 +147,15 @@ class RunPlan:
         """What both ends of a connection must agree on: the model's config, the layer ranges,
         dtype, block size and protocol version (hosts, ports and devices may differ)."""
         body = {"version": PROTOCOL_VERSION, "config": model_config, "dtype": self.dtype, "quantized": self.quantized,
-                "block_size": self.block_size, "ranges": [[s.start_layer, s.end_layer] for s in self.stages]}
+                "block_size": self.block_size, "ranges": [[s.start_layer, s.end_layer] for s in self.stages],
+                "tp": [s.tp for s in self.stages], "pcp": self.pcp, "dcp": self.dcp,
+                "interleave_size": self.interleave_size}
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["stages"] = [{"host": s.host, "listen": s.listen, "layers": f"{s.start_layer}-{s.end_layer}",
-                        "device": s.device, "threads": s.threads} for s in self.stages]
+                        "device": s.device, "threads": s.threads, "tp": s.tp} for s in self.stages]
         return d
 
     def to_json(self) -> str:
@@ -126,14 +171,14 @@ class RunPlan:
 
     @classmethod
     def build(cls, model: str, num_layers: int, num_stages: int, partition: Any = "even", *,
-              costs=None, devices: list[str] | None = None, **options: Any) -> RunPlan:
-        """A local plan: every stage on loopback, layers from ``partition``."""
+              costs=None, devices: list[str] | None = None, tp: int = 1, **options: Any) -> RunPlan:
+        """A local plan: every stage on loopback with ``tp`` ranks, layers from ``partition``."""
         if partition == "balanced" and costs is None:
             raise ValueError("RunPlan.build: the 'balanced' policy needs layer costs")
         plan = StagePlan.build(num_layers, num_stages, partition, costs=costs)
         devices = devices or ["cpu"] * num_stages
         stages = tuple(StageSpec(index=s.stage_id, start_layer=s.start_layer, end_layer=s.end_layer,
-                                 device=devices[s.stage_id]) for s in plan.stages)
+                                 device=devices[s.stage_id], tp=tp) for s in plan.stages)
         return cls(model=model, stages=stages, num_layers=num_layers, partition=plan.policy, **options).validated()
 
     @classmethod
@@ -159,6 +204,10 @@ class RunPlan:
         raw = data.pop("stages", None)
         stated = data.pop("num_layers", None)
         partition = data.pop("partition", None)
+        tp = data.pop("tp", 1)
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            problems.append(_problem("tp", tp, "an int >= 1"))
+            tp = 1
         total = num_layers if num_layers is not None else stated
         if not isinstance(raw, list) or not raw:
             problems.append(_problem("stages", raw, "a non-empty list of stages"))
@@ -190,7 +239,7 @@ class RunPlan:
             problems.append(_problem("num_layers", stated, f"{total} (the model's)"))
         stages = []
         for i, spec in enumerate(raw):
-            stage = _stage(i, spec, None if plan is None else plan.stages[i], problems)
+            stage = _stage(i, spec, None if plan is None else plan.stages[i], problems, tp)
             if stage is not None:
                 stages.append(stage)
         if plan is None or len(stages) != len(raw) or problems:
@@ -206,15 +255,20 @@ class RunPlan:
                 problems.append(str(err).removeprefix("run plan: "))
             if not st.host or st.host.startswith("-") or any(c.isspace() or c in "'\"`$;&|<>" for c in st.host):
                 problems.append(_problem(f"stages[{st.index}].host", st.host, "a host name or address"))
+            if isinstance(st.tp, bool) or not isinstance(st.tp, int) or st.tp < 1:
+                problems.append(_problem(f"stages[{st.index}].tp", st.tp, "an int >= 1"))
+            elif self.dcp > 0 and st.tp % self.dcp:
+                problems.append(f"dcp={self.dcp} must divide every stage's tp (DCP shards the KV inside the TP "
+                                f"group); stages[{st.index}].tp is {st.tp}")
         if problems:
             raise _all(problems)
         return self
 
 
 OPTION_KEYS = ("dtype", "transport", "checksum", "max_num_seqs", "max_model_len", "kv_cache_bytes", "max_num_tokens",
-               "block_size", "quantized", "linear_precision", "sampling")
-KNOWN_KEYS = frozenset({"model", "stages", "num_layers", "partition", *OPTION_KEYS})
-STAGE_KEYS = frozenset({"host", "listen", "layers", "device", "threads"})
+               "block_size", "quantized", "linear_precision", "pcp", "dcp", "interleave_size", "sampling")
+KNOWN_KEYS = frozenset({"model", "stages", "num_layers", "partition", "tp", *OPTION_KEYS})
+STAGE_KEYS = frozenset({"host", "listen", "layers", "device", "threads", "tp"})
 
 
 def _problem(what: str, value: Any, expected: str) -> str:
@@ -227,7 +281,7 @@ def _all(problems: list[str]) -> ValueError:
     return ValueError(f"run plan: {len(problems)} problems: " + "; ".join(problems))
 
 
-def _stage(i: int, spec: Any, info, problems: list[str]) -> StageSpec | None:
+def _stage(i: int, spec: Any, info, problems: list[str], tp: int) -> StageSpec | None:
     where = f"stages[{i}]"
     if not isinstance(spec, dict):
         problems.append(_problem(where, spec, "a mapping"))
@@ -244,11 +298,15 @@ def _stage(i: int, spec: Any, info, problems: list[str]) -> StageSpec | None:
     threads = spec.get("threads")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         problems.append(_problem(f"{where}.threads", threads, "an int >= 1"))
+    stage_tp = spec.get("tp", tp)
+    if isinstance(stage_tp, bool) or not isinstance(stage_tp, int) or stage_tp < 1:
+        problems.append(_problem(f"{where}.tp", stage_tp, "an int >= 1"))
+        return None
     host = host if host is not None else bound
     if info is None or host is None:
         return None
     return StageSpec(index=i, start_layer=info.start_layer, end_layer=info.end_layer, host=str(host),
-                     listen=str(listen), device=str(spec.get("device", "cpu")), threads=threads)
+                     listen=str(listen), device=str(spec.get("device", "cpu")), threads=threads, tp=stage_tp)
 
 
 def _option_problems(options: dict[str, Any]) -> list[str]:
@@ -265,7 +323,7 @@ def _option_problems(options: dict[str, Any]) -> list[str]:
         problems.append(_problem("quantized", get("quantized"), "true, false or null"))
     if get("linear_precision", "exact") not in ("exact", "int8"):
         problems.append(_problem("linear_precision", get("linear_precision"), "'exact' or 'int8'"))
-    for name in ("max_num_seqs", "block_size"):
+    for name in ("max_num_seqs", "block_size", "pcp", "dcp", "interleave_size"):
         value = get(name, 1)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             problems.append(_problem(name, value, "an int >= 1"))
@@ -273,6 +331,10 @@ def _option_problems(options: dict[str, Any]) -> list[str]:
         value = get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             problems.append(_problem(name, value, "an int >= 1 or null"))
+    block, inter = get("block_size", 16), get("interleave_size", 1)
+    if isinstance(block, int) and isinstance(inter, int) and inter >= 1 and block % inter:
+        problems.append(f"interleave_size={inter} must divide block_size={block} (a context-parallel rank's "
+                        "tokens fill whole slots of a block)")
     if get("kv_cache_bytes") is not None and get("max_num_tokens") is not None:
         problems.append("give at most one of kv_cache_bytes and max_num_tokens")
     sampling = get("sampling")

@@ -1,9 +1,10 @@
 """The driver: the process that talks to a running pipeline.
 
-It connects a control link to every stage, agrees on the KV block count (the smallest any stage
-can hold, so that every stage's allocations mirror stage 0's), wires the stages into a chain
-(each to the next, the last back to stage 0), then feeds requests to stage 0 and collects their
-text and results. It watches every stage: a closed connection, an exited process or
+It connects a control link to every process of every stage (a stage of several ranks is that
+many processes, each watched on its own), agrees on the KV block count (the smallest any rank
+can hold, so that every stage's allocations mirror stage 0's), wires the stages' leaders into a
+chain (each to the next, the last back to stage 0) and each leader to its stage's other ranks,
+then feeds requests to stage 0 and collects their text and results. It watches every stage: a closed connection, an exited process or
 ``HEARTBEAT_TIMEOUT_S`` without a message marks the pipeline broken; requests still running then
 end with ``finish_reason="error"`` naming the stage, and every stage process is stopped.
 """
@@ -17,6 +18,7 @@ from typing import Protocol
 
 from stagewise.engine.requests import RequestOutput
 from stagewise.engine.params import SamplingParams, TokenLogprobs
+from stagewise.parallel.groups import needs_world
 from stagewise.parallel.runplan import RunPlan
 from stagewise.pipeline import links, messages
 from stagewise.pipeline.messages import (
@@ -86,8 +88,14 @@ class PipelineDriver:
         self._tokens: list[tuple[int, int, TokenLogprobs | None]] = []
         self._problems: list[tuple[Fault, int, str]] = []
         self._store = None
-        n = plan.num_stages
-        self.last_seen = [time.monotonic()] * n
+        self.members = plan.members
+        """(stage, rank) of each process, in the order of ``addresses`` and of the launcher's."""
+        if len(addresses) != len(self.members):
+            raise ValueError(f"PipelineDriver: {len(addresses)} addresses for the {len(self.members)} processes of "
+                             "the plan (one per rank of every stage)")
+        self.leaders = [self.members.index((i, 0)) for i in range(plan.num_stages)]
+        n, m = plan.num_stages, len(self.members)
+        self.last_seen = [time.monotonic()] * m
         options = links.LinkOptions(fingerprint=fingerprint, auth_token=auth_token)
         try:
             for i, address in enumerate(addresses):
@@ -95,20 +103,24 @@ class PipelineDriver:
             ready = self._expect_all(Ready, ready_timeout_s)
             for i, msg in enumerate(ready):
                 if msg.fingerprint != fingerprint:
-                    raise ValueError(f"stage {i} runs model/plan fingerprint {msg.fingerprint!r}, the driver "
+                    raise ValueError(f"{self._label(i)} runs model/plan fingerprint {msg.fingerprint!r}, the driver "
                                      f"expects {fingerprint!r}: the hosts do not hold the same model or plan")
-            self.num_blocks = min(m.capacity_blocks for m in ready)
-            self.pids = [m.pid for m in ready]
+            self.num_blocks = min(r.capacity_blocks for r in ready)
+            self.pids = [r.pid for r in ready]
+            self.kv_block_bytes = [r.kv_bytes for r in ready]
             hops = links.hop_transports(plan)
-            store = self._host_store() if "torch" in hops else None
-            for i in range(n):
-                self._send(i, Setup(num_blocks=self.num_blocks, next=None if n == 1 else tuple(addresses[(i + 1) % n]),
-                                    transport=hops[i], microbatches=n, store=store))
+            store = self._host_store() if needs_world(plan, hops) else None
+            for i, (stage, rank) in enumerate(self.members):
+                leader = rank == 0
+                following = [tuple(addresses[j]) for j, (s, r) in enumerate(self.members) if s == stage and r > 0]
+                self._send(i, Setup(num_blocks=self.num_blocks, transport=hops[stage], microbatches=n, store=store,
+                                    next=None if n == 1 or not leader else tuple(addresses[self.leaders[(stage + 1) % n]]),
+                                    followers=following if leader and following else None))
             self._expect_all(Connected, 120.0)
         except BaseException:
             self.close(force=True)
             raise
-        self.last_seen = [time.monotonic()] * n
+        self.last_seen = [time.monotonic()] * m
 
     def _host_store(self) -> tuple[str, int]:
         """The store of the stages' torch.distributed group (the ``torch`` transport), hosted here
@@ -135,8 +147,13 @@ class PipelineDriver:
                     raise TimeoutError(f"{self._name(stage)}: no answer at {address[0]}:{address[1]} within "
                                        f"{timeout:.0f} s ({err})") from None
 
-    def _name(self, stage: int) -> str:
-        return f"stage {stage} on {self.plan.stages[stage].host}"
+    def _label(self, member: int) -> str:
+        """``stage I`` (``stage I rank R`` in a stage of several ranks) of process ``member``."""
+        stage, rank = self.members[member]
+        return f"stage {stage}" if self.plan.stage_ranks()[stage].size == 1 else f"stage {stage} rank {rank}"
+
+    def _name(self, member: int) -> str:
+        return f"{self._label(member)} on {self.plan.stages[self.members[member][0]].host}"
 
     def _expect_all(self, kind: type, timeout: float) -> list:
         """The next message of type ``kind`` from every stage, watching them all at once: the
@@ -150,8 +167,8 @@ class PipelineDriver:
                     if msg is not None:
                         got[i] = msg
             if len(got) < len(self.controls) and time.monotonic() > deadline:
-                missing = [i for i in range(len(self.controls)) if i not in got]
-                raise TimeoutError(f"stages {missing} did not report {kind.__name__} within {timeout:.0f} s")
+                missing = [self._label(i) for i in range(len(self.controls)) if i not in got]
+                raise TimeoutError(f"{', '.join(missing)} did not report {kind.__name__} within {timeout:.0f} s")
         return [got[i] for i in range(len(self.controls))]
 
     def _expect(self, stage: int, kind: type, timeout: float, wait: float | None = None):
@@ -201,7 +218,7 @@ class PipelineDriver:
         try:
             self.controls[stage].send(messages.to_frame(msg))
         except (ChannelClosed, OSError) as err:
-            self._break(f"stage {stage} is unreachable: {err}")
+            self._break(f"{self._label(stage)} is unreachable: {err}")
             raise PipelineBroken(self.broken) from None
 
     def _break(self, reason: str) -> None:
@@ -254,7 +271,7 @@ class PipelineDriver:
                     self.last_seen[i] = now
                     done += self._on_message(i, messages.from_frame(frame))
             except (ChannelClosed, OSError) as err:
-                self._problems.append((Fault.GONE, i, f"stage {i} closed its connection ({err})"))
+                self._problems.append((Fault.GONE, i, f"{self._label(i)} closed its connection ({err})"))
         self._check_health(now)
         if self._problems:
             self._break(self._diagnose())
@@ -264,7 +281,7 @@ class PipelineDriver:
     def _on_message(self, stage: int, msg: messages.Message) -> list[RequestOutput]:
         if isinstance(msg, Fatal):
             self._problems.append((Fault.LOST_NEIGHBOUR if msg.neighbour else Fault.FAILED, stage,
-                                   f"stage {stage} failed: {msg.message}"))
+                                   f"{self._label(stage)} failed: {msg.message}"))
         elif isinstance(msg, Status) and stage == 0:
             self.status = _status_dict(msg)
         elif isinstance(msg, Events) and stage == 0:
@@ -295,23 +312,23 @@ class PipelineDriver:
                              first_token_s=req.first_token_s, finish_s=time.perf_counter())
 
     def _check_health(self, now: float) -> None:
-        for i in range(self.plan.num_stages):
+        for i in range(len(self.members)):
             code = None if self.processes is None else self.processes.exit_code(i)
             if code is not None:
-                self._problems.append((Fault.KILLED if code < 0 else Fault.GONE, i, f"stage {i} process exited with "
-                                       + (f"signal {-code}" if code < 0 else f"code {code}")))
+                self._problems.append((Fault.KILLED if code < 0 else Fault.GONE, i, f"{self._label(i)} process exited "
+                                       "with " + (f"signal {-code}" if code < 0 else f"code {code}")))
             elif now - self.last_seen[i] > HEARTBEAT_TIMEOUT_S:
-                self._problems.append((Fault.KILLED, i, f"stage {i} sent nothing for {now - self.last_seen[i]:.1f} s "
-                                                        "(hung or unreachable)"))
+                self._problems.append((Fault.KILLED, i, f"{self._label(i)} sent nothing for "
+                                                        f"{now - self.last_seen[i]:.1f} s (hung or unreachable)"))
 
     def _diagnose(self) -> str:
         """The most likely cause among the problems seen (see :class:`Fault`)."""
         time.sleep(0.3)  # let the other stages notice and report
         if self.processes is not None:
-            for i in range(self.plan.num_stages):
+            for i in range(len(self.members)):
                 code = self.processes.exit_code(i)
                 if code is not None and code < 0:
-                    self._problems.append((Fault.KILLED, i, f"stage {i} process exited with signal {-code}"))
+                    self._problems.append((Fault.KILLED, i, f"{self._label(i)} process exited with signal {-code}"))
         return min(self._problems)[2]
 
     def _fail_all(self) -> list[RequestOutput]:
@@ -326,9 +343,9 @@ class PipelineDriver:
         """Every stage's measurements (PipelineBroken, and the pipeline stopped, when a stage is
         gone)."""
         try:
-            for i in range(self.plan.num_stages):
+            for i in self.leaders:
                 self._send(i, GetStats(trace=trace, reset=reset))
-            return [self._expect(i, Stats, 30.0) for i in range(self.plan.num_stages)]
+            return [self._expect(i, Stats, 30.0) for i in self.leaders]
         except (PipelineBroken, TimeoutError) as err:
             self._break(str(err))
             raise PipelineBroken(self.broken) from None

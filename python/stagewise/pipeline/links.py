@@ -17,14 +17,13 @@ import threading
 import time
 from dataclasses import dataclass
 
-from stagewise.parallel import comm
 from stagewise.parallel.runplan import RunPlan
 from stagewise.transport import select, tcp, torch_dist
 from stagewise.transport.channel import Channel
 from stagewise.transport.hello import Hello
 from stagewise.transport.rings import LINK_TRANSPORTS, upgrade_accepted, upgrade_dialled
 
-ROLES = ("driver", "activations", "feedback")
+ROLES = ("driver", "activations", "feedback", "fanout")
 LINK_TIMEOUT_S = 120.0
 TORCH_TAGS = {"activations": 1, "feedback": 2}
 
@@ -52,6 +51,12 @@ def hop_transports(plan: RunPlan) -> list[str]:
         except ValueError as err:
             raise ValueError(f"run plan: hop stage {a.index} -> {b.index}: {err}") from None
     return hops
+
+
+def fanout_transport(plan: RunPlan) -> str:
+    """The transport from a stage's leader to its other ranks, which run on its host: shared
+    memory, unless the plan asks for TCP everywhere."""
+    return "tcp" if plan.transport == "tcp" else "shm"
 
 
 def listen(address: tuple[str, int], options: LinkOptions) -> tcp.Listener:
@@ -142,20 +147,22 @@ class DataLinks:
     """Activations to the next stage (stages 0 .. S-2)."""
     feedback: Channel | None = None
     """Sampled tokens: sent by the last stage, received by stage 0."""
+    fanout: object | None = None
+    """A leader's channels to its stage's other ranks (:class:`~stagewise.pipeline.fanout.Fanout`)."""
 
     def close(self) -> None:
-        for channel in (self.upstream, self.downstream, self.feedback):
+        for channel in (self.upstream, self.downstream, self.feedback, self.fanout):
             if channel is not None:
                 channel.close()
 
 
 def open_data_links(*, index: int, num_stages: int, transport: str, next_address: tuple[str, int] | None,
-                    store: tuple[str, int] | None, acceptor: Acceptor, options: LinkOptions, slot_bytes: int,
-                    num_slots: int, device: int | None = None, backend: str = "gloo") -> DataLinks:
-    """Connect stage ``index`` to its neighbours: dial the next stage (the last dials stage 0)
-    while accepting the previous one, since every stage dials first and a hello needs the other
-    end to be accepting. The ``torch`` transport joins the stages' process group (``backend``:
-    NCCL when every stage runs on a GPU, else gloo) through the driver's store."""
+                    acceptor: Acceptor, options: LinkOptions, slot_bytes: int, num_slots: int,
+                    device: int | None = None, world_ranks: list[int] | None = None) -> DataLinks:
+    """Connect stage ``index``'s leader to its neighbours: dial the next stage (the last dials
+    stage 0) while accepting the previous one, since every stage dials first and a hello needs the
+    other end to be accepting. The ``torch`` transport runs over the run's torch.distributed world
+    (already joined: :mod:`stagewise.parallel.groups`), between the leaders' ranks ``world_ranks``."""
     links = DataLinks()
     if num_stages == 1:
         return links
@@ -164,15 +171,13 @@ def open_data_links(*, index: int, num_stages: int, transport: str, next_address
     outgoing = "feedback" if last else "activations"
     peer, prev = (index + 1) % num_stages, (index - 1) % num_stages
     if transport == "torch":
-        if store is None:
-            raise ValueError(f"stage {index}: the torch transport needs the driver's store address")
-        comm.init_world(rank=index, world_size=num_stages, store=store, backend=backend)
+        world = world_ranks or list(range(num_stages))
 
         def open_in() -> Channel:
-            return _torch_link(prev, options, sender=prev, receiver=index, role=incoming, stage=index)
+            return _torch_link(world, options, sender=prev, receiver=index, role=incoming, stage=index)
 
         def open_out() -> Channel:
-            return _torch_link(peer, options, sender=index, receiver=peer, role=outgoing, stage=index)
+            return _torch_link(world, options, sender=index, receiver=peer, role=outgoing, stage=index)
     else:
         if next_address is None:
             raise ValueError(f"stage {index}: setup names no address for stage {peer}")
@@ -210,8 +215,10 @@ def open_data_links(*, index: int, num_stages: int, transport: str, next_address
     return links
 
 
-def _torch_link(peer: int, options: LinkOptions, *, sender: int, receiver: int, role: str, stage: int) -> Channel:
+def _torch_link(world: list[int], options: LinkOptions, *, sender: int, receiver: int, role: str,
+                stage: int) -> Channel:
     hello = Hello(fingerprint=options.fingerprint, stage_from=sender, stage_to=receiver, role=role)
+    peer = world[receiver if stage == sender else sender]
     return torch_dist.open_channel(peer, hello=hello, initiator=stage == sender, tag=TORCH_TAGS[role],
                                    auth_token=options.auth_token, checksum=options.checksum,
                                    verify_checksum=options.checksum, timeout=LINK_TIMEOUT_S)

@@ -3,6 +3,8 @@
 Start-up: a stage that loaded its layers says :class:`Ready` (how many KV blocks it can hold);
 the driver answers every stage with :class:`Setup` (the block count they all use, the next
 stage's address, the transport); each stage reports :class:`Connected` once its links are open.
+In a stage of several ranks every rank is a process with its own control link: each says
+Ready, gets Setup (the leader also the addresses of the others) and reports Connected.
 Serving: the driver sends :class:`Add` and :class:`Cancel` to stage 0, which answers with
 :class:`Events` (each new token, finished requests) and :class:`Status`; every stage
 sends a :class:`Heartbeat` twice a second, :class:`Stats` when asked (:class:`GetStats`) and
@@ -51,6 +53,10 @@ class Ready:
     layers: tuple[int, int]
     pid: int
     fingerprint: str
+    rank: int = 0
+    """This process's rank in its stage (0: the leader)."""
+    kv_bytes: int = 0
+    """Bytes of one KV block on this rank (every rank of every stage allocates the same block count)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -64,7 +70,10 @@ class Setup:
     """This stage's outgoing hop: tcp, shm, cuda-ipc or torch."""
     microbatches: int
     store: tuple[str, int] | None = None
-    """The torch.distributed store of the ``torch`` transport."""
+    """The store of the run's torch.distributed group (the ``torch`` transport, and the collectives
+    of stages of several ranks)."""
+    followers: list[tuple[str, int]] | None = None
+    """To a stage's leader: the addresses of the stage's other ranks, which it hands each step."""
 
 
 @dataclass(kw_only=True, slots=True)

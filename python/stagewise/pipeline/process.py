@@ -29,10 +29,12 @@ import torch
 
 from stagewise.engine.engine import Engine
 from stagewise.engine.executor import Executor, model_dtype
-from stagewise.kv.cache import num_cache_blocks
-from stagewise.parallel import comm
+from stagewise.kv.cache import KVCacheSpec, num_cache_blocks
+from stagewise.model.shapes import kv_heads_per_rank
+from stagewise.model.stage import StageModel
+from stagewise.parallel.groups import join_stage_groups
 from stagewise.parallel.runplan import RunPlan, parse_address
-from stagewise.pipeline import links, messages, protocol
+from stagewise.pipeline import fanout, links, messages, protocol
 from stagewise.pipeline.messages import Add, Cancel, Connected, Fatal, GetStats, Heartbeat, Ready, Setup, Shutdown
 from stagewise.pipeline.protocol import ProtocolError
 from stagewise.pipeline.roles import Head, Route, StageStats, Worker
@@ -50,12 +52,17 @@ class _Shutdown(Exception):
 
 
 class StageProcess:
-    def __init__(self, plan: RunPlan, index: int, *, listen: str | None = None, auth_token: str | None = None,
-                 driver_timeout_s: float = 600.0) -> None:
+    def __init__(self, plan: RunPlan, index: int, *, rank: int = 0, listen: str | None = None,
+                 auth_token: str | None = None, driver_timeout_s: float = 600.0) -> None:
         if not 0 <= index < plan.num_stages:
             raise ValueError(f"stagewise stage: --stage must be in [0, {plan.num_stages}), got {index}")
         self.plan, self.index, self.spec = plan, index, plan.stages[index]
-        self.listen_address = parse_address(listen or self.spec.listen)
+        self.ranks = plan.stage_ranks()[index]
+        if not 0 <= rank < self.ranks.size:
+            raise ValueError(f"stagewise stage: --rank must be in [0, {self.ranks.size}) for stage {index} "
+                             f"(pcp {plan.pcp} x tp {self.spec.tp}), got {rank}")
+        self.rank = rank
+        self.listen_address = parse_address(listen or self.spec.rank_listen(rank))
         self.auth_token, self.driver_timeout_s = auth_token, driver_timeout_s
         self.stats = StageStats()
         self.control: Channel | None = None
@@ -84,7 +91,7 @@ class StageProcess:
         print(f"{READY_LINE} {host} {port}", flush=True)
         if self.on_listening is not None:
             self.on_listening(self)
-        device = torch.device(self.spec.device)
+        device = torch.device(self.spec.rank_device(self.rank))
         acceptor = links.Acceptor(self.listener, stage=self.index, checksum=self.plan.checksum,
                                   device=device.index if device.type == "cuda" else None)
         # The driver connects while the layers load, so that a failure to load reaches it at once.
@@ -92,30 +99,52 @@ class StageProcess:
         driver.start()
         try:
             try:
-                model = self._load(checkpoint, device)
-                max_model_len = self.plan.max_model_len or model.config.max_position_embeddings
-                spec = model.kv_cache_spec(self.plan.block_size, model_dtype(model))
+                weights, dtype = self._load(checkpoint, device)
+                cfg = checkpoint.config
+                max_model_len = self.plan.max_model_len or cfg.max_position_embeddings
+                spec = KVCacheSpec(layer_start=self.spec.start_layer, layer_end=self.spec.end_layer,
+                                   num_kv_heads=kv_heads_per_rank(cfg, self.spec.tp), head_dim=cfg.head_dim,
+                                   block_size=self.plan.block_size, dtype=dtype)
+                # A context-parallel rank stores 1/cp of each request's tokens.
+                cp = self.ranks.pcp * self.ranks.dcp
                 capacity = num_cache_blocks(spec, device, max_num_seqs=self.plan.max_num_seqs,
-                                            max_model_len=max_model_len, kv_cache_bytes=self.plan.kv_cache_bytes,
-                                            max_num_tokens=self.plan.max_num_tokens)
+                                            max_model_len=-(-max_model_len // cp),
+                                            kv_cache_bytes=self.plan.kv_cache_bytes,
+                                            max_num_tokens=None if self.plan.max_num_tokens is None
+                                            else -(-self.plan.max_num_tokens // cp))
             finally:
                 driver.join(self.driver_timeout_s)
             if self.control is None:
                 raise TimeoutError(f"no driver connected within {self.driver_timeout_s:.0f} s")
-            self.tell_driver(Ready(stage=self.index, capacity_blocks=capacity,
+            self.tell_driver(Ready(stage=self.index, rank=self.rank, capacity_blocks=capacity,
                                    layers=(self.spec.start_layer, self.spec.end_layer), pid=os.getpid(),
-                                   fingerprint=self.fingerprint))
+                                   fingerprint=self.fingerprint, kv_bytes=spec.bytes_per_block()))
             setup = messages.from_frame(self.control.recv(timeout=self.driver_timeout_s))
             if not isinstance(setup, Setup):
                 raise ValueError(f"expected the driver's setup, got {type(setup).__name__}")
+            groups = join_stage_groups(self.plan, self.index, self.rank, setup.store)
+            model = StageModel.from_weights(cfg, self.spec.start_layer, self.spec.end_layer, weights, dtype=dtype,
+                                            device=device, groups=groups)
+            del weights
             executor = Executor(model, num_blocks=setup.num_blocks, block_size=self.plan.block_size,
-                                max_model_len=max_model_len, device=device)
-            slot_bytes, num_slots = self._ring_size(model.config.hidden_size, spec.dtype, max_model_len)
+                                max_model_len=max_model_len, device=device,
+                                interleave_size=self.plan.interleave_size)
+            if self.rank > 0:
+                self._serve_follower(executor, acceptor, max_model_len, device)
+                return 0
+            slot_bytes, num_slots = self._ring_size(cfg.hidden_size, spec.dtype, max_model_len)
             self.links = links.open_data_links(
                 index=self.index, num_stages=self.plan.num_stages, transport=setup.transport,
-                next_address=setup.next, store=setup.store, acceptor=acceptor, options=options,
+                next_address=setup.next, acceptor=acceptor, options=options,
                 slot_bytes=slot_bytes, num_slots=num_slots, device=device.index if device.type == "cuda" else None,
-                backend=comm.backend_for([s.device for s in self.plan.stages]))
+                world_ranks=[r.first for r in self.plan.stage_ranks()])
+            if setup.followers:
+                executor.mirror = fanout.Fanout(
+                    [links.dial(tuple(address), options, transport=links.fanout_transport(self.plan),
+                                stage=self.index, peer=self.index, role="fanout", slot_bytes=slot_bytes,
+                                num_slots=num_slots, device=device.index if device.type == "cuda" else None)
+                     for address in setup.followers], stage=self.index)
+                self.links.fanout = executor.mirror
             self.tell_driver(Connected(stage=self.index))
             self.stats.reset()
             if self.index == 0:
@@ -145,7 +174,7 @@ class StageProcess:
         threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
 
     def _load(self, checkpoint, device: torch.device):
-        from stagewise.model.stage import load_stage
+        from stagewise.model.loader import load_stage_weights, resolve_dtype
 
         if self.spec.threads:
             torch.set_num_threads(self.spec.threads)
@@ -155,8 +184,11 @@ class StageProcess:
                 raise ValueError(f"device {self.spec.device!r}: this host has {found} CUDA device(s)"
                                  + ("" if torch.version.cuda else f" (torch {torch.__version__} is built without CUDA)"))
             torch.cuda.set_device(device)  # this process's GPU: the ring, the streams and NCCL use it
-        return load_stage(checkpoint, self.spec.start_layer, self.spec.end_layer, dtype=self.plan.dtype,
-                          device=device, quantized=self.plan.quantized, linear_precision=self.plan.linear_precision)
+        dtype = resolve_dtype(self.plan.dtype, checkpoint.config.dtype)
+        weights = load_stage_weights(checkpoint, self.spec.start_layer, self.spec.end_layer, tp_rank=self.rank % self.spec.tp,
+                                     tp_size=self.spec.tp, dtype=dtype, quantized=self.plan.quantized,
+                                     linear_precision=self.plan.linear_precision)
+        return weights, dtype
 
     def _ring_size(self, hidden_size: int, dtype: torch.dtype, max_model_len: int) -> tuple[int, int]:
         """Slots of this stage's outgoing ring: a step's hidden states (a long prefill that does
@@ -170,6 +202,22 @@ class StageProcess:
         return min(max(need, 1 << 20), 32 << 20), 2 * s + 2
 
     # ---- the driver ----------------------------------------------------------------
+
+    def _serve_follower(self, executor: Executor, acceptor: links.Acceptor, max_model_len: int,
+                        device: torch.device) -> None:
+        """A rank other than the leader: the leader's steps, until the leader or the driver stops."""
+        channel = acceptor.take("fanout", links.LINK_TIMEOUT_S)
+        self.links.upstream = channel
+        self.tell_driver(Connected(stage=self.index))
+        shape = protocol.StageShape(index=self.index, hidden_size=executor.model.config.hidden_size,
+                                    dtype=model_dtype(executor.model), max_model_len=max_model_len, device=device)
+        try:
+            fanout.serve_follower(executor, channel, shape, between=self._driver_messages)
+        except ChannelClosed:
+            # The leader closes its channels when it shuts down: not an error then.
+            if self._shutdown_follows(2.0):
+                raise _Shutdown() from None
+            raise
 
     def tell_driver(self, msg: messages.Message) -> None:
         with self._send_lock:

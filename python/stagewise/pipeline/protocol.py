@@ -86,7 +86,8 @@ def to_frame(msg: Message, *, stage_from: int, stage_to: int) -> Frame:
         rows = [Row(int(rid), 0 if i < p else ctx, n, _PREFILL if i < p else RowFlags.NONE)
                 for i, (rid, ctx, n) in enumerate(zip(b.request_ids, b.context_lens, b.query_lens))]
         kind = StepKind.PREFILL if p == len(rows) else StepKind.DECODE if p == 0 else StepKind.MIXED
-        tensors = {"hidden": b.hidden_states.contiguous()}
+        # Stage 0's own steps carry token ids (to its other ranks); every later stage's, hidden states.
+        tensors = {"hidden": b.hidden_states.contiguous()} if b.token_ids is None else {"token_ids": b.token_ids}
         if msg.sampling is not None:
             tensors["sampling"] = msg.sampling
         return Frame(step_kind=kind, step_id=msg.step_id, microbatch=msg.group, stage_from=stage_from,
@@ -163,14 +164,20 @@ def _step(frame: Frame, stage: StageShape) -> Step:
     rows = frame.rows
     if not rows:
         raise ProtocolError("rows: a step needs at least one row")
-    hidden = frame.tensors.get("hidden")
     tokens = sum(r.num_tokens for r in rows)
-    want = (tokens, stage.hidden_size)
-    if hidden is None or tuple(hidden.shape) != want:
-        raise ProtocolError(f"tensors['hidden']: expected shape {want}, got "
-                            f"{None if hidden is None else tuple(hidden.shape)}")
-    if hidden.dtype != stage.dtype:
-        raise ProtocolError(f"tensors['hidden']: expected dtype {stage.dtype}, got {hidden.dtype}")
+    hidden, token_ids = frame.tensors.get("hidden"), None
+    if stage.index == 0 and "token_ids" in frame.tensors:
+        token_ids = frame.tensors["token_ids"]
+        if tuple(token_ids.shape) != (tokens,) or token_ids.dtype != torch.int64:
+            raise ProtocolError(f"tensors['token_ids']: expected int64 of shape ({tokens},), got "
+                                f"{(tuple(token_ids.shape), token_ids.dtype)}")
+    else:
+        want = (tokens, stage.hidden_size)
+        if hidden is None or tuple(hidden.shape) != want:
+            raise ProtocolError(f"tensors['hidden']: expected shape {want}, got "
+                                f"{None if hidden is None else tuple(hidden.shape)}")
+        if hidden.dtype != stage.dtype:
+            raise ProtocolError(f"tensors['hidden']: expected dtype {stage.dtype}, got {hidden.dtype}")
     sampling = frame.tensors.get("sampling")
     if sampling is not None and (sampling.dtype != torch.uint8 or sampling.dim() != 1):
         raise ProtocolError(f"tensors['sampling']: expected uint8 bytes, got {sampling.dtype} {tuple(sampling.shape)}")
@@ -193,7 +200,8 @@ def _step(frame: Frame, stage: StageShape) -> Step:
                       query_lens=[r.num_tokens for r in rows],
                       context_lens=[0 if i < num_prefills else r.first_position for i, r in enumerate(rows)],
                       positions=torch.tensor(positions, dtype=torch.int64, device=device),
-                      hidden_states=hidden if hidden.device == device else hidden.to(device))
+                      token_ids=None if token_ids is None else token_ids.to(device),
+                      hidden_states=None if hidden is None else hidden.to(device))
     return Step(step_id=frame.step_id, group=frame.microbatch, batch=batch, sampling=sampling)
 
 
