@@ -5,9 +5,9 @@ one prompt's result.
         [c] = pipe.generate(["What is the capital of France?"], chat=True, max_new_tokens=20)
         print(c.text, c.finish_reason)
 
-With ``stages=1`` every layer runs in this process (an :class:`~stagewise.engine.engine.Engine`);
-with more, each stage is a process of its own and this one drives them (a
-:class:`~stagewise.pipeline.driver.PipelineDriver`). Both answer the same calls — add a request,
+With ``stages=1`` (and ``tp=pcp=1``) every layer runs in this process (an
+:class:`~stagewise.engine.engine.Engine`); otherwise each rank of each stage is a process of its
+own and this one drives them (a :class:`~stagewise.pipeline.driver.PipelineDriver`). Both answer the same calls — add a request,
 cancel it, poll for the requests that ended — so :meth:`Pipeline.generate` has one path.
 """
 
@@ -28,13 +28,14 @@ from stagewise.model.quant import check_precision
 from stagewise.prompts import encode_prompts, render_chat
 
 
-PIPELINE_OPTIONS = ("partition", "transport", "checksum", "auth_token", "threads")
+PIPELINE_OPTIONS = ("partition", "transport", "checksum", "auth_token", "threads", "interleave_size")
 
 
 class Pipeline:
     """A model loaded for generation. ``stages=1`` runs every layer in this process."""
 
-    def __init__(self, model: str | Checkpoint, *, stages: int = 1, device: str = "cpu", dtype: str = "auto",
+    def __init__(self, model: str | Checkpoint, *, stages: int = 1, tp: int = 1, dcp: int = 1, pcp: int = 1,
+                 device: str = "cpu", dtype: str = "auto",
                  max_num_seqs: int = 32, max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                  max_num_tokens: int | None = None, load_progress: Callable[[int, int, int], None] | None = None,
                  quantized: bool | None = None, linear_precision: str = "exact",
@@ -49,16 +50,23 @@ class Pipeline:
         ``linear_precision``: ``"exact"`` (default) or ``"int8"``, an approximate CPU mode in which
         those blocks multiply with the activations quantised to int8 per block of 32, as llama.cpp
         does on the CPU (:func:`stagewise.ops.quant_linear_int8`): faster decode, tokens that may
-        differ from the exact model's."""
+        differ from the exact model's.
+
+        ``tp``: tensor-parallel ranks per stage; ``dcp``: of those, how many shard each KV head's
+        sequence (decode context parallel); ``pcp``: prefill-context-parallel ranks per stage
+        (each ``tp`` processes more). Any of them above 1 runs every rank as a process."""
         check_precision("Pipeline", linear_precision)
-        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-            raise ValueError(f"Pipeline: stages must be an int >= 1, got {stages!r}")
+        for name, value in (("stages", stages), ("tp", tp), ("dcp", dcp), ("pcp", pcp)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Pipeline: {name} must be an int >= 1, got {value!r}")
         pipeline_options = {k: parallel_options.pop(k) for k in PIPELINE_OPTIONS if k in parallel_options}
         if parallel_options:
             raise ValueError(f"Pipeline: unknown options {sorted(parallel_options)}; expected some of "
                              f"{sorted(PIPELINE_OPTIONS)}")
-        if stages == 1 and pipeline_options:
-            raise ValueError(f"Pipeline: {sorted(pipeline_options)} apply to stages > 1, got stages=1")
+        processes = stages * tp * pcp > 1
+        if not processes and pipeline_options:
+            raise ValueError(f"Pipeline: {sorted(pipeline_options)} apply to stages > 1 (or tp, pcp > 1), got "
+                             "stages=1")
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"Pipeline: max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
         dev = _device(device)
@@ -67,10 +75,15 @@ class Pipeline:
         start = time.perf_counter()
         ckpt = open_checkpoint(model)
         self._open(ckpt, dev, resolve_dtype(dtype, ckpt.config.dtype))
-        if stages > 1:
+        if processes:
             from stagewise.launch.local import spawn_stages
+            from stagewise.model.shapes import parallel_problems
 
-            plan = self._local_plan(model, stages, dev, dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            problems = parallel_problems(self.config, tp, dcp)
+            if problems:
+                raise ValueError(f"Pipeline: {problems[0]}")
+            plan = self._local_plan(model, stages, dev, dtype, tp=tp, dcp=dcp, pcp=pcp, max_num_seqs=max_num_seqs,
+                                    max_model_len=max_model_len,
                                     kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens, quantized=quantized,
                                     linear_precision=linear_precision, **pipeline_options)
             from stagewise.pipeline.links import hop_transports
@@ -104,23 +117,24 @@ class Pipeline:
         self.last_stats: dict[str, Any] = {}
         self._ids = count()
 
-    def _local_plan(self, model, stages: int, dev: torch.device, dtype: str, *, partition="even",
-                    transport: str = "auto", checksum: bool = True, auth_token: str | None = None,
+    def _local_plan(self, model, stages: int, dev: torch.device, dtype: str, *, tp: int = 1, pcp: int = 1,
+                    partition="even", transport: str = "auto", checksum: bool = True, auth_token: str | None = None,
                     threads: int | None = None, **limits: Any):
-        """A plan of ``stages`` processes on this machine."""
+        """A plan of ``stages`` stages of ``pcp * tp`` processes each, on this machine."""
         import os
 
         from stagewise.parallel.plan import decode_layer_costs
         from stagewise.parallel.runplan import RunPlan
 
+        per_stage = tp * pcp
         if dev.type == "cuda":
-            devices = [f"cuda:{i % torch.cuda.device_count()}" for i in range(stages)]
+            devices = [f"cuda:{i * per_stage % torch.cuda.device_count()}" for i in range(stages)]
         else:
             devices = ["cpu"] * stages
-        threads = threads or max(1, (os.cpu_count() or 1) // stages)
+        threads = threads or max(1, (os.cpu_count() or 1) // (stages * per_stage))
         plan = RunPlan.build(model if isinstance(model, str) else str(model.path), self.config.num_layers, stages,
                              partition, costs=decode_layer_costs(self.config) if partition == "balanced" else None,
-                             devices=devices, dtype=dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
+                             devices=devices, tp=tp, pcp=pcp, dtype=dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
                              transport=transport, checksum=checksum, **limits)
         return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, threads=threads) for s in plan.stages))
 

@@ -39,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most tokens (prompt + generated) per request; default: the model's")
     pp = parser.add_argument_group("pipeline (stages as processes)")
     pp.add_argument("--stages", type=int, default=1, metavar="S", help="pipeline stages, one process each")
+    pp.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="tensor-parallel ranks per stage, one process each (N must split the attention heads)")
+    pp.add_argument("--dcp", type=int, default=1, metavar="N",
+                    help="decode context parallel: N of the TP ranks holding one KV head shard its sequence")
+    pp.add_argument("--pcp", type=int, default=1, metavar="N",
+                    help="prefill context parallel: N ranks per TP rank, each a part of every prompt")
     pp.add_argument("--partition", default=None, metavar="P",
                     help="with --stages: even (default) | ceil | balanced | explicit ranges such as 0-10,10-22,22-30")
     pp.add_argument("--transport", default=None, choices=TRANSPORTS,
@@ -68,17 +74,21 @@ def argument_problems(args: argparse.Namespace) -> tuple[list[str], Requests]:
         problems.append("give a model, or --plan PLAN to attach to running stages (not both)")
     if args.store and not args.plan:
         problems.append("--store needs --plan")
-    if args.plan and args.stages != 1:
-        problems.append("--stages starts local stages; with --plan the plan's stages are used")
-    for name, value in (("--max-num-seqs", args.max_num_seqs), ("--stages", args.stages),
-                        ("--max-model-len", args.max_model_len)):
+    for flag in ("stages", "tp", "dcp", "pcp"):
+        if args.plan and getattr(args, flag) != 1:
+            problems.append(f"--{flag} starts local processes; with --plan the plan's stages are used")
+    for name, value in (("--max-num-seqs", args.max_num_seqs), ("--stages", args.stages), ("--tp", args.tp),
+                        ("--dcp", args.dcp), ("--pcp", args.pcp), ("--max-model-len", args.max_model_len)):
         if value is not None and value < 1:
             problems.append(f"{name} must be >= 1, got {value}")
-    local_pipeline = args.stages > 1 and not args.plan
+    if args.tp >= 1 and args.dcp >= 1 and args.tp % args.dcp:
+        problems.append(f"--dcp {args.dcp} must divide --tp {args.tp} (DCP shards the KV inside the TP group)")
+    local_pipeline = args.stages * args.tp * args.pcp > 1 and not args.plan
     for flag, given in (("--partition", args.partition is not None), ("--transport", args.transport is not None),
                         ("--no-checksum", args.no_checksum), ("--trace", args.trace is not None)):
         if given and not local_pipeline and not (flag == "--trace" and args.plan):
-            problems.append(f"{flag} applies to a pipeline (--stages S > 1){' or --plan' if flag == '--trace' else ''}")
+            problems.append(f"{flag} applies to processes (--stages, --tp or --pcp > 1)"
+                            f"{' or --plan' if flag == '--trace' else ''}")
     if args.logprobs is not None and not (args.json or args.prompt_file):
         problems.append("--logprobs needs --json or --prompt-file (the log-probabilities are printed as JSON)")
     if args.prompt_file and args.json:
@@ -101,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
             return report(PROG, [f"cannot open {args.model!r}: {err}"])
         problems = config_problems(config, req, args, sampling=sampling_args(args), max_model_len=args.max_model_len,
                                    stages=args.stages, partition=args.partition)
+        from stagewise.model.shapes import parallel_problems
+
+        problems += [f"--tp {args.tp} --dcp {args.dcp}: {p}" for p in parallel_problems(config, args.tp, args.dcp)]
         if problems:
             return report(PROG, problems)
     pipe = _attach(args) if args.plan else _load(args)
@@ -127,14 +140,15 @@ def _load(args: argparse.Namespace):
     chatty = sys.stderr.isatty()
     bar = _LoadBar(f"stagewise: loading {args.model} on {args.device}") if chatty else None
     options = {}
-    if args.stages > 1:
+    if args.stages * args.tp * args.pcp > 1:
         options = dict(partition=args.partition or "even", transport=args.transport or "auto",
                        checksum=not args.no_checksum,
                        auth_token=args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None)
         bar = None  # the stages load in their own processes
     try:
         try:
-            pipe = Pipeline(args.model, stages=args.stages, device=args.device, dtype=args.dtype,
+            pipe = Pipeline(args.model, stages=args.stages, tp=args.tp, dcp=args.dcp, pcp=args.pcp,
+                            device=args.device, dtype=args.dtype,
                             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, load_progress=bar,
                             linear_precision=args.linear_precision, **options)
         finally:  # before any message, so that the bar's line is finished first

@@ -50,7 +50,7 @@ def test_argument_problems_are_named_together_before_torch_is_imported():
     err = run.stderr
     assert "6 problems" in err, err
     for fragment in ("temperature must be a finite number >= 0", "top_p must be a number in (0, 1]",
-                     "--partition applies to a pipeline", "--max-num-seqs must be >= 1",
+                     "--partition applies to processes", "--max-num-seqs must be >= 1",
                      "logprobs must be None or an int in [0, 20]", "--logprobs needs --json or --prompt-file"):
         assert fragment in err, (fragment, err)
 
@@ -62,6 +62,8 @@ def test_argument_problems_are_named_together_before_torch_is_imported():
     (["--prompt", "x", "--max-model-len", "129"], ["--max-model-len 129 is above the model's max_position_embeddings"]),
     (["--prompt-ids", "1", "--stages", "4"], ["--stages 4: the model has 3 layers"]),
     (["--prompt-ids", "1", "--stages", "2", "--partition", "0-1,2-3"], ["--partition '0-1,2-3'", "gap"]),
+    (["--prompt-ids", "1", "--tp", "3"], ["--tp 3 --dcp 1: tp=3 does not split num_attention_heads=", "valid tp sizes: 1"]),
+    (["--prompt-ids", "1", "--tp", "2", "--dcp", "2"], ["dcp=2 at tp=2", "valid dcp sizes at tp=2: 1"]),
 ])
 def test_what_the_config_rules_out_is_named_before_loading(folder, argv, fragments, capsys):
     assert cli_main(["generate", str(folder), *argv]) == 2

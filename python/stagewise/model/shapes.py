@@ -102,6 +102,41 @@ def kv_heads_per_rank(config: ModelConfig, tp: int = 1) -> int:
     return max(1, config.num_kv_heads // tp)
 
 
+def valid_tp_sizes(config: ModelConfig) -> list[int]:
+    """The tensor-parallel sizes ``config`` can be split for (heads, KV heads, MoE intermediate)."""
+    out = []
+    for tp in range(1, config.num_heads + 1):
+        try:
+            check_sharding(config, Sharding(tp=tp, moe_tp=tp))
+        except ValueError:
+            continue
+        if config.intermediate_size % tp == 0:
+            out.append(tp)
+    return out
+
+
+def valid_dcp_sizes(config: ModelConfig, tp: int) -> list[int]:
+    """Decode-context-parallel sizes for ``tp``: DCP ranks share one KV head and shard its
+    sequence, so they divide the ``tp / num_kv_heads`` ranks that hold each head."""
+    copies = max(1, tp // config.num_kv_heads)
+    return [n for n in range(1, copies + 1) if copies % n == 0]
+
+
+def parallel_problems(config: ModelConfig, tp: int, dcp: int = 1) -> list[str]:
+    """Why ``config`` cannot run at ``tp`` and ``dcp`` (empty when it can), naming the sizes it can."""
+    if tp not in valid_tp_sizes(config):
+        moe = f", moe_intermediate_size={config.moe_intermediate_size}" if config.num_experts else ""
+        return [f"tp={tp} does not split num_attention_heads={config.num_heads}, "
+                f"num_key_value_heads={config.num_kv_heads}, intermediate_size={config.intermediate_size}{moe}; "
+                "valid tp sizes: "
+                f"{', '.join(map(str, valid_tp_sizes(config)))}"]
+    if dcp not in valid_dcp_sizes(config, tp):
+        return [f"dcp={dcp} at tp={tp}: each of the {config.num_kv_heads} KV heads is held by "
+                f"{max(1, tp // config.num_kv_heads)} rank(s), which dcp must divide; valid dcp sizes at tp={tp}: "
+                f"{', '.join(map(str, valid_dcp_sizes(config, tp)))}"]
+    return []
+
+
 # ---- checkpoint names -----------------------------------------------------------------------------
 
 def _text_prefix(config: ModelConfig) -> str:
