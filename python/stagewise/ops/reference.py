@@ -9,7 +9,6 @@ in place, so a test can compute the reference before running an in-place op.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
