@@ -176,6 +176,20 @@ class Stats:
     wall_s: float
     trace: list[tuple[str, float, float, int]] | None = None
     """(name, start, duration, microbatch) spans: compute, send, recv-wait."""
+    ranks: int = 1
+    """Processes of the stage (pcp * tp)."""
+    collective_s: float = 0.0
+    """The leader's time in its groups' collectives (tp, dcp, pcp), inside ``busy_s``."""
+    collective_bytes: int = 0
+    """Bytes the leader handed to those collectives."""
+    collective_calls: int = 0
+    fanout_s: float = 0.0
+    """The leader's time handing steps to the stage's other ranks, inside ``busy_s``."""
+    fanout_bytes: int = 0
+    kv_blocks: int = 0
+    """KV blocks each rank of the stage allocated."""
+    kv_block_bytes: int = 0
+    """Bytes of one of those blocks on one rank."""
 
 
 @dataclass(kw_only=True, slots=True)

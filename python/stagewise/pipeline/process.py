@@ -71,6 +71,8 @@ class StageProcess:
         self._stop = threading.Event()
         self.fingerprint = ""
         self.listener = None
+        self.executor: Executor | None = None
+        self._comm_base = (0.0, 0, 0, 0.0, 0)
         self.on_listening = None
         """Called with this object once the listener is bound (torchrun publishes the address)."""
 
@@ -126,7 +128,7 @@ class StageProcess:
             model = StageModel.from_weights(cfg, self.spec.start_layer, self.spec.end_layer, weights, dtype=dtype,
                                             device=device, groups=groups)
             del weights
-            executor = Executor(model, num_blocks=setup.num_blocks, block_size=self.plan.block_size,
+            executor = self.executor = Executor(model, num_blocks=setup.num_blocks, block_size=self.plan.block_size,
                                 max_model_len=max_model_len, device=device,
                                 interleave_size=self.plan.interleave_size)
             if self.rank > 0:
@@ -219,6 +221,28 @@ class StageProcess:
                 raise _Shutdown() from None
             raise
 
+    def _comm_counters(self) -> tuple[float, int, int, float, int]:
+        """(collective seconds, bytes, calls, fan-out seconds, bytes) of this rank so far."""
+        if self.executor is None:
+            return (0.0, 0, 0, 0.0, 0)
+        g = self.executor.model.groups
+        groups = list({id(x): x for x in (g.tp, g.dcp, g.pcp)}.values())
+        mirror = self.executor.mirror
+        return (sum(getattr(x, "seconds", 0.0) for x in groups), sum(getattr(x, "bytes", 0) for x in groups),
+                sum(getattr(x, "calls", 0) for x in groups), getattr(mirror, "seconds", 0.0),
+                getattr(mirror, "bytes", 0))
+
+    def _stats_report(self, trace: bool) -> messages.Stats:
+        report = self.stats.report(self.index, (self.spec.start_layer, self.spec.end_layer), trace=trace)
+        now = self._comm_counters()
+        (report.collective_s, report.collective_bytes, report.collective_calls, report.fanout_s,
+         report.fanout_bytes) = (a - b for a, b in zip(now, self._comm_base))
+        report.ranks = self.ranks.size
+        if self.executor is not None:
+            report.kv_blocks = self.executor.num_blocks
+            report.kv_block_bytes = self.executor.kv_cache.spec.bytes_per_block()
+        return report
+
     def tell_driver(self, msg: messages.Message) -> None:
         with self._send_lock:
             self.control.send(messages.to_frame(msg, stage_from=self.index))
@@ -252,10 +276,10 @@ class StageProcess:
             if isinstance(msg, Shutdown):
                 raise _Shutdown()
             if isinstance(msg, GetStats):
-                self.tell_driver(self.stats.report(self.index, (self.spec.start_layer, self.spec.end_layer),
-                                                   trace=msg.trace))
+                self.tell_driver(self._stats_report(msg.trace))
                 if msg.reset:
                     self.stats.reset()
+                    self._comm_base = self._comm_counters()
             elif isinstance(msg, (Add, Cancel)):
                 out.append(msg)
         return out

@@ -1,0 +1,180 @@
+"""Stages of several ranks as processes (tensor and context parallel) against the single process:
+greedy and seeded-sampling tokens identical and log-probabilities within float32 rounding, for
+tiny random models with GQA and MQA heads, stages of equal and of different TP sizes, batched
+prompts of different lengths with cancellations in between; a rank that dies mid-generation;
+the real SmolLM2 at tp 3. The maths of each layer under TP and CP is held to transformers and to
+the single process in tests/model; here the runtime: rank processes, the leader's fan-out, the
+groups, the driver's watch over every rank."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import stagewise
+from stagewise.launch.local import spawn_stages
+from stagewise.parallel.runplan import RunPlan
+
+transformers = pytest.importorskip("transformers")
+
+NEW = 6
+SMALL = dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, max_position_embeddings=256, intermediate_size=96)
+MODELS = {
+    # GQA 8:2 (tp 4 replicates each KV head on two ranks: room for dcp 2)
+    "llama-gqa": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **SMALL, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)),
+    # MQA: one KV head, on every rank
+    "llama-mqa": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **SMALL, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)),
+}
+
+
+def _prompts(n: int, seed: int, longest: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 101) for _ in range(rng.randint(1, longest))] for _ in range(n)]
+
+
+SAMPLED = dict(temperature=0.9, top_k=30, top_p=0.95, seed=7)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """name -> (folder, prompts, single-process greedy tokens, sampled tokens, greedy logprobs)."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            torch.manual_seed(0)
+            hf = MODELS[name]().eval()
+            with torch.no_grad():
+                for p in hf.parameters():
+                    p.add_(torch.randn_like(p) * 0.1)
+            folder = tmp_path_factory.mktemp(name)
+            hf.save_pretrained(folder)
+            prompts = _prompts(5, seed=1)
+            with stagewise.Pipeline(str(folder), max_model_len=128, max_num_seqs=8) as single:
+                greedy = single.generate(prompt_token_ids=prompts, max_new_tokens=NEW, ignore_eos=True, logprobs=0)
+                sampled = single.generate(prompt_token_ids=prompts, max_new_tokens=NEW, ignore_eos=True, **SAMPLED)
+            cache[name] = (folder, prompts, [c.token_ids for c in greedy], [c.token_ids for c in sampled],
+                           [[lp.logprob for lp in c.logprobs] for c in greedy])
+        return cache[name]
+
+    return get
+
+
+def _check_against_single(pipe, tiny) -> None:
+    folder, prompts, greedy, sampled, logprobs = tiny
+    outs = pipe.generate(prompt_token_ids=prompts, max_new_tokens=NEW, ignore_eos=True, logprobs=0)
+    assert [c.token_ids for c in outs] == greedy
+    for c, want in zip(outs, logprobs):
+        got = [lp.logprob for lp in c.logprobs]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, (got, want)
+    outs = pipe.generate(prompt_token_ids=prompts, max_new_tokens=NEW, ignore_eos=True, **SAMPLED)
+    assert [c.token_ids for c in outs] == sampled
+
+
+def _cancel_some_then_check(pipe, tiny) -> None:
+    """Requests cancelled mid-generation free their KV on every rank; the next run is exact."""
+    from stagewise.engine.params import SamplingParams
+
+    folder, prompts, greedy, _, _ = tiny
+    driver, results, polls = pipe.driver, {}, 0
+    for rid, prompt in enumerate(prompts):
+        driver.add(1000 + rid, prompt, SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True))
+    while len(results) < len(prompts):
+        for out in driver.poll(0.02):
+            results[out.request_id - 1000] = out
+        polls += 1
+        if polls == 3:
+            for rid in (0, 2):
+                driver.cancel(1000 + rid)
+    for rid, out in results.items():
+        assert out.token_ids == greedy[rid][:len(out.token_ids)], rid
+    while pipe.status().get("running") != 0:
+        driver.poll(0.05)
+    assert [c.token_ids for c in pipe.generate(prompt_token_ids=prompts, max_new_tokens=NEW,
+                                               ignore_eos=True)] == greedy
+
+
+@pytest.mark.parametrize(("name", "stages", "tp", "dcp"), [
+    ("llama-gqa", 2, 2, 1),   # two stages of two TP ranks: 4 processes
+    ("llama-gqa", 1, 4, 2),   # KV heads replicated on 2 ranks each, their sequence sharded over them
+    ("llama-mqa", 1, 2, 2),   # the one KV head's sequence over both ranks
+])
+def test_tensor_and_decode_context_parallel_equal_the_single_process(tiny_models, name, stages, tp, dcp):
+    tiny = tiny_models(name)
+    with stagewise.Pipeline(str(tiny[0]), stages=stages, tp=tp, dcp=dcp, max_model_len=128, max_num_seqs=8,
+                            interleave_size=4) as pipe:
+        assert len(pipe.driver.processes.pids) == stages * tp
+        _check_against_single(pipe, tiny)
+        _cancel_some_then_check(pipe, tiny)
+
+
+def test_stages_of_different_tp_sizes(tiny_models):
+    """Stage 0 on two TP ranks, stage 1 on one: heterogeneous machines."""
+    tiny = tiny_models("llama-gqa")
+    plan = RunPlan.from_dict({"model": str(tiny[0]), "max_model_len": 128, "max_num_seqs": 8,
+                              "stages": [{"layers": "0-2", "tp": 2, "threads": 1}, {"layers": "2-4", "threads": 1}]})
+    assert plan.members == [(0, 0), (0, 1), (1, 0)]
+    procs, addresses = spawn_stages(plan)
+    with stagewise.Pipeline.attach(plan, addresses=addresses, processes=procs) as pipe:
+        _check_against_single(pipe, tiny)
+
+
+def test_a_rank_that_dies_ends_the_stages_requests_naming_it(tiny_models):
+    tiny = tiny_models("llama-gqa")
+    pipe = stagewise.Pipeline(str(tiny[0]), tp=2, max_model_len=256, max_num_seqs=4)
+    pids = pipe.driver.processes.pids
+    struck = []
+
+    def strike(_index: int, _text: str) -> None:
+        if not struck:
+            os.kill(pids[1], signal.SIGKILL)  # stage 0's second TP rank, mid-step for all we know
+            struck.append(time.monotonic())
+
+    try:
+        outs = pipe.generate(prompt_token_ids=[[5, 6, 7], [8, 9]], max_new_tokens=240, ignore_eos=True,
+                             on_text=strike)
+        ended = time.monotonic()
+    finally:
+        pipe.close()
+    assert struck and ended - struck[0] < 5.0
+    for out in outs:
+        assert out.finish_reason == "error" and "stage 0 rank 1" in out.error, out.error
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), "rank processes left behind"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_smollm2_at_tp_3_answers_like_the_single_process(stages):
+    """SmolLM2 has 9 query heads and 3 KV heads: tp 3 gives each rank 3 and 1."""
+    question = ["generate", "smollm2-135m", "--chat", "--prompt", "What is the capital of France?",
+                "--max-new-tokens", "12", "--json"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    single = subprocess.run([sys.executable, "-m", "stagewise.cli", *question], capture_output=True, text=True,
+                            timeout=600, env=env)
+    assert single.returncode == 0, single.stderr
+    parallel = subprocess.run([sys.executable, "-m", "stagewise.cli", *question, "--tp", "3", "--stages",
+                               str(stages)], capture_output=True, text=True, timeout=600, env=env)
+    assert parallel.returncode == 0, parallel.stderr
+    import json
+
+    want, got = json.loads(single.stdout), json.loads(parallel.stdout)
+    assert got[0]["token_ids"] == want[0]["token_ids"] and "Paris" in got[0]["text"]
