@@ -68,14 +68,18 @@ class TensorShape:
 
 @dataclass(frozen=True, slots=True)
 class Sharding:
-    """Tensor-parallel sizes of one rank: dense TP, expert parallel and MoE tensor parallel."""
+    """Parallel sizes of one rank: dense TP, expert parallel and MoE tensor parallel, and the
+    context-parallel sizes (``dcp`` decode, ``pcp`` prefill), which shard the cached sequence, not
+    the weights (:func:`rank_numel` ignores them)."""
 
     tp: int = 1
     ep: int = 1
     moe_tp: int = 1
+    dcp: int = 1
+    pcp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "ep", "moe_tp"):
+        for name in ("tp", "ep", "moe_tp", "dcp", "pcp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Sharding.{name}: expected an int >= 1, got {value!r}")

@@ -1,11 +1,12 @@
 """`stagewise plan ...`: the layout search, `plan memory`, `plan ranks` and `plan validate`.
 
-    stagewise plan MODEL --num-devices 8 [--tp-sizes 1 2] [--pp-sizes [1 2 4]] [--ep-sizes ..]
-                   [--moe-dp-sizes ..] [--input-length 2048] [--output-length 512] [--batch 8]
+    stagewise plan MODEL --num-devices 8 [--tp-sizes 1 2] [--pp-sizes [1 2 4]] [--pcp-sizes ..]
+                   [--dcp-sizes ..] [--ep-sizes ..] [--moe-dp-sizes ..] [--input-length 2048] [--output-length 512] [--batch 8]
                    [--device-profile h100-sxm|FILE] [--partition even|ceil|balanced] [--json]
                    [--plot FILE.png] [--trace FILE.json]
     stagewise plan --config serving.yaml [MODEL]
-    stagewise plan memory CONFIG --stages 2 4 8 [--max-ctx T] [--kv-dtype bf16] [--batch 1] [--json]
+    stagewise plan memory CONFIG --stages 2 4 8 [--max-ctx T] [--kv-dtype bf16] [--batch 1] [--tp 1]
+                          [--dcp 1] [--pcp 1] [--json]
     stagewise plan ranks --world-size 8 --tp 2 --pp 4 [--ep 1] [--rank 4] [--json]
     stagewise plan validate MODEL --stages 1 2 3 [--transport tcp] [--device-profile FILE]
 
@@ -26,7 +27,7 @@ from stagewise.planner import report
 from stagewise.planner.models import PlanError, builtin_models, resolve_model
 
 ACTIONS = ("memory", "ranks")
-SIZE_ARGS = ("tp_sizes", "pp_sizes", "ep_sizes", "moe_dp_sizes")
+SIZE_ARGS = ("tp_sizes", "pp_sizes", "pcp_sizes", "dcp_sizes", "ep_sizes", "moe_dp_sizes")
 DEFAULT_INPUT_LENGTH = 2048
 DEFAULT_OUTPUT_LENGTH = 512
 """The workload when neither the command line nor a serving YAML gives one: a long-ish chat or
@@ -45,7 +46,7 @@ OTHER_COMMANDS = """other commands (each has its own --help):
 def _search_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="stagewise plan", epilog=OTHER_COMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Search the TP/PP/DP/EP layouts of a model on N devices: for each valid layout, best first, "
+        description="Search the TP/PP/DP/PCP/DCP/EP layouts of a model on N devices: for each valid layout, best first, "
                     "memory per rank, TTFT, TPOT, tokens/s and where the time goes, each with the error of the "
                     "latest validation where it covers the case.")
     p.add_argument("model", nargs="?", help="config.json, folder, built-in config name "
@@ -56,6 +57,10 @@ def _search_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-devices", type=int, help="devices to spread the replicas over")
     for name, what in (("tp", "TP sizes (default: powers of two up to N)"),
                        ("pp", "PP sizes (not given: 1; given without values: powers of two up to N)"),
+                       ("pcp", "prefill-context-parallel sizes: ranks of a stage splitting each prompt and sharing "
+                               "its KV, world = tp * pcp * pp * dp (default 1)"),
+                       ("dcp", "decode-context-parallel sizes: TP ranks holding copies of one KV head that shard "
+                               "its sequence instead; must divide tp / num_key_value_heads (default 1)"),
                        ("ep", "expert-parallel sizes (default 1)"), ("moe-dp", "MoE data-parallel sizes (default 1)")):
         p.add_argument(f"--{name}-sizes", nargs="*", default=None, metavar="N", help=what)
     p.add_argument("--input-length", type=int,
@@ -218,7 +223,7 @@ def run_search(argv: list[str]) -> int:
         results, rejected = search(
             config, num_devices=num_devices, workload=workload, profile=profile, tp_sizes=args.tp_sizes,
             pp_sizes=args.pp_sizes, ep_sizes=args.ep_sizes, moe_dp_sizes=args.moe_dp_sizes,
-            partition=args.partition, total_params=total)
+            pcp_sizes=args.pcp_sizes, dcp_sizes=args.dcp_sizes, partition=args.partition, total_params=total)
     validation = load_latest()
     written = _write_pictures(args, results[0], name, profile)
     view = dict(name=name, config=config, workload=workload, profile=profile, validation=validation,
@@ -245,6 +250,10 @@ def run_memory(argv: list[str]) -> int:
     p.add_argument("--kv-dtype", default=None, help="default: the weights' dtype")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--tp", type=int, default=1, help="bytes of one TP rank of each stage (default 1)")
+    p.add_argument("--dcp", type=int, default=1, help="decode context parallel: the TP ranks holding one KV head "
+                                                     "shard its sequence (divides tp / num_key_value_heads; default 1)")
+    p.add_argument("--pcp", type=int, default=1, help="prefill context parallel: ranks of a stage sharing each "
+                                                     "sequence's KV (default 1)")
     p.add_argument("--partition", default="even", choices=("even", "ceil"), help=f"{EVEN_CEIL} (default even)")
     p.add_argument("--total-params", type=float, default=None,
                    help="nominal parameters for the rough estimate (default: from the model name, else the exact count)")
@@ -252,14 +261,15 @@ def run_memory(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from stagewise.model import shapes
     from stagewise.parallel.plan import StagePlan
-    from stagewise.planner.memory import format_tables, nominal_params, stage_memory
+    from stagewise.planner.memory import check_layout, format_tables, nominal_params, stage_memory
     from stagewise.planner.profiles import DTYPE_BYTES, dtype_name
 
     config, name = resolve_model(args.model)
     bad = [s for s in args.stages if s < 1]
-    if bad or args.batch < 1 or args.tp < 1 or (args.max_ctx is not None and args.max_ctx < 1):
-        raise PlanError(f"--stages, --batch, --tp and --max-ctx must be positive integers, got stages={args.stages}, "
-                        f"batch={args.batch}, tp={args.tp}, max_ctx={args.max_ctx}")
+    if bad or min(args.batch, args.tp, args.dcp, args.pcp) < 1 or (args.max_ctx is not None and args.max_ctx < 1):
+        raise PlanError(f"--stages, --batch, --tp, --dcp, --pcp and --max-ctx must be positive integers, got "
+                        f"stages={args.stages}, batch={args.batch}, tp={args.tp}, dcp={args.dcp}, pcp={args.pcp}, "
+                        f"max_ctx={args.max_ctx}")
     wd = dtype_name(args.weight_dtype or _dtype_default(config))
     kd = dtype_name(args.kv_dtype or wd)
     tokens = args.max_ctx or config.max_position_embeddings
@@ -269,8 +279,8 @@ def run_memory(argv: list[str]) -> int:
     nominal_label = (f"~{nominal / 1e9:.4g}B params" + (" by model name" if not args.total_params else "")
                      if nominal else f"{exact_total / 1e9:.4g}B params counted")
     nominal_label += f" x {DTYPE_BYTES[wd]} bytes"
-    sharding = shapes.Sharding(tp=args.tp)
-    shapes.check_sharding(config, sharding)
+    sharding = shapes.Sharding(tp=args.tp, dcp=args.dcp, pcp=args.pcp)
+    check_layout(config, sharding)
     plans, tables = [], []
     for S in args.stages:
         plan = StagePlan.for_model(config, S, args.partition, allow_empty=args.partition == "ceil")
@@ -282,12 +292,14 @@ def run_memory(argv: list[str]) -> int:
                                     nominal_label=nominal_label))
     if args.json:
         print(json.dumps({"model": name, "num_layers": config.num_layers, "tokens": tokens, "batch": args.batch,
-                          "tp": args.tp, "weight_dtype": wd, "kv_dtype": kd, "total_params_exact": exact_total,
+                          "tp": args.tp, "dcp": args.dcp, "pcp": args.pcp, "weight_dtype": wd, "kv_dtype": kd, "total_params_exact": exact_total,
                           "total_params_rough": nominal or exact_total, "plans": plans}, indent=2))
     else:
         print(f"{name}: {config.num_layers} decoder layers, {exact_total:,} parameters counted from the tensor shapes, "
               f"KV at {tokens:,} tokens x batch {args.batch}, partition {args.partition}"
-              + (f", one of {args.tp} TP ranks" if args.tp > 1 else "") + "\n")
+              + (f", one of {args.tp} TP ranks" if args.tp > 1 else "")
+              + (f", each sequence's KV spread over pcp x dcp = {args.pcp} x {args.dcp} ranks"
+                 if args.pcp * args.dcp > 1 else "") + "\n")
         print("\n\n".join(tables))
     return 0
 

@@ -6,8 +6,10 @@ LM head, sampling) becomes an :class:`Op` with the FLOPs it computes and the byt
 microbatch of ``rows`` sequences that each add ``new_tokens`` tokens after ``context`` cached ones
 (prefill: ``new_tokens = I, context = 0``; decode: ``new_tokens = 1, context = c``). A device
 profile turns an op into time by the roofline ``max(flops / achievable FLOP/s, bytes / achievable
-bytes/s) + op_overhead``; a collective costs ``2 (n - 1) / n * bytes / bandwidth + 2 (n - 1) * latency``
-(ring all-reduce over the profile's TP link).
+bytes/s) + op_overhead``; an all-reduce costs ``2 (n - 1) / n * bytes / bandwidth + 2 (n - 1) * latency``
+(ring all-reduce over the profile's TP link), an all-gather or reduce-scatter
+``(n - 1) / n * bytes / bandwidth + (n - 1) * latency`` (``bytes``: the gathered buffer, or the one
+reduced before it is scattered).
 
 What grows with what: attention FLOPs with the (causal, windowed) query-key pairs, its bytes with
 the cached context; MoE layers compute ``num_experts_per_tok`` experts per token and read the
@@ -15,6 +17,23 @@ experts the microbatch touches (``E * (1 - (1 - k/E)^T)`` expected under uniform
 Per-rank work under TP: heads, MLP width and vocab divided by ``tp`` (KV heads replicated beyond);
 expert FLOPs are shared by the stage's ``tp`` ranks, expert bytes by ``ep * moe_tp`` (the MoE
 groups span all ranks, not one stage's). Text only: the vision tower is stored on stage 0 but not timed.
+
+Context parallel (``cp = pcp * dcp`` ranks share each KV head's sequence, ``ceil(tokens / cp)`` of it each;
+every collective over the TP link, the same node):
+
+- decode (``cp > 1``): a rank reads ``ceil(keys / cp)`` of each row's cached keys and writes the new
+  token's K/V on one rank of the group (``1 / cp`` of the writes each, on average); it computes the
+  query heads of its whole DCP group (``hq * dcp``) over its keys. Per layer: with ``dcp > 1`` an
+  all-gather of q over the DCP group (``dcp * T * hq * d * act`` gathered) and the combine of the
+  partial outputs and their LSE, a reduce-scatter over heads of fp32 ``T * hq * dcp * (d + 1) * 4``
+  bytes; with ``pcp > 1`` an all-gather of the combined partials over the PCP group
+  (``pcp * T * hq * (d + 1) * 4``).
+- prefill (``pcp > 1``, from an empty cache): each PCP rank runs ``ceil(I / pcp)`` of each prompt's
+  ``I`` tokens through every op and ``1 / pcp`` of the causal query-key pairs (the head-tail split
+  balances them); per layer an all-gather of K and V over the PCP group (``2 * T * hk * d * act``),
+  at the end of the stage one of the hidden states (``T * hidden * act``). DCP alone leaves the
+  prefill as it is (every DCP rank holds its KV head's prompt), but a rank writes only its share of
+  the KV, ``1 / cp``.
 """
 
 from __future__ import annotations
@@ -41,6 +60,9 @@ class Op:
     """comm ops: tp or ep."""
     group: int = 1
     """comm ops: ranks in the collective."""
+    collective: str = ""
+    """comm ops: all_reduce, all_gather, reduce_scatter or all_to_all (empty: all-reduce on the tp link,
+    all-to-all on ep)."""
     weights: float = 0.0
     """matmul ops: weights multiplied (for block-quantised weights, which are decoded once a call)."""
     qtype: str = ""
@@ -87,26 +109,51 @@ def _causal_pairs(context: int, new: int, window: int | None) -> int:
     return upto(context + new) - upto(context)
 
 
+def _tokens_per_rank(new_tokens: int, sharding: shapes.Sharding) -> int:
+    """Tokens of each sequence one rank runs: a prefill under PCP splits the prompt over the PCP ranks."""
+    return -(-new_tokens // sharding.pcp) if new_tokens > 1 and sharding.pcp > 1 else new_tokens
+
+
 def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, context: int, prec: Precision,
               sharding: shapes.Sharding) -> list[Op]:
-    tp = sharding.tp
+    tp, pcp, dcp = sharding.tp, sharding.pcp, sharding.dcp
+    cp = pcp * dcp
     h, d = config.hidden_size, config.head_dim
     hq, hk = config.num_heads // tp, shapes.kv_heads_per_rank(config, tp)
     w, a, kv = prec.weight, prec.act, prec.kv
-    T = rows * new_tokens
+    decode = new_tokens == 1
+    T_all = rows * new_tokens
+    T = rows * _tokens_per_rank(new_tokens, sharding)  # this rank's tokens through the linears
     ops = [Op("input_norm", "vec", 4 * T * h, 2 * T * h * a + h * w, layer)]
     n_qkv = (hq + 2 * hk) * d
     ops.append(linear_op("qkv_proj", prec, tokens=T, n_in=h, n_out=n_qkv, layer=layer))
     ops.append(Op("qk_norm_rope", "vec", 8 * T * (hq + hk) * d, 2 * T * (hq + hk) * d * a, layer))
-    ops.append(Op("kv_write", "vec", 0, T * 2 * hk * d * (a + kv), layer))
-    pairs = rows * _causal_pairs(context, new_tokens, config.sliding_window)
+    if not decode and pcp > 1:
+        ops.append(Op("kv_all_gather", "comm", 0, 2 * T_all * hk * d * a, layer, "tp", pcp,
+                      collective="all_gather"))
+    ops.append(Op("kv_write", "vec", 0, T_all * 2 * hk * d * (a + kv) / cp, layer))
     keys = min(context + new_tokens, config.sliding_window or context + new_tokens)
+    if decode and cp > 1:
+        if dcp > 1:
+            ops.append(Op("q_all_gather", "comm", 0, dcp * T * hq * d * a, layer, "tp", dcp, collective="all_gather"))
+        heads, keys = hq * dcp, -(-keys // cp)
+        pairs = rows * keys
+    else:
+        heads = hq
+        pairs = rows * _causal_pairs(context, new_tokens, config.sliding_window)
+        pairs = -(-pairs // pcp) if not decode else pairs
     cache = rows * keys * 2 * hk * d * kv
-    ops.append(Op("attention", "attention", 4 * hq * d * pairs, cache + 2 * T * hq * d * a, layer,
-                  decode=new_tokens == 1, cache_bytes=cache))
+    ops.append(Op("attention", "attention", 4 * heads * d * pairs, cache + 2 * T * heads * d * a, layer,
+                  decode=decode, cache_bytes=cache))
+    if decode and dcp > 1:
+        ops.append(Op("attn_reduce_scatter", "comm", 0, T * hq * dcp * (d + 1) * 4, layer, "tp", dcp,
+                      collective="reduce_scatter"))
+    if decode and pcp > 1:
+        ops.append(Op("attn_pcp_all_gather", "comm", 0, pcp * T * hq * (d + 1) * 4, layer, "tp", pcp,
+                      collective="all_gather"))
     ops.append(linear_op("o_proj", prec, tokens=T, n_in=hq * d, n_out=h, layer=layer))
     if tp > 1:
-        ops.append(Op("attn_all_reduce", "comm", 0, T * h * a, layer, "tp", tp))
+        ops.append(Op("attn_all_reduce", "comm", 0, T * h * a, layer, "tp", tp, collective="all_reduce"))
     ops.append(Op("post_attn_norm", "vec", 5 * T * h, 3 * T * h * a + h * w, layer))
     if config.is_moe_layer(layer):
         e, k, mi = config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
@@ -115,11 +162,11 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
         expert_bytes = touched * (e // sharding.ep) * 3 * h * (mi // sharding.moe_tp) * w
         if sharding.ep > 1:
             a2a = T * k * h * a / tp * (sharding.ep - 1) / sharding.ep
-            ops.append(Op("moe_dispatch", "comm", 0, a2a, layer, "ep", sharding.ep))
+            ops.append(Op("moe_dispatch", "comm", 0, a2a, layer, "ep", sharding.ep, collective="all_to_all"))
         ops.append(Op("experts", "matmul", 2 * T * k * 3 * h * mi / tp, expert_bytes + T * k * (2 * h + 3 * mi) * a / tp,
                       layer))
         if sharding.ep > 1:
-            ops.append(Op("moe_combine", "comm", 0, a2a, layer, "ep", sharding.ep))
+            ops.append(Op("moe_combine", "comm", 0, a2a, layer, "ep", sharding.ep, collective="all_to_all"))
     else:
         inter = config.intermediate_size // tp
         gated = config.architecture != "falcon"
@@ -128,28 +175,31 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
         ops.append(Op("act", "vec", 8 * T * inter, (n_up + inter) * T * a, layer))
         ops.append(linear_op("down_proj", prec, tokens=T, n_in=inter, n_out=h, layer=layer))
     if tp > 1:
-        ops.append(Op("mlp_all_reduce", "comm", 0, T * h * a, layer, "tp", tp))
+        ops.append(Op("mlp_all_reduce", "comm", 0, T * h * a, layer, "tp", tp, collective="all_reduce"))
     return ops
 
 
 def stage_ops(config: ModelConfig, stage: PipelineStageInfo, *, rows: int, new_tokens: int, context: int,
               prec: Precision = Precision(), sharding: shapes.Sharding = shapes.Sharding()) -> list[Op]:
-    """Every op of ``stage`` for one microbatch (logits only for each row's last token)."""
+    """Every op of ``stage`` for one microbatch on one rank (logits only for each row's last token)."""
     for name, value in (("rows", rows), ("new_tokens", new_tokens), ("context", context)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"stage_ops: {name} must be an int >= 0, got {value!r}")
     h, T, a, w = config.hidden_size, rows * new_tokens, prec.act, prec.weight
     ops: list[Op] = []
     if stage.is_first_stage:
-        ops.append(Op("embedding", "vec", 0, T * (prec.weight_bytes(h, prec.embed_quant) + h * a)))
+        tr = rows * _tokens_per_rank(new_tokens, sharding)
+        ops.append(Op("embedding", "vec", 0, tr * (prec.weight_bytes(h, prec.embed_quant) + h * a)))
     for layer in stage.active_layer_indices:
         ops += layer_ops(config, layer, rows=rows, new_tokens=new_tokens, context=context, prec=prec, sharding=sharding)
+    if new_tokens > 1 and sharding.pcp > 1:  # every PCP rank's share of the prompts, for the next stage / LM head
+        ops.append(Op("hidden_all_gather", "comm", 0, T * h * a, None, "tp", sharding.pcp, collective="all_gather"))
     if stage.is_last_stage:
         tp, v = sharding.tp, config.vocab_size
         vr = -(-v // tp)
         ops.append(Op("final_norm", "vec", 4 * rows * h, 2 * rows * h * a + h * w))
         ops.append(linear_op("lm_head", prec, tokens=rows, n_in=h, n_out=vr, layer=None, quant=prec.embed_quant))
-        if tp > 1:
+        if tp > 1:  # bytes: the off-rank share, timed as before with the all-reduce formula
             ops.append(Op("logits_all_gather", "comm", 0, rows * v * 4 / tp * (tp - 1), None, "tp", tp))
         ops.append(Op("sampling", "vec", 4 * rows * v, rows * v * 4))
     return ops
@@ -183,7 +233,9 @@ def op_time(op: Op, profile: DeviceProfile, dtype: str) -> tuple[float, str]:
     if op.kind == "comm":
         link = profile.links[op.link]
         n = op.group
-        if op.link == "tp":  # ring all-reduce / all-gather
+        if op.collective in ("all_gather", "reduce_scatter"):  # ring: bytes the gathered / reduced buffer
+            t = (n - 1) / n * op.bytes / link.bandwidth + (n - 1) * link.latency_s
+        elif op.collective == "all_reduce" or op.collective == "" and op.link == "tp":  # ring all-reduce
             t = 2 * (n - 1) / n * op.bytes / link.bandwidth + 2 * (n - 1) * link.latency_s
         else:  # all-to-all: bytes already the off-rank share
             t = op.bytes / link.bandwidth + (n - 1) * link.latency_s

@@ -148,7 +148,8 @@ class LayoutEstimate:
                                           "message_bytes": s.message_bytes, "latency_s": s.latency_s}
                                          for s in e.send_recv_events]}
 
-        return {"parallel": lay.label(), "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep,
+        return {"parallel": lay.label(), "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "pcp": lay.pcp, "dcp": lay.dcp,
+                "ep": lay.ep,
                 "moe_tp": lay.moe_tp, "moe_dp": lay.moe_dp, "partition": self.plan.policy,
                 "stage_ranges": self.plan.ranges, "stages": [s.to_dict() for s in self.stage_memory],
                 "weight_bytes_per_rank": self.weight_bytes_per_rank, "kv_bytes_per_rank": self.kv_bytes_per_rank,
@@ -277,11 +278,17 @@ def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: c
     return PhaseEstimate(est, rows, new_tokens, context, bounds, tuple(groups), firsts)
 
 
+def layout_sharding(config: ModelConfig, layout: ParallelConfig) -> shapes.Sharding:
+    """What one rank of ``layout`` holds and computes: TP, EP, MoE-TP (dense models: 1), DCP and PCP."""
+    return shapes.Sharding(layout.tp, layout.ep, layout.moe_tp if config.num_experts else 1, dcp=layout.dcp,
+                           pcp=layout.pcp)
+
+
 def estimate_layout(config: ModelConfig, layout: ParallelConfig, workload: Workload, profile: DeviceProfile, *,
                     partition: str = "even", total_params: float | None = None) -> LayoutEstimate:
     """Everything the planner predicts for ``layout`` (ValueError when the model cannot take it)."""
-    sharding = shapes.Sharding(layout.tp, layout.ep, layout.moe_tp if config.num_experts else 1)
-    shapes.check_sharding(config, sharding)
+    sharding = layout_sharding(config, layout)
+    memory.check_layout(config, sharding)
     plan = StagePlan.for_model(config, layout.pp, partition)
     prec = workload.precision()
     total_tokens = workload.input_length + workload.output_length

@@ -8,8 +8,13 @@ Two weight estimates per stage:
   plus embedding and vision tower on stage 0, final norm and LM head on the last stage.
 
 KV cache: only the stage's own layers,
-``2 * L_s * kv_heads * head_dim * bytes * batch * T``. A rank must hold its stage's weights and KV:
-the largest stage is what a layout needs per rank.
+``2 * L_s * kv_heads * head_dim * bytes * batch * ceil(T / (pcp * dcp))`` per rank: ``kv_heads``
+those of one TP rank (:func:`~stagewise.model.shapes.kv_heads_per_rank`), and context parallel
+spreads every sequence over the ``pcp * dcp`` ranks that share a KV head (the interleaved
+mapping), each storing ``ceil(T / (pcp * dcp))`` of its tokens. DCP reuses the TP ranks that hold
+copies of one KV head, so ``dcp`` must divide ``max(1, tp // num_kv_heads)``
+(:func:`check_layout`). Weights do not depend on ``pcp`` or ``dcp``. A rank must hold its stage's
+weights and KV: the largest stage is what a layout needs per rank.
 """
 
 from __future__ import annotations
@@ -51,18 +56,34 @@ class StageMemory:
         return d
 
 
+def check_layout(config: ModelConfig, sharding: shapes.Sharding) -> None:
+    """ValueError when ``config`` cannot be split as ``sharding`` asks: heads, KV heads and experts
+    (:func:`~stagewise.model.shapes.check_sharding`) and, with context parallel, a ``dcp`` that
+    does not divide the ranks holding each KV head (the message names the valid sizes)."""
+    shapes.check_sharding(config, sharding)
+    if sharding.dcp > 1:
+        problems = shapes.parallel_problems(config, sharding.tp, sharding.dcp)
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
 def kv_bytes(config: ModelConfig, num_layers: int, *, tokens: int, batch: int = 1, kv_bytes_per_elem: int = 2,
-             tp: int = 1) -> int:
-    """KV cache of ``num_layers`` layers for ``batch`` sequences of ``tokens`` tokens on one TP rank."""
+             tp: int = 1, cp: int = 1) -> int:
+    """KV cache of ``num_layers`` layers for ``batch`` sequences of ``tokens`` tokens on one TP rank,
+    each sequence spread over ``cp = pcp * dcp`` context-parallel ranks (``ceil(tokens / cp)`` each)."""
     if tokens < 0 or batch < 0:
         raise ValueError(f"kv_bytes: tokens and batch must be >= 0, got {tokens}, {batch}")
-    return num_layers * shapes.kv_bytes_per_token_layer(config, kv_bytes_per_elem, tp) * batch * tokens
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"kv_bytes: cp must be an int >= 1, got {cp!r}")
+    return num_layers * shapes.kv_bytes_per_token_layer(config, kv_bytes_per_elem, tp) * batch * -(-tokens // cp)
 
 
 def stage_memory(config: ModelConfig, plan: StagePlan, *, tokens: int, batch: int = 1, weight_bytes: int = 2,
                  kv_bytes_per_elem: int = 2, total_params: float | None = None,
                  sharding: shapes.Sharding = shapes.Sharding()) -> list[StageMemory]:
-    """Per stage, one rank's weights (rough and exact) and KV at ``tokens`` tokens per sequence."""
+    """Per stage, one rank's weights (rough and exact) and KV at ``tokens`` tokens per sequence
+    (ValueError when the model cannot take ``sharding``)."""
+    check_layout(config, sharding)
     exact_total = shapes.count(config, shapes.model_tensors(config))
     total = exact_total if total_params is None else total_params
     out = []
@@ -75,7 +96,8 @@ def stage_memory(config: ModelConfig, plan: StagePlan, *, tokens: int, batch: in
             stage=info.stage_id, start_layer=info.start_layer, end_layer=info.end_layer, num_layers=info.num_layers,
             weight_bytes_rough=rough, weight_bytes_exact=shapes.count(config, tensors, sharding) * weight_bytes,
             kv_bytes=kv_bytes(config, info.num_layers, tokens=tokens, batch=batch,
-                              kv_bytes_per_elem=kv_bytes_per_elem, tp=sharding.tp),
+                              kv_bytes_per_elem=kv_bytes_per_elem, tp=sharding.tp,
+                              cp=sharding.pcp * sharding.dcp),
             owns=owns))
     return out
 

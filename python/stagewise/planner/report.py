@@ -14,7 +14,8 @@ def _gib(n: float) -> str:
 def confidence(est, workload, profile, config, validation: Validation | None) -> Confidence:
     if validation is None:
         return NO_RECORD
-    return validation.confidence(tp=est.layout.tp, pp=est.layout.pp, batch=workload.batch,
+    return validation.confidence(tp=est.layout.tp, pp=est.layout.pp, pcp=est.layout.pcp, dcp=est.layout.dcp,
+                                 batch=workload.batch,
                                  input_length=workload.input_length, output_length=workload.output_length,
                                  architecture=config.architecture, profile_name=profile.name,
                                  profile_kind=profile.kind, weight_quant=workload.weight_quant,
@@ -65,7 +66,7 @@ def format_search(results, rejected, *, name, config, workload, profile, validat
     lines += ["", "Breakdown (% of op time | % of pipeline latency):", *breakdowns]
     if rejected:
         lines += ["", f"{len(rejected)} combinations rejected:"]
-        lines += [f"  TP={r.tp} PP={r.pp} EP={r.ep} MOE_DP={r.moe_dp}: {r.reason}" for r in rejected[:10]]
+        lines += [f"  {r.label()}: {r.reason}" for r in rejected[:10]]
         if len(rejected) > 10:
             lines.append(f"  ... and {len(rejected) - 10} more (see --json)")
     return "\n".join(lines)
@@ -85,6 +86,7 @@ def search_json(results, rejected, *, name, config, workload, profile, validatio
                          "weight_quant": workload.weight_quant or None, "embed_quant": workload.embed_quant or None},
             "validation": validation.describe() if validation else None,
             "layouts": layouts,
-            "rejected": [{"tp": r.tp, "pp": r.pp, "ep": r.ep, "moe_dp": r.moe_dp, "reason": r.reason}
+            "rejected": [{"tp": r.tp, "pp": r.pp, "pcp": r.pcp, "dcp": r.dcp, "ep": r.ep, "moe_dp": r.moe_dp,
+                          "reason": r.reason}
                          for r in rejected],
             "files": files}

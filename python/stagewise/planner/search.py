@@ -1,13 +1,14 @@
-"""The layout search space: ``tp_sizes x pp_sizes x ep_sizes x moe_dp_sizes``.
+"""The layout search space: ``tp_sizes x pp_sizes x pcp_sizes x dcp_sizes x ep_sizes x moe_dp_sizes``.
 
 Size arguments: ``None`` (not given) -> the default value alone (TP: every power of two up to
-the device count, so a plain search compares TP sizes; PP, EP, MoE-DP: 1);
+the device count, so a plain search compares TP sizes; PP, PCP, DCP, EP, MoE-DP: 1);
 ``[]`` (given without values) -> powers of two up to the device count; explicit values -> each
 must be a positive integer not greater than the device count.
 
-Candidate rules: ``N % (tp * pp) == 0``, ``dp = N // (tp * pp)``, ``N % ep == 0``,
-``N % (ep * moe_dp) == 0``, ``moe_tp = N // (ep * moe_dp)``; then the model must accept the layout
-(heads divisible by TP, no empty stage, ...). No candidate left: an error that says why.
+Candidate rules: ``N % (tp * pcp * pp) == 0``, ``dp = N // (tp * pcp * pp)``, ``tp % dcp == 0``
+(DCP reuses the TP ranks), ``N % ep == 0``, ``N % (ep * moe_dp) == 0``, ``moe_tp = N // (ep * moe_dp)``;
+then the model must accept the layout (heads divisible by TP, DCP dividing the ranks that hold each
+KV head, no empty stage, ...). No candidate left: an error that says why.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 from stagewise.model.config import ModelConfig
 from stagewise.parallel.plan import StagePlan
 from stagewise.parallel.ranks import ParallelConfig
-from stagewise.planner.estimate import LayoutEstimate, Workload, estimate_layout
+from stagewise.planner.estimate import LayoutEstimate, Workload, estimate_layout, layout_sharding
+from stagewise.planner.memory import check_layout
 from stagewise.planner.profiles import DeviceProfile
 
 
@@ -59,32 +61,43 @@ class Rejected:
     ep: int
     moe_dp: int
     reason: str
+    pcp: int = 1
+    dcp: int = 1
+
+    def label(self) -> str:
+        cp = (f" PCP={self.pcp}" if self.pcp > 1 else "") + (f" DCP={self.dcp}" if self.dcp > 1 else "")
+        return f"TP={self.tp} PP={self.pp}{cp} EP={self.ep} MOE_DP={self.moe_dp}"
 
 
 def candidate_layouts(num_devices: int, tp_sizes: Sequence[int], pp_sizes: Sequence[int], ep_sizes: Sequence[int],
-                      moe_dp_sizes: Sequence[int]) -> tuple[list[ParallelConfig], list[Rejected]]:
+                      moe_dp_sizes: Sequence[int], pcp_sizes: Sequence[int] = (1,),
+                      dcp_sizes: Sequence[int] = (1,)) -> tuple[list[ParallelConfig], list[Rejected]]:
     """The layouts passing the divisibility rules, and the rejected combinations with their reason."""
     ok, rejected = [], []
     n = num_devices
-    for tp, pp, ep, moe_dp in itertools.product(tp_sizes, pp_sizes, ep_sizes, moe_dp_sizes):
-        if n % (tp * pp):
-            rejected.append(Rejected(tp, pp, ep, moe_dp, f"tp * pp = {tp * pp} does not divide {n} devices"))
+    for tp, pp, pcp, dcp, ep, moe_dp in itertools.product(tp_sizes, pp_sizes, pcp_sizes, dcp_sizes, ep_sizes,
+                                                          moe_dp_sizes):
+        reason = ""
+        if n % (tp * pcp * pp):
+            reason = f"{'tp * pcp * pp' if pcp > 1 else 'tp * pp'} = {tp * pcp * pp} does not divide {n} devices"
+        elif tp % dcp:
+            reason = f"dcp = {dcp} does not divide tp = {tp} (DCP reuses the TP ranks)"
         elif n % ep:
-            rejected.append(Rejected(tp, pp, ep, moe_dp, f"ep = {ep} does not divide {n} devices"))
+            reason = f"ep = {ep} does not divide {n} devices"
         elif n % (ep * moe_dp):
-            rejected.append(Rejected(tp, pp, ep, moe_dp, f"ep * moe_dp = {ep * moe_dp} does not divide {n} devices"))
+            reason = f"ep * moe_dp = {ep * moe_dp} does not divide {n} devices"
+        if reason:
+            rejected.append(Rejected(tp, pp, ep, moe_dp, reason, pcp, dcp))
         else:
-            ok.append(ParallelConfig(world_size=n, tp=tp, pp=pp, dp=n // (tp * pp), ep=ep, moe_dp=moe_dp))
+            ok.append(ParallelConfig(world_size=n, tp=tp, pp=pp, dp=n // (tp * pcp * pp), ep=ep, moe_dp=moe_dp,
+                                     pcp=pcp, dcp=dcp))
     return ok, rejected
 
 
 def model_accepts(config: ModelConfig, layout: ParallelConfig, partition: str) -> str | None:
     """Why ``config`` cannot run ``layout`` (None: it can)."""
-    from stagewise.model import shapes
-
     try:
-        shapes.check_sharding(config, shapes.Sharding(layout.tp, layout.ep,
-                                                      layout.moe_tp if config.num_experts else 1))
+        check_layout(config, layout_sharding(config, layout))
         StagePlan.for_model(config, layout.pp, partition)
     except ValueError as err:
         return str(err)
@@ -96,24 +109,28 @@ def model_accepts(config: ModelConfig, layout: ParallelConfig, partition: str) -
 def search(config: ModelConfig, *, num_devices: int, workload: Workload, profile: DeviceProfile,
            tp_sizes: Sequence[int] | None = None, pp_sizes: Sequence[int] | None = None,
            ep_sizes: Sequence[int] | None = None, moe_dp_sizes: Sequence[int] | None = None,
+           pcp_sizes: Sequence[int] | None = None, dcp_sizes: Sequence[int] | None = None,
            partition: str = "even", total_params: float | None = None) -> tuple[list[LayoutEstimate], list[Rejected]]:
     """Every valid layout, best first (fitting ones first, then tokens/s, then TPOT), and the rejected ones."""
     tps = resolve_search_sizes(tp_sizes, num_devices, None, "tp-sizes")
     pps = resolve_search_sizes(pp_sizes, num_devices, 1, "pp-sizes")
     eps = resolve_search_sizes(ep_sizes, num_devices, 1, "ep-sizes")
     mdps = resolve_search_sizes(moe_dp_sizes, num_devices, 1, "moe-dp-sizes")
-    layouts, rejected = candidate_layouts(num_devices, tps, pps, eps, mdps)
+    pcps = resolve_search_sizes(pcp_sizes, num_devices, 1, "pcp-sizes")
+    dcps = resolve_search_sizes(dcp_sizes, num_devices, 1, "dcp-sizes")
+    layouts, rejected = candidate_layouts(num_devices, tps, pps, eps, mdps, pcps, dcps)
     results = []
     for lay in layouts:
         reason = model_accepts(config, lay, partition)
         if reason:
-            rejected.append(Rejected(lay.tp, lay.pp, lay.ep, lay.moe_dp, reason))
+            rejected.append(Rejected(lay.tp, lay.pp, lay.ep, lay.moe_dp, reason, lay.pcp, lay.dcp))
             continue
         results.append(estimate_layout(config, lay, workload, profile, partition=partition, total_params=total_params))
     if not results:
-        lines = [f"  TP={r.tp} PP={r.pp} EP={r.ep} MOE_DP={r.moe_dp}: {r.reason}" for r in rejected[:12]]
+        lines = [f"  {r.label()}: {r.reason}" for r in rejected[:12]]
         more = f"\n  ... and {len(rejected) - 12} more" if len(rejected) > 12 else ""
-        raise NoValidLayout(f"no valid layout for {num_devices} devices among TP {tps} x PP {pps} x EP {eps} x "
+        cp = (f" x PCP {pcps}" if pcps != [1] else "") + (f" x DCP {dcps}" if dcps != [1] else "")
+        raise NoValidLayout(f"no valid layout for {num_devices} devices among TP {tps} x PP {pps}{cp} x EP {eps} x "
                             f"MOE_DP {mdps}:\n" + "\n".join(lines) + more)
     results.sort(key=lambda r: (not r.fits, -r.tokens_per_s, r.tpot_s))
     return results, rejected

@@ -12,8 +12,10 @@
       dp_size: 2               # default world_size // (tp_size * pp_size)
       ep_size: 1               # optional (MoE), default 1
       moe_dp_size: 1           # optional (MoE), default 1
+      pcp_size: 1              # optional, prefill context parallel, default 1
+      dcp_size: 1              # optional, decode context parallel (divides tp_size), default 1
 
-``world_size == tp_size * pp_size * dp_size`` is checked; the layout becomes a
+``world_size == tp_size * pcp_size * pp_size * dp_size`` is checked; the layout becomes a
 :class:`~stagewise.parallel.ranks.ParallelConfig`, the same object the search evaluates.
 """
 
@@ -25,7 +27,7 @@ from typing import Any
 
 from stagewise.parallel.ranks import ParallelConfig
 
-PARALLEL_KEYS = ("world_size", "tp_size", "pp_size", "dp_size", "ep_size", "moe_dp_size")
+PARALLEL_KEYS = ("world_size", "tp_size", "pp_size", "dp_size", "ep_size", "moe_dp_size", "pcp_size", "dcp_size")
 TOP_KEYS = ("model", "input_length", "output_length", "batch", "device_profile", "parallel_config")
 
 
@@ -65,16 +67,17 @@ def parse_serving(data: Any, where: str = "serving config") -> ServingConfig:
     if "world_size" not in pc:
         raise ValueError(f"{pw}: field 'world_size' is required")
     world, tp, pp = _int(pw, pc, "world_size"), _int(pw, pc, "tp_size", 1), _int(pw, pc, "pp_size", 1)
-    dp = _int(pw, pc, "dp_size", None)
+    dp, pcp = _int(pw, pc, "dp_size", None), _int(pw, pc, "pcp_size", 1)
+    cp, cp_name = (f"{pcp} * ", "pcp_size * ") if pcp != 1 else ("", "")
     if dp is None:
-        if world % (tp * pp):
-            raise ValueError(f"{pw}: tp_size * pp_size = {tp * pp} does not divide world_size={world}")
-        dp = world // (tp * pp)
-    if tp * pp * dp != world:
-        raise ValueError(f"{pw}: world_size={world} must equal tp_size * pp_size * dp_size = {tp} * {pp} * {dp} "
-                         f"= {tp * pp * dp}")
+        if world % (tp * pcp * pp):
+            raise ValueError(f"{pw}: tp_size * {cp_name}pp_size = {tp * pcp * pp} does not divide world_size={world}")
+        dp = world // (tp * pcp * pp)
+    if tp * pcp * pp * dp != world:
+        raise ValueError(f"{pw}: world_size={world} must equal tp_size * {cp_name}pp_size * dp_size = {tp} * {cp}{pp} "
+                         f"* {dp} = {tp * pcp * pp * dp}")
     parallel = ParallelConfig(world_size=world, tp=tp, pp=pp, dp=dp, ep=_int(pw, pc, "ep_size", 1),
-                              moe_dp=_int(pw, pc, "moe_dp_size", 1))
+                              moe_dp=_int(pw, pc, "moe_dp_size", 1), pcp=pcp, dcp=_int(pw, pc, "dcp_size", 1))
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise ValueError(f"{where}: field 'model' must be a string, got {model!r}")

@@ -189,12 +189,15 @@ class Validation:
 
     def confidence(self, *, tp: int, pp: int, batch: int, input_length: int, output_length: int,
                    architecture: str, profile_name: str, profile_kind: str, weight_quant: str = "",
-                   embed_quant: str = "", weight_dtype: str | None = None) -> Confidence:
+                   embed_quant: str = "", weight_dtype: str | None = None, pcp: int = 1,
+                   dcp: int = 1) -> Confidence:
         """The band of one prediction when the validation covers its case, else why it does not."""
         r, why = self.data.get("range", {}), []
-        for name, value, key in (("PP", pp, "stages"), ("TP", tp, "tp"), ("batch", batch, "batch"),
-                                 ("input", input_length, "input_length"), ("output", output_length, "output_length")):
-            lo, hi = r.get(key, [1, 1] if key == "tp" else [value, value])  # validation runs pipelines: TP 1
+        for name, value, key in (("PP", pp, "stages"), ("TP", tp, "tp"), ("PCP", pcp, "pcp"), ("DCP", dcp, "dcp"),
+                                 ("batch", batch, "batch"), ("input", input_length, "input_length"),
+                                 ("output", output_length, "output_length")):
+            # validation runs pipelines: TP, PCP and DCP 1
+            lo, hi = r.get(key, [1, 1] if key in ("tp", "pcp", "dcp") else [value, value])
             if not lo <= value <= hi:
                 why.append(f"{name}={value} outside validated {lo}..{hi}")
         archs = r.get("architectures", [architecture])
