@@ -88,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                "and, with that baseline, llama.cpp)")
     e2e_args.add_argument("--stages", default=None, metavar="1,2,3",
                           help="e2e: run the pipeline with these stage counts instead (batch 1 and S x 4 requests)")
+    e2e_args.add_argument("--tp", default=None, metavar="1,3",
+                          help="e2e: one stage split over these tensor-parallel sizes instead, beside tp=1 (batch 1 and "
+                               "the largest batch size)")
+    e2e_args.add_argument("--dcp", default=None, metavar="1,3",
+                          help="e2e --tp: also these decode-context-parallel sizes (each dividing its tp)")
     e2e_args.add_argument("--pipeline-partition", dest="partition", default="balanced",
                           help="e2e --stages: the partition policy (default: balanced)")
     e2e_args.add_argument("--pipeline-transport", dest="transport", default="auto", choices=TRANSPORTS,
@@ -208,6 +213,10 @@ def run(args: argparse.Namespace) -> int:
         from stagewise.bench import profile
 
         return profile.run(args, log=log)
+    if args.suite == "e2e" and (args.tp or args.dcp):
+        from stagewise.bench import e2e_parallel
+
+        return e2e_parallel.run(args, log=log)
     if args.suite == "e2e" and args.stages:
         from stagewise.bench import e2e_stages
 
