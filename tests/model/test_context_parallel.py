@@ -1,4 +1,4 @@
-"""Context-parallel attention (seed 003): the pure pieces in one process (head-tail split and
+"""Context-parallel attention: the pure pieces in one process (head-tail split and
 restore, the LSE combine against plain softmax attention, local sequence lengths, the layout
 rules), then real ranks over gloo: one world of 4 processes runs DCP (MQA and GQA, KV heads
 replicated over TP), PCP and PCP x DCP stages of two attention layers through prefill, mixed and

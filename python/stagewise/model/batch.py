@@ -117,7 +117,7 @@ class StepBatch:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class PcpSplit:
-    """One prefill-context-parallel rank's share of a step (seed 003), from :func:`split_for_pcp`.
+    """One prefill-context-parallel rank's share of a step, from :func:`split_for_pcp`.
 
     Each prompt is padded to ``2 * size`` equal parts and rank ``i`` takes part ``i`` and part
     ``2 * size - 1 - i`` (head-tail: every rank gets as much causal-attention work as the others);

@@ -64,7 +64,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: StepBatch, meta: KVMetadata,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``; writes this layer's K/V into ``kv = (k_cache, v_cache)``,
-        each ``[num_blocks, block_size, Hk, D]``."""
+        each ``[num_blocks, block_size, Hk, D]``. Under prefill context parallelism ``x`` and ``batch`` are
+        this rank's rows (``meta.pcp.batch``) and ``meta`` is built from the full step."""
         t, hq, hk, d = x.size(0), self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv(x).split([hq * d, hk * d, hk * d], dim=-1)
         q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)

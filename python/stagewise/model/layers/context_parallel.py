@@ -1,4 +1,4 @@
-"""Context-parallel attention (seed 003): the cached sequence of each KV head sharded over the
+"""Context-parallel attention: the cached sequence of each KV head sharded over the
 ``cp = pcp * dcp`` ranks that hold that head, with the interleaved slot mapping of
 :func:`stagewise.ops.slot_mapping` (``docs/parallel.md`` has a worked example).
 
@@ -35,7 +35,7 @@ def valid_dcp_sizes(num_kv_heads: int, tp_size: int) -> list[int]:
 
 
 def check_groups(groups: StageGroups, num_kv_heads: int, tp_size: int, local_kv_heads: int) -> None:
-    """Seed 003's layout rules, with errors naming the sizes."""
+    """The layout rules of context parallelism, with errors naming the sizes."""
     if groups.tp.size != tp_size:
         raise ValueError(f"context parallel: the tp group has {groups.tp.size} ranks, the layer was built for "
                          f"tp_size={tp_size}")
