@@ -132,18 +132,23 @@ class KVCache:
 
 
 def num_cache_blocks(spec: KVCacheSpec, device: torch.device | str, *, max_num_seqs: int, max_model_len: int,
-                     kv_cache_bytes: int | None = None, max_num_tokens: int | None = None) -> int:
+                     kv_cache_bytes: int | None = None, max_num_tokens: int | None = None,
+                     cp_world_size: int = 1) -> int:
     """Blocks of a stage's cache: from ``kv_cache_bytes`` or ``max_num_tokens`` when one is given
     (not both), else every row at full length, capped by :data:`DEFAULT_KV_FRACTION` of the free
-    memory (and :data:`DEFAULT_CPU_KV_BYTES` on CPU), but room for one full row."""
+    memory (and :data:`DEFAULT_CPU_KV_BYTES` on CPU), but room for one full row. Under context
+    parallelism a rank stores ``ceil(max_model_len / cp_world_size)`` tokens of a full row."""
     if kv_cache_bytes is not None and max_num_tokens is not None:
         raise ValueError("KV cache: give at most one of kv_cache_bytes and max_num_tokens, got both")
+    if not isinstance(cp_world_size, int) or cp_world_size < 1:
+        raise ValueError(f"KV cache: cp_world_size must be an int >= 1, got {cp_world_size!r}")
     if kv_cache_bytes is not None:
         return spec.num_blocks_for_bytes(kv_cache_bytes)
     if max_num_tokens is not None:
         return spec.num_blocks_for_tokens(max_num_tokens)
     device = torch.device(device)
-    want = max_num_seqs * max_model_len
+    row = -(-max_model_len // cp_world_size)  # tokens of one full row on this rank
+    want = max_num_seqs * row
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         cap_bytes = int(free * DEFAULT_KV_FRACTION["cuda"])
@@ -153,4 +158,4 @@ def num_cache_blocks(spec: KVCacheSpec, device: torch.device | str, *, max_num_s
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         cap_bytes = min(int(free * DEFAULT_KV_FRACTION["cpu"]), DEFAULT_CPU_KV_BYTES)
     cap = cap_bytes // (spec.bytes_per_block() // spec.block_size)
-    return spec.num_blocks_for_tokens(max(min(want, cap), min(want, max_model_len), spec.block_size))
+    return spec.num_blocks_for_tokens(max(min(want, cap), min(want, row), spec.block_size))

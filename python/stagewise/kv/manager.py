@@ -82,6 +82,16 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks this rank holds for live requests: ``sum ceil(n / tokens_per_block)``, so under
+        context parallelism ``cp`` times fewer than one rank holding every token."""
+        return self.pool.num_used
+
+    def num_stored_tokens(self) -> int:
+        """Token slots this rank fills, over all live requests (its share of their positions)."""
+        return sum(self.num_local_tokens(r) for r in self._num_tokens)
+
     def blocks_for(self, num_tokens: int) -> int:
         """Block-table entries that ``num_tokens`` positions need: ``ceil(n / tokens_per_block)``."""
         return -(-num_tokens // self.tokens_per_block)

@@ -9,6 +9,9 @@ cache with :func:`stagewise.ops.reshape_and_cache`.
 Under tensor parallelism a rank runs its own query heads and KV heads (the loader gives it those
 rows of q, k and v) against its own cache, and the output projection's partial sums are reduced
 by its :class:`RowParallelLinear`.
+
+Under context parallelism (``groups.cp_size > 1``) each rank stores a share of every request's
+cached sequence and attention is :func:`~stagewise.model.layers.context_parallel.cp_attention`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from stagewise import ops
 from stagewise.model.batch import KVMetadata, StepBatch
 from stagewise.model.collectives import StageGroups
 from stagewise.model.config import ModelConfig
+from stagewise.model.layers.context_parallel import check_groups, cp_attention
 from stagewise.model.layers.linear import Linear, RowParallelLinear
 from stagewise.model.layers.rotary import Rotary
 from stagewise.model.shapes import kv_heads_per_rank
@@ -52,17 +56,22 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.qkv, self.o, self.rotary = qkv, o, rotary
         self.groups = groups
+        if groups.cp_size > 1:
+            check_groups(groups, config.num_kv_heads, tp_size, self.num_kv_heads)
         self.q_norm = None if q_norm is None else nn.Parameter(q_norm, requires_grad=False)
         self.k_norm = None if k_norm is None else nn.Parameter(k_norm, requires_grad=False)
 
     def forward(self, x: torch.Tensor, batch: StepBatch, meta: KVMetadata,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``; writes this layer's K/V into ``kv = (k_cache, v_cache)``,
-        each ``[num_blocks, block_size, Hk, D]``."""
+        each ``[num_blocks, block_size, Hk, D]``. Under prefill context parallelism ``x`` and ``batch`` are
+        this rank's rows (``meta.pcp.batch``) and ``meta`` is built from the full step."""
         t, hq, hk, d = x.size(0), self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv(x).split([hq * d, hk * d, hk * d], dim=-1)
         q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
         self.rotary(q, k, batch.positions, self.q_norm, self.k_norm)
+        if self.groups.cp_size > 1:
+            return self.o(cp_attention(q, k, v, batch, meta, kv, self.scale, self.groups).view(t, hq * d))
         out = torch.empty((t, hq, d), dtype=x.dtype, device=x.device)
         for start, n in batch.prefill_spans():
             # [1, H, n, D] views; enable_gqa lets the Hq / Hk query heads share a KV head.

@@ -1,0 +1,159 @@
+"""Context-parallel attention: the cached sequence of each KV head sharded over the
+``cp = pcp * dcp`` ranks that hold that head, with the interleaved slot mapping of
+:func:`stagewise.ops.slot_mapping` (``docs/parallel.md`` has a worked example).
+
+- **Decode** (every CP rank runs the same decode rows): the query heads of the DCP group are
+  all-gathered (DCP ranks are TP ranks sharing one KV head), each rank attends over its local
+  shard, and the partial results are combined exactly by their log-sum-exps: with
+  ``lse_tot = logsumexp_i lse_i`` the output is ``sum_i exp(lse_i - lse_tot) * out_i``. The lse are
+  all-gathered (DCP, then PCP); each rank weighs its own partial output, a reduce-scatter over
+  heads sums the DCP ranks' parts and hands each rank its own heads, and an all-reduce over PCP adds
+  the PCP ranks' parts. The sums run in float32.
+- **Prefill without PCP**: each rank has the whole prompt's K/V of its heads: causal attention as
+  on one rank; the slot mapping stores only this rank's share.
+- **Prefill with PCP**: each rank runs a head-tail share of each prompt
+  (:func:`stagewise.model.batch.split_for_pcp`); per layer the prompt's K/V are all-gathered over
+  PCP (dropped after the layer), the local queries attend causally by true position, and the full
+  K/V are stored with the interleaved mapping.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from stagewise import ops
+from stagewise.model.batch import KVMetadata, PcpSplit, StepBatch
+from stagewise.model.collectives import Collectives, StageGroups
+
+
+def valid_dcp_sizes(num_kv_heads: int, tp_size: int) -> list[int]:
+    """DCP sizes a layout allows: the divisors of the KV-head replication ``tp / num_kv_heads``
+    (1 when TP does not replicate KV heads)."""
+    replication = tp_size // num_kv_heads if tp_size % num_kv_heads == 0 else 1
+    return [n for n in range(1, replication + 1) if replication % n == 0]
+
+
+def check_groups(groups: StageGroups, num_kv_heads: int, tp_size: int, local_kv_heads: int) -> None:
+    """The layout rules of context parallelism, with errors naming the sizes."""
+    if groups.tp.size != tp_size:
+        raise ValueError(f"context parallel: the tp group has {groups.tp.size} ranks, the layer was built for "
+                         f"tp_size={tp_size}")
+    valid = valid_dcp_sizes(num_kv_heads, tp_size)
+    if groups.dcp.size not in valid:
+        raise ValueError(f"context parallel: dcp={groups.dcp.size} must divide the KV-head replication "
+                         f"tp / num_kv_heads = {tp_size} / {num_kv_heads} (DCP ranks share one KV head); "
+                         f"valid dcp sizes: {valid}")
+    if groups.dcp.size > 1 and local_kv_heads != 1:
+        raise ValueError(f"context parallel: a DCP rank must hold exactly one KV head, got {local_kv_heads}")
+
+
+def check_metadata(groups: StageGroups, meta: KVMetadata) -> None:
+    """The step's metadata must come from a manager built for this rank's place in the CP group."""
+    if (meta.cp_world_size, meta.cp_rank) != (groups.cp_size, groups.cp_rank):
+        raise ValueError(f"context parallel: the KV manager has cp_world_size={meta.cp_world_size}, "
+                         f"cp_rank={meta.cp_rank}; the stage's groups need cp_world_size={groups.cp_size} "
+                         f"(pcp * dcp), cp_rank={groups.cp_rank}")
+    pcp = meta.pcp
+    want = None if groups.pcp.size == 1 else (groups.pcp.size, groups.pcp.rank)
+    if (None if pcp is None else (pcp.size, pcp.rank)) != want:
+        raise ValueError(f"context parallel: KVMetadata.pcp must be split_for_pcp(batch, {groups.pcp.rank}, "
+                         f"{groups.pcp.size})" if want else "context parallel: KVMetadata.pcp is set but the "
+                         "pcp group has one rank")
+
+
+def lse_weights(lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights ``[K, ...]`` of ``K`` partial attention results with log-sum-exps ``lse [K, ...]``
+    (float32), and the total lse ``[...]``. A part with ``lse = -inf`` (no tokens) weighs 0; when
+    all are, every weight is 0 and the total is -inf."""
+    total = torch.logsumexp(lse, dim=0)
+    finite = torch.where(torch.isneginf(total), torch.zeros_like(total), total)
+    return torch.exp(lse - finite), total
+
+
+def combine_partials(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact combination of ``K`` partial results ``out [K, ..., D]`` with ``lse [K, ...]``:
+    float32 ``[..., D]`` and the total lse ``[...]``."""
+    weights, total = lse_weights(lse.float())
+    return (out.float() * weights.unsqueeze(-1)).sum(dim=0), total
+
+
+def gather_rows(x: torch.Tensor, pad_rows: int, restore: torch.Tensor, group: Collectives) -> torch.Tensor:
+    """All-gather every rank's rows ``x [n_rank, ...]`` (padded to ``pad_rows``) and put them in the
+    order ``restore`` gives (indices into the rank-major gathered rows)."""
+    padded = x.new_zeros((pad_rows, *x.shape[1:]))
+    padded[: x.size(0)] = x
+    return group.all_gather(padded, dim=0).index_select(0, restore)
+
+
+def restore_pcp_rows(x: torch.Tensor, split: PcpSplit, group: Collectives) -> torch.Tensor:
+    """A stage's output rows of this PCP rank ``x [S_rank, ...]`` -> the full step's ``[T, ...]``, on
+    every rank of ``group`` (the PCP group)."""
+    if x.size(0) != split.rows.numel():
+        raise ValueError(f"restore_pcp_rows: x has {x.size(0)} rows, this rank runs {split.rows.numel()}")
+    return gather_rows(x, split.pad_rows, split.restore, group)
+
+
+def decode_attention_cp(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        local_seq_lens: torch.Tensor, scale: float, groups: StageGroups) -> torch.Tensor:
+    """Decode of ``q [B, Hq, D]`` (this rank's heads) over every CP rank's shard -> ``[B, Hq, D]``.
+    The new tokens must already be in the cache (their owners wrote them)."""
+    dcp, pcp = groups.dcp, groups.pcp
+    q_group = dcp.all_gather(q, dim=1)  # [B, dcp * Hq, D]: the heads of the DCP group's ranks, in rank order
+    out, lse = ops.decode_attention(q_group, k_cache, v_cache, block_tables, local_seq_lens, scale)
+    lses = pcp.all_gather(dcp.all_gather(lse.unsqueeze(0), dim=0), dim=0)  # [cp, B, H]: cp-rank order
+    weights, _ = lse_weights(lses)
+    mine = out.float() * weights[groups.cp_rank].unsqueeze(-1)
+    return pcp.all_reduce(dcp.reduce_scatter(mine, dim=1)).to(q.dtype)
+
+
+def _pcp_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, split: PcpSplit,
+                 scale: float, out: torch.Tensor) -> None:
+    """Local prefill queries ``q [P_rank, Hq, D]`` over whole prompts ``k, v [P, Hk, D]``, causal
+    by position (a prompt's token at position ``x`` is its row ``x``)."""
+    for first, n, start, length in split.prefill_spans:
+        if n == 0:
+            continue
+        qs = q[first : first + n].transpose(0, 1).unsqueeze(0)
+        ks, vs = (a[start : start + length].transpose(0, 1).unsqueeze(0) for a in (k, v))
+        keys = torch.arange(length, device=q.device)
+        mask = keys.unsqueeze(0) <= positions[first : first + n].unsqueeze(1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                           enable_gqa=qs.size(1) != ks.size(1))
+        out[first : first + n] = o[0].transpose(0, 1)
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch, meta: KVMetadata,
+                 kv: tuple[torch.Tensor, torch.Tensor], scale: float, groups: StageGroups) -> torch.Tensor:
+    """Attention of this rank's rows ``q [T_rank, Hq, D]``, ``k, v [T_rank, Hk, D]`` (rope applied)
+    under context parallelism -> ``[T_rank, Hq, D]``; writes this rank's share of the step's K/V."""
+    check_metadata(groups, meta)
+    k_cache, v_cache = kv
+    p = batch.num_prefill_tokens
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    split = meta.pcp
+    if split is None:
+        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        for start, n in batch.prefill_spans():
+            qs, ks, vs = (a[start : start + n].transpose(0, 1).unsqueeze(0) for a in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                               enable_gqa=qs.size(1) != ks.size(1))
+            out[start : start + n] = o[0].transpose(0, 1)
+        num_prefills = batch.num_prefills
+    else:
+        num_prefills = len(split.prefill_spans)
+        if num_prefills:
+            # One all-gather of the prompts' K and V; the full prompts live only for this layer.
+            whole = gather_rows(torch.stack([k[:p], v[:p]], dim=1), split.prefill_pad, split.prefill_restore,
+                                groups.pcp)
+            k_all, v_all = whole[:, 0], whole[:, 1]
+            _pcp_prefill(q[:p], k_all, v_all, batch.positions[:p], split, scale, out)
+            k_all, v_all = torch.cat([k_all, k[p:]]), torch.cat([v_all, v[p:]])
+        else:
+            k_all, v_all = k, v
+        ops.reshape_and_cache(k_all, v_all, k_cache, v_cache, meta.slot_mapping)
+    if p < q.size(0):
+        r = num_prefills
+        out[p:] = decode_attention_cp(q[p:], k_cache, v_cache, meta.block_tables[r:], meta.local_seq_lens[r:],
+                                      scale, groups)
+    return out
