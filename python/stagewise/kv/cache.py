@@ -137,7 +137,8 @@ def num_cache_blocks(spec: KVCacheSpec, device: torch.device | str, *, max_num_s
     """Blocks of a stage's cache: from ``kv_cache_bytes`` or ``max_num_tokens`` when one is given
     (not both), else every row at full length, capped by :data:`DEFAULT_KV_FRACTION` of the free
     memory (and :data:`DEFAULT_CPU_KV_BYTES` on CPU), but room for one full row. Under context
-    parallelism a rank stores ``ceil(max_model_len / cp_world_size)`` tokens of a full row."""
+    parallelism a rank stores ``ceil(max_model_len / cp_world_size)`` tokens of a full row (and
+    ``1 / cp_world_size`` of ``max_num_tokens``)."""
     if kv_cache_bytes is not None and max_num_tokens is not None:
         raise ValueError("KV cache: give at most one of kv_cache_bytes and max_num_tokens, got both")
     if not isinstance(cp_world_size, int) or cp_world_size < 1:
@@ -145,7 +146,7 @@ def num_cache_blocks(spec: KVCacheSpec, device: torch.device | str, *, max_num_s
     if kv_cache_bytes is not None:
         return spec.num_blocks_for_bytes(kv_cache_bytes)
     if max_num_tokens is not None:
-        return spec.num_blocks_for_tokens(max_num_tokens)
+        return spec.num_blocks_for_tokens(-(-max_num_tokens // cp_world_size))
     device = torch.device(device)
     row = -(-max_model_len // cp_world_size)  # tokens of one full row on this rank
     want = max_num_seqs * row

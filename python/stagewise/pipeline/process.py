@@ -108,12 +108,10 @@ class StageProcess:
                                    num_kv_heads=kv_heads_per_rank(cfg, self.spec.tp), head_dim=cfg.head_dim,
                                    block_size=self.plan.block_size, dtype=dtype)
                 # A context-parallel rank stores 1/cp of each request's tokens.
-                cp = self.ranks.pcp * self.ranks.dcp
                 capacity = num_cache_blocks(spec, device, max_num_seqs=self.plan.max_num_seqs,
-                                            max_model_len=-(-max_model_len // cp),
-                                            kv_cache_bytes=self.plan.kv_cache_bytes,
-                                            max_num_tokens=None if self.plan.max_num_tokens is None
-                                            else -(-self.plan.max_num_tokens // cp))
+                                            max_model_len=max_model_len, kv_cache_bytes=self.plan.kv_cache_bytes,
+                                            max_num_tokens=self.plan.max_num_tokens,
+                                            cp_world_size=self.ranks.pcp * self.ranks.dcp)
             finally:
                 driver.join(self.driver_timeout_s)
             if self.control is None:
