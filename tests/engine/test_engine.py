@@ -203,7 +203,7 @@ def test_argument_errors_raise_before_running(checkpoint, kwargs):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(stages=0), "stages must be an int >= 1"), (dict(stages=1, partition="even"), "apply to stages > 1"), (dict(dtype="int8"), "dtype"), (dict(device="tpu"), "device"),
-    (dict(tp=2), "unknown options"), (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(tp=3), "tp=3 does not split"), (dict(pipelines=2), "unknown options"), (dict(max_num_seqs=0), "max_num_seqs"),
 ])
 def test_pipeline_argument_errors(checkpoint, kwargs, match):
     folder, _ = checkpoint
