@@ -69,7 +69,7 @@ def build_layers(case: dict, tp_rank: int = 0, tp_size: int = 1,
         o = w["o"][:, tp_rank * hq * d : (tp_rank + 1) * hq * d]
         reduce = groups.tp.all_reduce if tp_size > 1 else None
         layers.append(Attention(cfg, layer, Linear.fused([q, k, v]), RowParallelLinear(o, None, reduce), rotary,
-                                tp_size, groups=groups))
+                                groups=groups))
     return layers
 
 

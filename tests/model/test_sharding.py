@@ -15,6 +15,7 @@ import torch
 from stagewise.kv import KVCache, KVCacheManager, KVCacheSpec
 from stagewise.model import shapes
 from stagewise.model.batch import KVMetadata, StepBatch
+from stagewise.model.collectives import StageGroups
 from stagewise.model.layers.linear import Linear, RowParallelLinear
 from stagewise.model.layers.rotary import Rotary
 from stagewise.model.loader import load_stage_weights, open_checkpoint
@@ -126,7 +127,7 @@ def test_shards_match_the_table_and_reassemble(saved, name, tp_size):
             assert torch.equal(whole, full[t.name]), (t.name, t.split)
         splits.add(t.split)
     assert set(full) == set(shards[0]) == {t.name for t in table} | ({shapes.LM_HEAD} if cfg.tie_word_embeddings else set())
-    expected = {"replicated", "column", "row", "vocab"} if not cfg.tie_word_embeddings else {"replicated", "column", "row"}
+    expected = {"replicated", "column", "row", "vocab"}  # vocab: the embedding (and an untied LM head)
     expected |= {"fused_qkv"} if cfg.architecture == "falcon" else {"kv_column"}
     expected |= {"expert_column", "expert_row"} if cfg.num_experts else set()
     assert splits == expected
@@ -165,18 +166,21 @@ class ThreadGroup:
     all ranks' tensors, added in rank order (so every rank gets the same bits)."""
 
     def __init__(self, size: int) -> None:
+        self.size = size
         self.barrier, self.slots = threading.Barrier(size, timeout=60), [None] * size
 
-    def all_reduce(self, rank: int):
-        def reduce(y: torch.Tensor) -> torch.Tensor:
-            self.slots[rank] = y
-            self.barrier.wait()
-            total = self.slots[0].clone()
-            for other in self.slots[1:]:
-                total += other
-            self.barrier.wait()  # every rank has read the slots before the next call fills them
-            return total
-        return reduce
+    def groups(self, rank: int) -> StageGroups:
+        """Rank ``rank``'s groups: its tp group is this one (only its all-reduce is used by the layers)."""
+        return StageGroups(tp=ThreadRank(self, rank))
+
+    def reduce(self, rank: int, y: torch.Tensor) -> torch.Tensor:
+        self.slots[rank] = y
+        self.barrier.wait()
+        total = self.slots[0].clone()
+        for other in self.slots[1:]:
+            total += other
+        self.barrier.wait()  # every rank has read the slots before the next call fills them
+        return total
 
     def run(self, fns):
         with ThreadPoolExecutor(len(fns)) as pool:
@@ -188,13 +192,32 @@ class ThreadGroup:
                 raise
 
 
-def run_layer(cfg, layer, weights, tp_size, all_reduce, x, prompts):
+class ThreadRank:
+    """One rank's view of a :class:`ThreadGroup`, as the model's Collectives protocol."""
+
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        self.group, self.size, self.rank = group, group.size, rank
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t.copy_(self.group.reduce(self.rank, t))
+
+    def all_gather(self, t, dim=0):
+        raise NotImplementedError
+
+    def gather(self, t, dim=0, dst=0):
+        raise NotImplementedError
+
+    def reduce_scatter(self, t, dim=0):
+        raise NotImplementedError
+
+
+def run_layer(cfg, layer, weights, groups, x, prompts):
     """Layer ``layer`` built from ``weights`` on one rank: a prefill of ``prompts`` (rows of ``x``),
     then one decode step of every request. Returns both steps' outputs (x + residual)."""
     rotary = Rotary(cfg, torch.float32, "cpu")
-    module = ARCHS[cfg.architecture].build_layer(cfg, layer, Weights(weights, torch.float32, "cpu"), rotary,
-                                                 tp_size, all_reduce)
-    spec = KVCacheSpec(layer_start=layer, layer_end=layer + 1, num_kv_heads=shapes.kv_heads_per_rank(cfg, tp_size),
+    module = ARCHS[cfg.architecture].build_layer(cfg, layer, Weights(weights, torch.float32, "cpu"), rotary, groups)
+    spec = KVCacheSpec(layer_start=layer, layer_end=layer + 1,
+                       num_kv_heads=shapes.kv_heads_per_rank(cfg, groups.tp.size),
                        head_dim=cfg.head_dim, block_size=4, dtype=torch.float32)
     cache, manager = KVCache(spec, num_blocks=16), KVCacheManager(block_size=4, num_blocks=16, max_blocks_per_seq=8)
     ids, lens = list(range(len(prompts))), [len(p) for p in prompts]
@@ -223,9 +246,9 @@ def test_sharded_layers_sum_to_the_whole_layer(saved, name, tp_size):
     x = torch.randn(5 + 3 + 2, cfg.hidden_size)
     prompts = [list(range(5)), list(range(3))]
     for layer in range(cfg.num_layers):  # qwen3-moe: layer 1 dense, the others sparse
-        want = run_layer(cfg, layer, full, 1, None, x, prompts)
+        want = run_layer(cfg, layer, full, StageGroups(), x, prompts)
         group = ThreadGroup(tp_size)
-        got = group.run([lambda r=r: run_layer(cfg, layer, shards[r], tp_size, group.all_reduce(r), x, prompts)
+        got = group.run([lambda r=r: run_layer(cfg, layer, shards[r], group.groups(r), x, prompts)
                          for r in range(tp_size)])
         for rank_out in got:
             for a, b in zip(rank_out, want):

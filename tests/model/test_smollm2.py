@@ -84,7 +84,7 @@ def test_pipeline_runs_the_quantized_blocks(pipe):
     from stagewise.model.stage import load_stage
 
     model = load_stage(pipe.checkpoint, 0, pipe.config.num_layers, dtype=pipe.dtype)
-    assert isinstance(model.embedding, QuantizedWeight) and model.lm_head is model.embedding
+    assert isinstance(model.embedding.weight, QuantizedWeight) and model.lm_head.weight is model.embedding.weight
     assert isinstance(model.layers[0].attn.qkv.weight, QuantizedWeight)
     assert isinstance(model.layers[0].mlp.down.weight, QuantizedWeight)
 

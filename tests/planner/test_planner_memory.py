@@ -144,7 +144,7 @@ def test_stage_ownership_and_hand_counts():
 def test_tensor_parallel_shards_by_hand():
     config = _tiny()
     s2 = shapes.Sharding(tp=2)
-    # q, o, gate, up, down halved; k, v: 1 of 2 KV heads; norms, embedding replicated; LM head vocab-split.
+    # q, o, gate, up, down halved; k, v: 1 of 2 KV heads; norms replicated; embedding, LM head vocab-split.
     layer = 2 * 16 + 16 * 16 + 8 * 16 + 8 * 16 + 16 * 16 + 2 * 8 + 3 * 16 * 16
     assert shapes.count(config, shapes.layer_tensors(config, 0), s2) == layer
     s4 = shapes.Sharding(tp=4)  # TP beyond the 2 KV heads: each rank keeps one KV head

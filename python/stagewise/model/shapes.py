@@ -15,8 +15,8 @@ stage stores the matrix once; a pipeline's last stage holds its own copy.
 
 Tensor-parallel splits (``TensorShape.split``; Megatron's layout over ``tp`` ranks, ``W [out, in]``):
 
-- ``replicated``: every rank holds the whole tensor (norms, router, embedding, vision tower, and the
-  bias of a row-parallel linear, which is added once after the partial sums are reduced).
+- ``replicated``: every rank holds the whole tensor (norms, router, vision tower, and the bias of a
+  row-parallel linear, which is added once after the partial sums are reduced).
 - ``column``: rank ``r`` holds rows ``[r * out / tp, (r + 1) * out / tp)`` (q, gate, up and their
   biases; whole query heads since ``tp`` divides the head count).
 - ``row``: rank ``r`` holds the same block of columns of ``in`` (o, down): partial sums.
@@ -25,7 +25,7 @@ Tensor-parallel splits (``TensorShape.split``; Megatron's layout over ``tp`` ran
 - ``fused_qkv``: Falcon's ``query_key_value``, by whole heads of its layout: each rank's rows keep
   the layout, with the rank's query heads and KV heads (KV heads shared as in ``kv_column``).
 - ``vocab``: rows in blocks of ``ceil(vocab / tp)``, the last block padded with zero rows, so that
-  every rank holds the same shape (LM head).
+  every rank holds the same shape (embedding and LM head: vocab parallel).
 - ``expert_column`` / ``expert_row``: per expert, its gate and up halves column-split, its down
   projection row-split, over ``moe_tp`` ranks; ``ep`` ranks hold ``num_experts / ep`` experts each.
 """
@@ -86,19 +86,30 @@ class Sharding:
 
 
 def check_sharding(config: ModelConfig, sharding: Sharding) -> None:
-    """ValueError when ``config`` cannot be split as ``sharding`` asks (heads, KV heads, experts)."""
+    """ValueError when ``config`` cannot be split as ``sharding`` asks (heads, KV heads, experts).
+    Widths split along with them (intermediate size, hidden size of the heads) are checked where a
+    tensor is cut (:func:`stagewise.model.loader.sharding.rank_cut`), naming the tensor."""
     tp, hq, hk = sharding.tp, config.num_heads, config.num_kv_heads
     if hq % tp:
-        raise ValueError(f"tensor parallel: tp={tp} must divide num_attention_heads={hq}")
+        raise ValueError(f"tensor parallel: tp={tp} must divide num_attention_heads={hq} (each rank runs whole "
+                         f"query heads); valid tp sizes for this model: {valid_tp_sizes(config)}")
     if hk % tp and tp % hk:
         raise ValueError(f"tensor parallel: tp={tp} and num_key_value_heads={hk} must divide one another "
-                         "(KV heads are split, or replicated when TP exceeds them)")
+                         f"(KV heads are split, or replicated when TP exceeds them); valid tp sizes for this "
+                         f"model: {valid_tp_sizes(config)}")
     if config.num_experts:
         if config.num_experts % sharding.ep:
             raise ValueError(f"expert parallel: ep={sharding.ep} must divide num_experts={config.num_experts}")
         if config.moe_intermediate_size % sharding.moe_tp:
             raise ValueError(f"expert parallel: moe_tp={sharding.moe_tp} must divide "
                              f"moe_intermediate_size={config.moe_intermediate_size}")
+
+
+def valid_tp_sizes(config: ModelConfig) -> list[int]:
+    """The tp sizes the heads allow: divisors of the query heads that divide the KV heads or are a
+    multiple of them."""
+    hq, hk = config.num_heads, config.num_kv_heads
+    return [tp for tp in range(1, hq + 1) if hq % tp == 0 and (hk % tp == 0 or tp % hk == 0)]
 
 
 def kv_heads_per_rank(config: ModelConfig, tp: int = 1) -> int:
@@ -273,7 +284,7 @@ def vision_tensors(config: ModelConfig) -> list[TensorShape]:
 
 
 def embedding_tensors(config: ModelConfig) -> list[TensorShape]:
-    return [TensorShape(embedding_name(config), (config.vocab_size, config.hidden_size), "embedding",
+    return [TensorShape(embedding_name(config), (config.vocab_size, config.hidden_size), "embedding", "vocab",
                         kind="embedding")]
 
 

@@ -1,5 +1,10 @@
 """One pipeline stage of a model: the embedding (first stage), layers ``[start, end)``, and the
-final norm and LM head (last stage); :func:`load_stage` reads one from a checkpoint."""
+final norm and LM head (last stage); :func:`load_stage` reads one from a checkpoint.
+
+Under tensor parallelism every rank of the stage's ``groups.tp`` holds a :class:`StageModel` of its
+shard and runs the same steps: the embedding and the LM head are vocab parallel
+(:mod:`stagewise.model.layers.vocab`), the layers column/row parallel with one all-reduce after
+attention and one after the MLP (see docs/model.md, "Tensor parallelism")."""
 
 from __future__ import annotations
 
@@ -8,7 +13,6 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from stagewise.kv import KVCache, KVCacheSpec
@@ -17,7 +21,9 @@ from stagewise.model.collectives import StageGroups
 from stagewise.model.config import ModelConfig
 from stagewise.model.decode_stack import build_decode_stack
 from stagewise.model.layers.rotary import Rotary
+from stagewise.model.layers.vocab import LMHead, VocabEmbedding
 from stagewise.model.loader import Checkpoint, load_stage_weights, open_checkpoint, resolve_dtype
+from stagewise.model.loader.sharding import check_tp
 from stagewise.model.models import falcon, llama, qwen3, qwen3_moe
 from stagewise.model.models.weights import Weights
 from stagewise.model.quant import QuantizedWeight
@@ -26,54 +32,47 @@ from stagewise.model.shapes import LM_HEAD, embedding_name, kv_heads_per_rank
 _ARCHITECTURES: dict[str, ModuleType] = {"llama": llama, "qwen3": qwen3, "qwen3_moe": qwen3_moe, "falcon": falcon}
 
 
-def _check_tp(tp_rank: int, tp_size: int) -> None:
-    if tp_size != 1 or tp_rank != 0:
-        # The loader already gives each rank its shard; the all-reduce of the row-parallel partial
-        # sums is not wired to a process group yet.
-        raise ValueError(f"StageModel: tp_size must be 1 and tp_rank 0 for now, got {tp_size} and {tp_rank}")
-
-
 class StageModel(nn.Module):
     """Runs a :class:`StepBatch` through this stage's layers against this stage's KV cache."""
 
     def __init__(self, config: ModelConfig, start_layer: int, end_layer: int, layers: list[nn.Module],
-                 embedding: torch.Tensor | None, final_norm: nn.Module | None, lm_head: torch.Tensor | None,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 embedding: VocabEmbedding | None, final_norm: nn.Module | None, lm_head: LMHead | None,
+                 groups: StageGroups = StageGroups()) -> None:
         super().__init__()
         self.config, self.start_layer, self.end_layer = config, start_layer, end_layer
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.groups = StageGroups()
+        self.groups = groups
         self.layers = nn.ModuleList(layers)
-        self.embedding = _frozen(embedding)
-        self.final_norm = final_norm
-        self.lm_head = lm_head.for_linear() if isinstance(lm_head, QuantizedWeight) else _frozen(lm_head)
+        self.embedding, self.final_norm, self.lm_head = embedding, final_norm, lm_head
         device = next((p.device for p in self.parameters()), torch.device("cpu"))
-        # Decode steps run the layer loop in C++ where the layers allow (CPU, one rank): same ops, same bits.
+        # Decode steps run the layer loop in C++ where the layers allow: same ops, same bits. The
+        # stack cannot all-reduce, so it takes only layers of one TP rank (build_decode_stack
+        # returns None for row-parallel layers that reduce) and the Python loop runs under TP.
         self.decode_stack = None if device.type != "cpu" else build_decode_stack(layers, config.activation, device)
 
     @classmethod
     def from_weights(cls, config: ModelConfig, start_layer: int, end_layer: int,
                      weights: Mapping[str, torch.Tensor | QuantizedWeight],
                      dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                     tp_rank: int = 0, tp_size: int = 1, groups: StageGroups = StageGroups()) -> StageModel:
+                     groups: StageGroups = StageGroups()) -> StageModel:
         """Build from this rank's HF-named tensors, as :func:`~stagewise.model.loader.load_stage_weights`
-        returns them (only this stage's are read; others may be absent)."""
+        returns them (only this stage's are read; others may be absent): the shard of TP rank
+        ``groups.tp.rank`` of ``groups.tp.size``, whose collectives the layers call."""
         if not 0 <= start_layer < end_layer <= config.num_layers:
             raise ValueError(f"StageModel: layer range [{start_layer}, {end_layer}) must be non-empty and within "
                              f"[0, num_layers={config.num_layers})")
-        _check_tp(tp_rank, tp_size)
+        check_tp(config, groups.tp.rank, groups.tp.size)
         arch = _ARCHITECTURES[config.architecture]
         w = Weights(weights, dtype, device)
         rotary = Rotary(config, dtype, device)
-        layers = [arch.build_layer(config, i, w, rotary, tp_size) for i in range(start_layer, end_layer)]
-        embedding = w(embedding_name(config)) if start_layer == 0 else None
+        layers = [arch.build_layer(config, i, w, rotary, groups) for i in range(start_layer, end_layer)]
+        embedding = VocabEmbedding(w(embedding_name(config)), config.vocab_size, groups.tp) if start_layer == 0 else None
         final_norm = lm_head = None
         if end_layer == config.num_layers:
             final_norm = arch.final_norm(config, w)
-            # Tied on a stage that also embeds: one tensor for both.
+            # Tied on a stage that also embeds: one tensor (this rank's vocab rows) for both.
             tied_here = config.tie_word_embeddings and embedding is not None
-            lm_head = embedding if tied_here else w(LM_HEAD)
-        return cls(config, start_layer, end_layer, layers, embedding, final_norm, lm_head, tp_rank, tp_size)
+            lm_head = LMHead(embedding.weight if tied_here else w(LM_HEAD), config.vocab_size, groups.tp)
+        return cls(config, start_layer, end_layer, layers, embedding, final_norm, lm_head, groups)
 
     @property
     def is_first(self) -> bool:
@@ -86,23 +85,24 @@ class StageModel(nn.Module):
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """The shape of the KV cache this stage's layers write (this TP rank's KV heads)."""
         return KVCacheSpec(layer_start=self.start_layer, layer_end=self.end_layer,
-                           num_kv_heads=kv_heads_per_rank(self.config, self.tp_size),
+                           num_kv_heads=kv_heads_per_rank(self.config, self.groups.tp.size),
                            head_dim=self.config.head_dim, block_size=block_size, dtype=dtype)
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, kv_cache: KVCache, meta: KVMetadata) -> torch.Tensor:
+    def forward(self, batch: StepBatch, kv_cache: KVCache, meta: KVMetadata) -> torch.Tensor | None:
         """Hidden states ``[T, hidden]`` for the next stage, or on the last stage logits:
-        ``[R, vocab]`` at each request's last token, ``[T, vocab]`` with ``batch.all_logits``."""
+        ``[R, vocab]`` at each request's last token, ``[T, vocab]`` with ``batch.all_logits``.
+
+        Every TP rank of the stage runs the same step; hidden states come out whole on each. The
+        logits are gathered to TP rank 0 only (where sampling runs): the last stage's other TP
+        ranks return None."""
         if kv_cache.spec.layer_start != self.start_layer or kv_cache.spec.layer_end != self.end_layer:
             raise ValueError(f"StageModel.forward: kv_cache holds layers [{kv_cache.spec.layer_start}, "
                              f"{kv_cache.spec.layer_end}), expected [{self.start_layer}, {self.end_layer})")
         if self.is_first:
             if batch.token_ids is None:
                 raise ValueError("StageModel.forward: the first stage needs batch.token_ids, got None")
-            if isinstance(self.embedding, QuantizedWeight):
-                x, residual = self.embedding.embedding(batch.token_ids), None
-            else:
-                x, residual = F.embedding(batch.token_ids, self.embedding), None
+            x, residual = self.embedding(batch.token_ids), None
         else:
             if batch.hidden_states is None:
                 raise ValueError("StageModel.forward: a later stage needs batch.hidden_states, got None")
@@ -125,33 +125,27 @@ class StageModel(nn.Module):
             rows = torch.tensor(batch.last_token_rows(), dtype=torch.int64, device=x.device)
             x, residual = x[rows], None if residual is None else residual[rows]
         x, _ = self.final_norm(x, residual)
-        if isinstance(self.lm_head, QuantizedWeight):
-            return self.lm_head.linear(x)
-        return F.linear(x, self.lm_head)
+        return self.lm_head(x)
 
 
 def load_stage(checkpoint: Checkpoint | str | Path, start_layer: int, end_layer: int, *,
                dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu", quantized: bool | None = None,
-               linear_precision: str = "exact", tp_rank: int = 0, tp_size: int = 1,
+               linear_precision: str = "exact", groups: StageGroups = StageGroups(),
                progress: Callable[[int, int, int], None] | None = None) -> StageModel:
     """The stage of layers ``[start_layer, end_layer)`` of ``checkpoint`` (a :class:`Checkpoint`, an HF
-    folder, a GGUF file or an embedded model name), tensor-parallel rank ``tp_rank`` of ``tp_size``.
+    folder, a GGUF file or an embedded model name): the shard of tensor-parallel rank
+    ``groups.tp.rank`` of ``groups.tp.size`` (only that is read), whose layers reduce over ``groups.tp``.
 
     ``dtype``: ``"auto"`` (the config's dtype when it is float32/bfloat16/float16, else float32) or
     one of those; the weights are read in it and the stage computes in it. ``quantized``,
     ``linear_precision`` and ``progress`` are :func:`~stagewise.model.loader.load_stage_weights`'s.
     The weights are read, the stage is built on ``device``, and the read tensors are dropped."""
-    _check_tp(tp_rank, tp_size)
     ckpt = open_checkpoint(checkpoint)
     cfg = ckpt.config
     torch_dtype = resolve_dtype(dtype, cfg.dtype)
-    weights = load_stage_weights(ckpt, start_layer, end_layer, tp_rank=tp_rank, tp_size=tp_size, dtype=torch_dtype,
-                                 quantized=quantized, linear_precision=linear_precision, progress=progress)
+    weights = load_stage_weights(ckpt, start_layer, end_layer, tp_rank=groups.tp.rank, tp_size=groups.tp.size,
+                                 dtype=torch_dtype, quantized=quantized, linear_precision=linear_precision,
+                                 progress=progress)
     return StageModel.from_weights(cfg, start_layer, end_layer, weights, dtype=torch_dtype, device=device,
-                                   tp_rank=tp_rank, tp_size=tp_size)
-
-
-def _frozen(w: torch.Tensor | QuantizedWeight | None) -> nn.Parameter | QuantizedWeight | None:
-    """A dense weight as a frozen parameter; blocks (or nothing) as they are."""
-    return w if w is None or isinstance(w, QuantizedWeight) else nn.Parameter(w, requires_grad=False)
+                                   groups=groups)
 

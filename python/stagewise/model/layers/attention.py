@@ -34,7 +34,7 @@ class Attention(nn.Module):
     """Fused q/k/v projection, rope, attention, o projection (row parallel) of one TP rank."""
 
     def __init__(self, config: ModelConfig, layer: int, qkv: Linear, o: RowParallelLinear, rotary: Rotary,
-                 tp_size: int = 1, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, *,
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, *,
                  groups: StageGroups = StageGroups()) -> None:
         """``qkv``: this rank's ``[q; k; v]`` rows, ``[(Hq + 2 * Hk) * D, hidden]`` with ``Hq`` and
         ``Hk`` the rank's query and KV heads; ``o``: its ``[hidden, Hq * D]`` block; ``groups``: the
@@ -45,6 +45,7 @@ class Attention(nn.Module):
             raise ValueError(f"Attention: sliding_window={config.sliding_window} is not supported "
                              f"(only full attention over max_position_embeddings={config.max_position_embeddings})")
         self.layer = layer
+        tp_size = groups.tp.size
         self.num_heads = config.num_heads // tp_size
         self.num_kv_heads = kv_heads_per_rank(config, tp_size)
         self.head_dim = config.head_dim

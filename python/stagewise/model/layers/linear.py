@@ -15,10 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stagewise.model.collectives import Collectives
 from stagewise.model.quant import QuantizedWeight, cat_rows
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 """Returns the elementwise sum of its argument over the tensor-parallel group (every rank gets it)."""
+
+
+def tp_all_reduce(tp: Collectives) -> AllReduce | None:
+    """What the row-parallel layers of a rank of ``tp`` reduce with: ``tp.all_reduce``, or None on
+    one rank, where they are the plain layers (and the C++ decode loop can take them)."""
+    return None if tp.size == 1 else tp.all_reduce
 
 
 def _weight(w: torch.Tensor | QuantizedWeight) -> nn.Parameter | QuantizedWeight:

@@ -8,13 +8,14 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import stagewise.model.loader.gguf_map as gguf_map
 from stagewise import ops
 from stagewise.model.hf_config import parse_hf_config
 from stagewise.model.loader.checkpoint import Checkpoint
-from stagewise.model.loader.gguf_reader import ArrayRef, GGUFHeader
+from stagewise.model.loader.gguf_reader import GGUF_PLAIN, ArrayRef, GGUFHeader
 from stagewise.model.quant import QuantizedWeight
 
 
@@ -81,28 +82,52 @@ class GGUFCheckpoint(Checkpoint):
         kind = self._tensor(name).tensor_type.name
         return torch.bfloat16 if kind == "BF16" else self._PLAIN.get(kind, torch.float32)
 
+    def _view(self, name: str, dim: int | None, start: int, stop: int | None
+              ) -> tuple[np.ndarray, int, tuple[int, int, int] | None]:
+        """``(data, heads, rest)``: the stored values or blocks of ``[start, stop)`` along ``dim`` as a
+        view of the file (only they are read), the head count to un-permute their rows with
+        (llama Q/K; 0: none), and the ``(dim, start, length)`` still to cut once they are converted
+        (a row cut through a Q/K head, a column cut through a block), else None."""
+        t = self._tensor(name)
+        data, shape = self._header.data(t), self.shape(name)
+        heads = 0
+        if gguf_map.needs_unpermute(self._arch, t.name):
+            heads = self.config.num_heads if ".attn_q." in t.name else self.config.num_kv_heads
+        if dim is None:
+            return data, heads, None
+        stop = shape[dim] if stop is None else stop
+        if dim == 0:
+            per_head = shape[0] // heads if heads else 1
+            if start % per_head or stop % per_head:  # the head permutation needs whole heads
+                return data, heads, (0, start, stop - start)
+            return data[start:stop], (stop - start) // per_head if heads else 0, None
+        if t.tensor_type.name in GGUF_PLAIN:
+            return data[:, start:stop], heads, None
+        block, nbytes = t.tensor_type.block, t.tensor_type.block_bytes
+        first, last = start // block, -(-stop // block)
+        rest = (1, start - first * block, stop - start) if start % block or stop % block else None
+        return data[:, first * nbytes:last * nbytes], heads, rest
+
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         import gguf
 
         t = self._tensor(name)
         kind = t.tensor_type.name
+        data, heads, rest = self._view(name, dim, start, stop)
         if kind in self._PLAIN:
-            tensor = gguf_map.numpy_to_torch(self._header.data(t))
+            tensor = gguf_map.numpy_to_torch(data)
         else:  # quantized (and bf16, exactly representable in float32) -> float32
             try:
-                values = gguf.quants.dequantize(self._header.data(t), gguf.GGMLQuantizationType(t.tensor_type.id))
+                values = gguf.quants.dequantize(np.ascontiguousarray(data), gguf.GGMLQuantizationType(t.tensor_type.id))
             except NotImplementedError:
                 raise ValueError(f"checkpoint {str(self.path)!r}: tensor {t.name!r} has GGML type {kind}, "
                                  "which cannot be loaded (no dequantization for it)") from None
             tensor = torch.from_numpy(values).to(self.dtype(name))
-        tensor = tensor.reshape(self.shape(name))
-        self.bytes_read += int(t.n_bytes)
-        if gguf_map.needs_unpermute(self._arch, t.name):
-            heads = self.config.num_heads if ".attn_q." in t.name else self.config.num_kv_heads
+        self.bytes_read += int(data.nbytes)
+        if heads:
             tensor = gguf_map.unpermute_qk(tensor, heads)
-        if dim is not None:
-            stop = tensor.shape[dim] if stop is None else stop
-            tensor = tensor.narrow(dim, start, stop - start).contiguous()
+        if rest is not None:
+            tensor = tensor.narrow(*rest).contiguous()
         return tensor
 
     def qtype(self, name: str) -> int | None:
@@ -111,24 +136,18 @@ class GGUFCheckpoint(Checkpoint):
 
     def read_quantized(self, name: str, dim: int | None = None, start: int = 0,
                        stop: int | None = None) -> QuantizedWeight:
-        """The GGUF rows as they are (``[out, in / 32 * block_bytes]`` uint8); a row slice reads
-        only its rows, except for llama Q/K, whose head permutation needs every row first."""
+        """The GGUF rows as they are (``[out, in / 32 * block_bytes]`` uint8); a slice reads only its
+        rows, or its blocks of each row (a cut of ``in`` must keep whole blocks)."""
         qtype = self.qtype(name)
         if qtype is None:
             return super().read_quantized(name)
         t = self._tensor(name)
-        rows, cols = self.shape(name)
-        data = self._header.data(t)  # the memory-mapped [rows, row_bytes] uint8 blocks
-        permute = gguf_map.needs_unpermute(self._arch, t.name)
-        if dim == 0 and not permute:
-            stop = rows if stop is None else stop
-            data, dim = data[start:stop], None
+        data, heads, rest = self._view(name, dim, start, stop)
+        cols = data.shape[1] // t.tensor_type.block_bytes * t.tensor_type.block
         weight = QuantizedWeight(gguf_map.numpy_to_torch(data), qtype, cols)
         self.bytes_read += weight.data.numel()
-        if permute:
-            heads = self.config.num_heads if ".attn_q." in t.name else self.config.num_kv_heads
+        if heads:
             weight = weight.map_rows(lambda d: gguf_map.unpermute_qk(d, heads))
-        if dim is not None:
-            stop = weight.size(dim) if stop is None else stop
-            weight = weight.narrow(dim, start, stop - start)
+        if rest is not None:
+            weight = weight.narrow(*rest)
         return weight

@@ -35,6 +35,8 @@ _TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 3
           30: ("BF16", 1, 2)}
 _PLAIN_TENSORS = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
                   "I32": np.int32, "I64": np.int64}
+GGUF_PLAIN = frozenset(_PLAIN_TENSORS)
+"""Types whose :meth:`GGUFHeader.data` are typed values (the others: raw bytes of blocks)."""
 
 
 @dataclass(frozen=True, slots=True)

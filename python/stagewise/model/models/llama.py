@@ -17,7 +17,8 @@ from torch import nn
 from stagewise.model.batch import KVMetadata, StepBatch
 from stagewise.model.config import ModelConfig
 from stagewise.model.layers.attention import Attention
-from stagewise.model.layers.linear import AllReduce, Linear, RowParallelLinear
+from stagewise.model.collectives import StageGroups
+from stagewise.model.layers.linear import Linear, RowParallelLinear, tp_all_reduce
 from stagewise.model.layers.mlp import GatedMLP
 from stagewise.model.layers.norm import RMSNorm
 from stagewise.model.layers.rotary import Rotary
@@ -48,37 +49,37 @@ def final_norm(config: ModelConfig, w: Weights) -> RMSNorm:
     return RMSNorm(w(final_norm_prefix(config) + "weight"), config.norm_eps)
 
 
-def attention(config: ModelConfig, layer: int, w: Weights, rotary: Rotary, tp_size: int,
-              all_reduce: AllReduce | None) -> Attention:
+def attention(config: ModelConfig, layer: int, w: Weights, rotary: Rotary, groups: StageGroups) -> Attention:
     """The ``self_attn`` block; with ``config.qk_norm`` also its ``q_norm``/``k_norm`` (Qwen3)."""
     p = layer_prefix(config, layer) + "self_attn."
     qkv = Linear.fused([w(f"{p}{n}_proj.weight") for n in "qkv"], [w.get(f"{p}{n}_proj.bias") for n in "qkv"])
-    o = RowParallelLinear(w(p + "o_proj.weight"), w.get(p + "o_proj.bias"), all_reduce)
+    o = RowParallelLinear(w(p + "o_proj.weight"), w.get(p + "o_proj.bias"), tp_all_reduce(groups.tp))
     norms = {}
     if config.qk_norm:
         norms = {"q_norm": w(p + "q_norm.weight"), "k_norm": w(p + "k_norm.weight")}
-    return Attention(config, layer, qkv, o, rotary, tp_size, **norms)
+    return Attention(config, layer, qkv, o, rotary, **norms, groups=groups)
 
 
-def dense_mlp(config: ModelConfig, layer: int, w: Weights, all_reduce: AllReduce | None) -> nn.Module:
+def dense_mlp(config: ModelConfig, layer: int, w: Weights, groups: StageGroups) -> nn.Module:
     p = layer_prefix(config, layer) + "mlp."
     gate_up = Linear.fused([w(p + "gate_proj.weight"), w(p + "up_proj.weight")],
                            [w.get(p + "gate_proj.bias"), w.get(p + "up_proj.bias")])
-    down = RowParallelLinear(w(p + "down_proj.weight"), w.get(p + "down_proj.bias"), all_reduce)
+    down = RowParallelLinear(w(p + "down_proj.weight"), w.get(p + "down_proj.bias"), tp_all_reduce(groups.tp))
     return GatedMLP(gate_up, down, config.activation)
 
 
-MlpBuilder = Callable[[ModelConfig, int, Weights, AllReduce | None], nn.Module]
+MlpBuilder = Callable[[ModelConfig, int, Weights, StageGroups], nn.Module]
 
 
-def build_layer(config: ModelConfig, layer: int, w: Weights, rotary: Rotary, tp_size: int = 1,
-                all_reduce: AllReduce | None = None, mlp: MlpBuilder = dense_mlp) -> DecoderLayer:
-    """Decoder layer ``layer`` from this rank's weights; ``all_reduce`` sums the row-parallel partial
-    sums over the TP group (None: one rank)."""
+def build_layer(config: ModelConfig, layer: int, w: Weights, rotary: Rotary, groups: StageGroups = StageGroups(),
+                mlp: MlpBuilder = dense_mlp) -> DecoderLayer:
+    """Decoder layer ``layer`` from this rank's weights (its shard for TP rank ``groups.tp.rank``);
+    o and down all-reduce their partial sums over ``groups.tp``: one all-reduce after attention,
+    one after the MLP."""
     p = layer_prefix(config, layer)
     return DecoderLayer(
         RMSNorm(w(p + "input_layernorm.weight"), config.norm_eps),
-        attention(config, layer, w, rotary, tp_size, all_reduce),
+        attention(config, layer, w, rotary, groups),
         RMSNorm(w(p + "post_attention_layernorm.weight"), config.norm_eps),
-        mlp(config, layer, w, all_reduce),
+        mlp(config, layer, w, groups),
     )

@@ -6,8 +6,8 @@ the norm and the rotation run as one op (:func:`stagewise.ops.qk_norm_rope`).
 
 from __future__ import annotations
 
+from stagewise.model.collectives import StageGroups
 from stagewise.model.config import ModelConfig
-from stagewise.model.layers.linear import AllReduce
 from stagewise.model.layers.rotary import Rotary
 from stagewise.model.models import llama
 from stagewise.model.models.weights import Weights
@@ -15,8 +15,8 @@ from stagewise.model.models.weights import Weights
 final_norm = llama.final_norm
 
 
-def build_layer(config: ModelConfig, layer: int, w: Weights, rotary: Rotary, tp_size: int = 1,
-                all_reduce: AllReduce | None = None) -> llama.DecoderLayer:
+def build_layer(config: ModelConfig, layer: int, w: Weights, rotary: Rotary,
+                groups: StageGroups = StageGroups()) -> llama.DecoderLayer:
     if not config.qk_norm:
         raise ValueError(f"qwen3.build_layer: config.qk_norm must be True for Qwen3, got {config.qk_norm}")
-    return llama.build_layer(config, layer, w, rotary, tp_size, all_reduce)
+    return llama.build_layer(config, layer, w, rotary, groups)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from stagewise.model.collectives import StageGroups
 from stagewise.model.config import ModelConfig
-from stagewise.model.layers.linear import AllReduce
+from stagewise.model.layers.linear import tp_all_reduce
 from stagewise.model.layers.moe import SparseMoE
 from stagewise.model.layers.rotary import Rotary
 from stagewise.model.models import llama
@@ -23,15 +24,17 @@ from stagewise.model.shapes import layer_prefix
 final_norm = llama.final_norm
 
 
-def mlp(config: ModelConfig, layer: int, w: Weights, all_reduce: AllReduce | None) -> nn.Module:
+def mlp(config: ModelConfig, layer: int, w: Weights, groups: StageGroups) -> nn.Module:
+    """Experts split like a dense MLP over ``groups.tp`` (each its block of the intermediate dim;
+    the router whole): one all-reduce after the weighted sum of the experts."""
     if not config.is_moe_layer(layer):
-        return llama.dense_mlp(config, layer, w, all_reduce)
+        return llama.dense_mlp(config, layer, w, groups)
     p = layer_prefix(config, layer) + "mlp."
     return SparseMoE(w.dense(p + "gate.weight"), w.dense(p + "experts.gate_up_proj"),
                      w.dense(p + "experts.down_proj"), config.num_experts_per_tok, config.norm_topk_prob,
-                     config.activation, all_reduce)
+                     config.activation, tp_all_reduce(groups.tp))
 
 
-def build_layer(config: ModelConfig, layer: int, w: Weights, rotary: Rotary, tp_size: int = 1,
-                all_reduce: AllReduce | None = None) -> llama.DecoderLayer:
-    return llama.build_layer(config, layer, w, rotary, tp_size, all_reduce, mlp=mlp)
+def build_layer(config: ModelConfig, layer: int, w: Weights, rotary: Rotary,
+                groups: StageGroups = StageGroups()) -> llama.DecoderLayer:
+    return llama.build_layer(config, layer, w, rotary, groups, mlp=mlp)
