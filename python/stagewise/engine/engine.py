@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stagewise.engine.executor import Executor, Sampled, model_dtype
+from stagewise.engine.executor import Executor, RanksOutOfStep, Sampled, model_dtype
 from stagewise.engine.requests import RequestOutput, Requests
 from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.engine.scheduler import GroupedScheduler, ScheduledStep, SchedulerStatus
@@ -171,6 +171,8 @@ class Engine:
         try:
             batch = self._batch(plan)
             output = self.executor.run(batch, sampling)
+        except RanksOutOfStep:
+            raise  # the stage itself is broken: not one step's failure
         except Exception as err:  # noqa: BLE001 - a failed step ends its requests, not the engine
             message = f"stage 0 step failed: {type(err).__name__}: {err}"
             return None, done + [self._end(s.request_id, "error", message) for s in plan.prefills + plan.decodes]

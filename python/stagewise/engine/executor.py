@@ -23,7 +23,7 @@ import torch
 from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.engine.sampling import History, Sampler, make_generator, token_logprobs
 from stagewise.kv import KVCache, KVCacheManager
-from stagewise.model.batch import KVMetadata, StepBatch
+from stagewise.model.batch import KVMetadata, StepBatch, split_for_pcp
 from stagewise.model.stage import StageModel
 
 
@@ -66,6 +66,11 @@ class KVHandoff:
     @property
     def num_tokens(self) -> int:
         return self.k.size(1)
+
+
+class RanksOutOfStep(RuntimeError):
+    """A step failed on a stage of several ranks after they all began it (a collective broke: a
+    rank died or timed out). The ranks no longer run in lockstep; the stage cannot serve on."""
 
 
 class Mirror(Protocol):
@@ -162,10 +167,17 @@ class Executor:
                     params = new.params
                     self._sampling[rid] = _Sampling(params=params, generator=make_generator(params, self.device),
                                                     history=History(new.prompt_ids) if params.penalised else None)
-            meta = KVMetadata.build(batch, self.manager, self.device)
+            pcp = self.model.groups.pcp
+            split = split_for_pcp(batch, pcp.rank, pcp.size) if pcp.size > 1 else None
+            meta = KVMetadata.build(batch, self.manager, self.device, pcp=split)
             if self.mirror is not None:
                 self.mirror.run(batch)
-            out = self.model(batch, self.kv_cache, meta)
+            try:
+                out = self.model(batch, self.kv_cache, meta)
+            except Exception as err:
+                if self.model.groups.tp.size * self.model.groups.pcp.size > 1:
+                    raise RanksOutOfStep(f"{type(err).__name__}: {err}") from err
+                raise
             if not self.is_last or not self.leads:
                 return out
             return self._sample(out, [self._sampling[rid] for rid in batch.request_ids])

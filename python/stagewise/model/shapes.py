@@ -106,28 +106,17 @@ def check_sharding(config: ModelConfig, sharding: Sharding) -> None:
 
 
 def valid_tp_sizes(config: ModelConfig) -> list[int]:
-    """The tp sizes the heads allow: divisors of the query heads that divide the KV heads or are a
-    multiple of them."""
+    """The tp sizes the model allows: divisors of the query heads that divide the KV heads or are a
+    multiple of them, and divide the MLP's (and the experts') intermediate size."""
     hq, hk = config.num_heads, config.num_kv_heads
-    return [tp for tp in range(1, hq + 1) if hq % tp == 0 and (hk % tp == 0 or tp % hk == 0)]
+    widths = [config.intermediate_size] + ([config.moe_intermediate_size] if config.num_experts else [])
+    return [tp for tp in range(1, hq + 1)
+            if hq % tp == 0 and (hk % tp == 0 or tp % hk == 0) and all(w % tp == 0 for w in widths)]
 
 
 def kv_heads_per_rank(config: ModelConfig, tp: int = 1) -> int:
     """KV heads one TP rank stores: ``num_kv_heads / tp``, at least one (replicated beyond)."""
     return max(1, config.num_kv_heads // tp)
-
-
-def valid_tp_sizes(config: ModelConfig) -> list[int]:
-    """The tensor-parallel sizes ``config`` can be split for (heads, KV heads, MoE intermediate)."""
-    out = []
-    for tp in range(1, config.num_heads + 1):
-        try:
-            check_sharding(config, Sharding(tp=tp, moe_tp=tp))
-        except ValueError:
-            continue
-        if config.intermediate_size % tp == 0:
-            out.append(tp)
-    return out
 
 
 def valid_dcp_sizes(config: ModelConfig, tp: int) -> list[int]:

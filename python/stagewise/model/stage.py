@@ -20,6 +20,7 @@ from stagewise.model.batch import KVMetadata, StepBatch
 from stagewise.model.collectives import StageGroups
 from stagewise.model.config import ModelConfig
 from stagewise.model.decode_stack import build_decode_stack
+from stagewise.model.layers.context_parallel import restore_pcp_rows
 from stagewise.model.layers.rotary import Rotary
 from stagewise.model.layers.vocab import LMHead, VocabEmbedding
 from stagewise.model.loader import Checkpoint, load_stage_weights, open_checkpoint, resolve_dtype
@@ -46,8 +47,11 @@ class StageModel(nn.Module):
         device = next((p.device for p in self.parameters()), torch.device("cpu"))
         # Decode steps run the layer loop in C++ where the layers allow: same ops, same bits. The
         # stack cannot all-reduce, so it takes only layers of one TP rank (build_decode_stack
-        # returns None for row-parallel layers that reduce) and the Python loop runs under TP.
-        self.decode_stack = None if device.type != "cpu" else build_decode_stack(layers, config.activation, device)
+        # returns None for row-parallel layers that reduce) and the Python loop runs under TP; nor
+        # does it shard the KV, so context-parallel ranks run the Python loop too.
+        self.decode_stack = None
+        if device.type == "cpu" and groups.cp_size == 1:
+            self.decode_stack = build_decode_stack(layers, config.activation, device)
 
     @classmethod
     def from_weights(cls, config: ModelConfig, start_layer: int, end_layer: int,
@@ -95,10 +99,15 @@ class StageModel(nn.Module):
 
         Every TP rank of the stage runs the same step; hidden states come out whole on each. The
         logits are gathered to TP rank 0 only (where sampling runs): the last stage's other TP
-        ranks return None."""
+        ranks return None. A prefill-context-parallel rank (``meta.pcp``, its share of ``batch``)
+        runs its rows through the layers, and the stage's output rows are gathered back into
+        ``batch``'s order on every rank of the PCP group."""
         if kv_cache.spec.layer_start != self.start_layer or kv_cache.spec.layer_end != self.end_layer:
             raise ValueError(f"StageModel.forward: kv_cache holds layers [{kv_cache.spec.layer_start}, "
                              f"{kv_cache.spec.layer_end}), expected [{self.start_layer}, {self.end_layer})")
+        full, split = batch, meta.pcp
+        if split is not None:
+            batch = split.batch
         if self.is_first:
             if batch.token_ids is None:
                 raise ValueError("StageModel.forward: the first stage needs batch.token_ids, got None")
@@ -117,6 +126,9 @@ class StageModel(nn.Module):
         else:
             for i, layer in enumerate(self.layers, start=self.start_layer):
                 x, residual = layer(x, residual, batch, meta, kv_cache.layer(i))
+        if split is not None:
+            x = restore_pcp_rows(x if residual is None else x + residual, split, self.groups.pcp)
+            residual, batch = None, full
         if not self.is_last:
             # Sending x + residual rather than both halves the bytes; the next layer's norm sees
             # the same sum, rounded the same way, as fused_add_rms_norm would form.

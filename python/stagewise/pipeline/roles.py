@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from stagewise.engine.engine import Engine
-from stagewise.engine.executor import Executor, model_dtype
+from stagewise.engine.executor import Executor, RanksOutOfStep, model_dtype
 from stagewise.engine.requests import RequestOutput
 from stagewise.pipeline import protocol
 from stagewise.pipeline.messages import Add, Cancel, Events, NewToken, Result, Stats, Status
@@ -76,12 +76,13 @@ class StageStats:
 
 
 class Head:
-    """Stage 0's serving logic over one engine."""
+    """Stage 0's serving logic over one engine. With one stage (of several ranks: a lone stage of
+    one rank runs in the caller's process) the engine holds every layer and completes each step
+    itself; nothing goes downstream."""
 
     def __init__(self, engine: Engine, *, stats: StageStats | None = None) -> None:
-        if engine.executor.is_last:
-            raise ValueError("Head: the engine holds every layer; a single process runs Engine.step()")
         self.engine = engine
+        self.alone = engine.executor.is_last
         self.stats = stats if stats is not None else StageStats()
         self._events = Events()
         self._last_status: tuple | None = None
@@ -116,7 +117,12 @@ class Head:
             end = time.perf_counter()
             self._finished(done)
             yield from self._frees()
-            if launched is not None:
+            if launched is not None and self.alone:
+                self.stats.computed(start, end, launched.batch.num_tokens, group)
+                sampled = launched.output
+                self._finished(self.engine.complete(group, launched.step_id, launched.batch.request_ids,
+                                                    sampled.tokens.tolist(), sampled.logprobs))
+            elif launched is not None:
                 self.stats.computed(start, end, launched.batch.num_tokens, group)
                 step = Step(step_id=launched.step_id, group=group,
                             batch=launched.batch.for_next_stage(launched.output),
@@ -160,7 +166,9 @@ class Head:
 
     def _frees(self) -> list[Frame]:
         freed = self.engine.take_freed()
-        return [protocol.to_frame(Free(request_ids=freed), stage_from=0, stage_to=1)] if freed else []
+        if not freed or self.alone:
+            return []
+        return [protocol.to_frame(Free(request_ids=freed), stage_from=0, stage_to=1)]
 
 
 class Route(enum.Enum):
@@ -210,6 +218,8 @@ class Worker:
         start = time.perf_counter()
         try:
             out = executor.run(batch, sampling)
+        except RanksOutOfStep:
+            raise  # the stage itself is broken: it stops, and the driver names the cause
         except Exception as err:  # noqa: BLE001 - the step's requests fail, the stage serves on
             message = f"stage {self.index} step failed: {type(err).__name__}: {err}"
             return self._to_next(StepFailed(step_id=step.step_id, group=step.group, message=message))
