@@ -97,7 +97,8 @@ def test_floor_bytes_match_the_model_tensors(folder):
     stage = StageModel.from_weights(cfg, 0, cfg.num_layers, load_stage_weights(ckpt, 0, cfg.num_layers))
     # Every parameter is read once per decode step, except the embedding: only the batch's rows
     # (its untied copy is the LM head, read whole, and counted among the parameters).
-    params = sum(p.numel() * p.element_size() for name, p in stage.named_parameters() if name != "embedding")
+    params = sum(p.numel() * p.element_size() for name, p in stage.named_parameters()
+                 if not name.startswith("embedding."))
     for batch in (1, 5):
         assert e2e.weight_bytes_per_step(cfg, batch, 4) == params + batch * cfg.hidden_size * 4
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
