@@ -1,9 +1,12 @@
 """Rank numbering of one stage (StageRanks) and of a whole layout (ParallelConfig): the same
 numbers, checked against seed 001's [DP, PP, PCP, TP] order written out by hand."""
 
+import json
+
 import pytest
 
 from stagewise.parallel.ranks import ParallelConfig, StageRanks, stage_ranks
+from stagewise.parallel.runplan import RunPlan
 
 
 def test_stage_groups_follow_pcp_major_tp_minor_order():
@@ -60,3 +63,45 @@ def test_bad_stage_rank_and_kind_are_named():
         s.coordinates(2)
     with pytest.raises(ValueError, match="kind must be tp, dcp or pcp"):
         s.group("pp", 0)
+
+
+# ---- a run plan's ranks ----------------------------------------------------------------------------
+
+
+def _plan(**top):
+    stages = top.pop("stages", [{"layers": "0-2", "tp": 2}, {"layers": "2-4"}])
+    return RunPlan.from_dict({"model": "m", "stages": stages, **top})
+
+
+def test_run_plan_numbers_its_ranks_like_stage_ranks():
+    plan = _plan(pcp=2)
+    assert [s.tp for s in plan.stages] == [2, 1]
+    assert plan.world_size == 6
+    assert plan.members == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]
+    assert [r.first for r in plan.stage_ranks()] == [0, 4]
+    # the plan survives its JSON form (what a launch passes to every process)
+    again = RunPlan.from_dict(json.loads(plan.to_json()))
+    assert again == plan and again.fingerprint({}) == plan.fingerprint({})
+    # a plan-wide tp is every stage's default
+    assert [s.tp for s in _plan(tp=3, stages=[{"layers": "0-2"}, {"layers": "2-4", "tp": 1}]).stages] == [3, 1]
+
+
+def test_rank_addresses_and_devices_follow_the_leader():
+    spec = RunPlan.from_dict({"model": "m", "stages": [
+        {"layers": "0-4", "tp": 4, "listen": "10.0.0.1:7100", "device": "cuda:2"}]}).stages[0]
+    assert [spec.rank_listen(r) for r in (0, 3)] == ["10.0.0.1:7100", "10.0.0.1:7103"]
+    assert [spec.rank_device(r) for r in (0, 3)] == ["cuda:2", "cuda:5"]
+    loop = _plan().stages[0]
+    assert loop.rank_listen(1) == "127.0.0.1:0" and loop.rank_device(1) == "cpu"
+
+
+@pytest.mark.parametrize("top, message", [
+    ({"dcp": 2}, "dcp=2 must divide every stage's tp"),
+    ({"interleave_size": 3}, "interleave_size=3 must divide block_size=16"),
+    ({"tp": 0}, "tp must be an int >= 1"),
+    ({"pcp": 0}, "pcp must be an int >= 1"),
+    ({"stages": [{"layers": "0-4", "tp": "two"}]}, r"stages\[0\].tp must be an int >= 1"),
+])
+def test_bad_rank_options_are_named(top, message):
+    with pytest.raises(ValueError, match=message):
+        _plan(**top)
