@@ -33,6 +33,13 @@ MODELS = {
     # MQA: one KV head, on every rank
     "llama-mqa": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **SMALL, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)),
+    "qwen3-moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
+    # Falcon-40B's layout: parallel attention and MLP, one all-reduce a layer
+    "falcon-40b": lambda: transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=101, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=256,
+        new_decoder_architecture=True, num_kv_heads=2, ffn_hidden_size=96, tie_word_embeddings=False)),
 }
 
 
@@ -109,6 +116,8 @@ def _cancel_some_then_check(pipe, tiny) -> None:
     ("llama-mqa", 1, 2, 2, 1),   # the one KV head's sequence over both ranks
     ("llama-mqa", 2, 1, 1, 2),   # every prompt split head-tail over 2 ranks, on both stages
     ("llama-gqa", 1, 2, 1, 2),   # PCP x TP
+    ("qwen3-moe", 2, 2, 1, 1),   # experts split over TP ranks, on both stages
+    ("falcon-40b", 1, 4, 2, 1),  # KV heads on 2 ranks each, sharded over them
 ])
 def test_tensor_and_context_parallel_equal_the_single_process(tiny_models, name, stages, tp, dcp, pcp):
     tiny = tiny_models(name)
