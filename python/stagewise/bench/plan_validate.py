@@ -2,7 +2,11 @@
 batch, predict the same runs from a device profile, and compare (the planner's side is
 :mod:`stagewise.planner.validate`). Results go to ``<out>/<device>-plan-validate.{json,md}`` (default
 out: a new folder ``bench/results/<device>-<date>``) and, as the planner's latest validation, to
-``planner/validation.json``. With ``--tiny`` (or ``STAGEWISE_BENCH_TINY=1``) it runs at toy sizes (16
+``planner/validation.json``. ``--tp`` and ``--dcp`` add cells of stages split over rank processes
+(every allowed (stages, tp, dcp); a (tp, dcp) the model's heads do not allow is skipped, saying
+why); ``--heads Q/KV`` runs a GGUF model regrouped into other heads (:func:`regrouped_model`), for
+TP/DCP sizes its own heads do not allow (SmolLM2's 9 / 3: ``--heads 8/1`` for tp 2 and dcp 2).
+With ``--tiny`` (or ``STAGEWISE_BENCH_TINY=1``) it runs at toy sizes (16
 prompt and 4 new tokens, one repeat unless given, the profile measured quickly) to check that the
 command works, and keeps the planner's validation record as it is: toy numbers must not become the
 planner's expected error.
@@ -42,6 +46,15 @@ def _run(argv: list[str]) -> int:
                                 description="Run the real pipeline and compare with the planner's prediction.")
     p.add_argument("model", help="a checkpoint stagewise can run (smollm2-135m, a folder, a .gguf)")
     p.add_argument("--stages", type=int, nargs="+", default=[1])
+    p.add_argument("--tp", type=int, nargs="+", default=[1],
+                   help="tensor-parallel ranks per stage, each a process (default 1); every stage count runs at each")
+    p.add_argument("--dcp", type=int, nargs="+", default=[1],
+                   help="of a stage's TP ranks, how many shard each KV head's sequence (default 1); a (tp, dcp) the "
+                        "model does not allow is skipped, saying why")
+    p.add_argument("--heads", default=None, metavar="Q/KV",
+                   help="run a GGUF model (e.g. smollm2-135m) regrouped into Q query and KV key-value heads of "
+                        "hidden/Q dims, every other tensor as it is: for TP/DCP sizes its own heads do not allow "
+                        "(SmolLM2: 8/1 allows tp 2 and dcp 2); tokens are meaningless, timings keep its shapes")
     p.add_argument("--transport", default=None, help="the runtime's transport between stages (e.g. tcp)")
     p.add_argument("--device-profile", default=None,
                    help="profile JSON (default: measure this machine now, in this process, just before the runs: "
@@ -67,8 +80,14 @@ def _run(argv: list[str]) -> int:
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else full)
 
-    if min(args.stages) < 1 or min(args.batch) < 1 or args.input_length < 1 or args.output_length < 2 or args.repeats < 1:
-        raise ValueError("--stages, --batch, --input-length, --repeats must be >= 1 and --output-length >= 2")
+    if min(args.stages) < 1 or min(args.batch) < 1 or min(args.tp) < 1 or min(args.dcp) < 1 or args.input_length < 1 \
+            or args.output_length < 2 or args.repeats < 1:
+        raise ValueError("--stages, --tp, --dcp, --batch, --input-length, --repeats must be >= 1 and "
+                         "--output-length >= 2")
+    model_note, model_name = "", args.model
+    if args.heads:
+        model_name = f"{args.model} --heads {args.heads}"
+        args.model, model_note = regrouped_model(args.model, args.heads, log=log)
     torch.set_num_threads(args.threads)
     info = report.machine_info("cpu")
     args.out = args.out if args.out is not None else report.default_out(info["device"])
@@ -88,42 +107,35 @@ def _run(argv: list[str]) -> int:
         return Workload(input_length=args.input_length, output_length=args.output_length, batch=batch,
                         microbatches=args.microbatches, weight_dtype="float32", kv_dtype="float32",
                         weight_quant=weight_quant, embed_quant=embed_quant)
+    layouts, skipped = stage_layouts(config, args.tp, args.dcp)
+    for tp, dcp, why in skipped:
+        log(f"skipping tp={tp} dcp={dcp}: {why}")
+    if not layouts:
+        raise ValueError("no (tp, dcp) of --tp and --dcp that the model allows")
+    if profile.kind == "cpu" and any(tp > 1 for tp, _ in layouts) and "tp_link" not in profile.measured.get("raw", {}):
+        log("note: this profile's TP link is not a measured one (no gloo collectives in it); the TP cells' "
+            "collectives are priced at its 'tp' link as given")
     load_before = os.getloadavg()
     rows = []
     for B in args.batch:
         for S in args.stages:
-            # Other work on the machine just before this configuration runs (0 off Linux), and how
-            # fast its busy stage processes can run side by side now, against the profile's one.
-            background = background_load() if profile.kind == "cpu" else None
-            run_profile, n = profile, min(B, S)
-            if profile.kind == "cpu" and profile.concurrency and n > 1:
-                # n processes side by side against one, measured back to back now (the profile's
-                # rates are those of one process alone: one is the reference, not a pace to rescale).
-                conc = {str(k): concurrent_pass_s(k) for k in range(1, n + 1)}
-                run_profile = dataclasses.replace(profile, concurrency=conc)
-            est = estimate_layout(config, ParallelConfig(world_size=S, pp=S), workload(B), run_profile)
-            slow = contention(run_profile, S, B if args.microbatches is None else args.microbatches)
-            log(f"B={B} S={S}: background load {background if background is not None else 0:.2f}, {n} busy "
-                f"process(es) now {slow:.2f}x the profile's pace; predicted TTFT {1e3 * est.ttft_s:.1f} ms, "
-                f"TPOT {1e3 * est.tpot_s:.2f} ms; measuring ...")
-            try:
-                measured = measure(args.model, S, batch=B, input_length=args.input_length,
-                                       output_length=args.output_length, transport=args.transport,
-                                       repeats=args.repeats, log=log)
-            except (NotImplementedError, ValueError, RuntimeError, TimeoutError) as err:
-                raise ValueError(str(err)) from None
-            rows += [{"batch": B, "background_load": background, "contention": slow, **r}
-                     for r in val.compare(est, measured)]
+            for tp, dcp in layouts:
+                rows += _cell(args, profile, config, workload(B), B, S, tp, dcp, log)
     table = val.format_rows(rows)
     print(table)
     load_after = os.getloadavg()
-    wl = {"batch": list(args.batch), "input_length": args.input_length, "output_length": args.output_length,
+    wl = {"batch": list(args.batch), "tp": [tp for tp, _ in layouts], "dcp": [d for _, d in layouts],
+          "input_length": args.input_length, "output_length": args.output_length,
           "microbatches": args.microbatches, "dtype": "float32", "threads": args.threads,
           "weight_quant": weight_quant, "embed_quant": embed_quant}
     info = {**info, "load_average_before": list(load_before), "load_average_after": list(load_after)}
-    data = val.summary(rows, model=args.model, architecture=config.architecture,
+    data = val.summary(rows, model=model_name, architecture=config.architecture,
                        profile={"name": profile.name, "kind": profile.kind, "source": profile.source},
                        workload=wl, machine=info)
+    data["model_file"] = args.model if args.heads else None
+    data["model_note"] = model_note or None
+    data["model_shapes"] = model_shapes(config)
+    data["skipped"] = [{"tp": tp, "dcp": dcp, "why": why} for tp, dcp, why in skipped]
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{info['device']}-plan-validate"
     stem.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
@@ -131,13 +143,16 @@ def _run(argv: list[str]) -> int:
         "# Planner predictions against measured runs", "",
         f"Machine: {info['device_name']} ({info['device']}), {args.threads} torch thread(s); torch {info['torch']}  ",
         f"Date (UTC): {info['date_utc']}; commit: {info['git_commit']}  ",
-        f"Model: {args.model}, float32 activations, {weight_quant or 'dense'} linears, {embed_quant or 'dense'} "
+        f"Model: {model_name}{f' ({model_note})' if model_note else ''}; {describe_shapes(config)}; "
+        f"layouts (TP, DCP): {', '.join(f'({t}, {d})' for t, d in layouts)}"
+        + "".join(f"; skipped tp={t} dcp={d}: {why}" for t, d, why in skipped) + "  ",
+        f"Workload: float32 activations, {weight_quant or 'dense'} linears, {embed_quant or 'dense'} "
         f"embedding/LM head, batch {' and '.join(map(str, args.batch))}, prompt {args.input_length}, {args.output_length} new tokens; "
         f"median of {args.repeats} runs  ", f"Profile: {profile.name} ({profile.source})  ",
         f"Load average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load_before)}; after: "
         f"{', '.join(f'{x:.2f}' for x in load_after)} (2-core machine, shared)", "",
         "Error = (predicted - measured) / measured; the bubble's error is in % of the measured TPOT.", "",
-        table, "", VALIDATE_METHOD, ""]))
+        table, "", VALIDATE_METHOD, "", RANKS_METHOD, ""]))
     log(f"wrote {stem}.json and {stem}.md")
     if args.tiny:
         log("toy sizes (--tiny): the planner's validation record stays as it is")
@@ -181,6 +196,145 @@ recorded beside it as `background_load`. No figure of these end-to-end runs ente
 the profile's primitives describe."""
 
 
+def stage_layouts(config, tps: list[int], dcps: list[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int, str]]]:
+    """The (tp, dcp) pairs of ``tps`` x ``dcps`` the model allows, in order, and the others with why
+    (:func:`stagewise.model.shapes.parallel_problems`)."""
+    from stagewise.model.shapes import parallel_problems
+
+    ok, skipped = [], []
+    for tp in dict.fromkeys(tps):
+        for dcp in dict.fromkeys(dcps):
+            problems = parallel_problems(config, tp, dcp)
+            if problems:
+                skipped.append((tp, dcp, problems[0]))
+            else:
+                ok.append((tp, dcp))
+    return ok, skipped
+
+
+def _cell(args, profile, config, work: Workload, B: int, S: int, tp: int, dcp: int, log) -> list[dict]:
+    """Predict and measure one configuration: ``S`` stages of ``tp`` ranks (``dcp`` of them sharding
+    each KV head's sequence) at batch ``B``; its comparison rows."""
+    # Other work on the machine just before this configuration runs (0 off Linux), and how fast
+    # its busy processes can run side by side now, against the profile's one.
+    background = background_load() if profile.kind == "cpu" else None
+    run_profile, n = profile, min(B, S)
+    if profile.kind == "cpu" and profile.concurrency and n * tp > 1:
+        # n busy stages of tp rank processes each, against one process alone, measured back to back
+        # now (the profile's rates are those of one process alone: one is the reference).
+        conc = {str(k): concurrent_pass_s(k) for k in range(1, n * tp + 1)}
+        run_profile = dataclasses.replace(profile, concurrency=conc)
+    # A stage's ranks compute at once: n busy stages are n * tp busy processes.
+    run_profile = run_profile.for_ranks(tp)
+    est = estimate_layout(config, ParallelConfig(world_size=S * tp, pp=S, tp=tp, dcp=dcp), work, run_profile)
+    slow = contention(run_profile, S, B if args.microbatches is None else args.microbatches)
+    where = f"B={B} S={S}" + (f" tp={tp} dcp={dcp}" if (tp, dcp) != (1, 1) else "")
+    log(f"{where}: background load {background if background is not None else 0:.2f}, {n * tp} busy "
+        f"process(es) now {slow:.2f}x the profile's pace; predicted TTFT {1e3 * est.ttft_s:.1f} ms, "
+        f"TPOT {1e3 * est.tpot_s:.2f} ms; measuring ...")
+    layout = {"tp": tp, "dcp": dcp} if (tp, dcp) != (1, 1) else {}
+    try:
+        measured = measure(args.model, S, batch=B, input_length=args.input_length,
+                           output_length=args.output_length, transport=args.transport,
+                           repeats=args.repeats, log=log, **layout)
+    except (NotImplementedError, ValueError, RuntimeError, TimeoutError) as err:
+        raise ValueError(str(err)) from None
+    return [{"batch": B, "background_load": background, "contention": slow, **r} for r in val.compare(est, measured)]
+
+
+def model_shapes(config) -> dict:
+    return {"hidden_size": config.hidden_size, "num_layers": config.num_layers, "num_heads": config.num_heads,
+            "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
+            "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
+
+
+def describe_shapes(config) -> str:
+    return (f"{config.num_layers} layers, hidden {config.hidden_size}, {config.num_heads} query / "
+            f"{config.num_kv_heads} KV heads of {config.head_dim}, MLP {config.intermediate_size}, "
+            f"vocabulary {config.vocab_size}")
+
+
+def parse_heads(text: str) -> tuple[int, int]:
+    try:
+        q, kv = (int(x) for x in str(text).split("/"))
+    except ValueError:
+        raise ValueError(f"--heads takes Q/KV such as 8/1, got {text!r}") from None
+    if q < 1 or kv < 1 or q % kv:
+        raise ValueError(f"--heads {text}: Q and KV must be >= 1 and KV must divide Q")
+    return q, kv
+
+
+def regrouped_model(model: str, heads: str, *, cache_dir: Path | None = None, log=print) -> tuple[str, str]:
+    """``model`` (a GGUF file or an embedded name) with its attention regrouped into ``heads`` (``Q/KV``):
+    written once to ``cache_dir`` (default: the temporary directory), returned with a line saying
+    what it is. Every tensor is the original's (same types, same bytes) except K and V, cut to
+    their first ``KV * hidden / Q`` rows; the metadata gives the new head counts and head size. The
+    weights' arrangement no longer means anything (the tokens are noise), while every linear but
+    K/V keeps its shape and block type, so the timings are those of the original's layers with the
+    new heads' attention and KV cache."""
+    import tempfile
+
+    import gguf
+
+    from stagewise.model.loader.sources import EMBEDDED, embedded_path
+
+    q, kv = parse_heads(heads)
+    src = embedded_path(model) if model in EMBEDDED else Path(model)
+    if not src.is_file():
+        raise ValueError(f"--heads regroups a GGUF file or an embedded model ({sorted(EMBEDDED)}), got {model!r}")
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    hidden = int(reader.fields[f"{arch}.embedding_length"].contents())
+    if hidden % q or (hidden // q) % 2:
+        raise ValueError(f"--heads {heads}: hidden size {hidden} must split into {q} heads of an even size")
+    head_dim = hidden // q
+    was = (reader.fields[f"{arch}.attention.head_count"].contents(),
+           reader.fields[f"{arch}.attention.head_count_kv"].contents())
+    label = Path(src).stem.split(".")[0].lower()
+    dst = (cache_dir or Path(tempfile.gettempdir()) / "stagewise-plan-validate") / f"{label}-h{q}kv{kv}.gguf"
+    note = (f"{label} ({src.name}) regrouped from {was[0]} query / {was[1]} KV heads into {q} / {kv} of {head_dim} "
+            f"dims: its tensors, K/V cut to their first {kv * head_dim} rows; tokens meaningless")
+    if dst.is_file() and dst.stat().st_mtime >= src.stat().st_mtime:
+        return str(dst), note
+    log(f"writing {dst}: {note}")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    override = {f"{arch}.attention.head_count": q, f"{arch}.attention.head_count_kv": kv,
+                f"{arch}.rope.dimension_count": head_dim, f"{arch}.attention.key_length": head_dim,
+                f"{arch}.attention.value_length": head_dim}
+    tmp = dst.with_suffix(".tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(name, field.contents(), kind, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(name, override.get(name, field.contents()), kind)
+    for t in reader.tensors:
+        data = t.data
+        if t.name.rsplit(".", 2)[-2] in ("attn_k", "attn_v"):  # rows are output features: blocks run along them
+            data = data[:kv * head_dim]
+        writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(dst)
+    return str(dst), note
+
+
+RANKS_METHOD = """Stages of several ranks (TP, DCP cells): each rank is a process with one torch thread,
+the ranks of a stage meet in gloo collectives over loopback. The planner prices every collective
+of a rank's step (two all-reduces a layer, the logits gathered to the stage's leader; with DCP the
+query all-gather and the partial outputs' reduce-scatter) on the profile's TP link, measured by
+`stagewise bench profile` as gloo all-reduces and all-gathers of 2 KiB - 1 MiB between two
+processes of this machine, fitted to its ring formulas (latency and bandwidth). The ranks of a
+stage compute at once, so n busy stages are n x tp busy processes sharing the cores: the pace of
+n x tp processes side by side, measured just before the configuration, against one alone
+(column `contention`)."""
+
+
 def checkpoint_quant(ckpt) -> tuple[str, str]:
     """GGUF block types of the decoder linears and of the embedding ('' where dense)."""
     from stagewise import ops
@@ -195,23 +349,29 @@ def checkpoint_quant(ckpt) -> tuple[str, str]:
 
 
 def measure(model: str, stages: int, *, batch: int, input_length: int, output_length: int,
-            transport: str | None = None, repeats: int = 3, log=print) -> MeasuredRun:
-    """Run ``model`` split into ``stages`` stages on this machine and time it (median of ``repeats``).
+            transport: str | None = None, repeats: int = 3, log=print, tp: int = 1, dcp: int = 1) -> MeasuredRun:
+    """Run ``model`` split into ``stages`` stages of ``tp`` ranks (``dcp`` of them sharding each KV
+    head's sequence) on this machine and time it (median of ``repeats``).
 
-    The one place that talks to the runtime: S = 1 runs the single-process engine, S > 1 the
-    stage processes (:class:`stagewise.Pipeline` with ``stages=S``, one torch thread per stage),
-    whose per-stage busy time comes from the stages' own trace spans (the first compute and send
-    of each microbatch group are its prefill and are left out).
+    The one place that talks to the runtime: one stage of one rank runs the single-process engine,
+    anything else the stage processes (:class:`stagewise.Pipeline` with ``stages=S, tp=T,
+    dcp=D``, one torch thread per rank), whose per-stage busy time comes from the stage leaders'
+    own trace spans (the first compute and send of each microbatch group are its prefill and are
+    left out).
     """
     from stagewise.api import Pipeline
 
-    if stages == 1 and transport not in (None, "tcp"):
+    processes = stages * tp > 1
+    if not processes and transport not in (None, "tcp"):
         raise ValueError(f"plan validate: --transport {transport!r} applies to stages > 1; with one stage "
                          "nothing is sent")
     max_len = input_length + output_length + 1
-    options = {} if stages == 1 else {"transport": transport or "auto", "threads": 1}
-    pipe = Pipeline(model, stages=stages, dtype="float32", max_num_seqs=batch, max_model_len=max_len,
-                    max_num_tokens=batch * max_len, **options)
+    options = {} if not processes else {"transport": transport or "auto", "threads": 1}
+    if dcp > 1:
+        options["interleave_size"] = 1  # tokens dealt to the DCP ranks in turn, as the planner splits them
+    pipe = Pipeline(model, stages=stages, tp=tp, dcp=dcp, dtype="float32", max_num_seqs=batch,
+                    max_model_len=max_len, max_num_tokens=batch * max_len, **options)
+    label = f"S={stages}" + (f" tp={tp} dcp={dcp}" if (tp, dcp) != (1, 1) else "")
     try:
         prompts = make_prompts(pipe.checkpoint, batch, input_length)
         pipe.generate(prompt_token_ids=prompts, max_new_tokens=2, ignore_eos=True)  # warm-up
@@ -222,34 +382,34 @@ def measure(model: str, stages: int, *, batch: int, input_length: int, output_le
             steps = s["decode_tokens"] / batch
             ttfts.append(s["ttft_s"])
             tpots.append(s["decode_s"] / steps)
-            if stages > 1:
+            if processes:
                 spans = [decode_spans(st["trace"]) for st in pipe.stage_stats(trace=True)]
                 busy_runs.append([b / steps for b, _ in spans])
                 send_runs.append([t / steps for _, t in spans])
-            log(f"  S={stages} run {i + 1}/{repeats}: TTFT {1e3 * ttfts[-1]:.1f} ms, TPOT {1e3 * tpots[-1]:.2f} ms")
+            log(f"  {label} run {i + 1}/{repeats}: TTFT {1e3 * ttfts[-1]:.1f} ms, TPOT {1e3 * tpots[-1]:.2f} ms")
     finally:
         pipe.close()
     tpot = statistics.median(tpots)
-    if stages == 1:
+    if not processes:
         busy, send = [tpot], [0.0]
     else:
         busy = [statistics.median(run[i] for run in busy_runs) for i in range(stages)]
         send = [statistics.median(run[i] for run in send_runs) for i in range(stages)]
     microbatches = min(batch, stages)
     # The bubble: the step's latency beyond the sum of one microbatch's stage times.
-    bubble = max(0.0, tpot - (sum(busy) + sum(send)) / microbatches) if stages > 1 else 0.0
+    bubble = max(0.0, tpot - (sum(busy) + sum(send)) / microbatches) if processes else 0.0
     # The least disturbed run (lowest TPOT): on a shared machine, the one closest to the conditions
     # the profile's primitives describe; reported beside the medians.
     k = min(range(len(tpots)), key=tpots.__getitem__)
-    if stages == 1:
+    if not processes:
         best = {"tpot_s": tpots[k], "ttft_s": ttfts[k], "per_stage_busy_s": [tpots[k]], "bubble_s": 0.0}
     else:
         best = {"tpot_s": tpots[k], "ttft_s": ttfts[k], "per_stage_busy_s": busy_runs[k],
                 "bubble_s": max(0.0, tpots[k] - (sum(busy_runs[k]) + sum(send_runs[k])) / microbatches)}
     return MeasuredRun(stages=stages, per_stage_busy_s=busy, tpot_s=tpot, ttft_s=statistics.median(ttfts),
-                       bubble_s=bubble, details={"ttft_runs_s": ttfts, "tpot_runs_s": tpots,
-                                                 "busy_runs_s": busy_runs, "send_per_step_s": send,
-                                                 "microbatches": microbatches, "best_run": best})
+                       bubble_s=bubble, tp=tp, dcp=dcp,
+                       details={"ttft_runs_s": ttfts, "tpot_runs_s": tpots, "busy_runs_s": busy_runs,
+                                "send_per_step_s": send, "microbatches": microbatches, "best_run": best})
 
 
 def decode_spans(trace) -> tuple[float, float]:

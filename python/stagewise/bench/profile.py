@@ -10,6 +10,10 @@
   own links (:func:`stagewise.bench.profile_runtime.measure_link`: real channels between two
   processes, frames as the stages send them), and the PP link is the one the pipeline picks by
   default on one host (shm);
+- CPU only, the TP link (``links["tp"]``, also taken for ``ep``): gloo all-reduces and all-gathers
+  of float32 tensors (2 KiB - 1 MiB) between two rank processes of this host, as a stage's ranks
+  run them, fitted to the planner's ring formulas
+  (:func:`stagewise.bench.profile_runtime.measure_tp_link`); on a GPU the PP link stands in;
 - CPU only, the runtime's own costs (:mod:`stagewise.bench.profile_runtime`): ``quant`` (the
   block-quantised linear per GGUF type), ``framework`` (Python/dispatch per decoder layer and per
   step of each stage role), ``cores`` and ``concurrency`` (1, 2, 3 busy processes side by side).
@@ -157,6 +161,11 @@ def measure_profile(device: str, *, quick: bool = False, log=print) -> dict:
                     f"bandwidth {transports[name]['bandwidth'] / 1e9:.2f} GB/s")
             except OSError as err:
                 log(f"  pipeline link {name}: n/a ({err})")
+        try:  # the TP link: gloo collectives between two rank processes of this host
+            tp_link = rt.measure_tp_link(calls=20 if quick else 100, log=log)
+            raw["tp_link"] = tp_link
+        except (OSError, RuntimeError) as err:
+            log(f"  TP link: n/a ({err}); the PP link stands in for it")
         extra["quant"] = rt.quant_rates(log=log)
         attn = rt.attention_decode_rate(log=log)
         raw["attention_decode"] = attn
@@ -174,6 +183,8 @@ def measure_profile(device: str, *, quick: bool = False, log=print) -> dict:
                           for k, v in extra["quant"].items()}
     link = transports.get("shm") or transports.get("tcp") or {"latency_s": 50e-6, "bandwidth": 1e9}
     link = {"latency_s": link["latency_s"], "bandwidth": link["bandwidth"]}
+    tp = raw.get("tp_link") or link
+    tp = {"latency_s": tp["latency_s"], "bandwidth": tp["bandwidth"]}
     if is_cuda:
         memory_bytes = torch.cuda.get_device_properties(torch.device(device)).total_memory
     else:
@@ -190,7 +201,7 @@ def measure_profile(device: str, *, quick: bool = False, log=print) -> dict:
         "memory_bandwidth": bw["gbps"] * 1e9,
         "efficiency": {"matmul": 1.0, "attention": 1.0, "memory": 1.0},
         "op_overhead_s": overhead,
-        "links": {"tp": link, "pp": link, "ep": link},
+        "links": {"tp": tp, "pp": link, "ep": tp},
         "transports": {k: {"latency_s": v["latency_s"], "bandwidth": v["bandwidth"]} for k, v in transports.items()},
         "measured": {"machine": info, "raw": raw, "quick": quick},
         **extra,

@@ -154,14 +154,14 @@ def _head_step_s(layers: int, prompt: int, steps: int) -> tuple[float, float]:
 
 def _later_step_s(layers: int, last: bool, prompt: int, steps: int) -> float:
     """A later stage running ``layers`` layers (the last one: also final norm, LM head, sampling)."""
-    from stagewise.engine.params import SamplingParams
+    from stagewise.engine.params import SamplingParams, SamplingRequest
     from stagewise.model.batch import StepBatch
 
     total = layers + 1 if last else layers + 2
     cfg = tiny_config(total)
     executor = _executor(cfg, 1, 1 + layers, prompt + steps + 8)
     h = cfg.hidden_size
-    sampling = {0: SamplingParams(temperature=0.0, max_new_tokens=steps + 8, ignore_eos=True)}
+    sampling = {0: SamplingRequest(SamplingParams(temperature=0.0, max_new_tokens=steps + 8, ignore_eos=True))}
     executor.run(StepBatch(request_ids=[0], num_prefills=1, query_lens=[prompt], context_lens=[0],
                            positions=torch.arange(prompt), hidden_states=torch.randn(prompt, h)), sampling)
     pos = [prompt]

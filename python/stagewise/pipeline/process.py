@@ -138,7 +138,8 @@ class StageProcess:
                 next_address=setup.next, acceptor=acceptor, options=options,
                 slot_bytes=slot_bytes, num_slots=num_slots, device=device.index if device.type == "cuda" else None,
                 world_ranks=[r.first for r in self.plan.stage_ranks()])
-            if setup.followers:
+            if setup.followers:  # steps carry the stage's input (hidden states): rings sized as for activations
+                slot_bytes, num_slots = self._ring_size(cfg.hidden_size, spec.dtype, max_model_len, activations=True)
                 executor.mirror = fanout.Fanout(
                     [links.dial(tuple(address), options, transport=links.fanout_transport(self.plan),
                                 stage=self.index, peer=self.index, role="fanout", slot_bytes=slot_bytes,
@@ -190,12 +191,13 @@ class StageProcess:
                                      linear_precision=self.plan.linear_precision)
         return weights, dtype
 
-    def _ring_size(self, hidden_size: int, dtype: torch.dtype, max_model_len: int) -> tuple[int, int]:
+    def _ring_size(self, hidden_size: int, dtype: torch.dtype, max_model_len: int,
+                   activations: bool = False) -> tuple[int, int]:
         """Slots of this stage's outgoing ring: a step's hidden states (a long prefill that does
-        not fit goes over TCP) or, from the last stage, token ids; enough slots that the S steps
-        in flight and the frees rarely wait."""
+        not fit goes over TCP) or, from the last stage (unless ``activations``), token ids; enough
+        slots that the S steps in flight and the frees rarely wait."""
         s = self.plan.num_stages
-        if self.index == s - 1:
+        if self.index == s - 1 and not activations:
             return 1 << 20, s + 2
         tokens = min(8192, self.plan.max_num_seqs * max_model_len) + self.plan.max_num_seqs
         need = tokens * hidden_size * dtype.itemsize + (256 << 10)

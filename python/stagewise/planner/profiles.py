@@ -10,7 +10,8 @@ Built-in profiles live in ``planner/profiles/*.json`` (h100-sxm, h200, a100, cpu
   ops (1.0 in a measured profile: its peaks are already achieved rates);
 - ``op_overhead_s``: fixed cost of each operator (kernel launch, dispatch);
 - ``links``: ``{"tp"|"pp"|"ep": {"latency_s", "bandwidth"}}`` used for TP all-reduces, PP hops and
-  expert all-to-alls;
+  expert all-to-alls (measured on a CPU: ``tp`` and ``ep`` the gloo collectives between two rank
+  processes of the host, fitted to the planner's ring formulas, ``pp`` the pipeline's shm link);
 - ``transports``: measured ``{"tcp"|"shm"|...: {"latency_s", "bandwidth"}}``; ``--transport``
   makes one of them the PP link.
 
@@ -32,7 +33,8 @@ Optional, measured by ``stagewise bench profile`` on a CPU (:mod:`stagewise.benc
   new token per row over the paged cache, the cache beyond the core's caches as a model's layers
   leave it) costs ``call_s + flops / flops + cached K/V bytes / bandwidth`` a layer, in place of
   the attention roofline (prefill keeps it);
-- ``cores``: CPU cores the stages share (stage processes beyond it take turns);
+- ``cores``: CPU cores the stages share (stage processes beyond it take turns; a stage of several
+  ranks, each a process, counts as that many: :meth:`DeviceProfile.for_ranks`);
 - ``concurrency``: ``{"1": s, "2": s, ...}`` seconds of one reference pass with 1, 2, ... busy
   single-thread processes side by side: ``concurrency[n] / concurrency["1"]`` is how much ``n``
   busy stage processes slow each other (without it: ``max(1, n / cores)``); an optional ``"ref"``
@@ -122,6 +124,26 @@ class DeviceProfile:
                              f"it has {sorted(self.transports) or 'none'}")
         links = {**self.links, "pp": self.transports[transport]}
         return DeviceProfile(**{**_fields(self), "links": links})
+
+    def for_ranks(self, ranks: int) -> DeviceProfile:
+        """This profile for stages of ``ranks`` processes each (``tp * pcp``; a CPU profile): a
+        stage's ranks compute at once, in lockstep, so ``n`` busy stages are ``n * ranks`` busy
+        single-thread processes, which take turns on the cores as pipeline stages do. The
+        returned profile's ``concurrency`` gives at ``n`` busy stages the slowdown of
+        ``n * ranks`` processes in this one's (:func:`stagewise.planner.estimate.slowdown`:
+        measured paces, linear between counts and proportional beyond; without them
+        ``max(1, n * ranks / cores)``), relative to one process alone (``ref``). The same profile
+        for ``ranks`` 1, or on a GPU (one device a rank)."""
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+            raise ValueError(f"DeviceProfile.for_ranks: ranks must be an int >= 1, got {ranks!r}")
+        if self.kind != "cpu" or ranks == 1 or not (self.concurrency or self.cores):
+            return self
+        from stagewise.planner.estimate import slowdown
+
+        counts = [int(k) for k in self.concurrency if k != "ref"] or [self.cores or 1]
+        top = max(1, -(-max(counts) // ranks))  # beyond it slowdown() is proportional either way
+        conc = {"ref": 1.0, **{str(n): slowdown(self, float(n * ranks)) for n in range(1, top + 1)}}
+        return DeviceProfile(**{**_fields(self), "concurrency": conc})
 
     def to_dict(self) -> dict[str, Any]:
         d = _fields(self)

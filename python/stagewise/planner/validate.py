@@ -1,6 +1,7 @@
 """Predictions checked against measured runs of the runtime, and what the planner learns from them.
 
-``stagewise plan validate MODEL --stages 1 2 3`` runs the real pipeline for each stage count,
+``stagewise plan validate MODEL --stages 1 2 3 [--tp 1 2 --dcp 1 2]`` runs the real pipeline for each
+stage count (and stages of several TP ranks, DCP among them),
 predicts the same run with a measured device profile, and prints predicted vs measured per-stage
 busy time, TPOT, TTFT and bubble with the error in %. The results go to
 ``bench/results/<device>-plan-validate.{json,md}`` and, as the planner's latest validation, to
@@ -39,6 +40,10 @@ class MeasuredRun:
     ttft_s: float
     bubble_s: float
     details: dict[str, Any] = field(default_factory=dict)
+    tp: int = 1
+    """Ranks of each stage (tensor parallel) ..."""
+    dcp: int = 1
+    """... of which ``dcp`` shard each KV head's sequence."""
 
 
 def _err(pred: float, meas: float) -> float | None:
@@ -46,7 +51,7 @@ def _err(pred: float, meas: float) -> float | None:
 
 
 def compare(predicted, measured: MeasuredRun) -> list[dict]:
-    """Rows ``{stages, metric, predicted_s, measured_s, error_pct}`` for one configuration;
+    """Rows ``{stages, tp, dcp, metric, predicted_s, measured_s, error_pct}`` for one configuration;
     ``predicted`` is a :class:`~stagewise.planner.estimate.LayoutEstimate`."""
     dec = predicted.decode.pipeline
     m = dec.num_microbatches
@@ -63,6 +68,7 @@ def compare(predicted, measured: MeasuredRun) -> list[dict]:
                                     else best[f"{m}_s"])
     for r in rows:
         r["stages"] = measured.stages
+        r["tp"], r["dcp"] = measured.tp, measured.dcp
         for key, err, tpot in (("measured_s", "error_pct", measured.tpot_s),
                                ("measured_best_s", "error_best_pct", best and best["tpot_s"])):
             if key not in r:
@@ -76,8 +82,12 @@ def compare(predicted, measured: MeasuredRun) -> list[dict]:
 
 
 def format_rows(rows: list[dict]) -> str:
-    lines = ["| batch | S | metric | predicted ms | measured ms (median) | error % | least disturbed run ms | error % |",
-             "|---:|---:|:---|---:|---:|---:|---:|---:|"]
+    """The rows as a markdown table; columns TP and DCP where any row has a stage of several ranks."""
+    ranks = any(r.get("tp", 1) > 1 or r.get("dcp", 1) > 1 for r in rows)
+    extra_head, extra_rule = (" TP | DCP |", "---:|---:|") if ranks else ("", "")
+    lines = [f"| batch | S |{extra_head} metric | predicted ms | measured ms (median) | error % | "
+             "least disturbed run ms | error % |",
+             f"|---:|---:|{extra_rule}:---|---:|---:|---:|---:|---:|"]
 
     def err(value) -> str:
         return "-" if value is None else f"{value:+.1f}"
@@ -85,7 +95,8 @@ def format_rows(rows: list[dict]) -> str:
     for r in rows:
         of = " (of TPOT)" if r.get("error_of") else ""
         best = r.get("measured_best_s")
-        lines.append(f"| {r.get('batch', '-')} | {r['stages']} | {r['metric']} | {1e3 * r['predicted_s']:.3f} | "
+        layout = f" {r.get('tp', 1)} | {r.get('dcp', 1)} |" if ranks else ""
+        lines.append(f"| {r.get('batch', '-')} | {r['stages']} |{layout} {r['metric']} | {1e3 * r['predicted_s']:.3f} | "
                      f"{1e3 * r['measured_s']:.3f} | {err(r['error_pct'])}{of} | "
                      f"{'-' if best is None else f'{1e3 * best:.3f}'} | "
                      f"{err(r.get('error_best_pct'))}{of if best is not None else ''} |")
@@ -107,10 +118,11 @@ def summary(rows: list[dict], *, model: str, architecture: str, profile: dict, w
             machine: dict) -> dict:
     """The store's content: the rows, the range they cover and the largest errors per metric."""
     stages = sorted({r["stages"] for r in rows})
+    tps, dcps = sorted({r.get("tp", 1) for r in rows}) or [1], sorted({r.get("dcp", 1) for r in rows}) or [1]
     batches = workload["batch"] if isinstance(workload["batch"], list) else [workload["batch"]]
     return {"date_utc": machine.get("date_utc"), "machine": machine, "model": model, "profile": profile,
             "workload": workload, "rows": rows, "expected_error_pct": _largest_errors(rows),
-            "range": {"stages": [stages[0], stages[-1]], "tp": [1, 1], "batch": [min(batches), max(batches)],
+            "range": {"stages": [stages[0], stages[-1]], "tp": [tps[0], tps[-1]], "dcp": [dcps[0], dcps[-1]], "batch": [min(batches), max(batches)],
                       "input_length": [workload["input_length"]] * 2,
                       "output_length": [workload["output_length"]] * 2,
                       "architectures": [architecture], "device_kind": profile.get("kind"),
@@ -183,7 +195,7 @@ class Validation:
 
         return (f"latest validation ({self.data.get('date_utc', '?')}) covers {self.data.get('model')} "
                 f"({', '.join(r.get('architectures', ['?']))}) on {', '.join(r.get('profiles', ['?']))}: "
-                f"PP {span('stages', [1, 1])}, TP {span('tp', [1, 1])}, batch {span('batch', [1, 1])}, "
+                f"PP {span('stages', [1, 1])}, TP {span('tp', [1, 1])}, DCP {span('dcp', [1, 1])}, batch {span('batch', [1, 1])}, "
                 f"input {span('input_length', ['?', '?'])}, output {span('output_length', ['?', '?'])}, "
                 f"{_weights(*self._quant())}; largest errors there: {_band(self.expected_error_pct)}")
 
@@ -196,7 +208,7 @@ class Validation:
         for name, value, key in (("PP", pp, "stages"), ("TP", tp, "tp"), ("PCP", pcp, "pcp"), ("DCP", dcp, "dcp"),
                                  ("batch", batch, "batch"), ("input", input_length, "input_length"),
                                  ("output", output_length, "output_length")):
-            # validation runs pipelines: TP, PCP and DCP 1
+            # a record without them ran pipelines of one rank a stage: TP, PCP and DCP 1
             lo, hi = r.get(key, [1, 1] if key in ("tp", "pcp", "dcp") else [value, value])
             if not lo <= value <= hi:
                 why.append(f"{name}={value} outside validated {lo}..{hi}")
@@ -215,9 +227,11 @@ class Validation:
                        f"(only {_weights(v_weight, v_embed, v_dtype)})")
         if why:
             return Confidence(None, not_validated_because=tuple(why))
-        measured = [row for row in self.data.get("rows", []) if row.get("stages") == pp and row.get("batch") == batch]
+        measured = [row for row in self.data.get("rows", []) if row.get("stages") == pp and row.get("batch") == batch
+                    and row.get("tp", 1) == tp and row.get("dcp", 1) == dcp and pcp == 1]
         if measured:
-            return Confidence(_largest_errors(measured), f"its runs at PP={pp}, batch {batch}")
+            layout = f"PP={pp}" + (f", TP={tp}" if tp > 1 else "") + (f", DCP={dcp}" if dcp > 1 else "")
+            return Confidence(_largest_errors(measured), f"its runs at {layout}, batch {batch}")
         return Confidence(self.expected_error_pct, "over its whole range: this case was not run")
 
 
