@@ -80,10 +80,10 @@ def _run(argv: list[str]) -> int:
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else full)
 
-    if min(args.stages) < 1 or min(args.batch) < 1 or min(args.tp) < 1 or min(args.dcp) < 1 or args.input_length < 1 \
-            or args.output_length < 2 or args.repeats < 1:
-        raise ValueError("--stages, --tp, --dcp, --batch, --input-length, --repeats must be >= 1 and "
-                         "--output-length >= 2")
+    if min(args.stages) < 1 or min(args.batch) < 1 or args.input_length < 1 or args.output_length < 2 or args.repeats < 1:
+        raise ValueError("--stages, --batch, --input-length, --repeats must be >= 1 and --output-length >= 2")
+    if min(args.tp) < 1 or min(args.dcp) < 1:
+        raise ValueError("--tp and --dcp must be >= 1")
     model_note, model_name = "", args.model
     if args.heads:
         model_name = f"{args.model} --heads {args.heads}"
@@ -332,7 +332,9 @@ query all-gather and the partial outputs' reduce-scatter) on the profile's TP li
 processes of this machine, fitted to its ring formulas (latency and bandwidth). The ranks of a
 stage compute at once, so n busy stages are n x tp busy processes sharing the cores: the pace of
 n x tp processes side by side, measured just before the configuration, against one alone
-(column `contention`)."""
+(column `contention`). Row `collectives` (a diagnostic, in no error band): per decode step, the
+stage leaders' time inside their collectives (waiting for the other rank included; the prefill's,
+from a prompt-only run, taken off) against the predicted comm-bound ops."""
 
 
 def checkpoint_quant(ckpt) -> tuple[str, str]:
@@ -375,7 +377,11 @@ def measure(model: str, stages: int, *, batch: int, input_length: int, output_le
     try:
         prompts = make_prompts(pipe.checkpoint, batch, input_length)
         pipe.generate(prompt_token_ids=prompts, max_new_tokens=2, ignore_eos=True)  # warm-up
-        ttfts, tpots, busy_runs, send_runs = [], [], [], []
+        prefill_comm = None
+        if tp > 1:  # the prefill alone: its collectives and fan-out, to take off the leaders' counters
+            pipe.generate(prompt_token_ids=prompts, max_new_tokens=1, ignore_eos=True)
+            prefill_comm = [(st["collective_s"], st["fanout_s"]) for st in pipe.stage_stats()]
+        ttfts, tpots, busy_runs, send_runs, coll_runs, fan_runs = [], [], [], [], [], []
         for i in range(repeats):
             pipe.generate(prompt_token_ids=prompts, max_new_tokens=output_length, ignore_eos=True)
             s = pipe.last_stats
@@ -383,9 +389,13 @@ def measure(model: str, stages: int, *, batch: int, input_length: int, output_le
             ttfts.append(s["ttft_s"])
             tpots.append(s["decode_s"] / steps)
             if processes:
-                spans = [decode_spans(st["trace"]) for st in pipe.stage_stats(trace=True)]
+                stats = pipe.stage_stats(trace=True)
+                spans = [decode_spans(st["trace"]) for st in stats]
                 busy_runs.append([b / steps for b, _ in spans])
                 send_runs.append([t / steps for _, t in spans])
+                if prefill_comm is not None:
+                    coll_runs.append(sum(st["collective_s"] - c for st, (c, _) in zip(stats, prefill_comm)) / steps)
+                    fan_runs.append(sum(st["fanout_s"] - f for st, (_, f) in zip(stats, prefill_comm)) / steps)
             log(f"  {label} run {i + 1}/{repeats}: TTFT {1e3 * ttfts[-1]:.1f} ms, TPOT {1e3 * tpots[-1]:.2f} ms")
     finally:
         pipe.close()
@@ -409,7 +419,10 @@ def measure(model: str, stages: int, *, batch: int, input_length: int, output_le
     return MeasuredRun(stages=stages, per_stage_busy_s=busy, tpot_s=tpot, ttft_s=statistics.median(ttfts),
                        bubble_s=bubble, tp=tp, dcp=dcp,
                        details={"ttft_runs_s": ttfts, "tpot_runs_s": tpots, "busy_runs_s": busy_runs,
-                                "send_per_step_s": send, "microbatches": microbatches, "best_run": best})
+                                "send_per_step_s": send, "microbatches": microbatches, "best_run": best,
+                                **({"collective_per_step_s": statistics.median(coll_runs),
+                                    "fanout_per_step_s": statistics.median(fan_runs),
+                                    "collective_runs_s": coll_runs} if coll_runs else {})})
 
 
 def decode_spans(trace) -> tuple[float, float]:

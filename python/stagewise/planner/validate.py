@@ -13,7 +13,10 @@ Measurement lives in :mod:`stagewise.bench.plan_validate` (it runs the pipeline)
 only sees :class:`MeasuredRun`. Definitions (both sides): ``ttft_s`` = submit to first token (the prefill);
 ``tpot_s`` = decode time / decode steps; ``per_stage_busy_s`` = seconds each stage computes per
 decode step of all microbatches (the stages' ``busy_s``: their step without receiving and
-sending; predicted: the stage's compute time times the microbatches); ``bubble_s`` = per decode
+sending; predicted: the stage's compute time times the microbatches); with stages of several ranks,
+``collectives`` = per decode step, the stage leaders' time in their collectives summed over the
+stages (a diagnostic: the leader waits there for the other ranks too), predicted: the comm-bound
+ops' time; ``bubble_s`` = per decode
 step, the time beyond one microbatch's stage work (compute and send), the pipeline's latency
 minus the sum of its stage times: measured ``tpot - sum(busy + send) / m``, predicted from the
 steady-state estimate. Bubble errors are stated in % of TPOT, as the bubble itself may be zero.
@@ -60,10 +63,17 @@ def compare(predicted, measured: MeasuredRun) -> list[dict]:
     for i, (p, b) in enumerate(zip(dec.stage_compute_times_s, measured.per_stage_busy_s)):
         rows.append({"metric": f"stage{i}_busy", "predicted_s": p * m, "measured_s": b})
     rows.append({"metric": "bubble", "predicted_s": predicted.decode_bubble_s, "measured_s": measured.bubble_s})
+    if "collective_per_step_s" in measured.details:
+        # Stages of several ranks: the collectives of a decode step, every stage's (the leaders' own
+        # time in them, waiting for the other ranks included) against the comm-bound ops' time.
+        rows.append({"metric": "collectives", "predicted_s": predicted.decode.op_bound.get("comm", 0.0) * m,
+                     "measured_s": measured.details["collective_per_step_s"]})
     best = measured.details.get("best_run")
     if best:
         for r in rows:
             m = r["metric"]
+            if m == "collectives":
+                continue
             r["measured_best_s"] = (best["per_stage_busy_s"][int(m[5:-5])] if m.startswith("stage")
                                     else best[f"{m}_s"])
     for r in rows:
@@ -107,7 +117,7 @@ def _largest_errors(rows: list[dict]) -> dict[str, float]:
     """The largest absolute error per metric (every stage's busy time counts as ``stage_busy``)."""
     worst: dict[str, float] = {}
     for r in rows:
-        if r.get("error_pct") is None:
+        if r.get("error_pct") is None or r["metric"] == "collectives":  # a diagnostic, not a prediction's band
             continue
         key = "stage_busy" if r["metric"].startswith("stage") else r["metric"]
         worst[key] = max(worst.get(key, 0.0), abs(r["error_pct"]))
@@ -193,9 +203,10 @@ class Validation:
             lo, hi = r.get(key, default)
             return f"{lo}" if lo == hi else f"{lo}..{hi}"
 
+        dcp = "" if list(r.get("dcp", [1, 1])) == [1, 1] else f"DCP {span('dcp', [1, 1])}, "
         return (f"latest validation ({self.data.get('date_utc', '?')}) covers {self.data.get('model')} "
                 f"({', '.join(r.get('architectures', ['?']))}) on {', '.join(r.get('profiles', ['?']))}: "
-                f"PP {span('stages', [1, 1])}, TP {span('tp', [1, 1])}, DCP {span('dcp', [1, 1])}, batch {span('batch', [1, 1])}, "
+                f"PP {span('stages', [1, 1])}, TP {span('tp', [1, 1])}, {dcp}batch {span('batch', [1, 1])}, "
                 f"input {span('input_length', ['?', '?'])}, output {span('output_length', ['?', '?'])}, "
                 f"{_weights(*self._quant())}; largest errors there: {_band(self.expected_error_pct)}")
 
