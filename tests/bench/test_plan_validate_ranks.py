@@ -106,6 +106,9 @@ def test_ranks_of_a_stage_count_as_busy_processes_on_the_cores():
     assert slowdown(two, 2.0) == pytest.approx(slowdown(prof, 4.0))
     assert slowdown(two, 3.0) == pytest.approx(slowdown(prof, 6.0))
     assert prof.for_ranks(1) is prof
+    assert two.for_ranks(2) is two  # applied twice, counted once
+    with pytest.raises(ValueError, match="already counts 2 processes a stage"):
+        two.for_ranks(3)
     cores = dataclasses.replace(base, cores=2)  # no measured paces: take turns on the cores
     assert slowdown(cores.for_ranks(2), 2.0) == pytest.approx(2.0)
     assert slowdown(cores.for_ranks(2), 1.0) == pytest.approx(1.0)

@@ -113,7 +113,7 @@ def _run(argv: list[str]) -> int:
     if not layouts:
         raise ValueError("no (tp, dcp) of --tp and --dcp that the model allows")
     if profile.kind == "cpu" and any(tp > 1 for tp, _ in layouts) and "tp_link" not in profile.measured.get("raw", {}):
-        log("note: this profile's TP link is not a measured one (no gloo collectives in it); the TP cells' "
+        log("note: this profile's TP link was not measured (no tp_link among its measurements); the TP cells' "
             "collectives are priced at its 'tp' link as given")
     load_before = os.getloadavg()
     rows = []
@@ -325,11 +325,14 @@ def regrouped_model(model: str, heads: str, *, cache_dir: Path | None = None, lo
 
 
 RANKS_METHOD = """Stages of several ranks (TP, DCP cells): each rank is a process with one torch thread,
-the ranks of a stage meet in gloo collectives over loopback. The planner prices every collective
+the ranks of a stage meet in collectives (torch.distributed's gloo over loopback, or shared memory
+where the runtime runs a CPU group's collectives so). The planner prices every collective
 of a rank's step (two all-reduces a layer, the logits gathered to the stage's leader; with DCP the
 query all-gather and the partial outputs' reduce-scatter) on the profile's TP link, measured by
-`stagewise bench profile` as gloo all-reduces and all-gathers of 2 KiB - 1 MiB between two
-processes of this machine, fitted to its ring formulas (latency and bandwidth). The ranks of a
+`stagewise bench profile` as all-reduces and all-gathers of 2 KiB - 1 MiB in the TP group of a
+stage of two rank processes on this machine, joined as the runtime joins it (the profile's
+`measured.raw.tp_link.group` says over what), fitted to its ring formulas (latency and
+bandwidth). The ranks of a
 stage compute at once, so n busy stages are n x tp busy processes sharing the cores: the pace of
 n x tp processes side by side, measured just before the configuration, against one alone
 (column `contention`). Row `collectives` (a diagnostic, in no error band): per decode step, the

@@ -10,9 +10,9 @@
   own links (:func:`stagewise.bench.profile_runtime.measure_link`: real channels between two
   processes, frames as the stages send them), and the PP link is the one the pipeline picks by
   default on one host (shm);
-- CPU only, the TP link (``links["tp"]``, also taken for ``ep``): gloo all-reduces and all-gathers
-  of float32 tensors (2 KiB - 1 MiB) between two rank processes of this host, as a stage's ranks
-  run them, fitted to the planner's ring formulas
+- CPU only, the TP link (``links["tp"]``, also taken for ``ep``): all-reduces and all-gathers of
+  float32 tensors (2 KiB - 1 MiB) in the TP group of a stage of two rank processes on this host,
+  joined as the runtime joins it, fitted to the planner's ring formulas
   (:func:`stagewise.bench.profile_runtime.measure_tp_link`); on a GPU the PP link stands in;
 - CPU only, the runtime's own costs (:mod:`stagewise.bench.profile_runtime`): ``quant`` (the
   block-quantised linear per GGUF type), ``framework`` (Python/dispatch per decoder layer and per
@@ -161,7 +161,7 @@ def measure_profile(device: str, *, quick: bool = False, log=print) -> dict:
                     f"bandwidth {transports[name]['bandwidth'] / 1e9:.2f} GB/s")
             except OSError as err:
                 log(f"  pipeline link {name}: n/a ({err})")
-        try:  # the TP link: gloo collectives between two rank processes of this host
+        try:  # the TP link: the collectives of a stage of two rank processes on this host
             tp_link = rt.measure_tp_link(calls=20 if quick else 100, log=log)
             raw["tp_link"] = tp_link
         except (OSError, RuntimeError) as err:

@@ -20,8 +20,8 @@ against those; nothing here looks at them):
   shared by the processes of a host), the receiver takes the difference after decoding; paced
   so that no frame queues. Latency = the small frame's time minus its bytes at the fitted
   bandwidth; bandwidth from the slope between the small and the large frame.
-- ``tp_link``: the TP link of the host, gloo all-reduces and all-gathers between two rank processes
-  (:func:`measure_tp_link`), fitted to the planner's ring formulas.
+- ``tp_link``: the TP link of the host, all-reduces and all-gathers of a stage's TP group of two
+  CPU rank processes (:func:`measure_tp_link`), fitted to the planner's ring formulas.
 - ``concurrency``: seconds of one pass of the Q4_1 decode over 64 MiB of weights (beyond the
   caches) at the pace 1, 2, ... single-thread processes keep when they run it at once (spawned,
   started together; n over their summed passes per second): the ratio to one process is how much
@@ -347,10 +347,16 @@ def _tp_peer(rank: int, store: tuple[str, int], sizes: tuple[int, ...], calls: i
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's note on all_gather_into_tensor
     from stagewise.parallel import comm
 
-    world = comm.init_world(rank=rank, world_size=2, store=store, timeout_s=60.0)
+    from stagewise.parallel.groups import join_stage_groups
+    from stagewise.parallel.runplan import RunPlan
+
+    # The groups of one stage of 2 CPU ranks, joined as the stage processes join theirs: whatever
+    # the runtime runs a stage's collectives over on this host is what is timed.
+    plan = RunPlan.build("bench/profile", 1, 1, tp=2)
+    group = join_stage_groups(plan, 0, rank, store, timeout_s=60.0).tp
     try:
         tensors = {n: torch.randn(n // 4) for n in sizes}
-        fns = {"all_reduce": world.all_reduce, "all_gather": world.all_gather}
+        fns = {"all_reduce": group.all_reduce, "all_gather": group.all_gather}
         times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes} for name in fns}
         per_round = 5
         for r in range(1 + -(-calls // per_round)):  # round 0 warms up
@@ -361,8 +367,15 @@ def _tp_peer(rank: int, store: tuple[str, int], sizes: tuple[int, ...], calls: i
                         fn(t)
                         if r:
                             times[name][n].append(time.perf_counter() - t0)
-        conn.send({name: {n: statistics.median(v) for n, v in by.items()} for name, by in times.items()})
+        import torch.distributed as dist
+
+        kind = "shared memory" if getattr(group, "shm", None) is not None else f"torch.distributed {dist.get_backend()}"
+        conn.send({"group": kind,
+                   **{name: {n: statistics.median(v) for n, v in by.items()} for name, by in times.items()}})
     finally:
+        close = getattr(group, "close", None)
+        if close is not None:
+            close()
         comm.destroy_world()
 
 
@@ -393,9 +406,11 @@ def fit_tp_link(all_reduce: dict[int, float], all_gather: dict[int, float]) -> t
 
 
 def measure_tp_link(sizes: tuple[int, ...] = TP_LINK_SIZES, calls: int = 50, log=print) -> dict:
-    """The TP link of this host: 2 spawned processes, one torch thread each, join a gloo world
-    through a TCPStore (:func:`stagewise.parallel.comm.host_store` / ``init_world``, as a stage's
-    ranks do) and time ``Group.all_reduce`` and ``Group.all_gather`` of float32 tensors of
+    """The TP link of this host: 2 spawned processes, one torch thread each, join the groups of one
+    stage of 2 CPU ranks through a TCPStore (:func:`stagewise.parallel.comm.host_store`,
+    :func:`stagewise.parallel.groups.join_stage_groups`, as a stage's ranks do: gloo, or whatever
+    the runtime runs such a group's collectives over) and time the TP group's ``all_reduce`` and
+    ``all_gather`` of float32 tensors of
     ``sizes`` bytes each (median of ``calls``, taken in rounds of 5 over every size after a warm-up
     round; rank 0's clock);
     :func:`fit_tp_link` turns them into the link's latency and bandwidth."""
@@ -419,11 +434,12 @@ def measure_tp_link(sizes: tuple[int, ...] = TP_LINK_SIZES, calls: int = 50, log
     if got is None:
         raise OSError("bench profile: the TP link ranks reported nothing")
     lat, bw = fit_tp_link(got["all_reduce"], got["all_gather"])
-    log(f"  TP link (gloo, 2 processes): latency {lat * 1e6:.1f} us, bandwidth {bw / 1e9:.2f} GB/s; "
+    log(f"  TP link ({got['group']}, 2 processes): latency {lat * 1e6:.1f} us, bandwidth {bw / 1e9:.2f} GB/s; "
         + ", ".join(f"{n >> 10 if n >= 1024 else n}{'K' if n >= 1024 else 'B'}: all-reduce "
                     f"{got['all_reduce'][n] * 1e6:.0f} us" for n in sizes))
     return {"latency_s": lat, "bandwidth": bw,
             "all_reduce_s": {str(n): v for n, v in got["all_reduce"].items()},
             "all_gather_s": {str(n): v for n, v in got["all_gather"].items()}, "calls": calls,
-            "what": "gloo all_reduce / all_gather (stagewise.parallel.comm.Group) of float32 tensors between two "
-                    "processes of this host, one torch thread each; fitted to the planner's ring formulas"}
+            "group": got["group"],
+            "what": "all_reduce / all_gather of a stage's TP group of 2 CPU ranks (joined as the stage processes join "
+                    "theirs) on float32 tensors, one torch thread a process; fitted to the planner's ring formulas"}

@@ -10,7 +10,7 @@ Built-in profiles live in ``planner/profiles/*.json`` (h100-sxm, h200, a100, cpu
   ops (1.0 in a measured profile: its peaks are already achieved rates);
 - ``op_overhead_s``: fixed cost of each operator (kernel launch, dispatch);
 - ``links``: ``{"tp"|"pp"|"ep": {"latency_s", "bandwidth"}}`` used for TP all-reduces, PP hops and
-  expert all-to-alls (measured on a CPU: ``tp`` and ``ep`` the gloo collectives between two rank
+  expert all-to-alls (measured on a CPU: ``tp`` and ``ep`` the collectives of a stage of two rank
   processes of the host, fitted to the planner's ring formulas, ``pp`` the pipeline's shm link);
 - ``transports``: measured ``{"tcp"|"shm"|...: {"latency_s", "bandwidth"}}``; ``--transport``
   makes one of them the PP link.
@@ -98,6 +98,8 @@ class DeviceProfile:
     cores: int | None = None
     concurrency: dict[str, float] = field(default_factory=dict)
     attention_decode: dict[str, float] = field(default_factory=dict)
+    ranks_per_stage: int = 1
+    """The processes per stage its ``concurrency`` counts each busy stage as (:meth:`for_ranks`)."""
 
     def flops(self, dtype: str) -> float:
         """Achievable matmul FLOP/s in ``dtype`` (peak times efficiency)."""
@@ -133,20 +135,26 @@ class DeviceProfile:
         ``n * ranks`` processes in this one's (:func:`stagewise.planner.estimate.slowdown`:
         measured paces, linear between counts and proportional beyond; without them
         ``max(1, n * ranks / cores)``), relative to one process alone (``ref``). The same profile
-        for ``ranks`` 1, or on a GPU (one device a rank)."""
+        for ``ranks`` 1, or on a GPU (one device a rank), and for the ``ranks`` it was made for
+        (applying it twice counts the ranks once)."""
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
             raise ValueError(f"DeviceProfile.for_ranks: ranks must be an int >= 1, got {ranks!r}")
-        if self.kind != "cpu" or ranks == 1 or not (self.concurrency or self.cores):
+        if ranks == self.ranks_per_stage or self.kind != "cpu" or not (self.concurrency or self.cores):
             return self
+        if self.ranks_per_stage != 1:
+            raise ValueError(f"DeviceProfile.for_ranks: this profile already counts {self.ranks_per_stage} "
+                             f"processes a stage; make the one for {ranks} from the original")
         from stagewise.planner.estimate import slowdown
 
         counts = [int(k) for k in self.concurrency if k != "ref"] or [self.cores or 1]
         top = max(1, -(-max(counts) // ranks))  # beyond it slowdown() is proportional either way
         conc = {"ref": 1.0, **{str(n): slowdown(self, float(n * ranks)) for n in range(1, top + 1)}}
-        return DeviceProfile(**{**_fields(self), "concurrency": conc})
+        return DeviceProfile(**{**_fields(self), "concurrency": conc, "ranks_per_stage": ranks})
 
     def to_dict(self) -> dict[str, Any]:
         d = _fields(self)
+        if d["ranks_per_stage"] == 1:  # a profile as measured; else the rescaled one, as such
+            d.pop("ranks_per_stage")
         d["links"] = {k: {"latency_s": v.latency_s, "bandwidth": v.bandwidth} for k, v in self.links.items()}
         d["transports"] = {k: {"latency_s": v.latency_s, "bandwidth": v.bandwidth} for k, v in self.transports.items()}
         return d
