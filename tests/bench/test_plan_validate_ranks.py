@@ -158,3 +158,12 @@ def test_heads_regroups_a_gguf_and_keeps_every_other_tensor(tmp_path):
             assert np.array_equal(t.data, old.data)
     with pytest.raises(ValueError, match="KV must divide Q"):
         plan_validate.regrouped_model(str(src), "4/3", cache_dir=tmp_path / "cache")
+
+
+def test_no_allowed_layout_is_an_error_before_anything_is_measured(tmp_path, capsys, mqa_llama):
+    argv = [str(mqa_llama), "--tiny", "--tp", "3", "--dcp", "1", "--out", str(tmp_path / "out")]
+    assert plan_validate.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "skipping tp=3 dcp=1: tp=3 does not split num_attention_heads=4" in err
+    assert "no (tp, dcp) of --tp and --dcp that the model allows" in err
+    assert "measuring this machine's profile" not in err and not (tmp_path / "out").exists()

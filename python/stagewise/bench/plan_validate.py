@@ -88,6 +88,13 @@ def _run(argv: list[str]) -> int:
     if args.heads:
         model_name = f"{args.model} --heads {args.heads}"
         args.model, model_note = regrouped_model(args.model, args.heads, log=log)
+    ckpt = open_checkpoint(args.model)
+    config = ckpt.config
+    layouts, skipped = stage_layouts(config, args.tp, args.dcp)
+    for tp, dcp, why in skipped:
+        log(f"skipping tp={tp} dcp={dcp}: {why}")
+    if not layouts:
+        raise ValueError("no (tp, dcp) of --tp and --dcp that the model allows")
     torch.set_num_threads(args.threads)
     info = report.machine_info("cpu")
     args.out = args.out if args.out is not None else report.default_out(info["device"])
@@ -100,18 +107,11 @@ def _run(argv: list[str]) -> int:
         profile = profile_from_dict(measure_profile("cpu", quick=args.tiny, log=log), "measured in the same run")
     profile = profile.with_transport(args.transport) if args.transport and args.transport in profile.transports \
         else profile
-    ckpt = open_checkpoint(args.model)
-    config = ckpt.config
     weight_quant, embed_quant = checkpoint_quant(ckpt)
     def workload(batch: int) -> Workload:
         return Workload(input_length=args.input_length, output_length=args.output_length, batch=batch,
                         microbatches=args.microbatches, weight_dtype="float32", kv_dtype="float32",
                         weight_quant=weight_quant, embed_quant=embed_quant)
-    layouts, skipped = stage_layouts(config, args.tp, args.dcp)
-    for tp, dcp, why in skipped:
-        log(f"skipping tp={tp} dcp={dcp}: {why}")
-    if not layouts:
-        raise ValueError("no (tp, dcp) of --tp and --dcp that the model allows")
     if profile.kind == "cpu" and any(tp > 1 for tp, _ in layouts) and "tp_link" not in profile.measured.get("raw", {}):
         log("note: this profile's TP link was not measured (no tp_link among its measurements); the TP cells' "
             "collectives are priced at its 'tp' link as given")
