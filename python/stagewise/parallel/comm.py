@@ -1,6 +1,7 @@
 """Process groups and collectives over torch.distributed: gloo between CPU processes, NCCL
-between GPUs. A :class:`Group` of one rank does nothing, so single-process code calls the same
-collectives at no cost.
+between GPUs; a group whose ranks are all CPU processes on one host runs its collectives over
+shared memory instead (:mod:`stagewise.parallel.shm_group`). A :class:`Group` of one rank does
+nothing, so single-process code calls the same collectives at no cost.
 
 The group of a run is bootstrapped through a ``TCPStore``: one process hosts it
 (:func:`host_store`, the driver of a pipeline) and every rank joins it as a client
@@ -14,6 +15,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from stagewise.parallel.shm_group import ShmGroup
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -58,13 +61,15 @@ def destroy_world() -> None:
 
 class Group:
     """The ranks of one tensor- or context-parallel group. ``ranks`` are global ranks; a group
-    of one rank needs no process group at all."""
+    of one rank needs no process group at all; ``shm``: this rank's end of the group's
+    shared-memory collectives, which then replace torch.distributed's."""
 
-    def __init__(self, ranks: list[int], handle=None) -> None:
+    def __init__(self, ranks: list[int], handle=None, *, shm: ShmGroup | None = None) -> None:
         if not ranks or len(set(ranks)) != len(ranks):
             raise ValueError(f"Group: ranks must be distinct and non-empty, got {ranks}")
         self.ranks = list(ranks)
         self._handle = handle
+        self.shm = shm
         self.seconds = 0.0
         """Wall time spent in this group's collectives (on a GPU, until each was enqueued)."""
         self.calls = 0
@@ -81,12 +86,22 @@ class Group:
         return cls([0])
 
     @classmethod
-    def new(cls, ranks: list[int]) -> Group:
+    def new(cls, ranks: list[int], *, shm_store=None, key: str = "",
+            timeout_s: float = DEFAULT_TIMEOUT_S) -> Group:
         """A subgroup of the default process group; every rank of the world must call this with
-        the same ranks, in the same order of calls (torch.distributed's rule)."""
+        the same ranks, in the same order of calls (torch.distributed's rule). With ``shm_store``
+        (a store the group's ranks share; only when they are CPU processes of this host, and then
+        on each of them) the collectives run over shared memory, the ranks meeting as group
+        ``key`` of that store; the torch.distributed group is made all the same, so that every
+        process of the world makes the same calls whatever its host decides."""
         if len(ranks) == 1:
             return cls(ranks)
-        return cls(ranks, dist.new_group(ranks))
+        handle = dist.new_group(ranks)
+        me = dist.get_rank()
+        if shm_store is None or me not in ranks:
+            return cls(ranks, handle)
+        return cls(ranks, handle, shm=ShmGroup.join(shm_store, key, rank=ranks.index(me), ranks=list(ranks),
+                                                    timeout_s=timeout_s))
 
     @property
     def size(self) -> int:
@@ -101,7 +116,10 @@ class Group:
         """Sum ``t`` over the group, in place; returns ``t``."""
         if self.size > 1:
             start = time.perf_counter()
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._handle)
+            if self.shm is not None:
+                self.shm.all_reduce(t)
+            else:
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._handle)
             self._count(start, t)
         return t
 
@@ -109,7 +127,10 @@ class Group:
         """``t`` of group rank ``src`` on every rank, in place; returns ``t``."""
         if self.size > 1:
             start = time.perf_counter()
-            dist.broadcast(t, src=self.ranks[src], group=self._handle)
+            if self.shm is not None:
+                self.shm.broadcast(t, src)
+            else:
+                dist.broadcast(t, src=self.ranks[src], group=self._handle)
             self._count(start, t)
         return t
 
@@ -118,6 +139,10 @@ class Group:
         if self.size == 1:
             return t
         start = time.perf_counter()
+        if self.shm is not None:
+            out = _cat(self.shm.all_gather(t), dim)
+            self._count(start, t)
+            return out
         out = torch.empty((self.size * t.size(0), *t.shape[1:]), dtype=t.dtype, device=t.device)
         dist.all_gather_into_tensor(out, t.contiguous(), group=self._handle)
         self._count(start, t)
@@ -131,6 +156,10 @@ class Group:
         if self.size == 1:
             return t
         start = time.perf_counter()
+        if self.shm is not None:
+            rows = self.shm.gather(t, dst)
+            self._count(start, t)
+            return None if rows is None else _cat(rows, dim)
         parts = [torch.empty_like(t) for _ in range(self.size)] if self.rank == dst else None
         dist.gather(t.contiguous(), parts, dst=self.ranks[dst], group=self._handle)
         self._count(start, t)
@@ -146,8 +175,11 @@ class Group:
                              f"{self.size} equal chunks")
         start = time.perf_counter()
         src = t.movedim(dim, 0).contiguous()
-        out = torch.empty((src.size(0) // self.size, *src.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.reduce_scatter_tensor(out, src, op=dist.ReduceOp.SUM, group=self._handle)
+        if self.shm is not None:
+            out = self.shm.reduce_scatter(src)
+        else:
+            out = torch.empty((src.size(0) // self.size, *src.shape[1:]), dtype=t.dtype, device=t.device)
+            dist.reduce_scatter_tensor(out, src, op=dist.ReduceOp.SUM, group=self._handle)
         self._count(start, t)
         return out.movedim(0, dim)
 
@@ -162,11 +194,24 @@ class Group:
                              f"{self.size} equal chunks")
         start = time.perf_counter()
         src = t.movedim(dim, 0).contiguous()
-        out = torch.empty_like(src)
-        dist.all_to_all_single(out, src, group=self._handle)
+        if self.shm is not None:
+            out = self.shm.all_to_all(src)
+        else:
+            out = torch.empty_like(src)
+            dist.all_to_all_single(out, src, group=self._handle)
         self._count(start, t)
         return out.movedim(0, dim)
 
     def barrier(self) -> None:
         if self.size > 1:
-            dist.barrier(group=self._handle)
+            if self.shm is not None:
+                self.shm.barrier()
+            else:
+                dist.barrier(group=self._handle)
+
+
+def _cat(rows: torch.Tensor, dim: int) -> torch.Tensor:
+    """``rows`` ``[size, *shape]`` concatenated along ``dim`` of ``shape``."""
+    if dim % (rows.dim() - 1) == 0:
+        return rows.view(-1, *rows.shape[2:])
+    return torch.cat(rows.unbind(0), dim=dim)
