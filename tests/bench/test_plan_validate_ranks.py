@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stagewise.bench import plan_validate
-from stagewise.bench.profile_runtime import fit_tp_link, measure_tp_link
+from stagewise.bench import plan_validate, plan_validate_model
+from stagewise.bench.profile_tp import fit_tp_link, measure_tp_link
 from stagewise.model.loader import open_checkpoint
 from stagewise.planner import validate
 from stagewise.planner.estimate import Workload, estimate_layout, slowdown
-from stagewise.planner.profiles import load_profile
+from stagewise.planner.profiles import _slowdown, load_profile
 from stagewise.parallel.ranks import ParallelConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
@@ -106,6 +106,10 @@ def test_ranks_of_a_stage_count_as_busy_processes_on_the_cores():
     assert slowdown(two, 2.0) == pytest.approx(slowdown(prof, 4.0))
     assert slowdown(two, 3.0) == pytest.approx(slowdown(prof, 6.0))
     assert prof.for_ranks(1) is prof
+    for table in ({"1": 1.0, "2": 1.1, "3": 1.6, "4": 2.2}, {"ref": 0.9, "1": 1.0, "3": 2.0}, {"2": 1.5, "1": 1.0}):
+        p = dataclasses.replace(base, concurrency=table)
+        for busy in (1.0, 1.5, 2.0, 2.5, 3.0, 4.5, 8.0):  # the profile reads its table as the planner does
+            assert _slowdown(p, busy) == pytest.approx(slowdown(p, busy))
     assert two.for_ranks(2) is two  # applied twice, counted once
     with pytest.raises(ValueError, match="already counts 2 processes a stage"):
         two.for_ranks(3)
@@ -142,7 +146,7 @@ def test_heads_regroups_a_gguf_and_keeps_every_other_tensor(tmp_path):
 
     src = tmp_path / "tiny.gguf"
     write_gguf(src)  # 4 query / 2 KV heads, hidden 64
-    path, note = plan_validate.regrouped_model(str(src), "4/1", cache_dir=tmp_path / "cache", log=lambda line: None)
+    path, note = plan_validate_model.regrouped_model(str(src), "4/1", cache_dir=tmp_path / "cache", log=lambda line: None)
     assert "regrouped from 4 query / 2 KV heads into 4 / 1 of 16 dims" in note
     config = open_checkpoint(path).config
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 1, 16)
@@ -157,7 +161,7 @@ def test_heads_regroups_a_gguf_and_keeps_every_other_tensor(tmp_path):
         else:
             assert np.array_equal(t.data, old.data)
     with pytest.raises(ValueError, match="KV must divide Q"):
-        plan_validate.regrouped_model(str(src), "4/3", cache_dir=tmp_path / "cache")
+        plan_validate_model.regrouped_model(str(src), "4/3", cache_dir=tmp_path / "cache")
 
 
 def test_no_allowed_layout_is_an_error_before_anything_is_measured(tmp_path, capsys, mqa_llama):

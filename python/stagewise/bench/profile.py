@@ -13,7 +13,7 @@
 - CPU only, the TP link (``links["tp"]``, also taken for ``ep``): all-reduces and all-gathers of
   float32 tensors (2 KiB - 1 MiB) in the TP group of a stage of two rank processes on this host,
   joined as the runtime joins it, fitted to the planner's ring formulas
-  (:func:`stagewise.bench.profile_runtime.measure_tp_link`); on a GPU the PP link stands in;
+  (:func:`stagewise.bench.profile_tp.measure_tp_link`); on a GPU the PP link stands in;
 - CPU only, the runtime's own costs (:mod:`stagewise.bench.profile_runtime`): ``quant`` (the
   block-quantised linear per GGUF type), ``framework`` (Python/dispatch per decoder layer and per
   step of each stage role), ``cores`` and ``concurrency`` (1, 2, 3 busy processes side by side).
@@ -162,7 +162,9 @@ def measure_profile(device: str, *, quick: bool = False, log=print) -> dict:
             except OSError as err:
                 log(f"  pipeline link {name}: n/a ({err})")
         try:  # the TP link: the collectives of a stage of two rank processes on this host
-            tp_link = rt.measure_tp_link(calls=20 if quick else 100, log=log)
+            from stagewise.bench.profile_tp import measure_tp_link
+
+            tp_link = measure_tp_link(calls=20 if quick else 100, log=log)
             raw["tp_link"] = tp_link
         except (OSError, RuntimeError) as err:
             log(f"  TP link: n/a ({err}); the PP link stands in for it")

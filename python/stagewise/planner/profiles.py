@@ -132,8 +132,8 @@ class DeviceProfile:
         stage's ranks compute at once, in lockstep, so ``n`` busy stages are ``n * ranks`` busy
         single-thread processes, which take turns on the cores as pipeline stages do. The
         returned profile's ``concurrency`` gives at ``n`` busy stages the slowdown of
-        ``n * ranks`` processes in this one's (:func:`stagewise.planner.estimate.slowdown`:
-        measured paces, linear between counts and proportional beyond; without them
+        ``n * ranks`` processes in this one's (read as :func:`stagewise.planner.estimate.slowdown`
+        reads it: measured paces, linear between counts and proportional beyond; without them
         ``max(1, n * ranks / cores)``), relative to one process alone (``ref``). The same profile
         for ``ranks`` 1, or on a GPU (one device a rank), and for the ``ranks`` it was made for
         (applying it twice counts the ranks once)."""
@@ -144,11 +144,9 @@ class DeviceProfile:
         if self.ranks_per_stage != 1:
             raise ValueError(f"DeviceProfile.for_ranks: this profile already counts {self.ranks_per_stage} "
                              f"processes a stage; make the one for {ranks} from the original")
-        from stagewise.planner.estimate import slowdown
-
         counts = [int(k) for k in self.concurrency if k != "ref"] or [self.cores or 1]
-        top = max(1, -(-max(counts) // ranks))  # beyond it slowdown() is proportional either way
-        conc = {"ref": 1.0, **{str(n): slowdown(self, float(n * ranks)) for n in range(1, top + 1)}}
+        top = max(1, -(-max(counts) // ranks))  # beyond it the slowdown is proportional either way
+        conc = {"ref": 1.0, **{str(n): _slowdown(self, float(n * ranks)) for n in range(1, top + 1)}}
         return DeviceProfile(**{**_fields(self), "concurrency": conc, "ranks_per_stage": ranks})
 
     def to_dict(self) -> dict[str, Any]:
@@ -158,6 +156,23 @@ class DeviceProfile:
         d["links"] = {k: {"latency_s": v.latency_s, "bandwidth": v.bandwidth} for k, v in self.links.items()}
         d["transports"] = {k: {"latency_s": v.latency_s, "bandwidth": v.bandwidth} for k, v in self.transports.items()}
         return d
+
+
+def _slowdown(p: DeviceProfile, busy: float) -> float:
+    """``busy`` single-thread processes' pace against one alone on CPU profile ``p``, by the rules of
+    :func:`stagewise.planner.estimate.slowdown` (which this module cannot import: it imports this one)."""
+    busy = max(busy, 1.0)
+    counts = sorted(int(k) for k in p.concurrency if k != "ref")
+    if not counts:
+        return max(1.0, busy / p.cores) if p.cores else 1.0
+    ref = p.concurrency.get("ref", p.concurrency.get("1"))
+    g = {n: max(p.concurrency[str(n)] / ref, 1.0 if n > 1 else 0.0) for n in counts}
+    if busy <= counts[0]:
+        return g[counts[0]]
+    if busy >= counts[-1]:
+        return g[counts[-1]] * busy / counts[-1]
+    lo, hi = max(n for n in counts if n <= busy), min(n for n in counts if n >= busy)
+    return g[lo] if hi == lo else g[lo] + (g[hi] - g[lo]) * (busy - lo) / (hi - lo)
 
 
 def _fields(p: DeviceProfile) -> dict[str, Any]:
