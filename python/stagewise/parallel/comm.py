@@ -19,6 +19,9 @@ import torch.distributed as dist
 from stagewise.parallel.shm_group import ShmGroup
 
 DEFAULT_TIMEOUT_S = 120.0
+# torch 2.13 deprecates reduce_scatter_tensor for reduce_scatter_single (same arguments); older
+# releases have only the former.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def host_store(host: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[dist.TCPStore, tuple[str, int]]:
@@ -179,7 +182,7 @@ class Group:
             out = self.shm.reduce_scatter(src)
         else:
             out = torch.empty((src.size(0) // self.size, *src.shape[1:]), dtype=t.dtype, device=t.device)
-            dist.reduce_scatter_tensor(out, src, op=dist.ReduceOp.SUM, group=self._handle)
+            _reduce_scatter(out, src, op=dist.ReduceOp.SUM, group=self._handle)
         self._count(start, t)
         return out.movedim(0, dim)
 
