@@ -17,7 +17,7 @@ from stagewise.bench.profile_tp import fit_tp_link, measure_tp_link
 from stagewise.model.loader import open_checkpoint
 from stagewise.planner import validate
 from stagewise.planner.estimate import Workload, estimate_layout, slowdown
-from stagewise.planner.profiles import _slowdown, load_profile
+from stagewise.planner.profiles import load_profile, process_slowdown
 from stagewise.parallel.ranks import ParallelConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
@@ -106,10 +106,10 @@ def test_ranks_of_a_stage_count_as_busy_processes_on_the_cores():
     assert slowdown(two, 2.0) == pytest.approx(slowdown(prof, 4.0))
     assert slowdown(two, 3.0) == pytest.approx(slowdown(prof, 6.0))
     assert prof.for_ranks(1) is prof
-    for table in ({"1": 1.0, "2": 1.1, "3": 1.6, "4": 2.2}, {"ref": 0.9, "1": 1.0, "3": 2.0}, {"2": 1.5, "1": 1.0}):
-        p = dataclasses.replace(base, concurrency=table)
-        for busy in (1.0, 1.5, 2.0, 2.5, 3.0, 4.5, 8.0):  # the profile reads its table as the planner does
-            assert _slowdown(p, busy) == pytest.approx(slowdown(p, busy))
+    # the paces read by hand: linear between the measured counts, proportional beyond, relative to ref
+    assert [process_slowdown(prof, b) for b in (1.0, 2.5, 8.0)] == pytest.approx([1.0, 1.35, 4.4])
+    ref = dataclasses.replace(base, concurrency={"ref": 0.8, "1": 1.0, "3": 2.0})
+    assert [process_slowdown(ref, b) for b in (1.0, 2.0, 6.0)] == pytest.approx([1.25, 1.875, 5.0])
     assert two.for_ranks(2) is two  # applied twice, counted once
     with pytest.raises(ValueError, match="already counts 2 processes a stage"):
         two.for_ranks(3)
@@ -126,9 +126,9 @@ def test_the_tp_link_prices_a_tp_layouts_collectives(mqa_llama):
     layout = ParallelConfig(world_size=2, tp=2, dcp=2)
     fast = estimate_layout(config, layout, work, prof).tpot_s
     slow = estimate_layout(config, layout, work, slow_link).tpot_s
-    # per layer: 2 all-reduces (2 latencies each), the q all-gather and the reduce-scatter (1 each);
-    # the logits' gather (2 latencies, the all-reduce formula)
-    extra = config.num_layers * (2 * 2 + 1 + 1) + 2
+    # per layer: 2 all-reduces (2 latencies each), the q and LSE all-gathers and the reduce-scatter
+    # (1 each); the embedding's all-reduce (2) and the logits' gather to the leader (1)
+    extra = config.num_layers * (2 * 2 + 1 + 1 + 1) + 2 + 1
     assert slow - fast == pytest.approx(extra * (1e-3 - prof.links["tp"].latency_s), rel=1e-6)
 
 

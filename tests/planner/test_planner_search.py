@@ -242,13 +242,13 @@ def test_attention_grows_with_context_and_moe_counts_active_experts():
     assert experts.bytes == pytest.approx(touched * 16 * 3 * 64 * 32 * 2 + 5 * 2 * (2 * 64 + 3 * 32) * 2)
 
 
-def test_tp_adds_two_all_reduces_per_layer_and_roofline():
+def test_tp_adds_two_all_reduces_per_layer_and_one_for_the_embedding_and_roofline():
     config = _dense(num_layers=3)
     stage = StagePlan.build(3, 1).stages[0]
     ops = compute.stage_ops(config, stage, rows=1, new_tokens=4, context=0,
                             sharding=__import__("stagewise.model.shapes", fromlist=["Sharding"]).Sharding(tp=2))
     reduces = [o for o in ops if o.name.endswith("all_reduce")]
-    assert len(reduces) == 2 * 3 and all(o.bytes == 4 * 64 * 2 and o.group == 2 for o in reduces)
+    assert len(reduces) == 2 * 3 + 1 and all(o.bytes == 4 * 64 * 2 and o.group == 2 for o in reduces)
     prof = profile_from_dict({"name": "t", "memory_bytes": 1e9, "peak_flops": {"bfloat16": 1e12},
                               "memory_bandwidth": 1e11, "op_overhead_s": 1e-6,
                               "links": {k: {"latency_s": 2e-6, "bandwidth": 1e10} for k in ("tp", "pp", "ep")}})

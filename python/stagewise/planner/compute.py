@@ -23,11 +23,12 @@ every collective over the TP link, the same node):
 
 - decode (``cp > 1``): a rank reads ``ceil(keys / cp)`` of each row's cached keys and writes the new
   token's K/V on one rank of the group (``1 / cp`` of the writes each, on average); it computes the
-  query heads of its whole DCP group (``hq * dcp``) over its keys. Per layer: with ``dcp > 1`` an
-  all-gather of q over the DCP group (``dcp * T * hq * d * act`` gathered) and the combine of the
-  partial outputs and their LSE, a reduce-scatter over heads of fp32 ``T * hq * dcp * (d + 1) * 4``
-  bytes; with ``pcp > 1`` an all-gather of the combined partials over the PCP group
-  (``pcp * T * hq * (d + 1) * 4``).
+  query heads of its whole DCP group (``hq * dcp``) over its keys. Per layer, as
+  ``layers/context_parallel.py`` runs it: with ``dcp > 1`` an all-gather of q over the DCP group
+  (``dcp * T * hq * d * act`` gathered) and one of the fp32 LSE (``dcp * T * hq * dcp * 4``); with
+  ``pcp > 1`` the LSE all-gathered again over the PCP group (``cp * T * hq * dcp * 4``); then the
+  weighted partial outputs reduce-scattered over heads in the DCP group (fp32
+  ``T * hq * dcp * d * 4``) and all-reduced over the PCP group (``T * hq * d * 4``).
 - prefill (``pcp > 1``, from an empty cache): each PCP rank runs ``ceil(I / pcp)`` of each prompt's
   ``I`` tokens through every op and ``1 / pcp`` of the causal query-key pairs (the head-tail split
   balances them); per layer an all-gather of K and V over the PCP group (``2 * T * hk * d * act``),
@@ -145,12 +146,19 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
     cache = rows * keys * 2 * hk * d * kv
     ops.append(Op("attention", "attention", 4 * heads * d * pairs, cache + 2 * T * heads * d * a, layer,
                   decode=decode, cache_bytes=cache))
-    if decode and dcp > 1:
-        ops.append(Op("attn_reduce_scatter", "comm", 0, T * hq * dcp * (d + 1) * 4, layer, "tp", dcp,
-                      collective="reduce_scatter"))
-    if decode and pcp > 1:
-        ops.append(Op("attn_pcp_all_gather", "comm", 0, pcp * T * hq * (d + 1) * 4, layer, "tp", pcp,
-                      collective="all_gather"))
+    if decode and cp > 1:  # the combine, as layers/context_parallel.py runs it
+        if dcp > 1:
+            ops.append(Op("lse_all_gather", "comm", 0, dcp * T * hq * dcp * 4, layer, "tp", dcp,
+                          collective="all_gather"))
+        if pcp > 1:
+            ops.append(Op("lse_pcp_all_gather", "comm", 0, cp * T * hq * dcp * 4, layer, "tp", pcp,
+                          collective="all_gather"))
+        if dcp > 1:
+            ops.append(Op("attn_reduce_scatter", "comm", 0, T * hq * dcp * d * 4, layer, "tp", dcp,
+                          collective="reduce_scatter"))
+        if pcp > 1:
+            ops.append(Op("attn_pcp_all_reduce", "comm", 0, T * hq * d * 4, layer, "tp", pcp,
+                          collective="all_reduce"))
     ops.append(linear_op("o_proj", prec, tokens=T, n_in=hq * d, n_out=h, layer=layer))
     if tp > 1:
         ops.append(Op("attn_all_reduce", "comm", 0, T * h * a, layer, "tp", tp, collective="all_reduce"))
@@ -190,6 +198,9 @@ def stage_ops(config: ModelConfig, stage: PipelineStageInfo, *, rows: int, new_t
     if stage.is_first_stage:
         tr = rows * _tokens_per_rank(new_tokens, sharding)
         ops.append(Op("embedding", "vec", 0, tr * (prec.weight_bytes(h, prec.embed_quant) + h * a)))
+        if sharding.tp > 1:  # vocab parallel: each rank looks up its rows, then one all-reduce
+            ops.append(Op("embedding_all_reduce", "comm", 0, tr * h * a, None, "tp", sharding.tp,
+                          collective="all_reduce"))
     for layer in stage.active_layer_indices:
         ops += layer_ops(config, layer, rows=rows, new_tokens=new_tokens, context=context, prec=prec, sharding=sharding)
     if new_tokens > 1 and sharding.pcp > 1:  # every PCP rank's share of the prompts, for the next stage / LM head
@@ -199,8 +210,8 @@ def stage_ops(config: ModelConfig, stage: PipelineStageInfo, *, rows: int, new_t
         vr = -(-v // tp)
         ops.append(Op("final_norm", "vec", 4 * rows * h, 2 * rows * h * a + h * w))
         ops.append(linear_op("lm_head", prec, tokens=rows, n_in=h, n_out=vr, layer=None, quant=prec.embed_quant))
-        if tp > 1:  # bytes: the off-rank share, timed as before with the all-reduce formula
-            ops.append(Op("logits_all_gather", "comm", 0, rows * v * 4 / tp * (tp - 1), None, "tp", tp))
+        if tp > 1:  # each rank's logits gathered to the leader (timed as an all-gather of them)
+            ops.append(Op("logits_gather", "comm", 0, rows * vr * tp * 4, None, "tp", tp, collective="all_gather"))
         ops.append(Op("sampling", "vec", 4 * rows * v, rows * v * 4))
     return ops
 

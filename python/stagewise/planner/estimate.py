@@ -43,7 +43,7 @@ from stagewise.planner.pipeline import (
     format_breakdowns,
     stage_comm_times,
 )
-from stagewise.planner.profiles import DTYPE_BYTES, QUANT_BITS, DeviceProfile, dtype_name
+from stagewise.planner.profiles import DTYPE_BYTES, QUANT_BITS, DeviceProfile, dtype_name, process_slowdown
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,24 +167,7 @@ def slowdown(profile: DeviceProfile, busy: float) -> float:
     ``busy / n`` beyond the largest; else ``max(1, busy / cores)`` (they take turns). 1 on GPUs."""
     if profile.kind != "cpu":
         return 1.0
-    busy = max(busy, 1.0)
-    conc = profile.concurrency
-    counts = sorted(int(k) for k in conc if k != "ref")
-    if counts:
-        ref = conc.get("ref", conc.get("1"))
-        # Processes side by side never speed each other up: a ratio below 1 is the noise of the
-        # measurement (counts up to ref's pace).
-        g = {n: max(conc[str(n)] / ref, 1.0 if n > 1 else 0.0) for n in counts}
-        if busy <= counts[0]:
-            return g[counts[0]]
-        if busy >= counts[-1]:
-            return g[counts[-1]] * busy / counts[-1]
-        lo = max(n for n in counts if n <= busy)
-        hi = min(n for n in counts if n >= busy)
-        return g[lo] if hi == lo else g[lo] + (g[hi] - g[lo]) * (busy - lo) / (hi - lo)
-    if not profile.cores:
-        return 1.0
-    return max(1.0, busy / profile.cores)
+    return process_slowdown(profile, busy)
 
 
 def contention(profile: DeviceProfile, num_stages: int, m: int) -> float:
@@ -287,6 +270,8 @@ def layout_sharding(config: ModelConfig, layout: ParallelConfig) -> shapes.Shard
 def estimate_layout(config: ModelConfig, layout: ParallelConfig, workload: Workload, profile: DeviceProfile, *,
                     partition: str = "even", total_params: float | None = None) -> LayoutEstimate:
     """Everything the planner predicts for ``layout`` (ValueError when the model cannot take it)."""
+    # A stage's ranks are processes computing at once: on a CPU they take turns on the cores.
+    profile = profile.for_ranks(layout.tp * layout.pcp)
     sharding = layout_sharding(config, layout)
     memory.check_layout(config, sharding)
     plan = StagePlan.for_model(config, layout.pp, partition)

@@ -146,7 +146,7 @@ class DeviceProfile:
                              f"processes a stage; make the one for {ranks} from the original")
         counts = [int(k) for k in self.concurrency if k != "ref"] or [self.cores or 1]
         top = max(1, -(-max(counts) // ranks))  # beyond it the slowdown is proportional either way
-        conc = {"ref": 1.0, **{str(n): _slowdown(self, float(n * ranks)) for n in range(1, top + 1)}}
+        conc = {"ref": 1.0, **{str(n): process_slowdown(self, float(n * ranks)) for n in range(1, top + 1)}}
         return DeviceProfile(**{**_fields(self), "concurrency": conc, "ranks_per_stage": ranks})
 
     def to_dict(self) -> dict[str, Any]:
@@ -158,9 +158,10 @@ class DeviceProfile:
         return d
 
 
-def _slowdown(p: DeviceProfile, busy: float) -> float:
-    """``busy`` single-thread processes' pace against one alone on CPU profile ``p``, by the rules of
-    :func:`stagewise.planner.estimate.slowdown` (which this module cannot import: it imports this one)."""
+def process_slowdown(p: DeviceProfile, busy: float) -> float:
+    """``busy`` single-thread processes' pace against one alone on CPU profile ``p``: its measured
+    ``concurrency`` (ratio to ``ref``, never below 1 past one process), linear between the counts,
+    proportional beyond the largest; without measurements ``max(1, busy / cores)``."""
     busy = max(busy, 1.0)
     counts = sorted(int(k) for k in p.concurrency if k != "ref")
     if not counts:
