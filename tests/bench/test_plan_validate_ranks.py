@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stagewise.bench import plan_validate, plan_validate_model
+from stagewise.bench import plan_validate, regroup
 from stagewise.bench.profile_tp import fit_tp_link, measure_tp_link
 from stagewise.model.loader import open_checkpoint
 from stagewise.planner import validate
@@ -146,7 +146,7 @@ def test_heads_regroups_a_gguf_and_keeps_every_other_tensor(tmp_path):
 
     src = tmp_path / "tiny.gguf"
     write_gguf(src)  # 4 query / 2 KV heads, hidden 64
-    path, note = plan_validate_model.regrouped_model(str(src), "4/1", cache_dir=tmp_path / "cache", log=lambda line: None)
+    path, note = regroup.regrouped_model(str(src), "4/1", cache_dir=tmp_path / "cache", log=lambda line: None)
     assert "regrouped from 4 query / 2 KV heads into 4 / 1 of 16 dims" in note
     config = open_checkpoint(path).config
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 1, 16)
@@ -161,7 +161,7 @@ def test_heads_regroups_a_gguf_and_keeps_every_other_tensor(tmp_path):
         else:
             assert np.array_equal(t.data, old.data)
     with pytest.raises(ValueError, match="KV must divide Q"):
-        plan_validate_model.regrouped_model(str(src), "4/3", cache_dir=tmp_path / "cache")
+        regroup.regrouped_model(str(src), "4/3", cache_dir=tmp_path / "cache")
 
 
 def test_no_allowed_layout_is_an_error_before_anything_is_measured(tmp_path, capsys, mqa_llama):

@@ -93,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                "the largest batch size)")
     e2e_args.add_argument("--dcp", default=None, metavar="1,3",
                           help="e2e --tp: also these decode-context-parallel sizes (each dividing its tp)")
+    e2e_args.add_argument("--heads", default=None, metavar="Q/KV",
+                          help="e2e --tp: run the GGUF model regrouped into Q query and KV key-value heads, every "
+                               "other tensor as it is (SmolLM2's 9/3 allow tp 3 only; 8/1 allows tp 2 and dcp 2)")
     e2e_args.add_argument("--pipeline-partition", dest="partition", default="balanced",
                           help="e2e --stages: the partition policy (default: balanced)")
     e2e_args.add_argument("--pipeline-transport", dest="transport", default="auto", choices=TRANSPORTS,

@@ -51,6 +51,12 @@ def run(args, log=print) -> int:
     batch = max(int(b) for b in str(args.batch_sizes).split(",") if b.strip())
     torch.set_num_threads(1)
     info = report.machine_info("cpu")
+    model_name, model_note = str(args.model), ""
+    if getattr(args, "heads", None):
+        from stagewise.bench.regroup import regrouped_model
+
+        model_name = f"{args.model} --heads {args.heads}"
+        args.model, model_note = regrouped_model(args.model, args.heads, log=log)
     max_len = args.prompt_len + args.new_tokens + 1
     pipes = {}
     try:
@@ -110,7 +116,7 @@ def run(args, log=print) -> int:
                 row["kv_mb_per_rank"] = row.pop("kv_mb")
                 row["collective_pct"] = 100.0 * row["collective_ms"] / row["step_ms"] if row["step_ms"] else 0.0
             rows.append(row)
-    info.update(model=str(args.model), dtype="float32", repeats=repeats, prompt_len=args.prompt_len,
+    info.update(model=model_name, model_note=model_note, dtype="float32", repeats=repeats, prompt_len=args.prompt_len,
                 new_tokens=args.new_tokens, cpu_count=os.cpu_count())
     table = format_table(rows)
     print(table)
@@ -122,7 +128,7 @@ def run(args, log=print) -> int:
         f"Machine: {info['device_name']} ({info['device']}), {info['cpu_count']} CPUs; 1 torch thread per rank "
         f"(and for tp = 1); torch {info['torch']}  ", f"Date (UTC): {info['date_utc']}; commit: {info['git_commit']}  ",
         f"Model: {info['model']}, float32, greedy, EOS ignored, prompt {args.prompt_len}, {args.new_tokens} new tokens; "
-        f"one stage; median of {repeats} runs, layouts taking turns", "",
+        f"one stage; median of {repeats} runs, layouts taking turns" + (f"  \n{model_note}" if model_note else ""), "",
         "x tp1 = decode tok/s over the single process's in the same run. collective ms / step = the stage leader's "
         "time inside its collectives (all-reduces, gathers; gloo on the CPU, NCCL on GPUs) per decode step, and its "
         "share of the leader's step; fan-out ms = its time handing the step to the other ranks; KB / step = bytes "

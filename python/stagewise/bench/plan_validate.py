@@ -6,7 +6,7 @@ out: a new folder ``bench/results/<device>-<date>``) and, as the planner's lates
 (every allowed (stages, tp, dcp); a (tp, dcp) the model's heads do not allow is skipped, saying
 why); ``--heads Q/KV`` runs a GGUF model regrouped into other heads (:func:`regrouped_model`), for
 TP/DCP sizes its own heads do not allow (SmolLM2's 9 / 3: ``--heads 8/1`` for tp 2 and dcp 2;
-:mod:`stagewise.bench.plan_validate_model`).
+:mod:`stagewise.bench.regroup`).
 With ``--tiny`` (or ``STAGEWISE_BENCH_TINY=1``) it runs at toy sizes (16
 prompt and 4 new tokens, one repeat unless given, the profile measured quickly) to check that the
 command works, and keeps the planner's validation record as it is: toy numbers must not become the
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from stagewise.bench import report, tiny_from_environment
 from stagewise.bench.e2e import make_prompts
-from stagewise.bench.plan_validate_model import describe_shapes, model_shapes, regrouped_model
+from stagewise.bench.regroup import describe_shapes, model_shapes, regrouped_model
 from stagewise.bench.profile_runtime import background_load, concurrent_pass_s
 from stagewise.model.loader import open_checkpoint
 from stagewise.parallel.ranks import ParallelConfig

@@ -1,6 +1,6 @@
-"""The model of a `plan validate` run: its shapes as the results state them, and a GGUF model
-regrouped into other attention heads (``--heads Q/KV``) for TP/DCP sizes its own heads do not
-allow (:func:`regrouped_model`)."""
+"""The model of a benchmark run (`plan validate`, `bench e2e --tp`): its shapes as the results
+state them, and a GGUF model regrouped into other attention heads (``--heads Q/KV``) for TP/DCP
+sizes its own heads do not allow (:func:`regrouped_model`)."""
 
 from __future__ import annotations
 
