@@ -108,3 +108,16 @@ def test_floor_bytes_match_the_model_tensors(folder):
     total = 2 * (params + 2 * cfg.hidden_size * 4) + 2 * (11 + 12) * kv
     assert floor["bytes_per_step_mean"] == pytest.approx(total / 2)
     assert floor["floor_tokens_per_s"] == pytest.approx(2 * 2 / (total / 1e9))
+
+
+def test_e2e_tp_runs_ranks_beside_the_single_process(folder, tmp_path, capsys):
+    """4 query / 2 KV heads: tp 2 runs (2 rank processes), dcp 2 at tp 2 is skipped, saying why."""
+    out = tmp_path / "results"
+    assert main(["e2e", "--model", str(folder), "--tp", "1,2", "--dcp", "1,2", "--tiny", "--out", str(out)]) == 0
+    assert "skipping tp=2 dcp=2: dcp=2 at tp=2" in capsys.readouterr().err
+    [path] = out.glob("*-e2e-parallel-tp1-2.json")  # named by the layouts that ran
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["tp"], r["dcp"]) for r in rows] == [(1, 1), (2, 1)]
+    two = rows[1]
+    assert two["tokens_equal_tp1"] and two["collective_ms"] > 0 and two["kv_mb_per_rank"] > 0
+    assert path.with_suffix(".md").read_text().count("| 2 | 1 | 1 |") == 1

@@ -57,6 +57,19 @@ def run(args, log=print) -> int:
 
         model_name = f"{args.model} --heads {args.heads}"
         args.model, model_note = regrouped_model(args.model, args.heads, log=log)
+    from stagewise.model.loader import open_checkpoint
+    from stagewise.model.shapes import parallel_problems
+
+    config = open_checkpoint(args.model).config
+    for tp, dcp in list(pairs):
+        why = parallel_problems(config, tp, dcp)
+        if why:
+            log(f"skipping tp={tp} dcp={dcp}: {why[0]}")
+            pairs.remove((tp, dcp))
+    if len(pairs) < 2:
+        print("stagewise bench e2e: no --tp/--dcp layout beside tp=1 that the model's heads allow (see above; "
+              "--heads Q/KV regroups a GGUF model)", file=sys.stderr)
+        return 2
     max_len = args.prompt_len + args.new_tokens + 1
     pipes = {}
     try:
@@ -121,7 +134,9 @@ def run(args, log=print) -> int:
     table = format_table(rows)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"{info['device']}-e2e-parallel"
+    tps, dcps = sorted({t for t, _ in pairs}), sorted({d for _, d in pairs})
+    stem = args.out / (f"{info['device']}-e2e-parallel-tp{'-'.join(map(str, tps))}"
+                       + (f"-dcp{'-'.join(map(str, dcps))}" if dcps != [1] else ""))
     stem.with_suffix(".json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2) + "\n")
     stem.with_suffix(".md").write_text("\n".join([
         "# stagewise tensor and decode context parallel end to end: decode by layout", "",
@@ -130,7 +145,7 @@ def run(args, log=print) -> int:
         f"Model: {info['model']}, float32, greedy, EOS ignored, prompt {args.prompt_len}, {args.new_tokens} new tokens; "
         f"one stage; median of {repeats} runs, layouts taking turns" + (f"  \n{model_note}" if model_note else ""), "",
         "x tp1 = decode tok/s over the single process's in the same run. collective ms / step = the stage leader's "
-        "time inside its collectives (all-reduces, gathers; gloo on the CPU, NCCL on GPUs) per decode step, and its "
+        "time inside its collectives (all-reduces, gathers; over shared memory between the CPU ranks of a host, NCCL on GPUs) per decode step, and its "
         "share of the leader's step; fan-out ms = its time handing the step to the other ranks; KB / step = bytes "
         "it handed to collectives per step; KV MB / rank = each rank's KV cache. "
         f"{info['cpu_count']} cores: with more ranks than cores the ranks time-share them, so tok/s here measures "
