@@ -268,7 +268,7 @@ def test_plan_search_dcp_sizes(capsys):
     assert rows[2]["parallel"] == "TP=16 | PP=1 | DP=1 | DCP=2"
     assert rows[1]["kv_bytes_per_rank"] == 36 * 512 * 2 * 600 == 2 * rows[2]["kv_bytes_per_rank"]
     assert rows[2]["confidence"]["validated"] is False
-    assert "DCP=2 outside validated 1..1" in rows[2]["confidence"]["not_validated_because"]
+    assert "TP=16 outside validated 1..2" in rows[2]["confidence"]["not_validated_because"]  # the record's TP
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "TP=16 | PP=1 | DP=1 | DCP=2" in out and "TP=16 | PP=1 | DP=1 " in out

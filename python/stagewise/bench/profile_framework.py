@@ -69,14 +69,18 @@ def _median_step(fn, steps: int) -> float:
     return statistics.median(times)
 
 
-def _tiny_engine(cfg, prompt: int, steps: int, weights: dict | None = None):
+def _tiny_engine(cfg, prompt: int, steps: int, weights: dict | None = None, python_loop: bool = False):
+    """``python_loop``: decode steps through the Python layer loop, as a stage of several ranks
+    runs them (the C++ decode loop cannot all-reduce), instead of the C++ one."""
     from stagewise.engine.engine import Engine
     from stagewise.engine.params import SamplingParams
     from stagewise.model.stage import StageModel
 
     weights = tiny_weights(cfg) if weights is None else weights
-    eng = Engine.for_model(StageModel.from_weights(cfg, 0, cfg.num_layers, weights), max_num_seqs=1,
-                           max_model_len=prompt + 2 * steps + 16)
+    model = StageModel.from_weights(cfg, 0, cfg.num_layers, weights)
+    if python_loop:
+        model.decode_stack = None
+    eng = Engine.for_model(model, max_num_seqs=1, max_model_len=prompt + 2 * steps + 16)
     eng.add_request(0, list(range(1, prompt + 1)), SamplingParams(max_new_tokens=2 * steps + 8, temperature=0.0,
                                                                    ignore_eos=True))
     eng.step()  # prefill
@@ -85,8 +89,8 @@ def _tiny_engine(cfg, prompt: int, steps: int, weights: dict | None = None):
     return eng
 
 
-def _engine_step_s(layers: int, prompt: int, steps: int) -> float:
-    return _median_step(_tiny_engine(tiny_config(layers), prompt, steps).step, steps)
+def _engine_step_s(layers: int, prompt: int, steps: int, python_loop: bool = False) -> float:
+    return _median_step(_tiny_engine(tiny_config(layers), prompt, steps, python_loop=python_loop).step, steps)
 
 
 KERNELS = ("stagewise::quant_linear", "stagewise::decode_attention")
@@ -185,6 +189,9 @@ def framework_overheads(log=print, prompt: int = 128, steps: int = 40, repeats: 
     lo, hi = 1, LAYERS_HI
     eng = {n: med(lambda n=n: _engine_step_s(n, prompt, steps)) for n in (lo, hi)}
     layer = max((eng[hi] - eng[lo]) / (hi - lo), 0.0)
+    # The Python layer loop's extra cost per layer (what a rank of a TP/CP stage runs).
+    py = {n: med(lambda n=n: _engine_step_s(n, prompt, steps, python_loop=True)) for n in (lo, hi)}
+    python_extra = max((py[hi] - py[lo]) / (hi - lo) - layer, 0.0)
     head_runs = [_head_step_s(lo, prompt, steps) for _ in range(repeats)]
     head = min(r[0] for r in head_runs)
     tokens = min(r[1] for r in head_runs)
@@ -194,12 +201,14 @@ def framework_overheads(log=print, prompt: int = 128, steps: int = 40, repeats: 
     streamed = streamed_layer_s(prompt)
     fixed = max(eng[lo] - lo * layer, 0.0)
     hot_layer, layer = layer, max((streamed["framework_s"] - fixed) / streamed["layers"], 0.0)
-    out = {"layer_s": layer, "engine_s": fixed, "head_s": max(head - lo * hot_layer, 0.0),
+    out = {"layer_s": layer, "python_layer_s": layer + python_extra, "engine_s": fixed,
+           "head_s": max(head - lo * hot_layer, 0.0),
            "middle_s": max(middle - lo * hot_layer, 0.0), "last_s": max(last - lo * hot_layer, 0.0), "tokens_s": tokens,
            "raw": {"engine_step_s": eng, "head_launch_s": head, "middle_run_s": middle, "last_run_s": last,
                    "model": "llama hidden 64, vocab 512, Q4_1 linears, Q8_0 embedding", "prompt": prompt,
-                   "hot_layer_s": hot_layer, "streamed": streamed}}
+                   "hot_layer_s": hot_layer, "python_loop_step_s": py, "streamed": streamed}}
     log(f"  framework per decode step: {layer * 1e6:.0f} us/layer with streamed weights "
+        f"({out['python_layer_s'] * 1e6:.0f} through the Python layer loop) "
         f"({hot_layer * 1e6:.0f} with hot caches); fixed: engine {out['engine_s'] * 1e6:.0f} us, "
         f"head {out['head_s'] * 1e6:.0f}, middle {out['middle_s'] * 1e6:.0f}, last {out['last_s'] * 1e6:.0f}, "
         f"tokens back {tokens * 1e6:.0f} us")

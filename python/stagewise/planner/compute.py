@@ -287,22 +287,24 @@ def stage_role(stage: PipelineStageInfo) -> str:
     return "head" if stage.is_first_stage else "last" if stage.is_last_stage else "middle"
 
 
-def framework_time(profile: DeviceProfile, role: str, num_layers: int) -> float:
+def framework_time(profile: DeviceProfile, role: str, num_layers: int, python_loop: bool = False) -> float:
     """The runtime's fixed cost of one step of a stage (profile ``framework``; 0 without it):
-    ``num_layers * layer_s + <role>_s``."""
+    ``num_layers * layer_s + <role>_s``; ``python_loop``: the ranks of a TP/CP stage, which run their
+    layers in Python (``python_layer_s``) where one process runs its decode layer loop in C++."""
     fw = profile.framework
     if not fw:
         return 0.0
-    return num_layers * fw.get("layer_s", 0.0) + fw.get(f"{role}_s", 0.0)
+    layer = fw.get("python_layer_s", fw.get("layer_s", 0.0)) if python_loop else fw.get("layer_s", 0.0)
+    return num_layers * layer + fw.get(f"{role}_s", 0.0)
 
 
 def stage_compute(ops: list[Op], profile: DeviceProfile, dtype: str, *, role: str | None = None,
-                  num_layers: int = 0) -> StageCompute:
+                  num_layers: int = 0, python_loop: bool = False) -> StageCompute:
     """Sum of the ops' times, plus (with ``role``) the framework's per-step cost, counted as vec."""
     by_bound = dict.fromkeys(BOUNDS, 0.0)
     for op in ops:
         t, bound = op_time(op, profile, dtype)
         by_bound[bound] += t
     if role is not None:
-        by_bound["vec"] += framework_time(profile, role, num_layers)
+        by_bound["vec"] += framework_time(profile, role, num_layers, python_loop)
     return StageCompute(sum(by_bound.values()), by_bound, sum(o.flops for o in ops), sum(o.bytes for o in ops), len(ops))

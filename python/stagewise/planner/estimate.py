@@ -203,7 +203,8 @@ def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: c
                 ops = compute.stage_ops(config, info, rows=r, new_tokens=new_tokens, context=context, prec=prec,
                                         sharding=sharding)
                 sc = compute.stage_compute(ops, profile, prec.compute_dtype, role=compute.stage_role(info),
-                                           num_layers=len(info.active_layer_indices))
+                                           num_layers=len(info.active_layer_indices),
+                                           python_loop=sharding.tp * sharding.pcp * sharding.dcp > 1)
                 times.append(sc.time_s)
                 bounds.append(sc.by_bound)
             cache[r] = times, bounds

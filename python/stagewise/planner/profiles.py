@@ -26,6 +26,7 @@ Optional, measured by ``stagewise bench profile`` on a CPU (:mod:`stagewise.benc
   FMA rate (the kernel's register tiles make the first few rows cost other than the asymptotic
   rate says, and each output row ends in reductions and stores);
 - ``framework``: the runtime's Python/dispatch cost per decode step: ``layer_s`` per decoder layer
+  (``python_layer_s`` through the Python layer loop, which the ranks of a TP/CP stage run)
   and the fixed part by role (``engine_s``, ``head_s``, ``middle_s``, ``last_s``) plus
   ``tokens_s`` (stage 0 taking sampled tokens back). With it, compute ops pay no ``op_overhead_s``
   (the framework figures already hold every op's dispatch);
@@ -57,7 +58,7 @@ DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfl
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 QUANT_BITS = {"q4_0": 4.5, "q4_1": 5.0, "q8_0": 8.5}
 """Bits per weight of the GGUF block types (32 weights a block: 18, 20 and 34 bytes)."""
-FRAMEWORK_KEYS = ("layer_s", "engine_s", "head_s", "middle_s", "last_s", "tokens_s")
+FRAMEWORK_KEYS = ("layer_s", "python_layer_s", "engine_s", "head_s", "middle_s", "last_s", "tokens_s")
 
 
 def dtype_name(value: str) -> str:
@@ -251,7 +252,7 @@ def profile_from_dict(d: Any, source: str = "built-in") -> DeviceProfile:
         raise ValueError(f"{where}: field 'framework' must be an object, got {fw_in!r}")
     framework = {}
     for k in FRAMEWORK_KEYS:
-        if fw_in:
+        if fw_in and (k in fw_in or k != "python_layer_s"):  # profiles measured before it have layer_s only
             framework[k] = _number(f"{where} framework", fw_in, k, positive=False)
     cores = d.get("cores")
     if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
