@@ -139,3 +139,16 @@ def test_int8_mode_needs_blocks_and_a_known_name():
         stagewise.Pipeline("smollm2-135m", linear_precision="int4")
     with pytest.raises(ValueError, match="applies to block-quantised GGUF matrices kept in their blocks"):
         stagewise.Pipeline("smollm2-135m", dtype="bfloat16", linear_precision="int8")
+
+
+def test_answering_a_question_never_imports_gguf():
+    """The GGUF header, the tokenizer and the blocks are read by our own code; the gguf package (its
+    YAML import alone ~0.1 s of start-up) is only for dequantising types the kernels do not run."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from stagewise.cli import main; "
+            "rc = main(['generate', 'smollm2-135m', '--chat', '--prompt', 'Hi', '--max-new-tokens', '2']); "
+            "assert 'gguf' not in sys.modules, 'gguf was imported'; sys.exit(rc)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr

@@ -109,14 +109,14 @@ class GGUFCheckpoint(Checkpoint):
         return data[:, first * nbytes:last * nbytes], heads, rest
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        import gguf
-
         t = self._tensor(name)
         kind = t.tensor_type.name
         data, heads, rest = self._view(name, dim, start, stop)
         if kind in self._PLAIN:
             tensor = gguf_map.numpy_to_torch(data)
         else:  # quantized (and bf16, exactly representable in float32) -> float32
+            import gguf  # only here: importing it costs ~0.1 s of start-up (its YAML)
+
             try:
                 values = gguf.quants.dequantize(np.ascontiguousarray(data), gguf.GGMLQuantizationType(t.tensor_type.id))
             except NotImplementedError:
