@@ -29,13 +29,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.die_with_parent:
         _die_with_parent()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # Until the stage exists there is nothing to clean up: a SIGTERM (the launcher stopping a run
+    # that is still starting) ends the process at once, rather than raising inside an import.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     token = args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None
     code = 1
     try:
         from stagewise.launch.multihost import stage_from_args
         from stagewise.pipeline.process import StageProcess
 
+        # From here SIGTERM unwinds, so that the stage closes its links and rings on the way out.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         plan, index, rank, on_listening = stage_from_args(args)
         stage = StageProcess(plan, index, rank=rank, listen=args.listen, auth_token=token)
         stage.on_listening = on_listening
@@ -48,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
         import json
         import socket
 
-        from stagewise.pipeline.process import FAILED_LINE
+        from stagewise.pipeline.lines import FAILED_LINE  # nothing heavy: the import that failed may be torch's
 
         which = args.stage if args.stage is not None else os.environ.get("RANK", "?")
         message = f"{type(err).__name__}: {err}"

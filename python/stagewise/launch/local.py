@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 
 from stagewise.parallel.runplan import RunPlan
-from stagewise.pipeline.process import FAILED_LINE, READY_LINE
+from stagewise.pipeline.lines import FAILED_LINE, READY_LINE
 
 
 class StageProcesses:

@@ -35,6 +35,7 @@ from stagewise.model.stage import StageModel
 from stagewise.parallel.groups import join_stage_groups
 from stagewise.parallel.runplan import RunPlan, parse_address
 from stagewise.pipeline import fanout, links, messages, protocol
+from stagewise.pipeline.lines import FAILED_LINE, READY_LINE
 from stagewise.pipeline.messages import Add, Cancel, Connected, Fatal, GetStats, Heartbeat, Ready, Setup, Shutdown
 from stagewise.pipeline.protocol import ProtocolError
 from stagewise.pipeline.roles import Head, Route, StageStats, Worker
@@ -43,8 +44,6 @@ from stagewise.transport.errors import ChannelClosed, FrameError
 from stagewise.transport.frame import Frame
 
 HEARTBEAT_S = 0.5
-READY_LINE = "STAGEWISE-LISTENING"
-FAILED_LINE = "STAGEWISE-FAILED"
 
 
 class _Shutdown(Exception):
