@@ -70,8 +70,7 @@ def run(args: argparse.Namespace) -> int:
             print("# every host needs STAGEWISE_AUTH_TOKEN set to the same token", file=out)
         for index, rank in plan.members:
             spec = plan.stages[index]
-            who = f"stage {index}" + (f" rank {rank}" if spec.tp * plan.pcp > 1 else "")
-            print(f"# {who} on {spec.host}: layers {spec.start_layer}-{spec.end_layer}, "
+            print(f"# {plan.member_label(index, rank)} on {spec.host}: layers {spec.start_layer}-{spec.end_layer}, "
                   f"listens on {spec.rank_listen(rank)}, device {spec.rank_device(rank)}", file=out)
             print(printed_command(plan, index, rank=rank, auth=token is not None, program=program,
                                   remote_plan=args.remote_plan), file=out)

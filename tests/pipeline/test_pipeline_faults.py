@@ -25,6 +25,8 @@ from stagewise.transport import encode_frame
 from stagewise.transport.errors import HandshakeError
 from stagewise.transport.frame import Frame, Row, StepKind
 
+from processes import gone
+
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -44,23 +46,6 @@ def folder(tmp_path_factory):
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     tok.save(str(path / "tokenizer.json"))
     return path
-
-
-def _gone(pids, timeout=10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])
@@ -87,7 +72,7 @@ def test_a_dead_or_hung_stage_ends_requests_with_an_error_naming_it(folder, faul
         assert out.finish_reason == "error" and "stage 1" in out.error, out.error
     assert any(out.token_ids for out in outs), "the tokens generated before the failure are kept"
     assert all(len(out.token_ids) < 480 for out in outs)
-    assert _gone(pids), "stage processes left behind"
+    assert gone(pids), "stage processes left behind"
     with pytest.raises(ValueError, match="closed"):
         pipe.generate(prompt_token_ids=[[1, 2]], max_new_tokens=2)
 
@@ -291,7 +276,7 @@ def test_ctrl_c_stops_the_driver_and_every_stage(folder, when):
     err = proc.stderr.read()
     assert code == 130, err[-2000:]
     assert "Traceback" not in err, err[-2000:]
-    assert _gone(children), "stage processes left behind"
+    assert gone(children), "stage processes left behind"
 
 
 def _children(pid: int) -> list[int]:

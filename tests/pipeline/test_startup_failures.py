@@ -17,6 +17,8 @@ from stagewise.model.loader import open_checkpoint
 from stagewise.parallel.runplan import RunPlan
 from stagewise.pipeline.driver import PipelineBroken, PipelineDriver
 
+from processes import alive
+
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
 
@@ -39,14 +41,6 @@ def model_folder(tmp_path, fault: str):
         data = path.read_bytes()
         path.write_bytes(data[: len(data) // 2])  # the header promises bytes the file does not hold
     return str(tmp_path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
@@ -86,7 +80,7 @@ def test_a_stage_on_a_device_it_cannot_hold_is_named(tmp_path, stages):
     assert f"stage {stages - 1} on 127.0.0.1 failed: ValueError: device 'cuda:0': this host has 0 CUDA device" \
         in str(info.value), info.value
     assert time.monotonic() - start < PROMPT_S
-    assert not any(_alive(pid) for pid in procs.pids)
+    assert not any(alive(pid) for pid in procs.pids)
     with pytest.raises(ValueError, match="no CUDA device"):
         stagewise.Pipeline(folder, device="cuda:0")
 

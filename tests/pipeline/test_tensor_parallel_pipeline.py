@@ -22,6 +22,8 @@ import stagewise
 from stagewise.launch.local import spawn_stages
 from stagewise.parallel.runplan import RunPlan
 
+from processes import alive, gone
+
 transformers = pytest.importorskip("transformers")
 
 NEW = 6
@@ -163,18 +165,8 @@ def test_a_rank_that_dies_ends_the_stages_requests_naming_it(tiny_models):
     assert ended - struck < 5.0
     for out in outs:
         assert out.finish_reason == "error" and "stage 1 rank 1" in out.error, out.error
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.1)
-    assert not any(_alive(p) for p in pids), "rank processes left behind"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
+    gone(pids)  # waits up to 10 s
+    assert not any(alive(p) for p in pids), "rank processes left behind"
 
 
 @pytest.mark.parametrize("stages", [1, 2])

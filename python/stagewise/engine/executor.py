@@ -175,7 +175,7 @@ class Executor:
             try:
                 out = self.model(batch, self.kv_cache, meta)
             except Exception as err:
-                if self.model.groups.tp.size * self.model.groups.pcp.size > 1:
+                if self.model.groups.size > 1:
                     raise RanksOutOfStep(f"{type(err).__name__}: {err}") from err
                 raise
             if not self.is_last or not self.leads:
@@ -213,7 +213,7 @@ class Executor:
         """The KV (and, on the last stage, the sampling state) this rank holds of a request."""
         if request_id not in self.manager:
             raise ValueError(f"export_request: this stage holds no KV for request {request_id!r}")
-        if self.model.groups.tp.size * self.model.groups.pcp.size > 1:
+        if self.model.groups.size > 1:
             raise NotImplementedError("export_request: a request's KV leaves a stage of one rank only")
         n, storage = self.manager.num_tokens(request_id), self.kv_cache.storage
         blocks = torch.tensor(self.manager.block_ids(request_id), dtype=torch.int64, device=storage.device)

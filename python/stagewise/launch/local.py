@@ -77,10 +77,6 @@ def stage_argv(plan: RunPlan, index: int, *, rank: int = 0,
     return [*program, "stage", *source, "--stage", str(index), *(["--rank", str(rank)] if rank else []), *extra]
 
 
-def member_label(plan: RunPlan, stage: int, rank: int) -> str:
-    """How a process is named in messages: ``stage I``, or ``stage I rank R`` in a stage of several."""
-    return f"stage {stage}" if plan.stages[stage].tp * plan.pcp == 1 else f"stage {stage} rank {rank}"
-
 
 def spawn_stages(plan: RunPlan, *, auth_token: str | None = None,
                  timeout_s: float = 120.0) -> tuple[StageProcesses, list[tuple[str, int]]]:
@@ -91,7 +87,7 @@ def spawn_stages(plan: RunPlan, *, auth_token: str | None = None,
     if auth_token:
         env["STAGEWISE_AUTH_TOKEN"] = auth_token
     members = plan.members
-    procs = StageProcesses([], [member_label(plan, s, r) for s, r in members])
+    procs = StageProcesses([], [plan.member_label(s, r) for s, r in members])
     try:
         for index, rank in members:
             spec = plan.stages[index]

@@ -17,7 +17,7 @@ import socket
 import subprocess
 from collections.abc import Sequence
 
-from stagewise.launch.local import StageProcesses, member_label, read_address, stage_argv
+from stagewise.launch.local import StageProcesses, read_address, stage_argv
 from stagewise.parallel.runplan import RunPlan, StageSpec, parse_address
 from stagewise.launch.torchrun import WILDCARD_HOSTS
 
@@ -126,7 +126,7 @@ def ssh_spawn(plan: RunPlan, *, auth_token: str | None, program: Sequence[str], 
     forwards the remote stdout) and return the ssh processes and the stages' dial addresses.
     The stages get ``--die-with-parent``: when ssh goes, the remote session ends and so do they."""
     members = plan.members
-    procs = StageProcesses([], [member_label(plan, i, r) for i, r in members])
+    procs = StageProcesses([], [plan.member_label(i, r) for i, r in members])
     try:
         for index, rank in members:
             spec = plan.stages[index]

@@ -94,6 +94,11 @@ class StageGroups:
                              f"({self.tp.size} ranks)")
 
     @property
+    def size(self) -> int:
+        """Ranks (processes) of the stage: ``pcp * tp``."""
+        return self.pcp.size * self.tp.size
+
+    @property
     def cp_size(self) -> int:
         """Ranks that share one KV head's sequence: ``pcp * dcp``."""
         return self.pcp.size * self.dcp.size

@@ -168,16 +168,19 @@ class Group:
         self._count(start, t)
         return None if parts is None else torch.cat(parts, dim=dim)
 
+    def _chunks_first(self, op: str, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """``t`` with ``dim`` moved first and contiguous, once ``dim`` splits into ``size`` chunks."""
+        if t.size(dim) % self.size:
+            raise ValueError(f"Group.{op}: dim {dim} of size {t.size(dim)} does not split into {self.size} equal "
+                             "chunks")
+        return t.movedim(dim, 0).contiguous()
+
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """The sum of every rank's ``t`` (same shape on each), split into ``size`` equal chunks
         along ``dim``: group rank ``i`` gets chunk ``i``."""
         if self.size == 1:
             return t
-        if t.size(dim) % self.size:
-            raise ValueError(f"Group.reduce_scatter: dim {dim} of size {t.size(dim)} does not split into "
-                             f"{self.size} equal chunks")
-        start = time.perf_counter()
-        src = t.movedim(dim, 0).contiguous()
+        start, src = time.perf_counter(), self._chunks_first("reduce_scatter", t, dim)
         if self.shm is not None:
             out = self.shm.reduce_scatter(src)
         else:
@@ -192,11 +195,7 @@ class Group:
         along ``dim``."""
         if self.size == 1:
             return t
-        if t.size(dim) % self.size:
-            raise ValueError(f"Group.all_to_all: dim {dim} of size {t.size(dim)} does not split into "
-                             f"{self.size} equal chunks")
-        start = time.perf_counter()
-        src = t.movedim(dim, 0).contiguous()
+        start, src = time.perf_counter(), self._chunks_first("all_to_all", t, dim)
         if self.shm is not None:
             out = self.shm.all_to_all(src)
         else:

@@ -138,6 +138,10 @@ class RunPlan:
         """(stage, stage rank) of every process of the run, in global rank order."""
         return [(i, r) for i, ranks in enumerate(self.stage_ranks()) for r in range(ranks.size)]
 
+    def member_label(self, stage: int, rank: int) -> str:
+        """How messages name a process: ``stage I``, or ``stage I rank R`` in a stage of several."""
+        return f"stage {stage}" if self.stages[stage].tp * self.pcp == 1 else f"stage {stage} rank {rank}"
+
     @property
     def stage_plan(self) -> StagePlan:
         return StagePlan.from_ranges([(s.start_layer, s.end_layer) for s in self.stages], self.num_layers,

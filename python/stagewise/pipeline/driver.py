@@ -107,7 +107,6 @@ class PipelineDriver:
                                      f"expects {fingerprint!r}: the hosts do not hold the same model or plan")
             self.num_blocks = min(r.capacity_blocks for r in ready)
             self.pids = [r.pid for r in ready]
-            self.kv_block_bytes = [r.kv_bytes for r in ready]
             hops = links.hop_transports(plan)
             store = self._host_store() if needs_world(plan, hops) else None
             for i, (stage, rank) in enumerate(self.members):
@@ -148,9 +147,7 @@ class PipelineDriver:
                                        f"{timeout:.0f} s ({err})") from None
 
     def _label(self, member: int) -> str:
-        """``stage I`` (``stage I rank R`` in a stage of several ranks) of process ``member``."""
-        stage, rank = self.members[member]
-        return f"stage {stage}" if self.plan.stage_ranks()[stage].size == 1 else f"stage {stage} rank {rank}"
+        return self.plan.member_label(*self.members[member])
 
     def _name(self, member: int) -> str:
         return f"{self._label(member)} on {self.plan.stages[self.members[member][0]].host}"

@@ -16,12 +16,16 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from stagewise.parallel.runplan import RunPlan
 from stagewise.transport import select, tcp, torch_dist
 from stagewise.transport.channel import Channel
 from stagewise.transport.hello import Hello
 from stagewise.transport.rings import LINK_TRANSPORTS, upgrade_accepted, upgrade_dialled
+
+if TYPE_CHECKING:
+    from stagewise.pipeline.fanout import Fanout
 
 ROLES = ("driver", "activations", "feedback", "fanout")
 LINK_TIMEOUT_S = 120.0
@@ -147,8 +151,8 @@ class DataLinks:
     """Activations to the next stage (stages 0 .. S-2)."""
     feedback: Channel | None = None
     """Sampled tokens: sent by the last stage, received by stage 0."""
-    fanout: object | None = None
-    """A leader's channels to its stage's other ranks (:class:`~stagewise.pipeline.fanout.Fanout`)."""
+    fanout: Fanout | None = None
+    """A leader's channels to its stage's other ranks."""
 
     def close(self) -> None:
         for channel in (self.upstream, self.downstream, self.feedback, self.fanout):

@@ -55,8 +55,6 @@ class Ready:
     fingerprint: str
     rank: int = 0
     """This process's rank in its stage (0: the leader)."""
-    kv_bytes: int = 0
-    """Bytes of one KV block on this rank (every rank of every stage allocates the same block count)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -31,11 +31,10 @@ from stagewise.engine.engine import Engine
 from stagewise.engine.executor import Executor, model_dtype
 from stagewise.kv.cache import KVCacheSpec, num_cache_blocks
 from stagewise.model.shapes import kv_heads_per_rank
-from stagewise.model.stage import StageModel
 from stagewise.parallel.groups import join_stage_groups
 from stagewise.parallel.runplan import RunPlan, parse_address
 from stagewise.pipeline import fanout, links, messages, protocol
-from stagewise.pipeline.lines import FAILED_LINE, READY_LINE
+from stagewise.pipeline.lines import READY_LINE
 from stagewise.pipeline.messages import Add, Cancel, Connected, Fatal, GetStats, Heartbeat, Ready, Setup, Shutdown
 from stagewise.pipeline.protocol import ProtocolError
 from stagewise.pipeline.roles import Head, Route, StageStats, Worker
@@ -117,10 +116,12 @@ class StageProcess:
                 raise TimeoutError(f"no driver connected within {self.driver_timeout_s:.0f} s")
             self.tell_driver(Ready(stage=self.index, rank=self.rank, capacity_blocks=capacity,
                                    layers=(self.spec.start_layer, self.spec.end_layer), pid=os.getpid(),
-                                   fingerprint=self.fingerprint, kv_bytes=spec.bytes_per_block()))
+                                   fingerprint=self.fingerprint))
             setup = messages.from_frame(self.control.recv(timeout=self.driver_timeout_s))
             if not isinstance(setup, Setup):
                 raise ValueError(f"expected the driver's setup, got {type(setup).__name__}")
+            from stagewise.model.stage import StageModel  # after listening: the driver connects meanwhile
+
             groups = join_stage_groups(self.plan, self.index, self.rank, setup.store)
             model = StageModel.from_weights(cfg, self.spec.start_layer, self.spec.end_layer, weights, dtype=dtype,
                                             device=device, groups=groups)
