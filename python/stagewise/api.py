@@ -229,7 +229,7 @@ class Pipeline:
         params = sampling_per_prompt(base, len(encoded), overrides)  # every value checked before anything runs
         if any(p.stop for p in params) and self.tokenizer is None:
             raise ValueError("Pipeline.generate: stop strings need a tokenizer; this checkpoint has none")
-        self._check_lengths(encoded, params)
+        self.check_lengths(encoded, params)
         if self.driver is not None:
             from stagewise.pipeline.driver import PipelineBroken
 
@@ -250,6 +250,24 @@ class Pipeline:
         if self.driver is not None and not self.driver.broken:
             self.last_stats["stages"] = self.stage_stats()
         return [run.results[i] for i in range(len(encoded))]
+
+    def open_run(self, *, on_text: Callable[[int, str], None] | None = None,
+                 on_done: Callable[[int, Completion], None] | None = None) -> Run:
+        """Requests on this pipeline outside :meth:`generate`, for a caller that keeps them coming
+        (``stagewise serve``): add each with :meth:`new_request_id` as both its id and its index,
+        then call the run's ``poll_once`` from that one thread. Its text and results come through
+        ``on_text`` and ``on_done``."""
+        if self._backend is None:
+            raise ValueError("Pipeline.open_run: the pipeline is closed")
+        return Run(self._backend, TextStreams(self.tokenizer, self.config.eos_token_ids), on_text, on_done)
+
+    def new_request_id(self) -> int:
+        return next(self._ids)
+
+    @property
+    def broken(self) -> str | None:
+        """Why the stages stopped serving (a stage died or hung), or None while they serve."""
+        return None if self.driver is None else self.driver.broken
 
     def stage_stats(self, *, trace: bool = False) -> list[dict[str, Any]]:
         """Each stage's measurements since the last generate() began: layers, busy_s and
@@ -297,13 +315,20 @@ class Pipeline:
                                   "transport": self.plan.transport})
 
     @property
+    def max_num_seqs(self) -> int:
+        """The most requests running at once (more wait in the scheduler's queue)."""
+        if self.plan is not None:
+            return self.plan.max_num_seqs
+        return self._backend.engine.status().max_num_seqs
+
+    @property
     def max_model_len(self) -> int:
         """The most tokens (prompt + generated) one request may hold."""
         if self.plan is not None:
             return self.plan.max_model_len or self.config.max_position_embeddings
         return self._backend.engine.max_model_len
 
-    def _check_lengths(self, encoded: list[list[int]], params: list) -> None:
+    def check_lengths(self, encoded: list[list[int]], params: list) -> None:
         """Every prompt whose tokens plus max_new_tokens exceed max_model_len, named at once
         (an error rather than a silent clamp: the caller asked for tokens the model cannot hold)."""
         length = self.max_model_len

@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     from stagewise import cli_generate
 
     cli_generate.add_arguments(sub.add_parser("generate", help="generate text with a model in this process"))
+    from stagewise import cli_serve
+
+    cli_serve.add_arguments(sub.add_parser("serve", help="an OpenAI-compatible HTTP server in front of the model"))
     from stagewise import cli_stage
 
     cli_stage.add_arguments(sub.add_parser("stage", help="run one pipeline stage of a run plan (a process)"))
@@ -46,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(negative_ids_fix(argv))
     if args.command == "generate":
         return cli_generate.run(args)
+    if args.command == "serve":
+        return cli_serve.run(args)
     if args.command == "stage":
         return cli_stage.main(args)
     if args.command == "plan":

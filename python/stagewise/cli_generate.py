@@ -29,6 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an HF folder, a .gguf file, or an embedded model name (smollm2-135m); "
                              "with --plan, the plan's model")
     add_prompt_arguments(parser)
+    add_model_arguments(parser)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """What loads the model and lays it out (shared by ``generate`` and ``serve``)."""
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--linear-precision", default="exact", choices=["exact", "int8"],
@@ -70,6 +75,17 @@ def argument_problems(args: argparse.Namespace) -> tuple[list[str], Requests]:
     problems: list[str] = []
     req = read_requests(args, problems)
     problems += sampling_problems(sampling_args(args))
+    problems += model_problems(args)
+    if args.logprobs is not None and not (args.json or args.prompt_file):
+        problems.append("--logprobs needs --json or --prompt-file (the log-probabilities are printed as JSON)")
+    if args.prompt_file and args.json:
+        problems.append("--prompt-file prints JSON lines already; leave out --json")
+    return problems, req
+
+
+def model_problems(args: argparse.Namespace) -> list[str]:
+    """Every problem of :func:`add_model_arguments`' arguments that needs no model."""
+    problems: list[str] = []
     if (args.model is None) == (args.plan is None):
         problems.append("give a model, or --plan PLAN to attach to running stages (not both)")
     if args.store and not args.plan:
@@ -89,11 +105,7 @@ def argument_problems(args: argparse.Namespace) -> tuple[list[str], Requests]:
         if given and not local_pipeline and not (flag == "--trace" and args.plan):
             problems.append(f"{flag} applies to processes (--stages, --tp or --pcp > 1)"
                             f"{' or --plan' if flag == '--trace' else ''}")
-    if args.logprobs is not None and not (args.json or args.prompt_file):
-        problems.append("--logprobs needs --json or --prompt-file (the log-probabilities are printed as JSON)")
-    if args.prompt_file and args.json:
-        problems.append("--prompt-file prints JSON lines already; leave out --json")
-    return problems, req
+    return problems
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,38 +114,50 @@ def run(args: argparse.Namespace) -> int:
     problems, req = argument_problems(args)
     if problems:
         return report(PROG, problems)
-    if args.model is not None:
-        try:
-            from stagewise.model.loader import open_checkpoint
-
-            config = open_checkpoint(args.model).config  # the config only: nothing is loaded yet
-        except (ValueError, FileNotFoundError, OSError) as err:
-            return report(PROG, [f"cannot open {args.model!r}: {err}"])
-        problems = config_problems(config, req, args, sampling=sampling_args(args), max_model_len=args.max_model_len,
-                                   stages=args.stages, partition=args.partition)
-        from stagewise.model.shapes import parallel_problems
-
-        problems += [f"--tp {args.tp} --dcp {args.dcp}: {p}" for p in parallel_problems(config, args.tp, args.dcp)]
-        if problems:
-            return report(PROG, problems)
-    pipe = _attach(args) if args.plan else _load(args)
+    problems = config_checks(args, req, sampling_args(args))
+    if problems:
+        return report(PROG, problems)
+    pipe = open_pipeline(args, PROG)
     if pipe is None:
         return 1
     return generate_and_print(pipe, args, req, prog=PROG)
 
 
-def _attach(args: argparse.Namespace):
+def config_checks(args: argparse.Namespace, req: Requests, sampling: dict) -> list[str]:
+    """What the model's config rules out of these arguments (its config only: nothing is loaded)."""
+    if args.model is None:
+        return []
+    try:
+        from stagewise.model.loader import open_checkpoint
+
+        config = open_checkpoint(args.model).config
+    except (ValueError, FileNotFoundError, OSError) as err:
+        return [f"cannot open {args.model!r}: {err}"]
+    problems = config_problems(config, req, args, sampling=sampling, max_model_len=args.max_model_len,
+                               stages=args.stages, partition=args.partition)
+    from stagewise.model.shapes import parallel_problems
+
+    return problems + [f"--tp {args.tp} --dcp {args.dcp}: {p}" for p in parallel_problems(config, args.tp, args.dcp)]
+
+
+def open_pipeline(args: argparse.Namespace, prog: str):
+    """The pipeline :func:`add_model_arguments`' arguments ask for (started, or attached to with
+    ``--plan``); None, with the reason printed, when it cannot be had."""
+    return _attach(args, prog) if args.plan else _load(args, prog)
+
+
+def _attach(args: argparse.Namespace, prog: str):
     from stagewise.api import Pipeline
 
     token = args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None
     try:
         return Pipeline.attach(args.plan, store=args.store, auth_token=token, connect_timeout=args.connect_timeout)
     except (ValueError, FileNotFoundError, KeyError, RuntimeError, TimeoutError, OSError) as err:
-        print(f"{PROG}: cannot attach to the stages of {args.plan!r}: {err}", file=sys.stderr)
+        print(f"{prog}: cannot attach to the stages of {args.plan!r}: {err}", file=sys.stderr)
         return None
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, prog: str):
     from stagewise.api import Pipeline
 
     # Loading takes seconds; show a progress bar on a terminal (stderr, so piped output stays clean).
@@ -155,7 +179,7 @@ def _load(args: argparse.Namespace):
             if bar is not None:
                 bar.close()
     except (ValueError, FileNotFoundError, KeyError, RuntimeError, TimeoutError, OSError, NotImplementedError) as err:
-        print(f"{PROG}: cannot load {args.model!r}: {err}", file=sys.stderr)
+        print(f"{prog}: cannot load {args.model!r}: {err}", file=sys.stderr)
         return None
     if chatty:
         print(f"stagewise: loaded {args.model} in {pipe.load_s:.1f} s ({pipe.config.num_layers} layers, "

@@ -16,6 +16,7 @@ import sys
 
 from stagewise.cli_generate import generate_and_print
 from stagewise.cli_prompts import Requests, add_prompt_arguments, read_requests, report, sampling_args, sampling_problems
+from stagewise.cli_serve import add_server_arguments, listen, serve, server_problems
 
 PROG = "stagewise launch"
 
@@ -36,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect-timeout", type=float, default=600.0, metavar="S",
                         help="how long to wait for the stages to start (default 600)")
     add_prompt_arguments(parser)
+    parser.add_argument("--serve", action="store_true",
+                        help="answer OpenAI-compatible HTTP requests (as `stagewise serve`) instead of prompts")
+    add_server_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
     problems: list[str] = []
     req = Requests() if interactive else read_requests(args, problems)
     problems += sampling_problems(sampling_args(args))
+    if args.serve:
+        problems += server_problems(args)
+        if not interactive:
+            problems.append("--serve answers HTTP requests; leave out --prompt, --prompt-ids and --prompt-file")
     if problems:
         return report(PROG, problems)
     token = args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None
@@ -95,6 +103,17 @@ def _drive(plan, args, req: Requests, *, token, addresses, procs, interactive: b
         print(f"{PROG}: cannot connect to the stages: {err}", file=sys.stderr)
         return 1
     print(f"{PROG}: connected to {plan.num_stages} stages", file=sys.stderr)
+    if args.serve:
+        try:
+            sock = listen(args, PROG)
+            if sock is None:
+                return 2
+            try:
+                return serve(pipe, args, sock, PROG)
+            finally:
+                sock.close()
+        finally:
+            pipe.close()
     if not interactive:
         return generate_and_print(pipe, args, req, prog=PROG)
     code = 0

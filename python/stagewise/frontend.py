@@ -103,10 +103,13 @@ def sampling_per_prompt(base: Mapping[str, Any], n: int,
 
 
 class Run:
-    """One generate call's requests on a backend, from added to their results."""
+    """Requests on a backend, from added to their results: one generate call's (:meth:`wait`), or
+    a server's for as long as it runs (:meth:`poll_once` in a loop, ``on_done`` handing each
+    result out, :meth:`forget` dropping what is kept of it)."""
 
-    def __init__(self, backend, streams: TextStreams, on_text: Callable[[int, str], None] | None) -> None:
-        self.backend, self.streams, self.on_text = backend, streams, on_text
+    def __init__(self, backend, streams: TextStreams, on_text: Callable[[int, str], None] | None,
+                 on_done: Callable[[int, Completion], None] | None = None) -> None:
+        self.backend, self.streams, self.on_text, self.on_done = backend, streams, on_text, on_done
         self.start = time.perf_counter()
         self.results: dict[int, Completion] = {}
         """prompt index -> its result."""
@@ -116,9 +119,9 @@ class Run:
         self._first: dict[int, float] = {}
         self._ended: dict[int, tuple[int, float | None]] = {}
         """request id -> (tokens, first token time) of the requests that ended."""
-        self._reported: set[int] = set()
-        """Requests whose output the backend gave (a stop string's cancel too): the call returns
-        when every request's has come, so that nothing of it is left on the backend."""
+        self._pending: set[int] = set()
+        """Requests whose output the backend has not given yet (a stop string's cancel too): a
+        call returns when none is left, so that nothing of it is left on the backend."""
         self._quiet: set[int] = set()
         """Requests whose consumer raised: no more text is handed to it."""
 
@@ -132,20 +135,56 @@ class Run:
             return
         self.streams.open(request_id, prompt_ids, params)
         self._index[request_id], self._prompts[request_id] = index, prompt_ids
+        self._pending.add(request_id)
         if params.logprobs is not None:
             self._logprobs[request_id] = []
 
+    @property
+    def pending(self) -> int:
+        """Requests the backend still holds."""
+        return len(self._pending)
+
     def wait(self) -> None:
         """Until every request ended and the backend reported each."""
-        while len(self._reported) < len(self._index):
-            outputs = self.backend.poll(0.05)
-            for rid, token, lp in self.backend.take_tokens():
-                if rid in self.streams:
-                    self._token(rid, token, lp)
-            for out in outputs:
-                self._reported.add(out.request_id)
-                if out.request_id in self.streams:  # else: the cancel of one a stop string ended
-                    self._finish(out.request_id, out.finish_reason, out)
+        while self._pending:
+            self.poll_once(0.05)
+
+    def poll_once(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the backend; hand out the new text and the results."""
+        outputs = self.backend.poll(timeout)
+        for rid, token, lp in self.backend.take_tokens():
+            if rid in self.streams:
+                self._token(rid, token, lp)
+        for out in outputs:
+            self._pending.discard(out.request_id)
+            if out.request_id in self.streams:  # else: the cancel of one a stop string ended
+                self._finish(out.request_id, out.finish_reason, out)
+
+    def logprobs(self, request_id: int) -> list[TokenLogprobs | None]:
+        """The log-probabilities of a request's tokens so far (``logprobs=K`` requests)."""
+        return self._logprobs.get(request_id, [])
+
+    def first_token_s(self, request_id: int) -> float | None:
+        return self._first.get(request_id)
+
+    def forget(self, request_id: int) -> bool:
+        """Drop what is kept of an ended request (its result was handed out); a server calls this
+        so that its memory does not grow with the requests it served. False while the backend
+        still holds it (a stop string's cancel on its way)."""
+        if request_id in self._pending or request_id in self.streams:
+            return False
+        index = self._index.pop(request_id, None)
+        for d in (self._prompts, self._logprobs, self._first, self._ended):
+            d.pop(request_id, None)
+        self._quiet.discard(request_id)
+        if index is not None:
+            self.results.pop(index, None)
+        return True
+
+    def cancel(self, request_id: int) -> None:
+        """End a request (finish_reason 'cancelled'); its KV is freed on every stage."""
+        if request_id in self._pending:
+            self.backend.cancel(request_id)
 
     def _token(self, rid: int, token: int, lp: TokenLogprobs | None) -> None:
         self._first.setdefault(rid, time.perf_counter())
@@ -176,16 +215,18 @@ class Run:
                        None if out is None else out.error, None if logprobs is None else logprobs[: len(tokens)])
 
     def _complete(self, index: int, prompt_ids, tokens, text, reason, error, logprobs) -> None:
-        self.results[index] = Completion(text=text, token_ids=list(tokens), finish_reason=reason, error=error,
-                                         prompt_token_ids=list(prompt_ids), logprobs=logprobs)
+        result = Completion(text=text, token_ids=list(tokens), finish_reason=reason, error=error,
+                            prompt_token_ids=list(prompt_ids), logprobs=logprobs)
+        self.results[index] = result
+        if self.on_done is not None:
+            self.on_done(index, result)
 
     def cancel_unfinished(self) -> None:
-        for rid in self._index:
-            if rid not in self._reported:
-                try:
-                    self.backend.cancel(rid)
-                except Exception:  # noqa: BLE001 - a broken pipeline has nothing left to cancel
-                    pass
+        for rid in list(self._pending):
+            try:
+                self.backend.cancel(rid)
+            except Exception:  # noqa: BLE001 - a broken pipeline has nothing left to cancel
+                pass
 
     def stats(self) -> dict[str, Any]:
         """Timings of the call; decode time runs from the first token to the end."""

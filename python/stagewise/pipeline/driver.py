@@ -81,6 +81,7 @@ class PipelineDriver:
         self.plan, self.addresses, self.processes = plan, addresses, processes
         self.controls = []
         self.broken: str | None = None
+        self._ended: list[RequestOutput] = []
         self.status: dict = {}
         """Stage 0's latest status: waiting (queue depth), running (active rows), max_num_seqs,
         free_blocks, total_blocks."""
@@ -196,7 +197,9 @@ class PipelineDriver:
                 raise PipelineBroken(f"{self._name(stage)} failed: {msg.message}")
             if isinstance(msg, Status):
                 self.status = _status_dict(msg)
-            elif not isinstance(msg, (messages.Heartbeat, Events)):  # events only come after all requests ended
+            elif isinstance(msg, Events) and stage == 0:  # requests running (a server asking for stats)
+                self._ended += self._events(msg)
+            elif not isinstance(msg, messages.Heartbeat):
                 raise ProtocolError(f"stage {stage}: expected {kind.__name__}, got {type(msg).__name__}")
 
     def _check_process(self, stage: int) -> None:
@@ -251,10 +254,10 @@ class PipelineDriver:
         """Wait up to ``timeout`` for stage 0's events; returns the requests that ended (their
         new tokens wait in :meth:`take_tokens`). Checks every stage's health on the way: when the
         pipeline breaks, every request still running ends with an error naming the stage."""
+        done, self._ended = self._ended, []  # requests that ended while stats were fetched
         if self.broken:
-            return self._fail_all()
-        done: list[RequestOutput] = []
-        self.controls[0].poll(timeout)  # wait for stage 0's events (or the timeout)
+            return done + self._fail_all()
+        self.controls[0].poll(0.0 if done else timeout)  # wait for stage 0's events (or the timeout)
         now = time.monotonic()
         for i, control in enumerate(self.controls):
             try:

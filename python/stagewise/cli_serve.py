@@ -1,0 +1,104 @@
+"""``stagewise serve MODEL``: load a model (in this process, or as pipeline stages with every layout
+option of ``generate``) and answer OpenAI-compatible requests over HTTP until stopped (Ctrl-C or
+SIGTERM stop the server, then the stages). See :mod:`stagewise.serve.app` for the endpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+from stagewise.cli_generate import add_model_arguments, config_checks, model_problems, open_pipeline
+from stagewise.cli_prompts import Requests, report
+
+PROG = "stagewise serve"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="an HF folder, a .gguf file, or an embedded model name (smollm2-135m); "
+                             "with --plan, the plan's model")
+    add_model_arguments(parser)
+    add_server_arguments(parser)
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's own options (shared with ``stagewise launch PLAN --serve``)."""
+    s = parser.add_argument_group("server (serve, launch --serve)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one, printed)")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="clients must send 'Authorization: Bearer KEY' to /v1/* (default: $STAGEWISE_API_KEY; "
+                        "none: open)")
+    s.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in the API (default: the model argument)")
+    s.add_argument("--max-waiting", type=int, default=64, metavar="N",
+                   help="requests that may wait beyond the --max-num-seqs running ones; more get 503 with "
+                        "Retry-After (default 64)")
+    s.add_argument("--default-max-tokens", type=int, default=256, metavar="N",
+                   help="max_tokens of a request that gives none (default 256)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def server_problems(args: argparse.Namespace) -> list[str]:
+    problems = []
+    if not 0 <= args.port <= 65535:
+        problems.append(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_waiting < 0:
+        problems.append(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if args.default_max_tokens < 1:
+        problems.append(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    return problems
+
+
+def listen(args: argparse.Namespace, prog: str) -> socket.socket | None:
+    """The server's socket, bound before the model loads (a port in use is said at once)."""
+    try:
+        return socket.create_server((args.host, args.port))
+    except OSError as err:
+        report(prog, [f"cannot listen on {args.host}:{args.port}: {err}"])
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    problems = model_problems(args) + server_problems(args)
+    if problems:
+        return report(PROG, problems)
+    problems = config_checks(args, Requests(), {"max_new_tokens": 1})
+    if problems:
+        return report(PROG, problems)
+    sock = listen(args, PROG)
+    if sock is None:
+        return 2
+    try:
+        pipe = open_pipeline(args, PROG)
+        if pipe is None:
+            return 1
+        try:
+            return serve(pipe, args, sock, PROG)
+        finally:
+            pipe.close()
+    finally:
+        sock.close()
+
+
+def serve(pipe, args: argparse.Namespace, sock: socket.socket, prog: str) -> int:
+    """Answer requests on ``sock`` until stopped (the caller closes ``pipe``)."""
+    import uvicorn
+
+    from stagewise.serve.app import build_app
+
+    model = getattr(args, "model", None)
+    name = args.served_model_name or model or (pipe.plan.model if pipe.plan is not None else "model")
+    key = args.api_key or os.environ.get("STAGEWISE_API_KEY") or None
+    app = build_app(pipe, model_name=name, api_key=key, max_waiting=args.max_waiting,
+                    default_max_tokens=args.default_max_tokens)
+    host, port = sock.getsockname()[:2]
+    print(f"{prog}: {name} on http://{host}:{port}/v1 ({'API key required' if key else 'no API key'})",
+          file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
+    return 0 if server.started else 1

@@ -1,0 +1,261 @@
+"""The OpenAI-compatible HTTP server in front of a :class:`~stagewise.api.Pipeline` (a Starlette
+app; ``stagewise serve`` runs it on uvicorn).
+
+- ``POST /v1/completions`` and ``POST /v1/chat/completions``: whole answers, or server-sent events
+  with ``"stream": true`` (``data: {chunk}`` lines, then ``data: [DONE]``).
+- ``GET /v1/models``, ``GET /health`` (200 while requests can be served, 503 once the pipeline
+  failed or the server is stopping), ``GET /metrics`` (Prometheus).
+
+Every request joins the pipeline's running batches through the one :class:`ServeLoop`. A client that
+disconnects cancels its request (its KV is freed on every stage). Past the loop's capacity a
+request gets 503 with ``Retry-After``; a bad one 400 with OpenAI's error body, and nothing else is
+disturbed. With an API key, ``/v1/*`` needs ``Authorization: Bearer <key>`` (401 otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import time
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from stagewise.frontend import Completion
+from stagewise.serve import openai
+from stagewise.serve.loop import Busy, ServeLoop, Sink, Unavailable
+from stagewise.serve.metrics import ServerMetrics
+
+RETRY_AFTER_S = 1
+
+
+def _error(err: openai.ApiError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+class _Stream:
+    """One request's events, moved from the loop's thread onto the server's event loop."""
+
+    def __init__(self) -> None:
+        self.aloop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def sink(self) -> Sink:
+        put = self.queue.put_nowait
+        return Sink(on_text=lambda text, lps: self.aloop.call_soon_threadsafe(put, ("text", text, lps)),
+                    on_done=lambda result, timings: self.aloop.call_soon_threadsafe(put, ("done", result, timings)))
+
+
+def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting: int = 64,
+              default_max_tokens: int = 256) -> Starlette:
+    """The server's app over ``pipe`` (which the caller keeps and closes after the app stopped)."""
+    metrics = ServerMetrics(model_name)
+    state: dict = {"loop": None}
+
+    def piece(token: int) -> str:
+        return pipe.tokenizer.decode([token]) if pipe.tokenizer is not None else str(token)
+
+    def render(messages):
+        from jinja2 import TemplateError
+
+        if pipe.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer")
+        try:
+            return pipe.render_chat(messages)
+        except TemplateError as err:
+            raise ValueError(str(err)) from None
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state["loop"] = ServeLoop(pipe, max_waiting=max_waiting, observe=metrics.observe)
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, state["loop"].close)
+
+    def authorised(request: Request) -> bool:
+        if api_key is None:
+            return True
+        got = request.headers.get("authorization", "")
+        return got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), api_key.encode())
+
+    def unauthorised() -> JSONResponse:
+        metrics.reject("unauthorized")
+        return _error(openai.ApiError("a valid API key is needed: Authorization: Bearer <key>", status=401,
+                                      type="authentication_error", code="invalid_api_key"))
+
+    async def generate(request: Request, chat: bool) -> Response:
+        if not authorised(request):
+            return unauthorised()
+        loop: ServeLoop = state["loop"]
+        try:
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise openai.ApiError(f"the request body is not valid JSON: {err}") from None
+            if chat:
+                req = openai.parse_chat(body, model_name, render, default_max_tokens)
+            else:
+                req = openai.parse_completion(body, model_name, default_max_tokens)
+            ids = req.prompt_ids if req.prompt_ids is not None else _encode(pipe, req.prompt, req.chat)
+            _check_prompt(pipe, ids, req)
+        except openai.ApiError as err:
+            metrics.reject("bad_request")
+            return _error(err)
+        stream = _Stream()
+        try:
+            rid = loop.submit(ids, req.params, stream.sink())
+        except Busy as err:
+            metrics.reject("busy")
+            return _error(openai.ApiError(f"the server is busy: {err}; retry later", status=503,
+                                          type="server_error", code="busy"), {"Retry-After": str(RETRY_AFTER_S)})
+        except Unavailable as err:
+            metrics.reject("unavailable")
+            return _error(openai.ApiError(str(err), status=503, type="server_error", code="unavailable"))
+        name = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+        if req.stream:
+            return StreamingResponse(_events(loop, rid, stream, req, name, model_name, piece, len(ids)),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _whole(request, loop, rid, stream, req, name, model_name, piece)
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    async def models(request: Request) -> Response:
+        if not authorised(request):
+            return unauthorised()
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": started, "owned_by": "stagewise",
+             "max_model_len": pipe.max_model_len}]})
+
+    async def health(request: Request) -> Response:
+        loop = state["loop"]
+        why = "the server is starting" if loop is None else loop.unavailable
+        if why:
+            return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_text(request: Request) -> Response:
+        loop: ServeLoop = state["loop"]
+        stages = await asyncio.get_running_loop().run_in_executor(None, loop.stage_stats)
+        num_stages = 1 if pipe.plan is None else pipe.plan.num_stages
+        return PlainTextResponse(metrics.scrape(loop.status, num_stages, stages),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    started = int(time.time())
+    routes = [Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
+              Route("/metrics", metrics_text, methods=["GET"])]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.metrics = metrics
+    app.state.serving = state
+    return app
+
+
+def _encode(pipe, text: str, chat: bool) -> list[int]:
+    if pipe.tokenizer is None:
+        raise openai.ApiError("this checkpoint has no tokenizer: send 'prompt' as a list of token ids",
+                              param="prompt")
+    # A chat template writes the special tokens itself (as Pipeline.generate(chat=True) encodes it).
+    return pipe.tokenizer.encode(text, add_special_tokens=not chat).ids
+
+
+def _check_prompt(pipe, ids: list[int], req: openai.ApiRequest) -> None:
+    if not ids:
+        raise openai.ApiError("the prompt is empty", param="messages" if req.chat else "prompt")
+    vocab = pipe.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise openai.ApiError(f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}", param="prompt")
+    if req.params.stop and pipe.tokenizer is None:
+        raise openai.ApiError("stop strings need a tokenizer; this checkpoint has none", param="stop")
+    try:
+        pipe.check_lengths([ids], [req.params])
+    except ValueError as err:
+        raise openai.ApiError(str(err).replace("Pipeline.generate: ", "").replace("prompt 0", "the prompt"),
+                              param="max_tokens", code="context_length_exceeded") from None
+
+
+def _choice(req: openai.ApiRequest, text: str, lps, piece, finish: str | None, offset: int = 0,
+            first: bool = False) -> dict:
+    if req.chat:
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        choice = {"index": 0, "delta": delta}
+        if req.logprobs is not None:
+            choice["logprobs"] = openai.chat_logprobs(lps, piece)
+    else:
+        choice = {"index": 0, "text": text}
+        choice["logprobs"] = openai.completion_logprobs(lps, piece, offset) if req.logprobs is not None else None
+    choice["finish_reason"] = finish
+    return choice
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _events(loop: ServeLoop, rid: int, stream: _Stream, req, name: str, model: str, piece, prompt_len: int):
+    done = False
+    offset, first = 0, True
+    try:
+        while True:
+            kind, a, b = await stream.queue.get()
+            if kind == "text":
+                if not a and not b:
+                    continue
+                yield _sse(openai.body(req, name, model, _choice(req, a, b, piece, None, offset, first), None, True))
+                offset, first = offset + len(a), False
+                continue
+            done = True
+            result: Completion = a
+            if result.finish_reason == "error":
+                yield _sse({"error": {"message": result.error, "type": "server_error", "param": None, "code": None}})
+            finish = openai.FINISH[result.finish_reason]
+            yield _sse(openai.body(req, name, model, _choice(req, "", [], piece, finish, offset, first), None, True))
+            if req.include_usage:
+                yield _sse(openai.body(req, name, model, {}, openai.usage(prompt_len, len(result.token_ids)), True))
+            yield b"data: [DONE]\n\n"
+            return
+    finally:
+        if not done:  # the client went away: its request ends and its KV is freed
+            loop.cancel(rid)
+
+
+async def _whole(request: Request, loop: ServeLoop, rid: int, stream: _Stream, req, name: str, model: str,
+                 piece) -> Response:
+    lps: list = []
+    while True:
+        try:
+            kind, a, b = await asyncio.wait_for(stream.queue.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                loop.cancel(rid)
+                return Response(status_code=499)
+            continue
+        if kind == "text":
+            lps += b
+            continue
+        result: Completion = a
+        break
+    if result.finish_reason == "error":
+        return _error(openai.ApiError(f"the request failed: {result.error}", status=500, type="server_error"))
+    finish = openai.FINISH[result.finish_reason]
+    if req.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                  "logprobs": openai.chat_logprobs(lps, piece) if req.logprobs is not None else None,
+                  "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": result.text, "finish_reason": finish,
+                  "logprobs": openai.completion_logprobs(lps, piece) if req.logprobs is not None else None}
+    use = openai.usage(len(result.prompt_token_ids), len(result.token_ids))
+    return JSONResponse(openai.body(req, name, model, choice, use))

@@ -1,0 +1,228 @@
+"""The OpenAI API's request and response bodies for `/v1/completions` and
+`/v1/chat/completions`: a request checked field by field into a prompt and
+:class:`~stagewise.engine.params.SamplingParams` (:func:`parse_completion`, :func:`parse_chat`),
+and the results shaped as OpenAI's clients read them, whole or as stream chunks.
+
+Every problem is an :class:`ApiError` naming the field (``param``), which the server answers with
+400 and OpenAI's error body.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from stagewise.engine.params import SamplingParams, TokenLogprobs
+
+MAX_COMPLETION_LOGPROBS = 5  # what OpenAI's legacy completions endpoint allows
+MAX_TOP_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """A request the server answers with an error body (``status``, OpenAI's ``type`` and ``code``)."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(kw_only=True)
+class ApiRequest:
+    """One checked request: what to run and how to answer."""
+
+    chat: bool
+    prompt: str | None = None
+    """The prompt text (a chat's rendered template), or None with ``prompt_ids``."""
+    prompt_ids: list[int] | None = None
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None
+    """Top log-probabilities per token to answer with (None: no logprobs)."""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise ApiError(f"'{name}' must be {names}, got {type(value).__name__} {value!r}", param=name)
+    return value
+
+
+def _check_model(body: dict, served: str) -> None:
+    model = body.get("model")
+    if model is not None and model != served:
+        raise ApiError(f"The model '{model}' does not exist; this server serves '{served}'", param="model",
+                       code="model_not_found")
+
+
+def _sampling(body: dict, max_tokens_names: tuple[str, ...], default_max: int, logprobs: int | None) -> SamplingParams:
+    """The sampling fields common to both endpoints, OpenAI's defaults (temperature 1)."""
+    if _get(body, "n", (int,), 1) != 1:
+        raise ApiError("only n=1 is supported", param="n")
+    max_tokens = default_max
+    for name in max_tokens_names:
+        given = _get(body, name, (int,))
+        if given is not None:
+            max_tokens = given
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
+        raise ApiError("'stop' must be a string or a list of at most 16 strings", param="stop")
+    fields = dict(max_new_tokens=max_tokens,
+                  temperature=float(_get(body, "temperature", (int, float), 1.0)),
+                  top_p=float(_get(body, "top_p", (int, float), 1.0)),
+                  top_k=_get(body, "top_k", (int,), 0),
+                  min_p=float(_get(body, "min_p", (int, float), 0.0)),
+                  presence_penalty=float(_get(body, "presence_penalty", (int, float), 0.0)),
+                  frequency_penalty=float(_get(body, "frequency_penalty", (int, float), 0.0)),
+                  repetition_penalty=float(_get(body, "repetition_penalty", (int, float), 1.0)),
+                  seed=_get(body, "seed", (int,)), stop=[s for s in stop if s], logprobs=logprobs,
+                  ignore_eos=_get(body, "ignore_eos", (bool,), False))
+    if fields["top_k"] == -1:  # vLLM's spelling of "off"
+        fields["top_k"] = 0
+    try:
+        return SamplingParams(**fields)
+    except ValueError as err:
+        name = str(err).split(" ")[0].removeprefix("SamplingParams.")
+        param = {"max_new_tokens": max_tokens_names[-1]}.get(name, name)
+        raise ApiError(str(err).replace(f"SamplingParams.{name}", param), param=param) from None
+
+
+def _stream_options(body: dict) -> tuple[bool, bool]:
+    stream = _get(body, "stream", (bool,), False)
+    opts = _get(body, "stream_options", (dict,), {})
+    if opts and not stream:
+        raise ApiError("'stream_options' is only allowed with stream=true", param="stream_options")
+    return stream, bool(_get(opts, "include_usage", (bool,), False))
+
+
+def parse_completion(body: Any, served: str, default_max: int = 16) -> ApiRequest:
+    """A `/v1/completions` body (OpenAI's fields, plus vLLM's top_k, min_p, repetition_penalty,
+    ignore_eos)."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    _check_model(body, served)
+    prompt = body.get("prompt")
+    text, ids = None, None
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise ApiError("'prompt' must be a string, a list of token ids, or a list holding one of them "
+                       "(one prompt per request)", param="prompt")
+    if _get(body, "echo", (bool,), False):
+        raise ApiError("'echo' is not supported", param="echo")
+    if _get(body, "best_of", (int,), 1) != 1:
+        raise ApiError("only best_of=1 is supported", param="best_of")
+    logprobs = _get(body, "logprobs", (int,))
+    if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise ApiError(f"'logprobs' must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {logprobs}", param="logprobs")
+    stream, usage = _stream_options(body)
+    params = _sampling(body, ("max_tokens",), default_max, logprobs)
+    return ApiRequest(chat=False, prompt=text, prompt_ids=ids, params=params, stream=stream, include_usage=usage,
+                      logprobs=logprobs)
+
+
+def chat_messages(body: dict) -> list[dict[str, str]]:
+    """The ``messages`` as the chat template takes them: role and text content (text parts joined)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise ApiError(f"{where} must be an object whose 'role' is system, developer, user, assistant or tool",
+                           param=where)
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(f"{where}.content[{j}]: only text parts are supported", param=f"{where}.content")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise ApiError(f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    return out
+
+
+def parse_chat(body: Any, served: str, render, default_max: int) -> ApiRequest:
+    """A `/v1/chat/completions` body; ``render(messages)`` applies the chat template."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    _check_model(body, served)
+    messages = chat_messages(body)
+    want = _get(body, "logprobs", (bool,), False)
+    top = _get(body, "top_logprobs", (int,))
+    if top is not None and not want:
+        raise ApiError("'top_logprobs' needs logprobs=true", param="top_logprobs")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ApiError(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {top}", param="top_logprobs")
+    logprobs = (top or 0) if want else None
+    stream, usage = _stream_options(body)
+    params = _sampling(body, ("max_tokens", "max_completion_tokens"), default_max, logprobs)
+    try:
+        prompt = render(messages)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ApiError(f"the chat template cannot render these messages: {err}", param="messages") from None
+    return ApiRequest(chat=True, prompt=prompt, params=params, stream=stream, include_usage=usage, logprobs=logprobs)
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+FINISH = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(entries: list[TokenLogprobs | None], piece, offset: int = 0) -> dict:
+    """The legacy completions' logprobs object of these tokens; ``piece(id)`` is a token's text."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for e in entries:
+        if e is None:
+            continue
+        text = piece(e.token)
+        tokens.append(text)
+        lps.append(e.logprob)
+        tops.append({piece(t): lp for t, lp in e.top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[TokenLogprobs | None], piece) -> dict:
+    """The chat endpoint's logprobs object (``content``: one entry per token)."""
+    def one(token: int, lp: float) -> dict:
+        text = piece(token)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                        for e in entries if e is not None]}
+
+
+def body(req: ApiRequest, rid: str, model: str, choice: dict, use: dict | None, chunk: bool = False) -> dict:
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if req.chat else "text_completion"
+    out = {"id": rid, "object": kind, "created": req.created, "model": model, "choices": [choice] if choice else []}
+    if use is not None:
+        out["usage"] = use
+    return out
