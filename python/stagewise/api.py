@@ -38,7 +38,7 @@ class Pipeline:
                  device: str = "cpu", dtype: str = "auto",
                  max_num_seqs: int = 32, max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                  max_num_tokens: int | None = None, load_progress: Callable[[int, int, int], None] | None = None,
-                 quantized: bool | None = None, linear_precision: str = "exact",
+                 quantized: bool | None = None, linear_precision: str = "exact", max_restarts: int = 0,
                  **parallel_options: Any) -> None:
         """``load_progress(done, total, nbytes)`` follows the weight reading (see
         :func:`stagewise.model.loader.load_stage_weights`).
@@ -54,7 +54,11 @@ class Pipeline:
 
         ``tp``: tensor-parallel ranks per stage; ``dcp``: of those, how many shard each KV head's
         sequence (decode context parallel); ``pcp``: prefill-context-parallel ranks per stage
-        (each ``tp`` processes more). Any of them above 1 runs every rank as a process."""
+        (each ``tp`` processes more). Any of them above 1 runs every rank as a process.
+
+        ``max_restarts``: with processes, how many times a pipeline whose stage died or hung is
+        started again, its running requests resumed from the tokens they had
+        (:mod:`stagewise.pipeline.recovery`; 0: such a failure ends them with an error)."""
         check_precision("Pipeline", linear_precision)
         for name, value in (("stages", stages), ("tp", tp), ("dcp", dcp), ("pcp", pcp)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -64,6 +68,11 @@ class Pipeline:
             raise ValueError(f"Pipeline: unknown options {sorted(parallel_options)}; expected some of "
                              f"{sorted(PIPELINE_OPTIONS)}")
         processes = stages * tp * pcp > 1
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"Pipeline: max_restarts must be an int >= 0, got {max_restarts!r}")
+        if max_restarts and not processes:
+            raise ValueError("Pipeline: max_restarts applies to stage processes (stages, tp or pcp > 1): one "
+                             "process has no stage to restart")
         if not processes and pipeline_options:
             raise ValueError(f"Pipeline: {sorted(pipeline_options)} apply to stages > 1 (or tp, pcp > 1), got "
                              "stages=1")
@@ -89,12 +98,24 @@ class Pipeline:
             from stagewise.pipeline.links import hop_transports
 
             hop_transports(plan)  # a transport a hop cannot use: said before any process starts
-            procs, addresses = spawn_stages(plan, auth_token=pipeline_options.get("auth_token"))
-            try:
-                self._drive(plan, addresses, auth_token=pipeline_options.get("auth_token"), processes=procs)
-            except BaseException:
-                procs.stop(grace_s=0.5)
-                raise
+            token = pipeline_options.get("auth_token")
+
+            def launch():
+                procs, addresses = spawn_stages(plan, auth_token=token)
+                try:
+                    return self._new_driver(plan, addresses, auth_token=token, processes=procs)
+                except BaseException:
+                    procs.stop(grace_s=0.5)
+                    raise
+
+            self.plan, self._backend = plan, launch()
+            if max_restarts:
+                import logging
+
+                from stagewise.pipeline.recovery import Recovering
+
+                self._backend = Recovering(self._backend, launch, max_restarts,
+                                           log=logging.getLogger("stagewise").warning)
         else:
             from stagewise.engine.engine import Engine
             from stagewise.model.stage import load_stage
@@ -113,7 +134,7 @@ class Pipeline:
             self.tokenizer = checkpoint.tokenizer()
         except FileNotFoundError:
             self.tokenizer = None  # token ids in and out only
-        self.plan = self.driver = None
+        self.plan = self._backend = None
         self.last_stats: dict[str, Any] = {}
         self._ids = count()
 
@@ -138,14 +159,26 @@ class Pipeline:
                              transport=transport, checksum=checksum, **limits)
         return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, threads=threads) for s in plan.stages))
 
-    def _drive(self, plan, addresses, *, auth_token: str | None, processes=None,
-               connect_timeout_s: float = 60.0) -> None:
+    def _new_driver(self, plan, addresses, *, auth_token: str | None, processes=None,
+                    connect_timeout_s: float = 60.0):
         from stagewise.pipeline.driver import PipelineDriver
 
-        self.plan = plan
-        self.driver = PipelineDriver(plan, addresses, fingerprint=plan.fingerprint(self.checkpoint.hf_config),
-                                     auth_token=auth_token, processes=processes, connect_timeout_s=connect_timeout_s)
-        self._backend = self.driver
+        return PipelineDriver(plan, addresses, fingerprint=plan.fingerprint(self.checkpoint.hf_config),
+                              auth_token=auth_token, processes=processes, connect_timeout_s=connect_timeout_s)
+
+    @property
+    def driver(self):
+        """The :class:`~stagewise.pipeline.driver.PipelineDriver` of the stages now running (None
+        in one process, or once closed)."""
+        backend = getattr(self, "_backend", None)
+        if backend is None or isinstance(backend, LocalBackend):
+            return None
+        return getattr(backend, "driver", backend)
+
+    @property
+    def restarts(self) -> int:
+        """How many times the stages were started again after a failure."""
+        return getattr(getattr(self, "_backend", None), "restarts", 0)
 
     @classmethod
     def attach(cls, plan, *, addresses: Sequence[tuple[str, int]] | None = None,
@@ -181,8 +214,9 @@ class Pipeline:
             from stagewise.launch.torchrun import store_addresses
 
             addresses = store_addresses(plan, plan.fingerprint(ckpt.hf_config), store, timeout_s=connect_timeout)
-        self._drive(plan, list(addresses), auth_token=auth_token, processes=processes,
-                    connect_timeout_s=connect_timeout)
+        self.plan = plan
+        self._backend = self._new_driver(plan, list(addresses), auth_token=auth_token, processes=processes,
+                                         connect_timeout_s=connect_timeout)
         self.load_s = time.perf_counter() - start
         return self
 
@@ -267,7 +301,7 @@ class Pipeline:
     @property
     def broken(self) -> str | None:
         """Why the stages stopped serving (a stage died or hung), or None while they serve."""
-        return None if self.driver is None else self.driver.broken
+        return getattr(getattr(self, "_backend", None), "broken", None)
 
     def stage_stats(self, *, trace: bool = False) -> list[dict[str, Any]]:
         """Each stage's measurements since the last generate() began: layers, busy_s and

@@ -32,8 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """What loads the model and lays it out (shared by ``generate`` and ``serve``)."""
+def add_model_arguments(parser: argparse.ArgumentParser, max_restarts: int = 0) -> None:
+    """What loads the model and lays it out (shared by ``generate`` and ``serve``, whose default
+    ``--max-restarts`` differ)."""
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--linear-precision", default="exact", choices=["exact", "int8"],
@@ -58,6 +59,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     pp.add_argument("--no-checksum", action="store_true", help="skip frame checksums (on by default)")
     pp.add_argument("--auth-token", default=None, metavar="TOKEN",
                     help="shared secret for stage connections (default: $STAGEWISE_AUTH_TOKEN)")
+    pp.add_argument("--max-restarts", type=int, default=max_restarts, metavar="N",
+                    help="when a stage process dies or hangs, start the stages again and resume the running "
+                         f"requests, up to N times (default {max_restarts}; 0: the requests end with an error)")
     pp.add_argument("--trace", default=None, metavar="FILE.json",
                     help="write a Chrome-trace timeline of the stages (open in Perfetto)")
     mh = parser.add_argument_group("stages already running (see docs/multi-host.md)")
@@ -97,6 +101,8 @@ def model_problems(args: argparse.Namespace) -> list[str]:
                         ("--dcp", args.dcp), ("--pcp", args.pcp), ("--max-model-len", args.max_model_len)):
         if value is not None and value < 1:
             problems.append(f"{name} must be >= 1, got {value}")
+    if args.max_restarts < 0:
+        problems.append(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.tp >= 1 and args.dcp >= 1 and args.tp % args.dcp:
         problems.append(f"--dcp {args.dcp} must divide --tp {args.tp} (DCP shards the KV inside the TP group)")
     local_pipeline = args.stages * args.tp * args.pcp > 1 and not args.plan
@@ -167,7 +173,8 @@ def _load(args: argparse.Namespace, prog: str):
     if args.stages * args.tp * args.pcp > 1:
         options = dict(partition=args.partition or "even", transport=args.transport or "auto",
                        checksum=not args.no_checksum,
-                       auth_token=args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None)
+                       auth_token=args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None,
+                       max_restarts=args.max_restarts)
         bar = None  # the stages load in their own processes
     try:
         try:

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
                         help="an HF folder, a .gguf file, or an embedded model name (smollm2-135m); "
                              "with --plan, the plan's model")
-    add_model_arguments(parser)
+    add_model_arguments(parser, max_restarts=3)
     add_server_arguments(parser)
 
 

@@ -1,10 +1,12 @@
 """`stagewise serve` as a user runs it: a process serving a 2-stage pipeline over HTTP. Requests from
 several clients share the running batches (a short one ends while a long one streams), a client
-that goes away frees its request's KV on every stage, the metrics show each stage, a dead stage
-turns /health to 503, and Ctrl-C leaves no process behind."""
+that goes away frees its request's KV on every stage, the metrics show each stage, a stage killed
+mid-answer is restarted and the answer goes on with the same tokens, Ctrl-C leaves no process
+behind, and without restarts a dead stage turns /health to 503."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -38,32 +40,43 @@ def metric(page: str, prefix: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines() if line.startswith(prefix))
 
 
-@pytest.fixture(scope="module")
-def server():
-    proc = subprocess.Popen([sys.executable, "-m", "stagewise.cli", "serve", "smollm2-135m", "--stages", "2",
-                             "--port", "0", "--max-num-seqs", "4", "--log-level", "warning"],
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    lines = []
-    try:
-        url = None
+class Served:
+    """`stagewise serve smollm2-135m --stages 2 ...` in its own process group, and a client."""
+
+    def __init__(self, *extra: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "stagewise.cli", "serve", "smollm2-135m", "--stages", "2",
+                                      "--port", "0", "--max-num-seqs", "4", "--log-level", "warning", *extra],
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+        lines, url = [], None
         deadline = time.monotonic() + 120
         while url is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
+            line = self.proc.stderr.readline()
             if not line:
                 break
             lines.append(line)
             if " on http://" in line:
                 url = line.split(" on ", 1)[1].split()[0].removesuffix("/v1")
-        assert url, "the server did not start:\n" + "".join(lines)
-        threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep its pipe drained
-        with httpx.Client(base_url=url, timeout=60) as client:
-            while client.get("/health").status_code != 200:
-                time.sleep(0.1)
-            yield proc, client
+        if url is None:
+            self.stop()
+            raise AssertionError("the server did not start:\n" + "".join(lines))
+        threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # keep its pipe drained
+        self.client = httpx.Client(base_url=url, timeout=60)
+        while self.client.get("/health").status_code != 200:
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server():
+    served = Served()
+    try:
+        yield served.proc, served.client
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        served.stop()
 
 
 def test_a_short_request_ends_while_a_long_one_streams(server):
@@ -123,22 +136,52 @@ def test_metrics_show_each_stage(server):
         assert metric(page, f'stagewise_stage_bytes_sent{{model_name="smollm2-135m",stage="{stage}"}}') > 0
 
 
-def test_a_dead_stage_turns_health_to_503_and_ctrl_c_leaves_nothing(server):
+def test_a_stage_that_dies_mid_answer_is_restarted_and_the_answer_goes_on(server):
     proc, client = server
+    body = {"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    want = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
     stages = children(proc.pid)
-    assert len(stages) == 2, stages
-    os.kill(stages[1], signal.SIGKILL)
-    deadline = time.monotonic() + 20
-    while client.get("/health").status_code == 200 and time.monotonic() < deadline:
-        client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})  # the loop notices on its next poll
-        time.sleep(0.1)
-    health = client.get("/health")
-    assert health.status_code == 503 and "stage 1" in health.json()["reason"], health.text
-    r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
-    assert r.status_code == 503 and "stage 1" in r.json()["error"]["message"]
+    chunks = []
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+                if len(chunks) == 5:
+                    os.kill(stages[1], signal.SIGKILL)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert gone(stages[1:]), "the dead stage's pipeline was not replaced"
+    assert client.get("/health").status_code == 200
+    assert metric(client.get("/metrics").text, "stagewise_stage_restarts_total") == 1
+    new = children(proc.pid)
+    assert len(new) == 2 and not set(new) & set(stages)
+
+
+def test_ctrl_c_leaves_nothing(server):
+    proc, _ = server
+    stages = children(proc.pid)
     os.killpg(proc.pid, signal.SIGINT)
     try:
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         pytest.fail("stagewise serve did not stop on Ctrl-C")
     assert gone(stages) and not alive(proc.pid), "processes left behind"
+
+
+def test_without_restarts_a_dead_stage_turns_health_to_503():
+    served = Served("--max-restarts", "0")
+    try:
+        client = served.client
+        stages = children(served.proc.pid)
+        os.kill(stages[1], signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while client.get("/health").status_code == 200 and time.monotonic() < deadline:
+            client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})  # the loop notices on its next poll
+            time.sleep(0.1)
+        health = client.get("/health")
+        assert health.status_code == 503 and "stage 1" in health.json()["reason"], health.text
+        r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503 and "stage 1" in r.json()["error"]["message"]
+    finally:
+        served.stop()
+    assert gone(stages)

@@ -147,7 +147,7 @@ def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting:
         loop: ServeLoop = state["loop"]
         stages = await asyncio.get_running_loop().run_in_executor(None, loop.stage_stats)
         num_stages = 1 if pipe.plan is None else pipe.plan.num_stages
-        return PlainTextResponse(metrics.scrape(loop.status, num_stages, stages),
+        return PlainTextResponse(metrics.scrape(loop.status, num_stages, stages, pipe.restarts),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     started = int(time.time())

@@ -50,7 +50,9 @@ class ServerMetrics:
                           names + ["stage"], registry=r)
         self.received = Gauge("stagewise_stage_bytes_received", "Bytes a stage received", names + ["stage"],
                               registry=r)
-        self.restarts = Counter("stagewise_stage_restarts", "Stage processes restarted", names, registry=r)
+        self.restarts = Counter("stagewise_stage_restarts", "Times the stage processes were started again after "
+                                "one died or hung", names, registry=r)
+        self._restarts_seen = 0
 
     def observe(self, result: Completion, timings: dict) -> None:
         """One request that ended."""
@@ -68,9 +70,12 @@ class ServerMetrics:
     def reject(self, reason: str) -> None:
         self.rejected.labels(**self.labels, reason=reason).inc()
 
-    def scrape(self, status: dict, num_stages: int, stages: list[dict] | None) -> bytes:
-        """The text exposition, with the gauges read now."""
+    def scrape(self, status: dict, num_stages: int, stages: list[dict] | None, restarts: int = 0) -> bytes:
+        """The text exposition, with the gauges read now (``restarts``: the pipeline's so far)."""
         m = self.labels
+        if restarts > self._restarts_seen:
+            self.restarts.labels(**m).inc(restarts - self._restarts_seen)
+            self._restarts_seen = restarts
         self.running.labels(**m).set(status.get("running", 0))
         self.waiting.labels(**m).set(status.get("waiting", 0))
         total, free = status.get("total_blocks", 0), status.get("free_blocks", 0)
