@@ -45,7 +45,7 @@ class Served:
 
     def __init__(self, *extra: str) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "stagewise.cli", "serve", "smollm2-135m", "--stages", "2",
-                                      "--port", "0", "--max-num-seqs", "4", "--log-level", "warning", *extra],
+                                      "--port", "0", "--max-num-seqs", "16", "--log-level", "warning", *extra],
                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
         lines, url = [], None
         deadline = time.monotonic() + 120
@@ -134,6 +134,75 @@ def test_metrics_show_each_stage(server):
     for stage in ("0", "1"):
         assert f'stagewise_stage_busy_fraction{{model_name="smollm2-135m",stage="{stage}"}}' in page
         assert metric(page, f'stagewise_stage_bytes_sent{{model_name="smollm2-135m",stage="{stage}"}}') > 0
+
+
+def test_the_openai_client(server):
+    openai = pytest.importorskip("openai")
+    _, client = server
+    api = openai.OpenAI(base_url=str(client.base_url) + "/v1", api_key="unused")
+    [model] = api.models.list().data
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = api.chat.completions.create(model=model.id, messages=question, max_tokens=12, temperature=0)
+    assert "Paris" in whole.choices[0].message.content and whole.usage.completion_tokens > 0
+    stream = api.chat.completions.create(model=model.id, messages=question, max_tokens=12, temperature=0,
+                                         stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    text = api.completions.create(model=model.id, prompt="The capital of France is", max_tokens=5, temperature=0,
+                                  logprobs=1)
+    assert len(text.choices[0].logprobs.token_logprobs) == 5
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        api.completions.create(model=model.id, prompt="x", temperature=-1)
+
+
+def test_soak_200_requests_32_at_a_time_a_tenth_cancelled(server):
+    """Random lengths, greedy and seeded, every tenth closed mid-stream: the others end with the
+    tokens `Pipeline.generate` gives, and every KV block is free at the end."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stagewise.api import Pipeline
+
+    _, client = server
+    rng = random.Random(5)
+    words = "the of a river stone light city north quiet green seven over under bright market song".split()
+    jobs = []
+    for i in range(200):
+        prompt = " ".join(rng.choice(words) for _ in range(rng.randint(1, 24)))
+        body = {"prompt": prompt, "max_tokens": rng.randint(1, 24), "ignore_eos": True}
+        body.update({"temperature": 0} if i % 2 else {"temperature": 0.8, "top_p": 0.9, "seed": i})
+        jobs.append((i, body, i % 10 == 3))
+
+    def run(job):
+        i, body, cancel = job
+        if not cancel:
+            r = client.post("/v1/completions", json=body)
+            return i, r.status_code, r.json()
+        with client.stream("POST", "/v1/completions", json={**body, "max_tokens": 400, "stream": True}) as r:
+            for n, line in enumerate(r.iter_lines()):
+                if n == 3:
+                    break
+        return i, None, None
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(run, jobs))
+    kept = [(i, body) for i, body, cancel in jobs if not cancel]
+    with Pipeline("smollm2-135m") as pipe:
+        want = pipe.generate([b["prompt"] for _, b in kept], ignore_eos=True, overrides=[
+            {k: v for k, v in b.items() if k not in ("prompt", "ignore_eos", "max_tokens")} | {"max_new_tokens": b["max_tokens"]}
+            for _, b in kept])
+    got = {i: (code, body) for i, code, body in results}
+    for (i, _), w in zip(kept, want):
+        code, body = got[i]
+        assert code == 200, body
+        assert body["choices"][0]["text"] == w.text, f"request {i}"
+        assert body["usage"]["completion_tokens"] == len(w.token_ids)
+    deadline = time.monotonic() + 20
+    while metric(client.get("/metrics").text, "stagewise_kv_blocks_used") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    page = client.get("/metrics").text
+    assert metric(page, "stagewise_kv_blocks_used") == 0 and metric(page, "stagewise_requests_running") == 0
 
 
 def test_a_stage_that_dies_mid_answer_is_restarted_and_the_answer_goes_on(server):
