@@ -4,8 +4,8 @@ stage) hands it a :class:`~stagewise.model.batch.StepBatch`.
 
 KV lifecycle: the executor allocates a request's blocks when a step first brings it (the first
 chunk of its prompt), slots for each later chunk and each decode row, and frees them when told the
-request ended; no stage asks another for KV. Every stage of a pipeline runs the same block size and block count, so allocations that
-stage 0's scheduler admitted cannot fail on a later stage.
+request ended; no stage asks another for KV. Every stage of a pipeline runs the same block size
+and block count, so allocations that stage 0's scheduler admitted cannot fail on a later stage.
 
 A request's KV on this rank can also leave and join as a :class:`KVHandoff` (its K/V in position
 order and, on the last stage, its sampling state), so that another instance of the same stage

@@ -218,7 +218,7 @@ def split_for_pcp(batch: StepBatch, rank: int, size: int) -> PcpSplit:
     device = batch.positions.device
     rows = torch.tensor(mine, dtype=torch.int64, device=device)
     local_spans, first = [], 0
-    for (start, n), count, ctx in zip(spans, lens[rank], batch.context_lens, strict=False):
+    for (start, n), count, ctx in zip(spans, lens[rank], batch.context_lens[: batch.num_prefills], strict=True):
         local_spans.append((first, count, start, n, ctx))
         first += count
     keep = [j for j, count in enumerate(lens[rank]) if count] + list(range(batch.num_prefills, batch.num_requests))

@@ -273,8 +273,9 @@ class RunPlan:
         return self
 
 
-OPTION_KEYS = ("dtype", "transport", "checksum", "max_num_seqs", "max_prefill_tokens", "max_model_len", "kv_cache_bytes",
-               "max_num_tokens", "block_size", "quantized", "linear_precision", "pcp", "dcp", "interleave_size", "sampling")
+OPTION_KEYS = ("dtype", "transport", "checksum", "max_num_seqs", "max_prefill_tokens", "max_model_len",
+               "kv_cache_bytes", "max_num_tokens", "block_size", "quantized", "linear_precision", "pcp", "dcp",
+               "interleave_size", "sampling")
 KNOWN_KEYS = frozenset({"model", "stages", "num_layers", "partition", "tp", *OPTION_KEYS})
 STAGE_KEYS = frozenset({"host", "listen", "layers", "device", "threads", "tp"})
 
