@@ -37,7 +37,8 @@ class Pipeline:
     def __init__(self, model: str | Checkpoint, *, stages: int = 1, tp: int = 1, dcp: int = 1, pcp: int = 1,
                  device: str = "cpu", dtype: str = "auto",
                  max_num_seqs: int = 32, max_model_len: int | None = None, kv_cache_bytes: int | None = None,
-                 max_num_tokens: int | None = None, load_progress: Callable[[int, int, int], None] | None = None,
+                 max_num_tokens: int | None = None, max_prefill_tokens: int = 8192,
+                 load_progress: Callable[[int, int, int], None] | None = None,
                  quantized: bool | None = None, linear_precision: str = "exact", max_restarts: int = 0,
                  **parallel_options: Any) -> None:
         """``load_progress(done, total, nbytes)`` follows the weight reading (see
@@ -51,6 +52,9 @@ class Pipeline:
         those blocks multiply with the activations quantised to int8 per block of 32, as llama.cpp
         does on the CPU (:func:`stagewise.ops.quant_linear_int8`): faster decode, tokens that may
         differ from the exact model's.
+
+        ``max_prefill_tokens``: prompt tokens a step runs at most; a longer prompt is prefilled in
+        chunks over several steps (chunked prefill), other requests decoding in the same steps.
 
         ``tp``: tensor-parallel ranks per stage; ``dcp``: of those, how many shard each KV head's
         sequence (decode context parallel); ``pcp``: prefill-context-parallel ranks per stage
@@ -76,8 +80,9 @@ class Pipeline:
         if not processes and pipeline_options:
             raise ValueError(f"Pipeline: {sorted(pipeline_options)} apply to stages > 1 (or tp, pcp > 1), got "
                              "stages=1")
-        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ValueError(f"Pipeline: max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_prefill_tokens", max_prefill_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Pipeline: {name} must be an int >= 1, got {value!r}")
         dev = _device(device)
         if linear_precision == "int8" and dev.type != "cpu":
             raise NotImplementedError(f"Pipeline: linear_precision='int8' runs on the CPU only, got device={device!r}")
@@ -92,7 +97,7 @@ class Pipeline:
             if problems:
                 raise ValueError(f"Pipeline: {problems[0]}")
             plan = self._local_plan(model, stages, dev, dtype, tp=tp, dcp=dcp, pcp=pcp, max_num_seqs=max_num_seqs,
-                                    max_model_len=max_model_len,
+                                    max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
                                     kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens, quantized=quantized,
                                     linear_precision=linear_precision, **pipeline_options)
             from stagewise.pipeline.links import hop_transports
@@ -124,7 +129,7 @@ class Pipeline:
                                quantized=quantized, linear_precision=linear_precision, progress=load_progress)
             engine = Engine.for_model(stage, device=dev, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
-                                      max_num_tokens=max_num_tokens)
+                                      max_num_tokens=max_num_tokens, max_prefill_tokens=max_prefill_tokens)
             self._backend = LocalBackend(engine)
         self.load_s = time.perf_counter() - start
 

@@ -41,6 +41,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_restarts: int = 0) 
                         help="GGUF block-quantised linears: exact float32 maths (default) or int8 activations "
                              "(approximate, faster decode on the CPU; tokens may differ from the exact model's)")
     parser.add_argument("--max-num-seqs", type=int, default=32, metavar="N", help="requests run at once")
+    parser.add_argument("--max-prefill-tokens", type=int, default=8192, metavar="N",
+                        help="prompt tokens per step (default 8192): a longer prompt is prefilled in chunks of N "
+                             "while other requests decode (chunked prefill)")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
                         help="most tokens (prompt + generated) per request; default: the model's")
     pp = parser.add_argument_group("pipeline (stages as processes)")
@@ -97,7 +100,11 @@ def model_problems(args: argparse.Namespace) -> list[str]:
     for flag in ("stages", "tp", "dcp", "pcp"):
         if args.plan and getattr(args, flag) != 1:
             problems.append(f"--{flag} starts local processes; with --plan the plan's stages are used")
-    for name, value in (("--max-num-seqs", args.max_num_seqs), ("--stages", args.stages), ("--tp", args.tp),
+    if args.plan and args.max_prefill_tokens != 8192:
+        problems.append("--max-prefill-tokens is the scheduler's of stage 0; with --plan give max_prefill_tokens "
+                        "in the plan")
+    for name, value in (("--max-num-seqs", args.max_num_seqs), ("--max-prefill-tokens", args.max_prefill_tokens),
+                        ("--stages", args.stages), ("--tp", args.tp),
                         ("--dcp", args.dcp), ("--pcp", args.pcp), ("--max-model-len", args.max_model_len)):
         if value is not None and value < 1:
             problems.append(f"{name} must be >= 1, got {value}")
@@ -180,7 +187,8 @@ def _load(args: argparse.Namespace, prog: str):
         try:
             pipe = Pipeline(args.model, stages=args.stages, tp=args.tp, dcp=args.dcp, pcp=args.pcp,
                             device=args.device, dtype=args.dtype,
-                            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, load_progress=bar,
+                            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                            max_prefill_tokens=args.max_prefill_tokens, load_progress=bar,
                             linear_precision=args.linear_precision, **options)
         finally:  # before any message, so that the bar's line is finished first
             if bar is not None:

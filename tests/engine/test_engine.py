@@ -97,6 +97,25 @@ def test_batched_greedy_equals_transformers(checkpoint, path):
         assert streamed.get(i, "") == c.text
 
 
+def test_chunked_prefill_equals_the_whole_prompt_prefill(checkpoint):
+    """Prompts prefilled in chunks of 1 token, an odd size and the block size (16), crossing KV
+    blocks, while the other rows decode: the tokens of one-step prefill (which are transformers':
+    test_batched_greedy_equals_transformers), the logprobs within float32 rounding."""
+    folder, _ = checkpoint
+    prompts = random_prompts((5, 1, 23, 17), seed=4)
+    runs = {}
+    for chunk in (8192, 1, 7, 16):
+        with stagewise.Pipeline(str(folder), max_num_seqs=3, max_prefill_tokens=chunk) as pipe:
+            outs = pipe.generate(prompt_token_ids=prompts, max_new_tokens=NEW, logprobs=0, ignore_eos=True)
+            assert pipe.status()["free_blocks"] == pipe.status()["total_blocks"]
+        runs[chunk] = ([c.token_ids for c in outs], [[lp.logprob for lp in c.logprobs] for c in outs])
+    whole_tokens, whole_logprobs = runs.pop(8192)
+    for chunk, (tokens, logprobs) in runs.items():
+        assert tokens == whole_tokens, chunk
+        for got, want in zip(logprobs, whole_logprobs):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"chunk {chunk}: {m}")
+
+
 def test_eos_stops_and_is_not_shown(checkpoint, tmp_path):
     folder, hf = checkpoint
     prompt = random_prompts((6,), seed=3)[0]
@@ -204,6 +223,7 @@ def test_argument_errors_raise_before_running(checkpoint, kwargs):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(stages=0), "stages must be an int >= 1"), (dict(stages=1, partition="even"), "apply to stages > 1"), (dict(dtype="int8"), "dtype"), (dict(device="tpu"), "device"),
     (dict(tp=3), "tp=3 does not split"), (dict(pipelines=2), "unknown options"), (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(max_prefill_tokens=0), "max_prefill_tokens must be an int >= 1, got 0"),
 ])
 def test_pipeline_argument_errors(checkpoint, kwargs, match):
     folder, _ = checkpoint

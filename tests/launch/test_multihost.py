@@ -116,10 +116,11 @@ def test_bad_stage_entries_name_the_field(stages, message):
 def test_a_plan_names_every_problem_at_once():
     with pytest.raises(ValueError) as info:
         plan_of([{"listen": "10.0.0.1", "threads": 0}, {"listen": "10.0.0.2:1", "cores": 2}], transport="udp",
-                max_num_seqs=0, dtype="int4", sampling={"temperature": -1, "top_p": 5})
+                max_num_seqs=0, max_prefill_tokens=0, dtype="int4", sampling={"temperature": -1, "top_p": 5})
     message = str(info.value)
     for fragment in ("stages[0].listen must be 'host:port'", "stages[0].threads must be an int >= 1",
                      "stages[1] has unknown keys ['cores']", "transport must be one of", "max_num_seqs must be an int",
+                     "max_prefill_tokens must be an int >= 1, got 0",
                      "dtype must be auto, float32, bfloat16 or float16", "sampling.temperature must be",
                      "sampling.top_p must be"):
         assert fragment in message, (fragment, message)

@@ -1,6 +1,7 @@
 """The context-parallel test scenario, shared by the test (single-process reference) and the rank
 worker (tests/model/cp_worker.py): a two-layer attention stack from seeded random weights, and a
-script of prefill, mixed and decode steps with a request freed and its blocks reused.
+script of prefill, mixed and decode steps with a request freed and its blocks reused, and prompts
+prefilled in chunks beside decodes.
 
 A case is a dict of JSON values: ``tp``, ``dcp``, ``pcp``, ``heads``, ``kv_heads`` and the
 ``interleave`` sizes (one per replica of the case in the world: replicas run side by side).
@@ -21,10 +22,12 @@ from stagewise.model.layers.rotary import Rotary
 
 HIDDEN, HEAD_DIM, LAYERS, BLOCK_SIZE, SEED = 32, 16, 2, 16, 1234
 
-# Steps: (requests to free, prefills {id: prompt length}, decodes [ids]). Prompts cross several
-# virtual blocks (16 x cp positions); "e" has one token (PCP ranks with none of it, DCP ranks
-# holding none of its KV for a while).
-SCRIPT: list[tuple[list[str], dict[str, int], list[str]]] = [
+# Steps: (requests to free, prefills {id: prompt length, or (cached tokens, chunk length) for a later
+# chunk}, decodes [ids]). Prompts cross several virtual blocks (16 x cp positions); "e" has one token
+# (PCP ranks with none of it, DCP ranks holding none of its KV for a while). "f" is prefilled in
+# three chunks (13, 24 and 33 tokens: across virtual blocks and interleave runs), "g" in chunks of
+# 5, 1 (fewer tokens than PCP ranks) and 3.
+SCRIPT: list[tuple[list[str], dict[str, int | tuple[int, int]], list[str]]] = [
     ([], {"a": 45, "b": 70}, []),
     ([], {}, ["a", "b"]),
     ([], {}, ["a", "b"]),
@@ -37,7 +40,17 @@ SCRIPT: list[tuple[list[str], dict[str, int], list[str]]] = [
     ([], {}, ["a", "c", "d", "e"]),
     (["a"], {}, ["c", "d", "e"]),
     ([], {}, ["c", "d", "e"]),
+    ([], {"f": 13}, ["c", "d", "e"]),
+    ([], {"f": (13, 24), "g": 5}, ["c", "d", "e"]),
+    (["c"], {"f": (37, 33), "g": (5, 1)}, ["d", "e"]),
+    ([], {"g": (6, 3)}, ["d", "e", "f"]),
+    ([], {}, ["d", "e", "f", "g"]),
 ]
+
+
+def chunk(prefill: int | tuple[int, int]) -> tuple[int, int]:
+    """(cached tokens, chunk length) of a SCRIPT prefill entry."""
+    return (0, prefill) if isinstance(prefill, int) else prefill
 
 
 def config(case: dict) -> ModelConfig:
@@ -90,14 +103,15 @@ def run(case: dict, layers: list[Attention], groups: StageGroups = StageGroups()
         for rid in free:
             manager.free(rid)
         context = [manager.num_tokens(rid) for rid in decodes]
-        for rid, n in prefills.items():
-            manager.add(rid, n)
+        chunks = [chunk(p) for p in prefills.values()]
+        for rid, (ctx, n) in zip(prefills, chunks):
+            manager.append(rid, n) if ctx else manager.add(rid, n)
         for rid in decodes:
             manager.append(rid)
-        positions = [p for n in prefills.values() for p in range(n)] + context
+        positions = [p for ctx, n in chunks for p in range(ctx, ctx + n)] + context
         batch = StepBatch(request_ids=(*prefills, *decodes), num_prefills=len(prefills),
-                          query_lens=(*prefills.values(), *[1] * len(decodes)),
-                          context_lens=(*[0] * len(prefills), *context),
+                          query_lens=(*[n for _, n in chunks], *[1] * len(decodes)),
+                          context_lens=(*[ctx for ctx, _ in chunks], *context),
                           positions=torch.tensor(positions), hidden_states=torch.randn(len(positions), HIDDEN,
                                                                                        generator=g))
         split = split_for_pcp(batch, groups.pcp.rank, groups.pcp.size) if groups.pcp.size > 1 else None

@@ -2,7 +2,8 @@
 restore, the LSE combine against plain softmax attention, local sequence lengths, the layout
 rules), then real ranks over gloo: one world of 4 processes runs DCP (MQA and GQA, KV heads
 replicated over TP), PCP and PCP x DCP stages of two attention layers through prefill, mixed and
-decode steps with a request freed, every step compared with the single-process stack."""
+decode steps with a request freed and prompts prefilled in chunks beside decodes, every step compared
+with the single-process stack."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_split_for_pcp_and_its_restore_order(size):
         assert torch.equal(s.batch.hidden_states, batch.hidden_states[s.rows])
         assert torch.equal(s.batch.positions, batch.positions[s.rows])
         assert s.batch.num_tokens == s.rows.numel() and s.batch.num_tokens - s.batch.num_prefill_tokens == 2
-        assert sum(n for _, n, _, _ in s.prefill_spans) == s.batch.num_prefill_tokens
+        assert sum(n for _, n, _, _, _ in s.prefill_spans) == s.batch.num_prefill_tokens
     # What an all-gather of each rank's rows, padded, gives back, in the full order.
     gathered = torch.cat([torch.cat([batch.hidden_states[s.rows], torch.zeros(s.pad_rows - s.rows.numel(), 3)])
                           for s in splits])
@@ -249,7 +250,7 @@ def test_each_rank_stores_its_share_of_the_kv(world_run, name):
         for step, (free, prefills, decodes) in enumerate(cp_scenario.SCRIPT):
             for rid in free:
                 del lengths[rid]
-            lengths.update(prefills)
+            lengths.update({rid: sum(cp_scenario.chunk(p)) for rid, p in prefills.items()})
             lengths.update({rid: lengths[rid] + 1 for rid in decodes})
             blocks = sum(-(-n // (cp_scenario.BLOCK_SIZE * cp)) for n in lengths.values())
             assert usage[:, step, 0].tolist() == [blocks] * cp, (name, step)

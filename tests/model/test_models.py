@@ -185,7 +185,9 @@ def test_step_batch_rejects_bad_shapes():
     good = dict(request_ids=[0, 1], num_prefills=1, query_lens=[3, 1], context_lens=[0, 5],
                 positions=torch.tensor([0, 1, 2, 5]), token_ids=torch.tensor([1, 2, 3, 4]))
     StepBatch(**good)
-    bad = ((dict(query_lens=[3, 2]), "query_lens"), (dict(context_lens=[1, 5]), "context_lens"),
+    StepBatch(**{**good, "context_lens": [7, 5], "last_chunk": [False, True]})  # a chunk of a longer prompt
+    bad = ((dict(query_lens=[3, 2]), "query_lens"), (dict(context_lens=[-1, 5]), "context_lens"),
+           (dict(last_chunk=[True, False]), "last_chunk"), (dict(last_chunk=[True]), "last_chunk"),
            (dict(positions=torch.arange(3)), "positions"), (dict(num_prefills=3), "num_prefills"),
            (dict(hidden_states=torch.zeros(4, 8)), "token_ids"), (dict(request_ids=[0, 0]), "request_ids"))
     for change, field in bad:

@@ -12,7 +12,7 @@ from stagewise.model.batch import StepBatch
 from stagewise.pipeline import messages, protocol
 from stagewise.pipeline.protocol import ProtocolError, StageShape
 from stagewise.transport import decode_frame, encode_frame
-from stagewise.transport.frame import Frame, StepKind
+from stagewise.transport.frame import Frame, RowFlags, StepKind
 
 PARAMS = SamplingParams(max_new_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=2**63, stop=["x"],
                         stop_token_ids=[4], ignore_eos=True, repetition_penalty=1.3, presence_penalty=-0.5,
@@ -92,8 +92,24 @@ def test_a_step_crosses_the_wire_as_one_conversion_each_way():
     assert protocol.encode_sampling({}) is None and protocol.decode_sampling(None) == {}
 
 
+def test_prefill_chunks_carry_their_first_position_and_which_ends_its_prompt():
+    batch = StepBatch(request_ids=[7, 8, 3], num_prefills=2, query_lens=[3, 2, 1], context_lens=[5, 0, 11],
+                      positions=torch.tensor([5, 6, 7, 0, 1, 11]), hidden_states=torch.randn(6, 8),
+                      last_chunk=[True, False, True])
+    frame = wire(protocol.to_frame(protocol.Step(step_id=1, group=0, batch=batch), stage_from=0, stage_to=1))
+    assert [(r.first_position, r.num_tokens, r.flags) for r in frame.rows] == [
+        (5, 3, RowFlags.PREFILL | RowFlags.LAST_PREFILL_CHUNK), (0, 2, RowFlags.PREFILL), (11, 1, RowFlags.NONE)]
+    got = protocol.from_frame(frame, SHAPE).batch
+    assert (got.context_lens, got.last_chunk, got.sampled_ids()) == ((5, 0, 11), (True, False, True), (7, 3))
+    assert torch.equal(got.positions, batch.positions)
+    frame.rows[2].flags = RowFlags.LAST_PREFILL_CHUNK
+    with pytest.raises(ProtocolError, match=r"rows\[2\]: LAST_PREFILL_CHUNK on a decode row"):
+        protocol.from_frame(wire(frame), SHAPE)
+
+
 @pytest.mark.parametrize("msg", [
     protocol.Tokens(step_id=3, group=1, request_ids=[4, 5], tokens=[100, 2**40]),
+    protocol.Tokens(step_id=5, group=1, request_ids=[], tokens=[]),  # a step of chunks that sample nothing
     protocol.Tokens(step_id=4, group=0, request_ids=[4, 5], tokens=[1, 2],
                     logprobs=[None, TokenLogprobs(token=2, logprob=-0.125, top=((2, -0.125), (9, -3.0)))]),
     protocol.Free(request_ids=[1, 2, 3]),

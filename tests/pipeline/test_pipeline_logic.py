@@ -2,7 +2,8 @@
 sockets: a Head (stage 0) and Workers (later stages) whose steps overlap as in a pipeline
 (several microbatch groups in flight, frames delivered to the stages in a random interleaving)
 give exactly the tokens of the single-process Engine — greedy and seeded sampling, with
-cancellations in between — and every stage ends with no request state."""
+cancellations in between, prompts prefilled whole or in chunks — and every stage ends with no
+request state."""
 
 from __future__ import annotations
 
@@ -79,11 +80,12 @@ def wire(frame):
     return decode_frame(encode_frame(frame))
 
 
-def run_pipeline(folder, reqs, ranges, cancel_at: dict[int, int], seed: int):
+def run_pipeline(folder, reqs, ranges, cancel_at: dict[int, int], seed: int, max_prefill_tokens: int = 8192):
     """Stage i's inbox holds the frames sent to it (0: the feedback link); each round delivers the
     oldest frame of a random non-empty inbox."""
     n = len(ranges)
-    head = Head(Engine(executor(folder, *ranges[0]), max_num_seqs=6, num_groups=n))
+    head = Head(Engine(executor(folder, *ranges[0]), max_num_seqs=6, num_groups=n,
+                       max_prefill_tokens=max_prefill_tokens))
     workers = [Worker(executor(folder, a, b), index=i, num_stages=n) for i, (a, b) in enumerate(ranges[1:], 1)]
     inbox = [collections.deque() for _ in range(n)]
     for rid, (prompt, params) in enumerate(reqs):
@@ -140,6 +142,22 @@ def test_two_and_five_stages_with_cancellations(folder):
                 assert (tokens, reason) == expected[rid], rid
         assert sorted(got) == list(range(len(reqs)))
         assert sum(reason == "cancelled" for _, reason in got.values()) >= 1
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_prompts_prefilled_in_chunks_across_stages_equal_the_whole_prompt_engine(folder, chunk):
+    """Chunks of 1 and 3 tokens (blocks of 4) beside decodes, over 3 stages with 3 groups in flight:
+    steps that sample nothing (only chunks more of their prompts follow) still complete, and a
+    request cancelled while its prompt is half prefilled frees its KV on every stage."""
+    reqs = requests(10, seed=8)
+    expected = run_engine(folder, reqs)
+    got = run_pipeline(folder, reqs, [(0, 1), (1, 4), (4, 5)], {4: 5}, seed=chunk, max_prefill_tokens=chunk)
+    for rid, (tokens, reason) in got.items():
+        if reason == "cancelled":
+            assert tokens == expected[rid][0][: len(tokens)]
+        else:
+            assert (tokens, reason) == expected[rid], rid
+    assert sorted(got) == list(range(len(reqs)))
 
 
 def test_a_failing_later_stage_ends_only_that_step(folder):

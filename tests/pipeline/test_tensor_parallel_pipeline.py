@@ -1,7 +1,8 @@
 """Stages of several ranks as processes (tensor and context parallel) against the single process:
 greedy and seeded-sampling tokens identical and log-probabilities within float32 rounding, for
 tiny random models with GQA and MQA heads, stages of equal and of different TP sizes, batched
-prompts of different lengths with cancellations in between; a rank that dies mid-generation;
+prompts of different lengths with cancellations in between, prompts prefilled in chunks under DCP
+and PCP; a rank that dies mid-generation;
 the real SmolLM2 at tp 3. The maths of each layer under TP and CP is held to transformers and to
 the single process in tests/model; here the runtime: rank processes, the leader's fan-out, the
 groups, the driver's watch over every rank."""
@@ -112,20 +113,21 @@ def _cancel_some_then_check(pipe, tiny) -> None:
                                                ignore_eos=True)] == greedy
 
 
-@pytest.mark.parametrize(("name", "stages", "tp", "dcp", "pcp"), [
-    ("llama-gqa", 2, 2, 1, 1),   # two stages of two TP ranks: 4 processes
-    ("llama-gqa", 1, 4, 2, 1),   # KV heads replicated on 2 ranks each, their sequence sharded over them
-    ("llama-mqa", 1, 2, 2, 1),   # the one KV head's sequence over both ranks
-    ("llama-mqa", 2, 1, 1, 2),   # every prompt split head-tail over 2 ranks, on both stages
-    ("llama-gqa", 1, 2, 1, 2),   # PCP x TP
-    ("qwen3-moe", 2, 2, 1, 1),   # experts split over TP ranks, on both stages
-    ("falcon-40b", 1, 4, 2, 1),  # KV heads on 2 ranks each, sharded over them
+# The last column: prompt tokens per step (chunked prefill; the single process prefills whole prompts).
+@pytest.mark.parametrize(("name", "stages", "tp", "dcp", "pcp", "chunk"), [
+    ("llama-gqa", 2, 2, 1, 1, 8192),  # two stages of two TP ranks: 4 processes
+    ("llama-gqa", 1, 4, 2, 1, 16),    # KV heads replicated on 2 ranks each, their sequence sharded over them
+    ("llama-mqa", 1, 2, 2, 1, 7),     # the one KV head's sequence over both ranks; prompts in chunks of 7
+    ("llama-mqa", 2, 1, 1, 2, 5),     # every prompt chunk split head-tail over 2 ranks, on both stages
+    ("llama-gqa", 1, 2, 1, 2, 8192),  # PCP x TP
+    ("qwen3-moe", 2, 2, 1, 1, 8192),  # experts split over TP ranks, on both stages
+    ("falcon-40b", 1, 4, 2, 1, 8192), # KV heads on 2 ranks each, sharded over them
 ])
-def test_tensor_and_context_parallel_equal_the_single_process(tiny_models, name, stages, tp, dcp, pcp):
+def test_tensor_and_context_parallel_equal_the_single_process(tiny_models, name, stages, tp, dcp, pcp, chunk):
     tiny = tiny_models(name)
     with stagewise.Pipeline(str(tiny[0]), stages=stages, tp=tp, dcp=dcp, pcp=pcp, max_model_len=128, max_num_seqs=8,
-                            interleave_size=4) as pipe:
-        assert len(pipe.driver.processes.pids) == stages * tp * pcp
+                            interleave_size=4, max_prefill_tokens=chunk) as pipe:
+        assert len(pipe.driver.processes.pids) == stages * tp * pcp and pipe.plan.max_prefill_tokens == chunk
         _check_against_single(pipe, tiny)
         _cancel_some_then_check(pipe, tiny)
 

@@ -140,7 +140,7 @@ class Engine:
     # ---- steps ---------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One step of every group with work (new prefills + one decode token of each running
+        """One step of every group with work (prompt chunks + one decode token of each running
         request), when the executor holds every layer; returns the requests that ended."""
         if not self.executor.is_last:
             raise ValueError("Engine.step: the executor holds stage 0 only; run launch() and complete()")
@@ -150,8 +150,8 @@ class Engine:
             done += ended
             if launched is not None:
                 sampled = launched.output
-                done += self.complete(group, launched.step_id, launched.batch.request_ids, sampled.tokens.tolist(),
-                                      sampled.logprobs)
+                done += self.complete(group, launched.step_id, launched.batch.sampled_ids(),
+                                      sampled.tokens.tolist(), sampled.logprobs)
         return done
 
     def idle_groups_with_work(self) -> list[int]:
@@ -166,8 +166,8 @@ class Engine:
         done = [self._end(seq.request_id, "error", message) for seq, message in plan.failed]
         if plan.empty:
             return None, done
-        sampling = {s.request_id: SamplingRequest.of(self.requests.params(s.request_id), s.prompt_ids)
-                    for s in plan.prefills}
+        sampling = {c.seq.request_id: SamplingRequest.of(self.requests.params(c.seq.request_id), c.seq.prompt_ids)
+                    for c in plan.prefills if c.start == 0}
         try:
             batch = self._batch(plan)
             output = self.executor.run(batch, sampling)
@@ -175,17 +175,17 @@ class Engine:
             raise  # the stage itself is broken: not one step's failure
         except Exception as err:  # noqa: BLE001 - a failed step ends its requests, not the engine
             message = f"stage 0 step failed: {type(err).__name__}: {err}"
-            return None, done + [self._end(s.request_id, "error", message) for s in plan.prefills + plan.decodes]
+            return None, done + [self._end(s.request_id, "error", message) for s in plan.seqs]
         step_id, self._next_step_id = self._next_step_id, self._next_step_id + 1
         self.inflight[group] = (step_id, plan)
         return LaunchedStep(group=group, step_id=step_id, batch=batch, output=output, sampling=sampling), done
 
     def complete(self, group: int, step_id: int, request_ids, tokens: list[int],
                  logprobs: list[TokenLogprobs | None] | None = None) -> list[RequestOutput]:
-        """The sampled tokens of a launched step (one per request, in row order, with their
-        logprobs where asked); returns the requests that ended with them."""
+        """The sampled tokens of a launched step (one per request that samples, in row order, with
+        their logprobs where asked); returns the requests that ended with them."""
         plan = self._take(group, step_id)
-        seqs = plan.prefills + plan.decodes
+        seqs = plan.sampled
         expected = [s.request_id for s in seqs]
         if list(request_ids) != expected:
             raise ValueError(f"Engine.complete: step {step_id} carries requests {list(request_ids)[:8]}, "
@@ -195,8 +195,7 @@ class Engine:
     def fail(self, group: int, step_id: int, message: str) -> list[RequestOutput]:
         """A later stage could not run a launched step: its requests end with ``message``."""
         plan = self._take(group, step_id)
-        return [self._end(s.request_id, "error", message) for s in plan.prefills + plan.decodes
-                if s.request_id in self.requests]
+        return [self._end(s.request_id, "error", message) for s in plan.seqs if s.request_id in self.requests]
 
     def _take(self, group: int, step_id: int) -> ScheduledStep:
         entry = self.inflight.get(group)
@@ -207,20 +206,20 @@ class Engine:
         return entry[1]
 
     def _batch(self, plan: ScheduledStep) -> StepBatch:
-        ids, lens, ctx, tokens, positions = [], [], [], [], []
-        for seq in plan.prefills:
-            n = len(seq.prompt_ids)
-            ids.append(seq.request_id), lens.append(n), ctx.append(0)
-            tokens += seq.prompt_ids
-            positions += range(n)
+        ids, lens, ctx, tokens, positions, last = [], [], [], [], [], []
+        for chunk in plan.prefills:
+            start, n = chunk.start, chunk.length
+            ids.append(chunk.seq.request_id), lens.append(n), ctx.append(start), last.append(chunk.last)
+            tokens += chunk.seq.prompt_ids[start : start + n]
+            positions += range(start, start + n)
         for seq in plan.decodes:
             pos = seq.num_cached  # tokens cached before this step; the new slot is the next one
-            ids.append(seq.request_id), lens.append(1), ctx.append(pos)
+            ids.append(seq.request_id), lens.append(1), ctx.append(pos), last.append(True)
             tokens.append(seq.output_ids[-1]), positions.append(pos)
         device = self.executor.device
         return StepBatch(request_ids=ids, num_prefills=len(plan.prefills), query_lens=lens, context_lens=ctx,
                          positions=torch.tensor(positions, dtype=torch.int64, device=device),
-                         token_ids=torch.tensor(tokens, dtype=torch.int64, device=device))
+                         token_ids=torch.tensor(tokens, dtype=torch.int64, device=device), last_chunk=last)
 
     def _end(self, request_id: Hashable, reason: str, error: str | None = None) -> RequestOutput:
         """Every way a request ends: its result, its row and blocks back, its KV freed here and,

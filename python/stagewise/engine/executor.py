@@ -2,10 +2,10 @@
 sampler. The executor never schedules; whoever drives it (the single-process engine, a pipeline
 stage) hands it a :class:`~stagewise.model.batch.StepBatch`.
 
-KV lifecycle: the executor allocates a request's blocks when a step first brings it (a prefill
-row), one slot per decode row, and frees them when told the request ended; no stage asks another
-for KV. Every stage of a pipeline runs the same block size and block count, so allocations that
-stage 0's scheduler admitted cannot fail on a later stage.
+KV lifecycle: the executor allocates a request's blocks when a step first brings it (the first
+chunk of its prompt), slots for each later chunk and each decode row, and frees them when told the
+request ended; no stage asks another for KV. Every stage of a pipeline runs the same block size
+and block count, so allocations that stage 0's scheduler admitted cannot fail on a later stage.
 
 A request's KV on this rank can also leave and join as a :class:`KVHandoff` (its K/V in position
 order and, on the last stage, its sampling state), so that another instance of the same stage
@@ -141,14 +141,14 @@ class Executor:
     def run(self, batch: StepBatch,
             sampling: Mapping[Hashable, SamplingRequest] | None = None) -> torch.Tensor | Sampled | None:
         """Hidden states ``[T, hidden]`` for the next stage or, on the last stage, the
-        :class:`Sampled` tokens (None on the last stage's other ranks). ``sampling`` describes the
-        requests that start in this step (the last stage's leader keeps it until the request is
-        freed). On an error the step's new requests are forgotten, and the exception propagates."""
+        :class:`Sampled` tokens of ``batch.sampled_ids()`` (None on the last stage's other ranks).
+        ``sampling`` describes the requests that start in this step (the last stage's leader keeps
+        it until the request is freed). On an error the step's new requests are forgotten, and the
+        exception propagates."""
         added = []
         try:
-            for rid, ctx, n, prefill in zip(batch.request_ids, batch.context_lens, batch.query_lens,
-                                            (i < batch.num_prefills for i in range(len(batch.request_ids)))):
-                if prefill:
+            for i, (rid, ctx, n) in enumerate(zip(batch.request_ids, batch.context_lens, batch.query_lens)):
+                if i < batch.num_prefills and ctx == 0:
                     if rid in self.manager:
                         raise ValueError(f"request {rid!r} starts a prefill but already has KV here")
                     self.manager.add(rid, n)
@@ -156,9 +156,10 @@ class Executor:
                 else:
                     have = self.manager.num_tokens(rid) if rid in self.manager else None
                     if have != ctx:
-                        raise ValueError(f"request {rid!r} decodes at position {ctx} but this stage holds "
+                        what = "continues its prefill" if i < batch.num_prefills else "decodes"
+                        raise ValueError(f"request {rid!r} {what} at position {ctx} but this stage holds "
                                          f"{have} of its tokens")
-                    self.manager.append(rid, 1)
+                    self.manager.append(rid, n)
             if self.is_last and self.leads:
                 for rid in added:
                     new = (sampling or {}).get(rid)
@@ -180,12 +181,14 @@ class Executor:
                 raise
             if not self.is_last or not self.leads:
                 return out
-            return self._sample(out, [self._sampling[rid] for rid in batch.request_ids])
+            return self._sample(out, [self._sampling[rid] for rid in batch.sampled_ids()])
         except Exception:
             self.free(added)
             raise
 
     def _sample(self, logits: torch.Tensor, entries: list[_Sampling]) -> Sampled:
+        if not entries:  # only chunks that more of their prompts follow
+            return Sampled(tokens=torch.zeros(0, dtype=torch.int64, device=logits.device))
         params = [e.params for e in entries]
         tokens = self.sampler.sample(logits, params, [e.generator for e in entries], [e.history for e in entries])
         logprobs = None

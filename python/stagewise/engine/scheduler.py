@@ -2,11 +2,14 @@
 
 The engine has ``max_num_seqs`` user rows. A request waits in a FIFO queue until a
 row is free and the KV pool holds blocks for its whole prompt; it then runs its
-prefill in one step and one decode token per step after that. Every step is one
-:class:`~stagewise.model.batch.StepBatch`: the new prefills first, then the decodes
-of the running rows.
+prefill and one decode token per step after that. A step's prefill tokens are at
+most ``max_prefill_tokens`` (chunked prefill): a longer prompt is prefilled in
+chunks over several steps, prompts already started going first, while the running
+rows keep decoding in the same steps; only the chunk that ends a prompt samples a
+token. Every step is one :class:`~stagewise.model.batch.StepBatch`: the prefill
+chunks first, then the decodes of the running rows.
 
-KV lifecycle: blocks for the prompt when a request joins, one slot
+KV lifecycle: blocks for the whole prompt when a request joins, one slot
 per fed token (a block whenever a boundary is crossed), all freed at once when the
 request finishes, is cancelled or fails. Running requests take their decode slot
 before new requests are admitted, so a request in flight is never starved by a
@@ -33,6 +36,9 @@ class SeqState:
     """Generated tokens; the last one is fed back in the next decode step."""
     row: int | None = None
     """User row in [0, max_num_seqs) while running; None while waiting or after it ends."""
+    num_prefilled: int = 0
+    """Prompt tokens scheduled into steps so far (chunked prefill); the prompt is prefilled when
+    this reaches ``len(prompt_ids)``."""
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -45,12 +51,26 @@ class SeqState:
         return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PrefillChunk:
+    """Prompt tokens ``[start, start + length)`` of one request, run in one step."""
+
+    seq: SeqState
+    start: int
+    length: int
+
+    @property
+    def last(self) -> bool:
+        """Whether the chunk ends the prompt (its request samples a token after it)."""
+        return self.start + self.length == len(self.seq.prompt_ids)
+
+
 @dataclass(kw_only=True, slots=True)
 class ScheduledStep:
     """The outcome of :meth:`Scheduler.schedule`."""
 
-    prefills: list[SeqState]
-    """Requests that run their whole prompt this step (KV allocated)."""
+    prefills: list[PrefillChunk]
+    """Prompt chunks that run this step (KV allocated for the whole prompt)."""
     decodes: list[SeqState]
     """Running requests that feed their last generated token (slot allocated)."""
     failed: list[tuple[SeqState, str]]
@@ -59,6 +79,17 @@ class ScheduledStep:
     @property
     def empty(self) -> bool:
         return not self.prefills and not self.decodes
+
+    @property
+    def seqs(self) -> list[SeqState]:
+        """Every request of the step, in row order."""
+        return [c.seq for c in self.prefills] + self.decodes
+
+    @property
+    def sampled(self) -> list[SeqState]:
+        """The requests that sample a token after the step, in row order: those whose prompt
+        ends in it, then the decodes."""
+        return [c.seq for c in self.prefills if c.last] + self.decodes
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -138,8 +169,9 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------
 
     def schedule(self) -> ScheduledStep:
-        """Allocate this step's KV: a slot for each running request's fed-back token, then
-        the prompts of queued requests while rows, blocks and the prefill budget allow."""
+        """Allocate this step's KV: a slot for each running request's fed-back token, then up to
+        ``max_prefill_tokens`` prompt tokens: the next chunks of prompts already started, then the
+        prompts of queued requests while rows and blocks allow."""
         step = ScheduledStep(prefills=[], decodes=[], failed=[])
         for seq in list(self.running.values()):
             if not seq.output_ids:
@@ -153,11 +185,12 @@ class Scheduler:
                 continue
             step.decodes.append(seq)
         budget = self.max_prefill_tokens
-        while self.waiting and self._free_rows:
+        for seq in list(self.running.values()):
+            if budget and seq.num_prefilled < len(seq.prompt_ids):
+                budget -= self._chunk(step, seq, budget)
+        while self.waiting and self._free_rows and budget:
             seq = self.waiting[0]
             n = len(seq.prompt_ids)
-            if step.prefills and n > budget:
-                break  # the step is full; a single long prompt still runs alone
             try:
                 self.manager.add(seq.request_id, n)
             except OutOfKVBlocks as err:
@@ -170,9 +203,16 @@ class Scheduler:
             self.waiting.popleft()
             seq.row = self._free_rows.pop()
             self.running[seq.request_id] = seq
-            step.prefills.append(seq)
-            budget -= n
+            budget -= self._chunk(step, seq, budget)
         return step
+
+    @staticmethod
+    def _chunk(step: ScheduledStep, seq: SeqState, budget: int) -> int:
+        """Schedule the next chunk of ``seq``'s prompt, at most ``budget`` tokens; returns its length."""
+        n = min(len(seq.prompt_ids) - seq.num_prefilled, budget)
+        step.prefills.append(PrefillChunk(seq=seq, start=seq.num_prefilled, length=n))
+        seq.num_prefilled += n
+        return n
 
 
 class GroupedScheduler:

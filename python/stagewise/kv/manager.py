@@ -169,11 +169,17 @@ class KVCacheManager:
         """Of the request's positions, how many this CP rank stores. They fill its
         blocks in order (local token j at block j // block_size, offset
         j % block_size), so this is the rank's ``seq_lens`` for decode_attention."""
-        n, cp, inter = self.num_tokens(request_id), self.cp_world_size, self.interleave_size
-        full, rest = divmod(n, self.tokens_per_block)
-        chunks, partial = divmod(rest, inter)  # whole interleave chunks of the last virtual block
-        owned_chunks = max(0, -(-(chunks - self.cp_rank) // cp))
-        return full * self.block_size + owned_chunks * inter + (partial if chunks % cp == self.cp_rank else 0)
+        return int(self.num_local_positions(self.num_tokens(request_id)))
+
+    def num_local_positions(self, n: int | torch.Tensor) -> int | torch.Tensor:
+        """Of the first ``n`` positions of any sequence (an int, or a tensor of them), how many this
+        CP rank stores: a query at position ``p`` sees ``num_local_positions(p + 1)`` of its cached
+        tokens on this rank, the first ones of its blocks."""
+        cp, inter, rank = self.cp_world_size, self.interleave_size, self.cp_rank
+        full, rest = n // self.tokens_per_block, n % self.tokens_per_block
+        chunks, partial = rest // inter, rest % inter  # whole interleave chunks of the last virtual block
+        owned_chunks = (chunks - rank + cp - 1) // cp  # chunks r, r + cp, ... below ``chunks`` (rank < cp)
+        return full * self.block_size + owned_chunks * inter + partial * (chunks % cp == rank)
 
     def block_tables(self, request_ids: Sequence[Hashable], device: torch.device | str = "cpu") -> torch.Tensor:
         """int32 ``[len(request_ids), max_blocks_per_seq]``: row i holds request i's

@@ -1,8 +1,9 @@
 """What one forward step of one stage reads: :class:`StepBatch` and :class:`KVMetadata`.
 
 A step's tokens are flattened request by request into ``T`` rows: first the
-``num_prefills`` prefill requests, each with its whole prompt, then the decode
-requests with one token each. :class:`StepBatch` is what crosses a stage
+``num_prefills`` prefill requests, each with its prompt or a chunk of it (chunked
+prefill: a chunk after the first attends over the tokens already cached), then the
+decode requests with one token each. :class:`StepBatch` is what crosses a stage
 boundary (request ids, lengths, positions and the tokens or hidden states);
 :class:`KVMetadata` is stage-local, because every stage owns its own block pool
 and so its own block ids, and is built by each stage from its
@@ -11,7 +12,9 @@ and so its own block ids, and is built by each stage from its
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -31,11 +34,11 @@ class StepBatch:
     request_ids: tuple[Hashable, ...]
     """One id per request, in row order (prefills first)."""
     num_prefills: int
-    """The first ``num_prefills`` requests run their whole prompt; the rest decode one token."""
+    """The first ``num_prefills`` requests run their prompt or a chunk of it; the rest decode one token."""
     query_lens: tuple[int, ...]
-    """Tokens of each request in this step: the prompt length for a prefill, 1 for a decode."""
+    """Tokens of each request in this step: the prompt (chunk) length for a prefill, 1 for a decode."""
     context_lens: tuple[int, ...]
-    """Tokens of each request already in the KV cache before this step (0 for a prefill)."""
+    """Tokens of each request already in the KV cache before this step (0 for a prompt's first chunk)."""
     positions: torch.Tensor
     """``[T]`` int64 position of each token."""
     token_ids: torch.Tensor | None = None
@@ -47,26 +50,34 @@ class StepBatch:
     them apart. Stages send the sum (see :meth:`StageModel.forward`), which is bitwise the same
     for the next layer and half the bytes."""
     all_logits: bool = False
-    """Last stage: logits of every token ``[T, vocab]`` instead of each request's last ``[R, vocab]``."""
+    """Last stage: logits of every token ``[T, vocab]`` instead of each sampled request's last
+    ``[len(sampled_ids()), vocab]``."""
+    last_chunk: tuple[bool, ...] | None = None
+    """Per request: whether its tokens in this step end its prompt, so that the last stage samples
+    its next token after them (True for every decode row; False for a prefill chunk that more of
+    the prompt follows). None (the default): every request's."""
 
     def __post_init__(self) -> None:
         self.request_ids, self.query_lens = tuple(self.request_ids), tuple(self.query_lens)
         self.context_lens = tuple(self.context_lens)
         r = len(self.request_ids)
+        self.last_chunk = (True,) * r if self.last_chunk is None else tuple(bool(x) for x in self.last_chunk)
         if len(set(self.request_ids)) != r:
             raise _fail("StepBatch", "request_ids", self.request_ids, "distinct ids")
-        for name in ("query_lens", "context_lens"):
+        for name in ("query_lens", "context_lens", "last_chunk"):
             if len(getattr(self, name)) != r:
                 raise _fail("StepBatch", name, getattr(self, name), f"{r} entries (one per request)")
         if not 0 <= self.num_prefills <= r:
             raise _fail("StepBatch", "num_prefills", self.num_prefills, f"an int in [0, {r}]")
         p = self.num_prefills
-        if any(n < 1 for n in self.query_lens[:p]) or any(c != 0 for c in self.context_lens[:p]):
+        if any(n < 1 for n in self.query_lens[:p]) or any(c < 0 for c in self.context_lens[:p]):
             raise _fail("StepBatch", "query_lens/context_lens", (self.query_lens[:p], self.context_lens[:p]),
-                        "prefills with >= 1 token and an empty cache (chunked prefill is not supported)")
+                        "prefill chunks of >= 1 token with context_lens >= 0")
         if any(n != 1 for n in self.query_lens[p:]) or any(c < 0 for c in self.context_lens[p:]):
             raise _fail("StepBatch", "query_lens/context_lens", (self.query_lens[p:], self.context_lens[p:]),
                         "decodes of exactly 1 token with context_lens >= 0")
+        if not all(self.last_chunk[p:]):
+            raise _fail("StepBatch", "last_chunk", self.last_chunk, "True for every decode row")
         t = self.num_tokens
         if self.positions.shape != (t,):
             raise _fail("StepBatch", "positions", tuple(self.positions.shape), f"shape ({t},)")
@@ -94,6 +105,10 @@ class StepBatch:
     def num_prefill_tokens(self) -> int:
         return sum(self.query_lens[: self.num_prefills])
 
+    def sampled_ids(self) -> tuple[Hashable, ...]:
+        """The requests whose next token is sampled after this step, in row order."""
+        return tuple(rid for rid, last in zip(self.request_ids, self.last_chunk) if last)
+
     def prefill_spans(self) -> list[tuple[int, int]]:
         """``(first_row, length)`` of each prefill request's tokens."""
         spans, start = [], 0
@@ -102,12 +117,24 @@ class StepBatch:
             start += n
         return spans
 
+    def cached_rows(self) -> list[int]:
+        """Rows whose queries attend over the KV cache as decode rows do: every row of a prefill
+        chunk after a prompt's first (the chunk sees the cached prompt and, causally, itself),
+        then every decode row."""
+        rows, start = [], 0
+        for i, (ctx, n) in enumerate(zip(self.context_lens, self.query_lens)):
+            if i >= self.num_prefills or ctx > 0:
+                rows.extend(range(start, start + n))
+            start += n
+        return rows
+
     def last_token_rows(self) -> list[int]:
-        """Row of each request's last token (where its next token is sampled from)."""
+        """Row of each sampled request's last token (where its next token is sampled from)."""
         rows, end = [], 0
-        for n in self.query_lens:
+        for n, last in zip(self.query_lens, self.last_chunk):
             end += n
-            rows.append(end - 1)
+            if last:
+                rows.append(end - 1)
         return rows
 
     def for_next_stage(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None) -> StepBatch:
@@ -143,8 +170,13 @@ class PcpSplit:
     prefill_restore: torch.Tensor
     """``[P]`` int64: for each prefill token of the full step, its row in the all-gathered
     ``[size * prefill_pad]`` prefill rows."""
-    prefill_spans: tuple[tuple[int, int, int, int], ...]
-    """Per prefill request of the full step: ``(first local row, local tokens, first full row, prompt length)``."""
+    prefill_spans: tuple[tuple[int, int, int, int, int], ...]
+    """Per prefill request of the full step: ``(first local row, local tokens, first full row, chunk
+    length, tokens cached before the chunk)``."""
+    cached_local: torch.Tensor
+    """``[M]`` int64: this rank's rows that are :meth:`StepBatch.cached_rows` of the full step."""
+    cached_take: torch.Tensor
+    """``[M]`` int64: the index of each among the full step's cached rows."""
 
 
 def head_tail_ranges(prompt_len: int, rank: int, size: int) -> tuple[range, range]:
@@ -186,8 +218,8 @@ def split_for_pcp(batch: StepBatch, rank: int, size: int) -> PcpSplit:
     device = batch.positions.device
     rows = torch.tensor(mine, dtype=torch.int64, device=device)
     local_spans, first = [], 0
-    for (start, n), count in zip(spans, lens[rank], strict=True):
-        local_spans.append((first, count, start, n))
+    for (start, n), count, ctx in zip(spans, lens[rank], batch.context_lens[: batch.num_prefills], strict=True):
+        local_spans.append((first, count, start, n, ctx))
         first += count
     keep = [j for j, count in enumerate(lens[rank]) if count] + list(range(batch.num_prefills, batch.num_requests))
     take = (lambda a: None if a is None else a[rows])
@@ -196,13 +228,16 @@ def split_for_pcp(batch: StepBatch, rank: int, size: int) -> PcpSplit:
         request_ids=tuple(batch.request_ids[j] for j in keep),
         num_prefills=sum(1 for count in lens[rank] if count),
         query_lens=tuple(lens[rank][j] if j < batch.num_prefills else 1 for j in keep),
-        context_lens=tuple(batch.context_lens[j] for j in keep),
+        context_lens=tuple(batch.context_lens[j] for j in keep), last_chunk=tuple(batch.last_chunk[j] for j in keep),
         positions=batch.positions[rows], token_ids=take(batch.token_ids),
         hidden_states=take(batch.hidden_states), residual=take(batch.residual))
     as_index = (lambda xs: torch.tensor(xs, dtype=torch.int64, device=device))
+    cached = {row: i for i, row in enumerate(batch.cached_rows())}
+    local = [j for j, row in enumerate(mine) if row in cached]
     return PcpSplit(size=size, rank=rank, batch=sub, rows=rows, pad_rows=pad_rows, restore=as_index(restore),
                     prefill_pad=prefill_pad, prefill_restore=as_index(prefill_restore),
-                    prefill_spans=tuple(local_spans))
+                    prefill_spans=tuple(local_spans), cached_local=as_index(local),
+                    cached_take=as_index([cached[mine[j]] for j in local]))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -228,6 +263,15 @@ class KVMetadata:
     cp_rank: int = 0
     pcp: PcpSplit | None = None
     """This PCP rank's rows of the step; None without prefill context parallelism."""
+    cp_rows: torch.Tensor | None = None
+    """``[N]`` int64, under context parallelism: the rows of the (full) step whose queries attend
+    over the sharded cache, as decode rows do: every row of a prefill chunk after a prompt's
+    first, then every decode row. None: no CP."""
+    cp_block_tables: torch.Tensor | None = None
+    """``[N, max_blocks_per_seq]`` int32: the block table of each ``cp_rows`` row's request."""
+    cp_local_lens: torch.Tensor | None = None
+    """``[N]`` int32: of each ``cp_rows`` row's request, the tokens this rank stores at positions up to
+    the row's own (the step writes its tokens first): the row's causal limit on this rank's shard."""
 
     def __post_init__(self) -> None:
         if self.slot_mapping.dim() != 1:
@@ -238,8 +282,10 @@ class KVMetadata:
         if self.local_seq_lens is not None and self.local_seq_lens.shape != self.seq_lens.shape:
             raise _fail("KVMetadata", "local_seq_lens", tuple(self.local_seq_lens.shape),
                         f"shape {tuple(self.seq_lens.shape)}")
-        if self.cp_world_size > 1 and self.local_seq_lens is None:
-            raise _fail("KVMetadata", "local_seq_lens", None, f"a tensor when cp_world_size={self.cp_world_size}")
+        if self.cp_world_size > 1:
+            for name in ("local_seq_lens", "cp_rows", "cp_block_tables", "cp_local_lens"):
+                if getattr(self, name) is None:
+                    raise _fail("KVMetadata", name, None, f"a tensor when cp_world_size={self.cp_world_size}")
 
     @classmethod
     def build(cls, batch: StepBatch, manager: KVCacheManager, device: torch.device | str,
@@ -250,13 +296,21 @@ class KVMetadata:
         block_tables = manager.block_tables(list(batch.request_ids), device)
         # One table per step: the slot mapping reads the same rows (a request appears once).
         shared = block_tables if len(set(batch.request_ids)) == len(spans) else None
-        local = None
+        cp = {}
         if manager.cp_world_size > 1:
-            local = torch.tensor([manager.num_local_tokens(r) for r in batch.request_ids], dtype=torch.int32,
-                                 device=device)
+            cp["local_seq_lens"] = torch.tensor([manager.num_local_tokens(r) for r in batch.request_ids],
+                                                dtype=torch.int32, device=device)
+            rows = batch.cached_rows()
+            first = [0, *itertools.accumulate(batch.query_lens)]
+            requests = [bisect.bisect_right(first, row) - 1 for row in rows]
+            cp_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+            cp["cp_rows"] = cp_rows
+            cp["cp_block_tables"] = block_tables[torch.tensor(requests, dtype=torch.int64, device=device)]
+            lens = manager.num_local_positions(batch.positions.to(device)[cp_rows] + 1)
+            cp["cp_local_lens"] = lens.to(torch.int32)
         return cls(
             slot_mapping=manager.slot_mapping(spans, device, block_tables=shared),
             block_tables=block_tables,
             seq_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=device),
-            local_seq_lens=local, cp_world_size=manager.cp_world_size, cp_rank=manager.cp_rank, pcp=pcp,
+            cp_world_size=manager.cp_world_size, cp_rank=manager.cp_rank, pcp=pcp, **cp,
         )

@@ -7,6 +7,7 @@ A run plan is a YAML (or JSON) file::
     transport: auto              # auto | tcp | shm | cuda-ipc | torch
     checksum: true
     max_num_seqs: 32
+    max_prefill_tokens: 8192     # prompt tokens per step: a longer prompt is prefilled in chunks
     max_model_len: 2048          # optional
     kv_cache_bytes: 268435456    # optional, per stage
     tp: 1                        # tensor-parallel ranks per stage (a stage may give its own)
@@ -103,6 +104,9 @@ class RunPlan:
     transport: str = "auto"
     checksum: bool = True
     max_num_seqs: int = 32
+    max_prefill_tokens: int = 8192
+    """Prompt tokens a step runs at most (stage 0's scheduler): a longer prompt is prefilled in
+    chunks over several steps, decodes of other requests running beside them."""
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
     max_num_tokens: int | None = None
@@ -269,8 +273,9 @@ class RunPlan:
         return self
 
 
-OPTION_KEYS = ("dtype", "transport", "checksum", "max_num_seqs", "max_model_len", "kv_cache_bytes", "max_num_tokens",
-               "block_size", "quantized", "linear_precision", "pcp", "dcp", "interleave_size", "sampling")
+OPTION_KEYS = ("dtype", "transport", "checksum", "max_num_seqs", "max_prefill_tokens", "max_model_len",
+               "kv_cache_bytes", "max_num_tokens", "block_size", "quantized", "linear_precision", "pcp", "dcp",
+               "interleave_size", "sampling")
 KNOWN_KEYS = frozenset({"model", "stages", "num_layers", "partition", "tp", *OPTION_KEYS})
 STAGE_KEYS = frozenset({"host", "listen", "layers", "device", "threads", "tp"})
 
@@ -327,7 +332,7 @@ def _option_problems(options: dict[str, Any]) -> list[str]:
         problems.append(_problem("quantized", get("quantized"), "true, false or null"))
     if get("linear_precision", "exact") not in ("exact", "int8"):
         problems.append(_problem("linear_precision", get("linear_precision"), "'exact' or 'int8'"))
-    for name in ("max_num_seqs", "block_size", "pcp", "dcp", "interleave_size"):
+    for name in ("max_num_seqs", "max_prefill_tokens", "block_size", "pcp", "dcp", "interleave_size"):
         value = get(name, 1)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             problems.append(_problem(name, value, "an int >= 1"))

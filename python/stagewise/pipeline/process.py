@@ -149,7 +149,8 @@ class StageProcess:
             self.tell_driver(Connected(stage=self.index))
             self.stats.reset()
             if self.index == 0:
-                engine = Engine(executor, max_num_seqs=self.plan.max_num_seqs, num_groups=setup.microbatches)
+                engine = Engine(executor, max_num_seqs=self.plan.max_num_seqs, num_groups=setup.microbatches,
+                                max_prefill_tokens=self.plan.max_prefill_tokens)
                 self._serve_head(Head(engine, stats=self.stats))
             else:
                 self._serve_worker(Worker(executor, index=self.index, num_stages=self.plan.num_stages,
@@ -193,13 +194,14 @@ class StageProcess:
 
     def _ring_size(self, hidden_size: int, dtype: torch.dtype, max_model_len: int,
                    activations: bool = False) -> tuple[int, int]:
-        """Slots of this stage's outgoing ring: a step's hidden states (a long prefill that does
-        not fit goes over TCP) or, from the last stage (unless ``activations``), token ids; enough
+        """Slots of this stage's outgoing ring: a step's hidden states (at most
+        ``max_prefill_tokens`` prompt tokens and a decode token per row; a step that does not fit
+        goes over TCP) or, from the last stage (unless ``activations``), token ids; enough
         slots that the S steps in flight and the frees rarely wait."""
         s = self.plan.num_stages
         if self.index == s - 1 and not activations:
             return 1 << 20, s + 2
-        tokens = min(8192, self.plan.max_num_seqs * max_model_len) + self.plan.max_num_seqs
+        tokens = min(self.plan.max_prefill_tokens, self.plan.max_num_seqs * max_model_len) + self.plan.max_num_seqs
         need = tokens * hidden_size * dtype.itemsize + (256 << 10)
         return min(max(need, 1 << 20), 32 << 20), 2 * s + 2
 

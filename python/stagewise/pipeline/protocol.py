@@ -10,7 +10,11 @@ Along the chain (stage i -> i + 1):
 - :class:`Free`: requests that ended on stage 0; every stage frees their KV;
 - :class:`StepFailed`: a stage could not run a step; its requests end with the message.
 
-Back from the last stage to stage 0: :class:`Tokens` (one sampled token per request of a step)
+A prefill row carries its chunk's first position (0 for a prompt's first chunk) and, on the chunk
+that ends its prompt, ``LAST_PREFILL_CHUNK``.
+
+Back from the last stage to stage 0: :class:`Tokens` (one sampled token per request of a step
+that ends its prompt or decodes; none for a chunk more of its prompt follows)
 or :class:`StepFailed`. Every decode failure raises :class:`ProtocolError` naming what is wrong;
 the receiving stage logs it and serves on.
 
@@ -33,7 +37,6 @@ from stagewise.model.batch import StepBatch
 from stagewise.transport.frame import Frame, Row, RowFlags, StepKind
 
 STEP_KINDS = (StepKind.PREFILL, StepKind.DECODE, StepKind.MIXED)
-_PREFILL = RowFlags.PREFILL | RowFlags.LAST_PREFILL_CHUNK
 
 
 class ProtocolError(ValueError):
@@ -83,8 +86,9 @@ def to_frame(msg: Message, *, stage_from: int, stage_to: int) -> Frame:
     if isinstance(msg, Step):
         b = msg.batch
         p = b.num_prefills
-        rows = [Row(int(rid), 0 if i < p else ctx, n, _PREFILL if i < p else RowFlags.NONE)
-                for i, (rid, ctx, n) in enumerate(zip(b.request_ids, b.context_lens, b.query_lens))]
+        rows = [Row(int(rid), ctx, n, RowFlags.NONE if i >= p else
+                    RowFlags.PREFILL | RowFlags.LAST_PREFILL_CHUNK if last else RowFlags.PREFILL)
+                for i, (rid, ctx, n, last) in enumerate(zip(b.request_ids, b.context_lens, b.query_lens, b.last_chunk))]
         kind = StepKind.PREFILL if p == len(rows) else StepKind.DECODE if p == 0 else StepKind.MIXED
         # Stage 0's own steps carry token ids (to its other ranks); every later stage's, hidden states.
         tensors = {"hidden": b.hidden_states.contiguous()} if b.token_ids is None else {"token_ids": b.token_ids}
@@ -184,9 +188,11 @@ def _step(frame: Frame, stage: StageShape) -> Step:
     positions, num_prefills, seen_decode = [], 0, False
     for i, r in enumerate(rows):
         prefill = bool(r.flags & RowFlags.PREFILL)
-        if r.num_tokens < 1 or (not prefill and r.num_tokens != 1) or (prefill and r.first_position != 0):
+        if r.num_tokens < 1 or (not prefill and r.num_tokens != 1):
             raise ProtocolError(f"rows[{i}]: {r.num_tokens} tokens from position {r.first_position} "
                                 f"(prefill={prefill})")
+        if not prefill and r.flags & RowFlags.LAST_PREFILL_CHUNK:
+            raise ProtocolError(f"rows[{i}]: LAST_PREFILL_CHUNK on a decode row")
         if prefill and seen_decode:
             raise ProtocolError(f"rows[{i}]: prefill rows must come before decode rows")
         if r.first_position + r.num_tokens > stage.max_model_len:
@@ -198,7 +204,9 @@ def _step(frame: Frame, stage: StageShape) -> Step:
     device = stage.device
     batch = StepBatch(request_ids=[r.request_id for r in rows], num_prefills=num_prefills,
                       query_lens=[r.num_tokens for r in rows],
-                      context_lens=[0 if i < num_prefills else r.first_position for i, r in enumerate(rows)],
+                      context_lens=[r.first_position for r in rows],
+                      last_chunk=[not r.flags & RowFlags.PREFILL or bool(r.flags & RowFlags.LAST_PREFILL_CHUNK)
+                                  for r in rows],
                       positions=torch.tensor(positions, dtype=torch.int64, device=device),
                       token_ids=None if token_ids is None else token_ids.to(device),
                       hidden_states=None if hidden is None else hidden.to(device))

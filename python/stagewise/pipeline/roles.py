@@ -120,7 +120,7 @@ class Head:
             if launched is not None and self.alone:
                 self.stats.computed(start, end, launched.batch.num_tokens, group)
                 sampled = launched.output
-                self._finished(self.engine.complete(group, launched.step_id, launched.batch.request_ids,
+                self._finished(self.engine.complete(group, launched.step_id, launched.batch.sampled_ids(),
                                                     sampled.tokens.tolist(), sampled.logprobs))
             elif launched is not None:
                 self.stats.computed(start, end, launched.batch.num_tokens, group)
@@ -211,9 +211,11 @@ class Worker:
 
     def _run(self, step: Step) -> Frame:
         batch, executor = step.batch, self.executor
-        unknown = [r for i, r in enumerate(batch.request_ids) if i >= batch.num_prefills and r not in executor]
+        unknown = [r for i, r in enumerate(batch.request_ids)
+                   if (i >= batch.num_prefills or batch.context_lens[i]) and r not in executor]
         if unknown:
-            raise ProtocolError(f"(step {step.step_id}): unknown request ids {unknown[:4]} in decode rows")
+            raise ProtocolError(f"(step {step.step_id}): unknown request ids {unknown[:4]} in rows that continue "
+                                "a request (decodes, later prefill chunks)")
         sampling = protocol.decode_sampling(step.sampling) if self.is_last else None
         start = time.perf_counter()
         try:
@@ -225,7 +227,7 @@ class Worker:
             return self._to_next(StepFailed(step_id=step.step_id, group=step.group, message=message))
         self.stats.computed(start, time.perf_counter(), batch.num_tokens, step.group)
         if self.is_last:
-            return self._to_next(protocol.tokens_message(step.step_id, step.group, batch.request_ids, out))
+            return self._to_next(protocol.tokens_message(step.step_id, step.group, batch.sampled_ids(), out))
         return self._to_next(Step(step_id=step.step_id, group=step.group, batch=batch.for_next_stage(out),
                                   sampling=step.sampling))
 

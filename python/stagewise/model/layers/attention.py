@@ -1,10 +1,12 @@
 """Self-attention over the paged KV cache: rotary, prefill by SDPA, decode by flash-decoding.
 
-Prefill requests start from an empty cache, so each attends causally over its
-own prompt with torch SDPA (GQA without repeating K/V). Decode requests attend
-with :func:`stagewise.ops.decode_attention` over their cached tokens plus the new
-token's k/v passed as ``k_new/v_new``. Then every token's K/V is written to the
-cache with :func:`stagewise.ops.reshape_and_cache`.
+A prompt's first chunk (often the whole prompt) starts from an empty cache, so it
+attends causally over itself with torch SDPA (GQA without repeating K/V); a later
+chunk of a chunked prefill attends by SDPA over the request's cached tokens,
+gathered from its blocks, and itself, with the causal mask offset by the cached
+length. Decode requests attend with :func:`stagewise.ops.decode_attention` over
+their cached tokens plus the new token's k/v passed as ``k_new/v_new``. Then every
+token's K/V is written to the cache with :func:`stagewise.ops.reshape_and_cache`.
 
 Under tensor parallelism a rank runs its own query heads and KV heads (the loader gives it those
 rows of q, k and v) against its own cache, and the output projection's partial sums are reduced
@@ -74,15 +76,29 @@ class Attention(nn.Module):
         if self.groups.cp_size > 1:
             return self.o(cp_attention(q, k, v, batch, meta, kv, self.scale, self.groups).view(t, hq * d))
         out = torch.empty((t, hq, d), dtype=x.dtype, device=x.device)
-        for start, n in batch.prefill_spans():
+        k_cache, v_cache = kv
+        for i, ((start, n), ctx) in enumerate(zip(batch.prefill_spans(), batch.context_lens)):
             # [1, H, n, D] views; enable_gqa lets the Hq / Hk query heads share a KV head.
             qs, ks, vs = (a[start : start + n].transpose(0, 1).unsqueeze(0) for a in (q, k, v))
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=hq != hk)
+            mask = None
+            if ctx:  # a later chunk: the cached tokens first, then the chunk; query j sees keys <= ctx + j
+                ks, vs = (torch.cat([cached_tokens(c, meta.block_tables[i], ctx).transpose(0, 1).unsqueeze(0), a], 2)
+                          for c, a in ((k_cache, ks), (v_cache, vs)))
+                mask = torch.arange(ctx + n, device=x.device) <= torch.arange(ctx, ctx + n, device=x.device)[:, None]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                               enable_gqa=hq != hk)
             out[start : start + n] = o[0].transpose(0, 1)
         p, r = batch.num_prefill_tokens, batch.num_prefills
         if p < t:
-            k_cache, v_cache = kv
             ops.decode_attention(q[p:], k_cache, v_cache, meta.block_tables[r:], meta.seq_lens[r:], self.scale,
                                  k_new=k[p:], v_new=v[p:], out=out[p:])
         ops.reshape_and_cache(k, v, kv[0], kv[1], meta.slot_mapping)
         return self.o(out.view(t, hq * d))
+
+
+def cached_tokens(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` tokens a request holds in one layer's ``cache [num_blocks, block_size, Hk, D]``,
+    in position order, from its ``block_table [max_blocks_per_seq]``: ``[n, Hk, D]``."""
+    block_size = cache.size(1)
+    t = torch.arange(n, device=cache.device)
+    return cache[block_table.long()[t // block_size], t % block_size]

@@ -15,6 +15,11 @@
   (:func:`stagewise.model.batch.split_for_pcp`); per layer the prompt's K/V are all-gathered over
   PCP (dropped after the layer), the local queries attend causally by true position, and the full
   K/V are stored with the interleaved mapping.
+- **Chunked prefill** (a chunk after a prompt's first, over a sharded cache): the chunk's K/V are
+  stored first, then each of its query rows attends as a decode row does, with its own causal
+  limit on each shard (the rank's stored tokens up to the row's position). Under PCP the chunk's
+  queries are all-gathered over PCP with its K/V, so every rank attends its shard with the whole
+  chunk; the merge is decode's, and each rank keeps its own rows.
 """
 
 from __future__ import annotations
@@ -96,8 +101,10 @@ def restore_pcp_rows(x: torch.Tensor, split: PcpSplit, group: Collectives) -> to
 
 def decode_attention_cp(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         local_seq_lens: torch.Tensor, scale: float, groups: StageGroups) -> torch.Tensor:
-    """Decode of ``q [B, Hq, D]`` (this rank's heads) over every CP rank's shard -> ``[B, Hq, D]``.
-    The new tokens must already be in the cache (their owners wrote them)."""
+    """Query rows ``q [B, Hq, D]`` (this rank's heads) over every CP rank's shard -> ``[B, Hq, D]``;
+    row ``b`` reads the first ``local_seq_lens[b]`` tokens of ``block_tables[b]`` here (a decode row:
+    all its tokens; a prefill chunk's row: those up to its position). The new tokens must already be
+    in the cache (their owners wrote them)."""
     dcp, pcp = groups.dcp, groups.pcp
     q_group = dcp.all_gather(q, dim=1)  # [B, dcp * Hq, D]: the heads of the DCP group's ranks, in rank order
     out, lse = ops.decode_attention(q_group, k_cache, v_cache, block_tables, local_seq_lens, scale)
@@ -109,10 +116,11 @@ def decode_attention_cp(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def _pcp_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, split: PcpSplit,
                  scale: float, out: torch.Tensor) -> None:
-    """Local prefill queries ``q [P_rank, Hq, D]`` over whole prompts ``k, v [P, Hk, D]``, causal
-    by position (a prompt's token at position ``x`` is its row ``x``)."""
-    for first, n, start, length in split.prefill_spans:
-        if n == 0:
+    """Local queries ``q [P_rank, Hq, D]`` of prompts' first chunks over the whole chunks ``k, v [P, Hk, D]``,
+    causal by position (a first chunk's token at position ``x`` is its row ``x``). Later chunks attend
+    over the cache (:func:`cp_attention`)."""
+    for first, n, start, length, ctx in split.prefill_spans:
+        if n == 0 or ctx:
             continue
         qs = q[first : first + n].transpose(0, 1).unsqueeze(0)
         ks, vs = (a[start : start + length].transpose(0, 1).unsqueeze(0) for a in (k, v))
@@ -126,7 +134,13 @@ def _pcp_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: t
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch, meta: KVMetadata,
                  kv: tuple[torch.Tensor, torch.Tensor], scale: float, groups: StageGroups) -> torch.Tensor:
     """Attention of this rank's rows ``q [T_rank, Hq, D]``, ``k, v [T_rank, Hk, D]`` (rope applied)
-    under context parallelism -> ``[T_rank, Hq, D]``; writes this rank's share of the step's K/V."""
+    under context parallelism -> ``[T_rank, Hq, D]``; writes this rank's share of the step's K/V.
+
+    A prompt's first chunk attends over itself (all-gathered K/V under PCP); the step's other rows
+    (``meta.cp_rows``: decode rows and later chunks) attend over the sharded cache, each with its own
+    causal limit (``meta.cp_local_lens``), through :func:`decode_attention_cp`. Under PCP a later
+    chunk's queries are all-gathered with its K/V, so every PCP rank attends its shard with all of
+    them, and each keeps its own rows of the result."""
     check_metadata(groups, meta)
     k_cache, v_cache = kv
     p = batch.num_prefill_tokens
@@ -134,26 +148,36 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepB
     split = meta.pcp
     if split is None:
         ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        for start, n in batch.prefill_spans():
+        for (start, n), ctx in zip(batch.prefill_spans(), batch.context_lens):
+            if ctx:
+                continue
             qs, ks, vs = (a[start : start + n].transpose(0, 1).unsqueeze(0) for a in (q, k, v))
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                enable_gqa=qs.size(1) != ks.size(1))
             out[start : start + n] = o[0].transpose(0, 1)
-        num_prefills = batch.num_prefills
+        q_cached = q[meta.cp_rows]
     else:
-        num_prefills = len(split.prefill_spans)
-        if num_prefills:
-            # One all-gather of the prompts' K and V; the full prompts live only for this layer.
-            whole = gather_rows(torch.stack([k[:p], v[:p]], dim=1), split.prefill_pad, split.prefill_restore,
-                                groups.pcp)
-            k_all, v_all = whole[:, 0], whole[:, 1]
+        q_cached = q[p:]
+        if split.prefill_spans:
+            # One all-gather of the prefill rows' K and V (and, for chunks after a prompt's first,
+            # their queries); the full chunks live only for this layer.
+            hq, hk = q.size(1), k.size(1)
+            later = any(span[4] for span in split.prefill_spans)
+            parts = [q[:p], k[:p], v[:p]] if later else [k[:p], v[:p]]
+            whole = gather_rows(torch.cat(parts, dim=1), split.prefill_pad, split.prefill_restore, groups.pcp)
+            q_all, k_all, v_all = whole.split([hq if later else 0, hk, hk], dim=1)
             _pcp_prefill(q[:p], k_all, v_all, batch.positions[:p], split, scale, out)
+            if later:  # the full step's queries, of which the cached rows are taken
+                q_cached = torch.cat([q_all, q[p:]])[meta.cp_rows]
             k_all, v_all = torch.cat([k_all, k[p:]]), torch.cat([v_all, v[p:]])
         else:
             k_all, v_all = k, v
         ops.reshape_and_cache(k_all, v_all, k_cache, v_cache, meta.slot_mapping)
-    if p < q.size(0):
-        r = num_prefills
-        out[p:] = decode_attention_cp(q[p:], k_cache, v_cache, meta.block_tables[r:], meta.local_seq_lens[r:],
-                                      scale, groups)
+    if meta.cp_rows.numel():
+        res = decode_attention_cp(q_cached.contiguous(), k_cache, v_cache, meta.cp_block_tables, meta.cp_local_lens,
+                                  scale, groups)
+        if split is None:
+            out[meta.cp_rows] = res
+        else:
+            out[split.cached_local] = res[split.cached_take]
     return out

@@ -1,0 +1,63 @@
+"""The scheduler's chunked prefill without a model: a step's prompt tokens stay within
+max_prefill_tokens, prompts already started go first, the running rows decode in the same steps,
+and only the chunk that ends a prompt samples."""
+
+from __future__ import annotations
+
+import pytest
+
+from stagewise.engine.scheduler import GroupedScheduler, Scheduler, SeqState
+from stagewise.kv import KVCacheManager
+
+
+def scheduler(budget: int, rows: int = 4) -> Scheduler:
+    manager = KVCacheManager(block_size=4, num_blocks=32, max_blocks_per_seq=8)
+    return Scheduler(manager, max_num_seqs=rows, max_model_len=32, max_prefill_tokens=budget)
+
+
+def run_step(s: Scheduler) -> tuple[list[tuple[str, int, int]], list[str], list[str]]:
+    """One step: its chunks (id, start, length), decodes and sampled ids; each sampled request gets
+    a token, as the engine records them."""
+    step = s.schedule()
+    for seq in step.sampled:
+        seq.output_ids.append(7)
+    return ([(c.seq.request_id, c.start, c.length) for c in step.prefills], [q.request_id for q in step.decodes],
+            [q.request_id for q in step.sampled])
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_decodes():
+    s = scheduler(budget=5)
+    for rid, n in (("a", 3), ("b", 12), ("c", 4)):
+        s.add(SeqState(request_id=rid, prompt_ids=list(range(1, n + 1))))
+    assert run_step(s) == ([("a", 0, 3), ("b", 0, 2)], [], ["a"])
+    assert run_step(s) == ([("b", 2, 5)], ["a"], ["a"])              # b first: c waits for budget
+    assert run_step(s) == ([("b", 7, 5)], ["a"], ["b", "a"])         # b's last chunk samples
+    assert run_step(s) == ([("c", 0, 4)], ["a", "b"], ["c", "a", "b"])
+    assert s.manager.num_tokens("b") == 12 + 1                        # blocks for the whole prompt at once
+
+
+@pytest.mark.parametrize("budget", [1, 3, 4, 100])
+def test_every_prompt_token_is_scheduled_once_in_order(budget):
+    s = scheduler(budget=budget, rows=2)
+    prompts = {rid: list(range(n)) for rid, n in (("a", 9), ("b", 1), ("c", 6))}
+    for rid, prompt in prompts.items():
+        s.add(SeqState(request_id=rid, prompt_ids=prompt))
+    seen = {rid: 0 for rid in prompts}
+    for _ in range(40):
+        chunks, _, _ = run_step(s)
+        assert sum(n for _, _, n in chunks) <= budget
+        for rid, start, n in chunks:
+            assert start == seen[rid] and n >= 1
+            seen[rid] += n
+        for rid in [r for r, seq in s.running.items() if len(seq.output_ids) >= 2]:
+            s.finish(rid)
+    assert seen == {rid: len(p) for rid, p in prompts.items()} and not s.has_unfinished()
+
+
+@pytest.mark.parametrize("budget", [0, -3, 2.5, True])
+def test_a_budget_below_one_token_is_refused_naming_the_option(budget):
+    with pytest.raises(ValueError, match=f"max_prefill_tokens must be an int >= 1, got {budget!r}"):
+        scheduler(budget=budget)
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        GroupedScheduler(scheduler(1).manager, num_groups=2, max_num_seqs=2, max_model_len=32,
+                         max_prefill_tokens=budget)
