@@ -25,6 +25,7 @@ from stagewise.engine.text import TextStreams
 from stagewise.frontend import Completion, LocalBackend, Run, sampling_per_prompt
 from stagewise.model.loader import Checkpoint, open_checkpoint, resolve_dtype
 from stagewise.model.quant import check_precision
+from stagewise.image_processing import expand_prompts, prepare_prompt_images
 from stagewise.prompts import encode_prompts, render_chat
 
 
@@ -39,7 +40,7 @@ class Pipeline:
                  max_num_seqs: int = 32, max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                  max_num_tokens: int | None = None, load_progress: Callable[[int, int, int], None] | None = None,
                  quantized: bool | None = None, linear_precision: str = "exact",
-                 **parallel_options: Any) -> None:
+                 max_image_pixels: int | None = None, **parallel_options: Any) -> None:
         """``load_progress(done, total, nbytes)`` follows the weight reading (see
         :func:`stagewise.model.loader.load_stage_weights`).
 
@@ -51,6 +52,8 @@ class Pipeline:
         those blocks multiply with the activations quantised to int8 per block of 32, as llama.cpp
         does on the CPU (:func:`stagewise.ops.quant_linear_int8`): faster decode, tokens that may
         differ from the exact model's.
+
+        ``max_image_pixels``: larger input images are refused (default: 2 ** 28 pixels).
 
         ``tp``: tensor-parallel ranks per stage; ``dcp``: of those, how many shard each KV head's
         sequence (decode context parallel); ``pcp``: prefill-context-parallel ranks per stage
@@ -75,6 +78,8 @@ class Pipeline:
         start = time.perf_counter()
         ckpt = open_checkpoint(model)
         self._open(ckpt, dev, resolve_dtype(dtype, ckpt.config.dtype))
+        if max_image_pixels is not None and self.image_processor is not None:
+            self.image_processor = dataclasses.replace(self.image_processor, max_input_pixels=max_image_pixels)
         if processes:
             from stagewise.launch.local import spawn_stages
             from stagewise.model.shapes import parallel_problems
@@ -116,6 +121,11 @@ class Pipeline:
         self.plan = self.driver = None
         self.last_stats: dict[str, Any] = {}
         self._ids = count()
+        self.image_processor = None
+        if self.config.vision_config is not None:
+            from stagewise.image_processing import ImageProcessor
+
+            self.image_processor = ImageProcessor.for_model(getattr(checkpoint, "path", None), self.config.vision_config)
 
     def _local_plan(self, model, stages: int, dev: torch.device, dtype: str, *, tp: int = 1, pcp: int = 1,
                     partition="even", transport: str = "auto", checksum: bool = True, auth_token: str | None = None,
@@ -206,7 +216,8 @@ class Pipeline:
                  frequency_penalty: float = 0.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
                  chat: bool = False, ignore_eos: bool = False, logprobs: int | None = None,
                  overrides: Sequence[Mapping[str, Any] | None] | None = None,
-                 on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
+                 on_text: Callable[[int, str], None] | None = None,
+                 images: Sequence[Any] | None = None) -> list[Completion]:
         """One :class:`Completion` per prompt, in order. Argument errors raise ValueError before
         anything runs, as does a prompt whose tokens plus ``max_new_tokens`` exceed
         :attr:`max_model_len`; a prompt's own problem (empty, ids outside the vocabulary, out of KV
@@ -216,7 +227,14 @@ class Pipeline:
         ``logprobs=K`` gives each generated token's log-probability and the K most likely tokens'
         (:class:`~stagewise.engine.params.TokenLogprobs`). ``overrides[i]``, when given, holds
         sampling fields (the names of the arguments above, and ``stop_token_ids``) that replace the
-        call's for prompt i."""
+        call's for prompt i.
+
+        ``images[i]`` (one entry per prompt, None for none) holds prompt i's images: an image (a
+        file path, a PIL image or a uint8 tensor ``[H, W, 3]``), a list of them, or the processor's
+        output as :class:`~stagewise.engine.images.ImageInputs` or a dict of ``pixel_values`` and
+        ``image_grid_thw``. Each run of image placeholder tokens in the prompt stands for the next
+        image (a prompt with none gets them in front); with ``chat`` the template places them. An
+        image that cannot be used gives that prompt finish_reason 'error' naming the image."""
         backend = self._backend
         if backend is None:
             raise ValueError("Pipeline.generate: the pipeline is closed")
@@ -225,7 +243,12 @@ class Pipeline:
                     frequency_penalty=frequency_penalty, seed=seed,
                     stop=[stop] if isinstance(stop, str) else list(stop or []), ignore_eos=ignore_eos,
                     logprobs=logprobs)
-        encoded = self._encode(prompts, prompt_token_ids, chat)
+        prepared, failed = prepare_prompt_images(images, self.image_processor)
+        encoded = self._encode(prompts, prompt_token_ids, chat, [0 if p is None else p.num_images for p in prepared])
+        if images is not None and len(images) != len(encoded):
+            raise ValueError(f"Pipeline.generate: images must hold one entry per prompt ({len(encoded)}), "
+                             f"got {len(images)}")
+        failed.update(expand_prompts(encoded, prepared, self.config.vision_config, failed))
         params = sampling_per_prompt(base, len(encoded), overrides)  # every value checked before anything runs
         if any(p.stop for p in params) and self.tokenizer is None:
             raise ValueError("Pipeline.generate: stop strings need a tokenizer; this checkpoint has none")
@@ -242,7 +265,10 @@ class Pipeline:
         run = Run(backend, TextStreams(self.tokenizer, self.config.eos_token_ids), on_text)
         try:
             for i, (ids, p) in enumerate(zip(encoded, params)):
-                run.add(next(self._ids), i, list(ids), p)
+                if i in failed:
+                    run.reject(i, list(ids), failed[i])
+                else:
+                    run.add(next(self._ids), i, list(ids), p, prepared[i] if prepared else None)
             run.wait()
         finally:
             run.cancel_unfinished()  # an interrupted call leaves nothing queued and no KV held
@@ -314,8 +340,9 @@ class Pipeline:
             raise ValueError(f"Pipeline.generate: more tokens than the model length {length} allows: "
                              + "; ".join(over[:8]) + (f"; and {len(over) - 8} more" if len(over) > 8 else ""))
 
-    def _encode(self, prompts, prompt_token_ids, chat: bool) -> list[list[int]]:
-        return encode_prompts(self.tokenizer, prompts, prompt_token_ids, chat=chat, render=self.render_chat)
+    def _encode(self, prompts, prompt_token_ids, chat: bool, image_counts: list[int] | None = None) -> list[list[int]]:
+        return encode_prompts(self.tokenizer, prompts, prompt_token_ids, chat=chat, render=self.render_chat,
+                              image_counts=image_counts or None)
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """The checkpoint's chat template applied to ``messages``, with the assistant turn opened."""
