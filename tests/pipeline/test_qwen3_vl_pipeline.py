@@ -35,13 +35,12 @@ PROMPTS = [([5, 6, START, IMAGE, END, 7, 8], [_image(37, 29, 0)]), ([11, 12, 13]
            ([START, IMAGE, END, 21, START, IMAGE, END, 22], [_image(19, 61, 1), _image(70, 40, 2)])]
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    """The MoE model saved (published expert layout) and transformers' greedy tokens for PROMPTS."""
+def _saved(kind: str, folder):
+    """The model saved (MoE: the published expert layout) and transformers' greedy tokens for PROMPTS."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    hf = build("moe")
-    folder = save(hf, tmp_path_factory.mktemp("vl-moe"), published_experts=True)
+    hf = build(kind)
+    folder = save(hf, folder, published_experts=kind == "moe")
     processor = Qwen2VLImageProcessorPil.from_pretrained(folder)
     expected = []
     for ids, images in PROMPTS:
@@ -57,16 +56,28 @@ def moe(tmp_path_factory):
     return folder, expected
 
 
-@pytest.mark.parametrize(("stages", "partition"), [(2, "balanced"), (3, "0-1,1-3,3-4")])
-def test_pipeline_tokens_equal_transformers(moe, stages, partition):
-    """3 stages: stage 0 holds one of the three DeepStack layers, stage 1 the other two, stage 2 none."""
-    folder, expected = moe
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return _saved("moe", tmp_path_factory.mktemp("vl-moe"))
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return _saved("dense", tmp_path_factory.mktemp("vl-dense"))
+
+
+@pytest.mark.parametrize(("kind", "stages", "partition"), [("moe", 2, "balanced"), ("moe", 3, "0-1,1-3,3-4"),
+                                                          ("dense", 2, "0-2,2-4")])
+def test_pipeline_tokens_equal_transformers(request, kind, stages, partition):
+    """3 stages: stage 0 holds one of the three DeepStack layers, stage 1 the other two, stage 2 none.
+    Dense: the later stage decodes in the C++ layer loop at the rope-shifted positions."""
+    folder, expected = request.getfixturevalue(kind)
     with stagewise.Pipeline(str(folder), stages=stages, partition=partition, max_model_len=128) as pipe:
         got = pipe.generate(prompt_token_ids=[ids for ids, _ in PROMPTS], images=[im for _, im in PROMPTS],
                             max_new_tokens=NEW, ignore_eos=True)
         assert [c.error for c in got] == [None] * 3
         assert [c.token_ids for c in got] == expected
-        if stages == 2:  # the vision tower's weight moves layers off stage 0
+        if partition == "balanced":  # the vision tower's weight moves layers off stage 0
             assert [tuple(r) for r in pipe.plan.stage_plan.ranges] == [(0, 1), (1, 4)]
 
 
