@@ -160,8 +160,8 @@ def _nbytes(tensors) -> int:
 
 def test_expert_layouts_and_stage_bytes(tmp_path):
     """The fused experts in transformers' layout, the published (transposed) one and one tensor per
-    expert all load as the table's; only the first stage reads vision bytes; a stage reads its
-    layers and nothing else; a TP rank's cut of the transposed layout is its block."""
+    expert all load as the table's; only the first stage reads vision bytes (its TP rank 0 only); a
+    stage reads its layers and nothing else; a TP rank's cut of the transposed layout is its block."""
     from safetensors.torch import load_file, save_file
 
     from stagewise.model.loader import load_stage_weights
@@ -198,6 +198,7 @@ def test_expert_layouts_and_stage_bytes(tmp_path):
     assert sum(k.startswith("model.visual.") for k in first) == sum(k.startswith("model.visual.") for k in on_disk)
     head = _nbytes(v for k, v in on_disk.items() if ".layers.0." in k or "embed_tokens" in k)
     assert ckpt.bytes_read == vision + head
+    assert not any(k.startswith("model.visual.") for k in load_stage_weights(published, 0, 1, tp_rank=1, tp_size=2))
     rank1 = load_stage_weights(published, 1, 2, tp_rank=1, tp_size=2)
     p = "model.language_model.layers.1.mlp.experts."
     gate, up = state[p + "gate_up_proj"].chunk(2, dim=1)

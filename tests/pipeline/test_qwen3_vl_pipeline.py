@@ -1,6 +1,6 @@
 """Qwen3-VL as a pipeline of stage processes against transformers: greedy tokens identical with 2
 and 3 stages (the DeepStack levels straddling a boundary, a stage past the last level, the
-balanced partition), images in some rows of a batch; and what crosses a boundary: the named extra
+balanced partition) and with stages of two tensor-parallel ranks, images in some rows of a batch; and what crosses a boundary: the named extra
 tensors of a step frame (golden bytes), none on decode frames, DeepStack levels only to the stages
 that add them; the balanced partition weighs the vision tower on stage 0."""
 
@@ -66,13 +66,14 @@ def dense(tmp_path_factory):
     return _saved("dense", tmp_path_factory.mktemp("vl-dense"))
 
 
-@pytest.mark.parametrize(("kind", "stages", "partition"), [("moe", 2, "balanced"), ("moe", 3, "0-1,1-3,3-4"),
-                                                          ("dense", 2, "0-2,2-4")])
-def test_pipeline_tokens_equal_transformers(request, kind, stages, partition):
+@pytest.mark.parametrize(("kind", "stages", "partition", "tp"), [
+    ("moe", 2, "balanced", 1), ("moe", 3, "0-1,1-3,3-4", 1), ("dense", 2, "0-2,2-4", 1), ("moe", 2, "even", 2)])
+def test_pipeline_tokens_equal_transformers(request, kind, stages, partition, tp):
     """3 stages: stage 0 holds one of the three DeepStack layers, stage 1 the other two, stage 2 none.
-    Dense: the later stage decodes in the C++ layer loop at the rope-shifted positions."""
+    Dense: the later stage decodes in the C++ layer loop at the rope-shifted positions. tp 2: stage
+    0's leader hands its other rank the image embeddings and DeepStack features with each step."""
     folder, expected = request.getfixturevalue(kind)
-    with stagewise.Pipeline(str(folder), stages=stages, partition=partition, max_model_len=128) as pipe:
+    with stagewise.Pipeline(str(folder), stages=stages, partition=partition, tp=tp, max_model_len=128) as pipe:
         got = pipe.generate(prompt_token_ids=[ids for ids, _ in PROMPTS], images=[im for _, im in PROMPTS],
                             max_new_tokens=NEW, ignore_eos=True)
         assert [c.error for c in got] == [None] * 3

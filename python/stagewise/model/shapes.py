@@ -15,8 +15,10 @@ stage stores the matrix once; a pipeline's last stage holds its own copy.
 
 Tensor-parallel splits (``TensorShape.split``; Megatron's layout over ``tp`` ranks, ``W [out, in]``):
 
-- ``replicated``: every rank holds the whole tensor (norms, router, vision tower, and the bias of a
-  row-parallel linear, which is added once after the partial sums are reduced).
+- ``replicated``: every rank holds the whole tensor (norms, router, and the bias of a row-parallel
+  linear, which is added once after the partial sums are reduced); the vision tower is whole too,
+  held by TP rank 0 of the first stage only (it runs the tower for the stage), the rank the
+  planner's largest per-rank bytes describe.
 - ``column``: rank ``r`` holds rows ``[r * out / tp, (r + 1) * out / tp)`` (q, gate, up and their
   biases; whole query heads since ``tp`` divides the head count).
 - ``row``: rank ``r`` holds the same block of columns of ``in`` (o, down): partial sums.

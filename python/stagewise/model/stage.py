@@ -74,8 +74,8 @@ class StageModel(nn.Module):
         layers = [arch.build_layer(config, i, w, rotary, groups) for i in range(start_layer, end_layer)]
         embedding = VocabEmbedding(w(embedding_name(config)), config.vocab_size, groups.tp) if start_layer == 0 else None
         vision = None
-        if start_layer == 0 and config.vision_config is not None:
-            vision = VisionTower(config.vision_config, w)
+        if start_layer == 0 and config.vision_config is not None and "model.visual.pos_embed.weight" in w:
+            vision = VisionTower(config.vision_config, w)  # TP rank 0 only: the others take its output
         final_norm = lm_head = None
         if end_layer == config.num_layers:
             final_norm = arch.final_norm(config, w)
