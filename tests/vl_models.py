@@ -43,14 +43,42 @@ def build(kind: str):
     return model
 
 
+IM_START, IM_END, USER, ASSISTANT = 116, 117, 101, 102
+# Qwen's chat template in short: an image part becomes vision start, one placeholder, vision end.
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}<|im_start|>{{ m.role }}\n"
+    "{%- if m.content is string %}{{ m.content }}{% else %}{% for part in m.content %}"
+    "{% if part.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part.text }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor -%}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _tokenizer(folder: Path) -> None:
+    """Words ``w1`` .. ``w100`` are ids 1 .. 100; the special tokens have the ids of the config."""
+    import json
+
+    import tokenizers
+
+    special = {"<|im_start|>": IM_START, "<|im_end|>": IM_END, "<|vision_start|>": START, "<|vision_end|>": END,
+               "<|image_pad|>": IMAGE, "<|video_pad|>": VIDEO}
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, 101)}, "user": USER, "assistant": ASSISTANT, **special}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in special])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+
+
 def save(model, folder: Path, *, published_experts: bool = False) -> Path:
-    """``model`` saved in ``folder`` with its image processor config; ``published_experts`` stores
-    the fused experts as published Qwen3-VL-MoE checkpoints do (``[E, H, 2I]``, ``[E, I, H]``)."""
+    """``model`` saved in ``folder`` with its image processor config and a word-level tokenizer with
+    a chat template; ``published_experts`` stores the fused experts as published Qwen3-VL-MoE
+    checkpoints do (``[E, H, 2I]``, ``[E, I, H]``)."""
     from safetensors.torch import load_file, save_file
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     model.save_pretrained(folder)
     Qwen2VLImageProcessorPil(**PROCESSOR).save_pretrained(folder)
+    _tokenizer(folder)
     if published_experts:
         path = folder / "model.safetensors"
         tensors = load_file(path)

@@ -124,6 +124,21 @@ def test_precomputed_pixel_values_and_prompt_without_placeholders(vl):
     assert placed.token_ids == _hf_greedy(hf, folder, [START, IMAGE, END, *bare], images, 5)
 
 
+def test_chat_template_places_the_images(vl):
+    """Text prompts with ``chat``: the template puts each image's vision start, placeholder and end
+    in front of the text, and each placeholder becomes one token per merged patch."""
+    from vl_models import ASSISTANT, IM_END, IM_START, USER
+
+    hf, folder = vl
+    images = PROMPTS[2][1]
+    with Pipeline(folder) as pipe:
+        [c] = pipe.generate(["w5 w6"], chat=True, images=[images], max_new_tokens=4, ignore_eos=True)
+    ids = [IM_START, USER, START, IMAGE, END, START, IMAGE, END, 5, 6, IM_END, IM_START, ASSISTANT]
+    inputs = _hf_inputs(folder, ids, images)
+    assert c.error is None and c.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert c.token_ids == _hf_greedy(hf, folder, ids, images, 4)
+
+
 def test_bad_images_end_their_prompt_only(vl, tmp_path):
     _, folder = vl
     corrupt, empty = tmp_path / "corrupt.png", tmp_path / "empty.png"
