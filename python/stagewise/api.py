@@ -25,6 +25,7 @@ from stagewise.engine.text import TextStreams
 from stagewise.frontend import Completion, LocalBackend, Run, sampling_per_prompt
 from stagewise.model.loader import Checkpoint, open_checkpoint, resolve_dtype
 from stagewise.model.quant import check_precision
+from stagewise.image_processing import expand_prompts, prepare_prompt_images
 from stagewise.prompts import encode_prompts, render_chat
 
 
@@ -40,7 +41,7 @@ class Pipeline:
                  max_num_tokens: int | None = None, max_prefill_tokens: int = 8192,
                  load_progress: Callable[[int, int, int], None] | None = None,
                  quantized: bool | None = None, linear_precision: str = "exact", max_restarts: int = 0,
-                 **parallel_options: Any) -> None:
+                 max_image_pixels: int | None = None, **parallel_options: Any) -> None:
         """``load_progress(done, total, nbytes)`` follows the weight reading (see
         :func:`stagewise.model.loader.load_stage_weights`).
 
@@ -55,6 +56,8 @@ class Pipeline:
 
         ``max_prefill_tokens``: prompt tokens a step runs at most; a longer prompt is prefilled in
         chunks over several steps (chunked prefill), other requests decoding in the same steps.
+
+        ``max_image_pixels``: larger input images are refused (default: 2 ** 28 pixels).
 
         ``tp``: tensor-parallel ranks per stage; ``dcp``: of those, how many shard each KV head's
         sequence (decode context parallel); ``pcp``: prefill-context-parallel ranks per stage
@@ -89,17 +92,21 @@ class Pipeline:
         start = time.perf_counter()
         ckpt = open_checkpoint(model)
         self._open(ckpt, dev, resolve_dtype(dtype, ckpt.config.dtype))
+        if max_image_pixels is not None and self.image_processor is not None:
+            self.image_processor = dataclasses.replace(self.image_processor, max_input_pixels=max_image_pixels)
         if processes:
-            from stagewise.launch.local import spawn_stages
+            from stagewise.launch.local import local_plan, spawn_stages
             from stagewise.model.shapes import parallel_problems
 
             problems = parallel_problems(self.config, tp, dcp)
             if problems:
                 raise ValueError(f"Pipeline: {problems[0]}")
-            plan = self._local_plan(model, stages, dev, dtype, tp=tp, dcp=dcp, pcp=pcp, max_num_seqs=max_num_seqs,
-                                    max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
-                                    kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens, quantized=quantized,
-                                    linear_precision=linear_precision, **pipeline_options)
+            plan = local_plan(model if isinstance(model, str) else str(model.path), self.config, stages, dev.type,
+                              dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."), tp=tp, dcp=dcp,
+                              pcp=pcp, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                              max_prefill_tokens=max_prefill_tokens, kv_cache_bytes=kv_cache_bytes,
+                              max_num_tokens=max_num_tokens, quantized=quantized, linear_precision=linear_precision,
+                              **pipeline_options)
             from stagewise.pipeline.links import hop_transports
 
             hop_transports(plan)  # a transport a hop cannot use: said before any process starts
@@ -142,27 +149,11 @@ class Pipeline:
         self.plan = self._backend = None
         self.last_stats: dict[str, Any] = {}
         self._ids = count()
+        self.image_processor = None
+        if self.config.vision_config is not None:
+            from stagewise.image_processing import ImageProcessor
 
-    def _local_plan(self, model, stages: int, dev: torch.device, dtype: str, *, tp: int = 1, pcp: int = 1,
-                    partition="even", transport: str = "auto", checksum: bool = True, auth_token: str | None = None,
-                    threads: int | None = None, **limits: Any):
-        """A plan of ``stages`` stages of ``pcp * tp`` processes each, on this machine."""
-        import os
-
-        from stagewise.parallel.plan import decode_layer_costs
-        from stagewise.parallel.runplan import RunPlan
-
-        per_stage = tp * pcp
-        if dev.type == "cuda":
-            devices = [f"cuda:{i * per_stage % torch.cuda.device_count()}" for i in range(stages)]
-        else:
-            devices = ["cpu"] * stages
-        threads = threads or max(1, (os.cpu_count() or 1) // (stages * per_stage))
-        plan = RunPlan.build(model if isinstance(model, str) else str(model.path), self.config.num_layers, stages,
-                             partition, costs=decode_layer_costs(self.config) if partition == "balanced" else None,
-                             devices=devices, tp=tp, pcp=pcp, dtype=dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
-                             transport=transport, checksum=checksum, **limits)
-        return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, threads=threads) for s in plan.stages))
+            self.image_processor = ImageProcessor.for_model(getattr(checkpoint, "path", None), self.config.vision_config)
 
     def _new_driver(self, plan, addresses, *, auth_token: str | None, processes=None,
                     connect_timeout_s: float = 60.0):
@@ -245,7 +236,8 @@ class Pipeline:
                  frequency_penalty: float = 0.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
                  chat: bool = False, ignore_eos: bool = False, logprobs: int | None = None,
                  overrides: Sequence[Mapping[str, Any] | None] | None = None,
-                 on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
+                 on_text: Callable[[int, str], None] | None = None,
+                 images: Sequence[Any] | None = None) -> list[Completion]:
         """One :class:`Completion` per prompt, in order. Argument errors raise ValueError before
         anything runs, as does a prompt whose tokens plus ``max_new_tokens`` exceed
         :attr:`max_model_len`; a prompt's own problem (empty, ids outside the vocabulary, out of KV
@@ -255,7 +247,14 @@ class Pipeline:
         ``logprobs=K`` gives each generated token's log-probability and the K most likely tokens'
         (:class:`~stagewise.engine.params.TokenLogprobs`). ``overrides[i]``, when given, holds
         sampling fields (the names of the arguments above, and ``stop_token_ids``) that replace the
-        call's for prompt i."""
+        call's for prompt i.
+
+        ``images[i]`` (one entry per prompt, None for none) holds prompt i's images: an image (a
+        file path, a PIL image or a uint8 tensor ``[H, W, 3]``), a list of them, or the processor's
+        output as :class:`~stagewise.engine.images.ImageInputs` or a dict of ``pixel_values`` and
+        ``image_grid_thw``. Each run of image placeholder tokens in the prompt stands for the next
+        image (a prompt with none gets them in front); with ``chat`` the template places them. An
+        image that cannot be used gives that prompt finish_reason 'error' naming the image."""
         backend = self._backend
         if backend is None:
             raise ValueError("Pipeline.generate: the pipeline is closed")
@@ -264,7 +263,12 @@ class Pipeline:
                     frequency_penalty=frequency_penalty, seed=seed,
                     stop=[stop] if isinstance(stop, str) else list(stop or []), ignore_eos=ignore_eos,
                     logprobs=logprobs)
-        encoded = self._encode(prompts, prompt_token_ids, chat)
+        prepared, failed = prepare_prompt_images(images, self.image_processor)
+        encoded = self._encode(prompts, prompt_token_ids, chat, [0 if p is None else p.num_images for p in prepared])
+        if images is not None and len(images) != len(encoded):
+            raise ValueError(f"Pipeline.generate: images must hold one entry per prompt ({len(encoded)}), "
+                             f"got {len(images)}")
+        failed.update(expand_prompts(encoded, prepared, self.config.vision_config, failed))
         params = sampling_per_prompt(base, len(encoded), overrides)  # every value checked before anything runs
         if any(p.stop for p in params) and self.tokenizer is None:
             raise ValueError("Pipeline.generate: stop strings need a tokenizer; this checkpoint has none")
@@ -281,7 +285,10 @@ class Pipeline:
         run = Run(backend, TextStreams(self.tokenizer, self.config.eos_token_ids), on_text)
         try:
             for i, (ids, p) in enumerate(zip(encoded, params)):
-                run.add(next(self._ids), i, list(ids), p)
+                if i in failed:
+                    run.reject(i, list(ids), failed[i])
+                else:
+                    run.add(next(self._ids), i, list(ids), p, prepared[i] if prepared else None)
             run.wait()
         finally:
             run.cancel_unfinished()  # an interrupted call leaves nothing queued and no KV held
@@ -341,17 +348,9 @@ class Pipeline:
         track per stage with compute, send and receive-wait spans."""
         if self.driver is None:
             raise ValueError("Pipeline.write_trace: traces come from pipeline stages (stages > 1)")
-        from stagewise.trace import TraceEvent, write_chrome_trace
+        from stagewise.trace import write_stage_trace
 
-        stages = self.stage_stats(trace=True)
-        spans = [(s["stage"], *e) for s in stages for e in s["trace"] or []]
-        t0 = min((start for _, _, start, _, _ in spans), default=0.0)
-        kinds = {"compute": "compute", "send": "comm", "recv-wait": "bubble"}
-        events = [TraceEvent(stage, f"{name} mb{mb}" if mb >= 0 else name, kinds[name], start - t0, dur,
-                             {"microbatch": mb}) for stage, name, start, dur, mb in spans]
-        write_chrome_trace(path, events, num_stages=len(stages), process="measured",
-                           other={"model": self.plan.model, "layers": str(self.plan.stage_plan),
-                                  "transport": self.plan.transport})
+        write_stage_trace(path, self.stage_stats(trace=True), self.plan)
 
     @property
     def max_num_seqs(self) -> int:
@@ -378,8 +377,9 @@ class Pipeline:
             raise ValueError(f"Pipeline.generate: more tokens than the model length {length} allows: "
                              + "; ".join(over[:8]) + (f"; and {len(over) - 8} more" if len(over) > 8 else ""))
 
-    def _encode(self, prompts, prompt_token_ids, chat: bool) -> list[list[int]]:
-        return encode_prompts(self.tokenizer, prompts, prompt_token_ids, chat=chat, render=self.render_chat)
+    def _encode(self, prompts, prompt_token_ids, chat: bool, image_counts: list[int] | None = None) -> list[list[int]]:
+        return encode_prompts(self.tokenizer, prompts, prompt_token_ids, chat=chat, render=self.render_chat,
+                              image_counts=image_counts or None)
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """The checkpoint's chat template applied to ``messages``, with the assistant turn opened."""

@@ -210,6 +210,8 @@ def generate_and_print(pipe, args: argparse.Namespace, req: Requests, *, prog: s
     defaults = getattr(pipe.plan, "sampling", None) if pipe.plan is not None else None
     kwargs = dict(sampling_args(args, defaults), chat=args.chat, overrides=req.overrides if req.from_file else None)
     kwargs.update(prompts=req.texts) if req.texts else kwargs.update(prompt_token_ids=req.ids)
+    if getattr(args, "image", None):
+        kwargs["images"] = [list(args.image)] * len(req)
     stream = None if args.json or req.from_file else _Streamer(len(req), label)
     trace = getattr(args, "trace", None)
     try:

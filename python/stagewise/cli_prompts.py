@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -42,6 +43,9 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
                          help="one request per line, {\"prompt\": ...} or {\"prompt_ids\": [...]} with optional "
                               "sampling fields; prints one JSON line per request, in order")
     prompts.add_argument("--chat", action="store_true", help="wrap each text prompt in the model's chat template")
+    prompts.add_argument("--image", action="append", default=[], metavar="FILE",
+                         help="an image for the prompt (repeatable, in order; a vision model such as Qwen3-VL); "
+                              "with several prompts each one gets them")
     s = parser.add_argument_group("sampling")
     s.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                    help="most tokens to generate (default 64); more than the model's length leaves is an error")
@@ -118,6 +122,10 @@ def read_requests(args: argparse.Namespace, problems: list[str]) -> Requests:
         _read_file(args.prompt_file, req, problems)
     if args.chat and req.ids:
         problems.append("--chat needs text prompts, not token ids")
+    images = getattr(args, "image", None) or []
+    if images and args.prompt_file:
+        problems.append("--image applies to --prompt or --prompt-ids, not to --prompt-file")
+    problems += [f"--image {path}: no such file" for path in images if not os.path.isfile(path)]
     if req.texts and req.ids:
         problems.append(f"{args.prompt_file}: lines mix prompt and prompt_ids; give one kind for the whole file")
     return req
@@ -194,6 +202,8 @@ def config_problems(config, req: Requests, args: argparse.Namespace, *, sampling
     """What the model's config rules out: ids outside its vocabulary, a length beyond its rotary
     table, more tokens asked than the context leaves, a layout it cannot take."""
     problems = []
+    if getattr(args, "image", None) and config.vision_config is None:
+        problems.append(f"--image: the model is text-only ({config.architecture}, no vision tower)")
     length = config.max_position_embeddings if max_model_len is None else max_model_len
     if max_model_len is not None and max_model_len > config.max_position_embeddings:
         problems.append(f"--max-model-len {max_model_len} is above the model's max_position_embeddings "

@@ -52,8 +52,8 @@ class LocalBackend:
         self.engine = engine
         self._ended: list[RequestOutput] = []
 
-    def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.engine.add_request(request_id, prompt_ids, params)
+    def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams, images=None) -> None:
+        self.engine.add_request(request_id, prompt_ids, params, images)
 
     def cancel(self, request_id: int) -> None:
         out = self.engine.cancel(request_id)
@@ -125,11 +125,15 @@ class Run:
         self._quiet: set[int] = set()
         """Requests whose consumer raised: no more text is handed to it."""
 
-    def add(self, request_id: int, index: int, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Start a request for prompt ``index``; a request the backend refuses ends at once with
-        its error."""
+    def add(self, request_id: int, index: int, prompt_ids: list[int], params: SamplingParams,
+            images=None) -> None:
+        """Start a request for prompt ``index`` (with its :class:`~stagewise.engine.images.ImageInputs`,
+        if any); a request the backend refuses ends at once with its error."""
         try:
-            self.backend.add(request_id, prompt_ids, params)  # checks the prompt's ids first
+            if images is None:
+                self.backend.add(request_id, prompt_ids, params)  # checks the prompt's ids first
+            else:
+                self.backend.add(request_id, prompt_ids, params, images)
         except ValueError as err:
             self._complete(index, prompt_ids, [], "", "error", str(err), None)
             return
@@ -143,6 +147,10 @@ class Run:
     def pending(self) -> int:
         """Requests the backend still holds."""
         return len(self._pending)
+
+    def reject(self, index: int, prompt_ids: list[int], error: str) -> None:
+        """Prompt ``index`` ends before it starts, with ``error`` (e.g. an image that cannot be read)."""
+        self._complete(index, prompt_ids, [], "", "error", error, None)
 
     def wait(self) -> None:
         """Until every request ended and the backend reported each."""

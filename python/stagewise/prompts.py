@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def encode_prompts(tokenizer, prompts: str | Sequence[str] | None,
                    prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None, *, chat: bool,
-                   render: Callable[[list[dict[str, str]]], str]) -> list[list[int]]:
+                   render: Callable[[list[dict[str, Any]]], str],
+                   image_counts: Sequence[int] | None = None) -> list[list[int]]:
     """One list of ids per prompt. Exactly one of ``prompts`` (text) and ``prompt_token_ids`` (a
-    list of ints or a list of such lists); ``chat`` wraps each text in ``render([user message])``."""
+    list of ints or a list of such lists); ``chat`` wraps each text in ``render([user message])``,
+    whose content lists ``image_counts[i]`` images before the text when prompt i has images."""
     if (prompts is None) == (prompt_token_ids is None):
         raise ValueError("Pipeline.generate: give exactly one of prompts and prompt_token_ids")
     if prompt_token_ids is not None:
@@ -30,7 +33,9 @@ def encode_prompts(tokenizer, prompts: str | Sequence[str] | None,
     if tokenizer is None:
         raise ValueError("Pipeline.generate: this checkpoint has no tokenizer; pass prompt_token_ids")
     if chat:
-        texts = [render([{"role": "user", "content": t}]) for t in texts]
+        counts = list(image_counts or [0] * len(texts))
+        texts = [render([{"role": "user", "content": [{"type": "image"}] * n + [{"type": "text", "text": t}]
+                          if n else t}]) for t, n in zip(texts, counts)]
     # A chat template writes the special tokens itself (as transformers' apply_chat_template assumes).
     return [tokenizer.encode(t, add_special_tokens=not chat).ids for t in texts]
 
@@ -54,3 +59,33 @@ def render_chat(checkpoint, tokenizer, messages: list[dict[str, str]]) -> str:
         if token_id is not None:
             special[name] = tokenizer.id_to_token(token_id) or ""
     return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special)
+
+
+def expand_image_placeholders(ids: list[int], tokens_per_image: Sequence[int], *, image_token_id: int,
+                              vision_start_id: int, vision_end_id: int) -> list[int]:
+    """``ids`` with one image placeholder token per merged patch of each image: each run of
+    ``image_token_id`` stands for the next image and becomes ``tokens_per_image[i]`` tokens (a run
+    already that long is kept). A prompt without placeholders gets ``vision start, placeholders,
+    vision end`` for each image in front of its text, where a chat template puts them. ValueError
+    when the runs and the images differ in number."""
+    runs = [i for i, t in enumerate(ids) if t == image_token_id and (i == 0 or ids[i - 1] != image_token_id)]
+    if not runs:
+        front = [tok for n in tokens_per_image for tok in (vision_start_id, *[image_token_id] * n, vision_end_id)]
+        return front + list(ids)
+    if len(runs) != len(tokens_per_image):
+        raise ValueError(f"the prompt has {len(runs)} image placeholder(s) but {len(tokens_per_image)} image(s) "
+                         "were given")
+    out, i, image = [], 0, 0
+    while i < len(ids):
+        if ids[i] != image_token_id:
+            out.append(ids[i])
+            i += 1
+            continue
+        run = next((j for j in range(i, len(ids)) if ids[j] != image_token_id), len(ids)) - i
+        want = tokens_per_image[image]
+        if run not in (1, want):
+            raise ValueError(f"image {image}: its placeholder run has {run} tokens; expected 1 (expanded here) or "
+                             f"{want} (one per merged patch)")
+        out += [image_token_id] * want
+        i, image = i + run, image + 1
+    return out

@@ -77,3 +77,15 @@ def read_chrome_trace(path: str | Path) -> list[TraceEvent]:
         raise ValueError(f"chrome trace {str(path)!r}: expected an object with a 'traceEvents' list")
     return [TraceEvent(e["tid"], e["name"], e["cat"], e["ts"] / 1e6, e["dur"] / 1e6, e.get("args", {}))
             for e in events if e.get("ph") == "X"]
+
+
+def write_stage_trace(path, stages: list[dict], plan) -> None:
+    """The measured timeline of a pipeline's stages (``Pipeline.stage_stats(trace=True)``) as a
+    Chrome trace: one track per stage with compute, send and receive-wait spans."""
+    spans = [(s["stage"], *e) for s in stages for e in s["trace"] or []]
+    t0 = min((start for _, _, start, _, _ in spans), default=0.0)
+    kinds = {"compute": "compute", "send": "comm", "recv-wait": "bubble"}
+    events = [TraceEvent(stage, f"{name} mb{mb}" if mb >= 0 else name, kinds[name], start - t0, dur,
+                         {"microbatch": mb}) for stage, name, start, dur, mb in spans]
+    write_chrome_trace(path, events, num_stages=len(stages), process="measured",
+                       other={"model": plan.model, "layers": str(plan.stage_plan), "transport": plan.transport})

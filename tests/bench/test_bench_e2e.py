@@ -121,3 +121,24 @@ def test_e2e_tp_runs_ranks_beside_the_single_process(folder, tmp_path, capsys):
     two = rows[1]
     assert two["tokens_equal_tp1"] and two["collective_ms"] > 0 and two["kv_mb_per_rank"] > 0
     assert path.with_suffix(".md").read_text().count("| 2 | 1 | 1 |") == 1
+
+
+def test_e2e_with_an_image_on_a_vision_model(tmp_path):
+    """`--image WxH` on a tiny Qwen3-VL: every row starts with the image, both sides take the same
+    pixel values, and the greedy tokens agree row by row."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from vl_models import build, save
+
+    folder = save(build("dense"), tmp_path / "vl")
+    out = tmp_path / "results"
+    argv = ["e2e", "--model", str(folder), "--image", "40x24", "--batch-sizes", "2", "--prompt-len", "5",
+            "--new-tokens", "4", "--repeats", "1", "--threads", "1", "--tiny", "--out", str(out)]
+    assert main(argv) == 0
+    [js] = list(out.glob("*-e2e-t1.json"))
+    [row] = json.loads(js.read_text())["rows"]
+    assert (row["image"], row["image_tokens"], row["prompt_len"]) == ("40x24", 15, 5 + 15 + 2)  # 6 x 10 patches
+    assert row["baselines"]["transformers"]["rows_matching"] == 2
+    assert main(["e2e", "--model", str(folder), "--image", "big", "--tiny", "--out", str(out)]) == 2

@@ -65,6 +65,7 @@ def test_argument_problems_are_named_together_before_torch_is_imported():
     (["--prompt-ids", "1", "--stages", "2", "--partition", "0-1,2-3"], ["--partition '0-1,2-3'", "gap"]),
     (["--prompt-ids", "1", "--tp", "3"], ["--tp 3 --dcp 1: tp=3 does not split num_attention_heads=", "valid tp sizes: 1"]),
     (["--prompt-ids", "1", "--tp", "2", "--dcp", "2"], ["dcp=2 at tp=2", "valid dcp sizes at tp=2: 1"]),
+    (["--prompt-ids", "1", "--image", __file__], ["--image: the model is text-only (llama, no vision tower)"]),
 ])
 def test_what_the_config_rules_out_is_named_before_loading(folder, argv, fragments, capsys):
     assert cli_main(["generate", str(folder), *argv]) == 2

@@ -61,3 +61,15 @@ def test_a_budget_below_one_token_is_refused_naming_the_option(budget):
     with pytest.raises(ValueError, match="max_prefill_tokens"):
         GroupedScheduler(scheduler(1).manager, num_groups=2, max_num_seqs=2, max_model_len=32,
                          max_prefill_tokens=budget)
+
+
+def test_a_prompt_with_images_is_prefilled_whole():
+    """Its placeholders take the vision tower's rows in one step: never chunked, waiting for a step
+    whose budget holds it, alone in a step when it is above the budget."""
+    s = scheduler(budget=5)
+    s.add(SeqState(request_id="a", prompt_ids=list(range(1, 4))))
+    s.add(SeqState(request_id="img", prompt_ids=list(range(1, 5)), whole=True))
+    s.add(SeqState(request_id="big", prompt_ids=list(range(1, 9)), whole=True))
+    assert run_step(s) == ([("a", 0, 3)], [], ["a"])                 # 2 left: img (4) waits
+    assert run_step(s) == ([("img", 0, 4)], ["a"], ["img", "a"])     # then big (8 > 1 left) waits
+    assert run_step(s) == ([("big", 0, 8)], ["a", "img"], ["big", "a", "img"])  # above the budget: alone

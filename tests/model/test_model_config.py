@@ -79,7 +79,14 @@ def test_qwen3_vl_moe_parses_its_text_model():
     hf, cfg = _load("qwen3-vl-235b-a22b.json")
     text = hf["text_config"]
     assert cfg.architecture == "qwen3_moe" and cfg.is_multimodal
-    assert cfg.vision_config == hf["vision_config"]
+    vision = hf["vision_config"]
+    for key in ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size", "patch_size",
+                "temporal_patch_size", "spatial_merge_size", "num_position_embeddings", "in_channels"):
+        assert getattr(cfg.vision_config, key) == vision[key], key
+    assert cfg.vision_config.deepstack_visual_indexes == tuple(vision["deepstack_visual_indexes"])
+    assert (cfg.vision_config.image_token_id, cfg.vision_config.vision_start_token_id,
+            cfg.vision_config.vision_end_token_id) == (hf["image_token_id"], hf["vision_start_token_id"],
+                                                       hf["vision_end_token_id"])
     for ours, theirs in [("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers"),
                          ("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"),
                          ("head_dim", "head_dim"), ("intermediate_size", "intermediate_size"),

@@ -271,3 +271,36 @@ def test_profiles_builtin_and_bad():
                            "op_overhead_s": 0, "links": {k: {"latency_s": 0, "bandwidth": 1} for k in ("tp", "pp", "ep")}})
     with pytest.raises(ValueError, match="transport 'shm' was not measured"):
         load_profile("h100").with_transport("shm")
+
+
+def test_image_tokens_add_the_vision_tower_to_the_prefill_of_stage_0():
+    """``--image-tokens N``: the ViT's matmuls over N * merge^2 patches (2 FLOPs per weight per
+    patch, the mergers per merged token) and its attention, on stage 0's prefill only."""
+    from stagewise.model.hf_config import parse_config_file
+    from stagewise.model.shapes import count, vision_tensors
+    from stagewise.planner.models import MODELS_DIR
+
+    cfg = parse_config_file(MODELS_DIR / "qwen3-vl-235b-a22b.json")
+    v = cfg.vision_config
+    ops = compute.vision_ops(cfg, images=1, image_tokens=256, prec=compute.Precision())
+    patches = 256 * v.spatial_merge_size**2
+    matmul = sum(o.flops for o in ops if o.kind == "matmul")
+    linears = [t for t in vision_tensors(cfg) if t.kind in ("linear", "conv")]
+    on_patches = count(cfg, [t for t in linears if "merger" not in t.name])
+    on_tokens = count(cfg, [t for t in linears if "merger" in t.name])  # the mergers: once per merged token
+    assert matmul == 2 * patches * on_patches + 2 * 256 * on_tokens
+    plan = StagePlan.for_model(cfg, 4, "even")
+    first, later = plan.stages[0], plan.stages[1]
+    kw = dict(rows=1, context=0, prec=compute.Precision())
+    assert compute.stage_ops(cfg, first, new_tokens=300, image_tokens=256, **kw)[:len(ops)] == ops
+    assert not any(o.name.startswith("vit") for o in compute.stage_ops(cfg, later, new_tokens=300, image_tokens=256,
+                                                                        **kw))
+    assert not any(o.name.startswith("vit") for o in compute.stage_ops(cfg, first, new_tokens=1, image_tokens=256,
+                                                                        **kw))
+    profile = load_profile("h100-sxm")
+    layout = ParallelConfig(world_size=32, tp=8, pp=4)
+    text, image = (estimate_layout(cfg, layout, Workload(input_length=2048, output_length=64, image_tokens=n), profile)
+                   for n in (0, 1024))
+    assert image.ttft_s > text.ttft_s and image.tpot_steady_s == text.tpot_steady_s
+    with pytest.raises(ValueError, match="image_tokens"):
+        Workload(input_length=10, output_length=1, image_tokens=11)

@@ -67,7 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "bench/results/<device>-<date>, never the committed results; <device> names the "
                              "CPU model and the ISA level the kernels ran at)")  # fmt: skip
     e2e_args = parser.add_argument_group("e2e")
-    e2e_args.add_argument("--model", default="smollm2-135m", help="e2e: folder, .gguf file or smollm2-135m")
+    e2e_args.add_argument("--model", default="smollm2-135m",
+                          help="e2e: folder, .gguf file, smollm2-135m, or random-qwen3-vl (a random Qwen3-VL of hidden "
+                               "2048, 8 layers, ViT depth 8, built with transformers on first use)")
+    e2e_args.add_argument("--image", default=None, metavar="WxH",
+                          help="e2e, a vision model: every prompt starts with an image of this size, e.g. 448x448")
     e2e_args.add_argument("--batch-sizes", default=None,
                           help="e2e: comma-separated batch sizes (default: 1,16; --tiny: 1)")
     e2e_args.add_argument("--prompt-len", type=int, default=None,

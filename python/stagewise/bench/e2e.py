@@ -49,8 +49,9 @@ def make_prompts(ckpt: Checkpoint, batch: int, prompt_len: int) -> list[list[int
     return [ids[7 * i : 7 * i + prompt_len] for i in range(batch)]
 
 
-def run_ours(pipe, prompts: list[list[int]], new_tokens: int) -> Run:
-    completions = pipe.generate(prompt_token_ids=prompts, max_new_tokens=new_tokens, ignore_eos=True)
+def run_ours(pipe, prompts: list[list[int]], new_tokens: int, images=None) -> Run:
+    completions = pipe.generate(prompt_token_ids=prompts, max_new_tokens=new_tokens, ignore_eos=True,
+                                images=None if images is None else [images] * len(prompts))
     bad = [c.error or c.finish_reason for c in completions if len(c.token_ids) != new_tokens]
     if bad:
         raise RuntimeError(f"bench e2e: stagewise rows ended early ({bad[:2]}); expected {new_tokens} tokens each")
@@ -117,17 +118,27 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def bench_batch(pipes: dict, baselines: dict, ckpt: Checkpoint, batch: int, prompt_len: int, new_tokens: int,
-                repeats: int, gbps: float, log=print) -> list[dict]:
+                repeats: int, gbps: float, log=print, image: tuple[int, int] | None = None) -> list[dict]:
     """Result rows at one batch size, one per linear precision in ``pipes`` (precision ->
-    Pipeline), each against the same runs of every baseline; all take turns."""
-    prompts = make_prompts(ckpt, batch, prompt_len)
+    Pipeline), each against the same runs of every baseline; all take turns. ``image`` (width,
+    height): every row's prompt starts with such an image (:mod:`stagewise.bench.e2e_images`)."""
+    prompts, images = make_prompts(ckpt, batch, prompt_len), None
+    if image is not None:
+        from stagewise.bench.e2e_images import image_prompts
+
+        prompts, images = image_prompts(ckpt, prompts, image)
+        for base in baselines.values():
+            if not hasattr(base, "images"):
+                raise ValueError(f"bench e2e: the {base.name} baseline takes no images")
+            base.images = images
+    prompt_len = len(prompts[0])
     for runner in (*pipes.values(), *baselines.values()):  # warm-up: allocator, first-call costs, page faults
-        (run_ours(runner, prompts, 2) if runner in pipes.values() else runner.run(prompts, 2))
+        (run_ours(runner, prompts, 2, images) if runner in pipes.values() else runner.run(prompts, 2))
     ours: dict[str, list[Run]] = {mode: [] for mode in pipes}
     theirs: dict[str, list[Run]] = {name: [] for name in baselines}
     for i in range(repeats):
         for mode, pipe in pipes.items():
-            ours[mode].append(run_ours(pipe, prompts, new_tokens))
+            ours[mode].append(run_ours(pipe, prompts, new_tokens, images))
         for name, base in baselines.items():
             theirs[name].append(base.run(prompts, new_tokens))
         rates = [f"ours {m} {r[-1].decode_tokens / r[-1].decode_s:.1f}" for m, r in ours.items()]
@@ -137,6 +148,9 @@ def bench_batch(pipes: dict, baselines: dict, ckpt: Checkpoint, batch: int, prom
     for mode, pipe in pipes.items():
         o = summarise(ours[mode])
         row = {"batch": batch, "linear_precision": mode, "prompt_len": prompt_len, "new_tokens": new_tokens,
+               **({"image": f"{image[0]}x{image[1]}", "image_tokens": int(images.image_grid_thw.prod())
+                                                           // ckpt.config.vision_config.spatial_merge_size**2}
+                  if image else {}),
                "ours": o, "baselines": {}, "floor": memory_floor(ckpt.config, batch, prompt_len, new_tokens,
                                                                   pipe.dtype.itemsize, gbps, ckpt)}
         best = row["floor"]["floor_tokens_per_s"]
@@ -191,7 +205,7 @@ def run(args, log=print) -> int:
     import sys
 
     from stagewise.api import Pipeline
-    from stagewise.bench import e2e_report, e2e_startup, report
+    from stagewise.bench import e2e_images, e2e_report, e2e_startup, report
     from stagewise.bench.timing import TimingPolicy, copy_bandwidth
     from stagewise.model.loader import open_checkpoint
 
@@ -212,12 +226,18 @@ def run(args, log=print) -> int:
     copy_bw = copy_bandwidth(device, copy_bytes, policy)
     log(f"{info['device_name']}: copy bandwidth {copy_bw['gbps']:.1f} GB/s, {torch.get_num_threads()} torch threads; "
         f"{report.isa_line(info)}")
+    image = None
     try:
+        if args.model == e2e_images.RANDOM_VL:
+            args.model = e2e_images.random_vl_model(log)
         ckpt = open_checkpoint(args.model)
+        if args.image:
+            image = _size(args.image)
+            extra = len(e2e_images.image_prompts(ckpt, [[]], image)[0][0])  # the image's tokens in each prompt
     except (FileNotFoundError, ValueError) as err:
         print(f"stagewise bench e2e: {err}", file=sys.stderr)
         return 2
-    max_len = args.prompt_len + args.new_tokens + 1
+    max_len = args.prompt_len + (extra if image else 0) + args.new_tokens + 1
     asked = [m.strip() for m in str(args.linear_precision).split(",") if m.strip()]
     if not asked or any(m not in ("exact", "int8") for m in asked):
         print(f"stagewise bench e2e: --linear-precision takes exact and/or int8, got {args.linear_precision!r}",
@@ -242,7 +262,10 @@ def run(args, log=print) -> int:
         print(f"stagewise bench e2e: {err}", file=sys.stderr)
         return 2
     rows = [row for b in sizes for row in bench_batch(pipes, baselines, ckpt, b, args.prompt_len, args.new_tokens,
-                                                       repeats, copy_bw["gbps"], log)]
+                                                       repeats, copy_bw["gbps"], log, image)]
+    for base in baselines.values():  # the agreement questions are text only
+        if hasattr(base, "images"):
+            base.images = None
     agree = {name: agreement(pipes, base, max_len) for name, base in baselines.items()}
     startup = {}
     if args.startup and not args.tiny:
@@ -259,3 +282,14 @@ def run(args, log=print) -> int:
     stem = e2e_report.write(args.out, info, copy_bw, rows, agree, startup)
     log(f"wrote {stem}.json and {stem}.md")
     return 0
+
+
+def _size(text: str) -> tuple[int, int]:
+    """``WxH`` -> (width, height)."""
+    try:
+        w, h = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--image takes WIDTHxHEIGHT in pixels, e.g. 448x448; got {text!r}") from None
+    if w < 1 or h < 1:
+        raise ValueError(f"--image takes a positive size, got {text!r}")
+    return w, h

@@ -43,11 +43,13 @@ class _Clock:
 def load_transformers(ckpt: Checkpoint, dtype: torch.dtype, device: str):
     """The same checkpoint through transformers (a GGUF file is dequantized by transformers itself),
     set up for greedy decoding that never stops at EOS."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = ckpt.path
     if path.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    elif ckpt.config.vision_config is not None:
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.to(device).eval()
@@ -59,14 +61,15 @@ def load_transformers(ckpt: Checkpoint, dtype: torch.dtype, device: str):
     return model
 
 
-def run_transformers(model, prompts: list[list[int]], new_tokens: int) -> Run:
+def run_transformers(model, prompts: list[list[int]], new_tokens: int, extra: dict | None = None) -> Run:
+    """``extra``: more inputs of generate (a vision model's pixel_values, image_grid_thw, ...)."""
     # All prompts have one length, so the left-padded batch has no padding; the mask is explicit anyway.
     ids = torch.tensor(prompts, dtype=torch.int64, device=model.device)
     mask = torch.ones_like(ids)
     clock = _Clock()
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, streamer=clock)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, streamer=clock, **(extra or {}))
     end = time.perf_counter()  # the streamer's end() came after the last token's copy to the host
     if out.shape != (len(prompts), ids.size(1) + new_tokens):
         raise RuntimeError(f"bench e2e: transformers returned shape {tuple(out.shape)}, "
@@ -82,9 +85,17 @@ class TransformersBaseline:
     def __init__(self, ckpt: Checkpoint, device: str) -> None:
         self.model = load_transformers(ckpt, torch.float32, device)
         self.info = {"transformers": __import__("transformers").__version__, "dtype": "float32"}
+        self.images = None
+        """(ImageInputs, image token id) of every row, when the prompts hold an image."""
+        self.image_token_id = None if ckpt.config.vision_config is None else ckpt.config.vision_config.image_token_id
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> Run:
-        return run_transformers(self.model, prompts, new_tokens)
+        extra = None
+        if self.images is not None:
+            from stagewise.bench.e2e_images import transformers_inputs
+
+            extra = transformers_inputs(prompts, self.images, self.image_token_id, self.model.device)
+        return run_transformers(self.model, prompts, new_tokens, extra)
 
     def close(self) -> None:
         self.model = None

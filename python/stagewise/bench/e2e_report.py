@@ -28,7 +28,8 @@ def format_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:
         o, f = r["ours"], r["floor"]
-        cells = [r["batch"], r["prompt_len"], r["new_tokens"], r["linear_precision"], f"{o['ttft_ms']:.1f}",
+        prompt = r["prompt_len"] if "image" not in r else f"{r['prompt_len']} ({r['image']}: {r['image_tokens']})"
+        cells = [r["batch"], prompt, r["new_tokens"], r["linear_precision"], f"{o['ttft_ms']:.1f}",
                  f"{o['decode_tokens_per_s']:.1f}"]
         for b in r["baselines"].values():
             cells += [f"{b['ttft_ms']:.1f}", f"{b['decode_tokens_per_s']:.1f}", f"{b['decode_speedup']:.2f}x",

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from stagewise.engine.executor import Executor, RanksOutOfStep, Sampled, model_dtype
+from stagewise.engine.images import ImageInputs, VisionRequest, prepare_images
 from stagewise.engine.requests import RequestOutput, Requests
 from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.engine.scheduler import GroupedScheduler, ScheduledStep, SchedulerStatus
@@ -70,6 +71,8 @@ class Engine:
         """group -> (step_id, its scheduled step), while the step is in the pipeline."""
         self._next_step_id = 0
         self._freed: list[Hashable] = []
+        self._vision: dict[Hashable, VisionRequest] = {}
+        """Requests with images: their images, 3-D rope positions and rope delta."""
 
     @classmethod
     def for_model(cls, model: StageModel, *, device: torch.device | str = "cpu",
@@ -96,16 +99,22 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------
 
-    def add_request(self, request_id: Hashable, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. ValueError, with nothing queued, for a known id, an empty prompt, ids
-        outside the vocabulary or a prompt the cache can never hold. (Stop strings are the front
-        end's; the engine ignores ``params.stop``.)"""
+    def add_request(self, request_id: Hashable, prompt_ids: list[int], params: SamplingParams,
+                    images: ImageInputs | None = None) -> None:
+        """Queue a request, with the ``images`` its prompt's image placeholders stand for. ValueError,
+        with nothing queued, for a known id, an empty prompt, ids outside the vocabulary, a prompt
+        the cache can never hold, or images that do not fit the model or the prompt. (Stop strings
+        are the front end's; the engine ignores ``params.stop``.)"""
         seq = self.requests.add(request_id, prompt_ids, params)
         try:
+            vision = prepare_images(self.config, request_id, list(prompt_ids), images)
+            seq.whole = vision is not None  # the vision tower's rows land in one step
             self.scheduler.add(seq)
         except Exception:
             self.requests.discard(request_id)
             raise
+        if vision is not None:
+            self._vision[request_id] = vision
 
     def cancel(self, request_id: Hashable) -> RequestOutput | None:
         """End a queued or running request now ('cancelled'); its KV blocks are freed at once.
@@ -169,7 +178,7 @@ class Engine:
         sampling = {c.seq.request_id: SamplingRequest.of(self.requests.params(c.seq.request_id), c.seq.prompt_ids)
                     for c in plan.prefills if c.start == 0}
         try:
-            batch = self._batch(plan)
+            batch = self.executor.model.encode_images(self._batch(plan))
             output = self.executor.run(batch, sampling)
         except RanksOutOfStep:
             raise  # the stage itself is broken: not one step's failure
@@ -215,16 +224,36 @@ class Engine:
         for seq in plan.decodes:
             pos = seq.num_cached  # tokens cached before this step; the new slot is the next one
             ids.append(seq.request_id), lens.append(1), ctx.append(pos), last.append(True)
-            tokens.append(seq.output_ids[-1]), positions.append(pos)
+            vision = self._vision.get(seq.request_id)
+            tokens.append(seq.output_ids[-1]), positions.append(pos + (0 if vision is None else vision.delta))
         device = self.executor.device
+        positions = torch.tensor(positions, dtype=torch.int64, device=device)
         return StepBatch(request_ids=ids, num_prefills=len(plan.prefills), query_lens=lens, context_lens=ctx,
-                         positions=torch.tensor(positions, dtype=torch.int64, device=device),
-                         token_ids=torch.tensor(tokens, dtype=torch.int64, device=device), last_chunk=last)
+                         positions=positions, token_ids=torch.tensor(tokens, dtype=torch.int64, device=device),
+                         last_chunk=last, **self._image_fields(plan, positions))
+
+    def _image_fields(self, plan: ScheduledStep, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The images of the step's prefills and every row's 3-D positions, when a prefill has images
+        (a prompt with images is prefilled whole, in one chunk: see ``SeqState.whole``)."""
+        with_images = [self._vision[c.seq.request_id] for c in plan.prefills if c.seq.request_id in self._vision]
+        if not with_images:
+            return {}
+        mrope = positions.expand(3, -1).clone()
+        start = 0
+        for chunk in plan.prefills:
+            if chunk.seq.request_id in self._vision:
+                mrope[:, start:start + chunk.length] = self._vision[chunk.seq.request_id].positions.to(mrope.device)
+            start += chunk.length
+        device = self.executor.device
+        return dict(mrope_positions=mrope,
+                    pixel_values=torch.cat([v.images.pixel_values for v in with_images]).to(device),
+                    image_grid_thw=torch.cat([v.images.image_grid_thw for v in with_images]).to(device))
 
     def _end(self, request_id: Hashable, reason: str, error: str | None = None) -> RequestOutput:
         """Every way a request ends: its result, its row and blocks back, its KV freed here and,
         through :meth:`take_freed`, on the other stages."""
         out = self.requests.finish(request_id, reason, error)
+        self._vision.pop(request_id, None)
         self.scheduler.finish(request_id)
         self.executor.free([request_id])
         if not self.executor.is_last:

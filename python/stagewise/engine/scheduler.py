@@ -39,6 +39,10 @@ class SeqState:
     num_prefilled: int = 0
     """Prompt tokens scheduled into steps so far (chunked prefill); the prompt is prefilled when
     this reaches ``len(prompt_ids)``."""
+    whole: bool = False
+    """Prefill the prompt in one step, never in chunks (a prompt with images: the vision tower's
+    output replaces its placeholders in the step that runs them); above ``max_prefill_tokens`` it
+    runs in a step whose only prompt it is."""
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -186,11 +190,13 @@ class Scheduler:
             step.decodes.append(seq)
         budget = self.max_prefill_tokens
         for seq in list(self.running.values()):
-            if budget and seq.num_prefilled < len(seq.prompt_ids):
+            if budget > 0 and seq.num_prefilled < len(seq.prompt_ids):
                 budget -= self._chunk(step, seq, budget)
-        while self.waiting and self._free_rows and budget:
+        while self.waiting and self._free_rows and budget > 0:
             seq = self.waiting[0]
             n = len(seq.prompt_ids)
+            if seq.whole and n > budget and (step.prefills or budget < self.max_prefill_tokens):
+                break  # a whole prompt that does not fit what is left waits for a step of its own
             try:
                 self.manager.add(seq.request_id, n)
             except OutOfKVBlocks as err:
@@ -203,7 +209,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.row = self._free_rows.pop()
             self.running[seq.request_id] = seq
-            budget -= self._chunk(step, seq, budget)
+            budget -= self._chunk(step, seq, max(budget, n) if seq.whole else budget)
         return step
 
     @staticmethod

@@ -68,6 +68,29 @@ class StageProcesses:
                     stream.close()
 
 
+def local_plan(model: str, config, stages: int, device_type: str, dtype: str, *, tp: int = 1, pcp: int = 1,
+               partition="even", transport: str = "auto", checksum: bool = True, auth_token: str | None = None,
+               threads: int | None = None, **limits) -> RunPlan:
+    """A plan of ``stages`` stages of ``pcp * tp`` processes each, on this machine (``auth_token``
+    is the caller's to pass to :func:`spawn_stages`; threads default to the cores shared out)."""
+    import dataclasses
+
+    from stagewise.parallel.plan import decode_layer_costs
+
+    per_stage = tp * pcp
+    if device_type == "cuda":
+        import torch
+
+        devices = [f"cuda:{i * per_stage % torch.cuda.device_count()}" for i in range(stages)]
+    else:
+        devices = ["cpu"] * stages
+    threads = threads or max(1, (os.cpu_count() or 1) // (stages * per_stage))
+    plan = RunPlan.build(model, config.num_layers, stages, partition,
+                         costs=decode_layer_costs(config) if partition == "balanced" else None, devices=devices,
+                         tp=tp, pcp=pcp, dtype=dtype, transport=transport, checksum=checksum, **limits)
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, threads=threads) for s in plan.stages))
+
+
 def stage_argv(plan: RunPlan, index: int, *, rank: int = 0,
                program: Sequence[str] = (sys.executable, "-m", "stagewise.cli"), remote_plan: str | None = None,
                extra: Sequence[str] = ()) -> list[str]:

@@ -56,6 +56,22 @@ class StepBatch:
     """Per request: whether its tokens in this step end its prompt, so that the last stage samples
     its next token after them (True for every decode row; False for a prefill chunk that more of
     the prompt follows). None (the default): every request's."""
+    mrope_positions: torch.Tensor | None = None
+    """``[3, T]`` int64 (temporal, height, width) rope positions (Qwen3-VL); None: ``positions`` on all
+    three axes. ``positions`` still says where each token's rope starts for text and decode rows."""
+    pixel_values: torch.Tensor | None = None
+    """``[patches, C * Tp * P * P]``: the images of the step's prefill rows, in row order (stage 0)."""
+    image_grid_thw: torch.Tensor | None = None
+    """``[images, 3]`` int64 (t, h, w) patch grid of each image of ``pixel_values``."""
+    image_embeds: torch.Tensor | None = None
+    """``[N, hidden]``: the vision tower's output for the step's image tokens, which replaces their
+    embedding (stage 0, after :meth:`StageModel.encode_images`)."""
+    visual_rows: torch.Tensor | None = None
+    """``[N]`` int64: the rows of the step's image tokens (where ``image_embeds`` and the DeepStack
+    features go)."""
+    deepstack: torch.Tensor | None = None
+    """``[levels, N, hidden]``: DeepStack features at ``visual_rows``; level ``i`` is added after the
+    receiving stage's ``i``-th decoder layer (its first layer: level 0)."""
 
     def __post_init__(self) -> None:
         self.request_ids, self.query_lens = tuple(self.request_ids), tuple(self.query_lens)
@@ -92,6 +108,32 @@ class StepBatch:
         residual, hidden = self.residual, self.hidden_states
         if residual is not None and (hidden is None or residual.shape != hidden.shape):
             raise _fail("StepBatch", "residual", tuple(self.residual.shape), "the shape of hidden_states")
+        self._check_vision(t)
+
+    def _check_vision(self, t: int) -> None:
+        if self.mrope_positions is not None and self.mrope_positions.shape != (3, t):
+            raise _fail("StepBatch", "mrope_positions", tuple(self.mrope_positions.shape), f"shape (3, {t})")
+        if (self.pixel_values is None) != (self.image_grid_thw is None):
+            raise _fail("StepBatch", "pixel_values/image_grid_thw", "one without the other", "both or neither")
+        if self.pixel_values is not None:
+            if self.token_ids is None or self.mrope_positions is None:
+                raise _fail("StepBatch", "pixel_values", "images without token_ids and mrope_positions",
+                            "images on stage 0's input, with 3-D positions")
+            patches = int(self.image_grid_thw.prod(-1).sum()) if self.image_grid_thw.dim() == 2 else -1
+            if self.pixel_values.dim() != 2 or self.pixel_values.size(0) != patches:
+                raise _fail("StepBatch", "pixel_values", tuple(self.pixel_values.shape),
+                            f"[patches, features] with the {patches} patches image_grid_thw counts")
+        if self.visual_rows is None:
+            if self.image_embeds is not None or self.deepstack is not None:
+                raise _fail("StepBatch", "visual_rows", None, "the rows of image_embeds/deepstack")
+            return
+        if self.visual_rows.dim() != 1:
+            raise _fail("StepBatch", "visual_rows", tuple(self.visual_rows.shape), "shape (N,)")
+        n = self.visual_rows.numel()
+        if self.image_embeds is not None and (self.image_embeds.dim() != 2 or self.image_embeds.size(0) != n):
+            raise _fail("StepBatch", "image_embeds", tuple(self.image_embeds.shape), f"shape ({n}, hidden)")
+        if self.deepstack is not None and (self.deepstack.dim() != 3 or self.deepstack.size(1) != n):
+            raise _fail("StepBatch", "deepstack", tuple(self.deepstack.shape), f"shape (levels, {n}, hidden)")
 
     @property
     def num_requests(self) -> int:
@@ -137,9 +179,16 @@ class StepBatch:
                 rows.append(end - 1)
         return rows
 
-    def for_next_stage(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None) -> StepBatch:
-        """The same step with this stage's output as the next stage's input."""
-        return dataclasses.replace(self, token_ids=None, hidden_states=hidden_states, residual=residual)
+    def for_next_stage(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None, *,
+                       layers: int = 0) -> StepBatch:
+        """The same step with this stage's output as the next stage's input; ``layers``: the decoder
+        layers this stage ran, whose DeepStack levels are spent (none left: no image data goes on)."""
+        deepstack = None if self.deepstack is None else self.deepstack[layers:]
+        if deepstack is not None and deepstack.size(0) == 0:
+            deepstack = None
+        return dataclasses.replace(self, token_ids=None, hidden_states=hidden_states, residual=residual,
+                                   pixel_values=None, image_grid_thw=None, image_embeds=None, deepstack=deepstack,
+                                   visual_rows=None if deepstack is None else self.visual_rows)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -193,6 +242,8 @@ def split_for_pcp(batch: StepBatch, rank: int, size: int) -> PcpSplit:
     """The rows of ``batch`` that PCP rank ``rank`` of ``size`` runs (see :class:`PcpSplit`)."""
     if not isinstance(size, int) or size < 1 or not isinstance(rank, int) or not 0 <= rank < size:
         raise ValueError(f"split_for_pcp: expected 0 <= rank < size, got rank={rank!r} size={size!r}")
+    if batch.visual_rows is not None or batch.pixel_values is not None:
+        raise ValueError("split_for_pcp: steps with images do not run under prefill context parallelism")
     spans = batch.prefill_spans()
     p, t = batch.num_prefill_tokens, batch.num_tokens
     per_rank: list[list[int]] = []
@@ -230,6 +281,7 @@ def split_for_pcp(batch: StepBatch, rank: int, size: int) -> PcpSplit:
         query_lens=tuple(lens[rank][j] if j < batch.num_prefills else 1 for j in keep),
         context_lens=tuple(batch.context_lens[j] for j in keep), last_chunk=tuple(batch.last_chunk[j] for j in keep),
         positions=batch.positions[rows], token_ids=take(batch.token_ids),
+        mrope_positions=None if batch.mrope_positions is None else batch.mrope_positions[:, rows],
         hidden_states=take(batch.hidden_states), residual=take(batch.residual))
     as_index = (lambda xs: torch.tensor(xs, dtype=torch.int64, device=device))
     cached = {row: i for i, row in enumerate(batch.cached_rows())}

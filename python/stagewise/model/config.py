@@ -10,6 +10,7 @@ its rotary tables are built. Both validate themselves; the parsing of HF
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,65 @@ class RopeConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class VisionConfig:
+    """The Qwen3-VL vision tower (HF ``vision_config``) and the special tokens of images in a prompt."""
+
+    depth: int
+    """Transformer blocks of the ViT."""
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    out_hidden_size: int
+    """Width of the merged image features: the text model's hidden size."""
+    hidden_act: str = "gelu_pytorch_tanh"
+    in_channels: int = 3
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    """Each merged image token covers ``spatial_merge_size ** 2`` patches."""
+    num_position_embeddings: int = 2304
+    """Learned positions: a square grid, interpolated to each image's grid."""
+    deepstack_visual_indexes: tuple[int, ...] = ()
+    """ViT blocks whose output feeds a DeepStack merger; level k is added after decoder layer k."""
+    rope_theta: float = 10000.0
+    """Base of the ViT's 2-D rotary frequencies."""
+    image_token_id: int = 151655
+    """The placeholder token, one per merged patch of an image."""
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+
+    def __post_init__(self) -> None:
+        _positive("VisionConfig", self, "depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size",
+                  "in_channels", "patch_size", "temporal_patch_size", "spatial_merge_size",
+                  "num_position_embeddings")
+        self.deepstack_visual_indexes = tuple(self.deepstack_visual_indexes)
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+            raise _fail("VisionConfig", "num_heads", self.num_heads,
+                        f"a divisor of hidden_size={self.hidden_size} leaving a head_dim divisible by 4 (2-D rope)")
+        side = math.isqrt(self.num_position_embeddings)
+        if side * side != self.num_position_embeddings:
+            raise _fail("VisionConfig", "num_position_embeddings", self.num_position_embeddings, "a square number")
+        if any(not 0 <= i < self.depth for i in self.deepstack_visual_indexes):
+            raise _fail("VisionConfig", "deepstack_visual_indexes", list(self.deepstack_visual_indexes),
+                        f"block indices in [0, depth={self.depth})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merged_width(self) -> int:
+        """Features of one merged token before the merger's MLP (``hidden * merge ** 2``)."""
+        return self.hidden_size * self.spatial_merge_size**2
+
+    @property
+    def patch_features(self) -> int:
+        """Values of one flattened patch: ``in_channels * temporal_patch_size * patch_size ** 2``."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
+@dataclass(kw_only=True, slots=True)
 class ModelConfig:
     """A decoder-only LM: embedding, ``num_layers`` decoder layers, final norm, LM head."""
 
@@ -144,9 +204,9 @@ class ModelConfig:
     num_ln_in_parallel_attn: int = 1
     """With parallel_attn: 2 = separate input norms for attention and MLP, 1 = shared."""
 
-    # Multimodal (Qwen3-VL): the text model above plus an untouched vision tower description.
-    is_multimodal: bool = False
-    vision_config: dict[str, Any] | None = None
+    # Multimodal (Qwen3-VL): the text model above plus the vision tower.
+    vision_config: VisionConfig | None = None
+    """The vision tower and the image tokens of a Qwen3-VL model; None for a text-only model."""
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -177,6 +237,19 @@ class ModelConfig:
                         f"layer indices in [0, {self.num_layers})")
         if self.num_ln_in_parallel_attn not in (1, 2):
             raise _fail("ModelConfig", "num_ln_in_parallel_attn", self.num_ln_in_parallel_attn, "1 or 2")
+        section = self.rope.mrope_section
+        if section is not None and (len(section) != 3 or sum(section) != self.rotary_dim // 2):
+            raise _fail("ModelConfig", "rope.mrope_section", section,
+                        f"3 bands (t, h, w) summing to rotary_dim / 2 = {self.rotary_dim // 2}")
+        v = self.vision_config
+        if v is not None and v.out_hidden_size != self.hidden_size:
+            raise _fail("ModelConfig", "vision_config.out_hidden_size", v.out_hidden_size,
+                        f"the text model's hidden_size={self.hidden_size}")
+
+    @property
+    def is_multimodal(self) -> bool:
+        """Whether the model has a vision tower (Qwen3-VL)."""
+        return self.vision_config is not None
 
     @property
     def rotary_dim(self) -> int:

@@ -6,7 +6,6 @@ config class uses, so that a checkpoint means the same model here and there.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 
 import torch
 
-from stagewise.model.config import ModelConfig, RopeConfig
+from stagewise.model.config import ModelConfig, RopeConfig, VisionConfig
 
 # HF model_type -> stagewise architecture (Mistral is Llama with an optional sliding window).
 MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "falcon": "falcon"}
@@ -61,7 +60,7 @@ def parse_hf_config(hf: dict[str, Any]) -> ModelConfig:
         text = hf.get("text_config")
         if not isinstance(text, dict):
             raise ValueError(f"config.json: field 'text_config' must be an object for model_type {model_type!r}")
-        fields.update(is_multimodal=True, vision_config=copy.deepcopy(hf.get("vision_config")))
+        fields["vision_config"] = _vision(hf)
         # The composite config owns embedding tying and may be the only place naming the dtype.
         text = {**text, "model_type": model_type,
                 "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
@@ -100,6 +99,33 @@ def parse_hf_config(hf: dict[str, Any]) -> ModelConfig:
         )
     fields["rope"] = _rope(hf, fields["max_position_embeddings"])
     return ModelConfig(**fields)
+
+
+_VISION_KEYS = ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size", "hidden_act", "in_channels",
+                "patch_size", "temporal_patch_size", "spatial_merge_size", "num_position_embeddings",
+                "deepstack_visual_indexes")
+_VISION_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def _vision(hf: dict[str, Any]) -> VisionConfig:
+    """The vision tower of a Qwen3-VL config (``vision_config``) and its image tokens (top level)."""
+    v = hf.get("vision_config")
+    if not isinstance(v, dict):
+        raise ValueError(f"config.json: field 'vision_config' must be an object for model_type {hf['model_type']!r}")
+    fields = {k: v[k] for k in _VISION_KEYS if v.get(k) is not None}
+    for key in ("patch_size", "temporal_patch_size"):
+        if isinstance(fields.get(key), (list, tuple)):  # HF allows [n, n]: only square patches are used
+            sizes = set(fields[key])
+            if len(sizes) != 1:
+                raise ValueError(f"config.json: vision_config.{key} must be one size, got {fields[key]!r}")
+            fields[key] = sizes.pop()
+    rope = v.get("rope_parameters") or {}
+    fields["rope_theta"] = float(rope.get("rope_theta") or v.get("rope_theta") or 10000.0)
+    fields.update({k: hf[k] for k in _VISION_TOKENS if hf.get(k) is not None})
+    try:
+        return VisionConfig(**fields)
+    except TypeError as err:
+        raise ValueError(f"config.json: vision_config: {err}") from None
 
 
 def _head_dim(hf: dict[str, Any], heads: int, hidden: int, default: int | None = None) -> int:

@@ -15,8 +15,10 @@ stage stores the matrix once; a pipeline's last stage holds its own copy.
 
 Tensor-parallel splits (``TensorShape.split``; Megatron's layout over ``tp`` ranks, ``W [out, in]``):
 
-- ``replicated``: every rank holds the whole tensor (norms, router, vision tower, and the bias of a
-  row-parallel linear, which is added once after the partial sums are reduced).
+- ``replicated``: every rank holds the whole tensor (norms, router, and the bias of a row-parallel
+  linear, which is added once after the partial sums are reduced); the vision tower is whole too,
+  held by TP rank 0 of the first stage only (it runs the tower for the stage), the rank the
+  planner's largest per-rank bytes describe.
 - ``column``: rank ``r`` holds rows ``[r * out / tp, (r + 1) * out / tp)`` (q, gate, up and their
   biases; whole query heads since ``tp`` divides the head count).
 - ``row``: rank ``r`` holds the same block of columns of ``in`` (o, down): partial sums.
@@ -35,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from stagewise.model.config import ModelConfig
@@ -235,40 +237,30 @@ def layer_tensors(config: ModelConfig, layer: int) -> list[TensorShape]:
     return t
 
 
-def _vision_int(vision: dict[str, Any], key: str) -> int:
-    value = vision.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"config.json: vision_config.{key} must be a positive integer, got {value!r}")
-    return value
-
-
 def vision_tensors(config: ModelConfig) -> list[TensorShape]:
     """The Qwen3-VL vision tower: patch embedding, position embedding, blocks, merger and the
     deepstack mergers (empty for a text-only model)."""
     v = config.vision_config
-    if not config.is_multimodal or not v:
+    if v is None:
         return []
-    c, pt, ps = _vision_int(v, "in_channels"), _vision_int(v, "temporal_patch_size"), _vision_int(v, "patch_size")
-    vh, vi, depth = _vision_int(v, "hidden_size"), _vision_int(v, "intermediate_size"), _vision_int(v, "depth")
-    out_h, merge = _vision_int(v, "out_hidden_size"), _vision_int(v, "spatial_merge_size")
-    t = [TensorShape("model.visual.patch_embed.proj.weight", (vh, c, pt, ps, ps), "vision", kind="conv"),
+    vh, vi, ps = v.hidden_size, v.intermediate_size, v.patch_size
+    t = [TensorShape("model.visual.patch_embed.proj.weight", (vh, v.in_channels, v.temporal_patch_size, ps, ps),
+                     "vision", kind="conv"),
          TensorShape("model.visual.patch_embed.proj.bias", (vh,), "vision", kind="bias"),
-         TensorShape("model.visual.pos_embed.weight", (_vision_int(v, "num_position_embeddings"), vh), "vision",
-                     kind="embedding")]
-    for b in range(depth):
+         TensorShape("model.visual.pos_embed.weight", (v.num_position_embeddings, vh), "vision", kind="embedding")]
+    for b in range(v.depth):
         p = f"model.visual.blocks.{b}."
         t += _norm(p + "norm1", vh, "vision", None, True) + _norm(p + "norm2", vh, "vision", None, True)
         t += _linear(p + "attn.qkv", 3 * vh, vh, "replicated", None, True, "vision")
         t += _linear(p + "attn.proj", vh, vh, "replicated", None, True, "vision")
         t += _linear(p + "mlp.linear_fc1", vi, vh, "replicated", None, True, "vision")
         t += _linear(p + "mlp.linear_fc2", vh, vi, "replicated", None, True, "vision")
-    merged = vh * merge * merge
-    deepstack = v.get("deepstack_visual_indexes") or []
+    merged = v.merged_width
     for name, norm_width in [("model.visual.merger", vh)] + [(f"model.visual.deepstack_merger_list.{i}", merged)
-                                                              for i in range(len(deepstack))]:
+                                                              for i in range(len(v.deepstack_visual_indexes))]:
         t += _norm(name + ".norm", norm_width, "vision", None, True)
         t += _linear(name + ".linear_fc1", merged, merged, "replicated", None, True, "vision")
-        t += _linear(name + ".linear_fc2", out_h, merged, "replicated", None, True, "vision")
+        t += _linear(name + ".linear_fc2", v.out_hidden_size, merged, "replicated", None, True, "vision")
     return t
 
 

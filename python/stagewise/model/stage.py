@@ -8,6 +8,7 @@ attention and one after the MLP (see docs/model.md, "Tensor parallelism")."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
@@ -29,6 +30,7 @@ from stagewise.model.models import falcon, llama, qwen3, qwen3_moe
 from stagewise.model.models.weights import Weights
 from stagewise.model.quant import QuantizedWeight
 from stagewise.model.shapes import LM_HEAD, embedding_name, kv_heads_per_rank
+from stagewise.model.vision.tower import VisionTower
 
 _ARCHITECTURES: dict[str, ModuleType] = {"llama": llama, "qwen3": qwen3, "qwen3_moe": qwen3_moe, "falcon": falcon}
 
@@ -38,12 +40,13 @@ class StageModel(nn.Module):
 
     def __init__(self, config: ModelConfig, start_layer: int, end_layer: int, layers: list[nn.Module],
                  embedding: VocabEmbedding | None, final_norm: nn.Module | None, lm_head: LMHead | None,
-                 groups: StageGroups = StageGroups()) -> None:
+                 groups: StageGroups = StageGroups(), vision: VisionTower | None = None) -> None:
         super().__init__()
         self.config, self.start_layer, self.end_layer = config, start_layer, end_layer
         self.groups = groups
         self.layers = nn.ModuleList(layers)
         self.embedding, self.final_norm, self.lm_head = embedding, final_norm, lm_head
+        self.vision = vision
         device = next((p.device for p in self.parameters()), torch.device("cpu"))
         # Decode steps run the layer loop in C++ where the layers allow: same ops, same bits. The
         # stack cannot all-reduce, so it takes only layers of one TP rank (build_decode_stack
@@ -70,13 +73,16 @@ class StageModel(nn.Module):
         rotary = Rotary(config, dtype, device)
         layers = [arch.build_layer(config, i, w, rotary, groups) for i in range(start_layer, end_layer)]
         embedding = VocabEmbedding(w(embedding_name(config)), config.vocab_size, groups.tp) if start_layer == 0 else None
+        vision = None
+        if start_layer == 0 and config.vision_config is not None and "model.visual.pos_embed.weight" in w:
+            vision = VisionTower(config.vision_config, w)  # TP rank 0 only: the others take its output
         final_norm = lm_head = None
         if end_layer == config.num_layers:
             final_norm = arch.final_norm(config, w)
             # Tied on a stage that also embeds: one tensor (this rank's vocab rows) for both.
             tied_here = config.tie_word_embeddings and embedding is not None
             lm_head = LMHead(embedding.weight if tied_here else w(LM_HEAD), config.vocab_size, groups.tp)
-        return cls(config, start_layer, end_layer, layers, embedding, final_norm, lm_head, groups)
+        return cls(config, start_layer, end_layer, layers, embedding, final_norm, lm_head, groups, vision)
 
     @property
     def is_first(self) -> bool:
@@ -85,6 +91,24 @@ class StageModel(nn.Module):
     @property
     def is_last(self) -> bool:
         return self.end_layer == self.config.num_layers
+
+    @torch.inference_mode()
+    def encode_images(self, batch: StepBatch) -> StepBatch:
+        """Stage 0: a step bringing images (``pixel_values``) as the step to run and send on: their
+        tokens' embeddings (``image_embeds``) and DeepStack features at the rows of the image
+        placeholder tokens (``visual_rows``). A step without images is returned as it is."""
+        if batch.pixel_values is None:
+            return batch
+        if self.vision is None:
+            raise ValueError("StageModel.encode_images: this stage has no vision tower (a text-only model, "
+                             "or not the first stage)")
+        embeds, deepstack = self.vision(batch.pixel_values, batch.image_grid_thw)
+        rows = (batch.token_ids == self.config.vision_config.image_token_id).nonzero().flatten()
+        if rows.numel() != embeds.size(0):
+            raise ValueError(f"StageModel.encode_images: the step has {rows.numel()} image placeholder tokens "
+                             f"but its images give {embeds.size(0)} image tokens")
+        return dataclasses.replace(batch, pixel_values=None, image_grid_thw=None, image_embeds=embeds,
+                                   visual_rows=rows, deepstack=deepstack if deepstack.size(0) else None)
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """The shape of the KV cache this stage's layers write (this TP rank's KV heads)."""
@@ -112,20 +136,29 @@ class StageModel(nn.Module):
             if batch.token_ids is None:
                 raise ValueError("StageModel.forward: the first stage needs batch.token_ids, got None")
             x, residual = self.embedding(batch.token_ids), None
+            if batch.image_embeds is not None:
+                x.index_copy_(0, batch.visual_rows, batch.image_embeds.to(x.dtype))
         else:
             if batch.hidden_states is None:
                 raise ValueError("StageModel.forward: a later stage needs batch.hidden_states, got None")
             # Layers update x and residual in place: work on copies, never on the caller's tensors.
             x = batch.hidden_states.clone()
             residual = None if batch.residual is None else batch.residual.clone()
+        if batch.pixel_values is not None:
+            raise ValueError("StageModel.forward: the step still holds pixel_values; run encode_images first")
         if self.decode_stack is not None and batch.num_prefills == 0 and batch.num_tokens > 0:
             has_residual = residual is not None
             residual = residual if has_residual else torch.empty_like(x)
             self.decode_stack.decode(x, residual, has_residual, batch.positions, meta.slot_mapping,
                                      meta.block_tables, meta.seq_lens, kv_cache.storage)
         else:
-            for i, layer in enumerate(self.layers, start=self.start_layer):
-                x, residual = layer(x, residual, batch, meta, kv_cache.layer(i))
+            levels = 0 if batch.deepstack is None else batch.deepstack.size(0)
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(x, residual, batch, meta, kv_cache.layer(self.start_layer + i))
+                if i < levels:  # DeepStack: this level's features join the image tokens' hidden states
+                    x = x if residual is None else x + residual
+                    x.index_add_(0, batch.visual_rows, batch.deepstack[i].to(x.dtype))
+                    residual = None
         if split is not None:
             x = restore_pcp_rows(x if residual is None else x + residual, split, self.groups.pcp)
             residual, batch = None, full

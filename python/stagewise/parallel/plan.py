@@ -169,13 +169,15 @@ def _balanced(num_stages: int, layer_costs: Sequence[float], first_cost: float,
 
 def decode_layer_costs(config: ModelConfig) -> tuple[list[float], float, float]:
     """Weights read per decoded token (parameters, active experts only) of each decoder layer,
-    of stage 0's extras (one embedding row) and of the last stage's extras (final norm + LM head).
-    The counts come from the tensor shapes of :mod:`stagewise.model.shapes`."""
+    of stage 0's extras (one embedding row, and a multimodal model's whole vision tower: its weights
+    sit on stage 0 and it runs there for every image) and of the last stage's extras (final norm +
+    LM head). The counts come from the tensor shapes of :mod:`stagewise.model.shapes`."""
     from stagewise.model import shapes  # here: importing stagewise.model loads torch, which plans do not need
 
     costs = [float(shapes.decode_read_params(config, layer)) for layer in range(config.num_layers)]
+    first = config.hidden_size + shapes.count(config, shapes.vision_tensors(config))
     last = shapes.count(config, shapes.final_norm_tensors(config) + shapes.lm_head_tensors(config))
-    return costs, float(config.hidden_size), float(last)
+    return costs, float(first), float(last)
 
 
 def partition_layers(total_layers: int, num_stages: int, policy: str | Sequence[tuple[int, int]] = "even", *,

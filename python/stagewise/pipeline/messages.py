@@ -23,6 +23,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from stagewise.engine.images import ImageInputs
 from stagewise.engine.requests import FINISH_REASONS
 from stagewise.engine.params import SamplingParams, TokenLogprobs
 from stagewise.pipeline.protocol import ProtocolError
@@ -99,6 +100,8 @@ class Add:
     request_id: int
     prompt_ids: list[int]
     params: SamplingParams
+    images: ImageInputs | None = None
+    """The request's images: the frame's tensors ``pixel_values`` and ``image_grid_thw``, not JSON."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -201,8 +204,12 @@ _BY_OP: dict[str, type] = {cls.OP.value: cls for cls in typing.get_args(Message)
 
 
 def to_frame(msg: Message, *, stage_from: int = 0) -> Frame:
-    body = {"op": msg.OP.value, **{f.name: _plain(getattr(msg, f.name)) for f in dataclasses.fields(msg)}}
-    return Frame(step_kind=StepKind.CONTROL, stage_from=stage_from, control=body)
+    images = msg.images if isinstance(msg, Add) else None
+    body = {"op": msg.OP.value, **{f.name: _plain(getattr(msg, f.name)) for f in dataclasses.fields(msg)
+                                   if f.name != "images"}}
+    tensors = {} if images is None else {"pixel_values": images.pixel_values.contiguous(),
+                                         "image_grid_thw": images.image_grid_thw.contiguous()}
+    return Frame(step_kind=StepKind.CONTROL, stage_from=stage_from, control=body, tensors=tensors)
 
 
 def from_frame(frame: Frame) -> Message:
@@ -214,7 +221,14 @@ def from_frame(frame: Frame) -> Message:
     cls = _BY_OP.get(op) if isinstance(op, str) else None
     if cls is None:
         raise ProtocolError(f"op: unknown control message {op!r}; expected one of {sorted(_BY_OP)}")
-    return _build(cls, {k: v for k, v in body.items() if k != "op"}, op)
+    msg = _build(cls, {k: v for k, v in body.items() if k not in ("op", "images")}, op)
+    if isinstance(msg, Add) and ("pixel_values" in frame.tensors or "image_grid_thw" in frame.tensors):
+        try:
+            msg.images = ImageInputs(pixel_values=frame.tensors["pixel_values"],
+                                     image_grid_thw=frame.tensors["image_grid_thw"])
+        except (KeyError, ValueError) as err:
+            raise ProtocolError(f"add.images: tensors pixel_values and image_grid_thw go together ({err})") from None
+    return msg
 
 
 def _plain(value):

@@ -92,6 +92,7 @@ def to_frame(msg: Message, *, stage_from: int, stage_to: int) -> Frame:
         kind = StepKind.PREFILL if p == len(rows) else StepKind.DECODE if p == 0 else StepKind.MIXED
         # Stage 0's own steps carry token ids (to its other ranks); every later stage's, hidden states.
         tensors = {"hidden": b.hidden_states.contiguous()} if b.token_ids is None else {"token_ids": b.token_ids}
+        tensors.update(_vision_tensors(b, rows))
         if msg.sampling is not None:
             tensors["sampling"] = msg.sampling
         return Frame(step_kind=kind, step_id=msg.step_id, microbatch=msg.group, stage_from=stage_from,
@@ -111,6 +112,25 @@ def to_frame(msg: Message, *, stage_from: int, stage_to: int) -> Frame:
         return Frame(step_kind=StepKind.CONTROL, step_id=msg.step_id, microbatch=msg.group, stage_from=stage_from,
                      stage_to=stage_to, control={"op": "step_failed", "message": msg.message})
     raise TypeError(f"pipeline.protocol.to_frame: not a pipeline message: {type(msg).__name__}")
+
+
+def _vision_tensors(b: StepBatch, rows: list[Row]) -> dict[str, torch.Tensor]:
+    """A Qwen3-VL step's named extra tensors: ``positions`` when a row's rope position is not its
+    cache position (a request whose images shifted its text positions), ``mrope_positions`` with an
+    image prefill, and ``visual_rows`` with the DeepStack levels the receiver's layers still add
+    (``image_embeds`` too on stage 0's steps to its other ranks)."""
+    if b.pixel_values is not None:
+        raise ValueError("pipeline.protocol: a step still holding pixel_values cannot be sent; stage 0 "
+                         "encodes its images first (StageModel.encode_images)")
+    out = {}
+    implied = torch.cat([torch.arange(r.first_position, r.first_position + r.num_tokens) for r in rows])
+    if not torch.equal(b.positions.cpu(), implied):
+        out["positions"] = b.positions
+    for name in ("mrope_positions", "visual_rows", "image_embeds", "deepstack"):
+        value = getattr(b, name)
+        if value is not None:
+            out[name] = value.contiguous()
+    return out
 
 
 def tokens_message(step_id: int, group: int, request_ids: Sequence[int], sampled: Sampled) -> Tokens:
@@ -202,15 +222,46 @@ def _step(frame: Frame, stage: StageShape) -> Step:
         num_prefills += prefill
         positions.extend(range(r.first_position, r.first_position + r.num_tokens))
     device = stage.device
+    extra = _vision_extras(frame.tensors, tokens, stage)
+    given = extra.pop("positions", None)
     batch = StepBatch(request_ids=[r.request_id for r in rows], num_prefills=num_prefills,
                       query_lens=[r.num_tokens for r in rows],
                       context_lens=[r.first_position for r in rows],
                       last_chunk=[not r.flags & RowFlags.PREFILL or bool(r.flags & RowFlags.LAST_PREFILL_CHUNK)
                                   for r in rows],
-                      positions=torch.tensor(positions, dtype=torch.int64, device=device),
+                      positions=given if given is not None else torch.tensor(positions, dtype=torch.int64,
+                                                                             device=device),
                       token_ids=None if token_ids is None else token_ids.to(device),
-                      hidden_states=None if hidden is None else hidden.to(device))
+                      hidden_states=None if hidden is None else hidden.to(device), **extra)
     return Step(step_id=frame.step_id, group=frame.microbatch, batch=batch, sampling=sampling)
+
+
+def _vision_extras(tensors: Mapping[str, torch.Tensor], tokens: int, stage: StageShape) -> dict[str, torch.Tensor]:
+    """The Qwen3-VL tensors of a step frame (see :func:`_vision_tensors`), checked and on the stage's device."""
+    out = {}
+    n = None if "visual_rows" not in tensors else tensors["visual_rows"].numel()
+    want = {"positions": ((tokens,), torch.int64), "mrope_positions": ((3, tokens), torch.int64),
+            "visual_rows": ((n,), torch.int64), "image_embeds": ((n, stage.hidden_size), stage.dtype)}
+    for name, (shape, dtype) in want.items():
+        t = tensors.get(name)
+        if t is None:
+            continue
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ProtocolError(f"tensors[{name!r}]: expected {dtype} of shape {shape}, got "
+                                f"{(tuple(t.shape), t.dtype)}")
+        out[name] = t.to(stage.device)
+    deepstack = tensors.get("deepstack")
+    if deepstack is not None:
+        if deepstack.dim() != 3 or tuple(deepstack.shape[1:]) != (n, stage.hidden_size) or deepstack.dtype != stage.dtype:
+            raise ProtocolError(f"tensors['deepstack']: expected {stage.dtype} of shape (levels, {n}, "
+                                f"{stage.hidden_size}) with visual_rows, got {(tuple(deepstack.shape), deepstack.dtype)}")
+        out["deepstack"] = deepstack.to(stage.device)
+    if ("image_embeds" in out or "deepstack" in out) != ("visual_rows" in out):
+        raise ProtocolError("tensors['visual_rows']: sent with image_embeds or deepstack, and only with them")
+    rows = out.get("visual_rows")
+    if rows is not None and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= tokens):
+        raise ProtocolError(f"tensors['visual_rows']: rows must lie in [0, {tokens})")
+    return out
 
 
 # ---- sampling parameters and logprobs: bytes only the last stage (or stage 0) decodes ----------

@@ -31,6 +31,8 @@ from stagewise.engine.requests import RequestOutput
 class _Running:
     prompt_ids: list[int]
     params: SamplingParams
+    images: object = None
+    """The request's images (a resumed prompt still holds their placeholders)."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     carried: int = 0
@@ -67,9 +69,9 @@ class Recovering:
     def stage_stats(self, **kw):
         return self.driver.stage_stats(**kw)
 
-    def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.driver.add(request_id, prompt_ids, params)
-        self._running[request_id] = _Running(list(prompt_ids), params)
+    def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams, images=None) -> None:
+        self.driver.add(request_id, prompt_ids, params, images)
+        self._running[request_id] = _Running(list(prompt_ids), params, images)
 
     def cancel(self, request_id: int) -> None:
         self.driver.cancel(request_id)
@@ -149,8 +151,8 @@ class Recovering:
                 ended.append(self._finished(rid, "length"))
                 continue
             req.carried = len(req.tokens)
-            self.driver.add(rid, req.prompt_ids + req.tokens,
-                            dataclasses.replace(req.params, max_new_tokens=left))
+            self.driver.add(rid, req.prompt_ids + req.tokens, dataclasses.replace(req.params, max_new_tokens=left),
+                            req.images)
         return ended
 
     def _finished(self, rid: int, reason: str, error: str | None = None) -> RequestOutput:

@@ -96,7 +96,7 @@ class Head:
         """A request to add or cancel; problems become that request's error result."""
         if isinstance(msg, Add):
             try:
-                self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params)
+                self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.images)
             except (ValueError, TypeError) as err:
                 self._events.done.append(Result(request_id=msg.request_id, token_ids=[], finish_reason="error",
                                                 error=str(err)))
@@ -125,7 +125,8 @@ class Head:
             elif launched is not None:
                 self.stats.computed(start, end, launched.batch.num_tokens, group)
                 step = Step(step_id=launched.step_id, group=group,
-                            batch=launched.batch.for_next_stage(launched.output),
+                            batch=launched.batch.for_next_stage(launched.output,
+                                                                layers=len(self.engine.executor.model.layers)),
                             sampling=protocol.encode_sampling(launched.sampling))
                 yield protocol.to_frame(step, stage_from=0, stage_to=1)
         yield from self._frees()
@@ -228,8 +229,8 @@ class Worker:
         self.stats.computed(start, time.perf_counter(), batch.num_tokens, step.group)
         if self.is_last:
             return self._to_next(protocol.tokens_message(step.step_id, step.group, batch.sampled_ids(), out))
-        return self._to_next(Step(step_id=step.step_id, group=step.group, batch=batch.for_next_stage(out),
-                                  sampling=step.sampling))
+        next_batch = batch.for_next_stage(out, layers=len(executor.model.layers))
+        return self._to_next(Step(step_id=step.step_id, group=step.group, batch=next_batch, sampling=step.sampling))
 
     def _to_next(self, msg: protocol.Message) -> Frame:
         return protocol.to_frame(msg, stage_from=self.index, stage_to=0 if self.is_last else self.index + 1)

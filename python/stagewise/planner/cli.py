@@ -67,6 +67,9 @@ def _search_parser() -> argparse.ArgumentParser:
                    help=f"prompt tokens per sequence (default: the serving YAML's, else {DEFAULT_INPUT_LENGTH})")
     p.add_argument("--output-length", type=int,
                    help=f"generated tokens per sequence (default: the serving YAML's, else {DEFAULT_OUTPUT_LENGTH})")
+    p.add_argument("--image-tokens", type=int, default=0, metavar="N",
+                   help="a vision model: one image of N merged tokens in each prompt (part of --input-length), "
+                        "whose vision tower the prefill runs on stage 0 (default 0: text only)")
     _workload_args(p)
     p.add_argument("--partition", default="even", help=f"{PARTITIONS}; or ranges '0-10,10-22,...' for one PP size "
                                                       "(default even)")
@@ -124,11 +127,16 @@ def _workload(args: argparse.Namespace, config: ModelConfig, input_length: int, 
                         ("--batch", args.batch)):
         if value < 1:
             raise PlanError(f"{name} must be a positive integer, got {value}")
+    image_tokens = getattr(args, "image_tokens", 0)
+    if not 0 <= image_tokens <= input_length:
+        raise PlanError(f"--image-tokens must be in [0, --input-length {input_length}], got {image_tokens}")
+    if image_tokens and config.vision_config is None:
+        raise PlanError(f"--image-tokens {image_tokens}: the model is text-only (no vision tower)")
     wd = args.weight_dtype or _dtype_default(config)
     return Workload(input_length=input_length, output_length=output_length, batch=args.batch,
                     microbatches=args.microbatches, weight_dtype=wd, kv_dtype=args.kv_dtype or wd,
                     memory_fraction=args.memory_fraction, weight_quant=(args.weight_quant or "").lower(),
-                    embed_quant=(args.embed_quant or "").lower())
+                    embed_quant=(args.embed_quant or "").lower(), image_tokens=getattr(args, "image_tokens", 0))
 
 
 def _profile(args: argparse.Namespace):

@@ -187,14 +187,44 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
     return ops
 
 
+def vision_ops(config: ModelConfig, *, images: int, image_tokens: int, prec: Precision) -> list[Op]:
+    """The vision tower over ``images`` images of ``image_tokens`` merged tokens each (Qwen3-VL):
+    ``image_tokens * merge ** 2`` patches per image through the patch embedding and the ViT blocks
+    (attention within each image), then the merger and the DeepStack mergers on the merged tokens.
+    The tower's weights are whole on every rank (replicated), read once per step."""
+    v = config.vision_config
+    if v is None or images == 0 or image_tokens == 0:
+        return []
+    per_image = image_tokens * v.spatial_merge_size**2
+    p, n, vh, vi = images * per_image, images * image_tokens, v.hidden_size, v.intermediate_size
+    ops = [linear_op("vit_patch_embed", prec, tokens=p, n_in=v.patch_features, n_out=vh, layer=None, quant="")]
+    for _ in range(v.depth):
+        ops.append(Op("vit_norms", "vec", 9 * p * vh, 4 * p * vh * prec.act))
+        for name, n_in, n_out in (("vit_qkv", vh, 3 * vh), ("vit_proj", vh, vh), ("vit_fc1", vh, vi), ("vit_fc2", vi, vh)):
+            ops.append(linear_op(name, prec, tokens=p, n_in=n_in, n_out=n_out, layer=None, quant=""))
+        ops.append(Op("vit_attention", "attention", 4 * vh * images * per_image**2, 4 * p * vh * prec.act))
+    for _ in range(1 + len(v.deepstack_visual_indexes)):
+        ops.append(linear_op("vit_merger_fc1", prec, tokens=n, n_in=v.merged_width, n_out=v.merged_width, layer=None,
+                             quant=""))
+        ops.append(linear_op("vit_merger_fc2", prec, tokens=n, n_in=v.merged_width, n_out=v.out_hidden_size,
+                             layer=None, quant=""))
+    return ops
+
+
 def stage_ops(config: ModelConfig, stage: PipelineStageInfo, *, rows: int, new_tokens: int, context: int,
-              prec: Precision = Precision(), sharding: shapes.Sharding = shapes.Sharding()) -> list[Op]:
-    """Every op of ``stage`` for one microbatch on one rank (logits only for each row's last token)."""
-    for name, value in (("rows", rows), ("new_tokens", new_tokens), ("context", context)):
+              prec: Precision = Precision(), sharding: shapes.Sharding = shapes.Sharding(),
+              image_tokens: int = 0) -> list[Op]:
+    """Every op of ``stage`` for one microbatch on one rank (logits only for each row's last token);
+    a prefill on the first stage also runs the vision tower over one image of ``image_tokens`` merged
+    tokens per row."""
+    for name, value in (("rows", rows), ("new_tokens", new_tokens), ("context", context),
+                        ("image_tokens", image_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"stage_ops: {name} must be an int >= 0, got {value!r}")
     h, T, a, w = config.hidden_size, rows * new_tokens, prec.act, prec.weight
     ops: list[Op] = []
+    if stage.is_first_stage and new_tokens > 1:
+        ops += vision_ops(config, images=rows, image_tokens=image_tokens, prec=prec)
     if stage.is_first_stage:
         tr = rows * _tokens_per_rank(new_tokens, sharding)
         ops.append(Op("embedding", "vec", 0, tr * (prec.weight_bytes(h, prec.embed_quant) + h * a)))

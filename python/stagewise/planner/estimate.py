@@ -59,12 +59,19 @@ class Workload:
     """GGUF block type the decoder linears run in (``q4_1`` ...; empty: dense ``weight_dtype``)."""
     embed_quant: str = ""
     """GGUF block type of the embedding / LM head (empty: dense)."""
+    image_tokens: int = 0
+    """Of each prompt's ``input_length`` tokens, this many are one image's (a vision model: the
+    prefill runs its vision tower on stage 0 over ``image_tokens * merge ** 2`` patches)."""
 
     def __post_init__(self) -> None:
         for name in ("input_length", "output_length", "batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"workload: {name} must be an int >= 1, got {value!r}")
+        if isinstance(self.image_tokens, bool) or not isinstance(self.image_tokens, int) \
+                or not 0 <= self.image_tokens <= self.input_length:
+            raise ValueError(f"workload: image_tokens must be an int in [0, input_length={self.input_length}], "
+                             f"got {self.image_tokens!r}")
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ValueError(f"workload: microbatches must be an int >= 1, got {self.microbatches!r}")
         object.__setattr__(self, "weight_dtype", dtype_name(self.weight_dtype))
@@ -191,7 +198,8 @@ def group_rows(batch: int, m: int) -> list[int]:
 
 
 def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: compute.Precision,
-           sharding: shapes.Sharding, *, batch: int, m: int, new_tokens: int, context: int) -> PhaseEstimate:
+           sharding: shapes.Sharding, *, batch: int, m: int, new_tokens: int, context: int,
+           image_tokens: int = 0) -> PhaseEstimate:
     groups = group_rows(batch, m)
     rows = max(groups)
     cache: dict[int, tuple[list[float], list[dict[str, float]]]] = {}
@@ -201,7 +209,7 @@ def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: c
             times, bounds = [], []
             for info in plan.stages:
                 ops = compute.stage_ops(config, info, rows=r, new_tokens=new_tokens, context=context, prec=prec,
-                                        sharding=sharding)
+                                        sharding=sharding, image_tokens=image_tokens)
                 sc = compute.stage_compute(ops, profile, prec.compute_dtype, role=compute.stage_role(info),
                                            num_layers=len(info.active_layer_indices),
                                            python_loop=sharding.tp * sharding.pcp * sharding.dcp > 1)
@@ -286,7 +294,7 @@ def estimate_layout(config: ModelConfig, layout: ParallelConfig, workload: Workl
     m = workload.microbatches or min(workload.batch, layout.pp)
     m = min(m, workload.batch)
     prefill = _phase(config, plan, profile, prec, sharding, batch=workload.batch, m=m,
-                     new_tokens=workload.input_length, context=0)
+                     new_tokens=workload.input_length, context=0, image_tokens=workload.image_tokens)
     decode = _phase(config, plan, profile, prec, sharding, batch=workload.batch, m=m, new_tokens=1,
                     context=workload.input_length + workload.output_length // 2)
     # The first token exists once the last stage sampled it and stage 0 took it back; the decode
@@ -297,8 +305,9 @@ def estimate_layout(config: ModelConfig, layout: ParallelConfig, workload: Workl
     tpot = steady + (fill / (workload.output_length - 1) if workload.output_length > 1 else 0.0)
     total = prefill.first_tokens_s[-1] + (workload.output_length - 1) * steady  # = ttft + (O - 1) * tpot
     notes = []
-    if plan.num_stages > 1 and config.is_multimodal:
-        notes.append("vision tower stored on stage 0, not timed (text requests)")
+    if config.is_multimodal:
+        notes.append(f"vision tower on stage 0, timed for one image of {workload.image_tokens} tokens per prompt"
+                     if workload.image_tokens else "vision tower stored on stage 0, not timed (text requests)")
     return LayoutEstimate(
         layout=layout, plan=plan, stage_memory=stage_mem,
         weight_bytes_per_rank=max(s.weight_bytes_exact for s in stage_mem),

@@ -72,7 +72,8 @@ class Attention(nn.Module):
         t, hq, hk, d = x.size(0), self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv(x).split([hq * d, hk * d, hk * d], dim=-1)
         q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
-        self.rotary(q, k, batch.positions, self.q_norm, self.k_norm)
+        rows = None if batch.mrope_positions is None else self.rotary.rows(batch.mrope_positions)
+        self.rotary(q, k, batch.positions, self.q_norm, self.k_norm, rows)
         if self.groups.cp_size > 1:
             return self.o(cp_attention(q, k, v, batch, meta, kv, self.scale, self.groups).view(t, hq * d))
         out = torch.empty((t, hq, d), dtype=x.dtype, device=x.device)

@@ -52,8 +52,24 @@ def cos_sin_cache(
     return torch.cat([angles.cos() * scale, angles.sin() * scale], dim=1).to(dtype)
 
 
+def mrope_axes(section: tuple[int, int, int], rotary_dim: int) -> torch.Tensor:
+    """``[rotary_dim // 2]`` int64: the position axis (0 temporal, 1 height, 2 width) each frequency
+    of Qwen3-VL's interleaved M-RoPE reads: ``t h w t h w ...``, height on frequencies ``3i + 1 <
+    3 * section[1]``, width on ``3i + 2 < 3 * section[2]``, temporal on the rest."""
+    j = torch.arange(rotary_dim // 2)
+    axes = torch.zeros_like(j)
+    axes[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    axes[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return axes
+
+
 class Rotary(nn.Module):
-    """Rotary embedding of q and k in place, with Qwen3's per-head q/k RMSNorm fused in when given."""
+    """Rotary embedding of q and k in place, with Qwen3's per-head q/k RMSNorm fused in when given.
+
+    With ``mrope_section`` in the config (Qwen3-VL) a step may bring 3-D positions: each token's
+    cos/sin row is then gathered from the same table, frequency by frequency from the position of
+    the axis that frequency reads (:func:`mrope_axes`), and the ops rotate by those rows. A token
+    whose three positions are equal gets the plain row of that position."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -62,14 +78,32 @@ class Rotary(nn.Module):
                              persistent=False)
         self.is_neox = config.rope.is_neox
         self.eps = config.norm_eps
+        section = config.rope.mrope_section
+        axes = None if section is None else mrope_axes(section, config.rotary_dim).to(device)
+        self.register_buffer("mrope_axes", axes, persistent=False)
+
+    def rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[T, rotary_dim]`` cos/sin rows of 3-D ``positions [3, T]`` (Qwen3-VL's M-RoPE)."""
+        if self.mrope_axes is None:
+            raise ValueError("Rotary.rows: the model has no mrope_section; its positions are one-dimensional")
+        half = self.mrope_axes.numel()
+        picked = positions.index_select(0, self.mrope_axes)  # [half, T]: each frequency's axis
+        cos = self.cos_sin_cache[:, :half].gather(0, picked.t())
+        sin = self.cos_sin_cache[:, half:].gather(0, picked.t())
+        return torch.cat([cos, sin], dim=1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None) -> None:
-        """``q [T, Hq, D]``, ``k [T, Hk, D]`` rotated in place; ``q_norm/k_norm [D]`` or None."""
+                q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> None:
+        """``q [T, Hq, D]``, ``k [T, Hk, D]`` rotated in place at ``positions [T]``, or by ``rows
+        [T, rotary_dim]`` (from :meth:`rows`) when given; ``q_norm/k_norm [D]`` or None."""
+        table = self.cos_sin_cache
+        if rows is not None:
+            table, positions = rows, torch.arange(rows.size(0), device=rows.device)
         if q_norm is None:
-            ops.rope(q, k, positions, self.cos_sin_cache, self.is_neox)
+            ops.rope(q, k, positions, table, self.is_neox)
         else:
-            ops.qk_norm_rope(q, k, q_norm, k_norm, positions, self.cos_sin_cache, self.eps, self.is_neox)
+            ops.qk_norm_rope(q, k, q_norm, k_norm, positions, table, self.eps, self.is_neox)
 
 
 def _llama3(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:

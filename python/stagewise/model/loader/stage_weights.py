@@ -90,8 +90,9 @@ def load_stage_weights(checkpoint: Checkpoint | str | Path, start_layer: int, en
     stores them in (Qwen3-MoE experts come back fused as ``mlp.experts.gate_up_proj`` and
     ``down_proj``). Includes the embedding when ``start_layer == 0`` and the final norm +
     ``lm_head.weight`` when ``end_layer == num_layers`` (tied: the embedding matrix, read once; on a
-    stage holding both, one tensor under both names). The vision tower of a multimodal model is not
-    read (nothing runs it yet). ``dtype="auto"`` keeps the stored dtype (quantized GGUF: float32).
+    stage holding both, one tensor under both names). The vision tower of a multimodal model is read
+    by the first stage only, whole, by its TP rank 0 only (which runs it for the stage).
+    ``dtype="auto"`` keeps the stored dtype (quantized GGUF: float32).
 
     With ``tp_size > 1`` each tensor is rank ``tp_rank``'s shard (see
     :mod:`~stagewise.model.loader.sharding`), and only that is read where the format allows; its
@@ -123,8 +124,9 @@ def load_stage_weights(checkpoint: Checkpoint | str | Path, start_layer: int, en
     keep = keeps_quantized(target, quantized)
     check_precision("load_stage_weights", linear_precision)
     first, last = start_layer == 0, end_layer == cfg.num_layers
-    table = [t for t in shapes.stage_tensors(cfg, range(start_layer, end_layer), first=first, last=last)
-             if t.part != "vision"]
+    table = shapes.stage_tensors(cfg, range(start_layer, end_layer), first=first, last=last)
+    if tp_rank > 0:  # the stage's leader runs the vision tower and hands its output to the other ranks
+        table = [t for t in table if t.part != "vision"]
     sources = locate(ckpt, cfg, table, f"layers [{start_layer}, {end_layer})")
     cuts = {t.name: rank_cut(cfg, t, tp_rank, tp_size) for t in table}
     if keep:

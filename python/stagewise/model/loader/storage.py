@@ -9,7 +9,11 @@ here and nowhere else:
   ``mlp.experts.{e}.gate_proj.weight [I, H]``, ``up_proj [I, H]`` and ``down_proj [H, I]``, where the
   table has transformers 5's fused ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows, then up rows)
   and ``mlp.experts.down_proj [E, H, I]``: expert ``e``'s slice of the fused tensor is its parts
-  stacked along their rows, so a rank's cut of it reads only the rank's rows or columns of each part.
+  stacked along their rows, so a rank's cut of it reads only the rank's rows or columns of each part;
+- published Qwen3-VL-MoE checkpoints store the fused experts with their last two dims swapped,
+  ``mlp.experts.gate_up_proj [E, H, 2I]`` and ``down_proj [E, I, H]`` (transformers transposes a
+  tensor whose shape is not its own, and saves its own layout): a rank's cut is read along the
+  swapped dim and transposed back.
 
 (GGUF names and the multimodal ``model.language_model.`` prefix need no mapping: the GGUF reader
 names its tensors as HF does, and the table uses the prefix the config implies.)
@@ -38,6 +42,8 @@ class Source:
 
     parts: tuple[tuple[str, ...], ...]
     per_expert: bool = False
+    transposed: bool = False
+    """Stored with dims 1 and 2 swapped (Qwen3-VL-MoE's fused experts)."""
 
     @property
     def name(self) -> str:
@@ -56,8 +62,11 @@ def locate(ckpt: Checkpoint, config: ModelConfig, tensors: list[TensorShape], wh
     for t in tensors:
         name = embedding_name(config) if t.name == LM_HEAD and config.tie_word_embeddings else t.name
         if name in stored:
-            out[t.name] = Source(((name,),))
-            expected[name] = t.shape
+            # transformers' own rule: the table's shape as stored, else the swapped one transposed.
+            swapped = (t.kind == "expert" and config.is_multimodal and ckpt.shape(name) != t.shape
+                       and ckpt.shape(name) == (t.shape[0], t.shape[2], t.shape[1]))
+            out[t.name] = Source(((name,),), transposed=swapped)
+            expected[name] = (t.shape[0], t.shape[2], t.shape[1]) if swapped else t.shape
             continue
         source = _per_expert(config, t)
         if source is None or any(p not in stored for parts in source.parts for p in parts):
@@ -94,6 +103,11 @@ def read_cut(ckpt: Checkpoint, source: Source, cut: Cut, keep_blocks: bool) -> W
     if source.per_expert:
         return torch.stack([_read_expert(ckpt, parts, cut) for parts in source.parts])
     name = source.name
+    if source.transposed:
+        if cut.whole:
+            return ckpt.read(name).transpose(1, 2).contiguous()
+        dim = 3 - cut.dim  # the table's dim 1 is the stored dim 2 and the other way round
+        return torch.cat([ckpt.read(name, dim, a, b) for a, b in cut.ranges], dim).transpose(1, 2).contiguous()
     blocks = keep_blocks and ckpt.qtype(name) is not None
     if cut.whole:
         return ckpt.read_quantized(name) if blocks else ckpt.read(name)

@@ -1,0 +1,172 @@
+"""Qwen3-VL as a pipeline of stage processes against transformers: greedy tokens identical with 2
+and 3 stages (the DeepStack levels straddling a boundary, a stage past the last level, the
+balanced partition) and with stages of two tensor-parallel ranks, images in some rows of a batch; and what crosses a boundary: the named extra
+tensors of a step frame (golden bytes), none on decode frames, DeepStack levels only to the stages
+that add them; the balanced partition weighs the vision tower on stage 0."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from vl_models import END, IMAGE, START, build, image_tokens, save
+
+transformers = pytest.importorskip("transformers")
+PIL = pytest.importorskip("PIL.Image")
+
+import stagewise  # noqa: E402
+from stagewise.model.batch import StepBatch  # noqa: E402
+from stagewise.pipeline import protocol  # noqa: E402
+from stagewise.pipeline.protocol import StageShape, Step  # noqa: E402
+from stagewise.transport import decode_frame, encode_frame  # noqa: E402
+
+NEW = 6
+
+
+def _image(w: int, h: int, seed: int):
+    return PIL.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+PROMPTS = [([5, 6, START, IMAGE, END, 7, 8], [_image(37, 29, 0)]), ([11, 12, 13], []),
+           ([START, IMAGE, END, 21, START, IMAGE, END, 22], [_image(19, 61, 1), _image(70, 40, 2)])]
+
+
+def _saved(kind: str, folder):
+    """The model saved (MoE: the published expert layout) and transformers' greedy tokens for PROMPTS."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    hf = build(kind)
+    folder = save(hf, folder, published_experts=kind == "moe")
+    processor = Qwen2VLImageProcessorPil.from_pretrained(folder)
+    expected = []
+    for ids, images in PROMPTS:
+        inputs = {}
+        if images:
+            inputs = dict(processor(images=images, return_tensors="pt"))
+            counts = iter(image_tokens(tuple(g)) for g in inputs["image_grid_thw"].tolist())
+            ids = [t for tok in ids for t in ([IMAGE] * next(counts) if tok == IMAGE else [tok])]
+        input_ids = torch.tensor([ids])
+        out = hf.generate(input_ids=input_ids, mm_token_type_ids=(input_ids == IMAGE).int(), **inputs,
+                          max_new_tokens=NEW, do_sample=False)
+        expected.append(out[0, len(ids):].tolist())
+    return folder, expected
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return _saved("moe", tmp_path_factory.mktemp("vl-moe"))
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return _saved("dense", tmp_path_factory.mktemp("vl-dense"))
+
+
+@pytest.mark.parametrize(("kind", "stages", "partition", "tp"), [
+    ("moe", 2, "balanced", 1), ("moe", 3, "0-1,1-3,3-4", 1), ("dense", 2, "0-2,2-4", 1), ("moe", 2, "even", 2)])
+def test_pipeline_tokens_equal_transformers(request, kind, stages, partition, tp):
+    """3 stages: stage 0 holds one of the three DeepStack layers, stage 1 the other two, stage 2 none.
+    Dense: the later stage decodes in the C++ layer loop at the rope-shifted positions. tp 2: stage
+    0's leader hands its other rank the image embeddings and DeepStack features with each step."""
+    folder, expected = request.getfixturevalue(kind)
+    with stagewise.Pipeline(str(folder), stages=stages, partition=partition, tp=tp, max_model_len=128) as pipe:
+        got = pipe.generate(prompt_token_ids=[ids for ids, _ in PROMPTS], images=[im for _, im in PROMPTS],
+                            max_new_tokens=NEW, ignore_eos=True)
+        assert [c.error for c in got] == [None] * 3
+        assert [c.token_ids for c in got] == expected
+        if partition == "balanced":  # the vision tower's weight moves layers off stage 0
+            assert [tuple(r) for r in pipe.plan.stage_plan.ranges] == [(0, 1), (1, 4)]
+
+
+def _vl_step(levels: int = 3) -> StepBatch:
+    """A prefill of 4 tokens (2 of them image tokens) and a decode row, after stage 0's layer."""
+    return StepBatch(request_ids=[7, 9], num_prefills=1, query_lens=[4, 1], context_lens=[0, 12],
+                     positions=torch.tensor([0, 1, 1, 3, 10]), hidden_states=torch.ones(5, 2),
+                     mrope_positions=torch.tensor([[0, 1, 1, 3, 10], [0, 1, 1, 3, 10], [0, 1, 2, 3, 10]]),
+                     visual_rows=torch.tensor([1, 2]), deepstack=torch.arange(levels * 4.0).view(levels, 2, 2))
+
+
+def test_deepstack_goes_only_to_the_stages_that_add_it():
+    shape = StageShape(index=2, hidden_size=2, dtype=torch.float32, max_model_len=64, device=torch.device("cpu"))
+    batch = _vl_step()
+    after_one = batch.for_next_stage(batch.hidden_states, layers=1)  # stage 0 ran one layer: two levels left
+    frame = decode_frame(encode_frame(protocol.to_frame(Step(step_id=1, group=0, batch=after_one), stage_from=1,
+                                                        stage_to=2)))
+    assert list(frame.tensors) == ["hidden", "positions", "mrope_positions", "visual_rows", "deepstack"]
+    got = protocol.from_frame(frame, shape).batch
+    assert torch.equal(got.deepstack, batch.deepstack[1:]) and torch.equal(got.visual_rows, batch.visual_rows)
+    assert torch.equal(got.mrope_positions, batch.mrope_positions) and torch.equal(got.positions, batch.positions)
+    spent = got.for_next_stage(got.hidden_states, layers=2)  # the next stage is past the last level
+    frame = protocol.to_frame(Step(step_id=1, group=0, batch=spent), stage_from=2, stage_to=3)
+    assert "deepstack" not in frame.tensors and "visual_rows" not in frame.tensors
+    decode = StepBatch(request_ids=[9], num_prefills=0, query_lens=[1], context_lens=[12],
+                       positions=torch.tensor([10]), hidden_states=torch.ones(1, 2))
+    frame = protocol.to_frame(Step(step_id=2, group=0, batch=decode), stage_from=1, stage_to=2)
+    assert list(frame.tensors) == ["hidden", "positions"]  # the rope delta: no image data
+    plain = StepBatch(request_ids=[9], num_prefills=0, query_lens=[1], context_lens=[12],
+                      positions=torch.tensor([12]), hidden_states=torch.ones(1, 2))
+    assert list(protocol.to_frame(Step(step_id=2, group=0, batch=plain), stage_from=1, stage_to=2).tensors) == [
+        "hidden"]
+
+
+def test_vision_tensors_golden_bytes():
+    """docs/wire-format.md's tensor table for a step frame with the Qwen3-VL tensors, written by hand."""
+    batch = _vl_step(levels=1)
+    raw = encode_frame(protocol.to_frame(Step(step_id=3, group=1, batch=batch), stage_from=1, stage_to=2),
+                       checksum=False)
+    table = 80 + 2 * 24
+    entry = "<24sBBHIQQ8I"
+    want = [(b"hidden", 1, 2, 0, 40, (5, 2)), (b"positions", 5, 1, 64, 40, (5,)),
+            (b"mrope_positions", 5, 2, 128, 120, (3, 5)), (b"visual_rows", 5, 1, 256, 16, (2,)),
+            (b"deepstack", 1, 3, 320, 16, (1, 2, 2))]
+    for i, (name, dtype, ndim, offset, nbytes, dims) in enumerate(want):
+        got = raw[table + 80 * i: table + 80 * (i + 1)]
+        assert got == struct.pack(entry, name, dtype, ndim, 0, 0, offset, nbytes, *dims, *[0] * (8 - len(dims)))
+    payload = len(raw) - 336
+    assert raw[payload + 128: payload + 248] == struct.pack("<15q", 0, 1, 1, 3, 10, 0, 1, 1, 3, 10, 0, 1, 2, 3, 10)
+    assert raw[payload + 256: payload + 272] == struct.pack("<2q", 1, 2)
+    assert raw[payload + 320:] == struct.pack("<4f", 0, 1, 2, 3)
+
+
+def test_bad_vision_tensors_are_refused():
+    shape = StageShape(index=2, hidden_size=2, dtype=torch.float32, max_model_len=64, device=torch.device("cpu"))
+    frame = decode_frame(encode_frame(protocol.to_frame(Step(step_id=1, group=0, batch=_vl_step()), stage_from=1,
+                                                        stage_to=2)))
+    for name, value, message in [("deepstack", torch.zeros(3, 3, 2), "deepstack"),
+                                 ("mrope_positions", torch.zeros(2, 5, dtype=torch.int64), "mrope_positions"),
+                                 ("visual_rows", torch.tensor([1, 9]), r"visual_rows.*\[0, 5\)")]:
+        bad = dict(frame.tensors, **{name: value})
+        with pytest.raises(protocol.ProtocolError, match=message):
+            protocol.from_frame(dataclasses.replace(frame, tensors=bad), shape)
+
+
+def test_balanced_partition_weighs_the_vision_tower(moe):
+    from stagewise.model.hf_config import parse_config_file
+    from stagewise.model.shapes import count, vision_tensors
+    from stagewise.parallel import decode_layer_costs
+
+    cfg = parse_config_file(moe[0])
+    _, first, _ = decode_layer_costs(cfg)
+    assert first == cfg.hidden_size + count(cfg, vision_tensors(cfg))
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_cli_generate_with_an_image(moe, stages, tmp_path, capsys):
+    import json
+
+    from stagewise.cli import main as cli_main
+
+    folder, expected = moe
+    ids, [image] = PROMPTS[0]
+    image.save(tmp_path / "cat.png")
+    argv = ["generate", str(folder), "--prompt-ids", ",".join(map(str, ids)), "--image", str(tmp_path / "cat.png"),
+            "--max-new-tokens", str(NEW), "--ignore-eos", "--json", "--stages", str(stages)]
+    assert cli_main(argv) == 0
+    [completion] = json.loads(capsys.readouterr().out)["completions"]
+    assert completion["token_ids"] == expected[0]
+    assert cli_main([*argv[:4], "--image", str(tmp_path / "missing.png"), *argv[6:]]) == 2
+    assert f"--image {tmp_path / 'missing.png'}: no such file" in capsys.readouterr().err
