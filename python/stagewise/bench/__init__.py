@@ -2,6 +2,8 @@
 `stagewise bench e2e`: whole-model generation against transformers (see :mod:`stagewise.bench.e2e`).
 `stagewise bench transport`: latency and GB/s of each transport (see :mod:`stagewise.bench.transport`).
 `stagewise bench profile`: this machine as a planner device profile (see :mod:`stagewise.bench.profile`).
+`stagewise bench serve`: `stagewise serve` against llama.cpp's OpenAI server under load (see
+:mod:`stagewise.bench.serve`).
 
 ``--tiny`` (or ``STAGEWISE_BENCH_TINY=1`` in the environment) runs any suite at toy sizes with the
 fewest repeats: a check that the command works (the documentation's examples run this way), whose
@@ -29,7 +31,7 @@ from stagewise.bench import kernels, report
 from stagewise.bench.timing import TimingPolicy, copy_bandwidth, time_fn
 from stagewise.transport.select import TRANSPORTS
 
-SUITES = ("kernels", "e2e", "transport", "profile")
+SUITES = ("kernels", "e2e", "transport", "profile", "serve")
 TINY_ENV = "STAGEWISE_BENCH_TINY"
 """Set to 1, it has every suite (and ``stagewise plan validate``) run as with ``--tiny``."""
 E2E_SIZES = {"batch_sizes": ("1,16", "1"), "prompt_len": (128, 8), "new_tokens": (64, 4), "repeats": (3, 1)}
@@ -104,6 +106,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="e2e --stages: the partition policy (default: balanced)")
     e2e_args.add_argument("--pipeline-transport", dest="transport", default="auto", choices=TRANSPORTS,
                           help="e2e --stages: the transport between stages (default: auto)")
+    serve_args = parser.add_argument_group("serve (also --model, --threads, --install-baseline)")
+    serve_args.add_argument("--rates", default=None, metavar="0.5,1,2,4",
+                            help="serve: offered loads, requests per second (default 0.5,1,2,4)")
+    serve_args.add_argument("--requests", type=int, default=None, metavar="N",
+                            help="serve: requests per rate (default 40; --tiny: 4)")
+    serve_args.add_argument("--server-baseline", dest="baseline_server", default="llama.cpp",
+                            choices=["llama.cpp", "none"],
+                            help="serve: the server run beside stagewise serve (default llama.cpp: llama-cpp-python's "
+                                 "llama_cpp.server, an optional dependency)")
     transport_args = parser.add_argument_group("transport")
     from stagewise.bench.transport import TRANSPORTS as MEASURED
 
@@ -232,6 +243,10 @@ def run(args: argparse.Namespace) -> int:
         from stagewise.bench import e2e
 
         return e2e.run(args, log=log)
+    if args.suite == "serve":
+        from stagewise.bench import serve
+
+        return serve.run(args, log=log)
     if args.suite == "transport":
         from stagewise.bench import transport
 

@@ -1,0 +1,193 @@
+"""`stagewise bench serve`: `stagewise serve` and llama.cpp's OpenAI server (llama-cpp-python's
+``llama_cpp.server``, an optional dependency of the benchmark only) on the same GGUF and threads,
+each under the same Poisson load at each ``--rates`` (see :mod:`stagewise.bench.serve_load`), one
+after the other on this machine.
+
+Both generate every requested token: ours is asked for ``ignore_eos``, llama.cpp gets a logit
+bias of -100 on the EOS ids. Comparison at equal p99 TPOT: the TPOT budget is llama.cpp's p99 TPOT
+at the rate where it served the most requests per second; each server's throughput is its best
+requests per second among the rates whose p99 TPOT is within that budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from stagewise.bench import report
+from stagewise.bench.serve_load import OUTPUT, PROMPT, Shape, run_load, workload
+
+RATES = "0.5,1,2,4"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server process on a free local port, stopped (its process group) by :meth:`stop`."""
+
+    def __init__(self, name: str, argv: list[str], health: str, env: dict, timeout_s: float = 300.0) -> None:
+        import httpx
+
+        self.name, self.port = name, int(argv[argv.index("--port") + 1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        start = time.perf_counter()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"bench serve: {name} exited: {self.proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(self.url + health, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - start > timeout_s:
+                self.stop()
+                raise TimeoutError(f"bench serve: {name} did not answer within {timeout_s:.0f} s")
+            time.sleep(0.2)
+        self.ready_s = time.perf_counter() - start
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def _ours(model: str, threads: int, env: dict) -> Server:
+    port = _free_port()
+    argv = [sys.executable, "-m", "stagewise.cli", "serve", model, "--port", str(port), "--max-num-seqs", "32",
+            "--max-waiting", "1024", "--log-level", "warning"]
+    return Server("stagewise", argv, "/health", dict(env, OMP_NUM_THREADS=str(threads)))
+
+
+def _llama_cpp(gguf: Path, threads: int, env: dict, install: bool, log) -> Server:
+    from stagewise.bench import llama_cpp
+
+    lib = llama_cpp.find_or_install(install, log=log)
+    try:
+        import llama_cpp.server  # noqa: F401 - its extra: fastapi, sse-starlette, ...
+    except ImportError as err:
+        raise ImportError(f"bench serve: llama.cpp's server needs llama-cpp-python[server] ({err}): "
+                          f'pip install "llama-cpp-python[server]"') from None
+    port = _free_port()
+    argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(threads),
+            "--n_threads_batch", str(threads), "--n_ctx", "4096", "--host", "127.0.0.1", "--port", str(port)]
+    server = Server("llama.cpp", argv, "/v1/models", env)
+    server.version = getattr(lib, "__version__", "unknown")
+    return server
+
+
+def _budget_compare(rows: dict[str, list[dict]]) -> dict | None:
+    base = [r for r in rows.get("llama.cpp", []) if r["tpot_p99_s"] is not None]
+    ours = [r for r in rows.get("stagewise", []) if r["tpot_p99_s"] is not None]
+    if not base or not ours:
+        return None
+    best = max(base, key=lambda r: r["req_per_s"])
+    budget = best["tpot_p99_s"]
+    within = [r for r in ours if r["tpot_p99_s"] <= budget]
+    ours_best = max(within, key=lambda r: r["req_per_s"]) if within else None
+    return {"tpot_p99_budget_s": budget, "llama_cpp_req_per_s": best["req_per_s"], "llama_cpp_rate": best["rate"],
+            "stagewise_req_per_s": ours_best["req_per_s"] if ours_best else 0.0,
+            "stagewise_rate": ours_best["rate"] if ours_best else None,
+            "ratio": (ours_best["req_per_s"] / best["req_per_s"]) if ours_best and best["req_per_s"] else 0.0}
+
+
+def run(args, log=print) -> int:
+    from stagewise.model.loader import open_checkpoint
+
+    try:
+        rates = [float(x) for x in (args.rates or RATES).split(",") if x.strip()]
+        if not rates or any(r <= 0 for r in rates):
+            raise ValueError
+    except ValueError:
+        log(f"stagewise bench: --rates takes positive requests per second such as {RATES}, got {args.rates!r}")
+        return 2
+    n = args.requests or (4 if args.tiny else 40)
+    shapes = (Shape(12, 0.3, 4, 24), Shape(4, 0.3, 2, 8)) if args.tiny else (PROMPT, OUTPUT)
+    threads = args.threads or os.cpu_count() or 1
+    ckpt = open_checkpoint(args.model)
+    tok = ckpt.tokenizer()
+    tokenize = (lambda text: len(tok.encode(text).ids))
+    baselines = [] if args.baseline_server == "none" else ["llama.cpp"]
+    if baselines and ckpt.path.suffix != ".gguf":
+        log(f"stagewise bench: the llama.cpp server needs a GGUF model, got {str(ckpt.path)!r}")
+        return 2
+    env = dict(os.environ)
+    rows: dict[str, list[dict]] = {}
+    info = report.machine_info("cpu")
+    info.update(model=str(ckpt.path), threads=threads, requests_per_rate=n, rates=rates,
+                prompt_median=shapes[0].median, output_median=shapes[1].median)
+    for name in ["stagewise", *baselines]:
+        server = _ours(args.model, threads, env) if name == "stagewise" else \
+            _llama_cpp(ckpt.path, threads, env, args.install_baseline, log)
+        info[f"{name}_ready_s"] = round(server.ready_s, 2)
+        if name == "llama.cpp":
+            info["llama_cpp_python"] = server.version
+        extra = {"ignore_eos": True} if name == "stagewise" else \
+            {"logit_bias": {str(t): -100.0 for t in ckpt.config.eos_token_ids}}
+        try:
+            asyncio.run(run_load(server.url, args.model if name == "stagewise" else str(ckpt.path),
+                                 workload(2, 1.0, tokenize, seed=99), 1.0, extra))  # warm-up
+            for i, rate in enumerate(rates):
+                requests = workload(n, rate, tokenize, seed=i, prompt=shapes[0], output=shapes[1])
+                result = asyncio.run(run_load(server.url, args.model if name == "stagewise" else str(ckpt.path),
+                                              requests, rate, extra))
+                row = result.summary()
+                row["prompt_tokens_mean"] = sum(r.prompt_tokens for r in requests) / n
+                row["max_tokens_mean"] = sum(r.max_tokens for r in requests) / n
+                rows.setdefault(name, []).append(row)
+                log(f"  {name} at {rate:g} req/s: {row['req_per_s']:.2f} req/s, {row['tok_per_s']:.1f} tok/s, "
+                    f"TTFT p50/p99 {_ms(row['ttft_p50_s'])}/{_ms(row['ttft_p99_s'])} ms, TPOT p50/p99 "
+                    f"{_ms(row['tpot_p50_s'])}/{_ms(row['tpot_p99_s'])} ms, {row['failed']} failed")
+        finally:
+            server.stop()
+    compare = _budget_compare(rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{info['device']}-serve"
+    stem.with_suffix(".json").write_text(json.dumps({"machine": info, "rows": rows, "compare": compare}, indent=1))
+    _markdown(stem.with_suffix(".md"), info, rows, compare)
+    log(f"wrote {stem}.md and .json")
+    return 0 if all(r["failed"] == 0 for rs in rows.values() for r in rs) else 1
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{1e3 * v:.0f}"
+
+
+def _markdown(path: Path, info: dict, rows: dict[str, list[dict]], compare: dict | None) -> None:
+    lines = ["# `stagewise serve` against llama.cpp's OpenAI server", "",
+             f"Machine: {info['device_name']} ({info['device']}), {info['cpu_count']} CPUs, {report.isa_line(info)}; "
+             f"torch {info['torch']}; {info['threads']} threads per server  ",
+             f"Date (UTC): {info['date_utc']}; commit {info['git_commit']}  ",
+             f"Model: {info['model']}; {info['requests_per_rate']} streamed completions per rate, Poisson arrivals, "
+             f"log-normal prompt (median {info['prompt_median']:g} tokens) and output (median {info['output_median']:g}) "
+             "lengths, every requested token generated  ",
+             f"llama-cpp-python: {info.get('llama_cpp_python', '-')}; servers ready after "
+             f"{info.get('stagewise_ready_s')} s (stagewise) / {info.get('llama_cpp_ready_s', '-')} s (llama.cpp)", "",
+             "| server | offered req/s | served req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
+             "TPOT p99 ms | failed |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, rs in rows.items():
+        for r in rs:
+            lines.append(f"| {name} | {r['rate']:g} | {r['req_per_s']:.2f} | {r['tok_per_s']:.1f} | {_ms(r['ttft_p50_s'])} "
+                         f"| {_ms(r['ttft_p99_s'])} | {_ms(r['tpot_p50_s'])} | {_ms(r['tpot_p99_s'])} | {r['failed']} |")
+    if compare:
+        lines += ["", f"At equal p99 TPOT (the budget: llama.cpp's p99 TPOT at its best rate, "
+                      f"{_ms(compare['tpot_p99_budget_s'])} ms): llama.cpp serves {compare['llama_cpp_req_per_s']:.2f} "
+                      f"req/s, stagewise {compare['stagewise_req_per_s']:.2f} req/s: **{compare['ratio']:.2f}x**."]
+    path.write_text("\n".join(lines) + "\n")
