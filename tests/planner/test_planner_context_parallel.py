@@ -293,3 +293,45 @@ def test_serving_yaml_takes_pcp_and_dcp():
         parse_serving({"parallel_config": {**pc, "dp_size": 2}})
     with pytest.raises(ValueError, match="dcp=3 must divide tp=16"):
         parse_serving({"parallel_config": {**pc, "dcp_size": 3}})
+
+
+# --- measured collectives and the DCP combine ------------------------------------------------------
+
+def test_a_measured_tp_link_times_each_collective_by_its_table():
+    """A CPU profile's TP link measured for groups of 2 (as `bench profile` records it): each
+    collective of a 2-rank group takes its measured time at its per-rank bytes (between the sizes:
+    linear; below: the smallest's); other group sizes keep the ring formulas."""
+    tables = {"ranks": 2, "all_reduce_s": {"1000": 40e-6, "3000": 60e-6}, "all_gather_s": {"1000": 30e-6, "3000": 50e-6}}
+    d = {"name": "t", "memory_bytes": 1e9, "peak_flops": {"bfloat16": 1e12}, "memory_bandwidth": 1e11,
+         "op_overhead_s": 1e-6,
+         "links": {"tp": {"latency_s": 2e-6, "bandwidth": 1e10, "collectives": tables},
+                   "pp": {"latency_s": 2e-6, "bandwidth": 1e10}, "ep": {"latency_s": 2e-6, "bandwidth": 1e10}}}
+    profile = profile_from_dict(d)
+
+    def t(name, nbytes, group, collective):
+        return compute.op_time(compute.Op(name, "comm", 0, nbytes, 0, "tp", group, collective=collective),
+                               profile, "bfloat16")[0]
+
+    assert t("ar", 2000, 2, "all_reduce") == pytest.approx(50e-6)
+    assert t("rs", 500, 2, "reduce_scatter") == pytest.approx(40e-6)
+    assert t("ag", 2 * 2000, 2, "all_gather") == pytest.approx(40e-6)       # gathered 4000 = 2000 per rank
+    assert t("ag", 2 * 5000, 2, "all_gather") == pytest.approx(70e-6)       # past the table: its last slope
+    ring = 2 * 3 / 4 * 2000 / 1e10 + 2 * 3 * 2e-6 + 1e-6
+    assert t("ar", 2000, 4, "all_reduce") == pytest.approx(ring)
+    with pytest.raises(ValueError, match="collectives.ranks"):
+        profile_from_dict({**d, "links": {**d["links"], "tp": {**d["links"]["tp"],
+                                                               "collectives": {**tables, "ranks": 1}}}})
+
+
+def test_the_dcp_combine_is_priced_per_decode_layer():
+    base = {"name": "c", "kind": "cpu", "memory_bytes": 1e10, "peak_flops": {"float32": 1e12},
+            "memory_bandwidth": 1e11, "op_overhead_s": 1e-6,
+            "links": {k: {"latency_s": 2e-6, "bandwidth": 1e10} for k in ("tp", "pp", "ep")},
+            "framework": {"layer_s": 1e-5, "python_layer_s": 2e-5, "engine_s": 1e-4, "head_s": 1e-4, "middle_s": 1e-4,
+                          "last_s": 1e-4, "tokens_s": 1e-5}}
+    without = profile_from_dict(base)
+    with_cp = profile_from_dict({**base, "framework": {**base["framework"], "cp_layer_s": 7e-5}})
+    assert compute.framework_time(with_cp, "engine", 10, python_loop=True, cp=True) == pytest.approx(
+        compute.framework_time(without, "engine", 10, python_loop=True) + 10 * 7e-5)
+    assert compute.framework_time(with_cp, "engine", 10, python_loop=True) == \
+        compute.framework_time(without, "engine", 10, python_loop=True)

@@ -186,7 +186,9 @@ def measure_profile(device: str, *, quick: bool = False, log=print) -> dict:
     link = transports.get("shm") or transports.get("tcp") or {"latency_s": 50e-6, "bandwidth": 1e9}
     link = {"latency_s": link["latency_s"], "bandwidth": link["bandwidth"]}
     tp = raw.get("tp_link") or link
-    tp = {"latency_s": tp["latency_s"], "bandwidth": tp["bandwidth"]}
+    tp = {"latency_s": tp["latency_s"], "bandwidth": tp["bandwidth"],
+          **({"collectives": {"ranks": 2, "all_reduce_s": tp["all_reduce_s"], "all_gather_s": tp["all_gather_s"]}}
+             if "all_reduce_s" in tp else {})}
     if is_cuda:
         memory_bytes = torch.cuda.get_device_properties(torch.device(device)).total_memory
     else:

@@ -8,7 +8,9 @@ the layers. The fixed part of one step per role comes from a llama of negligible
 ``engine`` (the single-process engine: schedule, metadata, model, sample, record), ``head``
 (stage 0's launch: schedule, metadata, embedding, its layers), ``middle`` and ``last`` (a later
 stage's executor: KV bookkeeping, metadata, layers; the last also final norm, LM head and
-sampling) and ``tokens`` (stage 0 taking a step's sampled tokens back).
+sampling) and ``tokens`` (stage 0 taking a step's sampled tokens back). ``cp_layer_s``: what a
+decode-context-parallel layer's attention adds besides its kernel and its collectives (the
+log-sum-exp weights, the float32 sums, the copies: :func:`cp_combine_s`).
 """
 
 from __future__ import annotations
@@ -201,7 +203,8 @@ def framework_overheads(log=print, prompt: int = 128, steps: int = 40, repeats: 
     streamed = streamed_layer_s(prompt)
     fixed = max(eng[lo] - lo * layer, 0.0)
     hot_layer, layer = layer, max((streamed["framework_s"] - fixed) / streamed["layers"], 0.0)
-    out = {"layer_s": layer, "python_layer_s": layer + python_extra, "engine_s": fixed,
+    cp = cp_combine_s()
+    out = {"layer_s": layer, "python_layer_s": layer + python_extra, "cp_layer_s": cp, "engine_s": fixed,
            "head_s": max(head - lo * hot_layer, 0.0),
            "middle_s": max(middle - lo * hot_layer, 0.0), "last_s": max(last - lo * hot_layer, 0.0), "tokens_s": tokens,
            "raw": {"engine_step_s": eng, "head_launch_s": head, "middle_run_s": middle, "last_run_s": last,
@@ -211,5 +214,46 @@ def framework_overheads(log=print, prompt: int = 128, steps: int = 40, repeats: 
         f"({out['python_layer_s'] * 1e6:.0f} through the Python layer loop) "
         f"({hot_layer * 1e6:.0f} with hot caches); fixed: engine {out['engine_s'] * 1e6:.0f} us, "
         f"head {out['head_s'] * 1e6:.0f}, middle {out['middle_s'] * 1e6:.0f}, last {out['last_s'] * 1e6:.0f}, "
-        f"tokens back {tokens * 1e6:.0f} us")
+        f"tokens back {tokens * 1e6:.0f} us; DCP attention combine {cp * 1e6:.0f} us/layer")
     return out
+
+
+class _Mirror:
+    """A group of two ranks played by one process, the other rank holding the same tensors: the
+    collectives' callers do all their own tensor work, nothing is sent."""
+
+    size, rank = 2, 0
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return torch.cat([t, t], dim)
+
+    def gather(self, t: torch.Tensor, dim: int = 0, dst: int = 0) -> torch.Tensor:
+        return torch.cat([t, t], dim)
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return t.narrow(dim, 0, t.size(dim) // 2).contiguous()
+
+
+def cp_combine_s(rows: int = 1, heads: int = 4, head_dim: int = 64, context: int = 144, calls: int = 400) -> float:
+    """Seconds a DCP decode layer spends on its attention besides the kernel and the collectives:
+    :func:`~stagewise.model.layers.context_parallel.decode_attention_cp` over a two-rank group
+    played here (:class:`_Mirror`) minus its ``decode_attention`` call alone (least disturbed of
+    several medians)."""
+    from stagewise import ops
+    from stagewise.model.collectives import SINGLE, StageGroups
+    from stagewise.model.layers.context_parallel import decode_attention_cp
+
+    block = 16
+    nblocks = -(-context // block)
+    k, v = (torch.randn(rows * nblocks, block, 1, head_dim) for _ in range(2))
+    tables = torch.arange(rows * nblocks, dtype=torch.int32).view(rows, nblocks)
+    lens = torch.full((rows,), context // 2, dtype=torch.int32)
+    q = torch.randn(rows, heads, head_dim)
+    groups = StageGroups(tp=_Mirror(), dcp=_Mirror(), pcp=SINGLE)
+    q2 = torch.cat([q, q], 1)
+    cp = min(_median_step(lambda: decode_attention_cp(q, k, v, tables, lens, 0.125, groups), calls) for _ in range(5))
+    alone = min(_median_step(lambda: ops.decode_attention(q2, k, v, tables, lens, 0.125), calls) for _ in range(5))
+    return max(cp - alone, 0.0)

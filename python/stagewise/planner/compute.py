@@ -274,6 +274,15 @@ def op_time(op: Op, profile: DeviceProfile, dtype: str) -> tuple[float, str]:
     if op.kind == "comm":
         link = profile.links[op.link]
         n = op.group
+        # Measured on this host for this group size (the call as the runtime makes it): that time.
+        if op.collective == "all_gather":
+            measured = link.measured_s("all_gather", n, op.bytes / n)
+        elif op.collective in ("all_reduce", "reduce_scatter") or op.collective == "" and op.link == "tp":
+            measured = link.measured_s("all_reduce", n, op.bytes)  # a reduce-scatter moves what an all-reduce does
+        else:
+            measured = None
+        if measured is not None:
+            return measured, "comm"
         if op.collective in ("all_gather", "reduce_scatter"):  # ring: bytes the gathered / reduced buffer
             t = (n - 1) / n * op.bytes / link.bandwidth + (n - 1) * link.latency_s
         elif op.collective == "all_reduce" or op.collective == "" and op.link == "tp":  # ring all-reduce
@@ -317,24 +326,28 @@ def stage_role(stage: PipelineStageInfo) -> str:
     return "head" if stage.is_first_stage else "last" if stage.is_last_stage else "middle"
 
 
-def framework_time(profile: DeviceProfile, role: str, num_layers: int, python_loop: bool = False) -> float:
+def framework_time(profile: DeviceProfile, role: str, num_layers: int, python_loop: bool = False,
+                   cp: bool = False) -> float:
     """The runtime's fixed cost of one step of a stage (profile ``framework``; 0 without it):
     ``num_layers * layer_s + <role>_s``; ``python_loop``: the ranks of a TP/CP stage, which run their
-    layers in Python (``python_layer_s``) where one process runs its decode layer loop in C++."""
+    layers in Python (``python_layer_s``) where one process runs its decode layer loop in C++;
+    ``cp``: a context-parallel stage's decode, each layer's attention combine (``cp_layer_s``)."""
     fw = profile.framework
     if not fw:
         return 0.0
     layer = fw.get("python_layer_s", fw.get("layer_s", 0.0)) if python_loop else fw.get("layer_s", 0.0)
+    if cp:
+        layer += fw.get("cp_layer_s", 0.0)
     return num_layers * layer + fw.get(f"{role}_s", 0.0)
 
 
 def stage_compute(ops: list[Op], profile: DeviceProfile, dtype: str, *, role: str | None = None,
-                  num_layers: int = 0, python_loop: bool = False) -> StageCompute:
+                  num_layers: int = 0, python_loop: bool = False, cp: bool = False) -> StageCompute:
     """Sum of the ops' times, plus (with ``role``) the framework's per-step cost, counted as vec."""
     by_bound = dict.fromkeys(BOUNDS, 0.0)
     for op in ops:
         t, bound = op_time(op, profile, dtype)
         by_bound[bound] += t
     if role is not None:
-        by_bound["vec"] += framework_time(profile, role, num_layers, python_loop)
+        by_bound["vec"] += framework_time(profile, role, num_layers, python_loop, cp)
     return StageCompute(sum(by_bound.values()), by_bound, sum(o.flops for o in ops), sum(o.bytes for o in ops), len(ops))

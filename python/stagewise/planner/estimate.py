@@ -212,7 +212,8 @@ def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: c
                                         sharding=sharding, image_tokens=image_tokens)
                 sc = compute.stage_compute(ops, profile, prec.compute_dtype, role=compute.stage_role(info),
                                            num_layers=len(info.active_layer_indices),
-                                           python_loop=sharding.tp * sharding.pcp * sharding.dcp > 1)
+                                           python_loop=sharding.tp * sharding.pcp * sharding.dcp > 1,
+                                           cp=new_tokens == 1 and sharding.dcp * sharding.pcp > 1)
                 times.append(sc.time_s)
                 bounds.append(sc.by_bound)
             cache[r] = times, bounds

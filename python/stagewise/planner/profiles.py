@@ -58,7 +58,9 @@ DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfl
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 QUANT_BITS = {"q4_0": 4.5, "q4_1": 5.0, "q8_0": 8.5}
 """Bits per weight of the GGUF block types (32 weights a block: 18, 20 and 34 bytes)."""
-FRAMEWORK_KEYS = ("layer_s", "python_layer_s", "engine_s", "head_s", "middle_s", "last_s", "tokens_s")
+FRAMEWORK_KEYS = ("layer_s", "python_layer_s", "cp_layer_s", "engine_s", "head_s", "middle_s", "last_s", "tokens_s")
+OPTIONAL_FRAMEWORK_KEYS = ("python_layer_s", "cp_layer_s")
+"""Measured by later versions of `bench profile`: a profile without them is still read."""
 
 
 def dtype_name(value: str) -> str:
@@ -74,10 +76,29 @@ class Link:
     latency_s: float
     bandwidth: float
     """bytes/s, one direction."""
+    collectives: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Measured seconds of each collective (``all_reduce``, ``all_gather``) of a group of
+    ``ranks`` processes by the bytes each rank hands it (a TP link measured on this host); the
+    ring formulas stand in for other group sizes and for a link without them."""
+    ranks: int = 0
 
     def one_way_s(self, nbytes: float) -> float:
         """One message one way: ``latency + message_bytes / bandwidth`` (0 for an empty message)."""
         return 0.0 if nbytes <= 0 else self.latency_s + nbytes / self.bandwidth
+
+    def measured_s(self, collective: str, group: int, nbytes: float) -> float | None:
+        """The measured time of ``collective`` over ``group`` ranks with ``nbytes`` per rank: linear
+        between the measured sizes, the smallest's time below them, the last slope above them
+        (None: not measured for this group size)."""
+        table = self.collectives.get(collective)
+        if not table or group != self.ranks:
+            return None
+        pts = sorted(table.items())
+        if nbytes <= pts[0][0] or len(pts) == 1:
+            return pts[0][1]
+        seg = next(((a, b) for a, b in zip(pts, pts[1:]) if nbytes <= b[0]), (pts[-2], pts[-1]))
+        (x0, t0), (x1, t1) = seg
+        return t0 + (t1 - t0) * (nbytes - x0) / (x1 - x0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +213,23 @@ def _number(where: str, d: dict, key: str, positive: bool = True) -> float:
 def _link(where: str, d: Any) -> Link:
     if not isinstance(d, dict):
         raise ValueError(f"{where}: expected an object with latency_s and bandwidth, got {d!r}")
-    return Link(_number(where, d, "latency_s", positive=False), _number(where, d, "bandwidth"))
+    measured = d.get("collectives", {})
+    if not isinstance(measured, dict):
+        raise ValueError(f"{where}: field 'collectives' must be an object, got {measured!r}")
+    tables: dict[str, dict[int, float]] = {}
+    for name in ("all_reduce", "all_gather"):
+        table = measured.get(f"{name}_s")
+        if table is None:
+            continue
+        try:
+            tables[name] = {int(k): float(v) for k, v in table.items()}
+        except (AttributeError, TypeError, ValueError):
+            raise ValueError(f"{where}: collectives.{name}_s must map bytes to seconds, got {table!r}") from None
+    ranks = measured.get("ranks", 0)
+    if tables and (isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2):
+        raise ValueError(f"{where}: collectives.ranks must be the measured group's size (>= 2), got {ranks!r}")
+    return Link(_number(where, d, "latency_s", positive=False), _number(where, d, "bandwidth"), tables,
+                ranks if tables else 0)
 
 
 def profile_from_dict(d: Any, source: str = "built-in") -> DeviceProfile:
@@ -252,7 +289,7 @@ def profile_from_dict(d: Any, source: str = "built-in") -> DeviceProfile:
         raise ValueError(f"{where}: field 'framework' must be an object, got {fw_in!r}")
     framework = {}
     for k in FRAMEWORK_KEYS:
-        if fw_in and (k in fw_in or k != "python_layer_s"):  # profiles measured before it have layer_s only
+        if fw_in and (k in fw_in or k not in OPTIONAL_FRAMEWORK_KEYS):
             framework[k] = _number(f"{where} framework", fw_in, k, positive=False)
     cores = d.get("cores")
     if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
