@@ -119,7 +119,10 @@ def test_e2e_tp_runs_ranks_beside_the_single_process(folder, tmp_path, capsys):
     rows = json.loads(path.read_text())["rows"]
     assert [(r["tp"], r["dcp"]) for r in rows] == [(1, 1), (2, 1)]
     two = rows[1]
-    assert two["tokens_equal_tp1"] and two["collective_ms"] > 0 and two["kv_mb_per_rank"] > 0
+    # the decode's collectives: their bytes exactly (the time is a difference of two runs' counters,
+    # which the noise of a few toy steps may take below zero)
+    assert two["tokens_equal_tp1"] and two["collective_kb"] > 0 and two["kv_mb_per_rank"] > 0
+    assert isinstance(two["collective_ms"], float)
     assert path.with_suffix(".md").read_text().count("| 2 | 1 | 1 |") == 1
 
 
