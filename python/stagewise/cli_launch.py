@@ -16,7 +16,7 @@ import sys
 
 from stagewise.cli_generate import generate_and_print
 from stagewise.cli_prompts import Requests, add_prompt_arguments, read_requests, report, sampling_args, sampling_problems
-from stagewise.cli_serve import add_server_arguments, listen, serve, server_problems
+from stagewise.cli_serve import add_server_arguments, serve_closing, server_problems
 
 PROG = "stagewise launch"
 
@@ -104,16 +104,7 @@ def _drive(plan, args, req: Requests, *, token, addresses, procs, interactive: b
         return 1
     print(f"{PROG}: connected to {plan.num_stages} stages", file=sys.stderr)
     if args.serve:
-        try:
-            sock = listen(args, PROG)
-            if sock is None:
-                return 2
-            try:
-                return serve(pipe, args, sock, PROG)
-            finally:
-                sock.close()
-        finally:
-            pipe.close()
+        return serve_closing(pipe, args, PROG)
     if not interactive:
         return generate_and_print(pipe, args, req, prog=PROG)
     code = 0

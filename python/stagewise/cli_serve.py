@@ -75,14 +75,27 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         pipe = open_pipeline(args, PROG)
-        if pipe is None:
-            return 1
-        try:
-            return serve(pipe, args, sock, PROG)
-        finally:
-            pipe.close()
-    finally:
+    except BaseException:
         sock.close()
+        raise
+    if pipe is None:
+        sock.close()
+        return 1
+    return serve_closing(pipe, args, PROG, sock)
+
+
+def serve_closing(pipe, args: argparse.Namespace, prog: str, sock: socket.socket | None = None) -> int:
+    """:func:`serve` on ``sock`` (bound now when None) until stopped, then close both."""
+    try:
+        if sock is None:
+            sock = listen(args, prog)
+            if sock is None:
+                return 2
+        return serve(pipe, args, sock, prog)
+    finally:
+        pipe.close()
+        if sock is not None:
+            sock.close()
 
 
 def serve(pipe, args: argparse.Namespace, sock: socket.socket, prog: str) -> int:

@@ -25,7 +25,7 @@ from stagewise.transport import encode_frame
 from stagewise.transport.errors import HandshakeError
 from stagewise.transport.frame import Frame, Row, StepKind
 
-from processes import gone
+from processes import children as process_children, gone
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -264,7 +264,7 @@ def test_ctrl_c_stops_the_driver_and_every_stage(folder, when):
         children = []
         deadline = time.monotonic() + 120
         while len(children) < 3 and time.monotonic() < deadline:  # the stage processes exist
-            children = _children(proc.pid)
+            children = process_children(proc.pid)
             time.sleep(0.05)
         assert len(children) == 3, "the stage processes did not start"
         os.killpg(proc.pid, signal.SIGINT)
@@ -277,17 +277,3 @@ def test_ctrl_c_stops_the_driver_and_every_stage(folder, when):
     assert code == 130, err[-2000:]
     assert "Traceback" not in err, err[-2000:]
     assert gone(children), "stage processes left behind"
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry))
-    return out

@@ -134,13 +134,7 @@ def test_two_and_five_stages_with_cancellations(folder):
     expected = run_engine(folder, reqs)
     for ranges in ([(0, 2), (2, 5)], [(i, i + 1) for i in range(5)]):
         got = run_pipeline(folder, reqs, ranges, {2: 7, 5: 30}, seed=len(ranges))
-        for rid, (tokens, reason) in got.items():
-            if reason == "cancelled":
-                # A prefix of the uncancelled run, cut where the cancel landed.
-                assert tokens == expected[rid][0][: len(tokens)]
-            else:
-                assert (tokens, reason) == expected[rid], rid
-        assert sorted(got) == list(range(len(reqs)))
+        assert_runs_equal(got, expected, len(reqs))
         assert sum(reason == "cancelled" for _, reason in got.values()) >= 1
 
 
@@ -152,12 +146,18 @@ def test_prompts_prefilled_in_chunks_across_stages_equal_the_whole_prompt_engine
     reqs = requests(10, seed=8)
     expected = run_engine(folder, reqs)
     got = run_pipeline(folder, reqs, [(0, 1), (1, 4), (4, 5)], {4: 5}, seed=chunk, max_prefill_tokens=chunk)
+    assert_runs_equal(got, expected, len(reqs))
+
+
+def assert_runs_equal(got: dict, expected: dict, n: int) -> None:
+    """Every request of the pipeline's run as in the engine's; a cancelled one a prefix of it, cut
+    where the cancel landed."""
     for rid, (tokens, reason) in got.items():
         if reason == "cancelled":
             assert tokens == expected[rid][0][: len(tokens)]
         else:
             assert (tokens, reason) == expected[rid], rid
-    assert sorted(got) == list(range(len(reqs)))
+    assert sorted(got) == list(range(n))
 
 
 def test_a_failing_later_stage_ends_only_that_step(folder):

@@ -19,21 +19,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from processes import alive, gone  # noqa: E402
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                with open(f"/proc/{p}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue
-            if ppid == pid:
-                out.append(int(p))
-    return out
+from processes import alive, children, gone  # noqa: E402
 
 
 def metric(page: str, prefix: str) -> float:
