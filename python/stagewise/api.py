@@ -277,12 +277,12 @@ class Pipeline:
             from stagewise.pipeline.driver import PipelineBroken
 
             try:
-                if self.driver.broken:
-                    raise PipelineBroken(self.driver.broken)
+                if self.broken:
+                    raise PipelineBroken(self.broken)
                 self.driver.stage_stats(reset=True)
             except PipelineBroken as err:
                 raise ValueError(f"Pipeline.generate: the pipeline is broken ({err}); create a new one") from None
-        run = Run(backend, TextStreams(self.tokenizer, self.config.eos_token_ids), on_text)
+        run = self.open_run(on_text=on_text)
         try:
             for i, (ids, p) in enumerate(zip(encoded, params)):
                 if i in failed:
@@ -293,7 +293,7 @@ class Pipeline:
         finally:
             run.cancel_unfinished()  # an interrupted call leaves nothing queued and no KV held
         self.last_stats = run.stats()
-        if self.driver is not None and not self.driver.broken:
+        if self.driver is not None and not self.broken:
             self.last_stats["stages"] = self.stage_stats()
         return [run.results[i] for i in range(len(encoded))]
 

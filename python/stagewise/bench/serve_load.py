@@ -95,12 +95,11 @@ class RunResult:
                 "errors": sorted({r.error for r in self.requests if r.error})[:3]}
 
 
-def _pct(values: list[float], p: float) -> float | None:
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(p) - 1] if p < 100 else values[-1]
+def _pct(values: list[float], p: int) -> float | None:
+    """The ``p``-th percentile (1..99) of sorted ``values``; None for none."""
+    if len(values) < 2:
+        return values[0] if values else None
+    return statistics.quantiles(values, n=100, method="inclusive")[p - 1]
 
 
 async def _one(client, url: str, body: dict, start: float, req: Request, out: Timed) -> None:

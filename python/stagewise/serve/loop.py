@@ -155,8 +155,7 @@ class ServeLoop:
             try:
                 self._run.add(rid, rid, ids, params)
             except RuntimeError as err:  # the pipeline broke between the check and now
-                self._done(rid, Completion(text="", token_ids=[], finish_reason="error", error=str(err),
-                                           prompt_token_ids=list(ids)))
+                self._done(rid, _failed(str(err), ids))
         elif kind == "cancel":
             self._run.cancel(cmd[1])
         elif kind == "stats":
@@ -204,7 +203,7 @@ class ServeLoop:
                 break
         reason = self.failed or "the server is shutting down"
         for rid in list(self._sinks):
-            self._done(rid, Completion(text="", token_ids=[], finish_reason="error", error=reason))
+            self._done(rid, _failed(reason))
         while True:  # requests queued after the loop stopped
             try:
                 cmd = self._commands.get_nowait()
@@ -213,5 +212,9 @@ class ServeLoop:
             if cmd[0] == "add":
                 with self._lock:
                     self._held -= 1
-                cmd[4].on_done(Completion(text="", token_ids=[], finish_reason="error", error=reason),
-                               {"ttft_s": None, "e2e_s": 0.0})
+                cmd[4].on_done(_failed(reason, cmd[2]), {"ttft_s": None, "e2e_s": 0.0})
+
+
+def _failed(error: str, prompt_ids=()) -> Completion:
+    """The result of a request that ends before the pipeline gave it any token."""
+    return Completion(text="", token_ids=[], finish_reason="error", error=error, prompt_token_ids=list(prompt_ids))
