@@ -462,8 +462,8 @@ MergeAttnStatesParams make_merge_attn_states_params(at::Tensor& out, at::Tensor&
     TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == N && t->size(1) == H, "stagewise.merge_attn_states: argument '",
                       name, "' must have shape [", N, ", ", H, "] (num_tokens, num_heads), got ",
                       shape_of(*t));
-    check_contiguous(op, name, *t);
   }
+  check_contiguous(op, "lse", lse);  // the inputs' LSEs may be strided views (a gathered buffer's)
   p.out = out.data_ptr();
   p.out_token_stride = out.stride(0);
   p.out_head_stride = out.stride(1);
@@ -472,10 +472,14 @@ MergeAttnStatesParams make_merge_attn_states_params(at::Tensor& out, at::Tensor&
   p.a_token_stride = out_a.stride(0);
   p.a_head_stride = out_a.stride(1);
   p.lse_a = lse_a.data_ptr<float>();
+  p.lse_a_token_stride = lse_a.stride(0);
+  p.lse_a_head_stride = lse_a.stride(1);
   p.b = out_b.data_ptr();
   p.b_token_stride = out_b.stride(0);
   p.b_head_stride = out_b.stride(1);
   p.lse_b = lse_b.data_ptr<float>();
+  p.lse_b_token_stride = lse_b.stride(0);
+  p.lse_b_head_stride = lse_b.stride(1);
   p.num_tokens = N;
   p.num_heads = H;
   p.head_dim = D;

@@ -25,11 +25,13 @@ STAGEWISE_ALWAYS_INLINE void merge_rows(const MergeAttnStatesParams& p, int64_t 
     const float* a_f = row_as_float(a + t * p.a_token_stride + h * p.a_head_stride, buf, D);
     const float* b_f = row_as_float(b + t * p.b_token_stride + h * p.b_head_stride, buf + D, D);
     T* out_row = out + t * p.out_token_stride + h * p.out_head_stride;
+    const float lse_a = p.lse_a[t * p.lse_a_token_stride + h * p.lse_a_head_stride];
+    const float lse_b = p.lse_b[t * p.lse_b_token_stride + h * p.lse_b_head_stride];
     if constexpr (std::is_same_v<T, float>) {
-      p.lse[r] = merge_lse_rows(p.lse_a[r], a_f, p.lse_b[r], b_f, out_row, D);
+      p.lse[r] = merge_lse_rows(lse_a, a_f, lse_b, b_f, out_row, D);
     } else {
       float* o_f = buf + 2 * D;
-      p.lse[r] = merge_lse_rows(p.lse_a[r], a_f, p.lse_b[r], b_f, o_f, D);
+      p.lse[r] = merge_lse_rows(lse_a, a_f, lse_b, b_f, o_f, D);
       store_row(out_row, o_f, D);  // exact when o_f is a copy of a or b
     }
   }

@@ -457,7 +457,8 @@ __global__ void merge_attn_states_kernel(MergeAttnStatesParams p) {
   for (int64_t row = int64_t{blockIdx.x} * blockDim.y + threadIdx.y; row < rows; row += row_step) {
     const int64_t t = row / p.num_heads;
     const int64_t h = row % p.num_heads;
-    const LseMerge w = lse_merge(p.lse_a[row], p.lse_b[row]);
+    const LseMerge w = lse_merge(p.lse_a[t * p.lse_a_token_stride + h * p.lse_a_head_stride],
+                                 p.lse_b[t * p.lse_b_token_stride + h * p.lse_b_head_stride]);
     const T* a = static_cast<const T*>(p.a) + t * p.a_token_stride + h * p.a_head_stride;
     const T* b = static_cast<const T*>(p.b) + t * p.b_token_stride + h * p.b_head_stride;
     T* out = static_cast<T*>(p.out) + t * p.out_token_stride + h * p.out_head_stride;

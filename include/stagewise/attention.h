@@ -58,11 +58,15 @@ struct MergeAttnStatesParams {
   const void* a;           // [num_tokens, num_heads, head_dim]
   int64_t a_token_stride;
   int64_t a_head_stride;
-  const float* lse_a;      // [num_tokens, num_heads] contiguous
+  const float* lse_a;      // [num_tokens, num_heads], any strides
+  int64_t lse_a_token_stride;
+  int64_t lse_a_head_stride;
   const void* b;
   int64_t b_token_stride;
   int64_t b_head_stride;
   const float* lse_b;
+  int64_t lse_b_token_stride;
+  int64_t lse_b_head_stride;
   DType dtype;             // of out, a and b
   int64_t num_tokens;
   int64_t num_heads;

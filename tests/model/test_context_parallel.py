@@ -24,7 +24,8 @@ from stagewise.kv import KVCacheManager, KVCacheSpec
 from stagewise.kv.cache import num_cache_blocks
 from stagewise.model.batch import KVMetadata, StepBatch, head_tail_ranges, split_for_pcp
 from stagewise.model.collectives import SINGLE, StageGroups
-from stagewise.model.layers.context_parallel import check_groups, check_metadata, combine_partials, valid_dcp_sizes
+from stagewise.model.layers.context_parallel import (_packed, check_groups, check_metadata, merge_partials,
+                                                      valid_dcp_sizes)
 from stagewise.parallel import comm
 
 WORKER = Path(__file__).with_name("cp_worker.py")
@@ -81,16 +82,20 @@ def _attend(q, k, v):
     return out, lse
 
 
-def test_lse_combine_equals_attention_over_all_keys_including_empty_shards():
-    q, k, v = torch.randn(3, 4, 8), torch.randn(3, 20, 8), torch.randn(3, 20, 8)
-    want, want_lse = _attend(q, k, v)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merged_partials_equal_attention_over_all_keys_including_empty_shards(dtype):
+    q, k, v = torch.randn(3, 6, 8), torch.randn(3, 20, 8), torch.randn(3, 20, 8)
+    want, _ = _attend(q, k, v)
     cuts = [0, 0, 7, 7, 20, 20]  # shards of 0, 7, 0, 13 and 0 keys
     parts = [_attend(q, k[:, a:b], v[:, a:b]) for a, b in zip(cuts, cuts[1:])]
-    out, lse = combine_partials(torch.stack([o for o, _ in parts]), torch.stack([s for _, s in parts]))
-    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(lse, want_lse)
-    empty, empty_lse = combine_partials(torch.zeros(2, 3, 4, 8), torch.full((2, 3, 4), -math.inf))
-    assert torch.equal(empty, torch.zeros(3, 4, 8)) and bool(torch.isneginf(empty_lse).all())
+    rows = torch.cat([_packed(o.to(dtype), s) for o, s in parts])  # what the all-gather hands every rank
+    heads = slice(2, 4)  # this rank's heads among the group's 6
+    out = merge_partials(rows, parts[0][0].to(dtype), heads)
+    assert out.shape == (3, 2, 8) and out.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), want[:, heads], rtol=tol, atol=tol)
+    empty = torch.cat([_packed(torch.zeros(3, 6, 8), torch.full((3, 6), -math.inf)) for _ in range(2)])
+    assert torch.equal(merge_partials(empty, torch.zeros(3, 6, 8), heads), torch.zeros(3, 2, 8))
 
 
 @pytest.mark.parametrize("cp, interleave", [(2, 1), (2, 4), (4, 8), (3, 16)])

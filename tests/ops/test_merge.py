@@ -52,6 +52,20 @@ def test_matches_reference(device, dtype, shape):
     assert_close(lse, ref_lse, **LSE_TOL)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_lse_inputs(device, dtype):
+    """The inputs' LSEs may be views with any strides (a gathered buffer's heads, a transpose)."""
+    n, h, d = 5, 3, 16
+    a, lse_a, b, lse_b = partials(n, h, d, dtype, device)
+    wide = torch.full((n, 2 * h + 1), float("nan"), device=device)
+    wide[:, 1 : h + 1] = lse_a
+    lse_b_t = lse_b.t().contiguous().t()
+    out, lse = ops.merge_attn_states(a, wide[:, 1 : h + 1], b, lse_b_t)
+    ref_out, ref_lse = reference.merge_attn_states(a, lse_a, b, lse_b)
+    assert_close(out, ref_out)
+    assert_close(lse, ref_lse, **LSE_TOL)
+
+
 def test_no_tokens(device):
     a = torch.empty(0, 4, 64, device=device)
     lse_a = torch.empty(0, 4, device=device)

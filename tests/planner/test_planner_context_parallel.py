@@ -139,12 +139,11 @@ def test_decode_collectives_at_tp4_dcp2_by_hand():
                             sharding=shapes.Sharding(tp=4, dcp=2))
     # T = 3 tokens, 2 query heads of 8 per rank, bf16 activations (2 bytes), fp32 partials (4 bytes).
     q_gathered = 2 * 3 * 2 * 8 * 2          # dcp * T * hq_rank * d * act: each rank puts in 3 * 2 * 8 * 2
-    lse_gathered = 2 * 3 * 4 * 4            # dcp copies of the fp32 LSE of the group's 4 heads for 3 rows
-    combine = 3 * 2 * 2 * 8 * 4             # T * hq_rank * dcp * d * 4: the weighted partial outputs
+    part = 3 * 4 * (8 * 2 + 4)              # one rank's partial outputs (bf16) and fp32 LSEs: the group's 4 heads
+    partials = 2 * part                     # all-gathered over the DCP pair
     all_reduce = 3 * 32 * 2                 # T * hidden * act, as without DCP
     assert _comm(ops) == [("q_all_gather", q_gathered, 2, "all_gather", "tp"),
-                          ("lse_all_gather", lse_gathered, 2, "all_gather", "tp"),
-                          ("attn_reduce_scatter", combine, 2, "reduce_scatter", "tp"),
+                          ("partials_all_gather", partials, 2, "all_gather", "tp"),
                           ("attn_all_reduce", all_reduce, 4, "all_reduce", "tp"),
                           ("mlp_all_reduce", all_reduce, 4, "all_reduce", "tp")]
     # the stage's ends: the vocab-parallel embedding's all-reduce, the logits gathered to the leader
@@ -159,12 +158,10 @@ def test_decode_collectives_at_tp4_dcp2_by_hand():
     with_pcp = compute.stage_ops(config, stage, rows=rows, new_tokens=1, context=context,
                                  sharding=shapes.Sharding(tp=4, dcp=2, pcp=2))
     names = [c[0] for c in _comm(with_pcp)]
-    assert names == ["q_all_gather", "lse_all_gather", "lse_pcp_all_gather", "attn_reduce_scatter",
-                     "attn_pcp_all_reduce", "attn_all_reduce", "mlp_all_reduce"]
-    pcp_gather = _op(with_pcp, "lse_pcp_all_gather")  # the 2 x 2 ranks' LSE, over the PCP pair
-    assert (pcp_gather.bytes, pcp_gather.group, pcp_gather.collective) == (4 * 3 * 4 * 4, 2, "all_gather")
-    pcp_sum = _op(with_pcp, "attn_pcp_all_reduce")  # this rank's heads' partial outputs, fp32
-    assert (pcp_sum.bytes, pcp_sum.group, pcp_sum.collective) == (3 * 2 * 8 * 4, 2, "all_reduce")
+    assert names == ["q_all_gather", "partials_all_gather", "partials_pcp_all_gather", "attn_all_reduce",
+                     "mlp_all_reduce"]
+    pcp_gather = _op(with_pcp, "partials_pcp_all_gather")  # the 2 x 2 ranks' parts, over the PCP pair
+    assert (pcp_gather.bytes, pcp_gather.group, pcp_gather.collective) == (4 * part, 2, "all_gather")
     assert _op(with_pcp, "attention").cache_bytes == 3 * 25 * 2 * 1 * 8 * 2  # ceil(100 / 4) keys
     # The linears are the same work on every PCP rank in decode.
     assert _op(with_pcp, "qkv_proj").flops == _op(ops, "qkv_proj").flops
@@ -173,8 +170,8 @@ def test_decode_collectives_at_tp4_dcp2_by_hand():
     prof = _profile()
     t, bound = compute.op_time(_op(ops, "q_all_gather"), prof, "bfloat16")
     assert bound == "comm" and t == pytest.approx(1 / 2 * q_gathered / 1e10 + 1 * 2e-6 + 1e-6)
-    t, _ = compute.op_time(_op(ops, "attn_reduce_scatter"), prof, "bfloat16")
-    assert t == pytest.approx(1 / 2 * combine / 1e10 + 1 * 2e-6 + 1e-6)
+    t, _ = compute.op_time(_op(ops, "partials_all_gather"), prof, "bfloat16")
+    assert t == pytest.approx(1 / 2 * partials / 1e10 + 1 * 2e-6 + 1e-6)
     t, _ = compute.op_time(_op(ops, "attn_all_reduce"), prof, "bfloat16")
     assert t == pytest.approx(2 * 3 / 4 * all_reduce / 1e10 + 2 * 3 * 2e-6 + 1e-6)
 

@@ -237,12 +237,14 @@ class _Mirror:
         return t.narrow(dim, 0, t.size(dim) // 2).contiguous()
 
 
-def cp_combine_s(rows: int = 1, heads: int = 4, head_dim: int = 64, context: int = 144, calls: int = 400) -> float:
+def cp_combine_s(rows: int = 1, heads: int = 4, head_dim: int = 64, context: int = 144, calls: int = 200) -> float:
     """Seconds a DCP decode layer spends on its attention besides the kernel and the collectives:
     :func:`~stagewise.model.layers.context_parallel.decode_attention_cp` over a two-rank group
-    played here (:class:`_Mirror`) minus its ``decode_attention`` call alone (least disturbed of
-    several medians)."""
+    played here (:class:`_Mirror`) minus its ``decode_attention`` call alone, each call after the
+    work a step does in between (:class:`~stagewise.bench.profile_runtime.StepWork`: in a tight
+    loop the small ops would find their caches hot); the least disturbed of several medians."""
     from stagewise import ops
+    from stagewise.bench.profile_runtime import StepWork
     from stagewise.model.collectives import SINGLE, StageGroups
     from stagewise.model.layers.context_parallel import decode_attention_cp
 
@@ -254,6 +256,17 @@ def cp_combine_s(rows: int = 1, heads: int = 4, head_dim: int = 64, context: int
     q = torch.randn(rows, heads, head_dim)
     groups = StageGroups(tp=_Mirror(), dcp=_Mirror(), pcp=SINGLE)
     q2 = torch.cat([q, q], 1)
-    cp = min(_median_step(lambda: decode_attention_cp(q, k, v, tables, lens, 0.125, groups), calls) for _ in range(5))
-    alone = min(_median_step(lambda: ops.decode_attention(q2, k, v, tables, lens, 0.125), calls) for _ in range(5))
+    work = StepWork()
+
+    def median_after_work(fn) -> float:
+        times = []
+        for _ in range(calls):
+            work()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    cp = min(median_after_work(lambda: decode_attention_cp(q, k, v, tables, lens, 0.125, groups)) for _ in range(5))
+    alone = min(median_after_work(lambda: ops.decode_attention(q2, k, v, tables, lens, 0.125)) for _ in range(5))
     return max(cp - alone, 0.0)

@@ -55,6 +55,30 @@ LINK_SIZES = (2304, 1 << 20)  # bytes of the hidden tensor: a SmolLM2-sized deco
 LINK_FRAMES = 60
 
 
+class StepWork:
+    """The work a decode step does between two of its small operations, for timing those as a step
+    runs them: ``linears`` Q4_1 linears of SmolLM2's MLP width (576 -> 1536) per call, their
+    weights taking turns from a set larger than a core's caches (6.9 MB). Back to back in a tight
+    loop, a collective or a few small tensor ops find their code and data hot and their peer in
+    step; inside a decode step they find neither (on the 2-core machine of the results: a small
+    all-reduce over shared memory 8-10 us in a tight loop, 20-30 us in a step)."""
+
+    def __init__(self, linears: int = 3, seed: int = 0) -> None:
+        from stagewise import ops
+
+        self.linears, self._qtype, self._k = linears, ops.QTYPES["Q4_1"], 0
+        gen = torch.Generator().manual_seed(seed)
+        self._weights = [random_blocks(1536, 576, self._qtype, gen) for _ in range(12)]
+        self._x = torch.randn(1, 576, generator=gen)
+
+    def __call__(self) -> None:
+        from stagewise import ops
+
+        for _ in range(self.linears):
+            ops.quant_linear(self._x, self._weights[self._k % len(self._weights)], self._qtype)
+            self._k += 1
+
+
 # ---- quant_linear --------------------------------------------------------------------------
 
 def random_blocks(out: int, inp: int, qtype: int, gen: torch.Generator | None = None) -> torch.Tensor:

@@ -16,18 +16,18 @@ TP_LINK_SIZES = (2304, 8 << 10, 64 << 10, 256 << 10, 1 << 20)
 """Bytes of the float32 tensor each rank hands to a collective: a SmolLM2-sized decode row (the
 all-reduce of one token's hidden state), then 8 KiB to 1 MiB."""
 
-
 def _tp_peer(rank: int, store: tuple[str, int], sizes: tuple[int, ...], calls: int, conn) -> None:
-    """One rank: ``calls`` timed all-reduces and all-gathers per size, in lockstep with the other
-    (each call starts when the previous one returned, as a stage's collectives follow each other);
-    sizes and collectives take turns in rounds of a few calls, so that a burst of other work on a
-    shared machine spoils a few calls of each, not one size's figure."""
+    """One rank: ``calls`` timed all-reduces and all-gathers per size, in lockstep with the other,
+    each after a few linears (untimed, :class:`~stagewise.bench.profile_runtime.StepWork`), as a
+    stage's collectives come between a layer's kernels; sizes and collectives take turns in rounds
+    of a few calls, so that a burst of other work on a shared machine spoils a few calls of each,
+    not one size's figure."""
     import warnings
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's note on all_gather_into_tensor
+    from stagewise.bench.profile_runtime import StepWork
     from stagewise.parallel import comm
-
     from stagewise.parallel.groups import join_stage_groups
     from stagewise.parallel.runplan import RunPlan
 
@@ -40,10 +40,12 @@ def _tp_peer(rank: int, store: tuple[str, int], sizes: tuple[int, ...], calls: i
         fns = {"all_reduce": group.all_reduce, "all_gather": group.all_gather}
         times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes} for name in fns}
         per_round = 5
+        work = StepWork(seed=rank)
         for r in range(1 + -(-calls // per_round)):  # round 0 warms up
             for n, t in tensors.items():
                 for name, fn in fns.items():
                     for _ in range(per_round):
+                        work()
                         t0 = time.perf_counter()
                         fn(t)
                         if r:
@@ -93,7 +95,7 @@ def measure_tp_link(sizes: tuple[int, ...] = TP_LINK_SIZES, calls: int = 50, log
     the runtime runs such a group's collectives over) and time the TP group's ``all_reduce`` and
     ``all_gather`` of float32 tensors of
     ``sizes`` bytes each (median of ``calls``, taken in rounds of 5 over every size after a warm-up
-    round; rank 0's clock);
+    round, each call after a few linears as in a step; rank 0's clock);
     :func:`fit_tp_link` turns them into the link's latency and bandwidth."""
     from stagewise.parallel import comm
 
@@ -123,4 +125,5 @@ def measure_tp_link(sizes: tuple[int, ...] = TP_LINK_SIZES, calls: int = 50, log
             "all_gather_s": {str(n): v for n, v in got["all_gather"].items()}, "calls": calls,
             "group": got["group"],
             "what": "all_reduce / all_gather of a stage's TP group of 2 CPU ranks (joined as the stage processes join "
-                    "theirs) on float32 tensors, one torch thread a process; fitted to the planner's ring formulas"}
+                    "theirs) on float32 tensors, one torch thread a process, each call after 3 Q4_1 576x1536 linears "
+                    "as in a decode step; fitted to the planner's ring formulas"}

@@ -95,6 +95,7 @@ class ShmGroup:
         self._seen = [self._seq] * self.size
         """The last sequence number seen published by each rank."""
         self._broken: str | None = None
+        self._views: dict[tuple[int, torch.dtype, int], tuple] = {}
 
     @classmethod
     def join(cls, store, key: str, *, rank: int, ranks: list[int], slot_bytes: int = DEFAULT_SLOT_BYTES,
@@ -204,6 +205,37 @@ class ShmGroup:
                 time.sleep(sleep)
                 sleep = min(sleep * 2, SLEEP_S[1])
 
+    def _typed(self, numel: int, dtype: torch.dtype, b: int) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """Views of buffer ``b`` for a one-exchange payload of ``numel`` elements of ``dtype``: this
+        rank's slot, every rank's ``[size, numel]`` and their rows; made once per shape (a decode
+        step's collectives repeat a few shapes), so that a small collective costs a copy in, the
+        waits and its arithmetic."""
+        key = (numel, dtype, b)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= 256:
+                self._views.clear()
+            rows = self._bufs[b][:, : numel * dtype.itemsize].view(dtype)
+            v = self._views[key] = (rows[self.rank], rows, rows.unbind(0))
+        return v
+
+    def _fits(self, t: torch.Tensor) -> bool:
+        return t.is_contiguous() and 0 < t.numel() * t.element_size() <= self.slot_bytes
+
+    def _swap(self, t: torch.Tensor, readers) -> tuple[torch.Tensor, tuple]:
+        """One exchange of ``t`` (contiguous, at most a slot) through the cached views: every rank's
+        ``[size, numel]`` and their rows (valid until the next exchange but one)."""
+        if self._broken is not None:
+            raise RuntimeError(f"shm group {self.name} is broken: {self._broken}")
+        s = self._seq + 1
+        mine, rows, each = self._typed(t.numel(), t.dtype, s % 2)
+        self._wait(s - 1, range(self.size))  # nobody still reads buffer s % 2 (exchange s - 2)
+        mine.copy_(t.view(-1))
+        self._hdr[self.rank * self._step] = s
+        self._seq = s
+        self._wait(s, readers)
+        return rows, each
+
     def _exchange(self, data: torch.Tensor | None, readers) -> torch.Tensor:
         """One exchange: ``data`` (bytes, at most a slot; None: write nothing) into this rank's
         slot, then wait for the ranks in ``readers`` (those whose slots this rank reads). Returns
@@ -247,6 +279,13 @@ class ShmGroup:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the group in place (rank order: the same bits on every rank); returns ``t``."""
+        if self._fits(t):
+            rows, each = self._swap(t, range(self.size))
+            if self.size == 2 and t.dtype not in (torch.float16, torch.bfloat16):
+                torch.add(each[0], each[1], out=t.view(-1))
+            else:
+                self._sum(rows, t.view(-1))
+            return t
         flat = t.contiguous().view(-1)
         raw, es = flat.view(torch.uint8), flat.element_size()
         for lo, hi in self._chunks(raw.numel(), es):
@@ -283,6 +322,8 @@ class ShmGroup:
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's ``t`` stacked along a new first dimension, in rank order."""
+        if self._fits(t):
+            return self._swap(t, range(self.size))[0].clone().view(self.size, *t.shape)
         return self._gather_rows(t, range(self.size), True)
 
     def gather(self, t: torch.Tensor, dst: int = 0) -> torch.Tensor | None:

@@ -25,10 +25,10 @@ every collective over the TP link, the same node):
   token's K/V on one rank of the group (``1 / cp`` of the writes each, on average); it computes the
   query heads of its whole DCP group (``hq * dcp``) over its keys. Per layer, as
   ``layers/context_parallel.py`` runs it: with ``dcp > 1`` an all-gather of q over the DCP group
-  (``dcp * T * hq * d * act`` gathered) and one of the fp32 LSE (``dcp * T * hq * dcp * 4``); with
-  ``pcp > 1`` the LSE all-gathered again over the PCP group (``cp * T * hq * dcp * 4``); then the
-  weighted partial outputs reduce-scattered over heads in the DCP group (fp32
-  ``T * hq * dcp * d * 4``) and all-reduced over the PCP group (``T * hq * d * 4``).
+  (``dcp * T * hq * d * act`` gathered); then each rank's partial outputs of those heads and their
+  fp32 LSEs all-gathered in one buffer over the DCP group (``dcp * T * hq * dcp * (d * act + 4)``)
+  and, with ``pcp > 1``, again over the PCP group (``cp`` times one rank's part); each rank merges
+  its own heads' parts.
 - prefill (``pcp > 1``, from an empty cache): each PCP rank runs ``ceil(I / pcp)`` of each prompt's
   ``I`` tokens through every op and ``1 / pcp`` of the causal query-key pairs (the head-tail split
   balances them); per layer an all-gather of K and V over the PCP group (``2 * T * hk * d * act``),
@@ -147,18 +147,12 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
     ops.append(Op("attention", "attention", 4 * heads * d * pairs, cache + 2 * T * heads * d * a, layer,
                   decode=decode, cache_bytes=cache))
     if decode and cp > 1:  # the combine, as layers/context_parallel.py runs it
+        part = T * hq * dcp * (d * a + 4)  # one rank's partial outputs and fp32 LSEs, every head of the group
         if dcp > 1:
-            ops.append(Op("lse_all_gather", "comm", 0, dcp * T * hq * dcp * 4, layer, "tp", dcp,
-                          collective="all_gather"))
+            ops.append(Op("partials_all_gather", "comm", 0, dcp * part, layer, "tp", dcp, collective="all_gather"))
         if pcp > 1:
-            ops.append(Op("lse_pcp_all_gather", "comm", 0, cp * T * hq * dcp * 4, layer, "tp", pcp,
+            ops.append(Op("partials_pcp_all_gather", "comm", 0, cp * part, layer, "tp", pcp,
                           collective="all_gather"))
-        if dcp > 1:
-            ops.append(Op("attn_reduce_scatter", "comm", 0, T * hq * dcp * d * 4, layer, "tp", dcp,
-                          collective="reduce_scatter"))
-        if pcp > 1:
-            ops.append(Op("attn_pcp_all_reduce", "comm", 0, T * hq * d * 4, layer, "tp", pcp,
-                          collective="all_reduce"))
     ops.append(linear_op("o_proj", prec, tokens=T, n_in=hq * d, n_out=h, layer=layer))
     if tp > 1:
         ops.append(Op("attn_all_reduce", "comm", 0, T * h * a, layer, "tp", tp, collective="all_reduce"))

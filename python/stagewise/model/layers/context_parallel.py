@@ -4,11 +4,9 @@
 
 - **Decode** (every CP rank runs the same decode rows): the query heads of the DCP group are
   all-gathered (DCP ranks are TP ranks sharing one KV head), each rank attends over its local
-  shard, and the partial results are combined exactly by their log-sum-exps: with
-  ``lse_tot = logsumexp_i lse_i`` the output is ``sum_i exp(lse_i - lse_tot) * out_i``. The lse are
-  all-gathered (DCP, then PCP); each rank weighs its own partial output, a reduce-scatter over
-  heads sums the DCP ranks' parts and hands each rank its own heads, and an all-reduce over PCP adds
-  the PCP ranks' parts. The sums run in float32.
+  shard, and the partial results are combined exactly by their log-sum-exps (the
+  ``merge_attn_states`` kernel): every rank's partial output and LSE are all-gathered in one buffer (DCP,
+  then PCP), and each rank merges the parts of its own heads.
 - **Prefill without PCP**: each rank has the whole prompt's K/V of its heads: causal attention as
   on one rank; the slot mapping stores only this rank's share.
 - **Prefill with PCP**: each rank runs a head-tail share of each prompt
@@ -67,22 +65,6 @@ def check_metadata(groups: StageGroups, meta: KVMetadata) -> None:
                          "pcp group has one rank")
 
 
-def lse_weights(lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weights ``[K, ...]`` of ``K`` partial attention results with log-sum-exps ``lse [K, ...]``
-    (float32), and the total lse ``[...]``. A part with ``lse = -inf`` (no tokens) weighs 0; when
-    all are, every weight is 0 and the total is -inf."""
-    total = torch.logsumexp(lse, dim=0)
-    finite = torch.where(torch.isneginf(total), torch.zeros_like(total), total)
-    return torch.exp(lse - finite), total
-
-
-def combine_partials(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact combination of ``K`` partial results ``out [K, ..., D]`` with ``lse [K, ...]``:
-    float32 ``[..., D]`` and the total lse ``[...]``."""
-    weights, total = lse_weights(lse.float())
-    return (out.float() * weights.unsqueeze(-1)).sum(dim=0), total
-
-
 def gather_rows(x: torch.Tensor, pad_rows: int, restore: torch.Tensor, group: Collectives) -> torch.Tensor:
     """All-gather every rank's rows ``x [n_rank, ...]`` (padded to ``pad_rows``) and put them in the
     order ``restore`` gives (indices into the rank-major gathered rows)."""
@@ -99,19 +81,46 @@ def restore_pcp_rows(x: torch.Tensor, split: PcpSplit, group: Collectives) -> to
     return gather_rows(x, split.pad_rows, split.restore, group)
 
 
+def _packed(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """One rank's partial result as one row of bytes ``[1, n]``: ``out``'s, then ``lse``'s (float32),
+    so that a single all-gather moves both."""
+    return torch.cat([out.reshape(-1).view(torch.uint8), lse.reshape(-1).view(torch.uint8)]).unsqueeze(0)
+
+
+def merge_partials(rows: torch.Tensor, out_like: torch.Tensor, heads: slice) -> torch.Tensor:
+    """The gathered partial results ``rows [K, n]`` (each rank's :func:`_packed` ``out [B, H, D]``
+    and ``lse [B, H]``, ``out_like`` giving their shape and dtype) of the heads ``heads`` merged by
+    their log-sum-exps -> ``[B, len(heads), D]``: ``merge_attn_states`` of rank 0's with rank 1's,
+    the result with rank 2's, and so on (each a strided view of ``rows``, nothing copied first)."""
+    b, h, d = out_like.shape
+    nbytes = out_like.numel() * out_like.element_size()
+    outs = rows[:, :nbytes].view(out_like.dtype).view(rows.size(0), b, h, d)[:, :, heads]
+    lses = rows[:, nbytes:].view(torch.float32).view(rows.size(0), b, h)[:, :, heads]
+    out, lse = outs[0], lses[0]
+    for k in range(1, rows.size(0)):
+        out, lse = ops.merge_attn_states(out, lse, outs[k], lses[k])
+    return out
+
+
 def decode_attention_cp(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         local_seq_lens: torch.Tensor, scale: float, groups: StageGroups) -> torch.Tensor:
     """Query rows ``q [B, Hq, D]`` (this rank's heads) over every CP rank's shard -> ``[B, Hq, D]``;
     row ``b`` reads the first ``local_seq_lens[b]`` tokens of ``block_tables[b]`` here (a decode row:
     all its tokens; a prefill chunk's row: those up to its position). The new tokens must already be
-    in the cache (their owners wrote them)."""
+    in the cache (their owners wrote them).
+
+    Two collectives besides the kernel: q all-gathered over DCP, then every rank's partial output
+    and log-sum-exp all-gathered in one buffer (over DCP, then PCP); each rank merges its own heads.
+    One exchange fewer than an all-gather of the LSEs and a reduce-scatter of the weighted outputs,
+    for the cost of gathering the outputs of every head (small at decode: ``B * dcp * Hq * D``)."""
     dcp, pcp = groups.dcp, groups.pcp
     q_group = dcp.all_gather(q, dim=1)  # [B, dcp * Hq, D]: the heads of the DCP group's ranks, in rank order
     out, lse = ops.decode_attention(q_group, k_cache, v_cache, block_tables, local_seq_lens, scale)
-    lses = pcp.all_gather(dcp.all_gather(lse.unsqueeze(0), dim=0), dim=0)  # [cp, B, H]: cp-rank order
-    weights, _ = lse_weights(lses)
-    mine = out.float() * weights[groups.cp_rank].unsqueeze(-1)
-    return pcp.all_reduce(dcp.reduce_scatter(mine, dim=1)).to(q.dtype)
+    if groups.cp_size == 1:
+        return out
+    rows = pcp.all_gather(dcp.all_gather(_packed(out, lse), dim=0), dim=0)  # [cp, n]: cp-rank order
+    hq = q.size(1)
+    return merge_partials(rows, out, slice(dcp.rank * hq, (dcp.rank + 1) * hq))
 
 
 def _pcp_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, split: PcpSplit,
@@ -144,6 +153,10 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepB
     check_metadata(groups, meta)
     k_cache, v_cache = kv
     p = batch.num_prefill_tokens
+    if p == 0 and meta.pcp is None:  # a decode step: every row reads the cache, in order
+        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return decode_attention_cp(q.contiguous(), k_cache, v_cache, meta.cp_block_tables, meta.cp_local_lens,
+                                   scale, groups)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     split = meta.pcp
     if split is None:
