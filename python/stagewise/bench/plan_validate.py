@@ -248,9 +248,9 @@ RANKS_METHOD = """Stages of several ranks (TP, DCP cells): each rank is a proces
 the ranks of a stage meet in collectives (torch.distributed's gloo over loopback, or shared memory
 where the runtime runs a CPU group's collectives so). The planner prices every collective
 of a rank's step (two all-reduces a layer, the logits gathered to the stage's leader; with DCP the
-query all-gather and the partial outputs' reduce-scatter) on the profile's TP link, measured by
+query all-gather and that of the partial outputs and LSEs) on the profile's TP link, measured by
 `stagewise bench profile` as all-reduces and all-gathers of 2 KiB - 1 MiB in the TP group of a
-stage of two rank processes on this machine, joined as the runtime joins it (the profile's
+stage of two rank processes on this machine, each after a few linears as in a step, joined as the runtime joins it (the profile's
 `measured.raw.tp_link.group` says over what), fitted to its ring formulas (latency and
 bandwidth). The ranks of a
 stage compute at once, so n busy stages are n x tp busy processes sharing the cores: the pace of
