@@ -32,15 +32,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, max_restarts: int = 0) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, max_restarts: int = 0, server: bool = False) -> None:
     """What loads the model and lays it out (shared by ``generate`` and ``serve``, whose default
-    ``--max-restarts`` differ)."""
+    ``--max-restarts`` and ``--threads`` differ)."""
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--linear-precision", default="exact", choices=["exact", "int8"],
                         help="GGUF block-quantised linears: exact float32 maths (default) or int8 activations "
                              "(approximate, faster decode on the CPU; tokens may differ from the exact model's)")
     parser.add_argument("--max-num-seqs", type=int, default=32, metavar="N", help="requests run at once")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="torch CPU threads of each process that computes: the model's own process, or each "
+                             "stage rank (default: OMP_NUM_THREADS, else the cores; stage ranks share them out"
+                             + ("; the model in the server's own process: one core fewer, which the HTTP loop "
+                                "keeps)" if server else ")"))
     parser.add_argument("--max-prefill-tokens", type=int, default=8192, metavar="N",
                         help="prompt tokens per step (default 8192): a longer prompt is prefilled in chunks of N "
                              "while other requests decode (chunked prefill)")
@@ -103,7 +108,10 @@ def model_problems(args: argparse.Namespace) -> list[str]:
     if args.plan and args.max_prefill_tokens != 8192:
         problems.append("--max-prefill-tokens is the scheduler's of stage 0; with --plan give max_prefill_tokens "
                         "in the plan")
+    if args.plan and args.threads is not None:
+        problems.append("--threads is the stage processes'; with --plan give threads per stage in the plan")
     for name, value in (("--max-num-seqs", args.max_num_seqs), ("--max-prefill-tokens", args.max_prefill_tokens),
+                        ("--threads", args.threads),
                         ("--stages", args.stages), ("--tp", args.tp),
                         ("--dcp", args.dcp), ("--pcp", args.pcp), ("--max-model-len", args.max_model_len)):
         if value is not None and value < 1:
@@ -183,6 +191,12 @@ def _load(args: argparse.Namespace, prog: str):
                        auth_token=args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None,
                        max_restarts=args.max_restarts)
         bar = None  # the stages load in their own processes
+        if args.threads is not None:
+            options["threads"] = args.threads
+    elif args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         try:
             pipe = Pipeline(args.model, stages=args.stages, tp=args.tp, dcp=args.dcp, pcp=args.pcp,

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
                         help="an HF folder, a .gguf file, or an embedded model name (smollm2-135m); "
                              "with --plan, the plan's model")
-    add_model_arguments(parser, max_restarts=3)
+    add_model_arguments(parser, max_restarts=3, server=True)
     add_server_arguments(parser)
 
 
@@ -63,6 +63,18 @@ def listen(args: argparse.Namespace, prog: str) -> socket.socket | None:
         return None
 
 
+def serving_threads(args: argparse.Namespace) -> int | None:
+    """``--threads``, or for a model in the server's own CPU process (and no OMP_NUM_THREADS) one
+    core fewer than the process may use: the HTTP loop writes every token out between the steps,
+    and a torch thread it preempts holds up every kernel's other threads (on 2 cores, 2 threads
+    gave 22 ms a streamed token where 1 gave 13)."""
+    if args.threads is not None or args.plan or args.stages * args.tp * args.pcp > 1 or args.device != "cpu" \
+            or "OMP_NUM_THREADS" in os.environ:
+        return args.threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
+
+
 def run(args: argparse.Namespace) -> int:
     problems = model_problems(args) + server_problems(args)
     if problems:
@@ -73,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     sock = listen(args, PROG)
     if sock is None:
         return 2
+    args.threads = serving_threads(args)
     try:
         pipe = open_pipeline(args, PROG)
     except BaseException:
@@ -110,7 +123,12 @@ def serve(pipe, args: argparse.Namespace, sock: socket.socket, prog: str) -> int
     app = build_app(pipe, model_name=name, api_key=key, max_waiting=args.max_waiting,
                     default_max_tokens=args.default_max_tokens)
     host, port = sock.getsockname()[:2]
-    print(f"{prog}: {name} on http://{host}:{port}/v1 ({'API key required' if key else 'no API key'})",
+    here = ""
+    if pipe.plan is None:  # the model computes in this process
+        import torch
+
+        here = f", {torch.get_num_threads()} torch thread(s) here"
+    print(f"{prog}: {name} on http://{host}:{port}/v1 ({'API key required' if key else 'no API key'}{here})",
           file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5))
     server.run(sockets=[sock])

@@ -1,7 +1,11 @@
 """`stagewise bench serve`: `stagewise serve` and llama.cpp's OpenAI server (llama-cpp-python's
-``llama_cpp.server``, an optional dependency of the benchmark only) on the same GGUF and threads,
+``llama_cpp.server``, an optional dependency of the benchmark only) on the same GGUF and cores,
 each under the same Poisson load at each ``--rates`` (see :mod:`stagewise.bench.serve_load`), one
 after the other on this machine.
+
+Threads: with ``--threads N`` both servers compute with N threads; without it llama.cpp runs with
+as many threads as the machine has cores and ours makes its own choice (on the CPU one core fewer,
+which its HTTP loop keeps: each server has the whole machine).
 
 Both generate every requested token: ours is asked for ``ignore_eos``, llama.cpp gets a logit
 bias of -100 on the EOS ids. Comparison at equal p99 TPOT: the TPOT budget is llama.cpp's p99 TPOT
@@ -73,11 +77,13 @@ class Server:
         self.log.close()
 
 
-def _ours(model: str, threads: int, env: dict) -> Server:
+def _ours(model: str, threads: int | None, env: dict) -> Server:
+    """``threads`` None: the server's own choice (on the CPU one core fewer than the machine has,
+    which its HTTP loop keeps)."""
     port = _free_port()
     argv = [sys.executable, "-m", "stagewise.cli", "serve", model, "--port", str(port), "--max-num-seqs", "32",
-            "--max-waiting", "1024", "--log-level", "warning"]
-    return Server("stagewise", argv, "/health", dict(env, OMP_NUM_THREADS=str(threads)))
+            "--max-waiting", "1024", "--log-level", "warning"] + ([] if threads is None else ["--threads", str(threads)])
+    return Server("stagewise", argv, "/health", {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"})
 
 
 def _llama_cpp(gguf: Path, threads: int, env: dict, install: bool, log) -> Server:
@@ -125,7 +131,8 @@ def run(args, log=print) -> int:
         return 2
     n = args.requests or (4 if args.tiny else 40)
     shapes = (Shape(12, 0.3, 4, 24), Shape(4, 0.3, 2, 8)) if args.tiny else (PROMPT, OUTPUT)
-    threads = args.threads or os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = args.threads or cores
     ckpt = open_checkpoint(args.model)
     tok = ckpt.tokenizer()
     tokenize = (lambda text: len(tok.encode(text).ids))
@@ -136,10 +143,12 @@ def run(args, log=print) -> int:
     env = dict(os.environ)
     rows: dict[str, list[dict]] = {}
     info = report.machine_info("cpu")
-    info.update(model=str(ckpt.path), threads=threads, requests_per_rate=n, rates=rates,
+    info.update(model=str(ckpt.path), threads=threads, cores=cores,
+                stagewise_threads=args.threads or "its default (cores - 1 on the CPU: one core for the HTTP loop)",
+                requests_per_rate=n, rates=rates,
                 prompt_median=shapes[0].median, output_median=shapes[1].median)
     for name in ["stagewise", *baselines]:
-        server = _ours(args.model, threads, env) if name == "stagewise" else \
+        server = _ours(args.model, args.threads, env) if name == "stagewise" else \
             _llama_cpp(ckpt.path, threads, env, args.install_baseline, log)
         info[f"{name}_ready_s"] = round(server.ready_s, 2)
         if name == "llama.cpp":
@@ -179,7 +188,8 @@ def _ms(v) -> str:
 def _markdown(path: Path, info: dict, rows: dict[str, list[dict]], compare: dict | None) -> None:
     lines = ["# `stagewise serve` against llama.cpp's OpenAI server", "",
              f"Machine: {info['device_name']} ({info['device']}), {info['cpu_count']} CPUs, {report.isa_line(info)}; "
-             f"torch {info['torch']}; {info['threads']} threads per server  ",
+             f"torch {info['torch']}; the whole machine per server, one after the other: llama.cpp "
+             f"{info['threads']} threads, stagewise {info['stagewise_threads']}  ",
              f"Date (UTC): {info['date_utc']}; commit {info['git_commit']}  ",
              f"Model: {info['model']}; {info['requests_per_rate']} streamed completions per rate, Poisson arrivals, "
              f"log-normal prompt (median {info['prompt_median']:g} tokens) and output (median {info['output_median']:g}) "
