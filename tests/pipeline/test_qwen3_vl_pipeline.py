@@ -170,3 +170,49 @@ def test_cli_generate_with_an_image(moe, stages, tmp_path, capsys):
     assert completion["token_ids"] == expected[0]
     assert cli_main([*argv[:4], "--image", str(tmp_path / "missing.png"), *argv[6:]]) == 2
     assert f"--image {tmp_path / 'missing.png'}: no such file" in capsys.readouterr().err
+
+
+def test_stages_started_apart_take_images_through_attach(dense, tmp_path):
+    """Stages started on their own (here by torchrun, as on other hosts) and a driver attached to
+    them: the images travel with the first step from the attached driver's stage 0 as from a local
+    pipeline's, and the tokens are transformers'."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from stagewise.launch.local import StageProcesses
+
+    folder, expected = dense
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"model": str(folder), "max_model_len": 128,
+                                "stages": [{"listen": "127.0.0.1:0", "layers": "0-2"},
+                                           {"listen": "127.0.0.1:0", "layers": "2-4"}]}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                            "127.0.0.1", "--master-port", str(port), "-m", "stagewise.cli", "stage", "--plan",
+                            str(plan), "--torchrun"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with stagewise.Pipeline.attach(str(plan), store=f"127.0.0.1:{port}", connect_timeout=120) as pipe:
+            got = pipe.generate(prompt_token_ids=[ids for ids, _ in PROMPTS], images=[im for _, im in PROMPTS],
+                                max_new_tokens=NEW, ignore_eos=True)
+        assert [c.error for c in got] == [None] * 3
+        assert [c.token_ids for c in got] == expected
+        log, _ = run.communicate(timeout=60)
+        assert run.returncode == 0, log
+    finally:
+        StageProcesses([run]).stop(grace_s=0.1)
+
+
+def test_prefill_context_parallel_refuses_image_prompts_alone(dense):
+    """Under PCP a prompt with images ends with an error saying so, before it is scheduled: the text
+    prompt of the same call runs, with transformers' tokens."""
+    folder, expected = dense
+    with stagewise.Pipeline(str(folder), pcp=2, max_model_len=128) as pipe:
+        got = pipe.generate(prompt_token_ids=[ids for ids, _ in PROMPTS], images=[im for _, im in PROMPTS],
+                            max_new_tokens=NEW, ignore_eos=True)
+    assert [c.finish_reason for c in got] == ["error", "length", "error"]
+    assert all("prefill context parallelism (pcp=2)" in got[i].error for i in (0, 2))
+    assert got[1].token_ids == expected[1]
