@@ -149,8 +149,6 @@ def measure_profile(device: str, *, quick: bool = False, log=print) -> dict:
             log(f"  transport {name}: n/a ({err})")
     extra = {}
     if not is_cuda:
-        import os
-
         from stagewise.bench import profile_framework
         from stagewise.bench import profile_runtime as rt
 
@@ -178,7 +176,9 @@ def measure_profile(device: str, *, quick: bool = False, log=print) -> dict:
         extra["concurrency"] = rt.concurrency(3, log=log)
         raw["background_load"] = rt.background_load()
         log(f"  background load: {raw['background_load']:.2f} runnable threads of other work (recorded, not modelled)")
-        extra["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        from stagewise.launch.local import usable_cores
+
+        extra["cores"] = usable_cores()
         raw["quant"] = extra["quant"]
         extra["quant"] = {k: {"s_per_weight": v["s_per_weight"], "flops": v["flops"],
                               "rows_s_per_weight": v["rows_s_per_weight"], "rows_s_per_output": v["rows_s_per_output"]}

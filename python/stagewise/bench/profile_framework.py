@@ -62,9 +62,12 @@ def tiny_weights(config) -> dict:
     return w
 
 
-def _median_step(fn, steps: int) -> float:
+def _median_step(fn, steps: int, before=None) -> float:
+    """Median wall time of ``steps`` calls of ``fn``, each after an untimed ``before()`` when given."""
     times = []
     for _ in range(steps):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -257,16 +260,8 @@ def cp_combine_s(rows: int = 1, heads: int = 4, head_dim: int = 64, context: int
     groups = StageGroups(tp=_Mirror(), dcp=_Mirror(), pcp=SINGLE)
     q2 = torch.cat([q, q], 1)
     work = StepWork()
-
-    def median_after_work(fn) -> float:
-        times = []
-        for _ in range(calls):
-            work()
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    cp = min(median_after_work(lambda: decode_attention_cp(q, k, v, tables, lens, 0.125, groups)) for _ in range(5))
-    alone = min(median_after_work(lambda: ops.decode_attention(q2, k, v, tables, lens, 0.125)) for _ in range(5))
+    cp = min(_median_step(lambda: decode_attention_cp(q, k, v, tables, lens, 0.125, groups), calls, work)
+             for _ in range(5))
+    alone = min(_median_step(lambda: ops.decode_attention(q2, k, v, tables, lens, 0.125), calls, work)
+                for _ in range(5))
     return max(cp - alone, 0.0)

@@ -131,7 +131,9 @@ def run(args, log=print) -> int:
         return 2
     n = args.requests or (4 if args.tiny else 40)
     shapes = (Shape(12, 0.3, 4, 24), Shape(4, 0.3, 2, 8)) if args.tiny else (PROMPT, OUTPUT)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from stagewise.launch.local import usable_cores
+
+    cores = usable_cores()
     threads = args.threads or cores
     ckpt = open_checkpoint(args.model)
     tok = ckpt.tokenizer()

@@ -57,6 +57,18 @@ class _Request:
     first_token_s: float | None = None
 
 
+def prompt_problem(prompt_ids: Sequence[int], vocab_size: int) -> str | None:
+    """What is wrong with a prompt's token ids (None: nothing): none at all, or ids that are not
+    ints in ``[0, vocab_size)``. Stage 0 refuses such a request; a server checks it at its door."""
+    if not prompt_ids:
+        return "the prompt is empty (it needs at least one token)"
+    bad = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        more = " ..." if len(bad) > 8 else ""
+        return f"prompt token ids must be ints in [0, vocab_size={vocab_size}), got {bad[:8]}{more}"
+    return None
+
+
 class Requests:
     """Every live request of stage 0, by id."""
 
@@ -79,13 +91,9 @@ class Requests:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
         ids = list(prompt_ids)
-        if not ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty (it needs at least one token)")
-        vocab = self.vocab_size
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"request {request_id!r}: prompt token ids must be ints in [0, vocab_size={vocab}), "
-                             f"got {bad[:8]}{' ...' if len(bad) > 8 else ''}")
+        problem = prompt_problem(ids, self.vocab_size)
+        if problem:
+            raise ValueError(f"request {request_id!r}: {problem}")
         seq = SeqState(request_id=request_id, prompt_ids=ids)
         eos = () if params.ignore_eos else self.eos_token_ids
         self._live[request_id] = _Request(seq=seq, params=params, stop_ids=frozenset((*params.stop_token_ids, *eos)),

@@ -68,6 +68,12 @@ class StageProcesses:
                     stream.close()
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container or ``taskset`` may
+    narrow; the machine's count where the platform has no affinity)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def local_plan(model: str, config, stages: int, device_type: str, dtype: str, *, tp: int = 1, pcp: int = 1,
                partition="even", transport: str = "auto", checksum: bool = True, auth_token: str | None = None,
                threads: int | None = None, **limits) -> RunPlan:
@@ -84,7 +90,7 @@ def local_plan(model: str, config, stages: int, device_type: str, dtype: str, *,
         devices = [f"cuda:{i * per_stage % torch.cuda.device_count()}" for i in range(stages)]
     else:
         devices = ["cpu"] * stages
-    threads = threads or max(1, (os.cpu_count() or 1) // (stages * per_stage))
+    threads = threads or max(1, usable_cores() // (stages * per_stage))
     plan = RunPlan.build(model, config.num_layers, stages, partition,
                          costs=decode_layer_costs(config) if partition == "balanced" else None, devices=devices,
                          tp=tp, pcp=pcp, dtype=dtype, transport=transport, checksum=checksum, **limits)

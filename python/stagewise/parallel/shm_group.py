@@ -222,34 +222,39 @@ class ShmGroup:
     def _fits(self, t: torch.Tensor) -> bool:
         return t.is_contiguous() and 0 < t.numel() * t.element_size() <= self.slot_bytes
 
-    def _swap(self, t: torch.Tensor, readers) -> tuple[torch.Tensor, tuple]:
-        """One exchange of ``t`` (contiguous, at most a slot) through the cached views: every rank's
-        ``[size, numel]`` and their rows (valid until the next exchange but one)."""
+    def _open(self) -> int:
+        """The next exchange's sequence number, once nobody still reads its buffer (that of
+        exchange ``s - 2``): this rank may write its slot."""
         if self._broken is not None:
             raise RuntimeError(f"shm group {self.name} is broken: {self._broken}")
         s = self._seq + 1
-        mine, rows, each = self._typed(t.numel(), t.dtype, s % 2)
-        self._wait(s - 1, range(self.size))  # nobody still reads buffer s % 2 (exchange s - 2)
-        mine.copy_(t.view(-1))
+        self._wait(s - 1, range(self.size))
+        return s
+
+    def _close(self, s: int, readers) -> None:
+        """Publish exchange ``s`` (this rank's slot is written), then wait for ``readers``."""
         self._hdr[self.rank * self._step] = s
         self._seq = s
         self._wait(s, readers)
+
+    def _swap(self, t: torch.Tensor, readers) -> tuple[torch.Tensor, tuple]:
+        """One exchange of ``t`` (contiguous, at most a slot) through the cached views: every rank's
+        ``[size, numel]`` and their rows (valid until the next exchange but one)."""
+        s = self._open()
+        mine, rows, each = self._typed(t.numel(), t.dtype, s % 2)
+        mine.copy_(t.view(-1))
+        self._close(s, readers)
         return rows, each
 
     def _exchange(self, data: torch.Tensor | None, readers) -> torch.Tensor:
         """One exchange: ``data`` (bytes, at most a slot; None: write nothing) into this rank's
         slot, then wait for the ranks in ``readers`` (those whose slots this rank reads). Returns
         this exchange's buffer ``[size, slot_bytes]`` (uint8)."""
-        if self._broken is not None:
-            raise RuntimeError(f"shm group {self.name} is broken: {self._broken}")
-        s = self._seq + 1
-        self._wait(s - 1, range(self.size))  # nobody still reads buffer s % 2 (exchange s - 2)
+        s = self._open()
         buf = self._bufs[s % 2]
         if data is not None:
             buf[self.rank, : data.numel()].copy_(data)
-        self._hdr[self.rank * self._step] = s
-        self._seq = s
-        self._wait(s, readers)
+        self._close(s, readers)
         return buf
 
     def _chunks(self, nbytes: int, elem: int):
@@ -262,8 +267,9 @@ class ShmGroup:
     def barrier(self) -> None:
         self._exchange(None, range(self.size))
 
-    def _sum(self, parts: torch.Tensor, out: torch.Tensor) -> None:
-        """``out`` = the rows of ``parts`` ``[size, n]`` added in rank order (16-bit types in float32)."""
+    def _sum(self, parts, out: torch.Tensor) -> None:
+        """``out`` = the rows of ``parts`` (``[size, n]``, or its rows) added in rank order (16-bit
+        types in float32)."""
         if out.dtype in (torch.float16, torch.bfloat16):
             acc = parts[0].float()
             for r in range(1, self.size):
@@ -280,11 +286,7 @@ class ShmGroup:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the group in place (rank order: the same bits on every rank); returns ``t``."""
         if self._fits(t):
-            rows, each = self._swap(t, range(self.size))
-            if self.size == 2 and t.dtype not in (torch.float16, torch.bfloat16):
-                torch.add(each[0], each[1], out=t.view(-1))
-            else:
-                self._sum(rows, t.view(-1))
+            self._sum(self._swap(t, range(self.size))[1], t.view(-1))
             return t
         flat = t.contiguous().view(-1)
         raw, es = flat.view(torch.uint8), flat.element_size()

@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from stagewise.engine.requests import prompt_problem
 from stagewise.frontend import Completion
 from stagewise.serve import openai
 from stagewise.serve.loop import Busy, ServeLoop, Sink, Unavailable
@@ -171,12 +172,9 @@ def _encode(pipe, text: str, chat: bool) -> list[int]:
 
 
 def _check_prompt(pipe, ids: list[int], req: openai.ApiRequest) -> None:
-    if not ids:
-        raise openai.ApiError("the prompt is empty", param="messages" if req.chat else "prompt")
-    vocab = pipe.config.vocab_size
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise openai.ApiError(f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}", param="prompt")
+    problem = prompt_problem(ids, pipe.config.vocab_size)
+    if problem:
+        raise openai.ApiError(problem, param="messages" if req.chat and not ids else "prompt")
     if req.params.stop and pipe.tokenizer is None:
         raise openai.ApiError("stop strings need a tokenizer; this checkpoint has none", param="stop")
     try:

@@ -153,14 +153,13 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepB
     check_metadata(groups, meta)
     k_cache, v_cache = kv
     p = batch.num_prefill_tokens
-    if p == 0 and meta.pcp is None:  # a decode step: every row reads the cache, in order
-        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return decode_attention_cp(q.contiguous(), k_cache, v_cache, meta.cp_block_tables, meta.cp_local_lens,
-                                   scale, groups)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     split = meta.pcp
     if split is None:
         ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if p == 0:  # a decode step: every row reads the cache, in row order (meta.cp_rows is all of them)
+            return decode_attention_cp(q.contiguous(), k_cache, v_cache, meta.cp_block_tables, meta.cp_local_lens,
+                                       scale, groups)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for (start, n), ctx in zip(batch.prefill_spans(), batch.context_lens):
             if ctx:
                 continue
@@ -170,6 +169,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepB
             out[start : start + n] = o[0].transpose(0, 1)
         q_cached = q[meta.cp_rows]
     else:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         q_cached = q[p:]
         if split.prefill_spans:
             # One all-gather of the prefill rows' K and V (and, for chunks after a prompt's first,
