@@ -40,6 +40,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         "Retry-After (default 64)")
     s.add_argument("--default-max-tokens", type=int, default=256, metavar="N",
                    help="max_tokens of a request that gives none (default 256)")
+    s.add_argument("--no-image-fetch", action="store_true",
+                   help="take a chat's images only as data: URLs; never fetch http(s) image URLs")
+    s.add_argument("--image-fetch-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds one image URL may take to fetch, first byte to last (default 10)")
+    s.add_argument("--max-image-bytes", type=int, default=20 << 20, metavar="N",
+                   help="largest image file a chat may send or name, in bytes (default 20 MiB)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -51,6 +57,10 @@ def server_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--max-waiting must be >= 0, got {args.max_waiting}")
     if args.default_max_tokens < 1:
         problems.append(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    if not args.image_fetch_timeout > 0:
+        problems.append(f"--image-fetch-timeout must be > 0 seconds, got {args.image_fetch_timeout:g}")
+    if args.max_image_bytes < 1:
+        problems.append(f"--max-image-bytes must be >= 1, got {args.max_image_bytes}")
     return problems
 
 
@@ -117,12 +127,15 @@ def serve(pipe, args: argparse.Namespace, sock: socket.socket, prog: str) -> int
     import uvicorn
 
     from stagewise.serve.app import build_app
+    from stagewise.serve.media import MediaLimits
 
     model = getattr(args, "model", None)
     name = args.served_model_name or model or (pipe.plan.model if pipe.plan is not None else "model")
     key = args.api_key or os.environ.get("STAGEWISE_API_KEY") or None
+    media = MediaLimits(max_bytes=args.max_image_bytes, timeout_s=args.image_fetch_timeout,
+                        fetch=not args.no_image_fetch)
     app = build_app(pipe, model_name=name, api_key=key, max_waiting=args.max_waiting,
-                    default_max_tokens=args.default_max_tokens)
+                    default_max_tokens=args.default_max_tokens, media=media)
     host, port = sock.getsockname()[:2]
     here = ""
     if pipe.plan is None:  # the model computes in this process

@@ -11,6 +11,7 @@ and each patch repeated ``temporal_patch_size`` times (a still image is one fram
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from collections.abc import Sequence
@@ -25,7 +26,15 @@ from stagewise.engine.images import ImageInputs
 from stagewise.model.config import VisionConfig
 
 ImageSource = Any
-"""A file path (str or Path), a PIL image, or a uint8 tensor / array ``[H, W, 3]``."""
+"""A file path (str or Path), an image file's bytes, a PIL image, or a uint8 tensor / array ``[H, W, 3]``."""
+
+
+class ImageError(ValueError):
+    """An image of a prompt that cannot be used; ``index``: its place among the prompt's images."""
+
+    def __init__(self, message: str, *, index: int) -> None:
+        super().__init__(message)
+        self.index = index
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,7 +104,7 @@ class ImageProcessor:
             try:
                 pixels, grid = self.patchify(self.pixels(load_image(source, self.max_input_pixels)))
             except ValueError as err:
-                raise ValueError(f"image {i}: {err}") from None
+                raise ImageError(f"image {i}: {err}", index=i) from None
             patches.append(pixels)
             grids.append(grid)
         if not patches:
@@ -155,21 +164,24 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 
 def load_image(source: ImageSource, max_pixels: int = 1 << 28):
-    """An RGB PIL image from a path, a PIL image, or a uint8 ``[H, W, 3]`` tensor or array;
-    ValueError saying what is wrong with it."""
+    """An RGB PIL image from a path, an image file's bytes (PNG, JPEG, ... as Pillow reads them), a
+    PIL image, or a uint8 ``[H, W, 3]`` tensor or array; ValueError saying what is wrong with it."""
     from PIL import Image, UnidentifiedImageError
 
-    if isinstance(source, (str, Path)):
-        path = Path(source)
-        if not path.is_file():
-            raise ValueError(f"no image file at {str(path)!r}")
+    if isinstance(source, (str, Path, bytes, bytearray)):
+        if isinstance(source, (bytes, bytearray)):
+            opens, unreadable = io.BytesIO(source), f"the {len(source)} bytes given hold no readable image"
+        else:
+            opens, unreadable = str(source), f"{str(source)!r} is not a readable image"
+            if not Path(source).is_file():
+                raise ValueError(f"no image file at {opens!r}")
         try:
-            with Image.open(path) as opened:
+            with Image.open(opens) as opened:
                 _check_size(opened.width, opened.height, max_pixels)
                 opened.load()
                 image = opened.copy()
         except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as err:
-            raise ValueError(f"{str(path)!r} is not a readable image: {err}") from None
+            raise ValueError(f"{unreadable}: {err}") from None
     elif isinstance(source, Image.Image):
         image = source
     elif isinstance(source, (torch.Tensor, np.ndarray)):
@@ -178,7 +190,7 @@ def load_image(source: ImageSource, max_pixels: int = 1 << 28):
             raise ValueError(f"an image array must be uint8 [H, W, 3], got {array.dtype} {list(array.shape)}")
         image = Image.fromarray(np.ascontiguousarray(array), mode="RGB")
     else:
-        raise ValueError(f"an image must be a path, a PIL image or a uint8 [H, W, 3] tensor, got "
+        raise ValueError(f"an image must be a path, an image file's bytes, a PIL image or a uint8 [H, W, 3] tensor, got "
                          f"{type(source).__name__}")
     _check_size(image.width, image.height, max_pixels)
     if "A" in image.getbands() or image.info.get("transparency") is not None:

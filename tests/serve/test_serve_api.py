@@ -130,7 +130,12 @@ def test_bad_completion_requests_get_400(client, body, param):
 @pytest.mark.parametrize("body, param", [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0]"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+                                                {"type": "text", "text": "What is this?"}]}]},
+     "messages[0].content[0]"),  # SmolLM2 has no vision tower
     ({"messages": QUESTION, "top_logprobs": 2}, "top_logprobs"),
 ])
 def test_bad_chat_requests_get_400(client, body, param):

@@ -30,6 +30,7 @@ from stagewise.engine.requests import prompt_problem
 from stagewise.frontend import Completion
 from stagewise.serve import openai
 from stagewise.serve.loop import Busy, ServeLoop, Sink, Unavailable
+from stagewise.serve.media import MediaLimits, read_image_url
 from stagewise.serve.metrics import ServerMetrics
 
 RETRY_AFTER_S = 1
@@ -53,8 +54,10 @@ class _Stream:
 
 
 def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting: int = 64,
-              default_max_tokens: int = 256) -> Starlette:
-    """The server's app over ``pipe`` (which the caller keeps and closes after the app stopped)."""
+              default_max_tokens: int = 256, media: MediaLimits | None = None) -> Starlette:
+    """The server's app over ``pipe`` (which the caller keeps and closes after the app stopped);
+    ``media``: how a chat's image URLs are read (default :class:`MediaLimits`)."""
+    media = media or MediaLimits()
     metrics = ServerMetrics(model_name)
     state: dict = {"loop": None}
 
@@ -100,17 +103,22 @@ def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting:
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise openai.ApiError(f"the request body is not valid JSON: {err}") from None
             if chat:
-                req = openai.parse_chat(body, model_name, render, default_max_tokens)
+                req = openai.parse_chat(body, model_name, render, default_max_tokens,
+                                        vision=pipe.image_processor is not None)
             else:
                 req = openai.parse_completion(body, model_name, default_max_tokens)
             ids = req.prompt_ids if req.prompt_ids is not None else _encode(pipe, req.prompt, req.chat)
+            images = None
+            if req.images:  # fetched, decoded and cut into patches off the event loop
+                images, ids = await asyncio.get_running_loop().run_in_executor(None, _prompt_images, pipe, req, ids,
+                                                                               media)
             _check_prompt(pipe, ids, req)
         except openai.ApiError as err:
             metrics.reject("bad_request")
             return _error(err)
         stream = _Stream()
         try:
-            rid = loop.submit(ids, req.params, stream.sink())
+            rid = loop.submit(ids, req.params, stream.sink(), images)
         except Busy as err:
             metrics.reject("busy")
             return _error(openai.ApiError(f"the server is busy: {err}; retry later", status=503,
@@ -169,6 +177,30 @@ def _encode(pipe, text: str, chat: bool) -> list[int]:
                               param="prompt")
     # A chat template writes the special tokens itself (as Pipeline.generate(chat=True) encodes it).
     return pipe.tokenizer.encode(text, add_special_tokens=not chat).ids
+
+
+def _prompt_images(pipe, req: openai.ApiRequest, ids: list[int], media: MediaLimits):
+    """The chat's images read from their URLs and made the vision tower's input, and ``ids`` with
+    each image's placeholder run grown to its tokens. ApiError naming the part at fault."""
+    from stagewise.image_processing import ImageError, expand_prompts
+
+    files = []
+    for where, url in req.images:
+        try:
+            files.append(read_image_url(url, media))
+        except ValueError as err:
+            raise openai.ApiError(f"{where}: {err}", param=where) from None
+    try:
+        inputs = pipe.image_processor(files)
+    except ImageError as err:
+        where = req.images[err.index][0]
+        raise openai.ApiError(f"{where}: {str(err).partition(': ')[2]}", param=where) from None
+    expanded = [ids]
+    problems = expand_prompts(expanded, [inputs], pipe.config.vision_config, {})
+    if problems:
+        raise openai.ApiError(f"the rendered chat does not match its images: {problems[0].partition(': ')[2]}",
+                              param="messages")
+    return inputs, expanded[0]
 
 
 def _check_prompt(pipe, ids: list[int], req: openai.ApiRequest) -> None:

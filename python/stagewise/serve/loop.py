@@ -78,8 +78,9 @@ class ServeLoop:
     def held(self) -> int:
         return self._held
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> int:
-        """Queue a request; its id (Busy when full, Unavailable when the pipeline cannot serve)."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, images=None) -> int:
+        """Queue a request (with its :class:`~stagewise.engine.images.ImageInputs`, or None); its id
+        (Busy when full, Unavailable when the pipeline cannot serve)."""
         why = self.unavailable
         if why:
             raise Unavailable(why)
@@ -88,7 +89,7 @@ class ServeLoop:
                 raise Busy(f"{self._held} requests are running or waiting (at most {self.capacity})")
             self._held += 1
         rid = self.pipe.new_request_id()
-        self._commands.put(("add", rid, prompt_ids, params, sink))
+        self._commands.put(("add", rid, prompt_ids, params, sink, images))
         return rid
 
     def cancel(self, rid: int) -> None:
@@ -150,10 +151,10 @@ class ServeLoop:
     def _command(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, ids, params, sink = cmd
+            _, rid, ids, params, sink, images = cmd
             self._sinks[rid] = sink
             try:
-                self._run.add(rid, rid, ids, params)
+                self._run.add(rid, rid, ids, params, images)
             except RuntimeError as err:  # the pipeline broke between the check and now
                 self._done(rid, _failed(str(err), ids))
         elif kind == "cancel":

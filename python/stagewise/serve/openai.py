@@ -45,6 +45,8 @@ class ApiRequest:
     logprobs: int | None = None
     """Top log-probabilities per token to answer with (None: no logprobs)."""
     created: int = field(default_factory=lambda: int(time.time()))
+    images: list[tuple[str, str]] = field(default_factory=list)
+    """The URL of each image of a chat, in order, with the part that gave it (``messages[i].content[j]``)."""
 
 
 def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
@@ -138,12 +140,16 @@ def parse_completion(body: Any, served: str, default_max: int = 16) -> ApiReques
                       logprobs=logprobs)
 
 
-def chat_messages(body: dict) -> list[dict[str, str]]:
-    """The ``messages`` as the chat template takes them: role and text content (text parts joined)."""
+def chat_messages(body: dict) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """The ``messages`` as the chat template takes them, and the URLs of their images, in order,
+    each with the part it came from (``messages[i].content[j]``). A message's text parts are joined
+    into its content; one with ``image_url`` parts keeps a list of ``{"type": "image"}`` and
+    ``{"type": "text"}`` parts in the order given, where the template puts an image's
+    placeholder."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("'messages' must be a non-empty list", param="messages")
-    out = []
+    out, images = [], []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
@@ -151,24 +157,47 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
                            param=where)
         content = m.get("content")
         if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(f"{where}.content[{j}]: only text parts are supported", param=f"{where}.content")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise ApiError(f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
+            parts = [_content_part(part, f"{where}.content[{j}]", m["role"], images) for j, part in enumerate(content)]
+            if all(p["type"] == "text" for p in parts):
+                content = "".join(p["text"] for p in parts)
+            else:
+                content = parts
+        elif not isinstance(content, str):
+            raise ApiError(f"{where}.content must be a string or a list of text and image_url parts",
+                           param=f"{where}.content")
         out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
-    return out
+    return out, images
 
 
-def parse_chat(body: Any, served: str, render, default_max: int) -> ApiRequest:
-    """A `/v1/chat/completions` body; ``render(messages)`` applies the chat template."""
+def _content_part(part: Any, where: str, role: str, images: list[tuple[str, str]]) -> dict[str, str]:
+    """One part of a message's content for the template; an image's URL goes to ``images``."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    if kind == "image_url":
+        spec = part.get("image_url")
+        url = spec.get("url") if isinstance(spec, dict) else spec
+        if not isinstance(url, str) or not url:
+            raise ApiError(f"{where}: an image_url part needs 'image_url': {{'url': '...'}} (a data: or http(s) URL)",
+                           param=where)
+        if role != "user":
+            raise ApiError(f"{where}: images are taken in user messages only, not in a {role} message", param=where)
+        images.append((where, url))
+        return {"type": "image"}
+    raise ApiError(f"{where}: a content part must be {{'type': 'text', 'text': ...}} or "
+                   f"{{'type': 'image_url', 'image_url': {{'url': ...}}}}", param=where)
+
+
+def parse_chat(body: Any, served: str, render, default_max: int, *, vision: bool = False) -> ApiRequest:
+    """A `/v1/chat/completions` body; ``render(messages)`` applies the chat template; ``vision``:
+    whether the model takes images."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     _check_model(body, served)
-    messages = chat_messages(body)
+    messages, images = chat_messages(body)
+    if images and not vision:
+        where = images[0][0]
+        raise ApiError(f"{where}: this model takes no images (it has no vision tower)", param=where)
     want = _get(body, "logprobs", (bool,), False)
     top = _get(body, "top_logprobs", (int,))
     if top is not None and not want:
@@ -182,7 +211,8 @@ def parse_chat(body: Any, served: str, render, default_max: int) -> ApiRequest:
         prompt = render(messages)
     except (ValueError, KeyError, TypeError) as err:
         raise ApiError(f"the chat template cannot render these messages: {err}", param="messages") from None
-    return ApiRequest(chat=True, prompt=prompt, params=params, stream=stream, include_usage=usage, logprobs=logprobs)
+    return ApiRequest(chat=True, prompt=prompt, params=params, stream=stream, include_usage=usage, logprobs=logprobs,
+                      images=images)
 
 
 # ---- responses ---------------------------------------------------------------------------------
