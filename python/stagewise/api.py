@@ -26,10 +26,9 @@ from stagewise.frontend import Completion, LocalBackend, Run, sampling_per_promp
 from stagewise.model.loader import Checkpoint, open_checkpoint, resolve_dtype
 from stagewise.model.quant import check_precision
 from stagewise.image_processing import expand_prompts, prepare_prompt_images
+from stagewise.launch.start import process_options, start_stages
 from stagewise.prompts import encode_prompts, render_chat
 
-
-PIPELINE_OPTIONS = ("partition", "transport", "checksum", "auth_token", "threads", "interleave_size")
 
 
 class Pipeline:
@@ -61,7 +60,10 @@ class Pipeline:
 
         ``tp``: tensor-parallel ranks per stage; ``dcp``: of those, how many shard each KV head's
         sequence (decode context parallel); ``pcp``: prefill-context-parallel ranks per stage
-        (each ``tp`` processes more). Any of them above 1 runs every rank as a process.
+        (each ``tp`` processes more). Any of them above 1 runs every rank as a process, started
+        here, or with ``launcher="ray"`` as Ray actors on the cluster at ``ray_address`` (default
+        ``RAY_ADDRESS``, else a Ray instance started for the pipeline) placed by ``placement``
+        (spread, pack, strict_spread; :mod:`stagewise.launch.ray_cluster`).
 
         ``max_restarts``: with processes, how many times a pipeline whose stage died or hung is
         started again, its running requests resumed from the tokens they had
@@ -70,19 +72,8 @@ class Pipeline:
         for name, value in (("stages", stages), ("tp", tp), ("dcp", dcp), ("pcp", pcp)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Pipeline: {name} must be an int >= 1, got {value!r}")
-        pipeline_options = {k: parallel_options.pop(k) for k in PIPELINE_OPTIONS if k in parallel_options}
-        if parallel_options:
-            raise ValueError(f"Pipeline: unknown options {sorted(parallel_options)}; expected some of "
-                             f"{sorted(PIPELINE_OPTIONS)}")
         processes = stages * tp * pcp > 1
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-            raise ValueError(f"Pipeline: max_restarts must be an int >= 0, got {max_restarts!r}")
-        if max_restarts and not processes:
-            raise ValueError("Pipeline: max_restarts applies to stage processes (stages, tp or pcp > 1): one "
-                             "process has no stage to restart")
-        if not processes and pipeline_options:
-            raise ValueError(f"Pipeline: {sorted(pipeline_options)} apply to stages > 1 (or tp, pcp > 1), got "
-                             "stages=1")
+        pipeline_options, launch_options = process_options(parallel_options, processes, max_restarts)
         for name, value in (("max_num_seqs", max_num_seqs), ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Pipeline: {name} must be an int >= 1, got {value!r}")
@@ -95,7 +86,7 @@ class Pipeline:
         if max_image_pixels is not None and self.image_processor is not None:
             self.image_processor = dataclasses.replace(self.image_processor, max_input_pixels=max_image_pixels)
         if processes:
-            from stagewise.launch.local import local_plan, spawn_stages
+            from stagewise.launch.local import local_plan
             from stagewise.model.shapes import parallel_problems
 
             problems = parallel_problems(self.config, tp, dcp)
@@ -113,14 +104,15 @@ class Pipeline:
             token = pipeline_options.get("auth_token")
 
             def launch():
-                procs, addresses = spawn_stages(plan, auth_token=token)
+                procs, placed, addresses = start_stages(plan, auth_token=token, **launch_options)
                 try:
-                    return self._new_driver(plan, addresses, auth_token=token, processes=procs)
+                    return self._new_driver(placed, addresses, auth_token=token, processes=procs)
                 except BaseException:
                     procs.stop(grace_s=0.5)
                     raise
 
-            self.plan, self._backend = plan, launch()
+            self._backend = launch()
+            self.plan = self.driver.plan
             if max_restarts:
                 import logging
 
@@ -318,7 +310,8 @@ class Pipeline:
     def stage_stats(self, *, trace: bool = False) -> list[dict[str, Any]]:
         """Each stage's measurements since the last generate() began: layers, busy_s and
         busy_fraction, send_s, recv_wait_s, steps, tokens, bytes_sent/received, rejected_frames,
-        wall_s and, with ``trace``, the timeline spans."""
+        wall_s, the stage's ``host`` (and its Ray ``node_id`` when Ray placed it) and, with
+        ``trace``, the timeline spans."""
         if self.driver is None:
             raise ValueError("Pipeline.stage_stats: stage statistics come from pipeline stages (stages > 1)")
         out = []
@@ -326,6 +319,10 @@ class Pipeline:
             d = dataclasses.asdict(s)
             d["layers"] = list(s.layers)
             d["busy_fraction"] = s.busy_s / s.wall_s if s.wall_s > 0 else 0.0
+            d["host"] = self.plan.stages[s.stage].host
+            nodes = getattr(self.driver.processes, "nodes", None)  # placed by Ray: each rank's node
+            if nodes:
+                d["node_id"] = nodes[self.plan.members.index((s.stage, 0))]["node_id"]
             if not trace:
                 d.pop("trace")
             out.append(d)

@@ -19,6 +19,7 @@ from stagewise.cli_prompts import (
     Requests, add_prompt_arguments, completion_json, config_problems, read_requests, report, sampling_args,
     sampling_problems,
 )  # fmt: skip
+from stagewise.launch.start import LAUNCHERS, PLACEMENTS
 from stagewise.transport.select import TRANSPORTS
 
 PROG = "stagewise generate"
@@ -70,6 +71,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_restarts: int = 0, 
     pp.add_argument("--max-restarts", type=int, default=max_restarts, metavar="N",
                     help="when a stage process dies or hangs, start the stages again and resume the running "
                          f"requests, up to N times (default {max_restarts}; 0: the requests end with an error)")
+    pp.add_argument("--launcher", default="local", choices=LAUNCHERS,
+                    help="where the processes start: here (local, the default) or as actors on a Ray cluster (ray)")
+    pp.add_argument("--ray-address", default=None, metavar="ADDR",
+                    help="with --launcher ray: the cluster (default $RAY_ADDRESS, else a Ray instance for this run)")
+    pp.add_argument("--placement", default=None, choices=PLACEMENTS,
+                    help="with --launcher ray: spread (default; a stage a node where it can), pack (as few nodes "
+                         "as fit) or strict_spread (a node each)")
     pp.add_argument("--trace", default=None, metavar="FILE.json",
                     help="write a Chrome-trace timeline of the stages (open in Perfetto)")
     mh = parser.add_argument_group("stages already running (see docs/multi-host.md)")
@@ -122,10 +130,14 @@ def model_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--dcp {args.dcp} must divide --tp {args.tp} (DCP shards the KV inside the TP group)")
     local_pipeline = args.stages * args.tp * args.pcp > 1 and not args.plan
     for flag, given in (("--partition", args.partition is not None), ("--transport", args.transport is not None),
-                        ("--no-checksum", args.no_checksum), ("--trace", args.trace is not None)):
+                        ("--no-checksum", args.no_checksum), ("--trace", args.trace is not None),
+                        ("--launcher", args.launcher != "local")):
         if given and not local_pipeline and not (flag == "--trace" and args.plan):
             problems.append(f"{flag} applies to processes (--stages, --tp or --pcp > 1)"
                             f"{' or --plan' if flag == '--trace' else ''}")
+    for flag, given in (("--ray-address", args.ray_address), ("--placement", args.placement)):
+        if given is not None and args.launcher != "ray":
+            problems.append(f"{flag} applies to --launcher ray")
     return problems
 
 
@@ -193,6 +205,8 @@ def _load(args: argparse.Namespace, prog: str):
         bar = None  # the stages load in their own processes
         if args.threads is not None:
             options["threads"] = args.threads
+        if args.launcher != "local":
+            options.update(launcher=args.launcher, ray_address=args.ray_address, placement=args.placement or "spread")
     elif args.threads is not None:
         import torch
 

@@ -17,6 +17,7 @@ import sys
 from stagewise.cli_generate import generate_and_print
 from stagewise.cli_prompts import Requests, add_prompt_arguments, read_requests, report, sampling_args, sampling_problems
 from stagewise.cli_serve import add_server_arguments, serve_closing, server_problems
+from stagewise.parallel.runplan import LAUNCHERS, PLACEMENTS
 
 PROG = "stagewise launch"
 
@@ -32,6 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remote-plan", default=None, metavar="PATH",
                         help="hosts read the plan from PATH (copy it there) instead of getting it inline")
     parser.add_argument("--print-only", action="store_true", help="print the commands and exit")
+    parser.add_argument("--launcher", default=None, choices=LAUNCHERS,
+                        help="ray: place the stages on a Ray cluster as actors (default: the plan's launcher; "
+                             "local prints the commands, or runs them with --ssh)")
+    parser.add_argument("--ray-address", default=None, metavar="ADDR",
+                        help="with --launcher ray: the cluster (default $RAY_ADDRESS, else a Ray instance for this run)")
+    parser.add_argument("--placement", default=None, choices=PLACEMENTS,
+                        help="with --launcher ray: spread, pack or strict_spread (default: the plan's, spread)")
     parser.add_argument("--auth-token", default=None, metavar="TOKEN",
                         help="shared secret for every connection (default: $STAGEWISE_AUTH_TOKEN)")
     parser.add_argument("--connect-timeout", type=float, default=600.0, metavar="S",
@@ -59,12 +67,28 @@ def run(args: argparse.Namespace) -> int:
     program = shlex.split(args.remote_command)
     try:
         plan = load_plan(args.plan, need_model=not args.print_only)
-        check_plan(plan, fixed_ports=not args.ssh)
+        ray = (args.launcher or plan.launcher) == "ray"
+        if ray and (args.ssh or args.print_only):
+            raise ValueError("the Ray launcher starts the stages itself: leave out --ssh and --print-only")
+        if not ray and (args.ray_address or args.placement):
+            raise ValueError("--ray-address and --placement apply to --launcher ray (or launcher: ray in the plan)")
+        check_plan(plan, fixed_ports=not (args.ssh or ray))
     except (ValueError, FileNotFoundError, KeyError, OSError) as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 2
     procs = None
-    if args.ssh and not args.print_only:
+    if ray:
+        from stagewise.launch.start import start_stages
+
+        print(f"{PROG}: placing {plan.num_stages} stages on a Ray cluster", file=sys.stderr)
+        try:
+            procs, plan, addresses = start_stages(plan, "ray", auth_token=token, ray_address=args.ray_address,
+                                                  placement=args.placement or plan.placement,
+                                                  timeout_s=args.connect_timeout)
+        except (RuntimeError, TimeoutError, OSError, ValueError) as err:
+            print(f"{PROG}: {err}", file=sys.stderr)
+            return 1
+    elif args.ssh and not args.print_only:
         print(f"{PROG}: starting {plan.num_stages} stages over ssh", file=sys.stderr)
         try:
             procs, addresses = ssh_spawn(plan, auth_token=token, program=program, remote_plan=args.remote_plan,

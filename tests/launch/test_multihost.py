@@ -132,6 +132,20 @@ def test_a_plans_sampling_defaults_are_kept_and_travel_inline():
     assert RunPlan.from_dict(json.loads(plan.to_json()), 4) == plan
 
 
+def test_a_plans_ray_keys_are_checked_and_travel_inline():
+    plan = plan_of([{"listen": "10.0.0.1:1", "resources": {"gpu-a": 1, "node:10.0.0.1": 0.5}}], launcher="ray",
+                   placement="strict_spread")
+    assert (plan.launcher, plan.placement) == ("ray", "strict_spread")
+    assert plan.stages[0].resources == {"gpu-a": 1.0, "node:10.0.0.1": 0.5}
+    assert RunPlan.from_dict(json.loads(plan.to_json()), 4) == plan
+    with pytest.raises(ValueError) as info:
+        plan_of([{"listen": "10.0.0.1:1", "resources": {"gpu-a": 0}}, {"listen": "10.0.0.2:1", "resources": ["x"]}],
+                launcher="slurm", placement="anywhere")
+    for fragment in ("launcher must be one of ('local', 'ray')", "placement must be one of",
+                     "stages[0].resources must be a mapping", "stages[1].resources must be a mapping"):
+        assert fragment in str(info.value), (fragment, str(info.value))
+
+
 def test_plan_linear_precision():
     assert plan_of([{"listen": "10.0.0.1:1"}]).linear_precision == "exact"
     assert plan_of([{"listen": "10.0.0.1:1"}], linear_precision="int8").linear_precision == "int8"

@@ -14,6 +14,8 @@ A run plan is a YAML (or JSON) file::
     dcp: 1                       # decode context parallel: ranks of the TP group sharding a KV head's sequence
     pcp: 1                       # prefill context parallel: extra ranks per stage, each a part of the prompt
     interleave_size: 1           # tokens in a row on one context-parallel rank (divides block_size)
+    launcher: local              # local | ray: `stagewise launch` places the stages on a Ray cluster
+    placement: spread            # with launcher ray: spread | pack | strict_spread
     stages:
       - {host: 10.0.0.1, listen: "10.0.0.1:7100", layers: "0-15", device: cpu, threads: 8}
       - {host: 10.0.0.2, listen: "10.0.0.2:7100", layers: "15-30", device: "cuda:0", tp: 2}
@@ -27,6 +29,10 @@ rank 0, its leader, listens at ``listen`` and talks to the other stages; rank ``
 the same host on port ``port + r`` (any free port when the port is 0) and, on a GPU, runs on
 ``cuda:(index + r)`` of the stage's ``device``. Stages may differ in ``tp``; ``dcp``, ``pcp`` and
 ``interleave_size`` are the run's, since every stage's KV blocks mirror stage 0's scheduler.
+
+With ``launcher: ray`` a stage's ``host`` and ``listen`` are where Ray places it (its node, any
+free port), and ``resources`` (e.g. ``{"node:10.0.0.2": 0.01}`` or a custom resource a node was
+started with) are what its placement-group bundle asks for besides its CPUs and GPUs.
 """
 
 from __future__ import annotations
@@ -42,6 +48,10 @@ from stagewise.parallel.ranks import StageRanks, stage_ranks
 from stagewise.transport.select import TRANSPORTS
 
 PROTOCOL_VERSION = 1
+LAUNCHERS = ("local", "ray")
+"""Where a plan's processes start: here (or by hand, or over ssh), or as actors on a Ray cluster."""
+PLACEMENTS = ("spread", "pack", "strict_spread")
+"""How a Ray launch places the stages (Ray's SPREAD, PACK and STRICT_SPREAD placement groups)."""
 
 
 def _fail(what: str, value: Any, expected: str) -> ValueError:
@@ -81,6 +91,8 @@ class StageSpec:
     """torch intra-op threads (None: torch's default), per rank."""
     tp: int = 1
     """Tensor-parallel ranks of this stage."""
+    resources: dict[str, float] | None = None
+    """Ray resources its placement-group bundle asks for besides CPUs and GPUs (``launcher: ray``)."""
 
     def rank_device(self, rank: int) -> str:
         """The device of stage rank ``rank``: ``cuda:(index + rank)`` on a GPU, else ``device``."""
@@ -119,6 +131,8 @@ class RunPlan:
     pcp: int = 1
     dcp: int = 1
     interleave_size: int = 1
+    launcher: str = "local"
+    placement: str = "spread"
     sampling: dict[str, Any] | None = None
     """Defaults for the requests sent to this plan's stages (``stagewise launch``, ``generate
     --plan``): sampling fields such as temperature, top_p, repetition_penalty; the command line's
@@ -163,7 +177,8 @@ class RunPlan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["stages"] = [{"host": s.host, "listen": s.listen, "layers": f"{s.start_layer}-{s.end_layer}",
-                        "device": s.device, "threads": s.threads, "tp": s.tp} for s in self.stages]
+                        "device": s.device, "threads": s.threads, "tp": s.tp, "resources": s.resources}
+                       for s in self.stages]
         return d
 
     def to_json(self) -> str:
@@ -275,9 +290,9 @@ class RunPlan:
 
 OPTION_KEYS = ("dtype", "transport", "checksum", "max_num_seqs", "max_prefill_tokens", "max_model_len",
                "kv_cache_bytes", "max_num_tokens", "block_size", "quantized", "linear_precision", "pcp", "dcp",
-               "interleave_size", "sampling")
+               "interleave_size", "launcher", "placement", "sampling")
 KNOWN_KEYS = frozenset({"model", "stages", "num_layers", "partition", "tp", *OPTION_KEYS})
-STAGE_KEYS = frozenset({"host", "listen", "layers", "device", "threads", "tp"})
+STAGE_KEYS = frozenset({"host", "listen", "layers", "device", "threads", "tp", "resources"})
 
 
 def _problem(what: str, value: Any, expected: str) -> str:
@@ -311,11 +326,18 @@ def _stage(i: int, spec: Any, info, problems: list[str], tp: int) -> StageSpec |
     if isinstance(stage_tp, bool) or not isinstance(stage_tp, int) or stage_tp < 1:
         problems.append(_problem(f"{where}.tp", stage_tp, "an int >= 1"))
         return None
+    resources = spec.get("resources")
+    if resources is not None and (not isinstance(resources, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+            for k, v in resources.items())):
+        problems.append(_problem(f"{where}.resources", resources, "a mapping of Ray resource names to amounts > 0"))
+        resources = None
     host = host if host is not None else bound
     if info is None or host is None:
         return None
     return StageSpec(index=i, start_layer=info.start_layer, end_layer=info.end_layer, host=str(host),
-                     listen=str(listen), device=str(spec.get("device", "cpu")), threads=threads, tp=stage_tp)
+                     listen=str(listen), device=str(spec.get("device", "cpu")), threads=threads, tp=stage_tp,
+                     resources=None if resources is None else {k: float(v) for k, v in resources.items()})
 
 
 def _option_problems(options: dict[str, Any]) -> list[str]:
@@ -330,6 +352,10 @@ def _option_problems(options: dict[str, Any]) -> list[str]:
         problems.append(_problem("checksum", get("checksum"), "true or false"))
     if get("quantized") is not None and not isinstance(get("quantized"), bool):
         problems.append(_problem("quantized", get("quantized"), "true, false or null"))
+    if get("launcher", "local") not in LAUNCHERS:
+        problems.append(_problem("launcher", get("launcher"), f"one of {LAUNCHERS}"))
+    if get("placement", "spread") not in PLACEMENTS:
+        problems.append(_problem("placement", get("placement"), f"one of {PLACEMENTS}"))
     if get("linear_precision", "exact") not in ("exact", "int8"):
         problems.append(_problem("linear_precision", get("linear_precision"), "'exact' or 'int8'"))
     for name in ("max_num_seqs", "max_prefill_tokens", "block_size", "pcp", "dcp", "interleave_size"):

@@ -1,0 +1,255 @@
+"""Stages on a Ray cluster: each rank of each stage is a Ray actor, all of a run's actors in one
+placement group, one bundle per stage (so a stage's ranks share a node: their collectives never
+cross the network).
+
+An actor reserves its rank's resources (``num_cpus`` = its threads; on a GPU stage the stage's
+GPUs) and runs the rank's stage process (``stagewise stage``, the same program every launcher
+starts) as its child, which dies with it. Placement (``--placement``): ``spread`` (Ray's SPREAD: one
+stage a node where it can), ``pack`` (PACK: as few nodes as fit) or ``strict_spread`` (every stage
+on a node of its own, or no run). Stages are told nothing in advance: once placed, each actor
+reports its node's address, the plan's stages get those hosts with port 0, and each stage
+process reports the port it bound. Hops then follow the one ``auto`` rule (shared memory between
+stages of one host, TCP across hosts). Activations and control keep the project's frames: only
+Ray's own actor calls carry anything else (argv, addresses, exit codes).
+
+:class:`RayStages` is what the driver watches (exit codes, failures, stop); stopping it stops
+every process, kills every actor, removes the placement group, and shuts down the Ray instance
+it started (none when it joined a running cluster).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from stagewise.launch.local import StageProcesses, read_address, stage_argv
+from stagewise.parallel.runplan import RunPlan
+
+STRATEGIES = {"spread": "SPREAD", "pack": "PACK", "strict_spread": "STRICT_SPREAD"}
+"""Ray's placement strategy for each of :data:`~stagewise.parallel.runplan.PLACEMENTS`."""
+POLL_S = 0.2
+"""How often the driver asks each actor whether its process still runs."""
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("--launcher ray needs Ray, which is not installed: pip install 'stagewise[ray]'") from None
+    return ray
+
+
+class StageActor:
+    """One stage rank on a Ray node (made a Ray actor by :func:`start_stages`): its process."""
+
+    def __init__(self) -> None:
+        self.procs: StageProcesses | None = None
+
+    def node(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"ip": ray.util.get_node_ip_address(), "host": socket.gethostname(), "node_id": ctx.get_node_id(),
+                "gpus": [str(g) for g in ray.get_gpu_ids()]}
+
+    def start(self, argv: list[str], env: dict[str, str], label: str, timeout_s: float) -> tuple[str, int]:
+        proc = subprocess.Popen([sys.executable, "-m", "stagewise.cli", *argv], env={**os.environ, **env},
+                                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        self.procs = StageProcesses([proc], [label])
+        return read_address(proc, label, timeout_s)
+
+    def poll(self) -> int | None:
+        return None if self.procs is None else self.procs.exit_code(0)
+
+    def failure(self) -> str | None:
+        return None if self.procs is None else self.procs.failure(0)
+
+    def stop(self, grace_s: float) -> None:
+        if self.procs is not None:
+            self.procs.stop(grace_s)
+
+
+class RayStages:
+    """The actors of a run, in :attr:`RunPlan.members` order (the driver's ``StageProcesses``)."""
+
+    def __init__(self, ray, pg, labels: list[str], started_ray: bool) -> None:
+        self.ray, self.pg, self.labels, self.started_ray = ray, pg, labels, started_ray
+        self.actors: list = []
+        self.nodes: list[dict[str, Any]] = []
+        """Each member's node: ``ip``, ``host``, ``node_id``."""
+        self._codes: dict[int, int] = {}
+        self._lost: set[int] = set()
+        self._asked: dict[int, tuple[Any, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def exit_code(self, i: int) -> int | None:
+        """None while member ``i``'s process runs; its exit code once it exited; -9 when its actor
+        (or its node) is gone. Asks the actor at most every :data:`POLL_S`, never waiting."""
+        if i in self._codes:
+            return self._codes[i]
+        entry = self._asked.get(i)
+        if entry is None or entry[0] is None:
+            if entry is not None and time.monotonic() - entry[1] < POLL_S:
+                return None
+            entry = self._asked[i] = (self.actors[i].poll.remote(), time.monotonic())
+        ref = entry[0]
+        ready, _ = self.ray.wait([ref], timeout=0)
+        if not ready:
+            return None
+        self._asked[i] = (None, time.monotonic())
+        try:
+            code = self.ray.get(ref)
+        except self.ray.exceptions.RayError:
+            self._lost.add(i)
+            code = -9
+        if code is not None:
+            self._codes[i] = code
+        return code
+
+    def failure(self, i: int) -> str | None:
+        node = self.nodes[i] if i < len(self.nodes) else {}
+        if i in self._lost:
+            return (f"{self.labels[i]} on {node.get('host', '?')} ({node.get('ip', '?')}, Ray node "
+                    f"{str(node.get('node_id', '?'))[:12]}): its Ray actor is gone (the node or the actor died)")
+        try:
+            return self.ray.get(self.actors[i].failure.remote(), timeout=5.0)
+        except (self.ray.exceptions.RayError, self.ray.exceptions.GetTimeoutError):
+            return None
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Every process stopped (politely for ``grace_s``), every actor killed, the placement group
+        removed, and the Ray instance this run started shut down."""
+        ray = self.ray
+        try:
+            refs = [a.stop.remote(grace_s) for a in self.actors]
+            if refs:
+                ray.wait(refs, num_returns=len(refs), timeout=grace_s + 5.0)
+            for actor in self.actors:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+            if self.pg is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self.pg)
+        finally:
+            self.actors, self.pg = [], None
+            if self.started_ray and ray.is_initialized():
+                ray.shutdown()
+
+
+def _connect(ray, address: str | None) -> bool:
+    """Join the cluster at ``address`` (else RAY_ADDRESS; else start a local instance for the run).
+    Returns whether this call started Ray (and so must shut it down)."""
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    opts: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
+                                configure_logging=True)
+    if address is None:
+        from stagewise.launch.local import usable_cores
+
+        opts.update(num_cpus=usable_cores(), object_store_memory=100 << 20)
+    try:
+        ray.init(address=address, **opts)
+    except ConnectionError as err:
+        raise RuntimeError(f"--launcher ray: no Ray cluster at {address!r}: {err}") from None
+    return True
+
+
+def _bundles(plan: RunPlan) -> list[dict[str, float]]:
+    """Each stage's bundle: its ranks' CPUs (their threads), GPUs on a GPU stage, its ``resources``."""
+    out = []
+    for stage in plan.stages:
+        ranks = stage.tp * plan.pcp
+        bundle = {"CPU": float((stage.threads or 1) * ranks)}
+        if stage.device.startswith("cuda"):
+            bundle["GPU"] = float(ranks)
+        out.append({**bundle, **(stage.resources or {})})
+    return out
+
+
+def _check_fits(ray, bundles: list[dict[str, float]], strategy: str) -> None:
+    """Refuse at once a layout no node set of the cluster could hold (Ray would wait forever)."""
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    fits = [[all(node.get(k, 0.0) >= v for k, v in b.items()) for node in nodes] for b in bundles]
+    have = "; ".join(", ".join(f"{k} {v:g}" for k, v in sorted(n.items()) if not k.startswith(("node:", "object_store",
+                                                                                               "memory")))
+                     for n in nodes)
+    for i, row in enumerate(fits):
+        if not any(row):
+            raise RuntimeError(f"--launcher ray: no node of the cluster can hold stage {i} "
+                               f"({', '.join(f'{k} {v:g}' for k, v in bundles[i].items())}); its nodes have: {have}")
+    if strategy == "STRICT_SPREAD" and len(bundles) > len(nodes):
+        raise RuntimeError(f"--placement strict_spread: {len(bundles)} stages need as many nodes; the cluster has "
+                           f"{len(nodes)}")
+
+
+def start_stages(plan: RunPlan, *, address: str | None = None, placement: str = "spread",
+                 auth_token: str | None = None,
+                 timeout_s: float = 120.0) -> tuple[RayStages, RunPlan, list[tuple[str, int]]]:
+    """Place and start every rank of ``plan`` on the Ray cluster. Returns the actors, the plan with
+    each stage's host (its node's address), and the listen addresses (in :attr:`RunPlan.members`
+    order); on any error everything started is stopped."""
+    if placement not in STRATEGIES:
+        raise ValueError(f"--placement must be one of {', '.join(STRATEGIES)}, got {placement!r}")
+    ray = import_ray()
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    started = _connect(ray, address)
+    members = plan.members
+    stages = RayStages(ray, None, [plan.member_label(s, r) for s, r in members], started)
+    try:
+        bundles = _bundles(plan)
+        _check_fits(ray, bundles, STRATEGIES[placement])
+        stages.pg = placement_group(bundles, strategy=STRATEGIES[placement], name=f"stagewise-{os.getpid()}")
+        try:
+            ray.get(stages.pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"--launcher ray: the cluster did not place the {len(bundles)} stages ({placement}) "
+                               f"within {timeout_s:.0f} s; free: {ray.available_resources()}") from None
+        remote = ray.remote(StageActor)
+        for index, rank in members:
+            spec = plan.stages[index]
+            cuda = spec.device.startswith("cuda")
+            leader_gpus = spec.tp * plan.pcp if cuda and rank == 0 else 0  # the stage's GPUs, seen by all its ranks
+            strategy = PlacementGroupSchedulingStrategy(stages.pg, placement_group_bundle_index=index)
+            stages.actors.append(remote.options(num_cpus=spec.threads or 1, num_gpus=leader_gpus,
+                                                scheduling_strategy=strategy).remote())
+        stages.nodes = ray.get([a.node.remote() for a in stages.actors], timeout=timeout_s)
+        placed = plan
+        for index, rank in members:
+            if rank == 0:
+                ip = stages.nodes[members.index((index, 0))]["ip"]
+                device = "cuda:0" if plan.stages[index].device.startswith("cuda") else plan.stages[index].device
+                placed = placed.with_stage(index, host=ip, listen=f"{ip}:0", device=device)
+        starts = []
+        for i, (index, rank) in enumerate(members):
+            env = {"OMP_NUM_THREADS": str(placed.stages[index].threads or 1)}
+            if auth_token:
+                env["STAGEWISE_AUTH_TOKEN"] = auth_token
+            gpus = stages.nodes[members.index((index, 0))]["gpus"]
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+            argv = stage_argv(placed, index, rank=rank, program=(), extra=["--die-with-parent"])
+            starts.append(stages.actors[i].start.remote(argv, env, stages.labels[i], timeout_s))
+        addresses = []
+        for ref in starts:
+            try:
+                addresses.append(tuple(ray.get(ref, timeout=timeout_s + 10)))
+            except ray.exceptions.RayTaskError as err:
+                raise RuntimeError(str(err.cause) if err.cause is not None else str(err)) from None
+        return stages, placed, addresses
+    except BaseException:
+        stages.stop(grace_s=0.5)
+        raise

@@ -1,0 +1,52 @@
+"""The one place a launcher is chosen: the stage processes of a plan started here (``local``) or
+on a Ray cluster (``ray``), handed to the driver the same way."""
+
+from __future__ import annotations
+
+from stagewise.parallel.runplan import LAUNCHERS, PLACEMENTS, RunPlan
+
+PLAN_OPTIONS = ("partition", "transport", "checksum", "auth_token", "threads", "interleave_size")
+"""Pipeline's keyword arguments that go into the run plan of its processes."""
+LAUNCH_OPTIONS = ("launcher", "ray_address", "placement")
+"""Pipeline's keyword arguments that say where its processes start."""
+
+
+def process_options(options: dict, processes: bool, max_restarts: int) -> tuple[dict, dict]:
+    """Pipeline's process options (``options``, emptied) as the plan's and the launcher's. ValueError
+    for an unknown one, or for one given to a pipeline of one process."""
+    plan = {k: options.pop(k) for k in PLAN_OPTIONS if k in options}
+    launch = {k: options.pop(k) for k in LAUNCH_OPTIONS if k in options}
+    if options:
+        raise ValueError(f"Pipeline: unknown options {sorted(options)}; expected some of "
+                         f"{sorted(PLAN_OPTIONS + LAUNCH_OPTIONS)}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"Pipeline: max_restarts must be an int >= 0, got {max_restarts!r}")
+    if max_restarts and not processes:
+        raise ValueError("Pipeline: max_restarts applies to stage processes (stages, tp or pcp > 1): one "
+                         "process has no stage to restart")
+    if not processes and (plan or launch):
+        raise ValueError(f"Pipeline: {sorted({**plan, **launch})} apply to stages > 1 (or tp, pcp > 1), got stages=1")
+    return plan, launch
+
+
+def start_stages(plan: RunPlan, launcher: str = "local", *, auth_token: str | None = None,
+                 ray_address: str | None = None, placement: str = "spread", timeout_s: float = 120.0):
+    """Start every rank of ``plan``; returns the processes as the driver watches them
+    (:class:`~stagewise.pipeline.driver.StageProcesses`), the plan as placed (Ray gives each stage
+    its node's host) and the ranks' listen addresses, in :attr:`RunPlan.members` order."""
+    if launcher == "local":
+        from stagewise.launch.local import spawn_stages
+
+        if ray_address is not None or placement != "spread":
+            raise ValueError("ray_address and placement apply to launcher='ray'")
+        procs, addresses = spawn_stages(plan, auth_token=auth_token, timeout_s=timeout_s)
+        return procs, plan, addresses
+    if launcher == "ray":
+        from stagewise.launch.ray_cluster import start_stages as ray_stages
+
+        return ray_stages(plan, address=ray_address, placement=placement, auth_token=auth_token,
+                          timeout_s=timeout_s)
+    raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
+
+
+__all__ = ["LAUNCHERS", "PLACEMENTS", "process_options", "start_stages"]

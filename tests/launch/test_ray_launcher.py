@@ -1,0 +1,136 @@
+"""The Ray launcher on Ray's own multi-node test cluster (several raylets on this machine, each with
+its own resources): SmolLM2 as three stages on three nodes answers with the single process's
+tokens; `pack` puts the stages on one node; a layout the cluster cannot hold is refused at once; a
+node removed mid-generation has its stage placed again and the requests end with the undisturbed
+tokens; no actor, placement group or stage process is left after any of it."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from stagewise.api import Pipeline  # noqa: E402
+from stagewise.launch.local import local_plan  # noqa: E402
+from stagewise.launch.ray_cluster import start_stages  # noqa: E402
+from stagewise.model.loader import open_checkpoint  # noqa: E402
+from stagewise.pipeline.links import hop_transports  # noqa: E402
+
+MODEL = "smollm2-135m"
+QUESTION = "What is the capital of France?"
+NODE = dict(num_cpus=2, object_store_memory=80 << 20)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={**NODE, "resources": {"head": 1}})
+    for _ in range(3):
+        c.add_node(**NODE)
+    c.wait_for_nodes()
+    yield c
+    if ray.is_initialized():
+        ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with Pipeline(MODEL) as p:
+        return p.generate([QUESTION] * 3, chat=True, max_new_tokens=24)
+
+
+def _stage_processes() -> list[int]:
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "stagewise.cli" in cmd and "stage" in cmd:
+            out.append(p.pid)
+    return out
+
+
+def _leftovers(cluster) -> tuple[list, list]:
+    """The run's actors still alive and placement groups not removed (read from the cluster)."""
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        from ray._private import state
+
+        actors = [a for a in state.actors().values() if a["State"] != "DEAD"]
+        groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+        return actors, groups
+    finally:
+        ray.shutdown()
+
+
+def test_three_stages_on_three_nodes_answer_like_one_process(cluster, reference):
+    before = _stage_processes()
+    with Pipeline(MODEL, stages=3, launcher="ray", ray_address=cluster.address, placement="strict_spread",
+                  threads=1) as p:
+        nodes = p.driver.processes.nodes
+        assert len({n["node_id"] for n in nodes}) == 3
+        assert [s.host for s in p.plan.stages] == [n["ip"] for n in nodes]
+        got = p.generate([QUESTION] * 3, chat=True, max_new_tokens=24)
+        stats = p.last_stats["stages"]
+    assert [(s["host"], s["node_id"]) for s in stats] == [(n["ip"], n["node_id"]) for n in nodes]
+    assert [c.token_ids for c in got] == [c.token_ids for c in reference]
+    assert "Paris" in got[0].text
+    assert not ray.is_initialized()  # the run's own connection is closed with it
+    assert _stage_processes() == before
+    assert _leftovers(cluster) == ([], [])
+
+
+def test_pack_places_every_stage_on_one_node_joined_by_shared_memory(cluster, reference):
+    with Pipeline(MODEL, stages=2, launcher="ray", ray_address=cluster.address, placement="pack", threads=1) as p:
+        assert len({n["node_id"] for n in p.driver.processes.nodes}) == 1
+        assert set(hop_transports(p.plan)) == {"shm"}
+        [got] = p.generate([QUESTION], chat=True, max_new_tokens=24)
+    assert got.token_ids == reference[0].token_ids
+    assert _leftovers(cluster) == ([], [])
+
+
+def test_a_layout_the_cluster_cannot_hold_is_refused_at_once(cluster):
+    config = open_checkpoint(MODEL).config
+    with pytest.raises(RuntimeError, match="strict_spread: 5 stages need as many nodes; the cluster has 4"):
+        start_stages(local_plan(MODEL, config, 5, "cpu", "auto", threads=1), address=cluster.address,
+                     placement="strict_spread")
+    plan = local_plan(MODEL, config, 2, "cpu", "auto", threads=1)
+    plan = plan.with_stage(1, resources={"gpu-a": 1.0})
+    with pytest.raises(RuntimeError, match=r"no node of the cluster can hold stage 1 \(CPU 1, gpu-a 1\)"):
+        start_stages(plan, address=cluster.address)
+    assert not ray.is_initialized()
+    assert _leftovers(cluster) == ([], [])
+
+
+def test_without_ray_the_error_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(RuntimeError, match=r"pip install 'stagewise\[ray\]'"):
+        Pipeline(MODEL, stages=2, launcher="ray")
+    with pytest.raises(ValueError, match="apply to launcher='ray'"):
+        Pipeline(MODEL, stages=2, placement="pack")
+
+
+def test_a_removed_node_is_replaced_and_the_requests_go_on(cluster, reference):
+    head = cluster.head_node.node_id
+    with Pipeline(MODEL, stages=3, launcher="ray", ray_address=cluster.address, placement="spread", threads=1,
+                  max_restarts=2) as p:
+        nodes = p.driver.processes.nodes
+        victim_id = next(n["node_id"] for n in nodes if n["node_id"] != head)
+        victim = next(n for n in cluster.list_all_nodes() if n.node_id == victim_id)
+        removed = threading.Event()
+
+        def on_text(index: int, text: str) -> None:
+            if not removed.is_set():
+                removed.set()
+                threading.Thread(target=cluster.remove_node, args=(victim,), daemon=True).start()
+
+        got = p.generate([QUESTION] * 3, chat=True, max_new_tokens=24, on_text=on_text)
+        assert p.restarts >= 1
+        assert victim_id not in {n["node_id"] for n in p.driver.processes.nodes}
+    assert [c.token_ids for c in got] == [c.token_ids for c in reference]
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in reference]
+    assert _leftovers(cluster) == ([], [])
