@@ -1,5 +1,6 @@
-"""`stagewise bench e2e --stages` on a tiny random model: it runs, compares tokens with S = 1 and
-writes its table (the SmolLM2 figures are committed under bench/results/)."""
+"""`stagewise bench e2e --stages` (and `--launcher ray`) on a tiny random model: it runs, compares
+tokens with S = 1 (with local spawn) and writes its table (the SmolLM2 figures are committed under
+bench/results/)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,21 @@ def test_bench_e2e_stages_writes_results(tmp_path, capsys):
     assert rows[(2, 1)]["tokens_equal_s1"] is True
     assert len(rows[(2, 8)]["busy_pct"]) == 2 and all(0 < b <= 100 for b in rows[(2, 8)]["busy_pct"])
     assert "overhead %" in capsys.readouterr().out
+
+
+def test_bench_e2e_launcher_ray_writes_results_beside_local(tmp_path, capsys):
+    pytest.importorskip("ray")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, max_position_embeddings=64))
+    hf.save_pretrained(tmp_path / "m")
+    code = main(["bench", "e2e", "--model", str(tmp_path / "m"), "--launcher", "ray", "--stages", "2",
+                 "--prompt-len", "4", "--new-tokens", "3", "--repeats", "1", "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads(next(tmp_path.glob("*-e2e-launchers.json")).read_text())
+    local, ray = data["rows"]
+    assert (local["launcher"], ray["launcher"]) == ("local", "ray")
+    assert local["tpot_vs_local_b1"] == 1.0 and ray["tpot_vs_local_b1"] > 0
+    assert ray["tokens_equal_b1"] is True and ray["tokens_equal_b8"] is True
+    assert data["machine"]["stages"] == 2 and "TPOT ratio" in capsys.readouterr().out

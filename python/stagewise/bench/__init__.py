@@ -94,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                "and, with that baseline, llama.cpp)")
     e2e_args.add_argument("--stages", default=None, metavar="1,2,3",
                           help="e2e: run the pipeline with these stage counts instead (batch 1 and S x 4 requests)")
+    e2e_args.add_argument("--launcher", default=None, choices=["ray"],
+                          help="e2e: a pipeline of --stages S (default 3) started by this launcher and by the local "
+                               "one, side by side (start-up, TPOT at batch 1 and 8)")
     e2e_args.add_argument("--tp", default=None, metavar="1,3",
                           help="e2e: one stage split over these tensor-parallel sizes instead, beside tp=1 (batch 1 and "
                                "the largest batch size)")
@@ -235,6 +238,10 @@ def run(args: argparse.Namespace) -> int:
         from stagewise.bench import e2e_parallel
 
         return e2e_parallel.run(args, log=log)
+    if args.suite == "e2e" and args.launcher:
+        from stagewise.bench import e2e_launchers
+
+        return e2e_launchers.run(args, log=log)
     if args.suite == "e2e" and args.stages:
         from stagewise.bench import e2e_stages
 

@@ -32,8 +32,9 @@ from stagewise.parallel.runplan import RunPlan
 
 STRATEGIES = {"spread": "SPREAD", "pack": "PACK", "strict_spread": "STRICT_SPREAD"}
 """Ray's placement strategy for each of :data:`~stagewise.parallel.runplan.PLACEMENTS`."""
-POLL_S = 0.2
-"""How often the driver asks each actor whether its process still runs."""
+POLL_S = 1.0
+"""How often the driver asks each actor whether its process still runs (a stage that stops
+answering is caught sooner by the driver's heartbeat; each ask costs the actor's CPU)."""
 
 
 def import_ray():
@@ -146,9 +147,11 @@ class RayStages:
                 ray.shutdown()
 
 
-def _connect(ray, address: str | None) -> bool:
-    """Join the cluster at ``address`` (else RAY_ADDRESS; else start a local instance for the run).
-    Returns whether this call started Ray (and so must shut it down)."""
+def connect(ray, address: str | None, cpus: float = 0) -> bool:
+    """Join the cluster at ``address`` (else RAY_ADDRESS; else start a local instance for the run,
+    with the machine's cores as its CPUs, or ``cpus`` when the run asks for more: its ranks then
+    share the cores, as local processes do). Returns whether this call connected (and so must
+    disconnect, which stops an instance it started)."""
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
@@ -158,7 +161,9 @@ def _connect(ray, address: str | None) -> bool:
     if address is None:
         from stagewise.launch.local import usable_cores
 
-        opts.update(num_cpus=usable_cores(), object_store_memory=100 << 20)
+        # An instance of our own: no dashboard, and no metrics (nothing would scrape them).
+        opts.update(num_cpus=max(usable_cores(), int(-(-cpus // 1))), object_store_memory=100 << 20,
+                    _system_config={"enable_metrics_collection": False})
     try:
         ray.init(address=address, **opts)
     except ConnectionError as err:
@@ -189,6 +194,11 @@ def _check_fits(ray, bundles: list[dict[str, float]], strategy: str) -> None:
         if not any(row):
             raise RuntimeError(f"--launcher ray: no node of the cluster can hold stage {i} "
                                f"({', '.join(f'{k} {v:g}' for k, v in bundles[i].items())}); its nodes have: {have}")
+    for key in sorted({k for b in bundles for k in b}):
+        need, total = sum(b.get(key, 0.0) for b in bundles), sum(n.get(key, 0.0) for n in nodes)
+        if need > total:
+            raise RuntimeError(f"--launcher ray: the stages need {key} {need:g} in all; the cluster has {total:g} "
+                               f"({have})")
     if strategy == "STRICT_SPREAD" and len(bundles) > len(nodes):
         raise RuntimeError(f"--placement strict_spread: {len(bundles)} stages need as many nodes; the cluster has "
                            f"{len(nodes)}")
@@ -206,11 +216,11 @@ def start_stages(plan: RunPlan, *, address: str | None = None, placement: str = 
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    started = _connect(ray, address)
+    bundles = _bundles(plan)
+    started = connect(ray, address, sum(b["CPU"] for b in bundles))
     members = plan.members
     stages = RayStages(ray, None, [plan.member_label(s, r) for s, r in members], started)
     try:
-        bundles = _bundles(plan)
         _check_fits(ray, bundles, STRATEGIES[placement])
         stages.pg = placement_group(bundles, strategy=STRATEGIES[placement], name=f"stagewise-{os.getpid()}")
         try:
