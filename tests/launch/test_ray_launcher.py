@@ -2,12 +2,15 @@
 its own resources): SmolLM2 as three stages on three nodes answers with the single process's
 tokens; `pack` puts the stages on one node; a layout the cluster cannot hold is refused at once; a
 node removed mid-generation has its stage placed again and the requests end with the undisturbed
-tokens; no actor, placement group or stage process is left after any of it."""
+tokens, and so do 8 streams of `stagewise serve --launcher ray`; no actor, placement group or stage
+process is left after any of it."""
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
+import time
 
 import pytest
 
@@ -115,11 +118,12 @@ def test_without_ray_the_error_says_how_to_install(monkeypatch):
 
 
 def test_a_removed_node_is_replaced_and_the_requests_go_on(cluster, reference):
-    head = cluster.head_node.node_id
+    cluster.add_node(**NODE)  # one to lose, whatever other tests removed
+    cluster.wait_for_nodes()
     with Pipeline(MODEL, stages=3, launcher="ray", ray_address=cluster.address, placement="spread", threads=1,
                   max_restarts=2) as p:
         nodes = p.driver.processes.nodes
-        victim_id = next(n["node_id"] for n in nodes if n["node_id"] != head)
+        victim_id = _victim(cluster, nodes)
         victim = next(n for n in cluster.list_all_nodes() if n.node_id == victim_id)
         removed = threading.Event()
 
@@ -133,4 +137,68 @@ def test_a_removed_node_is_replaced_and_the_requests_go_on(cluster, reference):
         assert victim_id not in {n["node_id"] for n in p.driver.processes.nodes}
     assert [c.token_ids for c in got] == [c.token_ids for c in reference]
     assert [c.finish_reason for c in got] == [c.finish_reason for c in reference]
+    assert _leftovers(cluster) == ([], [])
+
+
+def _victim(cluster, nodes) -> str:
+    """A node that holds a stage and can be removed: neither the head nor the one this process's Ray
+    connection goes through (all the test cluster's nodes share one address, so that may be any)."""
+    keep = {cluster.head_node.node_id, ray.get_runtime_context().get_node_id()}
+    return next(n["node_id"] for n in nodes if n["node_id"] not in keep)
+
+
+def test_served_streams_go_on_through_a_lost_node(cluster, reference):
+    """8 concurrent streams of the server (uvicorn in a thread of this process, the driver's) while
+    a node holding a stage is removed: every stream ends with the undisturbed answer."""
+    import socket
+
+    httpx = pytest.importorskip("httpx")
+    uvicorn = pytest.importorskip("uvicorn")
+    from stagewise.serve.app import build_app
+
+    cluster.add_node(**NODE)
+    cluster.wait_for_nodes()
+    pipe = Pipeline(MODEL, stages=3, launcher="ray", ray_address=cluster.address, placement="spread", threads=1,
+                    max_restarts=2, max_num_seqs=8)
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(build_app(pipe, model_name=MODEL), log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        client = httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=180)
+        while not server.started:
+            time.sleep(0.05)
+        victim_id = _victim(cluster, pipe.driver.processes.nodes)
+        victim = next(n for n in cluster.list_all_nodes() if n.node_id == victim_id)
+        started = threading.Event()
+        texts: dict[int, str] = {}
+
+        def stream(i: int) -> None:
+            body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 24, "temperature": 0,
+                    "stream": True}
+            parts = []
+            with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        if chunk["choices"]:
+                            parts.append(chunk["choices"][0]["delta"].get("content", ""))
+                            started.set()
+            texts[i] = "".join(parts)
+
+        streams = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+        for t in streams:
+            t.start()
+        assert started.wait(120)
+        cluster.remove_node(victim)
+        for t in streams:
+            t.join(300)
+        assert texts == {i: reference[0].text for i in range(8)}
+        assert pipe.restarts >= 1 and client.get("/health").status_code == 200
+        assert victim_id not in {n["node_id"] for n in pipe.driver.processes.nodes}
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        pipe.close()
     assert _leftovers(cluster) == ([], [])
