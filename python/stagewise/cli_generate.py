@@ -71,6 +71,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_restarts: int = 0, 
     pp.add_argument("--max-restarts", type=int, default=max_restarts, metavar="N",
                     help="when a stage process dies or hangs, start the stages again and resume the running "
                          f"requests, up to N times (default {max_restarts}; 0: the requests end with an error)")
+    add_tls_arguments(pp)
     pp.add_argument("--launcher", default="local", choices=LAUNCHERS,
                     help="where the processes start: here (local, the default) or as actors on a Ray cluster (ray)")
     pp.add_argument("--ray-address", default=None, metavar="ADDR",
@@ -88,6 +89,27 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_restarts: int = 0, 
                          "MASTER_ADDR:MASTER_PORT) instead of the plan's listen addresses")
     mh.add_argument("--connect-timeout", type=float, default=60.0, metavar="S",
                     help="with --plan: how long to wait for the stages (default 60)")
+
+
+def add_tls_arguments(group) -> None:
+    group.add_argument("--tls-cert", default=None, metavar="PEM",
+                       help="mutual TLS on the TCP links between hosts: this host's certificate (with --tls-key and "
+                            "--tls-ca, paths valid on every host)")
+    group.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key")
+    group.add_argument("--tls-ca", default=None, metavar="PEM", help="the CA every peer's certificate must chain to")
+
+
+def tls_from_args(args: argparse.Namespace) -> dict | None:
+    given = {k: getattr(args, f"tls_{k}", None) for k in ("cert", "key", "ca")}
+    return given if all(given.values()) else None
+
+
+def tls_problems(args: argparse.Namespace) -> list[str]:
+    given = [k for k in ("cert", "key", "ca") if getattr(args, f"tls_{k}", None)]
+    if given and len(given) < 3:
+        return ["--tls-cert, --tls-key and --tls-ca go together (mutual TLS needs all three)"]
+    return [f"--tls-{k} {getattr(args, f'tls_{k}')}: no such file" for k in given
+            if not os.path.isfile(getattr(args, f"tls_{k}"))]
 
 
 def argument_problems(args: argparse.Namespace) -> tuple[list[str], Requests]:
@@ -135,6 +157,10 @@ def model_problems(args: argparse.Namespace) -> list[str]:
         if given and not local_pipeline and not (flag == "--trace" and args.plan):
             problems.append(f"{flag} applies to processes (--stages, --tp or --pcp > 1)"
                             f"{' or --plan' if flag == '--trace' else ''}")
+    problems += tls_problems(args)
+    if tls_from_args(args) and not local_pipeline:
+        problems.append("--tls-cert/--tls-key/--tls-ca apply to processes (--stages, --tp or --pcp > 1); with "
+                        "--plan give tls in the plan")
     for flag, given in (("--ray-address", args.ray_address), ("--placement", args.placement)):
         if given is not None and args.launcher != "ray":
             problems.append(f"{flag} applies to --launcher ray")
@@ -205,6 +231,8 @@ def _load(args: argparse.Namespace, prog: str):
         bar = None  # the stages load in their own processes
         if args.threads is not None:
             options["threads"] = args.threads
+        if tls_from_args(args):
+            options["tls"] = tls_from_args(args)
         if args.launcher != "local":
             options.update(launcher=args.launcher, ray_address=args.ray_address, placement=args.placement or "spread")
     elif args.threads is not None:

@@ -14,7 +14,7 @@ import os
 import shlex
 import sys
 
-from stagewise.cli_generate import generate_and_print
+from stagewise.cli_generate import add_tls_arguments, generate_and_print, tls_from_args, tls_problems
 from stagewise.cli_prompts import Requests, add_prompt_arguments, read_requests, report, sampling_args, sampling_problems
 from stagewise.cli_serve import add_server_arguments, serve_closing, server_problems
 from stagewise.parallel.runplan import LAUNCHERS, PLACEMENTS
@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remote-plan", default=None, metavar="PATH",
                         help="hosts read the plan from PATH (copy it there) instead of getting it inline")
     parser.add_argument("--print-only", action="store_true", help="print the commands and exit")
+    add_tls_arguments(parser)
     parser.add_argument("--launcher", default=None, choices=LAUNCHERS,
                         help="ray: place the stages on a Ray cluster as actors (default: the plan's launcher; "
                              "local prints the commands, or runs them with --ssh)")
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     interactive = not args.prompt and not args.prompt_ids and not args.prompt_file
     problems: list[str] = []
     req = Requests() if interactive else read_requests(args, problems)
-    problems += sampling_problems(sampling_args(args))
+    problems += sampling_problems(sampling_args(args)) + tls_problems(args)
     if args.serve:
         problems += server_problems(args)
         if not interactive:
@@ -67,6 +68,10 @@ def run(args: argparse.Namespace) -> int:
     program = shlex.split(args.remote_command)
     try:
         plan = load_plan(args.plan, need_model=not args.print_only)
+        if tls_from_args(args):  # the flags name this host's files; the plan's paths are every host's
+            import dataclasses
+
+            plan = dataclasses.replace(plan, tls=tls_from_args(args)).validated()
         ray = (args.launcher or plan.launcher) == "ray"
         if ray and (args.ssh or args.print_only):
             raise ValueError("the Ray launcher starts the stages itself: leave out --ssh and --print-only")

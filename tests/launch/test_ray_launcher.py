@@ -202,3 +202,21 @@ def test_served_streams_go_on_through_a_lost_node(cluster, reference):
         sock.close()
         pipe.close()
     assert _leftovers(cluster) == ([], [])
+
+
+def test_stages_on_ray_nodes_talk_mutual_tls(cluster, reference, tmp_path):
+    """Stages placed on the cluster's nodes listen on the node's address, not loopback: with the
+    plan's tls every TCP link (hops forced onto TCP, the driver's controls) is mutual TLS."""
+    import ssl
+
+    pytest.importorskip("cryptography")
+    from stagewise.bench.certs import make_pki
+
+    pki = make_pki(tmp_path)
+    cert, key = pki["stage"]
+    with Pipeline(MODEL, stages=2, launcher="ray", ray_address=cluster.address, placement="strict_spread", threads=1,
+                  transport="tcp", tls={"cert": cert, "key": key, "ca": pki["ca"]}) as p:
+        assert all(isinstance(c._sock, ssl.SSLSocket) for c in p.driver.controls)
+        [got] = p.generate([QUESTION], chat=True, max_new_tokens=24)
+    assert got.token_ids == reference[0].token_ids
+    assert _leftovers(cluster) == ([], [])

@@ -2,8 +2,10 @@
 
 Every transport is a row family of :data:`TRANSPORTS`: a function that starts an echo peer in a
 spawned process and returns this side's channel. ``shm`` is a pair of one-way shared-memory
-rings (one per direction, as between pipeline stages), set up over TCP; the cuda-ipc ring is not
-here yet (it needs a GPU).
+rings (one per direction, as between pipeline stages), set up over TCP; ``tcp-tls`` is TCP inside
+mutual TLS, as between hosts with the plan's ``tls`` (on loopback here, with throwaway
+certificates: the cost of the encryption itself); the cuda-ipc ring is not here yet (it needs a
+GPU).
 Frames carry one bfloat16 "hidden" tensor of the given size, like a decode or prefill step.
 
 - latency: ping-pong, the peer sends each frame back; one-way = median round trip / 2 (includes
@@ -92,11 +94,11 @@ def _shm_pair(port: int | None, check: bool):
     raise ValueError("_shm_pair: the bench side is _start_shm")
 
 
-def _peer(kind: str, port: int, check: bool) -> None:
+def _peer(kind: str, port: int, check: bool, tls=None) -> None:
     """The echo side, in its own process."""
     torch.set_num_threads(1)
     if kind == "tcp":
-        ch = tcp.connect("127.0.0.1", port, hello=HELLO, timeout=60, checksum=check, verify_checksum=check)
+        ch = tcp.connect("127.0.0.1", port, hello=HELLO, timeout=60, checksum=check, verify_checksum=check, tls=tls)
     elif kind == "shm":
         ch = _shm_pair(port, check)
     else:
@@ -118,15 +120,35 @@ def _peer(kind: str, port: int, check: bool) -> None:
     ch.close()
 
 
-def _start_tcp(check: bool):
+def _start_tcp(check: bool, tls=None):
     import multiprocessing as mp
 
-    lis = tcp.listen(hello=HELLO, checksum=check, verify_checksum=check)
-    proc = mp.get_context("spawn").Process(target=_peer, args=("tcp", lis.address[1], check), daemon=True)
+    lis = tcp.listen(hello=HELLO, checksum=check, verify_checksum=check, tls=tls)
+    proc = mp.get_context("spawn").Process(target=_peer, args=("tcp", lis.address[1], check, tls), daemon=True)
     proc.start()
     ch = lis.accept(120)
     lis.close()
     return ch, proc
+
+
+def _start_tcp_tls(check: bool):
+    """TCP in mutual TLS: certificates made for the run, read by both ends during the handshake and
+    deleted after it."""
+    import tempfile
+
+    try:
+        from stagewise.bench.certs import make_pki
+    except ImportError:
+        raise RuntimeError("transport tcp-tls makes its certificates with the cryptography package: "
+                           "pip install cryptography") from None
+    from stagewise.transport.tls import TlsConfig
+
+    with tempfile.TemporaryDirectory(prefix="stagewise-tls-") as folder:
+        from pathlib import Path
+
+        pki = make_pki(Path(folder))
+        cert, key = pki["stage"]
+        return _start_tcp(check, TlsConfig(cert=cert, key=key, ca=pki["ca"], loopback=True))
 
 
 def _start_torch(check: bool):
@@ -159,7 +181,8 @@ def _start_shm(check: bool):
     return _Duplex(out, inn), proc
 
 
-TRANSPORTS: dict[str, Callable] = {"tcp": _start_tcp, "shm": _start_shm, "torch": _start_torch}
+TRANSPORTS: dict[str, Callable] = {"tcp": _start_tcp, "tcp-tls": _start_tcp_tls, "shm": _start_shm,
+                                   "torch": _start_torch}
 """name -> start(checksum) -> (channel to an echo peer, peer process). The peer follows
 {"set_checksum": bool} control frames, so one peer serves both settings."""
 

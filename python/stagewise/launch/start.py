@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from stagewise.parallel.runplan import LAUNCHERS, PLACEMENTS, RunPlan
 
-PLAN_OPTIONS = ("partition", "transport", "checksum", "auth_token", "threads", "interleave_size")
+PLAN_OPTIONS = ("partition", "transport", "checksum", "auth_token", "threads", "interleave_size", "tls")
 """Pipeline's keyword arguments that go into the run plan of its processes."""
 LAUNCH_OPTIONS = ("launcher", "ray_address", "placement")
 """Pipeline's keyword arguments that say where its processes start."""

@@ -16,6 +16,7 @@ A run plan is a YAML (or JSON) file::
     interleave_size: 1           # tokens in a row on one context-parallel rank (divides block_size)
     launcher: local              # local | ray: `stagewise launch` places the stages on a Ray cluster
     placement: spread            # with launcher ray: spread | pack | strict_spread
+    tls: {cert: /etc/sw/node.crt, key: /etc/sw/node.key, ca: /etc/sw/ca.crt}   # optional: mutual TLS between hosts
     stages:
       - {host: 10.0.0.1, listen: "10.0.0.1:7100", layers: "0-15", device: cpu, threads: 8}
       - {host: 10.0.0.2, listen: "10.0.0.2:7100", layers: "15-30", device: "cuda:0", tp: 2}
@@ -133,6 +134,9 @@ class RunPlan:
     interleave_size: int = 1
     launcher: str = "local"
     placement: str = "spread"
+    tls: dict[str, Any] | None = None
+    """``{cert, key, ca}``: PEM paths (valid on every host) for mutual TLS on TCP links between
+    hosts (:mod:`stagewise.transport.tls`)."""
     sampling: dict[str, Any] | None = None
     """Defaults for the requests sent to this plan's stages (``stagewise launch``, ``generate
     --plan``): sampling fields such as temperature, top_p, repetition_penalty; the command line's
@@ -290,7 +294,7 @@ class RunPlan:
 
 OPTION_KEYS = ("dtype", "transport", "checksum", "max_num_seqs", "max_prefill_tokens", "max_model_len",
                "kv_cache_bytes", "max_num_tokens", "block_size", "quantized", "linear_precision", "pcp", "dcp",
-               "interleave_size", "launcher", "placement", "sampling")
+               "interleave_size", "launcher", "placement", "tls", "sampling")
 KNOWN_KEYS = frozenset({"model", "stages", "num_layers", "partition", "tp", *OPTION_KEYS})
 STAGE_KEYS = frozenset({"host", "listen", "layers", "device", "threads", "tp", "resources"})
 
@@ -354,6 +358,13 @@ def _option_problems(options: dict[str, Any]) -> list[str]:
         problems.append(_problem("quantized", get("quantized"), "true, false or null"))
     if get("launcher", "local") not in LAUNCHERS:
         problems.append(_problem("launcher", get("launcher"), f"one of {LAUNCHERS}"))
+    if get("tls") is not None:
+        from stagewise.transport.tls import TlsConfig
+
+        try:
+            TlsConfig.from_dict(get("tls"))
+        except ValueError as err:
+            problems.append(str(err))
     if get("placement", "spread") not in PLACEMENTS:
         problems.append(_problem("placement", get("placement"), f"one of {PLACEMENTS}"))
     if get("linear_precision", "exact") not in ("exact", "int8"):

@@ -97,7 +97,7 @@ class PipelineDriver:
         self.leaders = [self.members.index((i, 0)) for i in range(plan.num_stages)]
         n, m = plan.num_stages, len(self.members)
         self.last_seen = [time.monotonic()] * m
-        options = links.LinkOptions(fingerprint=fingerprint, auth_token=auth_token)
+        options = links.LinkOptions(fingerprint=fingerprint, auth_token=auth_token, tls=links.TlsConfig.from_dict(plan.tls))
         try:
             for i, address in enumerate(addresses):
                 self.controls.append(self._dial(i, address, options, connect_timeout_s))

@@ -22,6 +22,7 @@ from stagewise.parallel.runplan import RunPlan
 from stagewise.transport import select, tcp, torch_dist
 from stagewise.transport.channel import Channel
 from stagewise.transport.hello import Hello
+from stagewise.transport.tls import TlsConfig
 from stagewise.transport.rings import LINK_TRANSPORTS, upgrade_accepted, upgrade_dialled
 
 if TYPE_CHECKING:
@@ -39,6 +40,8 @@ class LinkOptions:
     fingerprint: str
     auth_token: str | None = None
     checksum: bool = True
+    tls: TlsConfig | None = None
+    """Mutual TLS for the TCP connections with other hosts (None: plain)."""
 
 
 def hop_transports(plan: RunPlan) -> list[str]:
@@ -67,7 +70,8 @@ def listen(address: tuple[str, int], options: LinkOptions) -> tcp.Listener:
     """A stage's listener: accepts any role whose hello carries the same fingerprint and token."""
     host, port = address
     return tcp.listen(host, port, hello=Hello(fingerprint=options.fingerprint, stage_from=None, stage_to=None, role=None),
-                      auth_token=options.auth_token, checksum=options.checksum, verify_checksum=options.checksum)
+                      auth_token=options.auth_token, checksum=options.checksum, verify_checksum=options.checksum,
+                      tls=options.tls)
 
 
 def dial(address: tuple[str, int], options: LinkOptions, *, transport: str, stage: int, peer: int, role: str,
@@ -84,7 +88,7 @@ def dial(address: tuple[str, int], options: LinkOptions, *, transport: str, stag
     host, port = address
     hello = Hello(fingerprint=options.fingerprint, stage_from=None if stage < 0 else stage, stage_to=peer, role=role)
     channel = tcp.connect(host, int(port), hello=hello, auth_token=options.auth_token, timeout=timeout,
-                          checksum=options.checksum, verify_checksum=options.checksum)
+                          checksum=options.checksum, verify_checksum=options.checksum, tls=options.tls)
     if role == "driver":
         return channel
     try:

@@ -85,7 +85,7 @@ class StageProcess:
                              f"{checkpoint.config.num_layers}")
         self.fingerprint = self.plan.fingerprint(checkpoint.hf_config)
         options = links.LinkOptions(fingerprint=self.fingerprint, auth_token=self.auth_token,
-                                    checksum=self.plan.checksum)
+                                    checksum=self.plan.checksum, tls=links.TlsConfig.from_dict(self.plan.tls))
         self.listener = links.listen(self.listen_address, options)
         host, port = self.listener.address
         print(f"{READY_LINE} {host} {port}", flush=True)

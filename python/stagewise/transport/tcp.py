@@ -13,6 +13,10 @@ encoded frame. The record is the unit of resynchronisation:
 
 Received frames are read straight into a fresh buffer that the decoded tensors then view (no
 copy after the socket); sent tensors go to ``sendmsg`` as views of their own memory.
+
+With a :class:`~stagewise.transport.tls.TlsConfig`, a connection with another host is a TLS
+stream, both sides verified against the run's CA before the hello (loopback stays plain): the same
+records, sent view by view through the TLS layer.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import errno
 import math
 import select
 import socket
+import ssl
 import struct
 import time
 
@@ -31,6 +36,7 @@ from stagewise.transport.codec import encode_parts, decode_frame
 from stagewise.transport.errors import ChannelClosed, FrameError, HandshakeError
 from stagewise.transport.frame import DEFAULT_MAX_PAYLOAD_BYTES, MAX_CONTROL_BYTES, MAX_ROWS, MAX_TENSORS, Frame
 from stagewise.transport.hello import Hello, handshake
+from stagewise.transport.tls import TlsConfig
 
 RECORD = struct.Struct("<4sQ")
 RECORD_MARKER = b"SWTR"
@@ -56,6 +62,7 @@ class TcpChannel(Channel):
         self._prefix, self._prefix_got = bytearray(RECORD.size), 0
         self._body, self._body_view, self._body_got = None, None, 0
         self._closed_why: str | None = None
+        self._tls = isinstance(sock, ssl.SSLSocket)
         self._poll_in, self._poll_out = select.poll(), select.poll()
         self._poll_in.register(sock, select.POLLIN)
         self._poll_out.register(sock, select.POLLOUT)
@@ -89,9 +96,12 @@ class TcpChannel(Channel):
     def _sendmsg_all(self, views: list[memoryview], deadline: float | None) -> None:
         while views:
             try:
-                n = self._sock.sendmsg(views[:_IOV_MAX])
-            except BlockingIOError:
+                n = self._sock.send(views[0]) if self._tls else self._sock.sendmsg(views[:_IOV_MAX])
+            except (BlockingIOError, ssl.SSLWantWriteError):
                 self._wait(self._poll_out, deadline, "send")
+                continue
+            except ssl.SSLWantReadError:
+                self._wait(self._poll_in, deadline, "send")
                 continue
             except OSError as e:
                 raise self._lost(e) from None
@@ -158,9 +168,14 @@ class TcpChannel(Channel):
         while True:
             try:
                 n = self._sock.recv_into(view)
-            except BlockingIOError:
+            except (BlockingIOError, ssl.SSLWantReadError):
                 self._wait(self._poll_in, deadline, "recv")
                 continue
+            except ssl.SSLWantWriteError:
+                self._wait(self._poll_out, deadline, "recv")
+                continue
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                n = 0
             except OSError as e:
                 raise self._lost(e) from None
             if n == 0:
@@ -175,7 +190,7 @@ class TcpChannel(Channel):
     def poll(self, timeout: float | None = 0.0) -> bool:
         if self._closed_why is not None:
             return True  # recv will raise at once
-        if self._prefix_got or self._body is not None:
+        if self._prefix_got or self._body is not None or (self._tls and self._sock.pending()):
             return True
         return bool(self._poll_in.poll(None if timeout is None else max(0, int(timeout * 1000))))
 
@@ -184,6 +199,8 @@ class TcpChannel(Channel):
 
     # -- state
     def _wait(self, poller, deadline: float | None, what: str) -> None:
+        if self._tls and poller is self._poll_in and self._sock.pending():
+            return  # decrypted bytes wait in the TLS layer, not on the socket
         if deadline is None:
             poller.poll()
             return
@@ -230,8 +247,9 @@ class TcpChannel(Channel):
 class Listener:
     """A listening socket; ``accept`` returns channels whose hello matched ``hello``."""
 
-    def __init__(self, sock: socket.socket, hello: Hello, auth_token, options: dict) -> None:
-        self._sock, self.hello, self._auth_token, self._options = sock, hello, auth_token, options
+    def __init__(self, sock: socket.socket, hello: Hello, auth_token, options: dict,
+                 tls: TlsConfig | None = None) -> None:
+        self._sock, self.hello, self._auth_token, self._options, self._tls = sock, hello, auth_token, options, tls
         self.address: tuple[str, int] = sock.getsockname()[:2]
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
@@ -243,6 +261,9 @@ class Listener:
             raise TimeoutError(f"stagewise.transport: no connection on {_fmt(self.address)} within {timeout}s")
         sock, addr = self._sock.accept()
         local, peer = f"listener at {_fmt(self.address)}", f"connector from {_fmt(addr)}"
+        if self._tls is not None and self._tls.applies(addr[0]):
+            sock.settimeout(hello_timeout)
+            sock = self._tls.server_side(sock, peer)
         ch = TcpChannel(sock, local_name=local, peer_name=peer, **self._options)
         _open(ch, self.hello, initiator=False, auth_token=self._auth_token, timeout=hello_timeout)
         return ch
@@ -272,8 +293,9 @@ def _open(ch: TcpChannel, hello: Hello, *, initiator: bool, auth_token, timeout:
 
 def listen(host: str = "127.0.0.1", port: int = 0, *, hello: Hello, auth_token=None, backlog: int = 16,
            checksum: bool = True, verify_checksum: bool = True,
-           max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Listener:  # fmt: skip
-    """Listen on ``host:port`` (loopback unless an address is given; port 0 picks a free one)."""
+           max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, tls: TlsConfig | None = None) -> Listener:  # fmt: skip
+    """Listen on ``host:port`` (loopback unless an address is given; port 0 picks a free one);
+    with ``tls``, connections from other hosts must complete mutual TLS first."""
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as e:
@@ -288,13 +310,15 @@ def listen(host: str = "127.0.0.1", port: int = 0, *, hello: Hello, auth_token=N
         why = "address already in use (another process listens there)" if e.errno == errno.EADDRINUSE else e.strerror
         raise OSError(e.errno, f"stagewise.transport: cannot listen on {_fmt((host, port))}: {why}") from None
     options = dict(checksum=checksum, verify_checksum=verify_checksum, max_payload_bytes=max_payload_bytes)
-    return Listener(sock, hello, auth_token, options)
+    return Listener(sock, hello, auth_token, options, tls)
 
 
 def connect(host: str, port: int, *, hello: Hello, auth_token=None, timeout: float = 30.0, checksum: bool = True,
-            verify_checksum: bool = True, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> TcpChannel:  # fmt: skip
+            verify_checksum: bool = True, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+            tls: TlsConfig | None = None) -> TcpChannel:  # fmt: skip
     """Connect and run the hello, retrying refused connections until ``timeout`` (the peer may
-    still be starting). A refused hello is not retried: it raises HandshakeError."""
+    still be starting). A refused hello (or TLS handshake, with ``tls`` to another host) is not
+    retried: it raises HandshakeError."""
     deadline = time.monotonic() + timeout
     delay, last = 0.02, None
     while True:
@@ -309,6 +333,8 @@ def connect(host: str, port: int, *, hello: Hello, auth_token=None, timeout: flo
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 0.5)
     local, peer = f"connector from {_fmt(sock.getsockname())}", f"listener at {_fmt(sock.getpeername())}"
+    if tls is not None and tls.applies(host):
+        sock = tls.client_side(sock, peer)
     ch = TcpChannel(sock, local_name=local, peer_name=peer, checksum=checksum, verify_checksum=verify_checksum,
                     max_payload_bytes=max_payload_bytes)  # fmt: skip
     _open(ch, hello, initiator=True, auth_token=auth_token, timeout=max(0.1, deadline - time.monotonic()))

@@ -47,7 +47,7 @@ def upgrade_accepted(channel: Channel, *, device: int | None = None, checksum: b
 def open_link(transport: str, *, hello, host: str | None = None, port: int | None = None, listener=None,
               auth_token=None, timeout: float = 30.0, slot_bytes: int = 1 << 20, num_slots: int = 4,
               device: int | None = None, checksum: bool = True, verify_checksum: bool = True,
-              max_payload_bytes: int | None = None) -> Channel:  # fmt: skip
+              max_payload_bytes: int | None = None, tls=None) -> Channel:  # fmt: skip
     """One end of a data link on ``transport`` (one of :data:`LINK_TRANSPORTS`) over TCP, hello
     included: connect to ``host:port`` (then this end sends through the ring) or accept on
     ``listener`` (from ``tcp.listen``; this end receives). The TCP channel is closed if the link
@@ -64,7 +64,8 @@ def open_link(transport: str, *, hello, host: str | None = None, port: int | Non
                          "to accept")  # fmt: skip
     else:
         limits = {} if max_payload_bytes is None else {"max_payload_bytes": max_payload_bytes}
-        channel = tcp.connect(host, port, hello=hello, auth_token=auth_token, timeout=timeout, **checks, **limits)
+        channel = tcp.connect(host, port, hello=hello, auth_token=auth_token, timeout=timeout, tls=tls, **checks,
+                              **limits)
     try:
         if listener is not None:
             return upgrade_accepted(channel, device=device, **checks)
