@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
 
     cli_launch.add_arguments(sub.add_parser("launch", help="start a run plan's stages on their hosts (printed "
                                             "commands, ssh) and drive them"))
+    from stagewise import cli_doctor
+
+    cli_doctor.add_arguments(sub.add_parser("doctor", help="check a multi-host run plan in seconds, before any weight "
+                                            "loads: hosts, versions, the model, every hop"))
     from stagewise.cli_prompts import negative_ids_fix
 
     args = parser.parse_args(negative_ids_fix(argv))
@@ -59,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         return plan_main(args.plan_args)
     if args.command == "launch":
         return cli_launch.run(args)
+    if args.command == "doctor":
+        return cli_doctor.run(args)
     return 2
 
 

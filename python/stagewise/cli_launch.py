@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remote-plan", default=None, metavar="PATH",
                         help="hosts read the plan from PATH (copy it there) instead of getting it inline")
     parser.add_argument("--print-only", action="store_true", help="print the commands and exit")
+    parser.add_argument("--no-preflight", action="store_true",
+                        help="with --ssh or --launcher ray: start the stages without first running `stagewise "
+                             "doctor`'s checks")
     add_tls_arguments(parser)
     parser.add_argument("--launcher", default=None, choices=LAUNCHERS,
                         help="ray: place the stages on a Ray cluster as actors (default: the plan's launcher; "
@@ -52,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stagewise.launch.multihost import check_plan, load_plan, printed_command, ssh_spawn
+    from stagewise.launch.multihost import check_plan, load_plan, printed_command
 
     interactive = not args.prompt and not args.prompt_ids and not args.prompt_file
     problems: list[str] = []
@@ -82,22 +85,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 2
     procs = None
-    if ray:
+    launcher = "ray" if ray else "ssh" if args.ssh and not args.print_only else None
+    if launcher is not None:
         from stagewise.launch.start import start_stages
 
-        print(f"{PROG}: placing {plan.num_stages} stages on a Ray cluster", file=sys.stderr)
-        try:
-            procs, plan, addresses = start_stages(plan, "ray", auth_token=token, ray_address=args.ray_address,
-                                                  placement=args.placement or plan.placement,
-                                                  timeout_s=args.connect_timeout)
-        except (RuntimeError, TimeoutError, OSError, ValueError) as err:
-            print(f"{PROG}: {err}", file=sys.stderr)
+        options = dict(auth_token=token)
+        if ray:
+            options.update(ray_address=args.ray_address, placement=args.placement or plan.placement)
+        else:
+            options["ssh"] = dict(program=program, ssh=shlex.split(args.ssh_command), remote_plan=args.remote_plan)
+        if not args.no_preflight and not _preflight(plan, launcher, options, args.connect_timeout):
             return 1
-    elif args.ssh and not args.print_only:
-        print(f"{PROG}: starting {plan.num_stages} stages over ssh", file=sys.stderr)
+        print(f"{PROG}: starting {plan.num_stages} stages " + ("on a Ray cluster" if ray else "over ssh"),
+              file=sys.stderr)
         try:
-            procs, addresses = ssh_spawn(plan, auth_token=token, program=program, remote_plan=args.remote_plan,
-                                         ssh=shlex.split(args.ssh_command), timeout_s=args.connect_timeout)
+            procs, plan, addresses = start_stages(plan, launcher, timeout_s=args.connect_timeout, **options)
         except (RuntimeError, TimeoutError, OSError, ValueError) as err:
             print(f"{PROG}: {err}", file=sys.stderr)
             return 1
@@ -118,6 +120,18 @@ def run(args: argparse.Namespace) -> int:
         addresses = None
         print(f"{PROG}: waiting up to {args.connect_timeout:.0f} s for the stages", file=sys.stderr)
     return _drive(plan, args, req, token=token, addresses=addresses, procs=procs, interactive=interactive)
+
+
+def _preflight(plan, launcher: str, options: dict, timeout_s: float) -> bool:
+    """``stagewise doctor``'s checks before the stages start; the table and False when any fails."""
+    from stagewise.launch.doctor import run_doctor, table
+
+    checks, here = run_doctor(plan, launcher, timeout_s=min(timeout_s, 120.0), **options)
+    if here or not all(c.ok for c in checks):
+        print(f"{PROG}: the preflight failed (--no-preflight skips it):\n{table(checks, plan, here)}", file=sys.stderr)
+        return False
+    print(f"{PROG}: preflight: {len(checks)} checks passed", file=sys.stderr)
+    return True
 
 
 def _drive(plan, args, req: Requests, *, token, addresses, procs, interactive: bool) -> int:

@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auth-token", default=None,
                         help="shared secret for the hello (default: $STAGEWISE_AUTH_TOKEN)")
     parser.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--probe", action="store_true",
+                        help="instead of the stage, the preflight probe `stagewise doctor` talks to (binds the "
+                             "stage's address, reads no weights)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -41,9 +44,14 @@ def main(args: argparse.Namespace) -> int:
         # From here SIGTERM unwinds, so that the stage closes its links and rings on the way out.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         plan, index, rank, on_listening = stage_from_args(args)
-        stage = StageProcess(plan, index, rank=rank, listen=args.listen, auth_token=token)
-        stage.on_listening = on_listening
-        code = stage.run()
+        if args.probe:
+            from stagewise.launch.probe import serve_probe
+
+            code = serve_probe(plan, index, rank, args.listen)
+        else:
+            stage = StageProcess(plan, index, rank=rank, listen=args.listen, auth_token=token)
+            stage.on_listening = on_listening
+            code = stage.run()
     except KeyboardInterrupt:
         code = 130
     except SystemExit as exit_:

@@ -220,3 +220,22 @@ def test_stages_on_ray_nodes_talk_mutual_tls(cluster, reference, tmp_path):
         [got] = p.generate([QUESTION], chat=True, max_new_tokens=24)
     assert got.token_ids == reference[0].token_ids
     assert _leftovers(cluster) == ([], [])
+
+
+def test_doctor_and_launch_preflight_on_the_cluster(cluster, tmp_path, capsys):
+    """`stagewise doctor --launcher ray` probes every placed rank and hop; `stagewise launch
+    --launcher ray` runs the same checks before it starts the stages."""
+    from stagewise.cli import main
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(f"model: {MODEL}\nlauncher: ray\nplacement: strict_spread\npartition: even\n"
+                    "stages:\n  - {threads: 1}\n  - {threads: 1}\n")
+    assert main(["doctor", str(plan), "--ray-address", cluster.address, "--json"]) == 0
+    checks = json.loads(capsys.readouterr().out)["checks"]
+    assert {c["what"] for c in checks} >= {"probe started", "model", "hop", "gloo/NCCL interface"}
+    assert all(c["ok"] for c in checks) and len([c for c in checks if c["what"] == "hop"]) == 2
+    assert main(["launch", str(plan), "--ray-address", cluster.address, "--prompt", QUESTION, "--chat",
+                 "--max-new-tokens", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "preflight: " in err and "checks passed" in err
+    assert _leftovers(cluster) == ([], [])

@@ -107,11 +107,12 @@ def stage_argv(plan: RunPlan, index: int, *, rank: int = 0,
 
 
 
-def spawn_stages(plan: RunPlan, *, auth_token: str | None = None,
-                 timeout_s: float = 120.0) -> tuple[StageProcesses, list[tuple[str, int]]]:
-    """Start every rank of every stage of ``plan`` here and wait until each listens. Returns the
-    processes and their listen addresses (in :attr:`RunPlan.members` order); on any error every
-    process started is stopped."""
+def spawn_stages(plan: RunPlan, *, auth_token: str | None = None, timeout_s: float = 120.0,
+                 extra: Sequence[str] = (), keep_going: bool = False) -> tuple[StageProcesses, list]:
+    """Start every rank of every stage of ``plan`` here (``extra``: more arguments of each) and
+    wait until each listens. Returns the processes and their listen addresses (in
+    :attr:`RunPlan.members` order); on any error every process started is stopped, or with
+    ``keep_going`` the error takes that rank's place in the list (a string)."""
     env = dict(os.environ)
     if auth_token:
         env["STAGEWISE_AUTH_TOKEN"] = auth_token
@@ -123,7 +124,7 @@ def spawn_stages(plan: RunPlan, *, auth_token: str | None = None,
             stage_env = dict(env)
             if spec.threads:
                 stage_env["OMP_NUM_THREADS"] = str(spec.threads)
-            argv = stage_argv(plan, index, rank=rank, extra=["--die-with-parent"])
+            argv = stage_argv(plan, index, rank=rank, extra=["--die-with-parent", *extra])
             procs.procs.append(subprocess.Popen(argv,
                                                 env=stage_env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                                 text=True,
@@ -131,11 +132,25 @@ def spawn_stages(plan: RunPlan, *, auth_token: str | None = None,
                                                 # the stages; a stage still importing would otherwise die with a
                                                 # traceback.
                                                 start_new_session=True))
-        addresses = [read_address(p, label, timeout_s) for p, label in zip(procs.procs, procs.labels)]
+        addresses = read_addresses(procs.procs, procs.labels, timeout_s, keep_going)
     except BaseException:
         procs.stop(grace_s=0.5)
         raise
     return procs, addresses
+
+
+def read_addresses(procs, labels, timeout_s: float, keep_going: bool = False) -> list:
+    """Each process's listen address (:func:`read_address`); with ``keep_going`` a failure's words
+    take its place instead of raising."""
+    out = []
+    for proc, label in zip(procs, labels):
+        try:
+            out.append(read_address(proc, label, timeout_s))
+        except (RuntimeError, TimeoutError) as err:
+            if not keep_going:
+                raise
+            out.append(str(err))
+    return out
 
 
 def read_address(proc: subprocess.Popen, index: int | str, timeout_s: float) -> tuple[str, int]:

@@ -17,7 +17,7 @@ import socket
 import subprocess
 from collections.abc import Sequence
 
-from stagewise.launch.local import StageProcesses, read_address, stage_argv
+from stagewise.launch.local import StageProcesses, read_addresses, stage_argv
 from stagewise.parallel.runplan import RunPlan, StageSpec, parse_address
 from stagewise.launch.torchrun import WILDCARD_HOSTS
 
@@ -120,8 +120,8 @@ def ssh_argv(host: str, argv: Sequence[str], *, auth: bool, ssh: Sequence[str] =
 
 
 def ssh_spawn(plan: RunPlan, *, auth_token: str | None, program: Sequence[str], ssh: Sequence[str],
-              remote_plan: str | None = None, timeout_s: float = 300.0
-              ) -> tuple[StageProcesses, list[tuple[str, int]]]:
+              remote_plan: str | None = None, timeout_s: float = 300.0, extra: Sequence[str] = (),
+              keep_going: bool = False) -> tuple[StageProcesses, list]:
     """Start every stage on its host over ssh; wait for each ``STAGEWISE-LISTENING`` line (ssh
     forwards the remote stdout) and return the ssh processes and the stages' dial addresses.
     The stages get ``--die-with-parent``: when ssh goes, the remote session ends and so do they."""
@@ -131,7 +131,7 @@ def ssh_spawn(plan: RunPlan, *, auth_token: str | None, program: Sequence[str], 
         for index, rank in members:
             spec = plan.stages[index]
             argv = stage_argv(plan, index, rank=rank, program=program, remote_plan=remote_plan,
-                              extra=["--die-with-parent"])
+                              extra=["--die-with-parent", *extra])
             proc = subprocess.Popen(ssh_argv(spec.host, argv, auth=auth_token is not None, ssh=ssh),
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             if auth_token is not None:
@@ -140,10 +140,12 @@ def ssh_spawn(plan: RunPlan, *, auth_token: str | None, program: Sequence[str], 
             proc.stdin.close()
             procs.procs.append(proc)
         addresses = []
-        for (index, _), proc, label in zip(members, procs.procs, procs.labels):
-            spec = plan.stages[index]
-            host, port = read_address(proc, label, timeout_s)
-            addresses.append((spec.host if host in WILDCARD_HOSTS else host, port))
+        for (index, _), got in zip(members, read_addresses(procs.procs, procs.labels, timeout_s, keep_going)):
+            if isinstance(got, str):
+                addresses.append(got)
+                continue
+            host, port = got
+            addresses.append((plan.stages[index].host if host in WILDCARD_HOSTS else host, port))
     except BaseException:
         procs.stop(grace_s=0.5)
         raise

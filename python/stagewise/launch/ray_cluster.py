@@ -205,11 +205,12 @@ def _check_fits(ray, bundles: list[dict[str, float]], strategy: str) -> None:
 
 
 def start_stages(plan: RunPlan, *, address: str | None = None, placement: str = "spread",
-                 auth_token: str | None = None,
-                 timeout_s: float = 120.0) -> tuple[RayStages, RunPlan, list[tuple[str, int]]]:
-    """Place and start every rank of ``plan`` on the Ray cluster. Returns the actors, the plan with
-    each stage's host (its node's address), and the listen addresses (in :attr:`RunPlan.members`
-    order); on any error everything started is stopped."""
+                 auth_token: str | None = None, timeout_s: float = 120.0, extra=(),
+                 keep_going: bool = False) -> tuple[RayStages, RunPlan, list]:
+    """Place and start every rank of ``plan`` on the Ray cluster (``extra``: more arguments of
+    each). Returns the actors, the plan with each stage's host (its node's address), and the
+    listen addresses (in :attr:`RunPlan.members` order); on any error everything started is
+    stopped, or with ``keep_going`` a rank's error takes its place in the list (a string)."""
     if placement not in STRATEGIES:
         raise ValueError(f"--placement must be one of {', '.join(STRATEGIES)}, got {placement!r}")
     ray = import_ray()
@@ -251,14 +252,17 @@ def start_stages(plan: RunPlan, *, address: str | None = None, placement: str = 
             gpus = stages.nodes[members.index((index, 0))]["gpus"]
             if gpus:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-            argv = stage_argv(placed, index, rank=rank, program=(), extra=["--die-with-parent"])
+            argv = stage_argv(placed, index, rank=rank, program=(), extra=["--die-with-parent", *extra])
             starts.append(stages.actors[i].start.remote(argv, env, stages.labels[i], timeout_s))
         addresses = []
         for ref in starts:
             try:
                 addresses.append(tuple(ray.get(ref, timeout=timeout_s + 10)))
             except ray.exceptions.RayTaskError as err:
-                raise RuntimeError(str(err.cause) if err.cause is not None else str(err)) from None
+                why = str(err.cause) if err.cause is not None else str(err)
+                if not keep_going:
+                    raise RuntimeError(why) from None
+                addresses.append(why)
         return stages, placed, addresses
     except BaseException:
         stages.stop(grace_s=0.5)

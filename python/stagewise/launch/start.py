@@ -1,5 +1,6 @@
-"""The one place a launcher is chosen: the stage processes of a plan started here (``local``) or
-on a Ray cluster (``ray``), handed to the driver the same way."""
+"""The one place a launcher is chosen: the stage processes of a plan started here (``local``), on
+their hosts over ssh (``ssh``) or on a Ray cluster (``ray``), handed to the driver the same way
+(stages started by hand or by torchrun are attached to instead: ``Pipeline.attach``)."""
 
 from __future__ import annotations
 
@@ -30,23 +31,34 @@ def process_options(options: dict, processes: bool, max_restarts: int) -> tuple[
 
 
 def start_stages(plan: RunPlan, launcher: str = "local", *, auth_token: str | None = None,
-                 ray_address: str | None = None, placement: str = "spread", timeout_s: float = 120.0):
-    """Start every rank of ``plan``; returns the processes as the driver watches them
+                 ray_address: str | None = None, placement: str = "spread", timeout_s: float = 120.0,
+                 extra=(), keep_going: bool = False, ssh: dict | None = None):
+    """Start every rank of ``plan`` (``extra``: more arguments of each rank's ``stagewise stage``);
+    returns the processes as the driver watches them
     (:class:`~stagewise.pipeline.driver.StageProcesses`), the plan as placed (Ray gives each stage
-    its node's host) and the ranks' listen addresses, in :attr:`RunPlan.members` order."""
+    its node's host) and the ranks' listen addresses, in :attr:`RunPlan.members` order. With
+    ``keep_going`` a rank that fails to start leaves its error (a string) in its place instead of
+    stopping them all. ``launcher`` ``ssh`` takes ``ssh``: ``program``, ``ssh`` and
+    ``remote_plan`` (see :func:`stagewise.launch.multihost.ssh_spawn`)."""
+    if launcher != "ray" and (ray_address is not None or placement != "spread"):
+        raise ValueError("ray_address and placement apply to launcher='ray'")
     if launcher == "local":
         from stagewise.launch.local import spawn_stages
 
-        if ray_address is not None or placement != "spread":
-            raise ValueError("ray_address and placement apply to launcher='ray'")
-        procs, addresses = spawn_stages(plan, auth_token=auth_token, timeout_s=timeout_s)
+        procs, addresses = spawn_stages(plan, auth_token=auth_token, timeout_s=timeout_s, extra=extra,
+                                        keep_going=keep_going)
+        return procs, plan, addresses
+    if launcher == "ssh":
+        from stagewise.launch.multihost import ssh_spawn
+
+        procs, addresses = ssh_spawn(plan, auth_token=auth_token, timeout_s=timeout_s, extra=extra,
+                                     keep_going=keep_going, **(ssh or {}))
         return procs, plan, addresses
     if launcher == "ray":
         from stagewise.launch.ray_cluster import start_stages as ray_stages
 
         return ray_stages(plan, address=ray_address, placement=placement, auth_token=auth_token,
-                          timeout_s=timeout_s)
-    raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
-
+                          timeout_s=timeout_s, extra=extra, keep_going=keep_going)
+    raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)} (or ssh), got {launcher!r}")
 
 __all__ = ["LAUNCHERS", "PLACEMENTS", "process_options", "start_stages"]

@@ -1,0 +1,209 @@
+"""``stagewise doctor PLAN``: a multi-host run checked in seconds, before any weight loads.
+
+The launcher of the run (printed commands, ``--ssh``, ``--launcher ray``; locally when every stage
+is on this machine) starts a probe (:mod:`stagewise.launch.probe`) in place of every stage rank.
+Then, from here and from the probes themselves:
+
+- each probe started and bound its listen address (a port taken, or not allowed, is named);
+- each host runs a stagewise of this version and protocol;
+- the plan's model is readable on every host at the plan's path, with this host's fingerprint;
+- each hop's address is reachable in its direction (stage i -> i + 1, the last -> 0), and this
+  host reaches every rank (the driver's links), each with its round trip and bandwidth;
+- the interface each host reaches this one by (gloo's and NCCL's pick for the stage's group),
+  and ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` where set.
+
+Every check is a :class:`Check` row: what, where, whether it passed, and for a failure what to
+change. ``stagewise launch --ssh`` and ``--launcher ray`` run it first (``--no-preflight`` skips).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import asdict, dataclass
+
+from stagewise.launch.probe import measure, request
+from stagewise.parallel.runplan import PROTOCOL_VERSION, RunPlan
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    what: str
+    where: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+def diagnose(plan: RunPlan, addresses: list[tuple[str, int] | str], *, fingerprint: str | None,
+             timeout: float = 10.0) -> list[Check]:
+    """The checks of the probes at ``addresses`` (one per :attr:`RunPlan.members`; a string
+    instead says why that probe did not start). ``fingerprint``: the model's as read here (None
+    when this host cannot read it)."""
+    import stagewise
+
+    checks: list[Check] = []
+    members = plan.members
+    labels = [plan.member_label(s, r) for s, r in members]
+    reports: dict[int, dict] = {}
+    for i, ((index, rank), address) in enumerate(zip(members, addresses)):
+        where = f"{labels[i]} on {plan.stages[index].host}"
+        if isinstance(address, str):
+            checks.append(Check("probe started", where, False, address,
+                                _start_fix(address, plan.stages[index].rank_listen(rank))))
+            continue
+        try:
+            with socket.create_connection(address, timeout=timeout) as sock:
+                report = request(sock.makefile("rb"), sock, {"op": "report"})
+            reports[i] = report
+            checks.append(Check("probe started", where, True, f"listening on {address[0]}:{address[1]}"))
+        except (OSError, ValueError) as err:
+            checks.append(Check("driver -> rank", where, False, f"{address[0]}:{address[1]}: {err}",
+                                "open this port to the driver's host (firewall), or listen on an address it reaches"))
+            continue
+        same = report["stagewise"] == stagewise.__version__ and report["protocol"] == PROTOCOL_VERSION
+        checks.append(Check("stagewise version", where, same,
+                            f"{report['stagewise']} (protocol {report['protocol']}, Python {report['python']}, torch "
+                            f"{report.get('torch', '?')}); here {stagewise.__version__} (protocol {PROTOCOL_VERSION})",
+                            "" if same else f"install stagewise {stagewise.__version__} on {report['host']}"))
+        if "model_error" in report:
+            checks.append(Check("model", where, False, f"{report['model']}: {report['model_error']}",
+                                f"make {report['model']!r} readable on {report['host']} (the plan's path is every "
+                                "host's)"))
+        elif fingerprint is not None and report["fingerprint"] != fingerprint:
+            checks.append(Check("model", where, False, f"fingerprint {report['fingerprint']}, here {fingerprint}",
+                                f"the model at {report['model']!r} on {report['host']} differs from this host's: copy "
+                                "the same files"))
+        else:
+            checks.append(Check("model", where, True, f"{report['model']} (fingerprint {report['fingerprint']})"))
+        try:
+            m = measure(*address, timeout=timeout)
+            checks.append(Check("driver -> rank", where, True, f"rtt {m['rtt_ms']:.2f} ms, {m['gbps']:.2f} GB/s"))
+        except OSError as err:
+            checks.append(Check("driver -> rank", where, False, str(err), "open this port to the driver's host"))
+        toward = report.get("toward_asker", {})
+        names = report.get("socket_ifname") or {}
+        detail = f"{toward.get('interface') or '?'} ({toward.get('address')})" + "".join(
+            f"; {k}={v}" for k, v in names.items())
+        checks.append(Check("gloo/NCCL interface", where, True, detail))
+    checks += _hops(plan, addresses, reports, labels, timeout)
+    return checks
+
+
+def _hops(plan: RunPlan, addresses, reports: dict[int, dict], labels: list[str], timeout: float) -> list[Check]:
+    """Each stage's leader measures its outgoing hop (to the next stage's leader, the last to 0's)."""
+    out = []
+    n, members = plan.num_stages, plan.members
+    if n < 2:
+        return out
+    for a in range(n):
+        b = (a + 1) % n
+        i, j = members.index((a, 0)), members.index((b, 0))
+        where = f"stage {a} ({plan.stages[a].host}) -> stage {b} ({plan.stages[b].host})"
+        if i not in reports or j not in reports:
+            out.append(Check("hop", where, False, "not measured: a probe did not start or answer"))
+            continue
+        host, port = addresses[j]
+        try:
+            with socket.create_connection(addresses[i], timeout=timeout) as sock:
+                got = request(sock.makefile("rb"), sock, {"op": "probe", "host": host, "port": port})
+        except (OSError, ValueError) as err:
+            got = {"ok": False, "error": str(err)}
+        if got.get("ok"):
+            out.append(Check("hop", where, True, f"{host}:{port}: rtt {got['rtt_ms']:.2f} ms, {got['gbps']:.2f} GB/s"))
+        else:
+            out.append(Check("hop", where, False, f"{host}:{port}: {got.get('error')}",
+                             f"let {plan.stages[a].host} reach {host}:{port} (firewall, routing), or listen on an "
+                             f"address it reaches (stages[{b}].listen)"))
+    return out
+
+
+def _start_fix(why: str, listen: str) -> str:
+    if "cannot listen" in why:
+        return f"free {listen} on that host, or give the stage another listen address"
+    if "before listening" in why or "unrecognized arguments" in why:
+        return "install a stagewise with `stage --probe` (this version) on that host"
+    return "check that host's stagewise installation and the launcher's access to it"
+
+
+def say_bye(addresses) -> None:
+    for address in addresses:
+        if isinstance(address, str):
+            continue
+        try:
+            with socket.create_connection(address, timeout=2.0) as sock:
+                request(sock.makefile("rb"), sock, {"op": "bye"})
+        except (OSError, ValueError):
+            pass
+
+
+def own_fingerprint(plan: RunPlan) -> tuple[str | None, str | None]:
+    """This host's fingerprint of the plan's model, or why it cannot read it."""
+    try:
+        from stagewise.model.loader import open_checkpoint
+
+        return plan.fingerprint(open_checkpoint(plan.model).hf_config), None
+    except Exception as err:  # noqa: BLE001 - a check result
+        return None, f"{type(err).__name__}: {err}"
+
+
+def table(checks: list[Check], plan: RunPlan, here_error: str | None = None) -> str:
+    rows = [("check", "where", "", "result")]
+    if here_error:
+        rows.append(("model", f"this host ({socket.gethostname()})", "FAIL", here_error))
+    for c in checks:
+        rows.append((c.what, c.where, "ok" if c.ok else "FAIL", c.detail + (f"  -> {c.fix}" if c.fix else "")))
+    widths = [max(len(r[k]) for r in rows) for k in range(3)]
+    lines = ["  ".join(r[k].ljust(widths[k]) for k in range(3)) + "  " + r[3] for r in rows]
+    bad = sum(not c.ok for c in checks) + bool(here_error)
+    lines.append(f"{len(checks) + bool(here_error)} checks of {plan.num_stages} stages, {bad} failed")
+    return "\n".join(lines)
+
+
+def as_json(checks: list[Check]) -> list[dict]:
+    return [asdict(c) for c in checks]
+
+
+def wait_for(addresses: list[tuple[str, int]], timeout: float) -> list[tuple[str, int] | str]:
+    """Probes started by hand (printed commands): each address once it accepts, or why not."""
+    deadline = time.monotonic() + timeout
+    out: list[tuple[str, int] | str] = []
+    for address in addresses:
+        while True:
+            try:
+                socket.create_connection(address, timeout=1.0).close()
+                out.append(address)
+                break
+            except OSError as err:
+                if time.monotonic() > deadline:
+                    out.append(f"nothing accepts on {address[0]}:{address[1]} ({err})")
+                    break
+                time.sleep(0.2)
+    return out
+
+
+
+def run_doctor(plan: RunPlan, launcher: str | None, *, timeout_s: float = 60.0, **start) -> tuple[list[Check], str | None]:
+    """Start the probes with ``launcher`` (``local``, ``ssh``, ``ray``; None: they were started
+    by hand, from the printed commands, at the plan's addresses), check, and stop them. Returns the
+    checks and why this host cannot read the model (None when it can)."""
+    from stagewise.launch.start import start_stages
+
+    fingerprint, here_error = own_fingerprint(plan)
+    procs, placed = None, plan
+    if launcher is None:
+        from stagewise.launch.multihost import connect_address
+
+        addresses = wait_for([connect_address(plan.stages[i], r) for i, r in plan.members], timeout_s)
+    else:
+        try:
+            procs, placed, addresses = start_stages(plan, launcher, extra=["--probe"], keep_going=True,
+                                                    timeout_s=timeout_s, **start)
+        except (RuntimeError, TimeoutError, OSError, ValueError) as err:
+            return [Check("probes started", f"{launcher} launcher", False, str(err))], here_error
+    try:
+        return diagnose(placed, addresses, fingerprint=fingerprint), here_error
+    finally:
+        say_bye(addresses)
+        if procs is not None:
+            procs.stop(2.0)

@@ -1,0 +1,165 @@
+"""The preflight probe (``stagewise stage ... --probe``): what ``stagewise doctor`` starts on every
+host in place of a stage rank, by the same launcher (printed command, ssh, Ray), before any weight
+is read.
+
+It binds the rank's listen address (so a port that is taken or not allowed fails here, named),
+prints the ``STAGEWISE-LISTENING`` line as a stage does, and answers the doctor on that port in
+JSON lines over TCP (no pickle; each connection in a thread of its own):
+
+- ``{"op": "report"}``: this host's stagewise and protocol versions, Python and torch, and the
+  plan's model as read here (its fingerprint, or why it cannot be read), plus the address and
+  network interface this host reaches the asker by (the one gloo and NCCL would pick without
+  ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, which are reported when set);
+- ``{"op": "echo", "n": N, "reply": M}`` followed by N bytes: M bytes come back (round trips and
+  bandwidth are measured with it);
+- ``{"op": "probe", "host": H, "port": P}``: measure from here to another probe (a hop's
+  direction) and answer with the figures or the error;
+- ``{"op": "bye"}``: the probe exits (it also does after ``IDLE_S`` without a request).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import threading
+import time
+
+from stagewise.parallel.runplan import PROTOCOL_VERSION, RunPlan, parse_address
+from stagewise.pipeline.lines import FAILED_LINE, READY_LINE
+
+IDLE_S = 120.0
+MAX_ECHO = 64 << 20
+ROUND_TRIPS = 20
+BANDWIDTH_BYTES = 8 << 20
+
+
+def host_report(plan: RunPlan) -> dict:
+    """This host's side of the preflight: versions, and the plan's model as read here."""
+    import platform
+
+    import stagewise
+
+    out = {"host": socket.gethostname(), "stagewise": stagewise.__version__, "protocol": PROTOCOL_VERSION,
+           "python": platform.python_version(), "model": plan.model,
+           "socket_ifname": {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if k in os.environ}}
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+        from stagewise.model.loader import open_checkpoint
+
+        checkpoint = open_checkpoint(plan.model)
+        out["fingerprint"] = plan.fingerprint(checkpoint.hf_config)
+    except Exception as err:  # noqa: BLE001 - reported, named, to the doctor
+        out["model_error"] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this host's network interface that holds ``address`` (None if unknown)."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addrs):
+            return name
+    return None
+
+
+# ---- the wire: one JSON line each way, raw bytes for echoes ------------------------------------
+
+
+def request(f, sock: socket.socket, msg: dict, payload: bytes = b"") -> dict:
+    sock.sendall(json.dumps(msg).encode() + b"\n" + payload)
+    line = f.readline(1 << 16)
+    if not line:
+        raise ConnectionError("the probe closed the connection")
+    return json.loads(line)
+
+
+def measure(host: str, port: int, timeout: float = 10.0) -> dict:
+    """Round trip (median of small echoes) and one-way bandwidth from here to the probe at
+    ``host:port``; raises OSError when it cannot be reached."""
+    with socket.create_connection((host, port), timeout=timeout) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        f = sock.makefile("rb")
+        times = []
+        for _ in range(ROUND_TRIPS):
+            t0 = time.perf_counter()
+            request(f, sock, {"op": "echo", "n": 1, "reply": 1}, b"x")
+            f.read(1)
+            times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        request(f, sock, {"op": "echo", "n": BANDWIDTH_BYTES, "reply": 1}, bytes(BANDWIDTH_BYTES))
+        f.read(1)
+        seconds = time.perf_counter() - t0
+        sock.sendall(b'{"op": "close"}\n')
+    return {"rtt_ms": 1e3 * statistics.median(times), "gbps": BANDWIDTH_BYTES / seconds / 1e9}
+
+
+# ---- the probe process ---------------------------------------------------------------------------
+
+
+def serve_probe(plan: RunPlan, index: int, rank: int, listen: str | None = None) -> int:
+    """Run the probe of stage ``index`` rank ``rank`` until told bye (or idle); its exit code."""
+    host, port = parse_address(listen or plan.stages[index].rank_listen(rank))
+    try:
+        server = socket.create_server((host, port))
+    except OSError as err:
+        why = f"cannot listen on {host}:{port}: {err.strerror or err}"
+        print(f"{FAILED_LINE} {json.dumps({'stage': index, 'host': socket.gethostname(), 'error': why})}", flush=True)
+        return 1
+    report = host_report(plan)
+    bound = server.getsockname()
+    print(f"{READY_LINE} {bound[0]} {bound[1]}", flush=True)
+    done, last = threading.Event(), [time.monotonic()]
+    server.settimeout(0.5)
+    with server:
+        while not done.is_set() and time.monotonic() - last[0] < IDLE_S:
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            last[0] = time.monotonic()
+            threading.Thread(target=_answer, args=(conn, report, done, last), daemon=True).start()
+    return 0
+
+
+def _answer(conn: socket.socket, report: dict, done: threading.Event, last: list) -> None:
+    with conn:
+        conn.settimeout(IDLE_S)
+        f = conn.makefile("rb")
+        while True:
+            line = f.readline(1 << 16)
+            if not line:
+                return
+            last[0] = time.monotonic()
+            try:
+                msg = json.loads(line)
+                op = msg["op"]
+            except (ValueError, KeyError, TypeError):
+                return
+            if op == "report":
+                mine = conn.getsockname()[0]
+                reply = {**report, "toward_asker": {"address": mine, "interface": interface_of(mine)}}
+            elif op == "echo":
+                n, back = int(msg.get("n", 0)), int(msg.get("reply", 0))
+                if not (0 <= n <= MAX_ECHO and 0 <= back <= MAX_ECHO):
+                    return
+                f.read(n)
+                conn.sendall(json.dumps({"ok": True}).encode() + b"\n" + bytes(back))
+                continue
+            elif op == "probe":
+                try:
+                    reply = {"ok": True, **measure(str(msg["host"]), int(msg["port"]))}
+                except (OSError, ValueError, KeyError) as err:
+                    reply = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+            elif op == "bye":
+                done.set()
+                reply = {"ok": True}
+            else:  # close
+                return
+            conn.sendall(json.dumps(reply).encode() + b"\n")

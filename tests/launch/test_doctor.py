@@ -1,0 +1,120 @@
+"""`stagewise doctor`: real probes (`stagewise stage --probe`) started by the local launcher or by
+hand, checked from here. A healthy plan passes every check; a taken port, a model path that one
+host cannot read (the probes run in folders of their own, a relative path), a stagewise version
+that differs, and a host nothing answers on are each named, with what to change; nothing is left
+running."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+
+from stagewise.cli import main
+from stagewise.launch.doctor import run_doctor
+from stagewise.launch.local import read_address, stage_argv
+from stagewise.model.loader import open_checkpoint
+from stagewise.parallel.runplan import RunPlan
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _plan(model: str, ports: list[int], **extra) -> RunPlan:
+    stages = [{"host": "127.0.0.1", "listen": f"127.0.0.1:{p}", "threads": 1} for p in ports]
+    return RunPlan.from_dict({"model": model, "partition": "even", "num_layers": 30, "stages": stages, **extra}, 30)
+
+
+def _write(tmp_path, plan: RunPlan):
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    return str(path)
+
+
+def _by(checks, what: str) -> list:
+    return [c for c in checks if c.what == what]
+
+
+def test_a_healthy_plan_passes_every_check(tmp_path, capsys):
+    path = _write(tmp_path, _plan("smollm2-135m", _free_ports(3)))
+    assert main(["doctor", path, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["model_here"] is None
+    whats = [c["what"] for c in out["checks"]]
+    for what, count in (("probe started", 3), ("stagewise version", 3), ("model", 3), ("driver -> rank", 3),
+                        ("gloo/NCCL interface", 3), ("hop", 3)):
+        assert whats.count(what) == count, (what, whats)
+    hops = [c["where"] for c in out["checks"] if c["what"] == "hop"]
+    assert hops[-1].startswith("stage 2") and "-> stage 0" in hops[-1]
+    assert all("rtt" in c["detail"] for c in out["checks"] if c["what"] in ("hop", "driver -> rank"))
+
+
+def test_a_taken_port_is_named_with_its_stage(tmp_path, capsys):
+    ports = _free_ports(2)
+    with socket.create_server(("127.0.0.1", ports[1])):  # another program holds stage 1's port
+        code = main(["doctor", _write(tmp_path, _plan("smollm2-135m", ports))])
+    out = capsys.readouterr().out
+    assert code == 1
+    line = next(ln for ln in out.splitlines() if ln.startswith("probe started") and "stage 1" in ln)
+    assert "FAIL" in line and f"cannot listen on 127.0.0.1:{ports[1]}" in line and "free 127.0.0.1" in line
+    assert "not measured" in next(ln for ln in out.splitlines() if ln.startswith("hop"))
+
+
+def _by_hand(plan: RunPlan, folders) -> list[subprocess.Popen]:
+    """The first ``len(folders)`` probes started as a user would on their hosts, each in its own
+    folder."""
+    procs = []
+    for (index, rank), folder in zip(plan.members, folders):
+        argv = stage_argv(plan, index, rank=rank, extra=["--probe", "--die-with-parent"])
+        procs.append(subprocess.Popen(argv, cwd=folder, stdout=subprocess.PIPE, text=True))
+    for p in procs:
+        read_address(p, "probe", 60)
+    return procs
+
+
+def test_a_model_path_one_host_cannot_read_is_named(tmp_path, monkeypatch):
+    gguf = open_checkpoint("smollm2-135m").path
+    good, bad = tmp_path / "host-a", tmp_path / "host-b"
+    for folder in (good, bad):
+        folder.mkdir()
+    (good / "model.gguf").symlink_to(gguf)
+    plan = _plan("model.gguf", _free_ports(2))
+    monkeypatch.chdir(good)  # the driver's host has the model
+    procs = _by_hand(plan, [good, bad])
+    try:
+        checks, here = run_doctor(plan, None, timeout_s=30)
+    finally:
+        for p in procs:
+            p.kill()
+    assert here is None
+    models = _by(checks, "model")
+    assert [c.ok for c in models] == [True, False]
+    assert "stage 1 on 127.0.0.1" in models[1].where and "model.gguf" in models[1].detail
+    assert "make 'model.gguf' readable on" in models[1].fix
+    assert all(c.ok for c in checks if c.what != "model")
+
+
+def test_another_stagewise_version_is_named(tmp_path, monkeypatch):
+    import stagewise
+
+    plan = _plan("smollm2-135m", _free_ports(2))
+    monkeypatch.setattr(stagewise, "__version__", "9.9.9")  # this host's: the hosts run the installed one
+    checks, _ = run_doctor(plan, "local", timeout_s=60)
+    versions = _by(checks, "stagewise version")
+    assert len(versions) == 2 and not any(c.ok for c in versions)
+    assert "here 9.9.9" in versions[0].detail and versions[0].fix.startswith("install stagewise 9.9.9 on ")
+
+
+def test_a_host_nothing_answers_on_is_named_and_nothing_is_left(tmp_path):
+    plan = _plan("smollm2-135m", _free_ports(2))
+    [first] = _by_hand(plan, [tmp_path])  # stage 1's host never started its probe
+    checks, _ = run_doctor(plan, None, timeout_s=2)
+    started = _by(checks, "probe started")
+    assert [c.ok for c in started] == [True, False] and "nothing accepts on 127.0.0.1" in started[1].detail
+    assert _by(checks, "hop")[0].detail.startswith("not measured")
+    assert first.wait(10) == 0  # told bye, it left
