@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from stagewise.version import __version__
 __all__ = ["Completion", "FrameError", "Pipeline", "__version__"]
 
 if TYPE_CHECKING:

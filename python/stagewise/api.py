@@ -26,7 +26,7 @@ from stagewise.frontend import Completion, LocalBackend, Run, sampling_per_promp
 from stagewise.model.loader import Checkpoint, open_checkpoint, resolve_dtype
 from stagewise.model.quant import check_precision
 from stagewise.image_processing import expand_prompts, prepare_prompt_images
-from stagewise.launch.start import process_options, start_stages
+from stagewise.launch.start import process_options, process_plan, start_stages
 from stagewise.prompts import encode_prompts, render_chat
 
 
@@ -86,21 +86,12 @@ class Pipeline:
         if max_image_pixels is not None and self.image_processor is not None:
             self.image_processor = dataclasses.replace(self.image_processor, max_input_pixels=max_image_pixels)
         if processes:
-            from stagewise.launch.local import local_plan
-            from stagewise.model.shapes import parallel_problems
-
-            problems = parallel_problems(self.config, tp, dcp)
-            if problems:
-                raise ValueError(f"Pipeline: {problems[0]}")
-            plan = local_plan(model if isinstance(model, str) else str(model.path), self.config, stages, dev.type,
-                              dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."), tp=tp, dcp=dcp,
-                              pcp=pcp, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                              max_prefill_tokens=max_prefill_tokens, kv_cache_bytes=kv_cache_bytes,
-                              max_num_tokens=max_num_tokens, quantized=quantized, linear_precision=linear_precision,
-                              **pipeline_options)
-            from stagewise.pipeline.links import hop_transports
-
-            hop_transports(plan)  # a transport a hop cannot use: said before any process starts
+            plan = process_plan(self.checkpoint, model if isinstance(model, str) else str(model.path), stages,
+                                dev.type, dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
+                                tp=tp, dcp=dcp, pcp=pcp, launch=launch_options, max_num_seqs=max_num_seqs,
+                                max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
+                                kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens, quantized=quantized,
+                                linear_precision=linear_precision, **pipeline_options)
             token = pipeline_options.get("auth_token")
 
             def launch():

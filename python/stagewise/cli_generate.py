@@ -61,7 +61,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_restarts: int = 0, 
     pp.add_argument("--pcp", type=int, default=1, metavar="N",
                     help="prefill context parallel: N ranks per TP rank, each a part of every prompt")
     pp.add_argument("--partition", default=None, metavar="P",
-                    help="with --stages: even (default) | ceil | balanced | explicit ranges such as 0-10,10-22,22-30")
+                    help="with --stages: even (default) | ceil | balanced | measured (each stage's node timed first, "
+                         "the layers split by its speed) | explicit ranges such as 0-10,10-22,22-30")
     pp.add_argument("--transport", default=None, choices=TRANSPORTS,
                     help="with --stages: how stages pass activations (auto, the default: shared memory on one "
                          "host, tcp across hosts)")

@@ -81,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
         if not ray and (args.ray_address or args.placement):
             raise ValueError("--ray-address and --placement apply to --launcher ray (or launcher: ray in the plan)")
         check_plan(plan, fixed_ports=not (args.ssh or ray))
+        if plan.partition == "measured" and not (ray or args.ssh) and not args.print_only:
+            raise ValueError("partition measured times each stage's node first: start the stages with --ssh or "
+                             "--launcher ray")
     except (ValueError, FileNotFoundError, KeyError, OSError) as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 2
@@ -96,6 +99,12 @@ def run(args: argparse.Namespace) -> int:
             options["ssh"] = dict(program=program, ssh=shlex.split(args.ssh_command), remote_plan=args.remote_plan)
         if not args.no_preflight and not _preflight(plan, launcher, options, args.connect_timeout):
             return 1
+        if plan.partition == "measured":
+            from stagewise.launch.measured import measured_plan
+            from stagewise.model.loader import open_checkpoint
+
+            plan = measured_plan(plan, open_checkpoint(plan.model),
+                                 lambda p, **kw: start_stages(p, launcher, **options, **kw))
         print(f"{PROG}: starting {plan.num_stages} stages " + ("on a Ray cluster" if ray else "over ssh"),
               file=sys.stderr)
         try:

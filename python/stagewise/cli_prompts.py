@@ -232,7 +232,7 @@ def config_problems(config, req: Requests, args: argparse.Namespace, *, sampling
     elif stages > 1 and partition is not None:
         from stagewise.parallel.plan import PARTITION_POLICIES, partition_layers
 
-        if partition not in PARTITION_POLICIES:
+        if partition not in (*PARTITION_POLICIES, "measured"):
             try:
                 partition_layers(config.num_layers, stages, partition)
             except ValueError as err:

@@ -100,10 +100,10 @@ def test_a_model_path_one_host_cannot_read_is_named(tmp_path, monkeypatch):
 
 
 def test_another_stagewise_version_is_named(tmp_path, monkeypatch):
-    import stagewise
+    from stagewise import version
 
     plan = _plan("smollm2-135m", _free_ports(2))
-    monkeypatch.setattr(stagewise, "__version__", "9.9.9")  # this host's: the hosts run the installed one
+    monkeypatch.setattr(version, "__version__", "9.9.9")  # this host's: the hosts run the installed one
     checks, _ = run_doctor(plan, "local", timeout_s=60)
     versions = _by(checks, "stagewise version")
     assert len(versions) == 2 and not any(c.ok for c in versions)

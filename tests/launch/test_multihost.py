@@ -295,7 +295,9 @@ def test_launch_over_ssh_on_this_machine(tiny, tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["completions"][0]["token_ids"][:8] == ref
     log = (tmp_path / "ssh.log").read_text()
-    assert log.count("127.0.0.1 sh -c") == 2 and TOKEN not in log
+    # the preflight's two probes over ssh, then the two stages
+    assert log.count("127.0.0.1 sh -c") == 4 and log.count("--probe") == 2 and TOKEN not in log
+    assert "preflight: " in done.stderr
 
 
 def test_launch_reads_prompts_from_stdin_and_labels_each_answer(tiny, tmp_path):
@@ -466,4 +468,6 @@ def test_launch_over_ssh_into_namespaces(netns, tiny, tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["completions"][0]["token_ids"][:8] == ref
     log = (tmp_path / "ssh.log").read_text().splitlines()
-    assert sorted(line.split()[0] for line in log) == sorted(hosts)  # the two ssh calls run at once
+    # each host twice: the preflight's probe, then its stage (the two of each run at once)
+    assert sorted(line.split()[0] for line in log) == sorted(hosts * 2)
+    assert sum("--probe" in line for line in log) == 2 and "preflight: " in done.stderr

@@ -184,7 +184,7 @@ def test_random_blocks_are_valid_gguf():
 
 
 def test_validate_reads_the_checkpoints_block_types():
-    from stagewise.bench.plan_validate import checkpoint_quant
+    from stagewise.model.quant import checkpoint_quant
     from stagewise.model.loader import open_checkpoint
 
     assert checkpoint_quant(open_checkpoint("smollm2-135m")) == ("q4_1", "q8_0")

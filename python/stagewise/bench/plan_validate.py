@@ -23,6 +23,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from stagewise.model.quant import checkpoint_quant
 from stagewise.bench import report, tiny_from_environment
 from stagewise.bench.e2e import make_prompts
 from stagewise.bench.regroup import describe_shapes, model_shapes, regrouped_model
@@ -258,19 +259,6 @@ n x tp processes side by side, measured just before the configuration, against o
 (column `contention`). Row `collectives` (a diagnostic, in no error band): per decode step, the
 stage leaders' time inside their collectives (waiting for the other rank included; the prefill's,
 from a prompt-only run, taken off) against the predicted comm-bound ops."""
-
-
-def checkpoint_quant(ckpt) -> tuple[str, str]:
-    """GGUF block types of the decoder linears and of the embedding ('' where dense)."""
-    from stagewise import ops
-
-    names = {v: k.lower() for k, v in ops.QTYPES.items()}
-    qtype = getattr(ckpt, "qtype", lambda name: None)
-    layer = next((n for n in sorted(ckpt.names()) if n.endswith("mlp.down_proj.weight")), None)
-    embed = "model.embed_tokens.weight"
-    q_layer = qtype(layer) if layer else None
-    q_embed = qtype(embed) if embed in ckpt.names() else None
-    return names.get(q_layer, ""), names.get(q_embed, "")
 
 
 def measure(model: str, stages: int, *, batch: int, input_length: int, output_length: int,

@@ -98,7 +98,7 @@ def random_blocks(out: int, inp: int, qtype: int, gen: torch.Generator | None = 
     return data.reshape(out, nb * bb)
 
 
-def quant_rates(log=print, rounds: int = 7) -> dict:
+def quant_rates(log=print, rounds: int = 7, types: tuple[str, ...] | None = None) -> dict:
     """Per GGUF type: the kernel's time at each of :data:`QUANT_ROWS` rows of x split into a
     cost per weight and one per output row (``rows_s_per_weight``, ``rows_s_per_output``: from
     :data:`QUANT_SHAPES_SPLIT`, which hold as many weights as :data:`QUANT_SHAPE`), and the decode
@@ -107,20 +107,22 @@ def quant_rates(log=print, rounds: int = 7) -> dict:
     the caches, as a model's weights are). Types, shapes and row counts take turns, ``rounds``
     passes each spread over the measurement, and each figure is the median pass (a burst of other
     work on a shared machine then spoils a few passes, not one type's figure; the median, as the
-    validation compares with the median of runs)."""
+    validation compares with the median of runs). ``types``: only these (default: every one)."""
     from stagewise import ops
+
+    kinds = [name for name in QUANT_TYPES if types is None or name.lower() in types or name in types]
 
     narrow, wide = QUANT_SHAPES_SPLIT
     shapes_ = (QUANT_SHAPE, narrow, wide)
     weights = QUANT_SHAPE[0] * QUANT_SHAPE[1]
     mats, counts = {}, {}
-    for name in QUANT_TYPES:
+    for name in kinds:
         qtype = ops.QTYPES[name]
         counts[name] = max(1, QUANT_STREAM_BYTES // (ops.quant_row_bytes(qtype, weights)))
         for shape in shapes_:
             mats[name, shape] = [random_blocks(*shape, qtype) for _ in range(counts[name])]
     xs = {(rows, k): torch.randn(rows, k) for rows in QUANT_ROWS for k in {s_[1] for s_ in shapes_}}
-    t = {(name, shape, rows): [] for name in QUANT_TYPES for shape in shapes_ for rows in QUANT_ROWS}
+    t = {(name, shape, rows): [] for name in kinds for shape in shapes_ for rows in QUANT_ROWS}
     for (name, shape), ms in mats.items():
         for rows in QUANT_ROWS:
             ops.quant_linear(xs[rows, shape[1]], ms[0], ops.QTYPES[name])
@@ -135,7 +137,7 @@ def quant_rates(log=print, rounds: int = 7) -> dict:
                 t[name, shape, rows].append((time.perf_counter() - t0) / counts[name])
     del mats
     result = {}
-    for name in QUANT_TYPES:
+    for name in kinds:
         best = {(shape, rows): statistics.median(t[name, shape, rows]) for shape in shapes_ for rows in QUANT_ROWS}
         t1, tn = best[QUANT_SHAPE, 1], best[QUANT_SHAPE, ROWS]
         rate = 2 * (ROWS - 1) * weights / max(tn - t1, 1e-9)

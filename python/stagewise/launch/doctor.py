@@ -22,7 +22,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass
 
-from stagewise.launch.probe import measure, request
+from stagewise.launch.probe import measure, request, say_bye
 from stagewise.parallel.runplan import PROTOCOL_VERSION, RunPlan
 
 
@@ -40,7 +40,7 @@ def diagnose(plan: RunPlan, addresses: list[tuple[str, int] | str], *, fingerpri
     """The checks of the probes at ``addresses`` (one per :attr:`RunPlan.members`; a string
     instead says why that probe did not start). ``fingerprint``: the model's as read here (None
     when this host cannot read it)."""
-    import stagewise
+    from stagewise import version
 
     checks: list[Check] = []
     members = plan.members
@@ -61,11 +61,11 @@ def diagnose(plan: RunPlan, addresses: list[tuple[str, int] | str], *, fingerpri
             checks.append(Check("driver -> rank", where, False, f"{address[0]}:{address[1]}: {err}",
                                 "open this port to the driver's host (firewall), or listen on an address it reaches"))
             continue
-        same = report["stagewise"] == stagewise.__version__ and report["protocol"] == PROTOCOL_VERSION
+        same = report["stagewise"] == version.__version__ and report["protocol"] == PROTOCOL_VERSION
         checks.append(Check("stagewise version", where, same,
                             f"{report['stagewise']} (protocol {report['protocol']}, Python {report['python']}, torch "
-                            f"{report.get('torch', '?')}); here {stagewise.__version__} (protocol {PROTOCOL_VERSION})",
-                            "" if same else f"install stagewise {stagewise.__version__} on {report['host']}"))
+                            f"{report.get('torch', '?')}); here {version.__version__} (protocol {PROTOCOL_VERSION})",
+                            "" if same else f"install stagewise {version.__version__} on {report['host']}"))
         if "model_error" in report:
             checks.append(Check("model", where, False, f"{report['model']}: {report['model_error']}",
                                 f"make {report['model']!r} readable on {report['host']} (the plan's path is every "
@@ -124,17 +124,6 @@ def _start_fix(why: str, listen: str) -> str:
     if "before listening" in why or "unrecognized arguments" in why:
         return "install a stagewise with `stage --probe` (this version) on that host"
     return "check that host's stagewise installation and the launcher's access to it"
-
-
-def say_bye(addresses) -> None:
-    for address in addresses:
-        if isinstance(address, str):
-            continue
-        try:
-            with socket.create_connection(address, timeout=2.0) as sock:
-                request(sock.makefile("rb"), sock, {"op": "bye"})
-        except (OSError, ValueError):
-            pass
 
 
 def own_fingerprint(plan: RunPlan) -> tuple[str | None, str | None]:

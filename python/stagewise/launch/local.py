@@ -91,10 +91,13 @@ def local_plan(model: str, config, stages: int, device_type: str, dtype: str, *,
     else:
         devices = ["cpu"] * stages
     threads = threads or max(1, usable_cores() // (stages * per_stage))
+    measured = partition == "measured"  # split after the nodes are measured (launch.measured)
+    partition = "even" if measured else partition
     plan = RunPlan.build(model, config.num_layers, stages, partition,
                          costs=decode_layer_costs(config) if partition == "balanced" else None, devices=devices,
                          tp=tp, pcp=pcp, dtype=dtype, transport=transport, checksum=checksum, **limits)
-    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, threads=threads) for s in plan.stages))
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, threads=threads) for s in plan.stages),
+                               partition="measured" if measured else plan.partition)
 
 
 def stage_argv(plan: RunPlan, index: int, *, rank: int = 0,

@@ -14,6 +14,8 @@ JSON lines over TCP (no pickle; each connection in a thread of its own):
   bandwidth are measured with it);
 - ``{"op": "probe", "host": H, "port": P}``: measure from here to another probe (a hop's
   direction) and answer with the figures or the error;
+- ``{"op": "measure", "types": [...]}``: this node's profile for the rank's device and threads
+  (:func:`stagewise.bench.node.node_profile`, cached), for ``--partition measured``;
 - ``{"op": "bye"}``: the probe exits (it also does after ``IDLE_S`` without a request).
 """
 
@@ -39,9 +41,9 @@ def host_report(plan: RunPlan) -> dict:
     """This host's side of the preflight: versions, and the plan's model as read here."""
     import platform
 
-    import stagewise
+    from stagewise import version
 
-    out = {"host": socket.gethostname(), "stagewise": stagewise.__version__, "protocol": PROTOCOL_VERSION,
+    out = {"host": socket.gethostname(), "stagewise": version.__version__, "protocol": PROTOCOL_VERSION,
            "python": platform.python_version(), "model": plan.model,
            "socket_ifname": {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if k in os.environ}}
     try:
@@ -100,6 +102,17 @@ def measure(host: str, port: int, timeout: float = 10.0) -> dict:
     return {"rtt_ms": 1e3 * statistics.median(times), "gbps": BANDWIDTH_BYTES / seconds / 1e9}
 
 
+def say_bye(addresses) -> None:
+    for address in addresses:
+        if isinstance(address, str):
+            continue
+        try:
+            with socket.create_connection(address, timeout=2.0) as sock:
+                request(sock.makefile("rb"), sock, {"op": "bye"})
+        except (OSError, ValueError):
+            pass
+
+
 # ---- the probe process ---------------------------------------------------------------------------
 
 
@@ -113,6 +126,7 @@ def serve_probe(plan: RunPlan, index: int, rank: int, listen: str | None = None)
         print(f"{FAILED_LINE} {json.dumps({'stage': index, 'host': socket.gethostname(), 'error': why})}", flush=True)
         return 1
     report = host_report(plan)
+    report["device"] = plan.stages[index].rank_device(rank)
     bound = server.getsockname()
     print(f"{READY_LINE} {bound[0]} {bound[1]}", flush=True)
     done, last = threading.Event(), [time.monotonic()]
@@ -157,6 +171,13 @@ def _answer(conn: socket.socket, report: dict, done: threading.Event, last: list
                     reply = {"ok": True, **measure(str(msg["host"]), int(msg["port"]))}
                 except (OSError, ValueError, KeyError) as err:
                     reply = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+            elif op == "measure":
+                try:
+                    from stagewise.bench.node import node_profile
+
+                    reply = node_profile(report["device"], tuple(str(t) for t in msg.get("types") or ()))
+                except Exception as err:  # noqa: BLE001 - the driver names the stage with it
+                    reply = {"error": f"{type(err).__name__}: {err}"}
             elif op == "bye":
                 done.set()
                 reply = {"ok": True}

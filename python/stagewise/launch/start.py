@@ -30,6 +30,29 @@ def process_options(options: dict, processes: bool, max_restarts: int) -> tuple[
     return plan, launch
 
 
+def process_plan(checkpoint, model: str, stages: int, device_type: str, dtype: str, *, tp: int, dcp: int, pcp: int,
+                 launch: dict, **options) -> RunPlan:
+    """The run plan of a Pipeline's processes on this machine (``options``: the plan's): the layout
+    checked against the model and each hop's transport; with ``partition="measured"`` the layers
+    split by the nodes, measured by probes the run's launcher (``launch``) starts."""
+    from stagewise.launch.local import local_plan
+    from stagewise.model.shapes import parallel_problems
+    from stagewise.pipeline.links import hop_transports
+
+    problems = parallel_problems(checkpoint.config, tp, dcp)
+    if problems:
+        raise ValueError(f"Pipeline: {problems[0]}")
+    plan = local_plan(model, checkpoint.config, stages, device_type, dtype, tp=tp, dcp=dcp, pcp=pcp, **options)
+    hop_transports(plan)  # a transport a hop cannot use: said before any process starts
+    if plan.partition == "measured":
+        from stagewise.launch.measured import measured_plan
+
+        launch = {"launcher": "local", **launch}
+        plan = measured_plan(plan, checkpoint, lambda p, **kw: start_stages(
+            p, auth_token=options.get("auth_token"), **launch, **kw))
+    return plan
+
+
 def start_stages(plan: RunPlan, launcher: str = "local", *, auth_token: str | None = None,
                  ray_address: str | None = None, placement: str = "spread", timeout_s: float = 120.0,
                  extra=(), keep_going: bool = False, ssh: dict | None = None):
@@ -61,4 +84,4 @@ def start_stages(plan: RunPlan, launcher: str = "local", *, auth_token: str | No
                           timeout_s=timeout_s, extra=extra, keep_going=keep_going)
     raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)} (or ssh), got {launcher!r}")
 
-__all__ = ["LAUNCHERS", "PLACEMENTS", "process_options", "start_stages"]
+__all__ = ["LAUNCHERS", "PLACEMENTS", "process_options", "process_plan", "start_stages"]

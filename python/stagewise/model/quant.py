@@ -142,3 +142,14 @@ def cat_rows(parts: list) -> torch.Tensor | QuantizedWeight:
         return QuantizedWeight.cat(parts)
     dtype = next((p.dtype for p in parts), torch.float32)
     return torch.cat([p.dequantize(dtype) if isinstance(p, QuantizedWeight) else p for p in parts])
+
+
+def checkpoint_quant(ckpt) -> tuple[str, str]:
+    """GGUF block types of the decoder linears and of the embedding ('' where dense)."""
+    names = {v: k.lower() for k, v in ops.QTYPES.items()}
+    qtype = getattr(ckpt, "qtype", lambda name: None)
+    layer = next((n for n in sorted(ckpt.names()) if n.endswith("mlp.down_proj.weight")), None)
+    embed = "model.embed_tokens.weight"
+    q_layer = qtype(layer) if layer else None
+    q_embed = qtype(embed) if embed in ckpt.names() else None
+    return names.get(q_layer, ""), names.get(q_embed, "")

@@ -146,7 +146,15 @@ def _balanced(num_stages: int, layer_costs: Sequence[float], first_cost: float,
             c += last_cost
         return c
 
+    return min_max_ranges(num_stages, n, cost)
+
+
+def min_max_ranges(num_stages: int, num_layers: int, cost) -> list[tuple[int, int]]:
+    """Contiguous non-empty ranges of ``num_layers`` layers over ``num_stages`` stages minimising the
+    largest ``cost(stage, start, end)`` (exact dynamic programme; ``inf``: a range the stage cannot
+    hold). ValueError when every split has such a range."""
     inf = float("inf")
+    n = num_layers
     # best[s][e]: the smallest max cost of stages 0..s-1 covering layers [0, e).
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
@@ -159,6 +167,8 @@ def _balanced(num_stages: int, layer_costs: Sequence[float], first_cost: float,
                 value = max(best[s - 1][b], cost(s - 1, b, e))
                 if value < best[s][e] - 1e-12 * max(1.0, abs(value)):
                     best[s][e], cut[s][e] = value, b
+    if best[num_stages][n] == inf:
+        raise ValueError(f"partition: no split of {n} layers over {num_stages} stages fits every stage")
     ranges, e = [], n
     for s in range(num_stages, 0, -1):
         b = cut[s][e]

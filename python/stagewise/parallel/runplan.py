@@ -31,9 +31,8 @@ the same host on port ``port + r`` (any free port when the port is 0) and, on a 
 ``cuda:(index + r)`` of the stage's ``device``. Stages may differ in ``tp``; ``dcp``, ``pcp`` and
 ``interleave_size`` are the run's, since every stage's KV blocks mirror stage 0's scheduler.
 
-With ``launcher: ray`` a stage's ``host`` and ``listen`` are where Ray places it (its node, any
-free port), and ``resources`` (e.g. ``{"node:10.0.0.2": 0.01}`` or a custom resource a node was
-started with) are what its placement-group bundle asks for besides its CPUs and GPUs.
+With ``launcher: ray``, Ray places each stage (its ``host`` and port) and a stage's ``resources``
+join its bundle (docs/cluster.md). ``partition: measured`` splits by the nodes' measured speed.
 """
 
 from __future__ import annotations
@@ -253,7 +252,9 @@ class RunPlan:
                 problems.append("without per-stage 'layers' the number of layers must be known")
             else:
                 policy = partition or "even"
-                if policy not in PARTITION_POLICIES:
+                if policy == "measured":  # even until the nodes are measured (stagewise.launch.measured)
+                    plan = StagePlan.build(total, len(raw), "even")
+                elif policy not in PARTITION_POLICIES:
                     problems.append(_problem("partition", policy, f"one of {PARTITION_POLICIES}"))
                 elif policy == "balanced":
                     problems.append("partition 'balanced' needs the model's config; use RunPlan.build or per-stage "

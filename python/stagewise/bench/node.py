@@ -1,0 +1,89 @@
+"""A node's speed in seconds, for ``--partition measured``: the planner's profile primitives of
+:mod:`stagewise.bench.profile` at their quick settings, only what a stage's decode step needs
+(matmul rate, memory bandwidth, op overhead, the block-quantised linear of the model's GGUF types,
+the decode attention kernel, the per-layer framework cost), with this process's torch threads,
+and the memory free for weights. Cached per host, device, threads and types in the user's cache
+folder (``$XDG_CACHE_HOME/stagewise/nodes``, else ``~/.cache/...``): a node is measured once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+CACHE_VERSION = 1
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "stagewise" / "nodes"
+
+
+def free_memory(device: str) -> int:
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def node_profile(device: str = "cpu", types: tuple[str, ...] = (), *, cache: bool = True, log=None) -> dict:
+    """This node's profile dict (see :mod:`stagewise.planner.profiles`), from the cache when it has
+    one for this host, device, thread count and GGUF types; ``memory_bytes`` is measured now."""
+    from stagewise.bench.profile import matmul_flops, op_overhead
+    from stagewise.bench.timing import TimingPolicy, copy_bandwidth
+
+    threads = torch.get_num_threads()
+    key = f"{socket.gethostname()}-{device.replace(':', '')}-t{threads}-{'+'.join(sorted(types)) or 'dense'}"
+    path = cache_dir() / f"{key}.json"
+    if cache and path.is_file():
+        try:
+            got = json.loads(path.read_text())
+            if got.get("measured", {}).get("cache_version") == CACHE_VERSION:
+                return {**got, "memory_bytes": free_memory(device)}
+        except (OSError, ValueError):
+            pass
+    start = time.perf_counter()
+    policy = TimingPolicy(warmup=1, min_repeats=3, max_repeats=10, budget_s=0.1)
+    peak = matmul_flops(torch.float32, device, 512, policy)["flops"]
+    bandwidth = copy_bandwidth(device, 1 << 26, policy)["gbps"] * 1e9
+    out = {"name": f"node-{key}", "kind": "gpu" if device.startswith("cuda") else "cpu",
+           "description": f"{socket.gethostname()} {device}, {threads} torch threads (--partition measured)",
+           "memory_bytes": free_memory(device), "peak_flops": {"float32": peak}, "memory_bandwidth": bandwidth,
+           "efficiency": {"matmul": 1.0, "attention": 1.0, "memory": 1.0}, "op_overhead_s": op_overhead(device, policy),
+           # Links are the run's own (the hops are not this node's): placeholders the split does not read.
+           "links": {k: {"latency_s": 20e-6, "bandwidth": 5e9} for k in ("tp", "pp", "ep")}}
+    if out["kind"] == "cpu":
+        from stagewise.bench import profile_runtime as rt
+        from stagewise.bench.profile_framework import streamed_layer_s
+
+        quiet = log or (lambda *a: None)
+        if types:
+            quant = rt.quant_rates(log=quiet, rounds=3, types=tuple(types))
+            out["quant"] = {k: {f: v[f] for f in ("s_per_weight", "flops", "rows_s_per_weight", "rows_s_per_output")}
+                            for k, v in quant.items()}
+        attn = rt.attention_decode_rate(log=quiet, repeats=3, calls=50)
+        out["attention_decode"] = {k: attn[k] for k in ("flops", "bandwidth", "call_s")}
+        layer = streamed_layer_s(steps=10, rounds=3)
+        # The per-step costs of each stage role are the same whichever layers it holds: the split
+        # does not depend on them, so they are not measured here (0).
+        out["framework"] = {"layer_s": layer["framework_s"] / layer["layers"],
+                            **dict.fromkeys(("engine_s", "head_s", "middle_s", "last_s", "tokens_s"), 0.0)}
+        out["cores"] = threads
+    out["measured"] = {"cache_version": CACHE_VERSION, "seconds": time.perf_counter() - start, "threads": threads,
+                       "host": socket.gethostname(), "device": device, "types": sorted(types)}
+    if cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(out, indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only home: measured again next time
+    return out

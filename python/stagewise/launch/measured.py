@@ -1,0 +1,145 @@
+"""``--partition measured``: the layers split by what each stage's node can do.
+
+Before any weight loads, the run's launcher starts a probe in place of every stage rank (as
+``stagewise doctor`` does); each stage leader's probe measures its node with the planner's profile
+primitives (:func:`stagewise.bench.node.node_profile`: seconds, then cached for the host, device and
+threads). The planner's operator model (:mod:`stagewise.planner.compute`) turns each node's profile
+into the decode-step time of every decoder layer there (batch 1, the context ``context``), plus the
+embedding on stage 0 and the LM head and sampling on the last stage; the split is the contiguous
+one whose slowest stage is fastest (:func:`stagewise.parallel.plan.min_max_ranges`) among those in
+which every stage's weights and KV fit ``memory_fraction`` of its node's free memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from dataclasses import dataclass
+
+from stagewise.parallel.plan import PipelineStageInfo, min_max_ranges
+from stagewise.parallel.runplan import RunPlan
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    ranges: list[tuple[int, int]]
+    stage_s: list[float]
+    """Each stage's predicted decode-step time, seconds."""
+    stage_bytes: list[float]
+    """Each stage's weights and KV, bytes."""
+    memory: list[int]
+    """Each stage node's free memory when measured, bytes."""
+
+    @property
+    def tpot_s(self) -> float:
+        """Batch 1: the stages one after another (hops not counted)."""
+        return sum(self.stage_s)
+
+
+def split_layers(config, profiles, *, prec, dtype: str = "float32", context: int = 512, kv_tokens: int = 2048,
+                 memory_fraction: float = 0.9) -> Split:
+    """The split of ``config``'s layers over one stage per profile (a
+    :class:`~stagewise.planner.profiles.DeviceProfile` each, in stage order)."""
+    from stagewise.model import shapes
+    from stagewise.planner.compute import layer_ops, op_time, stage_ops
+
+    n, s_count = config.num_layers, len(profiles)
+
+    def ops_s(ops, profile) -> float:
+        return sum(op_time(op, profile, dtype)[0] for op in ops)
+
+    per_layer = [[ops_s(layer_ops(config, layer, rows=1, new_tokens=1, context=context, prec=prec,
+                              sharding=shapes.Sharding()), p)
+                  + p.framework.get("layer_s", 0.0) for layer in range(n)] for p in profiles]
+    edge = [PipelineStageInfo(0, 2, 0, 0, n), PipelineStageInfo(1, 2, 0, 0, n)]  # no layers: the extras only
+    first = [ops_s(stage_ops(config, edge[0], rows=1, new_tokens=1, context=context, prec=prec), p) for p in profiles]
+    last = [ops_s(stage_ops(config, edge[1], rows=1, new_tokens=1, context=context, prec=prec), p) for p in profiles]
+    kv = shapes.kv_bytes_per_token_layer(config, prec.kv) * kv_tokens
+    layer_bytes = [shapes.count(config, shapes.layer_tensors(config, layer)) * prec.weight_bytes(1, prec.weight_quant)
+                   + kv for layer in range(n)]
+    first_bytes = shapes.count(config, shapes.embedding_tensors(config) + shapes.vision_tensors(config)) \
+        * prec.weight_bytes(1, prec.embed_quant)
+    last_bytes = shapes.count(config, shapes.final_norm_tensors(config) + shapes.lm_head_tensors(config)) \
+        * prec.weight_bytes(1, prec.embed_quant)
+    prefix_s = [[0.0] for _ in profiles]
+    for s in range(s_count):
+        for c in per_layer[s]:
+            prefix_s[s].append(prefix_s[s][-1] + c)
+    prefix_b = [0.0]
+    for b in layer_bytes:
+        prefix_b.append(prefix_b[-1] + b)
+
+    def time_of(s: int, a: int, b: int) -> float:
+        return prefix_s[s][b] - prefix_s[s][a] + (first[s] if s == 0 else 0.0) + (last[s] if s == s_count - 1 else 0.0)
+
+    def bytes_of(s: int, a: int, b: int) -> float:
+        return prefix_b[b] - prefix_b[a] + (first_bytes if s == 0 else 0.0) + (last_bytes if s == s_count - 1 else 0.0)
+
+    def cost(s: int, a: int, b: int) -> float:
+        return time_of(s, a, b) if bytes_of(s, a, b) <= memory_fraction * profiles[s].memory_bytes else float("inf")
+
+    try:
+        ranges = min_max_ranges(s_count, n, cost)
+    except ValueError:
+        free = ", ".join(f"stage {s}: {p.memory_bytes / 2**20:.0f} MiB" for s, p in enumerate(profiles))
+        raise ValueError(f"--partition measured: no split of the {n} layers fits the nodes' free memory ({free}; "
+                         f"{sum(layer_bytes) / 2**20:.0f} MiB of layers and KV in all, plus the embedding's "
+                         f"{first_bytes / 2**20:.0f} and the LM head's {last_bytes / 2**20:.0f})") from None
+    return Split(ranges, [time_of(s, a, b) for s, (a, b) in enumerate(ranges)],
+                 [bytes_of(s, a, b) for s, (a, b) in enumerate(ranges)], [p.memory_bytes for p in profiles])
+
+
+def measure_nodes(plan: RunPlan, types: tuple[str, ...], start) -> list[dict]:
+    """Each stage's node profile dict, measured by its leader's probe; ``start(plan, extra=...)``
+    starts the run's processes (:func:`stagewise.launch.start.start_stages` with its launcher)."""
+    from stagewise.launch.probe import request, say_bye
+
+    procs, _, addresses = start(plan, extra=["--probe"])
+    try:
+        out = []
+        for index in range(plan.num_stages):
+            address = addresses[plan.members.index((index, 0))]
+            with socket.create_connection(address, timeout=300) as sock:
+                got = request(sock.makefile("rb"), sock, {"op": "measure", "types": list(types)})
+            if "error" in got:
+                raise RuntimeError(f"stage {index} on {plan.stages[index].host} could not measure its node: "
+                                   f"{got['error']}")
+            out.append(got)
+        return out
+    finally:
+        say_bye(addresses)
+        procs.stop(2.0)
+
+
+def measured_plan(plan: RunPlan, checkpoint, start, log=None) -> RunPlan:
+    """``plan`` with its layers split by its nodes' measured speed (its partition says ``measured``),
+    the probes started by ``start`` (see :func:`measure_nodes`); the split is said through ``log``
+    (default: on stderr)."""
+    if log is None:
+        import sys
+
+        def log(line: str) -> None:
+            print(f"stagewise: {line}", file=sys.stderr, flush=True)
+
+    from stagewise.model.quant import checkpoint_quant
+    from stagewise.planner.estimate import Workload
+    from stagewise.planner.profiles import profile_from_dict
+
+    weight_quant, embed_quant = checkpoint_quant(checkpoint)
+    types = tuple(sorted({t for t in (weight_quant, embed_quant) if t}))
+    nodes = measure_nodes(plan, types, start)
+    profiles = [profile_from_dict(d, f"stage {i}'s node") for i, d in enumerate(nodes)]
+    dtype = "float32" if plan.dtype == "auto" else plan.dtype
+    prec = Workload(input_length=1, output_length=1, weight_dtype=dtype, kv_dtype=dtype, weight_quant=weight_quant,
+                    embed_quant=embed_quant).precision()
+    context = min(512, plan.max_model_len or 512)
+    split = split_layers(checkpoint.config, profiles, prec=prec, dtype=dtype, context=context,
+                         kv_tokens=(plan.max_model_len or checkpoint.config.max_position_embeddings or 2048))
+    placed = dataclasses.replace(plan, partition="measured", stages=tuple(
+        dataclasses.replace(st, start_layer=a, end_layer=b) for st, (a, b) in zip(plan.stages, split.ranges)))
+    for s, ((a, b), t) in enumerate(zip(split.ranges, split.stage_s)):
+        node = nodes[s]["measured"]
+        log(f"stage {s}: layers {a}-{b} ({b - a}), predicted {1e3 * t:.2f} ms a decode step on "
+            f"{node['host']} ({node['device']}, {node['threads']} threads)")
+    log(f"predicted TPOT at batch 1: {1e3 * split.tpot_s:.2f} ms (hops not counted)")
+    return placed.validated()
