@@ -14,13 +14,20 @@ from stagewise.cli import main
 transformers = pytest.importorskip("transformers")
 
 
-def test_bench_e2e_stages_writes_results(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama saved by transformers."""
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=48, max_position_embeddings=64))
-    hf.save_pretrained(tmp_path / "m")
-    code = main(["bench", "e2e", "--model", str(tmp_path / "m"), "--stages", "2", "--prompt-len", "4",
+    path = tmp_path_factory.mktemp("tiny") / "m"
+    hf.save_pretrained(path)
+    return str(path)
+
+
+def test_bench_e2e_stages_writes_results(tiny, tmp_path, capsys):
+    code = main(["bench", "e2e", "--model", tiny, "--stages", "2", "--prompt-len", "4",
                  "--new-tokens", "3", "--repeats", "1", "--out", str(tmp_path)])
     assert code == 0
     data = json.loads(next(tmp_path.glob("*-e2e-stages.json")).read_text())
@@ -31,14 +38,9 @@ def test_bench_e2e_stages_writes_results(tmp_path, capsys):
     assert "overhead %" in capsys.readouterr().out
 
 
-def test_bench_e2e_launcher_ray_writes_results_beside_local(tmp_path, capsys):
+def test_bench_e2e_launcher_ray_writes_results_beside_local(tiny, tmp_path, capsys):
     pytest.importorskip("ray")
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=48, max_position_embeddings=64))
-    hf.save_pretrained(tmp_path / "m")
-    code = main(["bench", "e2e", "--model", str(tmp_path / "m"), "--launcher", "ray", "--stages", "2",
+    code = main(["bench", "e2e", "--model", tiny, "--launcher", "ray", "--stages", "2",
                  "--prompt-len", "4", "--new-tokens", "3", "--repeats", "1", "--out", str(tmp_path)])
     assert code == 0
     data = json.loads(next(tmp_path.glob("*-e2e-launchers.json")).read_text())
