@@ -239,3 +239,30 @@ def test_doctor_and_launch_preflight_on_the_cluster(cluster, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "preflight: " in err and "checks passed" in err
     assert _leftovers(cluster) == ([], [])
+
+
+def test_without_a_node_to_take_the_stage_the_requests_end_naming_it(cluster):
+    """strict_spread over every node: once one is gone the stages cannot be placed again, so the
+    running requests end with an error that names the stage and why, and the pipeline says broken."""
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        alive = sum(1 for n in ray.nodes() if n["Alive"])
+    finally:
+        ray.shutdown()
+    with Pipeline(MODEL, stages=alive, launcher="ray", ray_address=cluster.address, placement="strict_spread",
+                  threads=1, max_restarts=2) as p:
+        victim_id = _victim(cluster, p.driver.processes.nodes)
+        victim = next(n for n in cluster.list_all_nodes() if n.node_id == victim_id)
+        stage = next(i for i, n in enumerate(p.driver.processes.nodes) if n["node_id"] == victim_id)
+        removed = threading.Event()
+
+        def on_text(index: int, text: str) -> None:
+            if not removed.is_set():
+                removed.set()
+                threading.Thread(target=cluster.remove_node, args=(victim,), daemon=True).start()
+
+        [got] = p.generate([QUESTION], chat=True, max_new_tokens=64, ignore_eos=True, on_text=on_text)
+        assert got.finish_reason == "error"
+        assert f"stage {stage}" in got.error and "strict_spread" in got.error, got.error
+        assert p.broken and "starting the pipeline again failed" in p.broken
+    assert _leftovers(cluster) == ([], [])
