@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import statistics
 import threading
@@ -129,20 +130,41 @@ def serve_probe(plan: RunPlan, index: int, rank: int, listen: str | None = None)
     report["device"] = plan.stages[index].rank_device(rank)
     bound = server.getsockname()
     print(f"{READY_LINE} {bound[0]} {bound[1]}", flush=True)
-    done, last = threading.Event(), [time.monotonic()]
-    server.settimeout(0.5)
+    done, last, jobs = threading.Event(), [time.monotonic()], queue.SimpleQueue()
+    server.settimeout(0.1)
     with server:
         while not done.is_set() and time.monotonic() - last[0] < IDLE_S:
+            while not jobs.empty():  # a node measurement: in this thread, as torch's profiler wants
+                job, box = jobs.get()
+                box.put(job())
+                last[0] = time.monotonic()
             try:
                 conn, _ = server.accept()
             except TimeoutError:
                 continue
             last[0] = time.monotonic()
-            threading.Thread(target=_answer, args=(conn, report, done, last), daemon=True).start()
+            threading.Thread(target=_answer, args=(conn, report, done, last, jobs), daemon=True).start()
     return 0
 
 
-def _answer(conn: socket.socket, report: dict, done: threading.Event, last: list) -> None:
+def _measure_node(report: dict, types) -> dict:
+    """The node's profile; torch's profiler (the per-layer framework cost) writes lines of its own to
+    this process's stderr, the launcher's terminal: they go to /dev/null meanwhile."""
+    saved, quiet = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 2)
+    try:
+        from stagewise.bench.node import node_profile
+
+        return node_profile(report["device"], tuple(str(t) for t in types or ()))
+    except Exception as err:  # noqa: BLE001 - the driver names the stage with it
+        return {"error": f"{type(err).__name__}: {err}"}
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(quiet)
+
+
+def _answer(conn: socket.socket, report: dict, done: threading.Event, last: list, jobs: queue.SimpleQueue) -> None:
     with conn:
         conn.settimeout(IDLE_S)
         f = conn.makefile("rb")
@@ -171,13 +193,10 @@ def _answer(conn: socket.socket, report: dict, done: threading.Event, last: list
                     reply = {"ok": True, **measure(str(msg["host"]), int(msg["port"]))}
                 except (OSError, ValueError, KeyError) as err:
                     reply = {"ok": False, "error": f"{type(err).__name__}: {err}"}
-            elif op == "measure":
-                try:
-                    from stagewise.bench.node import node_profile
-
-                    reply = node_profile(report["device"], tuple(str(t) for t in msg.get("types") or ()))
-                except Exception as err:  # noqa: BLE001 - the driver names the stage with it
-                    reply = {"error": f"{type(err).__name__}: {err}"}
+            elif op == "measure":  # run by the probe's main thread
+                box: queue.SimpleQueue = queue.SimpleQueue()
+                jobs.put((lambda types=msg.get("types"): _measure_node(report, types), box))
+                reply = box.get()
             elif op == "bye":
                 done.set()
                 reply = {"ok": True}
