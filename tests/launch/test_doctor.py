@@ -118,3 +118,19 @@ def test_a_host_nothing_answers_on_is_named_and_nothing_is_left(tmp_path):
     assert [c.ok for c in started] == [True, False] and "nothing accepts on 127.0.0.1" in started[1].detail
     assert _by(checks, "hop")[0].detail.startswith("not measured")
     assert first.wait(10) == 0  # told bye, it left
+
+
+def test_a_probe_measures_towards_the_plans_hosts_only(tmp_path):
+    from stagewise.launch.probe import request
+
+    plan = _plan("smollm2-135m", _free_ports(2))
+    [probe] = _by_hand(plan, [tmp_path])
+    address = ("127.0.0.1", plan.stages[0].listen.rpartition(":")[2])
+    with socket.create_connection((address[0], int(address[1])), timeout=10) as sock:
+        f = sock.makefile("rb")
+        got = request(f, sock, {"op": "probe", "host": "203.0.113.9", "port": 80})
+        assert not got["ok"] and "not a host of the run plan" in got["error"]
+        report = request(f, sock, {"op": "report"})
+        assert report["fingerprint"] and "_peers" not in report
+        assert request(f, sock, {"op": "bye"}) == {"ok": True}
+    assert probe.wait(10) == 0

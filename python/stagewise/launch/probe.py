@@ -13,7 +13,7 @@ JSON lines over TCP (no pickle; each connection in a thread of its own):
 - ``{"op": "echo", "n": N, "reply": M}`` followed by N bytes: M bytes come back (round trips and
   bandwidth are measured with it);
 - ``{"op": "probe", "host": H, "port": P}``: measure from here to another probe (a hop's
-  direction) and answer with the figures or the error;
+  direction; ``H`` one of the plan's hosts) and answer with the figures or the error;
 - ``{"op": "measure", "types": [...]}``: this node's profile for the rank's device and threads
   (:func:`stagewise.bench.node.node_profile`, cached), for ``--partition measured``;
 - ``{"op": "bye"}``: the probe exits (it also does after ``IDLE_S`` without a request).
@@ -128,6 +128,8 @@ def serve_probe(plan: RunPlan, index: int, rank: int, listen: str | None = None)
         return 1
     report = host_report(plan)
     report["device"] = plan.stages[index].rank_device(rank)
+    # A probe measures hops towards the plan's own hosts only (it is not a relay to anywhere).
+    report["_peers"] = {st.host for st in plan.stages} | {parse_address(st.listen)[0] for st in plan.stages}
     bound = server.getsockname()
     print(f"{READY_LINE} {bound[0]} {bound[1]}", flush=True)
     done, last, jobs = threading.Event(), [time.monotonic()], queue.SimpleQueue()
@@ -180,7 +182,8 @@ def _answer(conn: socket.socket, report: dict, done: threading.Event, last: list
                 return
             if op == "report":
                 mine = conn.getsockname()[0]
-                reply = {**report, "toward_asker": {"address": mine, "interface": interface_of(mine)}}
+                reply = {**{k: v for k, v in report.items() if k != "_peers"},
+                         "toward_asker": {"address": mine, "interface": interface_of(mine)}}
             elif op == "echo":
                 n, back = int(msg.get("n", 0)), int(msg.get("reply", 0))
                 if not (0 <= n <= MAX_ECHO and 0 <= back <= MAX_ECHO):
@@ -188,6 +191,8 @@ def _answer(conn: socket.socket, report: dict, done: threading.Event, last: list
                 f.read(n)
                 conn.sendall(json.dumps({"ok": True}).encode() + b"\n" + bytes(back))
                 continue
+            elif op == "probe" and str(msg.get("host")) not in report["_peers"]:
+                reply = {"ok": False, "error": f"{msg.get('host')!r} is not a host of the run plan"}
             elif op == "probe":
                 try:
                     reply = {"ok": True, **measure(str(msg["host"]), int(msg["port"]))}
