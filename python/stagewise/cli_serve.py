@@ -40,8 +40,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         "Retry-After (default 64)")
     s.add_argument("--default-max-tokens", type=int, default=256, metavar="N",
                    help="max_tokens of a request that gives none (default 256)")
-    s.add_argument("--no-image-fetch", action="store_true",
-                   help="take a chat's images only as data: URLs; never fetch http(s) image URLs")
+    s.add_argument("--allow-image-fetch", action="store_true",
+                   help="fetch a chat's http(s) image URLs (off: data: URLs only); the server then reaches "
+                        "whatever address a client names, its own network included")
+    s.add_argument("--max-images", type=int, default=16, metavar="N", help="images a request may hold (default 16)")
     s.add_argument("--image-fetch-timeout", type=float, default=10.0, metavar="S",
                    help="seconds one image URL may take to fetch, first byte to last (default 10)")
     s.add_argument("--max-image-bytes", type=int, default=20 << 20, metavar="N",
@@ -59,6 +61,8 @@ def server_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     if not args.image_fetch_timeout > 0:
         problems.append(f"--image-fetch-timeout must be > 0 seconds, got {args.image_fetch_timeout:g}")
+    if args.max_images < 0:
+        problems.append(f"--max-images must be >= 0, got {args.max_images}")
     if args.max_image_bytes < 1:
         problems.append(f"--max-image-bytes must be >= 1, got {args.max_image_bytes}")
     return problems
@@ -133,7 +137,7 @@ def serve(pipe, args: argparse.Namespace, sock: socket.socket, prog: str) -> int
     name = args.served_model_name or model or (pipe.plan.model if pipe.plan is not None else "model")
     key = args.api_key or os.environ.get("STAGEWISE_API_KEY") or None
     media = MediaLimits(max_bytes=args.max_image_bytes, timeout_s=args.image_fetch_timeout,
-                        fetch=not args.no_image_fetch)
+                        fetch=args.allow_image_fetch, max_images=args.max_images)
     app = build_app(pipe, model_name=name, api_key=key, max_waiting=args.max_waiting,
                     default_max_tokens=args.default_max_tokens, media=media)
     host, port = sock.getsockname()[:2]

@@ -266,3 +266,15 @@ def test_without_a_node_to_take_the_stage_the_requests_end_naming_it(cluster):
         assert f"stage {stage}" in got.error and "strict_spread" in got.error, got.error
         assert p.broken and "starting the pipeline again failed" in p.broken
     assert _leftovers(cluster) == ([], [])
+
+
+def test_a_measured_split_on_ray_runs_where_it_was_measured(cluster, reference, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with Pipeline(MODEL, stages=2, launcher="ray", ray_address=cluster.address, placement="spread", threads=1,
+                  partition="measured") as p:
+        assert p.plan.partition == "measured"
+        for stage, node in zip(p.plan.stages, p.driver.processes.nodes):
+            assert stage.resources == {f"node:{node['ip']}": 0.001}
+        [got] = p.generate([QUESTION], chat=True, max_new_tokens=24)
+    assert got.token_ids == reference[0].token_ids
+    assert _leftovers(cluster) == ([], [])

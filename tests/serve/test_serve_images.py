@@ -28,7 +28,7 @@ from stagewise.serve.app import build_app  # noqa: E402
 from stagewise.serve.media import MediaLimits, read_image_url  # noqa: E402
 
 NEW = 6
-LIMITS = MediaLimits(max_bytes=40_000, timeout_s=1.0)
+LIMITS = MediaLimits(max_bytes=40_000, timeout_s=1.0, fetch=True, max_images=2)
 TEXT = "w5 w6 w7"
 
 
@@ -54,6 +54,11 @@ class _Files(BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 - http.server's name
         if self.path == "/slow.png":
             time.sleep(LIMITS.timeout_s + 0.5)
+        if self.path == "/moved.png":
+            self.send_response(302)
+            self.send_header("Location", "/a.png")
+            self.end_headers()
+            return
         body = {"/a.png": _png(A), "/big.png": _png(BIG), "/slow.png": _png(A)}.get(self.path)
         if body is None:
             self.send_error(404)
@@ -150,6 +155,8 @@ BAD_BODIES = [
     (_chat("{files}/missing.png", TEXT), "messages[0].content[0]", "HTTP 404"),
     (_chat("{files}/big.png", TEXT), "messages[0].content[0]", "above the limit"),
     (_chat("{files}/slow.png", TEXT), "messages[0].content[0]", "timed out"),
+    (_chat("{files}/moved.png", TEXT), "messages[0].content[0]", "redirects are not followed"),
+    (_chat(GOOD, GOOD, GOOD, TEXT), "messages[0].content[2]", "at most 2 images a request"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0]", "needs"),
     ({"messages": [{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": GOOD}}]}]},
@@ -178,9 +185,9 @@ def test_image_urls_read_within_their_limits(files):
     assert read_image_url(_data_url(raw), LIMITS) == raw
     assert read_image_url(f"data:image/png;charset=x;base64,{base64.b64encode(raw).decode()}", LIMITS) == raw
     assert read_image_url(f"{files}/a.png", LIMITS) == raw
-    no_fetch = MediaLimits(fetch=False)
+    no_fetch = MediaLimits()  # the default: data: URLs only
     assert read_image_url(_data_url(raw), no_fetch) == raw
-    with pytest.raises(ValueError, match="--no-image-fetch"):
+    with pytest.raises(ValueError, match="--allow-image-fetch"):
         read_image_url(f"{files}/a.png", no_fetch)
     for url, words in [("data:image/png,abc", "not base64"), ("data:image/png;base64", "no ','"),
                        ("ftp://host/x.png", "neither"), ("x" * 200, "neither")]:
@@ -188,3 +195,5 @@ def test_image_urls_read_within_their_limits(files):
             read_image_url(url, LIMITS)
     with pytest.raises(ValueError, match="positive"):
         MediaLimits(max_bytes=0)
+    with pytest.raises(ValueError, match="max_images"):
+        MediaLimits(max_images=-1)

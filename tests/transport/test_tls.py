@@ -122,7 +122,8 @@ def test_loopback_stays_plain_unless_asked(pki):
     plain = _tls(pki, "stage", loopback=False)
     assert not plain.applies("127.0.0.1") and not plain.applies("::1") and not plain.applies("localhost")
     assert plain.applies("10.0.0.2") and plain.applies("node-7")
-    assert is_loopback("127.0.0.53") and not is_loopback("192.0.2.2")
+    assert is_loopback("127.0.0.53") and is_loopback("::ffff:127.0.0.1") and not is_loopback("192.0.2.2")
+    assert not is_loopback("::ffff:192.0.2.2")
     with tcp.listen(hello=HELLO, tls=plain) as lis:
         box: dict = {}
         t = _accept(lis, box)

@@ -55,6 +55,8 @@ def diagnose(plan: RunPlan, addresses: list[tuple[str, int] | str], *, fingerpri
         try:
             with socket.create_connection(address, timeout=timeout) as sock:
                 report = request(sock.makefile("rb"), sock, {"op": "report"})
+            if not isinstance(report, dict) or not {"stagewise", "protocol", "python", "model"} <= set(report):
+                raise ValueError(f"not a stagewise probe's report: {str(report)[:200]}")
             reports[i] = report
             checks.append(Check("probe started", where, True, f"listening on {address[0]}:{address[1]}"))
         except (OSError, ValueError) as err:
@@ -79,7 +81,7 @@ def diagnose(plan: RunPlan, addresses: list[tuple[str, int] | str], *, fingerpri
         try:
             m = measure(*address, timeout=timeout)
             checks.append(Check("driver -> rank", where, True, f"rtt {m['rtt_ms']:.2f} ms, {m['gbps']:.2f} GB/s"))
-        except OSError as err:
+        except (OSError, ValueError) as err:
             checks.append(Check("driver -> rank", where, False, str(err), "open this port to the driver's host"))
         toward = report.get("toward_asker", {})
         names = report.get("socket_ifname") or {}

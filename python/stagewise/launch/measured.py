@@ -7,7 +7,9 @@ threads). The planner's operator model (:mod:`stagewise.planner.compute`) turns 
 into the decode-step time of every decoder layer there (batch 1, the context ``context``), plus the
 embedding on stage 0 and the LM head and sampling on the last stage; the split is the contiguous
 one whose slowest stage is fastest (:func:`stagewise.parallel.plan.min_max_ranges`) among those in
-which every stage's weights and KV fit ``memory_fraction`` of its node's free memory.
+which every stage's weights and KV fit ``memory_fraction`` of its node's free memory (stages on one
+node share it equally). A stage the launcher placed itself (Ray) is then pinned to the node it was
+measured on.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def measure_nodes(plan: RunPlan, types: tuple[str, ...], start) -> list[dict]:
     starts the run's processes (:func:`stagewise.launch.start.start_stages` with its launcher)."""
     from stagewise.launch.probe import request, say_bye
 
-    procs, _, addresses = start(plan, extra=["--probe"])
+    procs, placed, addresses = start(plan, extra=["--probe"])
     try:
         out = []
         for index in range(plan.num_stages):
@@ -104,6 +106,7 @@ def measure_nodes(plan: RunPlan, types: tuple[str, ...], start) -> list[dict]:
             if "error" in got:
                 raise RuntimeError(f"stage {index} on {plan.stages[index].host} could not measure its node: "
                                    f"{got['error']}")
+            got["measured"]["address"] = placed.stages[index].host  # where the launcher put it
             out.append(got)
         return out
     finally:
@@ -129,14 +132,21 @@ def measured_plan(plan: RunPlan, checkpoint, start, log=None) -> RunPlan:
     types = tuple(sorted({t for t in (weight_quant, embed_quant) if t}))
     nodes = measure_nodes(plan, types, start)
     profiles = [profile_from_dict(d, f"stage {i}'s node") for i, d in enumerate(nodes)]
+    # Stages that share a node (its host and device) share its free memory, each an equal part.
+    where = [(d["measured"]["host"], d["measured"]["device"]) for d in nodes]
+    profiles = [dataclasses.replace(p, memory_bytes=p.memory_bytes // where.count(w)) for p, w in zip(profiles, where)]
     dtype = "float32" if plan.dtype == "auto" else plan.dtype
     prec = Workload(input_length=1, output_length=1, weight_dtype=dtype, kv_dtype=dtype, weight_quant=weight_quant,
                     embed_quant=embed_quant).precision()
     context = min(512, plan.max_model_len or 512)
     split = split_layers(checkpoint.config, profiles, prec=prec, dtype=dtype, context=context,
                          kv_tokens=(plan.max_model_len or checkpoint.config.max_position_embeddings or 2048))
+    # A stage the launcher placed (Ray) is pinned to the node it was measured on: `node:<address>`.
+    pins = [None if d["measured"]["address"] == st.host else {**(st.resources or {}),
+            f"node:{d['measured']['address']}": 0.001} for d, st in zip(nodes, plan.stages)]
     placed = dataclasses.replace(plan, partition="measured", stages=tuple(
-        dataclasses.replace(st, start_layer=a, end_layer=b) for st, (a, b) in zip(plan.stages, split.ranges)))
+        dataclasses.replace(st, start_layer=a, end_layer=b, resources=pin or st.resources)
+        for st, (a, b), pin in zip(plan.stages, split.ranges, pins)))
     for s, ((a, b), t) in enumerate(zip(split.ranges, split.stage_s)):
         node = nodes[s]["measured"]
         log(f"stage {s}: layers {a}-{b} ({b - a}), predicted {1e3 * t:.2f} ms a decode step on "

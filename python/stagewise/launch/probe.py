@@ -121,7 +121,7 @@ def serve_probe(plan: RunPlan, index: int, rank: int, listen: str | None = None)
     """Run the probe of stage ``index`` rank ``rank`` until told bye (or idle); its exit code."""
     host, port = parse_address(listen or plan.stages[index].rank_listen(rank))
     try:
-        server = socket.create_server((host, port))
+        server = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as err:
         why = f"cannot listen on {host}:{port}: {err.strerror or err}"
         print(f"{FAILED_LINE} {json.dumps({'stage': index, 'host': socket.gethostname(), 'error': why})}", flush=True)

@@ -164,8 +164,8 @@ def connect(ray, address: str | None, cpus: float = 0) -> bool:
         # An instance of our own: no dashboard, and no metrics (nothing would scrape them).
         opts.update(num_cpus=max(usable_cores(), int(-(-cpus // 1))), object_store_memory=100 << 20,
                     _system_config={"enable_metrics_collection": False})
-    try:
-        ray.init(address=address, **opts)
+    try:  # "local": a new instance of our own, even where `ray start` runs a cluster on this host
+        ray.init(address=address or "local", **opts)
     except ConnectionError as err:
         raise RuntimeError(f"--launcher ray: no Ray cluster at {address!r}: {err}") from None
     return True
@@ -258,8 +258,9 @@ def start_stages(plan: RunPlan, *, address: str | None = None, placement: str = 
         for ref in starts:
             try:
                 addresses.append(tuple(ray.get(ref, timeout=timeout_s + 10)))
-            except ray.exceptions.RayTaskError as err:
-                why = str(err.cause) if err.cause is not None else str(err)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
+                cause = getattr(err, "cause", None)
+                why = str(cause) if cause is not None else f"{type(err).__name__}: {err}"
                 if not keep_going:
                     raise RuntimeError(why) from None
                 addresses.append(why)

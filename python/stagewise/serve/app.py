@@ -15,6 +15,7 @@ disturbed. With an API key, ``/v1/*`` needs ``Authorization: Bearer <key>`` (401
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import secrets
@@ -58,6 +59,9 @@ def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting:
     """The server's app over ``pipe`` (which the caller keeps and closes after the app stopped);
     ``media``: how a chat's image URLs are read (default :class:`MediaLimits`)."""
     media = media or MediaLimits()
+    # The images' reading and decoding: threads of their own, so that slow fetches never hold the
+    # default executor (/metrics, shutdown).
+    images_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="images")
     metrics = ServerMetrics(model_name)
     state: dict = {"loop": None}
 
@@ -81,6 +85,7 @@ def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting:
             yield
         finally:
             await asyncio.get_running_loop().run_in_executor(None, state["loop"].close)
+            images_pool.shutdown(wait=False, cancel_futures=True)
 
     def authorised(request: Request) -> bool:
         if api_key is None:
@@ -109,13 +114,22 @@ def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting:
                 req = openai.parse_completion(body, model_name, default_max_tokens)
             ids = req.prompt_ids if req.prompt_ids is not None else _encode(pipe, req.prompt, req.chat)
             images = None
-            if req.images:  # fetched, decoded and cut into patches off the event loop
-                images, ids = await asyncio.get_running_loop().run_in_executor(None, _prompt_images, pipe, req, ids,
-                                                                               media)
+            if req.images:  # fetched, decoded and cut into patches off the event loop, if there is room
+                if len(req.images) > media.max_images:
+                    where = req.images[media.max_images][0]
+                    raise openai.ApiError(f"{where}: at most {media.max_images} images a request", param=where)
+                if loop.held >= loop.capacity:
+                    raise Busy(f"{loop.held} requests are running or waiting (at most {loop.capacity})")
+                images, ids = await asyncio.get_running_loop().run_in_executor(images_pool, _prompt_images, pipe,
+                                                                               req, ids, media)
             _check_prompt(pipe, ids, req)
         except openai.ApiError as err:
             metrics.reject("bad_request")
             return _error(err)
+        except Busy as err:
+            metrics.reject("busy")
+            return _error(openai.ApiError(f"the server is busy: {err}; retry later", status=503,
+                                          type="server_error", code="busy"), {"Retry-After": str(RETRY_AFTER_S)})
         stream = _Stream()
         try:
             rid = loop.submit(ids, req.params, stream.sink(), images)

@@ -1,17 +1,20 @@
 """The images of a chat request: each ``image_url`` part's URL read into the image file's bytes,
 from a ``data:`` URL (base64, as OpenAI's clients send a local image) or fetched over http(s).
 
-Limits hold for both: at most ``max_bytes`` of image file per image, and a fetch that has not
-finished within ``timeout_s`` (the whole transfer, not one read) is abandoned. A server that must
-not make requests on its clients' behalf runs with ``fetch=False`` (``stagewise serve
---no-image-fetch``) and takes ``data:`` URLs only. Every problem is a ValueError saying what is
-wrong with the URL; the server answers it with 400 naming the part.
+Limits hold for both: at most ``max_images`` images a request, ``max_bytes`` of image file per
+image, and a fetch that has not finished within ``timeout_s`` (the whole transfer: every read
+waits at most the time left) is abandoned. Fetching is off unless the server is started with it
+(``stagewise serve --allow-image-fetch``): a server that fetches what its clients name can be made
+to reach any address it can (its own network, cloud metadata), so only an operator who accepts that
+turns it on; redirects are not followed. Every problem is a ValueError saying what is wrong with the
+URL; the server answers it with 400 naming the part.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import time
 import urllib.error
 import urllib.request
@@ -26,12 +29,16 @@ class MediaLimits:
     """Of one image file (decoded from base64, or as fetched)."""
     timeout_s: float = 10.0
     """For one fetch, connection to last byte."""
-    fetch: bool = True
+    fetch: bool = False
     """Whether http(s) URLs are fetched (else only ``data:`` URLs are taken)."""
+    max_images: int = 16
+    """Images a request may hold."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) or self.max_bytes < 1:
             raise ValueError(f"MediaLimits.max_bytes: expected a positive integer, got {self.max_bytes!r}")
+        if isinstance(self.max_images, bool) or not isinstance(self.max_images, int) or self.max_images < 0:
+            raise ValueError(f"MediaLimits.max_images: expected an integer >= 0, got {self.max_images!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"MediaLimits.timeout_s: expected a positive number of seconds, got {self.timeout_s!r}")
 
@@ -43,7 +50,7 @@ def read_image_url(url: str, limits: MediaLimits) -> bytes:
         return _data_url(url, limits)
     if scheme in ("http", "https"):
         if not limits.fetch:
-            raise ValueError("this server does not fetch image URLs (it was started with --no-image-fetch); "
+            raise ValueError("this server does not fetch image URLs (start it with --allow-image-fetch); "
                              "send the image in a data: URL (data:image/png;base64,...)")
         return _fetch(url, limits)
     shown = url if len(url) <= 80 else url[:77] + "..."
@@ -71,19 +78,31 @@ def _data_url(url: str, limits: MediaLimits) -> bytes:
     return raw
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        raise ValueError(f"{req.full_url} redirects to {newurl}; redirects are not followed: give the final URL")
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects, urllib.request.ProxyHandler({}))
+
+
 def _fetch(url: str, limits: MediaLimits) -> bytes:
     deadline = time.monotonic() + limits.timeout_s
     request = urllib.request.Request(url, headers={"User-Agent": "stagewise", "Accept": "image/*"})
     try:
-        with urllib.request.urlopen(request, timeout=limits.timeout_s) as response:
+        with _OPENER.open(request, timeout=limits.timeout_s) as response:
             size = response.headers.get("Content-Length")
             if size is not None and size.isdigit() and int(size) > limits.max_bytes:
                 raise ValueError(f"{url} is {size} bytes, above the limit of {limits.max_bytes}")
+            sock = getattr(getattr(getattr(response, "fp", None), "raw", None), "_sock", None)
             parts, got = [], 0
             while True:
-                if time.monotonic() > deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     raise ValueError(f"fetching {url} took longer than {limits.timeout_s:g} s")
-                part = response.read(CHUNK)
+                if sock is not None:
+                    sock.settimeout(left)  # each read waits at most the time left
+                part = response.read1(CHUNK)
                 if not part:
                     return b"".join(parts)
                 got += len(part)
@@ -94,5 +113,5 @@ def _fetch(url: str, limits: MediaLimits) -> bytes:
         raise ValueError(f"fetching {url} gave HTTP {err.code} {err.reason}") from None
     except urllib.error.URLError as err:
         raise ValueError(f"fetching {url} failed: {err.reason}") from None
-    except (TimeoutError, OSError) as err:
-        raise ValueError(f"fetching {url} failed: {err}") from None
+    except (TimeoutError, OSError, http.client.HTTPException) as err:
+        raise ValueError(f"fetching {url} failed: {type(err).__name__}: {err}") from None

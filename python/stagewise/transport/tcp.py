@@ -333,7 +333,7 @@ def connect(host: str, port: int, *, hello: Hello, auth_token=None, timeout: flo
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 0.5)
     local, peer = f"connector from {_fmt(sock.getsockname())}", f"listener at {_fmt(sock.getpeername())}"
-    if tls is not None and tls.applies(host):
+    if tls is not None and tls.applies(sock.getpeername()[0]):  # the address, as the other end sees ours
         sock = tls.client_side(sock, peer)
     ch = TcpChannel(sock, local_name=local, peer_name=peer, checksum=checksum, verify_checksum=verify_checksum,
                     max_payload_bytes=max_payload_bytes)  # fmt: skip

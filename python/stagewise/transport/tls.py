@@ -70,12 +70,14 @@ class TlsConfig:
 
 
 def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, IPv4-mapped IPv6 included) is this machine's loopback."""
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]").split("%")[0]).is_loopback
+        ip = ipaddress.ip_address(host.strip("[]").split("%")[0])
     except ValueError:
         return False
+    return bool(ip.is_loopback or (getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback))
 
 
 @lru_cache(maxsize=8)
@@ -103,8 +105,9 @@ def _handshake(cert: str, key: str, ca: str, sock: socket.socket, peer: str, *, 
     except (ssl.SSLError, ConnectionError, TimeoutError) as err:
         sock.close()
         why = getattr(err, "reason", None) or str(err)
-        raise HandshakeError(f"stagewise.transport: TLS with {peer} failed ({why}): its certificate is not signed "
-                             "by this run's CA, it has none, or it does not speak TLS") from None
+        raise HandshakeError(f"stagewise.transport: TLS with {peer} failed ({why}): a certificate (its or ours) "
+                             "not signed by the run's CA or out of date, none, or a peer that does not speak "
+                             "TLS") from None
     except BaseException:
         sock.close()
         raise
