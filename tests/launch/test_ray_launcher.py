@@ -83,7 +83,7 @@ def test_three_stages_on_three_nodes_answer_like_one_process(cluster, reference)
     assert [c.token_ids for c in got] == [c.token_ids for c in reference]
     assert "Paris" in got[0].text
     assert not ray.is_initialized()  # the run's own connection is closed with it
-    assert _stage_processes() == before
+    assert not set(_stage_processes()) - set(before)  # none of this run's is left (an earlier one may end)
     assert _leftovers(cluster) == ([], [])
 
 
