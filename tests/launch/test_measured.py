@@ -1,6 +1,6 @@
 """`--partition measured`: with injected node profiles the split is the best one an exhaustive
 search finds (each stage timed whole by the planner's stage model) and keeps every stage within
-its node's memory; end to end, stages pinned to 1 and 2 threads measure their nodes (real probes,
+its node's memory; end to end, stages pinned to 2 and 1 threads measure their nodes (real probes,
 a cache of their own) and get unequal layer counts in the direction the measurement says."""
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def test_every_stage_stays_within_its_nodes_memory(small):
 def test_stages_on_1_and_2_threads_get_layers_as_their_measurement_says(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     ckpt = open_checkpoint(MODEL)
-    plan = RunPlan.from_dict({"model": MODEL, "partition": "measured", "stages": [{"threads": 1}, {"threads": 2}]},
+    # The 2-thread stage first: the last stage also runs the LM head, which would blur the direction.
+    plan = RunPlan.from_dict({"model": MODEL, "partition": "measured", "stages": [{"threads": 2}, {"threads": 1}]},
                              ckpt.config.num_layers)
     assert plan.partition == "measured"
     placed = measured_plan(plan, ckpt, lambda p, **kw: start_stages(p, "local", **kw))
@@ -96,9 +97,27 @@ def test_stages_on_1_and_2_threads_get_layers_as_their_measurement_says(tmp_path
     assert [p.name.split("-t")[-1].split("-")[0] for p in nodes] == ["1", "2"]  # each node measured, and cached
     import json
 
-    per_weight = [json.loads(p.read_text())["quant"]["q4_1"]["rows_s_per_weight"]["1"] for p in nodes]
-    faster = 0 if per_weight[0] < per_weight[1] else 1
+    from stagewise.model import shapes
+    from stagewise.planner.compute import layer_ops, op_time
+
+    # A decoder layer's decode step on each node, as its measurement says (stage order: 2, then 1 thread).
+    prec = Workload(input_length=1, output_length=1, weight_dtype="float32", kv_dtype="float32",
+                    weight_quant="q4_1", embed_quant="q8_0").precision()
+    per_layer = []
+    for path in reversed(nodes):
+        prof = profile_from_dict(json.loads(path.read_text()))
+        ops = layer_ops(ckpt.config, 0, rows=1, new_tokens=1, context=512, prec=prec, sharding=shapes.Sharding())
+        per_layer.append(sum(op_time(op, prof, "float32")[0] for op in ops) + prof.framework["layer_s"])
+    faster = 0 if per_layer[0] < per_layer[1] else 1
     layers = [b0 - a0, b1 - a1]
-    assert layers[faster] > layers[1 - faster], (per_weight, layers)
     err = capsys.readouterr().err
+    # The split is the one the two measurements give (both nodes on this host: half its memory each) ...
+    profiles = [profile_from_dict(json.loads(path.read_text())) for path in reversed(nodes)]
+    profiles = [dataclasses.replace(p, memory_bytes=p.memory_bytes // 2) for p in profiles]
+    expected = split_layers(ckpt.config, profiles, prec=prec, context=512,
+                            kv_tokens=ckpt.config.max_position_embeddings)
+    assert [(a0, b0), (a1, b1)] == expected.ranges, (per_layer, err)
+    # ... and when the faster node is the one without the LM head, it holds more layers.
+    if faster == 0:
+        assert layers[0] > layers[1], (per_layer, layers, err)
     assert "stage 1: layers" in err and "predicted TPOT at batch 1" in err

@@ -114,6 +114,16 @@ class RayStages:
             self._codes[i] = code
         return code
 
+    def settle(self, timeout_s: float) -> None:
+        """Ask every actor not known to have ended whether its process runs, and wait up to
+        ``timeout_s`` for the answers (a failure's diagnosis: which stage is gone)."""
+        refs = {i: a.poll.remote() for i, a in enumerate(self.actors) if i not in self._codes}
+        if refs:
+            self.ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        for i, ref in refs.items():
+            self._asked[i] = (ref, time.monotonic())
+            self.exit_code(i)
+
     def failure(self, i: int) -> str | None:
         node = self.nodes[i] if i < len(self.nodes) else {}
         if i in self._lost:

@@ -325,6 +325,9 @@ class PipelineDriver:
         """The most likely cause among the problems seen (see :class:`Fault`)."""
         time.sleep(0.3)  # let the other stages notice and report
         if self.processes is not None:
+            settle = getattr(self.processes, "settle", None)  # processes known only by asking (Ray actors)
+            if settle is not None:
+                settle(2.0)
             for i in range(len(self.members)):
                 code = self.processes.exit_code(i)
                 if code is not None and code < 0:
