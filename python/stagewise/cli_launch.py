@@ -14,6 +14,7 @@ import os
 import shlex
 import sys
 
+from stagewise.cli_doctor import how
 from stagewise.cli_generate import add_tls_arguments, generate_and_print, tls_from_args, tls_problems
 from stagewise.cli_prompts import Requests, add_prompt_arguments, read_requests, report, sampling_args, sampling_problems
 from stagewise.cli_serve import add_server_arguments, serve_closing, server_problems
@@ -88,15 +89,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 2
     procs = None
-    launcher = "ray" if ray else "ssh" if args.ssh and not args.print_only else None
+    launcher, options = how(plan, args)  # the same launcher and options `stagewise doctor` would use
+    if launcher == "local" or args.print_only:
+        launcher = None  # printed commands: the stages are started by hand
     if launcher is not None:
         from stagewise.launch.start import start_stages
 
-        options = dict(auth_token=token)
-        if ray:
-            options.update(ray_address=args.ray_address, placement=args.placement or plan.placement)
-        else:
-            options["ssh"] = dict(program=program, ssh=shlex.split(args.ssh_command), remote_plan=args.remote_plan)
         if not args.no_preflight and not _preflight(plan, launcher, options, args.connect_timeout):
             return 1
         if plan.partition == "measured":

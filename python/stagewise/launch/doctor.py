@@ -129,13 +129,12 @@ def _start_fix(why: str, listen: str) -> str:
 
 
 def own_fingerprint(plan: RunPlan) -> tuple[str | None, str | None]:
-    """This host's fingerprint of the plan's model, or why it cannot read it."""
-    try:
-        from stagewise.model.loader import open_checkpoint
+    """This host's fingerprint of the plan's model, or why it cannot read it (what a probe reports
+    of its own host)."""
+    from stagewise.launch.probe import host_report
 
-        return plan.fingerprint(open_checkpoint(plan.model).hf_config), None
-    except Exception as err:  # noqa: BLE001 - a check result
-        return None, f"{type(err).__name__}: {err}"
+    report = host_report(plan)
+    return report.get("fingerprint"), report.get("model_error")
 
 
 def table(checks: list[Check], plan: RunPlan, here_error: str | None = None) -> str:

@@ -129,7 +129,7 @@ def serve_probe(plan: RunPlan, index: int, rank: int, listen: str | None = None)
     report = host_report(plan)
     report["device"] = plan.stages[index].rank_device(rank)
     # A probe measures hops towards the plan's own hosts only (it is not a relay to anywhere).
-    report["_peers"] = {st.host for st in plan.stages} | {parse_address(st.listen)[0] for st in plan.stages}
+    peers = {st.host for st in plan.stages} | {parse_address(st.listen)[0] for st in plan.stages}
     bound = server.getsockname()
     print(f"{READY_LINE} {bound[0]} {bound[1]}", flush=True)
     done, last, jobs = threading.Event(), [time.monotonic()], queue.SimpleQueue()
@@ -145,7 +145,8 @@ def serve_probe(plan: RunPlan, index: int, rank: int, listen: str | None = None)
             except TimeoutError:
                 continue
             last[0] = time.monotonic()
-            threading.Thread(target=_answer, args=(conn, report, done, last, jobs), daemon=True).start()
+            threading.Thread(target=_answer, args=(conn, report, peers, done, last, jobs),
+                             daemon=True).start()
     return 0
 
 
@@ -166,7 +167,8 @@ def _measure_node(report: dict, types) -> dict:
         os.close(quiet)
 
 
-def _answer(conn: socket.socket, report: dict, done: threading.Event, last: list, jobs: queue.SimpleQueue) -> None:
+def _answer(conn: socket.socket, report: dict, peers: set[str], done: threading.Event, last: list,
+            jobs: queue.SimpleQueue) -> None:
     with conn:
         conn.settimeout(IDLE_S)
         f = conn.makefile("rb")
@@ -182,8 +184,7 @@ def _answer(conn: socket.socket, report: dict, done: threading.Event, last: list
                 return
             if op == "report":
                 mine = conn.getsockname()[0]
-                reply = {**{k: v for k, v in report.items() if k != "_peers"},
-                         "toward_asker": {"address": mine, "interface": interface_of(mine)}}
+                reply = {**report, "toward_asker": {"address": mine, "interface": interface_of(mine)}}
             elif op == "echo":
                 n, back = int(msg.get("n", 0)), int(msg.get("reply", 0))
                 if not (0 <= n <= MAX_ECHO and 0 <= back <= MAX_ECHO):
@@ -191,7 +192,7 @@ def _answer(conn: socket.socket, report: dict, done: threading.Event, last: list
                 f.read(n)
                 conn.sendall(json.dumps({"ok": True}).encode() + b"\n" + bytes(back))
                 continue
-            elif op == "probe" and str(msg.get("host")) not in report["_peers"]:
+            elif op == "probe" and str(msg.get("host")) not in peers:
                 reply = {"ok": False, "error": f"{msg.get('host')!r} is not a host of the run plan"}
             elif op == "probe":
                 try:
