@@ -14,6 +14,7 @@ cancel it, poll for the requests that ended — so :meth:`Pipeline.generate` has
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from itertools import count
@@ -26,7 +27,7 @@ from stagewise.frontend import Completion, LocalBackend, Run, sampling_per_promp
 from stagewise.model.loader import Checkpoint, open_checkpoint, resolve_dtype
 from stagewise.model.quant import check_precision
 from stagewise.image_processing import expand_prompts, prepare_prompt_images
-from stagewise.launch.start import process_options, process_plan, start_stages
+from stagewise.launch.start import Restart, process_options, process_plan
 from stagewise.prompts import encode_prompts, render_chat
 
 
@@ -92,25 +93,12 @@ class Pipeline:
                                 max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
                                 kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens, quantized=quantized,
                                 linear_precision=linear_precision, **pipeline_options)
-            token = pipeline_options.get("auth_token")
-
-            def launch():
-                procs, placed, addresses = start_stages(plan, auth_token=token, **launch_options)
-                try:
-                    return self._new_driver(placed, addresses, auth_token=token, processes=procs)
-                except BaseException:
-                    procs.stop(grace_s=0.5)
-                    raise
-
-            self._backend = launch()
+            self._restart = Restart(plan, self._new_driver, launcher=launch_options,
+                                    auth_token=pipeline_options.get("auth_token"), recover=max_restarts > 0,
+                                    log=logging.getLogger("stagewise").warning)
+            self._backend = self._restart.start()
             self.plan = self.driver.plan
-            if max_restarts:
-                import logging
-
-                from stagewise.pipeline.recovery import Recovering
-
-                self._backend = Recovering(self._backend, launch, max_restarts,
-                                           log=logging.getLogger("stagewise").warning)
+            self._recover(max_restarts)
         else:
             from stagewise.engine.engine import Engine
             from stagewise.model.stage import load_stage
@@ -138,12 +126,20 @@ class Pipeline:
 
             self.image_processor = ImageProcessor.for_model(getattr(checkpoint, "path", None), self.config.vision_config)
 
-    def _new_driver(self, plan, addresses, *, auth_token: str | None, processes=None,
-                    connect_timeout_s: float = 60.0):
+    def _new_driver(self, plan, addresses, processes, keep_processes: bool, connect_timeout_s: float):
         from stagewise.pipeline.driver import PipelineDriver
 
         return PipelineDriver(plan, addresses, fingerprint=plan.fingerprint(self.checkpoint.hf_config),
-                              auth_token=auth_token, processes=processes, connect_timeout_s=connect_timeout_s)
+                              auth_token=self._restart.auth_token, processes=processes,
+                              connect_timeout_s=connect_timeout_s, keep_processes=keep_processes)
+
+    def _recover(self, max_restarts: int) -> None:
+        """The driver wrapped so that a broken pipeline is started again (``max_restarts`` > 0)."""
+        if max_restarts:
+            from stagewise.pipeline.recovery import Recovering
+
+            self._backend = Recovering(self._backend, self._restart, max_restarts,
+                                       log=logging.getLogger("stagewise").warning)
 
     @property
     def driver(self):
@@ -162,7 +158,8 @@ class Pipeline:
     @classmethod
     def attach(cls, plan, *, addresses: Sequence[tuple[str, int]] | None = None,
                auth_token: str | None = None, store: tuple[str, int] | str | None = None,
-               connect_timeout: float = 60.0, processes=None) -> Pipeline:
+               connect_timeout: float = 60.0, processes=None, max_restarts: int = 0,
+               rejoin_timeout: float = 120.0) -> Pipeline:
         """Drive stage processes that are already running (``stagewise stage --plan PLAN --stage I``
         on their hosts, e.g. started by ``stagewise launch`` or torchrun): connect to each stage's
         listen address from the plan (its ``host`` when it listens on 0.0.0.0), or ``addresses``,
@@ -171,7 +168,10 @@ class Pipeline:
         wait for a stage that does not accept yet. ``processes`` (a
         :class:`~stagewise.launch.local.StageProcesses`, e.g. of ssh clients) are watched and
         stopped with the pipeline. The model must be readable here too: the driver reads its
-        config, tokenizer and chat template."""
+        config, tokenizer and chat template. ``max_restarts``: how many times a broken pipeline
+        waits up to ``rejoin_timeout`` seconds for its stages to come back at their addresses
+        (stages started with ``--rejoin`` wait for it; the lost ones are restarted on their hosts,
+        e.g. by systemd or Kubernetes), its running requests resumed."""
         from stagewise.launch.multihost import connect_address, load_plan
         from stagewise.parallel.runplan import RunPlan
 
@@ -194,8 +194,10 @@ class Pipeline:
 
             addresses = store_addresses(plan, plan.fingerprint(ckpt.hf_config), store, timeout_s=connect_timeout)
         self.plan = plan
-        self._backend = self._new_driver(plan, list(addresses), auth_token=auth_token, processes=processes,
-                                         connect_timeout_s=connect_timeout)
+        self._restart = Restart(plan, self._new_driver, launcher=None, auth_token=auth_token,
+                                recover=max_restarts > 0, rejoin_timeout_s=rejoin_timeout)
+        self._backend = self._restart.start(addresses, processes, connect_timeout)
+        self._recover(max_restarts)
         self.load_s = time.perf_counter() - start
         return self
 
@@ -262,7 +264,7 @@ class Pipeline:
             try:
                 if self.broken:
                     raise PipelineBroken(self.broken)
-                self.driver.stage_stats(reset=True)
+                self._backend.stage_stats(reset=True)  # a pipeline broken meanwhile is repaired here
             except PipelineBroken as err:
                 raise ValueError(f"Pipeline.generate: the pipeline is broken ({err}); create a new one") from None
         run = self.open_run(on_text=on_text)

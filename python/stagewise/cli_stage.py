@@ -23,6 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default=None, help="HOST:PORT to listen on (default: the plan's)")
     parser.add_argument("--auth-token", default=None,
                         help="shared secret for the hello (default: $STAGEWISE_AUTH_TOKEN)")
+    parser.add_argument("--rejoin", type=float, default=0.0, metavar="SECONDS",
+                        help="when the pipeline breaks (a neighbour or the driver lost), keep the layers loaded, "
+                             "drop every request's KV and wait this long for a driver to connect again, instead "
+                             "of exiting (runs of one rank per stage; default 0: exit)")
     parser.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--probe", action="store_true",
                         help="instead of the stage, the preflight probe `stagewise doctor` talks to (binds the "
@@ -49,7 +53,9 @@ def main(args: argparse.Namespace) -> int:
 
             code = serve_probe(plan, index, rank, args.listen)
         else:
-            stage = StageProcess(plan, index, rank=rank, listen=args.listen, auth_token=token)
+            if args.rejoin < 0:
+                raise ValueError(f"--rejoin must be >= 0 seconds, got {args.rejoin}")
+            stage = StageProcess(plan, index, rank=rank, listen=args.listen, auth_token=token, rejoin_s=args.rejoin)
             stage.on_listening = on_listening
             code = stage.run()
     except KeyboardInterrupt:

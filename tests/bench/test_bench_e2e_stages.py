@@ -1,4 +1,4 @@
-"""`stagewise bench e2e --stages` (and `--launcher ray`) on a tiny random model: it runs, compares
+"""`stagewise bench e2e --stages` (and `--launcher ray`, `--recovery`) on a tiny random model: it runs, compares
 tokens with S = 1 (with local spawn) and writes its table (the SmolLM2 figures are committed under
 bench/results/)."""
 
@@ -49,3 +49,15 @@ def test_bench_e2e_launcher_ray_writes_results_beside_local(tiny, tmp_path, caps
     assert local["tpot_vs_local_b1"] == 1.0 and ray["tpot_vs_local_b1"] > 0
     assert ray["tokens_equal_b1"] is True and ray["tokens_equal_b8"] is True
     assert data["machine"]["stages"] == 2 and "TPOT ratio" in capsys.readouterr().out
+
+
+def test_bench_e2e_recovery_writes_the_delays_beside_a_whole_restart(tiny, tmp_path, capsys):
+    code = main(["bench", "e2e", "--model", tiny, "--recovery", "--stages", "2", "--prompt-len", "4",
+                 "--new-tokens", "48", "--repeats", "1", "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads(next(tmp_path.glob("*-e2e-recovery.json")).read_text())
+    rows = {r["case"]: r for r in data["rows"]}
+    assert list(rows) == ["undisturbed", "killed, stage rejoins", "killed, every stage anew", "hung, stage rejoins"]
+    assert all(r["tokens_equal"] for r in rows.values()), rows
+    assert rows["undisturbed"]["delay_s"] == 0 and rows["hung, stage rejoins"]["delay_s"] > 2.0  # the heartbeat
+    assert "delay s" in capsys.readouterr().out

@@ -1,11 +1,16 @@
-"""Requests that outlive a stage: a stage process killed or hung mid-generation, the pipeline
-started again, and every running request ends with exactly the greedy tokens of an undisturbed
-run; the old processes are gone; past max_restarts a failure ends the requests as before."""
+"""Requests that outlive a stage: a stage process killed or hung mid-generation, only that stage
+started again (the others drop their KV and rejoin with their layers loaded), and every running
+request ends with exactly the greedy tokens of an undisturbed run; a run whose stages cannot
+rejoin (a torch.distributed world) starts every stage again; stages started by hand come back at
+their addresses; past max_restarts a failure ends the requests as before."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -23,44 +28,151 @@ def reference():
         return [c.token_ids for c in pipe.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True)]
 
 
-def fail_stage_midway(pipe, sig) -> tuple[list[int], callable]:
-    """An on_text callback that sends ``sig`` to the last stage once tokens flow; the stage pids."""
-    pids = list(pipe.driver.processes.pids)
+def fail_stage_midway(pid: int, sig, after: int = 12):
+    """An on_text callback that sends ``sig`` to ``pid`` once ``after`` texts have streamed."""
     seen = {"n": 0, "sent": False}
 
     def on_text(i, text):
         seen["n"] += 1
-        if seen["n"] == 12 and not seen["sent"]:
+        if seen["n"] == after and not seen["sent"]:
             seen["sent"] = True
-            os.kill(pids[-1], sig)
+            os.kill(pid, sig)
             if sig == signal.SIGSTOP:  # let the driver's heartbeat watch notice, then let it go
-                threading.Timer(8.0, lambda: os.kill(pids[-1], signal.SIGCONT) if alive(pids[-1]) else None).start()
+                threading.Timer(8.0, lambda: os.kill(pid, signal.SIGCONT) if alive(pid) else None).start()
 
-    return pids, on_text
+    return on_text
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
-def test_running_requests_survive_a_stage(reference, sig):
-    with Pipeline("smollm2-135m", stages=2, max_restarts=1) as pipe:
-        pids, on_text = fail_stage_midway(pipe, sig)
-        out = pipe.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True, on_text=on_text)
-        assert pipe.restarts == 1
-        assert [c.finish_reason for c in out] == ["length"] * len(PROMPTS), [c.error for c in out]
-        assert [c.token_ids for c in out] == reference
-        assert [len(c.prompt_token_ids) for c in out] == [len(pipe.tokenizer.encode(p).ids) for p in PROMPTS]
+def check_resumed(pipe, out, reference) -> None:
+    assert pipe.restarts == 1
+    assert [c.finish_reason for c in out] == ["length"] * len(PROMPTS), [c.error for c in out]
+    assert [c.token_ids for c in out] == reference
+    assert [len(c.prompt_token_ids) for c in out] == [len(pipe.tokenizer.encode(p).ids) for p in PROMPTS]
+    # the repaired pipeline serves on
+    [again] = pipe.generate([PROMPTS[0]], max_new_tokens=NEW, ignore_eos=True)
+    assert again.token_ids == reference[0]
+
+
+@pytest.mark.parametrize("stages,lost,sig", [(2, 1, signal.SIGKILL), (2, 1, signal.SIGSTOP), (3, 1, signal.SIGKILL),
+                                             (3, 0, signal.SIGKILL)],
+                         ids=["last-killed", "last-hung", "middle-killed", "head-killed"])
+def test_only_the_lost_stage_starts_again(reference, stages, lost, sig):
+    with Pipeline("smollm2-135m", stages=stages, max_restarts=1) as pipe:
+        pids = list(pipe.driver.processes.pids)
+        out = pipe.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True, on_text=fail_stage_midway(pids[lost], sig))
+        assert gone([pids[lost]]), "the lost stage's process is left"
+        new = list(pipe.driver.processes.pids)
+        assert [p == q for p, q in zip(pids, new)] == [i != lost for i in range(stages)], (pids, new)
+        assert all(alive(p) for p in new)
+        check_resumed(pipe, out, reference)
+    assert gone(new)
+
+
+def test_a_run_that_cannot_rejoin_starts_every_stage_again(reference):
+    """Stages joined by torch.distributed (a world cannot take a new member): all started anew."""
+    with Pipeline("smollm2-135m", stages=2, transport="torch", max_restarts=1) as pipe:
+        pids = list(pipe.driver.processes.pids)
+        out = pipe.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True,
+                            on_text=fail_stage_midway(pids[-1], signal.SIGKILL))
         assert gone(pids), "the failed pipeline's processes are left"
         new = list(pipe.driver.processes.pids)
         assert not set(new) & set(pids) and all(alive(p) for p in new)
-        # the new pipeline serves on
-        [again] = pipe.generate([PROMPTS[0]], max_new_tokens=NEW, ignore_eos=True)
-        assert again.token_ids == reference[0]
+        check_resumed(pipe, out, reference)
     assert gone(new)
+
+
+def test_stages_started_by_hand_rejoin(reference, tmp_path):
+    """Stages on their "hosts" (started here by hand with --rejoin, fixed ports): the last is
+    killed and, as its host's supervisor would, started again at its address; the driver waits for
+    it, stage 0 rejoins with its layers loaded, and the requests go on."""
+    from stagewise.launch.multihost import load_plan
+
+    path = two_stage_plan(tmp_path)
+
+    def start(i):
+        return start_by_hand(path, i, rejoin_s=60)
+
+    procs = [start(0), start(1)]
+    again = []
+    try:
+        pipe = Pipeline.attach(load_plan(str(path)), max_restarts=1, rejoin_timeout=60.0)
+        with pipe:
+            def restart():  # what the host's supervisor does
+                procs[1].wait()
+                again.append(start(1))
+
+            seen = {"n": 0}
+
+            def on_text(i, text):
+                seen["n"] += 1
+                if seen["n"] == 12:
+                    os.kill(procs[1].pid, signal.SIGKILL)
+                    again.append(threading.Thread(target=restart))
+                    again[0].start()
+
+            out = pipe.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True, on_text=on_text)
+            assert procs[0].poll() is None, "stage 0 should have rejoined, not restarted"
+            assert len(again) == 2 and again[1].poll() is None
+            check_resumed(pipe, out, reference)
+    finally:
+        for proc in procs + again[1:]:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_stage_no_driver_rejoins_exits(tmp_path):
+    """A stage waits --rejoin seconds for a driver after its pipeline broke, then exits: no orphan."""
+    from stagewise.launch.multihost import load_plan
+
+    path = two_stage_plan(tmp_path)
+    procs = [start_by_hand(path, i, rejoin_s=1) for i in range(2)]
+    try:
+        pipe = Pipeline.attach(load_plan(str(path)))
+        pipe.driver.close(force=True, keep=True)  # the driver goes away without a word
+        assert [p.wait(timeout=30) for p in procs] == [0, 0]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    bad = subprocess.run([sys.executable, "-m", "stagewise.cli", "stage", "--plan", str(path), "--stage", "0",
+                          "--rejoin", "-1"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--rejoin must be >= 0 seconds, got -1" in bad.stderr
+
+
+def two_stage_plan(tmp_path):
+    """A plan of two SmolLM2 stages on fixed loopback ports."""
+    import socket
+
+    from stagewise.model.loader import open_checkpoint
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    layers = open_checkpoint("smollm2-135m").config.num_layers
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"model": "smollm2-135m", "stages": [
+        {"host": "127.0.0.1", "listen": f"127.0.0.1:{ports[i]}", "layers": f"{i * layers // 2}-{(i + 1) * layers // 2}"}
+        for i in range(2)]}))
+    return path
+
+
+def start_by_hand(path, index: int, rejoin_s: float) -> subprocess.Popen:
+    """``stagewise stage --plan PATH --stage INDEX --rejoin S``, once it listens."""
+    from stagewise.launch.local import read_address
+
+    proc = subprocess.Popen([sys.executable, "-m", "stagewise.cli", "stage", "--plan", str(path), "--stage",
+                             str(index), "--rejoin", str(rejoin_s)], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    read_address(proc, index, 120.0)
+    return proc
 
 
 def test_past_max_restarts_the_requests_end_with_the_error():
     with Pipeline("smollm2-135m", stages=2, max_restarts=1) as pipe:
         for attempt in range(2):
-            _, on_text = fail_stage_midway(pipe, signal.SIGKILL)
+            on_text = fail_stage_midway(pipe.driver.processes.pids[-1], signal.SIGKILL)
             out = pipe.generate(PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True, on_text=on_text)
             if attempt == 0:
                 assert all(c.finish_reason == "length" for c in out)

@@ -97,6 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e_args.add_argument("--launcher", default=None, choices=["ray"],
                           help="e2e: a pipeline of --stages S (default 3) started by this launcher and by the local "
                                "one, side by side (start-up, TPOT at batch 1 and 8)")
+    e2e_args.add_argument("--recovery", action="store_true",
+                          help="e2e: a pipeline of --stages S (default 2) whose last stage dies or hangs mid-generation: "
+                               "the delay with only that stage started again, beside every stage started again")
     e2e_args.add_argument("--tp", default=None, metavar="1,3",
                           help="e2e: one stage split over these tensor-parallel sizes instead, beside tp=1 (batch 1 and "
                                "the largest batch size)")
@@ -238,6 +241,10 @@ def run(args: argparse.Namespace) -> int:
         from stagewise.bench import e2e_parallel
 
         return e2e_parallel.run(args, log=log)
+    if args.suite == "e2e" and args.recovery:
+        from stagewise.bench import e2e_recovery
+
+        return e2e_recovery.run(args, log=log)
     if args.suite == "e2e" and args.launcher:
         from stagewise.bench import e2e_launchers
 

@@ -46,6 +46,12 @@ class StageProcesses:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
+    def replace(self, indices: Sequence[int], new: StageProcesses) -> None:
+        """Processes ``indices`` (killed first if still running) replaced by ``new``'s, in order."""
+        StageProcesses([self.procs[i] for i in indices]).stop(grace_s=0.0, term_s=0.5)
+        for i, proc in zip(indices, new.procs, strict=True):
+            self.procs[i] = proc
+
     def stop(self, grace_s: float = 5.0, term_s: float | None = None) -> None:
         """Wait up to ``grace_s`` for each to exit, then SIGTERM, then after ``term_s`` (default
         2 s, or ``grace_s`` when shorter) SIGKILL: no orphans."""
@@ -111,15 +117,16 @@ def stage_argv(plan: RunPlan, index: int, *, rank: int = 0,
 
 
 def spawn_stages(plan: RunPlan, *, auth_token: str | None = None, timeout_s: float = 120.0,
-                 extra: Sequence[str] = (), keep_going: bool = False) -> tuple[StageProcesses, list]:
-    """Start every rank of every stage of ``plan`` here (``extra``: more arguments of each) and
-    wait until each listens. Returns the processes and their listen addresses (in
-    :attr:`RunPlan.members` order); on any error every process started is stopped, or with
-    ``keep_going`` the error takes that rank's place in the list (a string)."""
+                 extra: Sequence[str] = (), keep_going: bool = False,
+                 members: Sequence[tuple[int, int]] | None = None) -> tuple[StageProcesses, list]:
+    """Start every rank of every stage of ``plan`` here (or only ``members``, (stage, rank) pairs;
+    ``extra``: more arguments of each) and wait until each listens. Returns the processes and
+    their listen addresses (in :attr:`RunPlan.members` order); on any error every process started
+    is stopped, or with ``keep_going`` the error takes that rank's place in the list (a string)."""
     env = dict(os.environ)
     if auth_token:
         env["STAGEWISE_AUTH_TOKEN"] = auth_token
-    members = plan.members
+    members = plan.members if members is None else list(members)
     procs = StageProcesses([], [plan.member_label(s, r) for s, r in members])
     try:
         for index, rank in members:

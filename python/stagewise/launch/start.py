@@ -84,4 +84,84 @@ def start_stages(plan: RunPlan, launcher: str = "local", *, auth_token: str | No
                           timeout_s=timeout_s, extra=extra, keep_going=keep_going)
     raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)} (or ssh), got {launcher!r}")
 
-__all__ = ["LAUNCHERS", "PLACEMENTS", "process_options", "process_plan", "start_stages"]
+REJOIN_S = 120.0
+"""How long a stage whose pipeline broke waits for the driver to come back (``--rejoin``)."""
+
+
+class Restart:
+    """How a pipeline's stages are started, and started again when the pipeline broke: the
+    :class:`~stagewise.pipeline.recovery.Recovering` driver's ``restart``.
+
+    When every stage is one rank and no hop runs over torch.distributed, the stages are started
+    with ``--rejoin``: a broken pipeline's surviving stages keep their layers loaded, drop every
+    request's KV and wait for a new driver. Then only the lost stages (the driver's
+    :meth:`~stagewise.pipeline.driver.PipelineDriver.lost`) are started again by the local
+    launcher, or, for stages this process did not start (``launcher=None``: attached to, on
+    other hosts), waited for at their addresses for ``rejoin_timeout_s`` (their host restarts
+    them). Otherwise, or when that fails, every stage is stopped and started anew.
+
+    ``connect(plan, addresses, processes, keep_processes, connect_timeout_s)`` makes the driver."""
+
+    def __init__(self, plan: RunPlan, connect, *, launcher: dict | None, auth_token: str | None = None,
+                 recover: bool = False, rejoin_timeout_s: float = REJOIN_S, log=None) -> None:
+        from stagewise.parallel.groups import needs_world
+        from stagewise.pipeline.links import hop_transports
+
+        self.plan, self.connect, self.launcher, self.auth_token, self.log = plan, connect, launcher, auth_token, log
+        self.rejoin_timeout_s = rejoin_timeout_s
+        local = launcher is not None and launcher.get("launcher", "local") == "local"
+        self.rejoin = recover and (local or launcher is None) and not needs_world(plan, hop_transports(plan))
+        """Whether a broken pipeline keeps its surviving stages."""
+
+    def start(self, addresses=None, processes=None, connect_timeout_s: float = 60.0):
+        """The driver of a new pipeline: every stage started, or (``addresses``) stages already
+        running attached to, ``processes`` watched."""
+        if addresses is not None:
+            return self.connect(self.plan, list(addresses), processes, self.rejoin, connect_timeout_s)
+        extra = ("--rejoin", str(REJOIN_S)) if self.rejoin else ()
+        procs, placed, addresses = start_stages(self.plan, auth_token=self.auth_token, extra=extra, **self.launcher)
+        try:
+            return self.connect(placed, addresses, procs, self.rejoin, 60.0)
+        except BaseException:
+            procs.stop(grace_s=0.5)
+            raise
+
+    def __call__(self, old):
+        """A new driver in place of ``old`` (broken); every process stopped when none can be had."""
+        if self.rejoin:
+            try:
+                return self._repair(old)
+            except Exception as err:  # noqa: BLE001 - every stage is started anew instead
+                if self.launcher is None:
+                    old.close(force=True)
+                    raise
+                if self.log is not None:
+                    self.log(f"the surviving stages could not rejoin ({err}); starting every stage again")
+        old.close(force=True)
+        if self.launcher is None:
+            raise RuntimeError("the stages were not started here: only stages that rejoin can come back")
+        return self.start()
+
+    def _repair(self, old):
+        """The broken pipeline's lost stages started again (or waited for), the others kept."""
+        members, addresses, procs = self.plan.members, list(old.addresses), old.processes
+        old.close(force=True, keep=True)
+        lost = sorted({members[i][0] for i in old.lost()})
+        if self.launcher is not None:
+            if not lost:
+                raise RuntimeError("no stage was found lost")
+            from stagewise.launch.local import spawn_stages
+
+            again = [i for i, (stage, _) in enumerate(members) if stage in lost]
+            new, got = spawn_stages(self.plan, auth_token=self.auth_token, members=[members[i] for i in again],
+                                    extra=("--rejoin", str(REJOIN_S)))
+            procs.replace(again, new)
+            for i, address in zip(again, got):
+                addresses[i] = address
+        if self.log is not None:
+            self.log(f"starting stage(s) {lost} again; the others rejoin" if self.launcher is not None
+                     else f"waiting up to {self.rejoin_timeout_s:.0f} s for stage(s) {lost} to rejoin")
+        return self.connect(old.plan, addresses, procs, True, self.rejoin_timeout_s)
+
+
+__all__ = ["LAUNCHERS", "PLACEMENTS", "Restart", "process_options", "process_plan", "start_stages"]

@@ -76,9 +76,12 @@ class _Request:
 class PipelineDriver:
     def __init__(self, plan: RunPlan, addresses: list[tuple[str, int]], *, fingerprint: str,
                  auth_token: str | None = None, processes: StageProcesses | None = None,
-                 ready_timeout_s: float = 600.0,
-                 connect_timeout_s: float = 60.0) -> None:
+                 ready_timeout_s: float = 600.0, connect_timeout_s: float = 60.0,
+                 keep_processes: bool = False) -> None:
         self.plan, self.addresses, self.processes = plan, addresses, processes
+        self.keep_processes = keep_processes
+        """When the pipeline breaks, leave the processes running (whoever starts it again decides
+        which to replace: :meth:`lost`); :meth:`close` without ``keep`` still stops them."""
         self.controls = []
         self.broken: str | None = None
         self._ended: list[RequestOutput] = []
@@ -101,6 +104,7 @@ class PipelineDriver:
         try:
             for i, address in enumerate(addresses):
                 self.controls.append(self._dial(i, address, options, connect_timeout_s))
+                self.last_seen[i] = time.monotonic()
             ready = self._expect_all(Ready, ready_timeout_s)
             for i, msg in enumerate(ready):
                 if msg.fingerprint != fingerprint:
@@ -169,15 +173,21 @@ class PipelineDriver:
                 raise TimeoutError(f"{', '.join(missing)} did not report {kind.__name__} within {timeout:.0f} s")
         return [got[i] for i in range(len(self.controls))]
 
-    def _expect(self, stage: int, kind: type, timeout: float, wait: float | None = None):
+    def _expect(self, stage: int, kind: type, timeout: float, wait: float | None = None, hang_s: float | None = None):
         """The next message of type ``kind`` from ``stage`` (status and heartbeats are taken on
-        the way). With ``wait``, None when none came within that many seconds."""
+        the way). With ``wait``, None when none came within that many seconds; with ``hang_s``, a
+        stage that sends nothing, not even a heartbeat, for that long is hung (PipelineBroken)."""
         deadline = time.monotonic() + (timeout if wait is None else min(wait, timeout))
         while True:
             self._check_process(stage)
             try:
                 frame = self.controls[stage].recv(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-            except TimeoutError:
+            except TimeoutError:  # nothing waiting: messages read late (between calls) count from when read
+                silent = time.monotonic() - self.last_seen[stage]
+                if hang_s is not None and silent > hang_s:
+                    self._problems.append((Fault.KILLED, stage, f"{self._label(stage)} sent nothing for "
+                                                                f"{silent:.1f} s (hung or unreachable)"))
+                    raise PipelineBroken(self._problems[-1][2]) from None
                 if time.monotonic() > deadline:
                     if wait is not None:
                         return None
@@ -224,7 +234,15 @@ class PipelineDriver:
     def _break(self, reason: str) -> None:
         if self.broken is None:
             self.broken = reason
-            self.close(force=True)
+            self.close(force=True, keep=self.keep_processes)
+
+    def lost(self) -> list[int]:
+        """The processes (indices of :attr:`members`) a broken pipeline lost: exited, killed,
+        hung or failed on their own; the others only lost a neighbour."""
+        faults = {i for fault, i, _ in self._problems if fault in (Fault.KILLED, Fault.FAILED)}
+        exited = {i for i in range(len(self.members)) if self.processes is not None
+                  and self.processes.exit_code(i) is not None}
+        return sorted(faults | exited)
 
     # ---- requests -----------------------------------------------------------------
 
@@ -348,21 +366,23 @@ class PipelineDriver:
         try:
             for i in self.leaders:
                 self._send(i, GetStats(trace=trace, reset=reset))
-            return [self._expect(i, Stats, 30.0) for i in self.leaders]
+            return [self._expect(i, Stats, 30.0, hang_s=HEARTBEAT_TIMEOUT_S) for i in self.leaders]
         except (PipelineBroken, TimeoutError) as err:
             self._break(str(err))
             raise PipelineBroken(self.broken) from None
 
-    def close(self, force: bool = False) -> None:
+    def close(self, force: bool = False, keep: bool = False) -> None:
         """Stop every stage: ask politely (``Shutdown``) and wait for the processes, then close
-        the connections; ``force`` skips the asking. Stragglers get SIGTERM, then SIGKILL."""
-        if not force:
+        the connections; ``force`` skips the asking. Stragglers get SIGTERM, then SIGKILL.
+        ``keep``: only close the connections (stages started with ``--rejoin`` wait for a new
+        driver)."""
+        if not force and not keep:
             for control in self.controls:
                 try:
                     control.send(messages.to_frame(Shutdown()))
                 except Exception:  # noqa: BLE001 - already gone
                     pass
-        if self.processes is not None:
+        if self.processes is not None and not keep:
             self.processes.stop(0.2 if force else 5.0)
         for control in self.controls:
             try:

@@ -138,10 +138,14 @@ class Acceptor:
                 raise
         self._pending[role] = channel
 
-    def close(self) -> None:
+    def drop(self) -> None:
+        """Close the links taken from the listener but not handed out (a broken pipeline's)."""
         for channel in self._pending.values():
             channel.close()
         self._pending.clear()
+
+    def close(self) -> None:
+        self.drop()
         self.listener.close()
 
 

@@ -29,11 +29,9 @@ import torch
 
 from stagewise.engine.engine import Engine
 from stagewise.engine.executor import Executor, model_dtype
-from stagewise.kv.cache import KVCacheSpec, num_cache_blocks
-from stagewise.model.shapes import kv_heads_per_rank
 from stagewise.parallel.groups import join_stage_groups
 from stagewise.parallel.runplan import RunPlan, parse_address
-from stagewise.pipeline import fanout, links, messages, protocol
+from stagewise.pipeline import fanout, links, messages, protocol, stage_setup
 from stagewise.pipeline.lines import READY_LINE
 from stagewise.pipeline.messages import Add, Cancel, Connected, Fatal, GetStats, Heartbeat, Ready, Setup, Shutdown
 from stagewise.pipeline.protocol import ProtocolError
@@ -51,7 +49,7 @@ class _Shutdown(Exception):
 
 class StageProcess:
     def __init__(self, plan: RunPlan, index: int, *, rank: int = 0, listen: str | None = None,
-                 auth_token: str | None = None, driver_timeout_s: float = 600.0) -> None:
+                 auth_token: str | None = None, driver_timeout_s: float = 600.0, rejoin_s: float = 0.0) -> None:
         if not 0 <= index < plan.num_stages:
             raise ValueError(f"stagewise stage: --stage must be in [0, {plan.num_stages}), got {index}")
         self.plan, self.index, self.spec = plan, index, plan.stages[index]
@@ -61,7 +59,8 @@ class StageProcess:
                              f"(pcp {plan.pcp} x tp {self.spec.tp}), got {rank}")
         self.rank = rank
         self.listen_address = parse_address(listen or self.spec.rank_listen(rank))
-        self.auth_token, self.driver_timeout_s = auth_token, driver_timeout_s
+        self.auth_token, self.driver_timeout_s, self.rejoin_s = auth_token, driver_timeout_s, rejoin_s
+        self._beat = threading.Event()
         self.stats = StageStats()
         self.control: Channel | None = None
         self.links = links.DataLinks()
@@ -84,9 +83,9 @@ class StageProcess:
             raise ValueError(f"the plan has {self.plan.num_layers} layers but {self.plan.model!r} has "
                              f"{checkpoint.config.num_layers}")
         self.fingerprint = self.plan.fingerprint(checkpoint.hf_config)
-        options = links.LinkOptions(fingerprint=self.fingerprint, auth_token=self.auth_token,
-                                    checksum=self.plan.checksum, tls=links.TlsConfig.from_dict(self.plan.tls))
-        self.listener = links.listen(self.listen_address, options)
+        self.options = links.LinkOptions(fingerprint=self.fingerprint, auth_token=self.auth_token,
+                                         checksum=self.plan.checksum, tls=links.TlsConfig.from_dict(self.plan.tls))
+        self.listener = links.listen(self.listen_address, self.options)
         host, port = self.listener.address
         print(f"{READY_LINE} {host} {port}", flush=True)
         if self.on_listening is not None:
@@ -95,66 +94,42 @@ class StageProcess:
         acceptor = links.Acceptor(self.listener, stage=self.index, checksum=self.plan.checksum,
                                   device=device.index if device.type == "cuda" else None)
         # The driver connects while the layers load, so that a failure to load reaches it at once.
-        driver = threading.Thread(target=self._accept_driver, args=(acceptor,), name="accept-driver", daemon=True)
+        driver = threading.Thread(target=self._accept_driver, args=(acceptor, self.driver_timeout_s),
+                                  name="accept-driver", daemon=True)
         driver.start()
         try:
             try:
-                weights, dtype = self._load(checkpoint, device)
+                weights, dtype = stage_setup.load_weights(self.plan, self.index, self.rank, checkpoint, device)
                 cfg = checkpoint.config
                 max_model_len = self.plan.max_model_len or cfg.max_position_embeddings
-                spec = KVCacheSpec(layer_start=self.spec.start_layer, layer_end=self.spec.end_layer,
-                                   num_kv_heads=kv_heads_per_rank(cfg, self.spec.tp), head_dim=cfg.head_dim,
-                                   block_size=self.plan.block_size, dtype=dtype)
-                # A context-parallel rank stores 1/cp of each request's tokens.
-                capacity = num_cache_blocks(spec, device, max_num_seqs=self.plan.max_num_seqs,
-                                            max_model_len=max_model_len, kv_cache_bytes=self.plan.kv_cache_bytes,
-                                            max_num_tokens=self.plan.max_num_tokens,
-                                            cp_world_size=self.ranks.pcp * self.ranks.dcp)
+                capacity = stage_setup.kv_capacity(self.plan, self.index, cfg, dtype, device, max_model_len)
             finally:
                 driver.join(self.driver_timeout_s)
             if self.control is None:
                 raise TimeoutError(f"no driver connected within {self.driver_timeout_s:.0f} s")
-            self.tell_driver(Ready(stage=self.index, rank=self.rank, capacity_blocks=capacity,
-                                   layers=(self.spec.start_layer, self.spec.end_layer), pid=os.getpid(),
-                                   fingerprint=self.fingerprint))
-            setup = messages.from_frame(self.control.recv(timeout=self.driver_timeout_s))
-            if not isinstance(setup, Setup):
-                raise ValueError(f"expected the driver's setup, got {type(setup).__name__}")
-            from stagewise.model.stage import StageModel  # after listening: the driver connects meanwhile
+            model = None
+            while True:
+                self.tell_driver(Ready(stage=self.index, rank=self.rank, capacity_blocks=capacity,
+                                       layers=(self.spec.start_layer, self.spec.end_layer), pid=os.getpid(),
+                                       fingerprint=self.fingerprint))
+                setup = messages.from_frame(self.control.recv(timeout=self.driver_timeout_s))
+                if not isinstance(setup, Setup):
+                    raise ValueError(f"expected the driver's setup, got {type(setup).__name__}")
+                if model is None:
+                    from stagewise.model.stage import StageModel  # after listening: the driver connects meanwhile
 
-            groups = join_stage_groups(self.plan, self.index, self.rank, setup.store)
-            model = StageModel.from_weights(cfg, self.spec.start_layer, self.spec.end_layer, weights, dtype=dtype,
-                                            device=device, groups=groups)
-            del weights
-            executor = self.executor = Executor(model, num_blocks=setup.num_blocks, block_size=self.plan.block_size,
-                                max_model_len=max_model_len, device=device,
-                                interleave_size=self.plan.interleave_size)
-            if self.rank > 0:
-                self._serve_follower(executor, acceptor, max_model_len, device)
-                return 0
-            slot_bytes, num_slots = self._ring_size(cfg.hidden_size, spec.dtype, max_model_len)
-            self.links = links.open_data_links(
-                index=self.index, num_stages=self.plan.num_stages, transport=setup.transport,
-                next_address=setup.next, acceptor=acceptor, options=options,
-                slot_bytes=slot_bytes, num_slots=num_slots, device=device.index if device.type == "cuda" else None,
-                world_ranks=[r.first for r in self.plan.stage_ranks()])
-            if setup.followers:  # steps carry the stage's input (hidden states): rings sized as for activations
-                slot_bytes, num_slots = self._ring_size(cfg.hidden_size, spec.dtype, max_model_len, activations=True)
-                executor.mirror = fanout.Fanout(
-                    [links.dial(tuple(address), options, transport=links.fanout_transport(self.plan),
-                                stage=self.index, peer=self.index, role="fanout", slot_bytes=slot_bytes,
-                                num_slots=num_slots, device=device.index if device.type == "cuda" else None)
-                     for address in setup.followers], stage=self.index)
-                self.links.fanout = executor.mirror
-            self.tell_driver(Connected(stage=self.index))
-            self.stats.reset()
-            if self.index == 0:
-                engine = Engine(executor, max_num_seqs=self.plan.max_num_seqs, num_groups=setup.microbatches,
-                                max_prefill_tokens=self.plan.max_prefill_tokens)
-                self._serve_head(Head(engine, stats=self.stats))
-            else:
-                self._serve_worker(Worker(executor, index=self.index, num_stages=self.plan.num_stages,
-                                          stats=self.stats))
+                    groups = join_stage_groups(self.plan, self.index, self.rank, setup.store)
+                    model = StageModel.from_weights(cfg, self.spec.start_layer, self.spec.end_layer, weights,
+                                                    dtype=dtype, device=device, groups=groups)
+                    del weights
+                try:
+                    self._serve(model, setup, acceptor, max_model_len, device)
+                except ChannelClosed as err:  # the driver or a neighbour is gone
+                    if not self.rejoin_s or setup.store is not None:
+                        raise
+                    self._report_fatal(err)
+                    if not self._await_driver(acceptor):
+                        return 0
         except _Shutdown:
             pass
         except Exception as err:
@@ -166,44 +141,67 @@ class StageProcess:
             acceptor.close()
         return 0
 
-    def _accept_driver(self, acceptor: links.Acceptor) -> None:
+    def _serve(self, model, setup: Setup, acceptor: links.Acceptor, max_model_len: int,
+               device: torch.device) -> None:
+        """Serve one driver: a fresh executor (an empty KV cache), links to the neighbours the
+        setup names, then steps until the driver, a neighbour or an error ends it."""
+        executor = self.executor = Executor(model, num_blocks=setup.num_blocks, block_size=self.plan.block_size,
+                                            max_model_len=max_model_len, device=device,
+                                            interleave_size=self.plan.interleave_size)
+        if self.rank > 0:
+            self._serve_follower(executor, acceptor, max_model_len, device)
+            raise _Shutdown()
+        hidden, dtype = model.config.hidden_size, model_dtype(model)
+        cuda = device.index if device.type == "cuda" else None
+        slot_bytes, num_slots = stage_setup.ring_size(self.plan, self.index, hidden, dtype, max_model_len)
+        self.links = links.open_data_links(
+            index=self.index, num_stages=self.plan.num_stages, transport=setup.transport,
+            next_address=setup.next, acceptor=acceptor, options=self.options,
+            slot_bytes=slot_bytes, num_slots=num_slots, device=cuda,
+            world_ranks=[r.first for r in self.plan.stage_ranks()])
+        if setup.followers:  # steps carry the stage's input (hidden states): rings sized as for activations
+            slot_bytes, num_slots = stage_setup.ring_size(self.plan, self.index, hidden, dtype, max_model_len,
+                                                          activations=True)
+            executor.mirror = fanout.Fanout(
+                [links.dial(tuple(address), self.options, transport=links.fanout_transport(self.plan),
+                            stage=self.index, peer=self.index, role="fanout", slot_bytes=slot_bytes,
+                            num_slots=num_slots, device=cuda)
+                 for address in setup.followers], stage=self.index)
+            self.links.fanout = executor.mirror
+        self.tell_driver(Connected(stage=self.index))
+        self.stats.reset()
+        if self.index == 0:
+            engine = Engine(executor, max_num_seqs=self.plan.max_num_seqs, num_groups=setup.microbatches,
+                            max_prefill_tokens=self.plan.max_prefill_tokens)
+            self._serve_head(Head(engine, stats=self.stats))
+        else:
+            self._serve_worker(Worker(executor, index=self.index, num_stages=self.plan.num_stages, stats=self.stats))
+
+    def _await_driver(self, acceptor: links.Acceptor) -> bool:
+        """After the pipeline broke: drop this stage's links, requests and KV (the model stays
+        loaded) and wait up to ``rejoin_s`` for a new driver; False when none came."""
+        self._beat.set()
+        for channel in (self.control, self.links):
+            try:
+                channel.close()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.control, self.links, self.executor = None, links.DataLinks(), None
+        acceptor.drop()
+        print(f"stagewise stage {self.index}: the pipeline broke; waiting up to {self.rejoin_s:.0f} s for a "
+              "driver to rejoin", file=sys.stderr, flush=True)
+        self._accept_driver(acceptor, self.rejoin_s)
+        return self.control is not None
+
+    def _accept_driver(self, acceptor: links.Acceptor, timeout_s: float) -> None:
         """Take the driver's control link, then tell it every HEARTBEAT_S that this stage lives
         (also while its layers load)."""
         try:
-            self.control = acceptor.take("driver", self.driver_timeout_s)
+            self.control = acceptor.take("driver", timeout_s)
         except TimeoutError:
             return
-        threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
-
-    def _load(self, checkpoint, device: torch.device):
-        from stagewise.model.loader import load_stage_weights, resolve_dtype
-
-        if self.spec.threads:
-            torch.set_num_threads(self.spec.threads)
-        if device.type == "cuda":
-            if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
-                found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-                raise ValueError(f"device {self.spec.device!r}: this host has {found} CUDA device(s)"
-                                 + ("" if torch.version.cuda else f" (torch {torch.__version__} is built without CUDA)"))
-            torch.cuda.set_device(device)  # this process's GPU: the ring, the streams and NCCL use it
-        dtype = resolve_dtype(self.plan.dtype, checkpoint.config.dtype)
-        weights = load_stage_weights(checkpoint, self.spec.start_layer, self.spec.end_layer, tp_rank=self.rank % self.spec.tp,
-                                     tp_size=self.spec.tp, dtype=dtype, quantized=self.plan.quantized,
-                                     linear_precision=self.plan.linear_precision)
-        return weights, dtype
-
-    def _ring_size(self, hidden_size: int, dtype: torch.dtype, max_model_len: int,
-                   activations: bool = False) -> tuple[int, int]:
-        """Slots of this stage's outgoing ring: a step's hidden states (at most
-        ``max_prefill_tokens`` prompt tokens and a decode token per row; a step that does not fit
-        goes over TCP) or, from the last stage (unless ``activations``), token ids; enough
-        slots that the S steps in flight and the frees rarely wait."""
-        s = self.plan.num_stages
-        if self.index == s - 1 and not activations:
-            return 1 << 20, s + 2
-        tokens = min(self.plan.max_prefill_tokens, self.plan.max_num_seqs * max_model_len) + self.plan.max_num_seqs
-        need = tokens * hidden_size * dtype.itemsize + (256 << 10)
-        return min(max(need, 1 << 20), 32 << 20), 2 * s + 2
+        self._beat = threading.Event()
+        threading.Thread(target=self._heartbeats, args=(self._beat,), name="heartbeat", daemon=True).start()
 
     # ---- the driver ----------------------------------------------------------------
 
@@ -249,8 +247,8 @@ class StageProcess:
         with self._send_lock:
             self.control.send(messages.to_frame(msg, stage_from=self.index))
 
-    def _heartbeats(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
+    def _heartbeats(self, beat: threading.Event) -> None:
+        while not self._stop.wait(HEARTBEAT_S) and not beat.is_set():
             try:
                 self.tell_driver(Heartbeat())
             except Exception:  # noqa: BLE001 - the main loop notices a dead driver

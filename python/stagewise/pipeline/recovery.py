@@ -1,14 +1,15 @@
 """Requests that outlive a stage (:class:`Recovering`): when a stage process dies or hangs, the
-pipeline's processes are started again and every request that was running goes on from where it
-was, its prompt and the tokens it had generated prefilled anew.
+pipeline is started again and every request that was running goes on from where it was, its
+prompt and the tokens it had generated prefilled anew.
 
 It wraps the driver and answers the same calls (add, cancel, abort, poll, take_tokens), keeping
 each running request's prompt, sampling parameters and tokens so far. When the driver reports the
-pipeline broken, the requests it failed for that reason are not handed on: the old processes are
-stopped (with them every KV block of every stage), ``restart()`` starts a new pipeline (local
-spawn: the same plan, new processes) and each request is added to it again with its prompt plus
-the tokens it had, asking for the tokens it still lacks. The caller sees a delay, then the rest of
-the tokens, under the same request id; the result holds every token.
+pipeline broken, the requests it failed for that reason are not handed on: ``restart(old driver)``
+gives a new driver (:class:`stagewise.launch.start.Restart`: only the lost stages started again
+when the others can rejoin, every KV block of every stage dropped; else every stage anew) and each
+request is added to it again with its prompt plus the tokens it had, asking for the tokens it
+still lacks. The caller sees a delay, then the rest of the tokens, under the same request id; the
+result holds every token.
 
 Greedy decoding (and repetition penalties, which count prompt and output alike) give exactly the
 tokens of an undisturbed run. A seeded sampler restarts from its seed, and presence / frequency
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 from stagewise.engine.params import SamplingParams, TokenLogprobs
 from stagewise.engine.requests import RequestOutput
+from stagewise.pipeline.driver import PipelineBroken
 
 
 @dataclass(slots=True)
@@ -42,10 +44,11 @@ class _Running:
 
 
 class Recovering:
-    """A driver whose pipeline is started again (``restart() -> driver``) up to ``max_restarts``
-    times when it breaks, its running requests resumed. ``log`` hears of each restart."""
+    """A driver whose pipeline is started again (``restart(broken driver) -> driver``) up to
+    ``max_restarts`` times when it breaks, its running requests resumed. ``log`` hears of each
+    restart."""
 
-    def __init__(self, driver, restart: Callable[[], object], max_restarts: int,
+    def __init__(self, driver, restart: Callable[[object], object], max_restarts: int,
                  log: Callable[[str], None] | None = None) -> None:
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
@@ -67,7 +70,15 @@ class Recovering:
         return self.driver.status
 
     def stage_stats(self, **kw):
-        return self.driver.stage_stats(**kw)
+        """Every stage's measurements; a pipeline found broken here (between requests) is started
+        again first, while restarts are left."""
+        try:
+            return self.driver.stage_stats(**kw)
+        except PipelineBroken:
+            if self.restarts >= self.max_restarts:
+                raise
+            self._recover(self.driver.broken, [])
+            return self.driver.stage_stats(**kw)
 
     def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams, images=None) -> None:
         self.driver.add(request_id, prompt_ids, params, images)
@@ -100,6 +111,8 @@ class Recovering:
                 done.append(self._whole(out, req))
         if broken and self.restarts < self.max_restarts:
             done += self._recover(broken, resume)
+        elif broken:
+            self.driver.close(force=True)  # final: no process is left waiting to rejoin
         return done
 
     def close(self) -> None:
@@ -133,10 +146,9 @@ class Recovering:
         if self._log is not None:
             self._log(f"the pipeline failed ({reason}); starting it again (restart {self.restarts} of "
                       f"{self.max_restarts}), {len(resume)} requests resume")
-        self.driver.close(force=True)
         self.recovering = True
         try:
-            self.driver = self._restart()
+            self.driver = self._restart(self.driver)
         except Exception as err:  # noqa: BLE001 - the requests end with why the pipeline could not come back
             self.restarts = self.max_restarts
             self.driver.broken = f"{reason}; starting the pipeline again failed: {err}"

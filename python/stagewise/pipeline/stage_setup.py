@@ -1,0 +1,61 @@
+"""What a stage process sets up once, before it serves: its rank's weights on its device, how many
+KV blocks it can hold, and the sizes of the rings it sends on. Kept apart from the IO loop
+(:mod:`stagewise.pipeline.process`) so that a stage that rejoins a new driver reuses all of it."""
+
+from __future__ import annotations
+
+import torch
+
+from stagewise.kv.cache import KVCacheSpec, num_cache_blocks
+from stagewise.model.shapes import kv_heads_per_rank
+from stagewise.parallel.runplan import RunPlan
+
+
+def load_weights(plan: RunPlan, index: int, rank: int, checkpoint, device: torch.device):
+    """Rank ``rank`` of stage ``index``: its torch threads and CUDA device set, its layers' weights
+    (its tensor-parallel shard) read. Returns (weights, dtype)."""
+    from stagewise.model.loader import load_stage_weights, resolve_dtype
+
+    spec = plan.stages[index]
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    if device.type == "cuda":
+        if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
+            found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            raise ValueError(f"device {spec.device!r}: this host has {found} CUDA device(s)"
+                             + ("" if torch.version.cuda else f" (torch {torch.__version__} is built without CUDA)"))
+        torch.cuda.set_device(device)  # this process's GPU: the ring, the streams and NCCL use it
+    dtype = resolve_dtype(plan.dtype, checkpoint.config.dtype)
+    weights = load_stage_weights(checkpoint, spec.start_layer, spec.end_layer, tp_rank=rank % spec.tp,
+                                 tp_size=spec.tp, dtype=dtype, quantized=plan.quantized,
+                                 linear_precision=plan.linear_precision)
+    return weights, dtype
+
+
+def kv_capacity(plan: RunPlan, index: int, cfg, dtype: torch.dtype, device: torch.device,
+                max_model_len: int) -> int:
+    """How many KV blocks stage ``index``'s rank can hold on ``device`` (a context-parallel rank
+    stores 1/cp of each request's tokens)."""
+    spec = plan.stages[index]
+    ranks = plan.stage_ranks()[index]
+    cache = KVCacheSpec(layer_start=spec.start_layer, layer_end=spec.end_layer,
+                        num_kv_heads=kv_heads_per_rank(cfg, spec.tp), head_dim=cfg.head_dim,
+                        block_size=plan.block_size, dtype=dtype)
+    return num_cache_blocks(cache, device, max_num_seqs=plan.max_num_seqs, max_model_len=max_model_len,
+                            kv_cache_bytes=plan.kv_cache_bytes, max_num_tokens=plan.max_num_tokens,
+                            cp_world_size=ranks.pcp * ranks.dcp)
+
+
+def ring_size(plan: RunPlan, index: int, hidden_size: int, dtype: torch.dtype, max_model_len: int,
+              activations: bool = False) -> tuple[int, int]:
+    """Slots of stage ``index``'s outgoing ring: a step's hidden states (at most
+    ``max_prefill_tokens`` prompt tokens and a decode token per row; a step that does not fit goes
+    over TCP) or, from the last stage (unless ``activations``), token ids; enough slots that the S
+    steps in flight and the frees rarely wait."""
+    s = plan.num_stages
+    if index == s - 1 and not activations:
+        return 1 << 20, s + 2
+    tokens = min(plan.max_prefill_tokens, plan.max_num_seqs * max_model_len) + plan.max_num_seqs
+    need = tokens * hidden_size * dtype.itemsize + (256 << 10)
+    return min(max(need, 1 << 20), 32 << 20), 2 * s + 2
+
