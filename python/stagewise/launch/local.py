@@ -48,7 +48,7 @@ class StageProcesses:
 
     def replace(self, indices: Sequence[int], new: StageProcesses) -> None:
         """Processes ``indices`` (killed first if still running) replaced by ``new``'s, in order."""
-        StageProcesses([self.procs[i] for i in indices]).stop(grace_s=0.0, term_s=0.5)
+        StageProcesses([self.procs[i] for i in indices]).stop(grace_s=0.0, term_s=0.0)
         for i, proc in zip(indices, new.procs, strict=True):
             self.procs[i] = proc
 
