@@ -118,6 +118,7 @@ def test_without_ray_the_error_says_how_to_install(monkeypatch):
 
 
 def test_a_removed_node_is_replaced_and_the_requests_go_on(cluster, reference):
+    """The lost node's stage is placed again on a node left; the other stages rejoin."""
     cluster.add_node(**NODE)  # one to lose, whatever other tests removed
     cluster.wait_for_nodes()
     with Pipeline(MODEL, stages=3, launcher="ray", ray_address=cluster.address, placement="spread", threads=1,
@@ -132,9 +133,13 @@ def test_a_removed_node_is_replaced_and_the_requests_go_on(cluster, reference):
                 removed.set()
                 threading.Thread(target=cluster.remove_node, args=(victim,), daemon=True).start()
 
+        before = [(n["node_id"], a._actor_id) for n, a in zip(nodes, p.driver.processes.actors)]
         got = p.generate([QUESTION] * 3, chat=True, max_new_tokens=24, on_text=on_text)
         assert p.restarts >= 1
-        assert victim_id not in {n["node_id"] for n in p.driver.processes.nodes}
+        after = [(n["node_id"], a._actor_id) for n, a in zip(p.driver.processes.nodes, p.driver.processes.actors)]
+        assert victim_id not in {node for node, _ in after}
+        # only the lost node's stage is placed again: the others keep their actors (and processes)
+        assert [b == a for b, a in zip(before, after)] == [node != victim_id for node, _ in before], (before, after)
     assert [c.token_ids for c in got] == [c.token_ids for c in reference]
     assert [c.finish_reason for c in got] == [c.finish_reason for c in reference]
     assert _leftovers(cluster) == ([], [])

@@ -46,11 +46,17 @@ class StageProcesses:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def replace(self, indices: Sequence[int], new: StageProcesses) -> None:
-        """Processes ``indices`` (killed first if still running) replaced by ``new``'s, in order."""
-        StageProcesses([self.procs[i] for i in indices]).stop(grace_s=0.0, term_s=0.0)
-        for i, proc in zip(indices, new.procs, strict=True):
+    def respawn(self, plan: RunPlan, which: Sequence[int], *, auth_token: str | None,
+                extra: Sequence[str] = ()) -> tuple[RunPlan, list]:
+        """Processes ``which`` (indices of :attr:`RunPlan.members`; killed first if they still
+        run) started again here. Returns the plan and their listen addresses."""
+        which = list(which)
+        StageProcesses([self.procs[i] for i in which]).stop(grace_s=0.0, term_s=0.0)
+        new, addresses = spawn_stages(plan, auth_token=auth_token, extra=extra,
+                                      members=[plan.members[i] for i in which])
+        for i, proc in zip(which, new.procs, strict=True):
             self.procs[i] = proc
+        return plan, addresses
 
     def stop(self, grace_s: float = 5.0, term_s: float | None = None) -> None:
         """Wait up to ``grace_s`` for each to exit, then SIGTERM, then after ``term_s`` (default

@@ -86,6 +86,78 @@ class RayStages:
         self._codes: dict[int, int] = {}
         self._lost: set[int] = set()
         self._asked: dict[int, tuple[Any, float]] = {}
+        self.strategy = "SPREAD"
+
+    def place(self, plan: RunPlan, which, *, auth_token: str | None, extra=(), timeout_s: float = 120.0,
+              keep_going: bool = False) -> tuple[RunPlan, list]:
+        """Members ``which`` (indices of :attr:`RunPlan.members`) as new actors in their stage's
+        bundle, each running its rank's process. Returns the plan with each placed stage's host
+        (its node's address) and their listen addresses; with ``keep_going`` a rank's error takes
+        its place (a string)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray, members, which = self.ray, plan.members, list(which)
+        remote = ray.remote(StageActor)
+        while len(self.actors) < len(members):
+            self.actors.append(None)
+            self.nodes.append({})
+        for i in which:
+            index, rank = members[i]
+            spec = plan.stages[index]
+            cuda = spec.device.startswith("cuda")
+            leader_gpus = spec.tp * plan.pcp if cuda and rank == 0 else 0  # the stage's GPUs, seen by all its ranks
+            strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index)
+            self.actors[i] = remote.options(num_cpus=spec.threads or 1, num_gpus=leader_gpus,
+                                            scheduling_strategy=strategy).remote()
+            for known in (self._codes, self._asked):
+                known.pop(i, None)
+            self._lost.discard(i)
+        try:
+            for i, node in zip(which, ray.get([self.actors[i].node.remote() for i in which], timeout=timeout_s)):
+                self.nodes[i] = node
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"--launcher ray: {', '.join(self.labels[i] for i in which)} not placed within "
+                               f"{timeout_s:.0f} s; free: {ray.available_resources()}") from None
+        placed = plan
+        for i in which:
+            index, rank = members[i]
+            if rank == 0:
+                ip = self.nodes[i]["ip"]
+                device = "cuda:0" if plan.stages[index].device.startswith("cuda") else plan.stages[index].device
+                placed = placed.with_stage(index, host=ip, listen=f"{ip}:0", device=device)
+        starts = []
+        for i in which:
+            index, rank = members[i]
+            env = {"OMP_NUM_THREADS": str(placed.stages[index].threads or 1)}
+            if auth_token:
+                env["STAGEWISE_AUTH_TOKEN"] = auth_token
+            gpus = self.nodes[members.index((index, 0))]["gpus"]
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+            argv = stage_argv(placed, index, rank=rank, program=(), extra=["--die-with-parent", *extra])
+            starts.append(self.actors[i].start.remote(argv, env, self.labels[i], timeout_s))
+        addresses = []
+        for ref in starts:
+            try:
+                addresses.append(tuple(ray.get(ref, timeout=timeout_s + 10)))
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
+                cause = getattr(err, "cause", None)
+                why = str(cause) if cause is not None else f"{type(err).__name__}: {err}"
+                if not keep_going:
+                    raise RuntimeError(why) from None
+                addresses.append(why)
+        return placed, addresses
+
+    def respawn(self, plan: RunPlan, which, *, auth_token: str | None, extra=()) -> tuple[RunPlan, list]:
+        """Members ``which`` placed again (their actors killed first): Ray has moved a lost node's
+        bundles to nodes it still has, where the layout allows (refused at once where it does not)."""
+        for i in which:
+            try:
+                self.ray.kill(self.actors[i], no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone with its node
+                pass
+        _check_fits(self.ray, _bundles(plan), self.strategy)
+        return self.place(plan, which, auth_token=auth_token, extra=extra, timeout_s=60.0)
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -225,7 +297,6 @@ def start_stages(plan: RunPlan, *, address: str | None = None, placement: str = 
         raise ValueError(f"--placement must be one of {', '.join(STRATEGIES)}, got {placement!r}")
     ray = import_ray()
     from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     bundles = _bundles(plan)
     started = connect(ray, address, sum(b["CPU"] for b in bundles))
@@ -239,41 +310,9 @@ def start_stages(plan: RunPlan, *, address: str | None = None, placement: str = 
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"--launcher ray: the cluster did not place the {len(bundles)} stages ({placement}) "
                                f"within {timeout_s:.0f} s; free: {ray.available_resources()}") from None
-        remote = ray.remote(StageActor)
-        for index, rank in members:
-            spec = plan.stages[index]
-            cuda = spec.device.startswith("cuda")
-            leader_gpus = spec.tp * plan.pcp if cuda and rank == 0 else 0  # the stage's GPUs, seen by all its ranks
-            strategy = PlacementGroupSchedulingStrategy(stages.pg, placement_group_bundle_index=index)
-            stages.actors.append(remote.options(num_cpus=spec.threads or 1, num_gpus=leader_gpus,
-                                                scheduling_strategy=strategy).remote())
-        stages.nodes = ray.get([a.node.remote() for a in stages.actors], timeout=timeout_s)
-        placed = plan
-        for index, rank in members:
-            if rank == 0:
-                ip = stages.nodes[members.index((index, 0))]["ip"]
-                device = "cuda:0" if plan.stages[index].device.startswith("cuda") else plan.stages[index].device
-                placed = placed.with_stage(index, host=ip, listen=f"{ip}:0", device=device)
-        starts = []
-        for i, (index, rank) in enumerate(members):
-            env = {"OMP_NUM_THREADS": str(placed.stages[index].threads or 1)}
-            if auth_token:
-                env["STAGEWISE_AUTH_TOKEN"] = auth_token
-            gpus = stages.nodes[members.index((index, 0))]["gpus"]
-            if gpus:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-            argv = stage_argv(placed, index, rank=rank, program=(), extra=["--die-with-parent", *extra])
-            starts.append(stages.actors[i].start.remote(argv, env, stages.labels[i], timeout_s))
-        addresses = []
-        for ref in starts:
-            try:
-                addresses.append(tuple(ray.get(ref, timeout=timeout_s + 10)))
-            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
-                cause = getattr(err, "cause", None)
-                why = str(cause) if cause is not None else f"{type(err).__name__}: {err}"
-                if not keep_going:
-                    raise RuntimeError(why) from None
-                addresses.append(why)
+        stages.strategy = STRATEGIES[placement]
+        placed, addresses = stages.place(plan, range(len(members)), auth_token=auth_token, extra=extra,
+                                         timeout_s=timeout_s, keep_going=keep_going)
         return stages, placed, addresses
     except BaseException:
         stages.stop(grace_s=0.5)

@@ -96,9 +96,10 @@ class Restart:
     with ``--rejoin``: a broken pipeline's surviving stages keep their layers loaded, drop every
     request's KV and wait for a new driver. Then only the lost stages (the driver's
     :meth:`~stagewise.pipeline.driver.PipelineDriver.lost`) are started again by the local
-    launcher, or, for stages this process did not start (``launcher=None``: attached to, on
-    other hosts), waited for at their addresses for ``rejoin_timeout_s`` (their host restarts
-    them). Otherwise, or when that fails, every stage is stopped and started anew.
+    or Ray launcher (a lost node's stages placed again in their bundles, which Ray has moved to the
+    nodes it still has), or, for stages this process did not start (``launcher=None``: attached
+    to, on other hosts), waited for at their addresses for ``rejoin_timeout_s`` (their host
+    restarts them). Otherwise, or when that fails, every stage is stopped and started anew.
 
     ``connect(plan, addresses, processes, keep_processes, connect_timeout_s)`` makes the driver."""
 
@@ -109,8 +110,7 @@ class Restart:
 
         self.plan, self.connect, self.launcher, self.auth_token, self.log = plan, connect, launcher, auth_token, log
         self.rejoin_timeout_s = rejoin_timeout_s
-        local = launcher is not None and launcher.get("launcher", "local") == "local"
-        self.rejoin = recover and (local or launcher is None) and not needs_world(plan, hop_transports(plan))
+        self.rejoin = recover and not needs_world(plan, hop_transports(plan))
         """Whether a broken pipeline keeps its surviving stages."""
 
     def start(self, addresses=None, processes=None, connect_timeout_s: float = 60.0):
@@ -147,21 +147,18 @@ class Restart:
         members, addresses, procs = self.plan.members, list(old.addresses), old.processes
         old.close(force=True, keep=True)
         lost = sorted({members[i][0] for i in old.lost()})
+        plan = old.plan
         if self.launcher is not None:
             if not lost:
                 raise RuntimeError("no stage was found lost")
-            from stagewise.launch.local import spawn_stages
-
             again = [i for i, (stage, _) in enumerate(members) if stage in lost]
-            new, got = spawn_stages(self.plan, auth_token=self.auth_token, members=[members[i] for i in again],
-                                    extra=("--rejoin", str(REJOIN_S)))
-            procs.replace(again, new)
+            plan, got = procs.respawn(plan, again, auth_token=self.auth_token, extra=("--rejoin", str(REJOIN_S)))
             for i, address in zip(again, got):
                 addresses[i] = address
         if self.log is not None:
             self.log(f"starting stage(s) {lost} again; the others rejoin" if self.launcher is not None
                      else f"waiting up to {self.rejoin_timeout_s:.0f} s for stage(s) {lost} to rejoin")
-        return self.connect(old.plan, addresses, procs, True, self.rejoin_timeout_s)
+        return self.connect(plan, addresses, procs, True, self.rejoin_timeout_s)
 
 
 __all__ = ["LAUNCHERS", "PLACEMENTS", "Restart", "process_options", "process_plan", "start_stages"]
