@@ -45,7 +45,7 @@ def how(plan, args: argparse.Namespace) -> tuple[str | None, dict]:
                                                       ssh=shlex.split(args.ssh_command), remote_plan=args.remote_plan))
     if all(is_loopback(s.host) for s in plan.stages):
         return "local", dict(auth_token=token)
-    return None, {}
+    return None, dict(auth_token=token)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
             from stagewise.model.loader import open_checkpoint
 
             plan = measured_plan(plan, open_checkpoint(plan.model),
-                                 lambda p, **kw: start_stages(p, launcher, **options, **kw))
+                                 lambda p, **kw: start_stages(p, launcher, **options, **kw),
+                                 token=options.get("auth_token"))
         print(f"{PROG}: starting {plan.num_stages} stages " + ("on a Ray cluster" if ray else "over ssh"),
               file=sys.stderr)
         try:

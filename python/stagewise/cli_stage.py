@@ -51,7 +51,7 @@ def main(args: argparse.Namespace) -> int:
         if args.probe:
             from stagewise.launch.probe import serve_probe
 
-            code = serve_probe(plan, index, rank, args.listen)
+            code = serve_probe(plan, index, rank, args.listen, token=token)
         else:
             if args.rejoin < 0:
                 raise ValueError(f"--rejoin must be >= 0 seconds, got {args.rejoin}")

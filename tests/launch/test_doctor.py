@@ -1,8 +1,8 @@
 """`stagewise doctor`: real probes (`stagewise stage --probe`) started by the local launcher or by
 hand, checked from here. A healthy plan passes every check; a taken port, a model path that one
 host cannot read (the probes run in folders of their own, a relative path), a stagewise version
-that differs, and a host nothing answers on are each named, with what to change; nothing is left
-running."""
+that differs, a host nothing answers on and a doctor without the run's token are each named, with
+what to change; nothing is left running."""
 
 from __future__ import annotations
 
@@ -134,3 +134,31 @@ def test_a_probe_measures_towards_the_plans_hosts_only(tmp_path):
         assert report["fingerprint"] and "_peers" not in report
         assert request(f, sock, {"op": "bye"}) == {"ok": True}
     assert probe.wait(10) == 0
+
+
+def test_a_probe_answers_only_requests_with_the_runs_token(tmp_path, monkeypatch):
+    """A run with a shared secret: its probes refuse a request without it, or with another, and the
+    doctor (which has it) checks every host and hop as usual."""
+    from stagewise.launch.probe import request
+
+    monkeypatch.setenv("STAGEWISE_AUTH_TOKEN", "s3cret")  # the probes' hosts have it
+    plan = _plan("smollm2-135m", _free_ports(2))
+    procs = _by_hand(plan, [tmp_path, tmp_path])
+    try:
+        address = ("127.0.0.1", int(plan.stages[0].listen.rpartition(":")[2]))
+        for token in (None, "guess"):
+            with socket.create_connection(address, timeout=10) as sock:
+                got = request(sock.makefile("rb"), sock, {"op": "report"}, token=token)
+                assert got["ok"] is False and "needs the run's auth token" in got["error"]
+                assert sock.recv(1) == b""  # and the connection is closed
+        checks, _ = run_doctor(plan, None, timeout_s=30)  # no token: every check fails, naming why
+        refused = _by(checks, "auth token")
+        assert len(refused) == 2 and not any(c.ok for c in refused)
+        assert "needs the run's auth token" in refused[0].detail and "--auth-token" in refused[0].fix
+        checks, _ = run_doctor(plan, None, timeout_s=30, auth_token="s3cret")
+        assert all(c.ok for c in checks), [c for c in checks if not c.ok]
+        assert len(_by(checks, "hop")) == 2  # probe to probe, with the token too
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -36,10 +36,10 @@ class Check:
 
 
 def diagnose(plan: RunPlan, addresses: list[tuple[str, int] | str], *, fingerprint: str | None,
-             timeout: float = 10.0) -> list[Check]:
+             timeout: float = 10.0, token: str | None = None) -> list[Check]:
     """The checks of the probes at ``addresses`` (one per :attr:`RunPlan.members`; a string
     instead says why that probe did not start). ``fingerprint``: the model's as read here (None
-    when this host cannot read it)."""
+    when this host cannot read it). ``token``: the run's shared secret, which the probes ask for."""
     from stagewise import version
 
     checks: list[Check] = []
@@ -54,7 +54,11 @@ def diagnose(plan: RunPlan, addresses: list[tuple[str, int] | str], *, fingerpri
             continue
         try:
             with socket.create_connection(address, timeout=timeout) as sock:
-                report = request(sock.makefile("rb"), sock, {"op": "report"})
+                report = request(sock.makefile("rb"), sock, {"op": "report"}, token=token)
+            if isinstance(report, dict) and report.get("ok") is False:  # the probe refused (its token)
+                checks.append(Check("auth token", where, False, str(report.get("error")),
+                                    "give the doctor the stages' token: --auth-token or STAGEWISE_AUTH_TOKEN"))
+                continue
             if not isinstance(report, dict) or not {"stagewise", "protocol", "python", "model"} <= set(report):
                 raise ValueError(f"not a stagewise probe's report: {str(report)[:200]}")
             reports[i] = report
@@ -79,7 +83,7 @@ def diagnose(plan: RunPlan, addresses: list[tuple[str, int] | str], *, fingerpri
         else:
             checks.append(Check("model", where, True, f"{report['model']} (fingerprint {report['fingerprint']})"))
         try:
-            m = measure(*address, timeout=timeout)
+            m = measure(*address, timeout=timeout, token=token)
             checks.append(Check("driver -> rank", where, True, f"rtt {m['rtt_ms']:.2f} ms, {m['gbps']:.2f} GB/s"))
         except (OSError, ValueError) as err:
             checks.append(Check("driver -> rank", where, False, str(err), "open this port to the driver's host"))
@@ -88,11 +92,12 @@ def diagnose(plan: RunPlan, addresses: list[tuple[str, int] | str], *, fingerpri
         detail = f"{toward.get('interface') or '?'} ({toward.get('address')})" + "".join(
             f"; {k}={v}" for k, v in names.items())
         checks.append(Check("gloo/NCCL interface", where, True, detail))
-    checks += _hops(plan, addresses, reports, labels, timeout)
+    checks += _hops(plan, addresses, reports, labels, timeout, token)
     return checks
 
 
-def _hops(plan: RunPlan, addresses, reports: dict[int, dict], labels: list[str], timeout: float) -> list[Check]:
+def _hops(plan: RunPlan, addresses, reports: dict[int, dict], labels: list[str], timeout: float,
+          token: str | None) -> list[Check]:
     """Each stage's leader measures its outgoing hop (to the next stage's leader, the last to 0's)."""
     out = []
     n, members = plan.num_stages, plan.members
@@ -108,7 +113,7 @@ def _hops(plan: RunPlan, addresses, reports: dict[int, dict], labels: list[str],
         host, port = addresses[j]
         try:
             with socket.create_connection(addresses[i], timeout=timeout) as sock:
-                got = request(sock.makefile("rb"), sock, {"op": "probe", "host": host, "port": port})
+                got = request(sock.makefile("rb"), sock, {"op": "probe", "host": host, "port": port}, token=token)
         except (OSError, ValueError) as err:
             got = {"ok": False, "error": str(err)}
         if got.get("ok"):
@@ -173,7 +178,8 @@ def wait_for(addresses: list[tuple[str, int]], timeout: float) -> list[tuple[str
 
 
 
-def run_doctor(plan: RunPlan, launcher: str | None, *, timeout_s: float = 60.0, **start) -> tuple[list[Check], str | None]:
+def run_doctor(plan: RunPlan, launcher: str | None, *, timeout_s: float = 60.0, auth_token: str | None = None,
+               **start) -> tuple[list[Check], str | None]:
     """Start the probes with ``launcher`` (``local``, ``ssh``, ``ray``; None: they were started
     by hand, from the printed commands, at the plan's addresses), check, and stop them. Returns the
     checks and why this host cannot read the model (None when it can)."""
@@ -188,12 +194,12 @@ def run_doctor(plan: RunPlan, launcher: str | None, *, timeout_s: float = 60.0, 
     else:
         try:
             procs, placed, addresses = start_stages(plan, launcher, extra=["--probe"], keep_going=True,
-                                                    timeout_s=timeout_s, **start)
+                                                    timeout_s=timeout_s, auth_token=auth_token, **start)
         except (RuntimeError, TimeoutError, OSError, ValueError) as err:
             return [Check("probes started", f"{launcher} launcher", False, str(err))], here_error
     try:
-        return diagnose(placed, addresses, fingerprint=fingerprint), here_error
+        return diagnose(placed, addresses, fingerprint=fingerprint, token=auth_token), here_error
     finally:
-        say_bye(addresses)
+        say_bye(addresses, auth_token)
         if procs is not None:
             procs.stop(2.0)

@@ -91,9 +91,10 @@ def split_layers(config, profiles, *, prec, dtype: str = "float32", context: int
                  [bytes_of(s, a, b) for s, (a, b) in enumerate(ranges)], [p.memory_bytes for p in profiles])
 
 
-def measure_nodes(plan: RunPlan, types: tuple[str, ...], start) -> list[dict]:
+def measure_nodes(plan: RunPlan, types: tuple[str, ...], start, token: str | None = None) -> list[dict]:
     """Each stage's node profile dict, measured by its leader's probe; ``start(plan, extra=...)``
-    starts the run's processes (:func:`stagewise.launch.start.start_stages` with its launcher)."""
+    starts the run's processes (:func:`stagewise.launch.start.start_stages` with its launcher, and
+    the run's auth ``token``, which the probes then ask for)."""
     from stagewise.launch.probe import request, say_bye
 
     procs, placed, addresses = start(plan, extra=["--probe"])
@@ -102,7 +103,7 @@ def measure_nodes(plan: RunPlan, types: tuple[str, ...], start) -> list[dict]:
         for index in range(plan.num_stages):
             address = addresses[plan.members.index((index, 0))]
             with socket.create_connection(address, timeout=300) as sock:
-                got = request(sock.makefile("rb"), sock, {"op": "measure", "types": list(types)})
+                got = request(sock.makefile("rb"), sock, {"op": "measure", "types": list(types)}, token=token)
             if "error" in got:
                 raise RuntimeError(f"stage {index} on {plan.stages[index].host} could not measure its node: "
                                    f"{got['error']}")
@@ -110,14 +111,14 @@ def measure_nodes(plan: RunPlan, types: tuple[str, ...], start) -> list[dict]:
             out.append(got)
         return out
     finally:
-        say_bye(addresses)
+        say_bye(addresses, token)
         procs.stop(2.0)
 
 
-def measured_plan(plan: RunPlan, checkpoint, start, log=None) -> RunPlan:
+def measured_plan(plan: RunPlan, checkpoint, start, log=None, token: str | None = None) -> RunPlan:
     """``plan`` with its layers split by its nodes' measured speed (its partition says ``measured``),
-    the probes started by ``start`` (see :func:`measure_nodes`); the split is said through ``log``
-    (default: on stderr)."""
+    the probes started by ``start`` with the run's ``token`` (see :func:`measure_nodes`); the split
+    is said through ``log`` (default: on stderr)."""
     if log is None:
         import sys
 
@@ -130,7 +131,7 @@ def measured_plan(plan: RunPlan, checkpoint, start, log=None) -> RunPlan:
 
     weight_quant, embed_quant = checkpoint_quant(checkpoint)
     types = tuple(sorted({t for t in (weight_quant, embed_quant) if t}))
-    nodes = measure_nodes(plan, types, start)
+    nodes = measure_nodes(plan, types, start, token)
     profiles = [profile_from_dict(d, f"stage {i}'s node") for i, d in enumerate(nodes)]
     # Stages that share a node (its host and device) share its free memory, each an equal part.
     where = [(d["measured"]["host"], d["measured"]["device"]) for d in nodes]

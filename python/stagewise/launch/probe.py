@@ -17,10 +17,15 @@ JSON lines over TCP (no pickle; each connection in a thread of its own):
 - ``{"op": "measure", "types": [...]}``: this node's profile for the rank's device and threads
   (:func:`stagewise.bench.node.node_profile`, cached), for ``--partition measured``;
 - ``{"op": "bye"}``: the probe exits (it also does after ``IDLE_S`` without a request).
+
+When the run has a shared secret (``--auth-token`` / ``STAGEWISE_AUTH_TOKEN``), every request must
+carry it (``"token"``); a request without it, or with another, is answered with an error and the
+connection closed, so that a probe serves only the run's own doctor and probes.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import queue
@@ -75,15 +80,16 @@ def interface_of(address: str) -> str | None:
 # ---- the wire: one JSON line each way, raw bytes for echoes ------------------------------------
 
 
-def request(f, sock: socket.socket, msg: dict, payload: bytes = b"") -> dict:
-    sock.sendall(json.dumps(msg).encode() + b"\n" + payload)
+def request(f, sock: socket.socket, msg: dict, payload: bytes = b"", token: str | None = None) -> dict:
+    """Send ``msg`` (with the run's ``token``, if any) and ``payload``; the probe's answer."""
+    sock.sendall(json.dumps({**msg, "token": token} if token else msg).encode() + b"\n" + payload)
     line = f.readline(1 << 16)
     if not line:
         raise ConnectionError("the probe closed the connection")
     return json.loads(line)
 
 
-def measure(host: str, port: int, timeout: float = 10.0) -> dict:
+def measure(host: str, port: int, timeout: float = 10.0, token: str | None = None) -> dict:
     """Round trip (median of small echoes) and one-way bandwidth from here to the probe at
     ``host:port``; raises OSError when it cannot be reached."""
     with socket.create_connection((host, port), timeout=timeout) as sock:
@@ -92,24 +98,24 @@ def measure(host: str, port: int, timeout: float = 10.0) -> dict:
         times = []
         for _ in range(ROUND_TRIPS):
             t0 = time.perf_counter()
-            request(f, sock, {"op": "echo", "n": 1, "reply": 1}, b"x")
+            request(f, sock, {"op": "echo", "n": 1, "reply": 1}, b"x", token)
             f.read(1)
             times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        request(f, sock, {"op": "echo", "n": BANDWIDTH_BYTES, "reply": 1}, bytes(BANDWIDTH_BYTES))
+        request(f, sock, {"op": "echo", "n": BANDWIDTH_BYTES, "reply": 1}, bytes(BANDWIDTH_BYTES), token)
         f.read(1)
         seconds = time.perf_counter() - t0
         sock.sendall(b'{"op": "close"}\n')
     return {"rtt_ms": 1e3 * statistics.median(times), "gbps": BANDWIDTH_BYTES / seconds / 1e9}
 
 
-def say_bye(addresses) -> None:
+def say_bye(addresses, token: str | None = None) -> None:
     for address in addresses:
         if isinstance(address, str):
             continue
         try:
             with socket.create_connection(address, timeout=2.0) as sock:
-                request(sock.makefile("rb"), sock, {"op": "bye"})
+                request(sock.makefile("rb"), sock, {"op": "bye"}, token=token)
         except (OSError, ValueError):
             pass
 
@@ -117,8 +123,9 @@ def say_bye(addresses) -> None:
 # ---- the probe process ---------------------------------------------------------------------------
 
 
-def serve_probe(plan: RunPlan, index: int, rank: int, listen: str | None = None) -> int:
-    """Run the probe of stage ``index`` rank ``rank`` until told bye (or idle); its exit code."""
+def serve_probe(plan: RunPlan, index: int, rank: int, listen: str | None = None, token: str | None = None) -> int:
+    """Run the probe of stage ``index`` rank ``rank`` until told bye (or idle); its exit code.
+    ``token``: the run's shared secret, which every request must then carry."""
     host, port = parse_address(listen or plan.stages[index].rank_listen(rank))
     try:
         server = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -145,7 +152,7 @@ def serve_probe(plan: RunPlan, index: int, rank: int, listen: str | None = None)
             except TimeoutError:
                 continue
             last[0] = time.monotonic()
-            threading.Thread(target=_answer, args=(conn, report, peers, done, last, jobs),
+            threading.Thread(target=_answer, args=(conn, report, peers, done, last, jobs, token),
                              daemon=True).start()
     return 0
 
@@ -168,7 +175,7 @@ def _measure_node(report: dict, types) -> dict:
 
 
 def _answer(conn: socket.socket, report: dict, peers: set[str], done: threading.Event, last: list,
-            jobs: queue.SimpleQueue) -> None:
+            jobs: queue.SimpleQueue, token: str | None) -> None:
     with conn:
         conn.settimeout(IDLE_S)
         f = conn.makefile("rb")
@@ -181,6 +188,11 @@ def _answer(conn: socket.socket, report: dict, peers: set[str], done: threading.
                 msg = json.loads(line)
                 op = msg["op"]
             except (ValueError, KeyError, TypeError):
+                return
+            if token and not hmac.compare_digest(str(msg.get("token", "")).encode(), token.encode()):
+                conn.sendall(json.dumps({"ok": False, "error": "this probe needs the run's auth token (--auth-token "
+                                         "or STAGEWISE_AUTH_TOKEN), and the request's is missing or "
+                                         "another"}).encode() + b"\n")
                 return
             if op == "report":
                 mine = conn.getsockname()[0]
@@ -196,7 +208,7 @@ def _answer(conn: socket.socket, report: dict, peers: set[str], done: threading.
                 reply = {"ok": False, "error": f"{msg.get('host')!r} is not a host of the run plan"}
             elif op == "probe":
                 try:
-                    reply = {"ok": True, **measure(str(msg["host"]), int(msg["port"]))}
+                    reply = {"ok": True, **measure(str(msg["host"]), int(msg["port"]), token=token)}
                 except (OSError, ValueError, KeyError) as err:
                     reply = {"ok": False, "error": f"{type(err).__name__}: {err}"}
             elif op == "measure":  # run by the probe's main thread

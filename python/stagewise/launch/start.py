@@ -49,7 +49,7 @@ def process_plan(checkpoint, model: str, stages: int, device_type: str, dtype: s
 
         launch = {"launcher": "local", **launch}
         plan = measured_plan(plan, checkpoint, lambda p, **kw: start_stages(
-            p, auth_token=options.get("auth_token"), **launch, **kw))
+            p, auth_token=options.get("auth_token"), **launch, **kw), token=options.get("auth_token"))
     return plan
 
 
