@@ -27,7 +27,7 @@ from stagewise.frontend import Completion, LocalBackend, Run, sampling_per_promp
 from stagewise.model.loader import Checkpoint, open_checkpoint, resolve_dtype
 from stagewise.model.quant import check_precision
 from stagewise.image_processing import expand_prompts, prepare_prompt_images
-from stagewise.launch.start import Restart, process_options, process_plan
+from stagewise.launch.start import REJOIN_S, Restart, process_options, process_plan
 from stagewise.prompts import encode_prompts, render_chat
 
 
@@ -159,7 +159,7 @@ class Pipeline:
     def attach(cls, plan, *, addresses: Sequence[tuple[str, int]] | None = None,
                auth_token: str | None = None, store: tuple[str, int] | str | None = None,
                connect_timeout: float = 60.0, processes=None, max_restarts: int = 0,
-               rejoin_timeout: float = 120.0) -> Pipeline:
+               rejoin_timeout: float = REJOIN_S) -> Pipeline:
         """Drive stage processes that are already running (``stagewise stage --plan PLAN --stage I``
         on their hosts, e.g. started by ``stagewise launch`` or torchrun): connect to each stage's
         listen address from the plan (its ``host`` when it listens on 0.0.0.0), or ``addresses``,
@@ -179,6 +179,10 @@ class Pipeline:
             plan = load_plan(plan)
         if addresses is not None and store is not None:
             raise ValueError("Pipeline.attach: give addresses or store, not both")
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"Pipeline.attach: max_restarts must be an int >= 0, got {max_restarts!r}")
+        if not rejoin_timeout > 0:
+            raise ValueError(f"Pipeline.attach: rejoin_timeout must be > 0 seconds, got {rejoin_timeout!r}")
         if addresses is None and store is None:
             addresses = [connect_address(plan.stages[i], r) for i, r in plan.members]
             zero = sorted({i for (i, _), (_, port) in zip(plan.members, addresses) if port == 0})
@@ -259,7 +263,7 @@ class Pipeline:
             raise ValueError("Pipeline.generate: stop strings need a tokenizer; this checkpoint has none")
         self.check_lengths(encoded, params)
         if self.driver is not None:
-            from stagewise.pipeline.driver import PipelineBroken
+            from stagewise.pipeline.faults import PipelineBroken
 
             try:
                 if self.broken:
@@ -308,7 +312,7 @@ class Pipeline:
         if self.driver is None:
             raise ValueError("Pipeline.stage_stats: stage statistics come from pipeline stages (stages > 1)")
         out = []
-        for s in self.driver.stage_stats(trace=trace):
+        for s in self._backend.stage_stats(trace=trace):  # a broken pipeline is repaired first, if it may be
             d = dataclasses.asdict(s)
             d["layers"] = list(s.layers)
             d["busy_fraction"] = s.busy_s / s.wall_s if s.wall_s > 0 else 0.0

@@ -90,9 +90,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_restarts: int = 0, 
                          "MASTER_ADDR:MASTER_PORT) instead of the plan's listen addresses")
     mh.add_argument("--connect-timeout", type=float, default=60.0, metavar="S",
                     help="with --plan: how long to wait for the stages (default 60)")
-    mh.add_argument("--rejoin-timeout", type=float, default=120.0, metavar="S",
-                    help="with --plan and --max-restarts: how long a broken pipeline waits for its stages to come "
-                         "back at their addresses (default 120; see `stagewise stage --rejoin`)")
+    mh.add_argument("--rejoin-timeout", type=float, default=None, metavar="S",
+                    help="with --plan and --max-restarts: how long a broken pipeline waits for each of its stages "
+                         "to come back at its address (default 120; see `stagewise stage --rejoin`)")
 
 
 def add_tls_arguments(group) -> None:
@@ -152,8 +152,9 @@ def model_problems(args: argparse.Namespace) -> list[str]:
             problems.append(f"{name} must be >= 1, got {value}")
     if args.max_restarts < 0:
         problems.append(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    if args.rejoin_timeout <= 0:
-        problems.append(f"--rejoin-timeout must be > 0 seconds, got {args.rejoin_timeout}")
+    if args.rejoin_timeout is not None and (args.rejoin_timeout <= 0 or not args.plan):
+        problems.append(f"--rejoin-timeout must be > 0 seconds, got {args.rejoin_timeout}" if args.plan else
+                        "--rejoin-timeout applies to stages attached with --plan")
     if args.tp >= 1 and args.dcp >= 1 and args.tp % args.dcp:
         problems.append(f"--dcp {args.dcp} must divide --tp {args.tp} (DCP shards the KV inside the TP group)")
     local_pipeline = args.stages * args.tp * args.pcp > 1 and not args.plan
@@ -217,7 +218,8 @@ def _attach(args: argparse.Namespace, prog: str):
     token = args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None
     try:
         return Pipeline.attach(args.plan, store=args.store, auth_token=token, connect_timeout=args.connect_timeout,
-                               max_restarts=args.max_restarts, rejoin_timeout=args.rejoin_timeout)
+                               max_restarts=args.max_restarts,
+                               **({} if args.rejoin_timeout is None else {"rejoin_timeout": args.rejoin_timeout}))
     except (ValueError, FileNotFoundError, KeyError, RuntimeError, TimeoutError, OSError) as err:
         print(f"{prog}: cannot attach to the stages of {args.plan!r}: {err}", file=sys.stderr)
         return None

@@ -10,6 +10,8 @@ import json
 import socket
 import subprocess
 
+import pytest
+
 from stagewise.cli import main
 from stagewise.launch.doctor import run_doctor
 from stagewise.launch.local import read_address, stage_argv
@@ -121,43 +123,54 @@ def test_a_host_nothing_answers_on_is_named_and_nothing_is_left(tmp_path):
 
 
 def test_a_probe_measures_towards_the_plans_hosts_only(tmp_path):
-    from stagewise.launch.probe import request
+    from stagewise.launch.probe import Connection
 
     plan = _plan("smollm2-135m", _free_ports(2))
     [probe] = _by_hand(plan, [tmp_path])
-    address = ("127.0.0.1", plan.stages[0].listen.rpartition(":")[2])
-    with socket.create_connection((address[0], int(address[1])), timeout=10) as sock:
-        f = sock.makefile("rb")
-        got = request(f, sock, {"op": "probe", "host": "203.0.113.9", "port": 80})
+    with Connection(("127.0.0.1", int(plan.stages[0].listen.rpartition(":")[2]))) as c:
+        got = c.ask({"op": "probe", "host": "203.0.113.9", "port": 80})
         assert not got["ok"] and "not a host of the run plan" in got["error"]
-        report = request(f, sock, {"op": "report"})
+        report = c.ask({"op": "report"})
         assert report["fingerprint"] and "_peers" not in report
-        assert request(f, sock, {"op": "bye"}) == {"ok": True}
+        assert c.ask({"op": "bye"}) == {"ok": True}
     assert probe.wait(10) == 0
 
 
-def test_a_probe_answers_only_requests_with_the_runs_token(tmp_path, monkeypatch):
-    """A run with a shared secret: its probes refuse a request without it, or with another, and the
-    doctor (which has it) checks every host and hop as usual."""
-    from stagewise.launch.probe import request
+def test_a_probe_answers_only_requests_proven_with_the_runs_token(tmp_path, monkeypatch):
+    """A run with a shared secret: its probes refuse a connection that does not prove it (an HMAC
+    of the probe's nonce: the secret never crosses the network), and the doctor (which has it)
+    checks every host and hop as usual."""
+    import hmac
+    import json
+
+    from stagewise.launch.probe import Connection
 
     monkeypatch.setenv("STAGEWISE_AUTH_TOKEN", "s3cret")  # the probes' hosts have it
     plan = _plan("smollm2-135m", _free_ports(2))
     procs = _by_hand(plan, [tmp_path, tmp_path])
     try:
         address = ("127.0.0.1", int(plan.stages[0].listen.rpartition(":")[2]))
-        for token in (None, "guess"):
-            with socket.create_connection(address, timeout=10) as sock:
-                got = request(sock.makefile("rb"), sock, {"op": "report"}, token=token)
-                assert got["ok"] is False and "needs the run's auth token" in got["error"]
-                assert sock.recv(1) == b""  # and the connection is closed
-        checks, _ = run_doctor(plan, None, timeout_s=30)  # no token: every check fails, naming why
+        with Connection(address) as c:  # unproven: the first request is refused
+            got = c.ask({"op": "report"})
+            assert got["ok"] is False and "needs the run's auth token" in got["error"]
+            assert c.sock.recv(1) == b""  # and the connection is closed
+        with pytest.raises(ValueError, match="needs the run's auth token"):
+            Connection(address, "guess")  # another secret
+        with socket.create_connection(address, timeout=10) as sock:  # a mac of another nonce does not pass
+            f = sock.makefile("rb")
+            json.loads(f.readline())
+            stale = hmac.new(b"s3cret", b"another nonce", "sha256").hexdigest()
+            sock.sendall(json.dumps({"op": "auth", "mac": stale}).encode() + b"\n")
+            assert json.loads(f.readline())["ok"] is False
+        with Connection(address, "s3cret") as c:
+            assert c.ask({"op": "report"})["fingerprint"]
+        checks, _ = run_doctor(plan, None, timeout_s=30)  # no token: each probe's check says so
         refused = _by(checks, "auth token")
         assert len(refused) == 2 and not any(c.ok for c in refused)
         assert "needs the run's auth token" in refused[0].detail and "--auth-token" in refused[0].fix
         checks, _ = run_doctor(plan, None, timeout_s=30, auth_token="s3cret")
         assert all(c.ok for c in checks), [c for c in checks if not c.ok]
-        assert len(_by(checks, "hop")) == 2  # probe to probe, with the token too
+        assert len(_by(checks, "hop")) == 2  # probe to probe, proven too
     finally:
         for p in procs:
             p.kill()

@@ -68,6 +68,27 @@ def test_only_the_lost_stage_starts_again(reference, stages, lost, sig):
     assert gone(new)
 
 
+def test_a_stage_lost_between_requests_is_repaired_before_the_next(reference):
+    """Stage 0 killed, then stage 1 stopped (hung), while nothing runs: the next generate repairs
+    the pipeline first (the next request's send fails; the stats call finds the silent stage)."""
+    with Pipeline("smollm2-135m", stages=2, max_restarts=2) as pipe:
+        pids = list(pipe.driver.processes.pids)
+        os.kill(pids[0], signal.SIGKILL)
+        assert gone([pids[0]])
+        out = pipe.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True)
+        assert [c.token_ids for c in out] == reference and pipe.restarts == 1
+        now = list(pipe.driver.processes.pids)
+        assert now[1] == pids[1] and now[0] != pids[0]
+        os.kill(now[1], signal.SIGSTOP)
+        try:
+            out = pipe.generate(PROMPTS[:1], max_new_tokens=NEW, ignore_eos=True)
+        finally:
+            if alive(now[1]):
+                os.kill(now[1], signal.SIGCONT)
+        assert out[0].token_ids == reference[0] and pipe.restarts == 2
+        assert gone([now[1]]) and pipe.driver.processes.pids[0] == now[0]
+
+
 def test_a_run_that_cannot_rejoin_starts_every_stage_again(reference):
     """Stages joined by torch.distributed (a world cannot take a new member): all started anew."""
     with Pipeline("smollm2-135m", stages=2, transport="torch", max_restarts=1) as pipe:

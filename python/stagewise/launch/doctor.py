@@ -22,7 +22,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass
 
-from stagewise.launch.probe import measure, request, say_bye
+from stagewise.launch.probe import Connection, measure, say_bye
 from stagewise.parallel.runplan import PROTOCOL_VERSION, RunPlan
 
 
@@ -53,17 +53,17 @@ def diagnose(plan: RunPlan, addresses: list[tuple[str, int] | str], *, fingerpri
                                 _start_fix(address, plan.stages[index].rank_listen(rank))))
             continue
         try:
-            with socket.create_connection(address, timeout=timeout) as sock:
-                report = request(sock.makefile("rb"), sock, {"op": "report"}, token=token)
-            if isinstance(report, dict) and report.get("ok") is False:  # the probe refused (its token)
-                checks.append(Check("auth token", where, False, str(report.get("error")),
-                                    "give the doctor the stages' token: --auth-token or STAGEWISE_AUTH_TOKEN"))
-                continue
+            with Connection(address, token, timeout) as c:
+                report = c.ask({"op": "report"})
             if not isinstance(report, dict) or not {"stagewise", "protocol", "python", "model"} <= set(report):
                 raise ValueError(f"not a stagewise probe's report: {str(report)[:200]}")
             reports[i] = report
             checks.append(Check("probe started", where, True, f"listening on {address[0]}:{address[1]}"))
         except (OSError, ValueError) as err:
+            if "auth token" in str(err):  # the probe refused: the run's token was not proven
+                checks.append(Check("auth token", where, False, str(err),
+                                    "give the doctor the stages' token: --auth-token or STAGEWISE_AUTH_TOKEN"))
+                continue
             checks.append(Check("driver -> rank", where, False, f"{address[0]}:{address[1]}: {err}",
                                 "open this port to the driver's host (firewall), or listen on an address it reaches"))
             continue
@@ -112,8 +112,8 @@ def _hops(plan: RunPlan, addresses, reports: dict[int, dict], labels: list[str],
             continue
         host, port = addresses[j]
         try:
-            with socket.create_connection(addresses[i], timeout=timeout) as sock:
-                got = request(sock.makefile("rb"), sock, {"op": "probe", "host": host, "port": port}, token=token)
+            with Connection(addresses[i], token, timeout) as c:
+                got = c.ask({"op": "probe", "host": host, "port": port})
         except (OSError, ValueError) as err:
             got = {"ok": False, "error": str(err)}
         if got.get("ok"):

@@ -15,7 +15,6 @@ measured on.
 from __future__ import annotations
 
 import dataclasses
-import socket
 from dataclasses import dataclass
 
 from stagewise.parallel.plan import PipelineStageInfo, min_max_ranges
@@ -95,15 +94,15 @@ def measure_nodes(plan: RunPlan, types: tuple[str, ...], start, token: str | Non
     """Each stage's node profile dict, measured by its leader's probe; ``start(plan, extra=...)``
     starts the run's processes (:func:`stagewise.launch.start.start_stages` with its launcher, and
     the run's auth ``token``, which the probes then ask for)."""
-    from stagewise.launch.probe import request, say_bye
+    from stagewise.launch.probe import Connection, say_bye
 
     procs, placed, addresses = start(plan, extra=["--probe"])
     try:
         out = []
         for index in range(plan.num_stages):
             address = addresses[plan.members.index((index, 0))]
-            with socket.create_connection(address, timeout=300) as sock:
-                got = request(sock.makefile("rb"), sock, {"op": "measure", "types": list(types)}, token=token)
+            with Connection(address, token, timeout=300) as c:
+                got = c.ask({"op": "measure", "types": list(types)})
             if "error" in got:
                 raise RuntimeError(f"stage {index} on {plan.stages[index].host} could not measure its node: "
                                    f"{got['error']}")

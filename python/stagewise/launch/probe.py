@@ -18,9 +18,11 @@ JSON lines over TCP (no pickle; each connection in a thread of its own):
   (:func:`stagewise.bench.node.node_profile`, cached), for ``--partition measured``;
 - ``{"op": "bye"}``: the probe exits (it also does after ``IDLE_S`` without a request).
 
-When the run has a shared secret (``--auth-token`` / ``STAGEWISE_AUTH_TOKEN``), every request must
-carry it (``"token"``); a request without it, or with another, is answered with an error and the
-connection closed, so that a probe serves only the run's own doctor and probes.
+A probe opens each connection with a line of its own, ``{"nonce": HEX}``. When the run has a shared
+secret (``--auth-token`` / ``STAGEWISE_AUTH_TOKEN``), the first request must be ``{"op": "auth",
+"mac": HMAC-SHA256(secret, nonce)}`` (the secret itself never crosses the network, as in the
+stages' hello); any other request, or another mac, is answered with an error and the connection
+closed, so that a probe serves only the run's own doctor and probes.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import hmac
 import json
 import os
 import queue
+import secrets
 import socket
 import statistics
 import threading
@@ -80,32 +83,64 @@ def interface_of(address: str) -> str | None:
 # ---- the wire: one JSON line each way, raw bytes for echoes ------------------------------------
 
 
-def request(f, sock: socket.socket, msg: dict, payload: bytes = b"", token: str | None = None) -> dict:
-    """Send ``msg`` (with the run's ``token``, if any) and ``payload``; the probe's answer."""
-    sock.sendall(json.dumps({**msg, "token": token} if token else msg).encode() + b"\n" + payload)
+def request(f, sock: socket.socket, msg: dict, payload: bytes = b"") -> dict:
+    """Send ``msg`` and ``payload``; the probe's answer."""
+    sock.sendall(json.dumps(msg).encode() + b"\n" + payload)
     line = f.readline(1 << 16)
     if not line:
         raise ConnectionError("the probe closed the connection")
     return json.loads(line)
 
 
+class Connection:
+    """A connection to a probe (``with Connection(address, token) as c: c.ask(...)``), proven
+    with the run's ``token`` when there is one. ValueError with the probe's words when it refuses."""
+
+    def __init__(self, address, token: str | None = None, timeout: float = 10.0) -> None:
+        self.sock = socket.create_connection(tuple(address), timeout=timeout)
+        try:
+            self.f = self.sock.makefile("rb")
+            hello = json.loads(self.f.readline(1 << 16) or b"{}")
+            if "nonce" not in hello:
+                raise ValueError(f"not a stagewise probe: {str(hello)[:200]}")
+            if token:
+                got = self.ask({"op": "auth", "mac": _mac(token, hello["nonce"])})
+                if not got.get("ok"):
+                    raise ValueError(got.get("error"))
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def ask(self, msg: dict, payload: bytes = b"") -> dict:
+        return request(self.f, self.sock, msg, payload)
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()
+
+
+def _mac(token: str, nonce: str) -> str:
+    return hmac.new(token.encode(), nonce.encode(), "sha256").hexdigest()
+
+
 def measure(host: str, port: int, timeout: float = 10.0, token: str | None = None) -> dict:
     """Round trip (median of small echoes) and one-way bandwidth from here to the probe at
-    ``host:port``; raises OSError when it cannot be reached."""
-    with socket.create_connection((host, port), timeout=timeout) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        f = sock.makefile("rb")
+    ``host:port``; raises OSError when it cannot be reached (ValueError when it refuses)."""
+    with Connection((host, port), token, timeout) as c:
+        c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         times = []
         for _ in range(ROUND_TRIPS):
             t0 = time.perf_counter()
-            request(f, sock, {"op": "echo", "n": 1, "reply": 1}, b"x", token)
-            f.read(1)
+            c.ask({"op": "echo", "n": 1, "reply": 1}, b"x")
+            c.f.read(1)
             times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        request(f, sock, {"op": "echo", "n": BANDWIDTH_BYTES, "reply": 1}, bytes(BANDWIDTH_BYTES), token)
-        f.read(1)
+        c.ask({"op": "echo", "n": BANDWIDTH_BYTES, "reply": 1}, bytes(BANDWIDTH_BYTES))
+        c.f.read(1)
         seconds = time.perf_counter() - t0
-        sock.sendall(b'{"op": "close"}\n')
+        c.sock.sendall(b'{"op": "close"}\n')
     return {"rtt_ms": 1e3 * statistics.median(times), "gbps": BANDWIDTH_BYTES / seconds / 1e9}
 
 
@@ -114,8 +149,8 @@ def say_bye(addresses, token: str | None = None) -> None:
         if isinstance(address, str):
             continue
         try:
-            with socket.create_connection(address, timeout=2.0) as sock:
-                request(sock.makefile("rb"), sock, {"op": "bye"}, token=token)
+            with Connection(address, token, timeout=2.0) as c:
+                c.ask({"op": "bye"})
         except (OSError, ValueError):
             pass
 
@@ -179,6 +214,9 @@ def _answer(conn: socket.socket, report: dict, peers: set[str], done: threading.
     with conn:
         conn.settimeout(IDLE_S)
         f = conn.makefile("rb")
+        nonce = secrets.token_hex(16)
+        conn.sendall(json.dumps({"nonce": nonce}).encode() + b"\n")
+        proven = not token
         while True:
             line = f.readline(1 << 16)
             if not line:
@@ -189,11 +227,14 @@ def _answer(conn: socket.socket, report: dict, peers: set[str], done: threading.
                 op = msg["op"]
             except (ValueError, KeyError, TypeError):
                 return
-            if token and not hmac.compare_digest(str(msg.get("token", "")).encode(), token.encode()):
-                conn.sendall(json.dumps({"ok": False, "error": "this probe needs the run's auth token (--auth-token "
-                                         "or STAGEWISE_AUTH_TOKEN), and the request's is missing or "
-                                         "another"}).encode() + b"\n")
-                return
+            if not proven:
+                proven = op == "auth" and hmac.compare_digest(str(msg.get("mac", "")), _mac(token, nonce))
+                conn.sendall(json.dumps({"ok": True} if proven else {
+                    "ok": False, "error": "this probe needs the run's auth token (--auth-token or "
+                                          "STAGEWISE_AUTH_TOKEN): it was not proven, or is another"}).encode() + b"\n")
+                if not proven:
+                    return
+                continue
             if op == "report":
                 mine = conn.getsockname()[0]
                 reply = {**report, "toward_asker": {"address": mine, "interface": interface_of(mine)}}
@@ -215,6 +256,8 @@ def _answer(conn: socket.socket, report: dict, peers: set[str], done: threading.
                 box: queue.SimpleQueue = queue.SimpleQueue()
                 jobs.put((lambda types=msg.get("types"): _measure_node(report, types), box))
                 reply = box.get()
+            elif op == "auth":  # a probe without a token takes any
+                reply = {"ok": True}
             elif op == "bye":
                 done.set()
                 reply = {"ok": True}

@@ -151,6 +151,8 @@ class RayStages:
     def respawn(self, plan: RunPlan, which, *, auth_token: str | None, extra=()) -> tuple[RunPlan, list]:
         """Members ``which`` placed again (their actors killed first): Ray has moved a lost node's
         bundles to nodes it still has, where the layout allows (refused at once where it does not)."""
+        stops = [self.actors[i].stop.remote(0.0) for i in which]  # a hung process too: SIGKILL after SIGTERM
+        self.ray.wait(stops, num_returns=len(stops), timeout=5.0)
         for i in which:
             try:
                 self.ray.kill(self.actors[i], no_restart=True)
@@ -189,7 +191,7 @@ class RayStages:
     def settle(self, timeout_s: float) -> None:
         """Ask every actor not known to have ended whether its process runs, and wait up to
         ``timeout_s`` for the answers (a failure's diagnosis: which stage is gone)."""
-        refs = {i: a.poll.remote() for i, a in enumerate(self.actors) if i not in self._codes}
+        refs = {i: a.poll.remote() for i, a in enumerate(self.actors) if i not in self._codes and a is not None}
         if refs:
             self.ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         for i, ref in refs.items():
@@ -211,10 +213,11 @@ class RayStages:
         removed, and the Ray instance this run started shut down."""
         ray = self.ray
         try:
-            refs = [a.stop.remote(grace_s) for a in self.actors]
+            actors = [a for a in self.actors if a is not None]  # None: not created when a start failed
+            refs = [a.stop.remote(grace_s) for a in actors]
             if refs:
                 ray.wait(refs, num_returns=len(refs), timeout=grace_s + 5.0)
-            for actor in self.actors:
+            for actor in actors:
                 try:
                     ray.kill(actor, no_restart=True)
                 except Exception:  # noqa: BLE001 - already gone

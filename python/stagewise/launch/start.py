@@ -148,17 +148,16 @@ class Restart:
         old.close(force=True, keep=True)
         lost = sorted({members[i][0] for i in old.lost()})
         plan = old.plan
-        if self.launcher is not None:
-            if not lost:
-                raise RuntimeError("no stage was found lost")
+        if self.launcher is not None and lost:  # none found lost (a link dropped): every stage rejoins
             again = [i for i, (stage, _) in enumerate(members) if stage in lost]
             plan, got = procs.respawn(plan, again, auth_token=self.auth_token, extra=("--rejoin", str(REJOIN_S)))
             for i, address in zip(again, got):
                 addresses[i] = address
+        wait_s = self.rejoin_timeout_s if self.launcher is None else 60.0
         if self.log is not None:
-            self.log(f"starting stage(s) {lost} again; the others rejoin" if self.launcher is not None
-                     else f"waiting up to {self.rejoin_timeout_s:.0f} s for stage(s) {lost} to rejoin")
-        return self.connect(plan, addresses, procs, True, self.rejoin_timeout_s)
+            self.log(f"starting stage(s) {lost} again; the others rejoin" if self.launcher is not None and lost
+                     else f"waiting up to {wait_s:.0f} s for each stage to rejoin (lost: {lost})")
+        return self.connect(plan, addresses, procs, True, wait_s)
 
 
 __all__ = ["LAUNCHERS", "PLACEMENTS", "Restart", "process_options", "process_plan", "start_stages"]

@@ -11,10 +11,8 @@ end with ``finish_reason="error"`` naming the stage, and every stage process is 
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from stagewise.engine.requests import RequestOutput
 from stagewise.engine.params import SamplingParams, TokenLogprobs
@@ -24,41 +22,11 @@ from stagewise.pipeline import links, messages
 from stagewise.pipeline.messages import (
     Add, Cancel, Connected, Events, Fatal, GetStats, Ready, Result, Setup, Shutdown, Stats, Status,
 )  # fmt: skip
+from stagewise.pipeline.faults import Fault, PipelineBroken, StageProcesses
 from stagewise.pipeline.protocol import ProtocolError
 from stagewise.transport.errors import ChannelClosed, HandshakeError
 
 HEARTBEAT_TIMEOUT_S = 3.0
-
-
-class StageProcesses(Protocol):
-    """The processes of the stages, as their launcher sees them (local children, ssh clients)."""
-
-    def exit_code(self, stage: int) -> int | None:
-        """None while stage's process runs; its exit code (negative: killed by that signal)."""
-
-    def failure(self, stage: int) -> str | None:
-        """What an exited stage said of its failure (its own words), if it said anything."""
-
-    def stop(self, grace_s: float) -> None:
-        """Wait up to ``grace_s`` for every process to exit, then terminate, then kill."""
-
-
-class PipelineBroken(RuntimeError):
-    """A stage died, hung or disconnected; the pipeline cannot serve any more."""
-
-
-class Fault(enum.IntEnum):
-    """What went wrong with a stage, most telling first: when several stages report, the pipeline
-    is said to have failed of the lowest."""
-
-    KILLED = 0
-    """The process died of a signal, or went silent (hung or unreachable)."""
-    FAILED = 1
-    """The stage failed on its own (it reported the error)."""
-    LOST_NEIGHBOUR = 2
-    """The stage only lost a neighbour."""
-    GONE = 3
-    """The process exited or closed its connection."""
 
 
 @dataclass(slots=True)
@@ -183,10 +151,7 @@ class PipelineDriver:
             try:
                 frame = self.controls[stage].recv(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
             except TimeoutError:  # nothing waiting: messages read late (between calls) count from when read
-                silent = time.monotonic() - self.last_seen[stage]
-                if hang_s is not None and silent > hang_s:
-                    self._problems.append((Fault.KILLED, stage, f"{self._label(stage)} sent nothing for "
-                                                                f"{silent:.1f} s (hung or unreachable)"))
+                if hang_s is not None and self._silent(stage, time.monotonic(), hang_s):
                     raise PipelineBroken(self._problems[-1][2]) from None
                 if time.monotonic() > deadline:
                     if wait is not None:
@@ -239,6 +204,9 @@ class PipelineDriver:
     def lost(self) -> list[int]:
         """The processes (indices of :attr:`members`) a broken pipeline lost: exited, killed,
         hung or failed on their own; the others only lost a neighbour."""
+        settle = getattr(self.processes, "settle", None)  # processes known only by asking (Ray actors)
+        if settle is not None:
+            settle(2.0)
         faults = {i for fault, i, _ in self._problems if fault in (Fault.KILLED, Fault.FAILED)}
         exited = {i for i in range(len(self.members)) if self.processes is not None
                   and self.processes.exit_code(i) is not None}
@@ -335,9 +303,17 @@ class PipelineDriver:
             if code is not None:
                 self._problems.append((Fault.KILLED if code < 0 else Fault.GONE, i, f"{self._label(i)} process exited "
                                        "with " + (f"signal {-code}" if code < 0 else f"code {code}")))
-            elif now - self.last_seen[i] > HEARTBEAT_TIMEOUT_S:
-                self._problems.append((Fault.KILLED, i, f"{self._label(i)} sent nothing for "
-                                                        f"{now - self.last_seen[i]:.1f} s (hung or unreachable)"))
+            else:
+                self._silent(i, now, HEARTBEAT_TIMEOUT_S)
+
+    def _silent(self, i: int, now: float, limit_s: float) -> bool:
+        """Whether process ``i`` sent nothing, not even a heartbeat, for ``limit_s`` (then a
+        problem: hung or unreachable)."""
+        if now - self.last_seen[i] <= limit_s:
+            return False
+        self._problems.append((Fault.KILLED, i, f"{self._label(i)} sent nothing for {now - self.last_seen[i]:.1f} s "
+                                                "(hung or unreachable)"))
+        return True
 
     def _diagnose(self) -> str:
         """The most likely cause among the problems seen (see :class:`Fault`)."""
@@ -366,7 +342,8 @@ class PipelineDriver:
         try:
             for i in self.leaders:
                 self._send(i, GetStats(trace=trace, reset=reset))
-            return [self._expect(i, Stats, 30.0, hang_s=HEARTBEAT_TIMEOUT_S) for i in self.leaders]
+            # A stage silent for the heartbeat timeout is hung (a trace's large reply may take longer).
+            return [self._expect(i, Stats, 30.0, hang_s=None if trace else HEARTBEAT_TIMEOUT_S) for i in self.leaders]
         except (PipelineBroken, TimeoutError) as err:
             self._break(str(err))
             raise PipelineBroken(self.broken) from None

@@ -109,25 +109,31 @@ class StageProcess:
                 raise TimeoutError(f"no driver connected within {self.driver_timeout_s:.0f} s")
             model = None
             while True:
-                self.tell_driver(Ready(stage=self.index, rank=self.rank, capacity_blocks=capacity,
-                                       layers=(self.spec.start_layer, self.spec.end_layer), pid=os.getpid(),
-                                       fingerprint=self.fingerprint))
-                setup = messages.from_frame(self.control.recv(timeout=self.driver_timeout_s))
-                if not isinstance(setup, Setup):
-                    raise ValueError(f"expected the driver's setup, got {type(setup).__name__}")
-                if model is None:
-                    from stagewise.model.stage import StageModel  # after listening: the driver connects meanwhile
-
-                    groups = join_stage_groups(self.plan, self.index, self.rank, setup.store)
-                    model = StageModel.from_weights(cfg, self.spec.start_layer, self.spec.end_layer, weights,
-                                                    dtype=dtype, device=device, groups=groups)
-                    del weights
+                lost = None
                 try:
+                    self.tell_driver(Ready(stage=self.index, rank=self.rank, capacity_blocks=capacity,
+                                           layers=(self.spec.start_layer, self.spec.end_layer), pid=os.getpid(),
+                                           fingerprint=self.fingerprint))
+                    setup = messages.from_frame(self.control.recv(timeout=self.driver_timeout_s))
+                    if not isinstance(setup, Setup):
+                        raise ValueError(f"expected the driver's setup, got {type(setup).__name__}")
+                    if model is None:
+                        from stagewise.model.stage import StageModel  # after listening: the driver connects meanwhile
+
+                        if setup.store is not None:
+                            self.rejoin_s = 0.0  # a torch.distributed world cannot take a new member: no rejoin
+                        groups = join_stage_groups(self.plan, self.index, self.rank, setup.store)
+                        model = StageModel.from_weights(cfg, self.spec.start_layer, self.spec.end_layer, weights,
+                                                        dtype=dtype, device=device, groups=groups)
+                        del weights
                     self._serve(model, setup, acceptor, max_model_len, device)
-                except ChannelClosed as err:  # the driver or a neighbour is gone
-                    if not self.rejoin_s or setup.store is not None:
+                except OSError as err:  # ChannelClosed, a timeout, a refused hello: the driver or a neighbour is gone
+                    if not self.rejoin_s:
                         raise
-                    self._report_fatal(err)
+                    lost = err
+                    lost.__traceback__ = None  # its frames would hold the executor and its KV meanwhile
+                if lost is not None:
+                    self._report_fatal(lost, neighbour=True)
                     if not self._await_driver(acceptor):
                         return 0
         except _Shutdown:
@@ -254,13 +260,15 @@ class StageProcess:
             except Exception:  # noqa: BLE001 - the main loop notices a dead driver
                 return
 
-    def _report_fatal(self, err: Exception) -> None:
+    def _report_fatal(self, err: Exception, neighbour: bool | None = None) -> None:
         """Tell the driver why this stage stops, in its own words (the launcher also reads them
-        from the process's output: see :mod:`stagewise.cli_stage`)."""
+        from the process's output: see :mod:`stagewise.cli_stage`); ``neighbour``: it only lost
+        its pipeline (default: when a link closed)."""
         if self.control is None:
             return
+        neighbour = isinstance(err, ChannelClosed) if neighbour is None else neighbour
         try:
-            self.tell_driver(Fatal(message=f"{type(err).__name__}: {err}", neighbour=isinstance(err, ChannelClosed)))
+            self.tell_driver(Fatal(message=f"{type(err).__name__}: {err}", neighbour=neighbour))
         except Exception:  # noqa: BLE001 - the driver notices the exit anyway
             pass
 

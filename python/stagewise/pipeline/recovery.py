@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from stagewise.engine.params import SamplingParams, TokenLogprobs
 from stagewise.engine.requests import RequestOutput
-from stagewise.pipeline.driver import PipelineBroken
+from stagewise.pipeline.faults import PipelineBroken
 
 
 @dataclass(slots=True)
@@ -58,31 +58,42 @@ class Recovering:
         """True while a new pipeline starts (the failure is being repaired, not final)."""
         self._running: dict[int, _Running] = {}
         self._tokens: list[tuple[int, int, TokenLogprobs | None]] = []
+        self._held: list[RequestOutput] = []
+        """Results of requests that ended while a call other than poll repaired the pipeline."""
 
     # the driver's attributes the front end reads
     @property
     def broken(self) -> str | None:
-        """Why the pipeline cannot serve (None while it serves or is being started again)."""
-        return None if self.recovering else self.driver.broken
+        """Why the pipeline cannot serve (None while it serves, is being started again, or will be
+        on the next call: restarts are left)."""
+        if self.recovering or (self.driver.broken and self.restarts < self.max_restarts):
+            return None
+        return self.driver.broken
 
     @property
     def status(self) -> dict:
         return self.driver.status
 
     def stage_stats(self, **kw):
-        """Every stage's measurements; a pipeline found broken here (between requests) is started
-        again first, while restarts are left."""
-        try:
-            return self.driver.stage_stats(**kw)
-        except PipelineBroken:
-            if self.restarts >= self.max_restarts:
-                raise
-            self._recover(self.driver.broken, [])
-            return self.driver.stage_stats(**kw)
+        """Every stage's measurements; a pipeline found broken here (between requests, or while a
+        server asks) is repaired first, while restarts are left."""
+        return self._repairing(lambda: self.driver.stage_stats(**kw))
 
     def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams, images=None) -> None:
-        self.driver.add(request_id, prompt_ids, params, images)
+        self._repairing(lambda: self.driver.add(request_id, prompt_ids, params, images))
         self._running[request_id] = _Running(list(prompt_ids), params, images)
+
+    def _repairing(self, call):
+        """``call()`` on the driver; a pipeline broken before or during it is repaired (by
+        :meth:`poll`, whose results wait for the next poll) and the call made again."""
+        for attempt in range(2):
+            if self.driver.broken and self.restarts < self.max_restarts:
+                self._held += self.poll(0.0)
+            try:
+                return call()
+            except PipelineBroken:
+                if attempt or self.restarts >= self.max_restarts:
+                    raise
 
     def cancel(self, request_id: int) -> None:
         self.driver.cancel(request_id)
@@ -95,7 +106,8 @@ class Recovering:
         return out
 
     def poll(self, timeout: float) -> list[RequestOutput]:
-        outputs = self.driver.poll(timeout)
+        held, self._held = self._held, []
+        outputs = held + self.driver.poll(0.0 if held else timeout)
         self._collect()
         broken = self.driver.broken
         done = []
