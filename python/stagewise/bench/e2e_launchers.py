@@ -11,7 +11,6 @@ Target: Ray's TPOT within 5 % of local spawn.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -88,10 +87,7 @@ def run(args, log=print) -> int:
                 ray_instance="joined" if joined else f"started here in {ray_start_s:.2f} s (not in start-up)")
     table = format_table(rows)
     print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"{info['device']}-e2e-launchers"
-    stem.with_suffix(".json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2) + "\n")
-    stem.with_suffix(".md").write_text("\n".join([
+    report.write_results(args.out, f"{info['device']}-e2e-launchers", {"machine": info, "rows": rows}, [
         f"# stagewise end to end: {stages} stages started locally and on Ray", "",
         f"Machine: {info['device_name']} ({info['device']}), {info['cpu_count']} CPUs; 1 torch thread per stage; "
         f"torch {info['torch']}; Ray {ray.__version__}, instance {info['ray_instance']}  ",
@@ -100,8 +96,7 @@ def run(args, log=print) -> int:
         f"tokens; median of {repeats} runs, the launchers taking turns", "",
         "start-up = a new Pipeline of the stages to its first token of one prompt. TPOT ratio = this launcher's "
         "over local spawn's in the same run (target for Ray: <= 1.05). tokens = local: greedy tokens identical.", "",
-        table, ""]))
-    log(f"wrote {stem}.json and {stem}.md")
+        table, ""], log)
     return 0
 
 

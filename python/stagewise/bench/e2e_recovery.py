@@ -13,7 +13,6 @@ undisturbed run's.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
@@ -75,10 +74,7 @@ def run(args, log=print) -> int:
                 new_tokens=args.new_tokens, requests=REQUESTS, load_average=os.getloadavg())
     table = format_table(rows)
     print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"{info['device']}-e2e-recovery"
-    stem.with_suffix(".json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2) + "\n")
-    stem.with_suffix(".md").write_text("\n".join([
+    report.write_results(args.out, f"{info['device']}-e2e-recovery", {"machine": info, "rows": rows}, [
         f"# stagewise end to end: a stage lost mid-generation, {stages} stages", "",
         f"Machine: {info['device_name']} ({info['device']}), {info['cpu_count']} CPUs; 1 torch thread per stage; "
         f"torch {info['torch']}; load average at the end {info['load_average'][0]:.2f}  ",
@@ -88,8 +84,7 @@ def run(args, log=print) -> int:
         "the cases taking turns", "",
         "delay = the case's wall time over the undisturbed one's. 'every stage anew' is the same failure with the "
         "rejoin path switched off. tokens = undisturbed: every request's greedy tokens identical.", "",
-        table, ""]))
-    log(f"wrote {stem}.json and {stem}.md")
+        table, ""], log)
     return 0
 
 

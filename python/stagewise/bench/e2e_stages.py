@@ -14,7 +14,6 @@ one torch thread, the single process as well.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 
@@ -102,10 +101,7 @@ def run(args, log=print) -> int:
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens)
     table = format_table(rows)
     print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"{info['device']}-e2e-stages"
-    stem.with_suffix(".json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2) + "\n")
-    stem.with_suffix(".md").write_text("\n".join([
+    report.write_results(args.out, f"{info['device']}-e2e-stages", {"machine": info, "rows": rows}, [
         "# stagewise pipeline end to end: SmolLM2 decode by stage count", "",
         f"Machine: {info['device_name']} ({info['device']}), {info['cpu_count']} CPUs; 1 torch thread per stage "
         f"(and for S = 1); torch {info['torch']}  ", f"Date (UTC): {info['date_utc']}; commit: {info['git_commit']}  ",
@@ -116,8 +112,7 @@ def run(args, log=print) -> int:
         "(a prefill-only call of the same prompts taken off), with S x 4 concurrent requests the target is "
         ">= 80 %. S > 2 stage processes share this machine's 2 cores. "
         "tokens = S1: greedy tokens identical to the single process.", "",
-        table, ""]))
-    log(f"wrote {stem}.json and {stem}.md")
+        table, ""], log)
     return 0
 
 

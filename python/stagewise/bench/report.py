@@ -90,6 +90,17 @@ def isa_line(info: dict) -> str:
             f"{' '.join(info.get('cpu_features') or []) or 'none of avx2/avx512'}")
 
 
+def write_results(out: Path, name: str, data: dict, lines: list[str], log=print) -> Path:
+    """A suite's results: ``out/name.json`` (``data``) and ``out/name.md`` (``lines``), said on
+    ``log``; returns their common stem."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / name
+    Path(f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+    Path(f"{stem}.md").write_text("\n".join(lines))
+    log(f"wrote {stem}.json and {stem}.md")
+    return stem
+
+
 def default_out(device_name: str) -> Path:
     """Where a suite writes when no --out is given: a folder of its own for this device and day
     (bench/results/<device>-<YYYY-MM-DD>), so that a run never overwrites committed results."""
