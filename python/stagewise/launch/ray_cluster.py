@@ -241,7 +241,7 @@ def connect(ray, address: str | None, cpus: float = 0) -> bool:
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    opts: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
+    opts: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
                                 configure_logging=True)
     if address is None:
         from stagewise.launch.local import usable_cores
