@@ -41,7 +41,7 @@ class Pipeline:
                  max_num_tokens: int | None = None, max_prefill_tokens: int = 8192,
                  load_progress: Callable[[int, int, int], None] | None = None,
                  quantized: bool | None = None, linear_precision: str = "exact", max_restarts: int = 0,
-                 max_image_pixels: int | None = None, **parallel_options: Any) -> None:
+                 rejoin: bool = True, max_image_pixels: int | None = None, **parallel_options: Any) -> None:
         """``load_progress(done, total, nbytes)`` follows the weight reading (see
         :func:`stagewise.model.loader.load_stage_weights`).
 
@@ -68,8 +68,12 @@ class Pipeline:
 
         ``max_restarts``: with processes, how many times a pipeline whose stage died or hung is
         started again, its running requests resumed from the tokens they had
-        (:mod:`stagewise.pipeline.recovery`; 0: such a failure ends them with an error)."""
+        (:mod:`stagewise.pipeline.recovery`; 0: such a failure ends them with an error); with
+        ``rejoin`` (default) only the lost stages, the others keeping their layers, where the layout
+        allows (:class:`stagewise.launch.start.Restart`), else every stage."""
         check_precision("Pipeline", linear_precision)
+        if not isinstance(rejoin, bool):
+            raise ValueError(f"Pipeline: rejoin must be True or False, got {rejoin!r}")
         for name, value in (("stages", stages), ("tp", tp), ("dcp", dcp), ("pcp", pcp)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Pipeline: {name} must be an int >= 1, got {value!r}")
@@ -94,7 +98,7 @@ class Pipeline:
                                 kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens, quantized=quantized,
                                 linear_precision=linear_precision, **pipeline_options)
             self._restart = Restart(plan, self._new_driver, launcher=launch_options,
-                                    auth_token=pipeline_options.get("auth_token"), recover=max_restarts > 0,
+                                    auth_token=pipeline_options.get("auth_token"), recover=max_restarts > 0 and rejoin,
                                     log=logging.getLogger("stagewise").warning)
             self._backend = self._restart.start()
             self.plan = self.driver.plan

@@ -206,3 +206,5 @@ def test_max_restarts_is_checked():
         Pipeline("smollm2-135m", stages=2, max_restarts=-1)
     with pytest.raises(ValueError, match="max_restarts applies to stage processes"):
         Pipeline("smollm2-135m", max_restarts=1)
+    with pytest.raises(ValueError, match="rejoin must be True or False, got 'no'"):
+        Pipeline("smollm2-135m", stages=2, max_restarts=1, rejoin="no")

@@ -1,6 +1,6 @@
 """`stagewise bench e2e --recovery [--stages S]`: how long running requests are delayed when a
 stage dies or hangs, with only the lost stage started again (the others rejoin) and, side by side,
-with every stage started again (the rejoin path switched off: what recovery did before).
+with every stage started again (`rejoin=False`: what recovery did before).
 
 Each run: a new pipeline of S stages (``max_restarts=1``), warmed by one short request; then 4
 prompts of ``--prompt-len`` tokens, ``--new-tokens`` greedy tokens each, during which the last
@@ -48,11 +48,10 @@ def run(args, log=print) -> int:
     reference = prompts = None
     for rep in range(repeats):
         for name, sig, rejoin in CASES:
-            with Pipeline(args.model, **options) as pipe:
+            with Pipeline(args.model, **options, rejoin=rejoin) as pipe:  # off: every stage started anew
                 if prompts is None:
                     prompts = make_prompts(pipe.checkpoint, REQUESTS, args.prompt_len)
                 pipe.generate(prompt_token_ids=prompts[:1], max_new_tokens=2, ignore_eos=True)
-                pipe._restart.rejoin = rejoin  # off: a broken pipeline is started anew, every stage
                 victim = pipe.driver.processes.pids[-1]
                 timer = None
                 if sig is not None:
@@ -83,7 +82,7 @@ def run(args, log=print) -> int:
         f"tokens each; the last stage killed or stopped after a quarter of the tokens; median of {repeats} runs, "
         "the cases taking turns", "",
         "delay = the case's wall time over the undisturbed one's. 'every stage anew' is the same failure with the "
-        "rejoin path switched off. tokens = undisturbed: every request's greedy tokens identical.", "",
+        "rejoin path switched off (rejoin=False). tokens = undisturbed: every request's greedy tokens identical.", "",
         table, ""], log)
     return 0
 
