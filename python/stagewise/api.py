@@ -30,6 +30,9 @@ from stagewise.image_processing import expand_prompts, prepare_prompt_images
 from stagewise.launch.start import REJOIN_S, Restart, process_options, process_plan
 from stagewise.prompts import encode_prompts, render_chat
 
+_log = logging.getLogger("stagewise").warning
+"""Where a pipeline's restarts are told."""
+
 
 
 class Pipeline:
@@ -98,8 +101,8 @@ class Pipeline:
                                 kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens, quantized=quantized,
                                 linear_precision=linear_precision, **pipeline_options)
             self._restart = Restart(plan, self._new_driver, launcher=launch_options,
-                                    auth_token=pipeline_options.get("auth_token"), recover=max_restarts > 0 and rejoin,
-                                    log=logging.getLogger("stagewise").warning)
+                                    auth_token=pipeline_options.get("auth_token"), rejoin=max_restarts > 0 and rejoin,
+                                    log=_log)
             self._backend = self._restart.start()
             self.plan = self.driver.plan
             self._recover(max_restarts)
@@ -142,8 +145,7 @@ class Pipeline:
         if max_restarts:
             from stagewise.pipeline.recovery import Recovering
 
-            self._backend = Recovering(self._backend, self._restart, max_restarts,
-                                       log=logging.getLogger("stagewise").warning)
+            self._backend = Recovering(self._backend, self._restart, max_restarts, log=_log)
 
     @property
     def driver(self):
@@ -203,7 +205,7 @@ class Pipeline:
             addresses = store_addresses(plan, plan.fingerprint(ckpt.hf_config), store, timeout_s=connect_timeout)
         self.plan = plan
         self._restart = Restart(plan, self._new_driver, launcher=None, auth_token=auth_token,
-                                recover=max_restarts > 0, rejoin_timeout_s=rejoin_timeout)
+                                rejoin=max_restarts > 0, rejoin_timeout_s=rejoin_timeout)
         self._backend = self._restart.start(addresses, processes, connect_timeout)
         self._recover(max_restarts)
         self.load_s = time.perf_counter() - start

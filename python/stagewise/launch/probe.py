@@ -38,6 +38,7 @@ import threading
 import time
 
 from stagewise.parallel.runplan import PROTOCOL_VERSION, RunPlan, parse_address
+from stagewise.transport.hello import auth_key, proof
 from stagewise.pipeline.lines import FAILED_LINE, READY_LINE
 
 IDLE_S = 120.0
@@ -122,7 +123,8 @@ class Connection:
 
 
 def _mac(token: str, nonce: str) -> str:
-    return hmac.new(token.encode(), nonce.encode(), "sha256").hexdigest()
+    """The proof of the run's token for a probe's nonce (the stages' hello's HMAC, its own label)."""
+    return proof(auth_key(token), "probe", nonce.encode())
 
 
 def measure(host: str, port: int, timeout: float = 10.0, token: str | None = None) -> dict:

@@ -86,6 +86,8 @@ def start_stages(plan: RunPlan, launcher: str = "local", *, auth_token: str | No
 
 REJOIN_S = 120.0
 """How long a stage whose pipeline broke waits for the driver to come back (``--rejoin``)."""
+REJOIN_ARGS = ("--rejoin", str(REJOIN_S))
+"""What a stage this process starts is told so."""
 
 
 class Restart:
@@ -104,21 +106,21 @@ class Restart:
     ``connect(plan, addresses, processes, keep_processes, connect_timeout_s)`` makes the driver."""
 
     def __init__(self, plan: RunPlan, connect, *, launcher: dict | None, auth_token: str | None = None,
-                 recover: bool = False, rejoin_timeout_s: float = REJOIN_S, log=None) -> None:
+                 rejoin: bool = False, rejoin_timeout_s: float = REJOIN_S, log=None) -> None:
         from stagewise.parallel.groups import needs_world
         from stagewise.pipeline.links import hop_transports
 
         self.plan, self.connect, self.launcher, self.auth_token, self.log = plan, connect, launcher, auth_token, log
         self.rejoin_timeout_s = rejoin_timeout_s
-        self.rejoin = recover and not needs_world(plan, hop_transports(plan))
-        """Whether a broken pipeline keeps its surviving stages."""
+        self.rejoin = rejoin and not needs_world(plan, hop_transports(plan))
+        """Whether a broken pipeline keeps its surviving stages (asked for, and the layout allows it)."""
 
     def start(self, addresses=None, processes=None, connect_timeout_s: float = 60.0):
         """The driver of a new pipeline: every stage started, or (``addresses``) stages already
         running attached to, ``processes`` watched."""
         if addresses is not None:
             return self.connect(self.plan, list(addresses), processes, self.rejoin, connect_timeout_s)
-        extra = ("--rejoin", str(REJOIN_S)) if self.rejoin else ()
+        extra = REJOIN_ARGS if self.rejoin else ()
         procs, placed, addresses = start_stages(self.plan, auth_token=self.auth_token, extra=extra, **self.launcher)
         try:
             return self.connect(placed, addresses, procs, self.rejoin, 60.0)
@@ -150,7 +152,7 @@ class Restart:
         plan = old.plan
         if self.launcher is not None and lost:  # none found lost (a link dropped): every stage rejoins
             again = [i for i, (stage, _) in enumerate(members) if stage in lost]
-            plan, got = procs.respawn(plan, again, auth_token=self.auth_token, extra=("--rejoin", str(REJOIN_S)))
+            plan, got = procs.respawn(plan, again, auth_token=self.auth_token, extra=REJOIN_ARGS)
             for i, address in zip(again, got):
                 addresses[i] = address
         wait_s = self.rejoin_timeout_s if self.launcher is None else 60.0

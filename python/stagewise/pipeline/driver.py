@@ -204,9 +204,7 @@ class PipelineDriver:
     def lost(self) -> list[int]:
         """The processes (indices of :attr:`members`) a broken pipeline lost: exited, killed,
         hung or failed on their own; the others only lost a neighbour."""
-        settle = getattr(self.processes, "settle", None)  # processes known only by asking (Ray actors)
-        if settle is not None:
-            settle(2.0)
+        self._settle()
         faults = {i for fault, i, _ in self._problems if fault in (Fault.KILLED, Fault.FAILED)}
         exited = {i for i in range(len(self.members)) if self.processes is not None
                   and self.processes.exit_code(i) is not None}
@@ -315,13 +313,17 @@ class PipelineDriver:
                                                 "(hung or unreachable)"))
         return True
 
+    def _settle(self) -> None:
+        """Processes known only by asking (Ray actors): ask each now, and wait up to 2 s."""
+        settle = getattr(self.processes, "settle", None)
+        if settle is not None:
+            settle(2.0)
+
     def _diagnose(self) -> str:
         """The most likely cause among the problems seen (see :class:`Fault`)."""
         time.sleep(0.3)  # let the other stages notice and report
         if self.processes is not None:
-            settle = getattr(self.processes, "settle", None)  # processes known only by asking (Ray actors)
-            if settle is not None:
-                settle(2.0)
+            self._settle()
             for i in range(len(self.members)):
                 code = self.processes.exit_code(i)
                 if code is not None and code < 0:

@@ -108,8 +108,7 @@ class StageProcess:
             if self.control is None:
                 raise TimeoutError(f"no driver connected within {self.driver_timeout_s:.0f} s")
             model = None
-            while True:
-                lost = None
+            while True:  # a driver each time round: the first, then (--rejoin) each after a broken pipeline
                 try:
                     self.tell_driver(Ready(stage=self.index, rank=self.rank, capacity_blocks=capacity,
                                            layers=(self.spec.start_layer, self.spec.end_layer), pid=os.getpid(),
@@ -126,16 +125,14 @@ class StageProcess:
                         model = StageModel.from_weights(cfg, self.spec.start_layer, self.spec.end_layer, weights,
                                                         dtype=dtype, device=device, groups=groups)
                         del weights
-                    self._serve(model, setup, acceptor, max_model_len, device)
+                    self._serve(model, setup, acceptor, max_model_len, device)  # ends by raising
                 except OSError as err:  # ChannelClosed, a timeout, a refused hello: the driver or a neighbour is gone
                     if not self.rejoin_s:
                         raise
-                    lost = err
-                    lost.__traceback__ = None  # its frames would hold the executor and its KV meanwhile
-                if lost is not None:
-                    self._report_fatal(lost, neighbour=True)
-                    if not self._await_driver(acceptor):
-                        return 0
+                    self._report_fatal(err, neighbour=True)
+                # Out of the except: its traceback, which holds the executor and its KV, is gone.
+                if not self._await_driver(acceptor):
+                    return 0
         except _Shutdown:
             pass
         except Exception as err:

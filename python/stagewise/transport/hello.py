@@ -78,7 +78,7 @@ def mismatches(a: Hello, b: Hello, a_name: str, b_name: str) -> list[str]:
     return out
 
 
-def _key(token) -> bytes | None:
+def auth_key(token) -> bytes | None:
     if token is None:
         return None
     key = token.encode() if isinstance(token, str) else bytes(token)
@@ -91,7 +91,8 @@ def _canon(body: dict) -> bytes:
     return json.dumps({k: v for k, v in body.items() if k != "proof"}, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _proof(key: bytes, label: str, transcript: bytes) -> str:
+def proof(key: bytes, label: str, transcript: bytes) -> str:
+    """HMAC-SHA256 of ``transcript`` under ``key``, for the side ``label`` (its own domain)."""
     return hmac.new(key, f"stagewise-auth-v1 {label}\n".encode() + transcript, hashlib.sha256).hexdigest()
 
 
@@ -134,7 +135,7 @@ def handshake(channel, hello: Hello, *, initiator: bool, auth_token=None, timeou
               local_name: str = "this side", peer_name: str = "the peer") -> Hello:  # fmt: skip
     """Run the hello exchange on a fresh channel; returns the peer's Hello or raises HandshakeError.
     ``local_name`` / ``peer_name`` describe the two ends in messages ("listener at 127.0.0.1:5000")."""
-    key = _key(auth_token)
+    key = auth_key(auth_token)
     ex = _Exchange(channel, timeout, peer_name)
     mine = {"hello": asdict(hello), "nonce": secrets.token_hex(32), "auth": key is not None}
     if initiator:
@@ -144,11 +145,11 @@ def handshake(channel, hello: Hello, *, initiator: bool, auth_token=None, timeou
         why = _compare(hello, peer, key, theirs, local_name, peer_name)
         transcript = _canon(mine) + b"\n" + _canon(theirs)
         if not why and key is not None:
-            if not hmac.compare_digest(str(theirs.get("proof")), _proof(key, "responder", transcript)):
+            if not hmac.compare_digest(str(theirs.get("proof")), proof(key, "responder", transcript)):
                 why = [f"auth token differs: {peer_name}'s proof does not match {local_name}'s token"]
         if why:
             raise ex.refuse("; ".join(why))
-        ex.send(StepKind.CONTROL, {"accept": True, "proof": key and _proof(key, "initiator", transcript)})
+        ex.send(StepKind.CONTROL, {"accept": True, "proof": key and proof(key, "initiator", transcript)})
         ex.recv(StepKind.CONTROL)
         return peer
     theirs = ex.recv(StepKind.HELLO)
@@ -157,10 +158,10 @@ def handshake(channel, hello: Hello, *, initiator: bool, auth_token=None, timeou
     if why:
         raise ex.refuse("; ".join(why))
     transcript = _canon(theirs) + b"\n" + _canon(mine)
-    mine["proof"] = key and _proof(key, "responder", transcript)
+    mine["proof"] = key and proof(key, "responder", transcript)
     ex.send(StepKind.HELLO, mine)
     answer = ex.recv(StepKind.CONTROL)
-    if key is not None and not hmac.compare_digest(str(answer.get("proof")), _proof(key, "initiator", transcript)):
+    if key is not None and not hmac.compare_digest(str(answer.get("proof")), proof(key, "initiator", transcript)):
         raise ex.refuse(f"auth token differs: {peer_name}'s proof does not match {local_name}'s token")
     ex.send(StepKind.CONTROL, {"accept": True})
     return peer
