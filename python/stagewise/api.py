@@ -24,9 +24,10 @@ import torch
 
 from stagewise.engine.text import TextStreams
 from stagewise.frontend import Completion, LocalBackend, Run, sampling_per_prompt
-from stagewise.model.loader import Checkpoint, open_checkpoint, resolve_dtype
+from stagewise.model.loader import Checkpoint, open_checkpoint, resolve_device, resolve_dtype
 from stagewise.model.quant import check_precision
 from stagewise.image_processing import expand_prompts, prepare_prompt_images
+from stagewise.parallel.plan_options import option_problems
 from stagewise.launch.start import REJOIN_S, Restart, process_options, process_plan
 from stagewise.prompts import encode_prompts, render_chat
 
@@ -41,7 +42,7 @@ class Pipeline:
     def __init__(self, model: str | Checkpoint, *, stages: int = 1, tp: int = 1, dcp: int = 1, pcp: int = 1,
                  device: str = "cpu", dtype: str = "auto",
                  max_num_seqs: int = 32, max_model_len: int | None = None, kv_cache_bytes: int | None = None,
-                 max_num_tokens: int | None = None, max_prefill_tokens: int = 8192,
+                 max_num_tokens: int | None = None, max_prefill_tokens: int = 8192, tpot_target_ms: float | None = None,
                  load_progress: Callable[[int, int, int], None] | None = None,
                  quantized: bool | None = None, linear_precision: str = "exact", max_restarts: int = 0,
                  rejoin: bool = True, max_image_pixels: int | None = None, **parallel_options: Any) -> None:
@@ -59,6 +60,8 @@ class Pipeline:
 
         ``max_prefill_tokens``: prompt tokens a step runs at most; a longer prompt is prefilled in
         chunks over several steps (chunked prefill), other requests decoding in the same steps.
+        ``tpot_target_ms``: a time per output token the running requests keep while new prompts
+        start; those wait or run in chunks (:mod:`stagewise.engine.pacing`). None: they start at once.
 
         ``max_image_pixels``: larger input images are refused (default: 2 ** 28 pixels).
 
@@ -85,7 +88,9 @@ class Pipeline:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Pipeline: {name} must be an int >= 1, got {value!r}")
-        dev = _device(device)
+        for problem in option_problems({"tpot_target_ms": tpot_target_ms}):
+            raise ValueError(f"Pipeline: {problem}")
+        dev = resolve_device(device)
         if linear_precision == "int8" and dev.type != "cpu":
             raise NotImplementedError(f"Pipeline: linear_precision='int8' runs on the CPU only, got device={device!r}")
         start = time.perf_counter()
@@ -98,7 +103,7 @@ class Pipeline:
                                 dev.type, dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
                                 tp=tp, dcp=dcp, pcp=pcp, launch=launch_options, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
-                                kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens, quantized=quantized,
+                                tpot_target_ms=tpot_target_ms, kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens, quantized=quantized,
                                 linear_precision=linear_precision, **pipeline_options)
             self._restart = Restart(plan, self._new_driver, launcher=launch_options,
                                     auth_token=pipeline_options.get("auth_token"), rejoin=max_restarts > 0 and rejoin,
@@ -114,7 +119,8 @@ class Pipeline:
                                quantized=quantized, linear_precision=linear_precision, progress=load_progress)
             engine = Engine.for_model(stage, device=dev, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
-                                      max_num_tokens=max_num_tokens, max_prefill_tokens=max_prefill_tokens)
+                                      max_num_tokens=max_num_tokens, max_prefill_tokens=max_prefill_tokens,
+                                      tpot_target_s=None if tpot_target_ms is None else tpot_target_ms / 1e3)
             self._backend = LocalBackend(engine)
         self.load_s = time.perf_counter() - start
 
@@ -384,15 +390,3 @@ class Pipeline:
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """The checkpoint's chat template applied to ``messages``, with the assistant turn opened."""
         return render_chat(self.checkpoint, self.tokenizer, messages)
-
-
-def _device(device: str | torch.device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"Pipeline: device must be 'cpu' or 'cuda[:N]', got {device!r}") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"Pipeline: device must be 'cpu' or 'cuda[:N]', got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("Pipeline: device 'cuda' was asked for but no CUDA device is available")
-    return dev

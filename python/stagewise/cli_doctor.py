@@ -9,7 +9,7 @@ import os
 import shlex
 import sys
 
-from stagewise.parallel.runplan import LAUNCHERS, PLACEMENTS
+from stagewise.parallel.plan_options import LAUNCHERS, PLACEMENTS
 
 PROG = "stagewise doctor"
 

@@ -50,6 +50,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_restarts: int = 0, 
     parser.add_argument("--max-prefill-tokens", type=int, default=8192, metavar="N",
                         help="prompt tokens per step (default 8192): a longer prompt is prefilled in chunks of N "
                              "while other requests decode (chunked prefill)")
+    parser.add_argument("--tpot-target", type=float, default=None, metavar="MS",
+                        help="a time per output token, in milliseconds, that running requests keep while new "
+                             "prompts start: those wait, or run in chunks, for what the running ones can spare "
+                             "(default: none, prompts start as soon as they fit)")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
                         help="most tokens (prompt + generated) per request; default: the model's")
     pp = parser.add_argument_group("pipeline (stages as processes)")
@@ -142,6 +146,10 @@ def model_problems(args: argparse.Namespace) -> list[str]:
     if args.plan and args.max_prefill_tokens != 8192:
         problems.append("--max-prefill-tokens is the scheduler's of stage 0; with --plan give max_prefill_tokens "
                         "in the plan")
+    if args.plan and args.tpot_target is not None:
+        problems.append("--tpot-target is the scheduler's of stage 0; with --plan give tpot_target_ms in the plan")
+    if args.tpot_target is not None and not args.tpot_target > 0:
+        problems.append(f"--tpot-target must be > 0 milliseconds, got {args.tpot_target}")
     if args.plan and args.threads is not None:
         problems.append("--threads is the stage processes'; with --plan give threads per stage in the plan")
     for name, value in (("--max-num-seqs", args.max_num_seqs), ("--max-prefill-tokens", args.max_prefill_tokens),
@@ -253,7 +261,8 @@ def _load(args: argparse.Namespace, prog: str):
             pipe = Pipeline(args.model, stages=args.stages, tp=args.tp, dcp=args.dcp, pcp=args.pcp,
                             device=args.device, dtype=args.dtype,
                             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                            max_prefill_tokens=args.max_prefill_tokens, load_progress=bar,
+                            max_prefill_tokens=args.max_prefill_tokens, tpot_target_ms=args.tpot_target,
+                            load_progress=bar,
                             linear_precision=args.linear_precision, **options)
         finally:  # before any message, so that the bar's line is finished first
             if bar is not None:

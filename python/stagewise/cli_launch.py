@@ -18,7 +18,7 @@ from stagewise.cli_doctor import how
 from stagewise.cli_generate import add_tls_arguments, generate_and_print, tls_from_args, tls_problems
 from stagewise.cli_prompts import Requests, add_prompt_arguments, read_requests, report, sampling_args, sampling_problems
 from stagewise.cli_serve import add_server_arguments, serve_closing, server_problems
-from stagewise.parallel.runplan import LAUNCHERS, PLACEMENTS
+from stagewise.parallel.plan_options import LAUNCHERS, PLACEMENTS
 
 PROG = "stagewise launch"
 

@@ -43,15 +43,15 @@ def test_argument_problems_are_named_together_before_torch_is_imported():
     heavy imported (the check runs in well under a second)."""
     code = ("import sys; from stagewise.cli import main; "
             "rc = main(['generate', 'some-model', '--prompt', 'x', '--temperature', '-1', '--top-p', '2', "
-            "'--partition', 'even', '--max-num-seqs', '0', '--max-prefill-tokens', '0', '--logprobs', '30']); "
+            "'--partition', 'even', '--max-num-seqs', '0', '--max-prefill-tokens', '0', '--logprobs', '30', '--tpot-target', '0']); "
             "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr
     err = run.stderr
-    assert "7 problems" in err, err
+    assert "8 problems" in err, err
     for fragment in ("temperature must be a finite number >= 0", "top_p must be a number in (0, 1]",
                      "--partition applies to processes", "--max-num-seqs must be >= 1",
-                     "--max-prefill-tokens must be >= 1, got 0",
+                     "--max-prefill-tokens must be >= 1, got 0", "--tpot-target must be > 0 milliseconds, got 0.0",
                      "logprobs must be None or an int in [0, 20]", "--logprobs needs --json or --prompt-file"):
         assert fragment in err, (fragment, err)
 

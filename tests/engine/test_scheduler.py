@@ -36,6 +36,24 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_decodes():
     assert s.manager.num_tokens("b") == 12 + 1                        # blocks for the whole prompt at once
 
 
+def test_a_step_budget_lowers_the_prompt_tokens_and_the_requests_started():
+    s = scheduler(budget=8, rows=4)
+    for rid, n in (("a", 3), ("b", 6), ("c", 2), ("d", 2)):
+        s.add(SeqState(request_id=rid, prompt_ids=list(range(1, n + 1))))
+    step = s.schedule(prefill_budget=5, new_rows=1)  # a only: one request may start
+    assert [(c.seq.request_id, c.start, c.length) for c in step.prefills] == [("a", 0, 3)]
+    step.sampled[0].output_ids.append(7)
+    step = s.schedule(prefill_budget=4)  # b's first 4 tokens; the budget ends the step's prompts
+    assert [(c.seq.request_id, c.start, c.length) for c in step.prefills] == [("b", 0, 4)]
+    assert [q.request_id for q in step.decodes] == ["a"]
+    step = s.schedule(prefill_budget=0, new_rows=3)  # no prompt tokens: decodes only
+    assert step.prefills == [] and [q.request_id for q in step.decodes] == ["a"]
+    step = s.schedule(prefill_budget=100, new_rows=0)  # b goes on; no new request starts
+    assert [(c.seq.request_id, c.start, c.length) for c in step.prefills] == [("b", 4, 2)]
+    step = s.schedule(prefill_budget=100)  # max_prefill_tokens (8) still holds
+    assert [(c.seq.request_id, c.length) for c in step.prefills] == [("c", 2), ("d", 2)]
+
+
 @pytest.mark.parametrize("budget", [1, 3, 4, 100])
 def test_every_prompt_token_is_scheduled_once_in_order(budget):
     s = scheduler(budget=budget, rows=2)

@@ -100,8 +100,17 @@ def test_rank_addresses_and_devices_follow_the_leader():
     ({"interleave_size": 3}, "interleave_size=3 must divide block_size=16"),
     ({"tp": 0}, "tp must be an int >= 1"),
     ({"pcp": 0}, "pcp must be an int >= 1"),
+    ({"tpot_target_ms": 0}, r"tpot_target_ms must be milliseconds > 0 or null, got 0"),
+    ({"tpot_target_ms": "20"}, r"tpot_target_ms must be milliseconds > 0 or null, got '20'"),
     ({"stages": [{"layers": "0-4", "tp": "two"}]}, r"stages\[0\].tp must be an int >= 1"),
 ])
 def test_bad_rank_options_are_named(top, message):
     with pytest.raises(ValueError, match=message):
         _plan(**top)
+
+
+def test_the_tpot_target_travels_with_the_plan():
+    plan = _plan(tpot_target_ms=17.5)
+    assert plan.tpot_target_ms == 17.5
+    assert RunPlan.from_dict(json.loads(plan.to_json())).tpot_target_ms == 17.5
+    assert _plan().tpot_target_ms is None

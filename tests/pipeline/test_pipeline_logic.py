@@ -80,12 +80,13 @@ def wire(frame):
     return decode_frame(encode_frame(frame))
 
 
-def run_pipeline(folder, reqs, ranges, cancel_at: dict[int, int], seed: int, max_prefill_tokens: int = 8192):
+def run_pipeline(folder, reqs, ranges, cancel_at: dict[int, int], seed: int, max_prefill_tokens: int = 8192,
+                 tpot_target_s: float | None = None):
     """Stage i's inbox holds the frames sent to it (0: the feedback link); each round delivers the
     oldest frame of a random non-empty inbox."""
     n = len(ranges)
     head = Head(Engine(executor(folder, *ranges[0]), max_num_seqs=6, num_groups=n,
-                       max_prefill_tokens=max_prefill_tokens))
+                       max_prefill_tokens=max_prefill_tokens, tpot_target_s=tpot_target_s))
     workers = [Worker(executor(folder, a, b), index=i, num_stages=n) for i, (a, b) in enumerate(ranges[1:], 1)]
     inbox = [collections.deque() for _ in range(n)]
     for rid, (prompt, params) in enumerate(reqs):
@@ -136,6 +137,17 @@ def test_two_and_five_stages_with_cancellations(folder):
         got = run_pipeline(folder, reqs, ranges, {2: 7, 5: 30}, seed=len(ranges))
         assert_runs_equal(got, expected, len(reqs))
         assert sum(reason == "cancelled" for _, reason in got.values()) >= 1
+
+
+@pytest.mark.parametrize("target_s", [1e-6, 0.05])
+def test_a_tpot_target_across_stages_changes_no_token(folder, target_s):
+    """Stage 0 paces new prompts by the time its steps take to come back through 3 stages: with a
+    target no step can keep (requests then start one batch after another) and with a loose one,
+    every request still ends, with the single-process engine's tokens."""
+    reqs = requests(10, seed=9)
+    expected = run_engine(folder, reqs)
+    got = run_pipeline(folder, reqs, [(0, 1), (1, 4), (4, 5)], {}, seed=7, tpot_target_s=target_s)
+    assert_runs_equal(got, expected, len(reqs))
 
 
 @pytest.mark.parametrize("chunk", [1, 3])

@@ -15,6 +15,7 @@ ends is listed by :meth:`Engine.take_freed` when other stages hold its KV.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ import torch
 
 from stagewise.engine.executor import Executor, RanksOutOfStep, Sampled, model_dtype
 from stagewise.engine.images import ImageInputs, VisionRequest, prepare_images
+from stagewise.engine.pacing import TpotPacer
 from stagewise.engine.requests import RequestOutput, Requests
 from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.engine.scheduler import GroupedScheduler, ScheduledStep, SchedulerStatus
@@ -51,7 +53,10 @@ class Engine:
     """Generates for many requests at once; the executor holds stage 0's layers (or all)."""
 
     def __init__(self, executor: Executor, *, max_num_seqs: int = 32, num_groups: int = 1,
-                 max_prefill_tokens: int = 8192) -> None:
+                 max_prefill_tokens: int = 8192, tpot_target_s: float | None = None) -> None:
+        """``tpot_target_s``: a time per output token the running requests keep while new prompts
+        are prefilled beside them (:mod:`stagewise.engine.pacing`); None: prompts run as soon as
+        rows, blocks and ``max_prefill_tokens`` allow."""
         if not executor.is_first:
             raise ValueError("Engine: the executor must hold the model's first layer (stage 0)")
         cfg = executor.model.config
@@ -73,12 +78,13 @@ class Engine:
         self._freed: list[Hashable] = []
         self._vision: dict[Hashable, VisionRequest] = {}
         """Requests with images: their images, 3-D rope positions and rope delta."""
+        self.pacer = None if tpot_target_s is None else TpotPacer(tpot_target_s)
 
     @classmethod
     def for_model(cls, model: StageModel, *, device: torch.device | str = "cpu",
                   max_num_seqs: int = 32, max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                   max_num_tokens: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE, num_groups: int = 1,
-                  max_prefill_tokens: int = 8192) -> Engine:
+                  max_prefill_tokens: int = 8192, tpot_target_s: float | None = None) -> Engine:
         """An engine over ``model`` with a KV cache sized by ``kv_cache_bytes`` or
         ``max_num_tokens`` (at most one; default: see :func:`stagewise.kv.cache.num_cache_blocks`)."""
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -91,7 +97,8 @@ class Engine:
                                   kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens)
         executor = Executor(model, num_blocks=blocks, block_size=block_size, max_model_len=max_model_len,
                             device=device)
-        return cls(executor, max_num_seqs=max_num_seqs, num_groups=num_groups, max_prefill_tokens=max_prefill_tokens)
+        return cls(executor, max_num_seqs=max_num_seqs, num_groups=num_groups, max_prefill_tokens=max_prefill_tokens,
+                   tpot_target_s=tpot_target_s)
 
     @property
     def num_groups(self) -> int:
@@ -175,7 +182,8 @@ class Engine:
         had nothing to run or its step failed here) and the requests that ended."""
         if group in self.inflight:
             raise ValueError(f"Engine.launch: group {group} already has step {self.inflight[group][0]} in flight")
-        plan = self.scheduler.schedule(group)
+        now = time.perf_counter()
+        plan = self.scheduler.schedule(group, *self._budget(group, now))
         done = [self._end(seq.request_id, "error", message) for seq, message in plan.failed]
         if plan.empty:
             return None, done
@@ -191,6 +199,8 @@ class Engine:
             return None, done + [self._end(s.request_id, "error", message) for s in plan.seqs]
         step_id, self._next_step_id = self._next_step_id, self._next_step_id + 1
         self.inflight[group] = (step_id, plan)
+        if self.pacer is not None:
+            self.pacer.started(group, len(plan.seqs), sum(c.length for c in plan.prefills), now)
         return LaunchedStep(group=group, step_id=step_id, batch=batch, output=output, sampling=sampling), done
 
     def complete(self, group: int, step_id: int, request_ids, tokens: list[int],
@@ -203,12 +213,26 @@ class Engine:
         if list(request_ids) != expected:
             raise ValueError(f"Engine.complete: step {step_id} carries requests {list(request_ids)[:8]}, "
                              f"expected {expected[:8]}")
-        return [self._end(rid, reason) for rid, reason in self.requests.record(seqs, tokens, logprobs)]
+        ended = self.requests.record(seqs, tokens, logprobs)
+        if self.pacer is not None:
+            self.pacer.ended(group, time.perf_counter())
+        return [self._end(rid, reason) for rid, reason in ended]
 
     def fail(self, group: int, step_id: int, message: str) -> list[RequestOutput]:
         """A later stage could not run a launched step: its requests end with ``message``."""
         plan = self._take(group, step_id)
+        if self.pacer is not None:
+            self.pacer.ended(group, None)
         return [self._end(s.request_id, "error", message) for s in plan.seqs if s.request_id in self.requests]
+
+    def _budget(self, group: int, now: float) -> tuple[int | None, int | None]:
+        """The prompt tokens and new requests the pacer allows the next step (None: no limit)."""
+        if self.pacer is None:
+            return None, None
+        running = [seq for sched in self.scheduler.groups for seq in sched.running.values()]
+        clocks = [(self.requests.first_token_s(s.request_id), len(s.output_ids)) for s in running if s.output_ids]
+        budget = self.pacer.budget(group, clocks, len(running), self.scheduler.status().waiting, now)
+        return (None, None) if budget is None else (budget.tokens, budget.rows)
 
     def _take(self, group: int, step_id: int) -> ScheduledStep:
         entry = self.inflight.get(group)

@@ -107,6 +107,10 @@ class Requests:
     def params(self, request_id: Hashable) -> SamplingParams:
         return self._live[request_id].params
 
+    def first_token_s(self, request_id: Hashable) -> float | None:
+        """time.perf_counter() when a live request's first token was recorded (None: not yet)."""
+        return self._live[request_id].first_token_s
+
     def record(self, seqs: Iterable[SeqState], tokens: Iterable[int],
                logprobs: Sequence[TokenLogprobs | None] | None = None) -> list[tuple[Hashable, str]]:
         """Append each request's sampled token (one per seq, in order; ``logprobs`` beside them

@@ -172,10 +172,11 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------
 
-    def schedule(self) -> ScheduledStep:
+    def schedule(self, prefill_budget: int | None = None, new_rows: int | None = None) -> ScheduledStep:
         """Allocate this step's KV: a slot for each running request's fed-back token, then up to
         ``max_prefill_tokens`` prompt tokens: the next chunks of prompts already started, then the
-        prompts of queued requests while rows and blocks allow."""
+        prompts of queued requests while rows and blocks allow. ``prefill_budget`` and ``new_rows``
+        (see :mod:`stagewise.engine.pacing`) lower the prompt tokens and the requests started."""
         step = ScheduledStep(prefills=[], decodes=[], failed=[])
         for seq in list(self.running.values()):
             if not seq.output_ids:
@@ -188,11 +189,12 @@ class Scheduler:
                 self.finish(seq.request_id)
                 continue
             step.decodes.append(seq)
-        budget = self.max_prefill_tokens
+        budget = self.max_prefill_tokens if prefill_budget is None else min(prefill_budget, self.max_prefill_tokens)
         for seq in list(self.running.values()):
             if budget > 0 and seq.num_prefilled < len(seq.prompt_ids):
                 budget -= self._chunk(step, seq, budget)
-        while self.waiting and self._free_rows and budget > 0:
+        admit = len(self._free_rows) if new_rows is None else min(new_rows, len(self._free_rows))
+        while self.waiting and admit > 0 and budget > 0:
             seq = self.waiting[0]
             n = len(seq.prompt_ids)
             if seq.whole and n > budget and (step.prefills or budget < self.max_prefill_tokens):
@@ -207,6 +209,7 @@ class Scheduler:
                                          f"{seq.request_id!r} ({n} tokens): {err}"))
                 continue
             self.waiting.popleft()
+            admit -= 1
             seq.row = self._free_rows.pop()
             self.running[seq.request_id] = seq
             budget -= self._chunk(step, seq, max(budget, n) if seq.whole else budget)
@@ -264,8 +267,8 @@ class GroupedScheduler:
         g = self._owner.pop(request_id, None)
         return None if g is None else self.groups[g].finish(request_id)
 
-    def schedule(self, group: int) -> ScheduledStep:
-        step = self.groups[group].schedule()
+    def schedule(self, group: int, prefill_budget: int | None = None, new_rows: int | None = None) -> ScheduledStep:
+        step = self.groups[group].schedule(prefill_budget, new_rows)
         for seq, _ in step.failed:
             self._owner.pop(seq.request_id, None)
         return step

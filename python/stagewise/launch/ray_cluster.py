@@ -31,7 +31,7 @@ from stagewise.launch.local import StageProcesses, read_address, stage_argv
 from stagewise.parallel.runplan import RunPlan
 
 STRATEGIES = {"spread": "SPREAD", "pack": "PACK", "strict_spread": "STRICT_SPREAD"}
-"""Ray's placement strategy for each of :data:`~stagewise.parallel.runplan.PLACEMENTS`."""
+"""Ray's placement strategy for each of :data:`~stagewise.parallel.plan_options.PLACEMENTS`."""
 POLL_S = 1.0
 """How often the driver asks each actor whether its process still runs (a stage that stops
 answering is caught sooner by the driver's heartbeat; each ask costs the actor's CPU)."""

@@ -4,7 +4,8 @@ their hosts over ssh (``ssh``) or on a Ray cluster (``ray``), handed to the driv
 
 from __future__ import annotations
 
-from stagewise.parallel.runplan import LAUNCHERS, PLACEMENTS, RunPlan
+from stagewise.parallel.plan_options import LAUNCHERS, PLACEMENTS
+from stagewise.parallel.runplan import RunPlan
 
 PLAN_OPTIONS = ("partition", "transport", "checksum", "auth_token", "threads", "interleave_size", "tls")
 """Pipeline's keyword arguments that go into the run plan of its processes."""

@@ -8,6 +8,7 @@ A run plan is a YAML (or JSON) file::
     checksum: true
     max_num_seqs: 32
     max_prefill_tokens: 8192     # prompt tokens per step: a longer prompt is prefilled in chunks
+    tpot_target_ms: 20           # optional: new prompts wait, or run in chunks, so that streams keep this pace
     max_model_len: 2048          # optional
     kv_cache_bytes: 268435456    # optional, per stage
     tp: 1                        # tensor-parallel ranks per stage (a stage may give its own)
@@ -44,14 +45,10 @@ from pathlib import Path
 from typing import Any
 
 from stagewise.parallel.plan import PARTITION_POLICIES, StagePlan
+from stagewise.parallel.plan_options import OPTION_KEYS, option_problems, problem
 from stagewise.parallel.ranks import StageRanks, stage_ranks
-from stagewise.transport.select import TRANSPORTS
 
 PROTOCOL_VERSION = 1
-LAUNCHERS = ("local", "ray")
-"""Where a plan's processes start: here (or by hand, or over ssh), or as actors on a Ray cluster."""
-PLACEMENTS = ("spread", "pack", "strict_spread")
-"""How a Ray launch places the stages (Ray's SPREAD, PACK and STRICT_SPREAD placement groups)."""
 
 
 def _fail(what: str, value: Any, expected: str) -> ValueError:
@@ -119,6 +116,9 @@ class RunPlan:
     max_prefill_tokens: int = 8192
     """Prompt tokens a step runs at most (stage 0's scheduler): a longer prompt is prefilled in
     chunks over several steps, decodes of other requests running beside them."""
+    tpot_target_ms: float | None = None
+    """A time per output token the running requests keep while new prompts start (stage 0's
+    scheduler, :mod:`stagewise.engine.pacing`); None: prompts start as soon as they fit."""
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
     max_num_tokens: int | None = None
@@ -226,17 +226,17 @@ class RunPlan:
                 data.pop(key)
         model = data.pop("model", None)
         if not isinstance(model, str) or not model:
-            problems.append(_problem("model", model, "a path or model name"))
+            problems.append(problem("model", model, "a path or model name"))
         raw = data.pop("stages", None)
         stated = data.pop("num_layers", None)
         partition = data.pop("partition", None)
         tp = data.pop("tp", 1)
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            problems.append(_problem("tp", tp, "an int >= 1"))
+            problems.append(problem("tp", tp, "an int >= 1"))
             tp = 1
         total = num_layers if num_layers is not None else stated
         if not isinstance(raw, list) or not raw:
-            problems.append(_problem("stages", raw, "a non-empty list of stages"))
+            problems.append(problem("stages", raw, "a non-empty list of stages"))
             raise _all(problems)
         plan, policy = None, partition or "explicit"
         layers_given = [isinstance(s, dict) and "layers" in s for s in raw]
@@ -255,7 +255,7 @@ class RunPlan:
                 if policy == "measured":  # even until the nodes are measured (stagewise.launch.measured)
                     plan = StagePlan.build(total, len(raw), "even")
                 elif policy not in PARTITION_POLICIES:
-                    problems.append(_problem("partition", policy, f"one of {PARTITION_POLICIES}"))
+                    problems.append(problem("partition", policy, f"one of {PARTITION_POLICIES}"))
                 elif policy == "balanced":
                     problems.append("partition 'balanced' needs the model's config; use RunPlan.build or per-stage "
                                     "'layers'")
@@ -264,27 +264,27 @@ class RunPlan:
         except ValueError as err:
             problems.append(str(err))
         if stated is not None and total is not None and stated != total:
-            problems.append(_problem("num_layers", stated, f"{total} (the model's)"))
+            problems.append(problem("num_layers", stated, f"{total} (the model's)"))
         stages = []
         for i, spec in enumerate(raw):
             stage = _stage(i, spec, None if plan is None else plan.stages[i], problems, tp)
             if stage is not None:
                 stages.append(stage)
         if plan is None or len(stages) != len(raw) or problems:
-            raise _all(problems + _option_problems(data))
+            raise _all(problems + option_problems(data))
         return cls(model=model, stages=tuple(stages), num_layers=total, partition=policy, **data).validated()
 
     def validated(self) -> RunPlan:
-        problems = _option_problems({f: getattr(self, f) for f in OPTION_KEYS})
+        problems = option_problems({f: getattr(self, f) for f in OPTION_KEYS})
         for st in self.stages:
             try:
                 parse_address(st.listen, f"stages[{st.index}].listen")
             except ValueError as err:
                 problems.append(str(err).removeprefix("run plan: "))
             if not st.host or st.host.startswith("-") or any(c.isspace() or c in "'\"`$;&|<>" for c in st.host):
-                problems.append(_problem(f"stages[{st.index}].host", st.host, "a host name or address"))
+                problems.append(problem(f"stages[{st.index}].host", st.host, "a host name or address"))
             if isinstance(st.tp, bool) or not isinstance(st.tp, int) or st.tp < 1:
-                problems.append(_problem(f"stages[{st.index}].tp", st.tp, "an int >= 1"))
+                problems.append(problem(f"stages[{st.index}].tp", st.tp, "an int >= 1"))
             elif self.dcp > 0 and st.tp % self.dcp:
                 problems.append(f"dcp={self.dcp} must divide every stage's tp (DCP shards the KV inside the TP "
                                 f"group); stages[{st.index}].tp is {st.tp}")
@@ -293,15 +293,8 @@ class RunPlan:
         return self
 
 
-OPTION_KEYS = ("dtype", "transport", "checksum", "max_num_seqs", "max_prefill_tokens", "max_model_len",
-               "kv_cache_bytes", "max_num_tokens", "block_size", "quantized", "linear_precision", "pcp", "dcp",
-               "interleave_size", "launcher", "placement", "tls", "sampling")
 KNOWN_KEYS = frozenset({"model", "stages", "num_layers", "partition", "tp", *OPTION_KEYS})
 STAGE_KEYS = frozenset({"host", "listen", "layers", "device", "threads", "tp", "resources"})
-
-
-def _problem(what: str, value: Any, expected: str) -> str:
-    return f"{what} must be {expected}, got {value!r}"
 
 
 def _all(problems: list[str]) -> ValueError:
@@ -313,7 +306,7 @@ def _all(problems: list[str]) -> ValueError:
 def _stage(i: int, spec: Any, info, problems: list[str], tp: int) -> StageSpec | None:
     where = f"stages[{i}]"
     if not isinstance(spec, dict):
-        problems.append(_problem(where, spec, "a mapping"))
+        problems.append(problem(where, spec, "a mapping"))
         return None
     extra = sorted(set(spec) - STAGE_KEYS)
     if extra:
@@ -326,16 +319,16 @@ def _stage(i: int, spec: Any, info, problems: list[str], tp: int) -> StageSpec |
         bound = None
     threads = spec.get("threads")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        problems.append(_problem(f"{where}.threads", threads, "an int >= 1"))
+        problems.append(problem(f"{where}.threads", threads, "an int >= 1"))
     stage_tp = spec.get("tp", tp)
     if isinstance(stage_tp, bool) or not isinstance(stage_tp, int) or stage_tp < 1:
-        problems.append(_problem(f"{where}.tp", stage_tp, "an int >= 1"))
+        problems.append(problem(f"{where}.tp", stage_tp, "an int >= 1"))
         return None
     resources = spec.get("resources")
     if resources is not None and (not isinstance(resources, dict) or not all(
             isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
             for k, v in resources.items())):
-        problems.append(_problem(f"{where}.resources", resources, "a mapping of Ray resource names to amounts > 0"))
+        problems.append(problem(f"{where}.resources", resources, "a mapping of Ray resource names to amounts > 0"))
         resources = None
     host = host if host is not None else bound
     if info is None or host is None:
@@ -343,57 +336,3 @@ def _stage(i: int, spec: Any, info, problems: list[str], tp: int) -> StageSpec |
     return StageSpec(index=i, start_layer=info.start_layer, end_layer=info.end_layer, host=str(host),
                      listen=str(listen), device=str(spec.get("device", "cpu")), threads=threads, tp=stage_tp,
                      resources=None if resources is None else {k: float(v) for k, v in resources.items()})
-
-
-def _option_problems(options: dict[str, Any]) -> list[str]:
-    """Every problem of the plan's run options (absent ones keep their defaults)."""
-    problems = []
-    get = options.get
-    if get("dtype", "auto") not in ("auto", "float32", "bfloat16", "float16"):
-        problems.append(_problem("dtype", get("dtype"), "auto, float32, bfloat16 or float16"))
-    if get("transport", "auto") not in TRANSPORTS:
-        problems.append(_problem("transport", get("transport"), f"one of {TRANSPORTS}"))
-    if not isinstance(get("checksum", True), bool):
-        problems.append(_problem("checksum", get("checksum"), "true or false"))
-    if get("quantized") is not None and not isinstance(get("quantized"), bool):
-        problems.append(_problem("quantized", get("quantized"), "true, false or null"))
-    if get("launcher", "local") not in LAUNCHERS:
-        problems.append(_problem("launcher", get("launcher"), f"one of {LAUNCHERS}"))
-    if get("tls") is not None:
-        from stagewise.transport.tls import TlsConfig
-
-        try:
-            TlsConfig.from_dict(get("tls"))
-        except ValueError as err:
-            problems.append(str(err))
-    if get("placement", "spread") not in PLACEMENTS:
-        problems.append(_problem("placement", get("placement"), f"one of {PLACEMENTS}"))
-    if get("linear_precision", "exact") not in ("exact", "int8"):
-        problems.append(_problem("linear_precision", get("linear_precision"), "'exact' or 'int8'"))
-    for name in ("max_num_seqs", "max_prefill_tokens", "block_size", "pcp", "dcp", "interleave_size"):
-        value = get(name, 1)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(_problem(name, value, "an int >= 1"))
-    for name in ("max_model_len", "kv_cache_bytes", "max_num_tokens"):
-        value = get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            problems.append(_problem(name, value, "an int >= 1 or null"))
-    block, inter = get("block_size", 16), get("interleave_size", 1)
-    if isinstance(block, int) and isinstance(inter, int) and inter >= 1 and block % inter:
-        problems.append(f"interleave_size={inter} must divide block_size={block} (a context-parallel rank's "
-                        "tokens fill whole slots of a block)")
-    if get("kv_cache_bytes") is not None and get("max_num_tokens") is not None:
-        problems.append("give at most one of kv_cache_bytes and max_num_tokens")
-    sampling = get("sampling")
-    if sampling is not None:
-        if not isinstance(sampling, dict):
-            problems.append(_problem("sampling", sampling, "a mapping of sampling fields"))
-        else:
-            from stagewise.engine.params import SamplingParams
-
-            for name, value in sampling.items():
-                try:
-                    SamplingParams(**{name: value})
-                except (TypeError, ValueError) as err:
-                    problems.append(f"sampling.{str(err).removeprefix('SamplingParams.')}")
-    return problems

@@ -175,7 +175,8 @@ class StageProcess:
         self.stats.reset()
         if self.index == 0:
             engine = Engine(executor, max_num_seqs=self.plan.max_num_seqs, num_groups=setup.microbatches,
-                            max_prefill_tokens=self.plan.max_prefill_tokens)
+                            max_prefill_tokens=self.plan.max_prefill_tokens,
+                            tpot_target_s=None if self.plan.tpot_target_ms is None else self.plan.tpot_target_ms / 1e3)
             self._serve_head(Head(engine, stats=self.stats))
         else:
             self._serve_worker(Worker(executor, index=self.index, num_stages=self.plan.num_stages, stats=self.stats))

@@ -4,6 +4,6 @@ default model), the mapping of the checkpoint's tensors onto the table of
 
 from stagewise.model.loader.checkpoint import Checkpoint
 from stagewise.model.loader.sources import open_checkpoint
-from stagewise.model.loader.stage_weights import DTYPES, load_stage_weights, resolve_dtype
+from stagewise.model.loader.stage_weights import DTYPES, load_stage_weights, resolve_device, resolve_dtype
 
-__all__ = ["DTYPES", "Checkpoint", "load_stage_weights", "open_checkpoint", "resolve_dtype"]
+__all__ = ["DTYPES", "Checkpoint", "load_stage_weights", "open_checkpoint", "resolve_device", "resolve_dtype"]

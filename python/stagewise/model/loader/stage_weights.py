@@ -40,6 +40,19 @@ def resolve_dtype(dtype: str | torch.dtype, stated: torch.dtype | None) -> torch
     return dtype
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The device a pipeline computes on: the CPU, or a CUDA device this machine has."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"Pipeline: device must be 'cpu' or 'cuda[:N]', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"Pipeline: device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("Pipeline: device 'cuda' was asked for but no CUDA device is available")
+    return dev
+
+
 def _target_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
     if dtype == "auto":
         return None

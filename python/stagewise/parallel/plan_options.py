@@ -1,0 +1,77 @@
+"""A run plan's run options (every key but ``model``, ``stages`` and the layout): their names and
+their checks, each bad value named (:func:`option_problems`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stagewise.transport.select import TRANSPORTS
+
+LAUNCHERS = ("local", "ray")
+"""Where a plan's processes start: here (or by hand, or over ssh), or as actors on a Ray cluster."""
+PLACEMENTS = ("spread", "pack", "strict_spread")
+"""How a Ray launch places the stages (Ray's SPREAD, PACK and STRICT_SPREAD placement groups)."""
+OPTION_KEYS = ("dtype", "transport", "checksum", "max_num_seqs", "max_prefill_tokens", "tpot_target_ms",
+               "max_model_len", "kv_cache_bytes", "max_num_tokens", "block_size", "quantized", "linear_precision",
+               "pcp", "dcp", "interleave_size", "launcher", "placement", "tls", "sampling")
+
+
+def problem(what: str, value: Any, expected: str) -> str:
+    return f"{what} must be {expected}, got {value!r}"
+
+
+def option_problems(options: dict[str, Any]) -> list[str]:
+    """Every problem of the plan's run options (absent ones keep their defaults)."""
+    problems = []
+    get = options.get
+    if get("dtype", "auto") not in ("auto", "float32", "bfloat16", "float16"):
+        problems.append(problem("dtype", get("dtype"), "auto, float32, bfloat16 or float16"))
+    if get("transport", "auto") not in TRANSPORTS:
+        problems.append(problem("transport", get("transport"), f"one of {TRANSPORTS}"))
+    if not isinstance(get("checksum", True), bool):
+        problems.append(problem("checksum", get("checksum"), "true or false"))
+    if get("quantized") is not None and not isinstance(get("quantized"), bool):
+        problems.append(problem("quantized", get("quantized"), "true, false or null"))
+    if get("launcher", "local") not in LAUNCHERS:
+        problems.append(problem("launcher", get("launcher"), f"one of {LAUNCHERS}"))
+    if get("tls") is not None:
+        from stagewise.transport.tls import TlsConfig
+
+        try:
+            TlsConfig.from_dict(get("tls"))
+        except ValueError as err:
+            problems.append(str(err))
+    if get("placement", "spread") not in PLACEMENTS:
+        problems.append(problem("placement", get("placement"), f"one of {PLACEMENTS}"))
+    if get("linear_precision", "exact") not in ("exact", "int8"):
+        problems.append(problem("linear_precision", get("linear_precision"), "'exact' or 'int8'"))
+    for name in ("max_num_seqs", "max_prefill_tokens", "block_size", "pcp", "dcp", "interleave_size"):
+        value = get(name, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(problem(name, value, "an int >= 1"))
+    for name in ("max_model_len", "kv_cache_bytes", "max_num_tokens"):
+        value = get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            problems.append(problem(name, value, "an int >= 1 or null"))
+    target = get("tpot_target_ms")
+    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float)) or not target > 0):
+        problems.append(problem("tpot_target_ms", target, "milliseconds > 0 or null"))
+    block, inter = get("block_size", 16), get("interleave_size", 1)
+    if isinstance(block, int) and isinstance(inter, int) and inter >= 1 and block % inter:
+        problems.append(f"interleave_size={inter} must divide block_size={block} (a context-parallel rank's "
+                        "tokens fill whole slots of a block)")
+    if get("kv_cache_bytes") is not None and get("max_num_tokens") is not None:
+        problems.append("give at most one of kv_cache_bytes and max_num_tokens")
+    sampling = get("sampling")
+    if sampling is not None:
+        if not isinstance(sampling, dict):
+            problems.append(problem("sampling", sampling, "a mapping of sampling fields"))
+        else:
+            from stagewise.engine.params import SamplingParams
+
+            for name, value in sampling.items():
+                try:
+                    SamplingParams(**{name: value})
+                except (TypeError, ValueError) as err:
+                    problems.append(f"sampling.{str(err).removeprefix('SamplingParams.')}")
+    return problems
