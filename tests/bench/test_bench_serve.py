@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import random
 import statistics
+import types
 
 import pytest
 
+from stagewise.bench.serve import _budget_compare, _target
 from stagewise.bench.serve_load import OUTPUT, PROMPT, workload
 from stagewise.cli import main
 
@@ -33,10 +35,45 @@ def test_the_load_is_poisson_at_the_rate_with_bounded_lengths():
 
 
 def test_a_tiny_run_against_stagewise_serve(tmp_path):
-    assert main(["bench", "serve", "--tiny", "--server-baseline", "none", "--rates", "4", "--out", str(tmp_path)]) == 0
+    """Ours as it starts by default, then with a TPOT target given."""
+    assert main(["bench", "serve", "--tiny", "--server-baseline", "none", "--rates", "4", "--linear-precision", "int8",
+                 "--tpot-target", "50", "--out", str(tmp_path)]) == 0
     [result] = tmp_path.glob("*-serve.json")
     data = json.loads(result.read_text())
-    [row] = data["rows"]["stagewise"]
-    assert row["completed"] == 4 and row["failed"] == 0 and row["tok_per_s"] > 0
-    assert row["ttft_p50_s"] > 0 and row["tpot_p50_s"] > 0
-    assert "stagewise" in result.with_suffix(".md").read_text()
+    assert list(data["rows"]) == ["stagewise int8", "stagewise int8, TPOT target 50 ms"]
+    for [row] in data["rows"].values():
+        assert row["completed"] == 4 and row["failed"] == 0 and row["tok_per_s"] > 0
+        assert row["ttft_p50_s"] > 0 and row["tpot_p50_s"] > 0
+    assert "stagewise int8, TPOT target 50 ms" in result.with_suffix(".md").read_text()
+
+
+def row(rate: float, req_per_s: float, tpot_p99_s: float) -> dict:
+    return {"rate": rate, "req_per_s": req_per_s, "tpot_p99_s": tpot_p99_s}
+
+
+def test_the_comparison_at_equal_p99_tpot_and_the_target_it_gives():
+    rows = {"llama.cpp": [row(1, 0.6, 0.019), row(2, 0.8, 0.021), row(4, 0.7, 0.030)],
+            "stagewise exact": [row(1, 1.0, 0.020), row(2, 1.5, 0.040)],
+            "stagewise int8, TPOT target 16.8 ms": [row(1, 1.0, 0.015), row(2, 1.9, 0.021)],
+            "stagewise slow": [row(1, 1.0, 0.050)]}
+    compare = _budget_compare(rows)
+    assert compare["tpot_p99_budget_s"] == 0.021 and compare["llama_cpp_req_per_s"] == 0.8
+    ours = compare["stagewise"]
+    assert ours["stagewise exact"] == {"req_per_s": 1.0, "rate": 1, "ratio": pytest.approx(1.25)}
+    assert ours["stagewise int8, TPOT target 16.8 ms"]["ratio"] == pytest.approx(1.9 / 0.8)
+    assert ours["stagewise slow"] == {"req_per_s": 0.0, "rate": None, "ratio": 0.0}
+    args = types.SimpleNamespace(tpot_target="auto")
+    assert _target(args, rows) == pytest.approx(16.8)
+    assert _target(args, {}) is None  # no baseline ran: no target to derive
+    assert _target(types.SimpleNamespace(tpot_target="none"), rows) is None
+    assert _target(types.SimpleNamespace(tpot_target="12.5"), rows) == 12.5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--linear-precision", "int4"], "--linear-precision takes exact and/or int8"),
+    (["--tpot-target", "0"], "--tpot-target takes auto, none or milliseconds > 0"),
+    (["--tpot-target", "fast"], "--tpot-target takes auto, none or milliseconds > 0"),
+])
+def test_bad_serve_options_are_named(argv, message, capsys):
+    assert main(["bench", "serve", "--tiny", "--server-baseline", "none", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -81,8 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e_args.add_argument("--new-tokens", type=int, default=None,
                           help="e2e: generated tokens per row (default: 64; --tiny: 4)")
     e2e_args.add_argument("--linear-precision", default="exact,int8", metavar="exact,int8",
-                          help="e2e: ours' linear precisions, a row each (default: exact,int8; int8 only for "
-                               "GGUF block-quantised models)")
+                          help="e2e and serve: ours' linear precisions, a row each (default: exact,int8; int8 only "
+                               "for GGUF block-quantised models)")
     e2e_args.add_argument("--baseline", default="transformers", metavar="transformers,llama.cpp",
                           help="e2e: what ours runs beside, a column group each (default: transformers; llama.cpp: the "
                                "same GGUF through llama-cpp-python, an optional dependency)")
@@ -112,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="e2e --stages: the partition policy (default: balanced)")
     e2e_args.add_argument("--pipeline-transport", dest="transport", default="auto", choices=TRANSPORTS,
                           help="e2e --stages: the transport between stages (default: auto)")
-    serve_args = parser.add_argument_group("serve (also --model, --threads, --install-baseline)")
+    serve_args = parser.add_argument_group("serve (also --model, --threads, --linear-precision, --install-baseline)")
     serve_args.add_argument("--rates", default=None, metavar="0.5,1,2,4",
                             help="serve: offered loads, requests per second (default 0.5,1,2,4)")
     serve_args.add_argument("--requests", type=int, default=None, metavar="N",
@@ -121,6 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             choices=["llama.cpp", "none"],
                             help="serve: the server run beside stagewise serve (default llama.cpp: llama-cpp-python's "
                                  "llama_cpp.server, an optional dependency)")
+    serve_args.add_argument("--tpot-target", default="auto", metavar="auto|none|MS",
+                            help="serve: ours also runs with this TPOT target, each --linear-precision (default auto: "
+                                 "0.8 of llama.cpp's measured p99 TPOT; none: only ours as it starts by default)")
     transport_args = parser.add_argument_group("transport")
     from stagewise.bench.transport import TRANSPORTS as MEASURED
 

@@ -11,6 +11,14 @@ Both generate every requested token: ours is asked for ``ignore_eos``, llama.cpp
 bias of -100 on the EOS ids. Comparison at equal p99 TPOT: the TPOT budget is llama.cpp's p99 TPOT
 at the rate where it served the most requests per second; each server's throughput is its best
 requests per second among the rates whose p99 TPOT is within that budget.
+
+Ours runs several times (a row group each): with its first ``--linear-precision`` as it starts by
+default (prompts start as soon as they fit), then with each precision and a TPOT target
+(``serve --tpot-target``, :mod:`stagewise.engine.pacing`). ``--tpot-target auto`` (the default)
+runs llama.cpp first and gives ours :data:`HEADROOM` of its budget: our server keeps each
+request's mean time per token on its own clock, the client's p99 adds the HTTP stream's jitter.
+llama.cpp's arithmetic on a Q4/Q8 GGUF multiplies int8-quantised activations, as ours does with
+``int8``; ``exact`` computes in float32 on the exact dequantised weights.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from stagewise.bench import report
 from stagewise.bench.serve_load import OUTPUT, PROMPT, Shape, run_load, workload
 
 RATES = "0.5,1,2,4"
+HEADROOM = 0.8
+"""Ours' TPOT target with ``--tpot-target auto``: this share of llama.cpp's measured budget."""
 
 
 def _free_port() -> int:
@@ -77,13 +87,19 @@ class Server:
         self.log.close()
 
 
-def _ours(model: str, threads: int | None, env: dict) -> Server:
+def _ours(model: str, threads: int | None, env: dict, precision: str, target_ms: float | None) -> Server:
     """``threads`` None: the server's own choice (on the CPU one core fewer than the machine has,
     which its HTTP loop keeps)."""
     port = _free_port()
     argv = [sys.executable, "-m", "stagewise.cli", "serve", model, "--port", str(port), "--max-num-seqs", "32",
-            "--max-waiting", "1024", "--log-level", "warning"] + ([] if threads is None else ["--threads", str(threads)])
+            "--max-waiting", "1024", "--log-level", "warning", "--linear-precision", precision]
+    argv += ([] if threads is None else ["--threads", str(threads)])
+    argv += ([] if target_ms is None else ["--tpot-target", f"{target_ms:g}"])
     return Server("stagewise", argv, "/health", {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"})
+
+
+def _name(precision: str, target_ms: float | None) -> str:
+    return f"stagewise {precision}" + ("" if target_ms is None else f", TPOT target {target_ms:g} ms")
 
 
 def _llama_cpp(gguf: Path, threads: int, env: dict, install: bool, log) -> Server:
@@ -105,18 +121,32 @@ def _llama_cpp(gguf: Path, threads: int, env: dict, install: bool, log) -> Serve
 
 
 def _budget_compare(rows: dict[str, list[dict]]) -> dict | None:
+    """llama.cpp's budget (its p99 TPOT at its best rate) and, for each run of ours, its best
+    requests per second within it."""
     base = [r for r in rows.get("llama.cpp", []) if r["tpot_p99_s"] is not None]
-    ours = [r for r in rows.get("stagewise", []) if r["tpot_p99_s"] is not None]
-    if not base or not ours:
+    if not base:
         return None
     best = max(base, key=lambda r: r["req_per_s"])
     budget = best["tpot_p99_s"]
-    within = [r for r in ours if r["tpot_p99_s"] <= budget]
-    ours_best = max(within, key=lambda r: r["req_per_s"]) if within else None
+    ours = {}
+    for name, rs in rows.items():
+        within = [r for r in rs if name != "llama.cpp" and r["tpot_p99_s"] is not None and r["tpot_p99_s"] <= budget]
+        if name != "llama.cpp":
+            top = max(within, key=lambda r: r["req_per_s"]) if within else None
+            ours[name] = {"req_per_s": top["req_per_s"] if top else 0.0, "rate": top["rate"] if top else None,
+                          "ratio": top["req_per_s"] / best["req_per_s"] if top and best["req_per_s"] else 0.0}
     return {"tpot_p99_budget_s": budget, "llama_cpp_req_per_s": best["req_per_s"], "llama_cpp_rate": best["rate"],
-            "stagewise_req_per_s": ours_best["req_per_s"] if ours_best else 0.0,
-            "stagewise_rate": ours_best["rate"] if ours_best else None,
-            "ratio": (ours_best["req_per_s"] / best["req_per_s"]) if ours_best and best["req_per_s"] else 0.0}
+            "stagewise": ours}
+
+
+def _target(args, rows: dict[str, list[dict]]) -> float | None:
+    """Ours' TPOT target in ms from ``--tpot-target`` (auto: HEADROOM of llama.cpp's budget)."""
+    if args.tpot_target == "none":
+        return None
+    if args.tpot_target != "auto":
+        return float(args.tpot_target)
+    compare = _budget_compare(rows)
+    return None if compare is None else round(HEADROOM * compare["tpot_p99_budget_s"] * 1e3, 1)
 
 
 def run(args, log=print) -> int:
@@ -129,6 +159,17 @@ def run(args, log=print) -> int:
     except ValueError:
         log(f"stagewise bench: --rates takes positive requests per second such as {RATES}, got {args.rates!r}")
         return 2
+    precisions = [p.strip() for p in args.linear_precision.split(",") if p.strip()]
+    if not precisions or any(p not in ("exact", "int8") for p in precisions):
+        log(f"stagewise bench: --linear-precision takes exact and/or int8, got {args.linear_precision!r}")
+        return 2
+    if args.tpot_target not in ("auto", "none"):
+        try:
+            if not float(args.tpot_target) > 0:
+                raise ValueError
+        except ValueError:
+            log(f"stagewise bench: --tpot-target takes auto, none or milliseconds > 0, got {args.tpot_target!r}")
+            return 2
     n = args.requests or (4 if args.tiny else 40)
     shapes = (Shape(12, 0.3, 4, 24), Shape(4, 0.3, 2, 8)) if args.tiny else (PROMPT, OUTPUT)
     from stagewise.launch.local import usable_cores
@@ -149,22 +190,14 @@ def run(args, log=print) -> int:
                 stagewise_threads=args.threads or "its default (cores - 1 on the CPU: one core for the HTTP loop)",
                 requests_per_rate=n, rates=rates,
                 prompt_median=shapes[0].median, output_median=shapes[1].median)
-    for name in ["stagewise", *baselines]:
-        server = _ours(args.model, args.threads, env) if name == "stagewise" else \
-            _llama_cpp(ckpt.path, threads, env, args.install_baseline, log)
+
+    def measure(name: str, server: Server, model: str, extra: dict) -> None:
         info[f"{name}_ready_s"] = round(server.ready_s, 2)
-        if name == "llama.cpp":
-            info["llama_cpp_python"] = server.version
-        extra = {"ignore_eos": True} if name == "stagewise" else \
-            {"logit_bias": {str(t): -100.0 for t in ckpt.config.eos_token_ids}}
         try:
-            asyncio.run(run_load(server.url, args.model if name == "stagewise" else str(ckpt.path),
-                                 workload(2, 1.0, tokenize, seed=99), 1.0, extra))  # warm-up
+            asyncio.run(run_load(server.url, model, workload(2, 1.0, tokenize, seed=99), 1.0, extra))  # warm-up
             for i, rate in enumerate(rates):
                 requests = workload(n, rate, tokenize, seed=i, prompt=shapes[0], output=shapes[1])
-                result = asyncio.run(run_load(server.url, args.model if name == "stagewise" else str(ckpt.path),
-                                              requests, rate, extra))
-                row = result.summary()
+                row = asyncio.run(run_load(server.url, model, requests, rate, extra)).summary()
                 row["prompt_tokens_mean"] = sum(r.prompt_tokens for r in requests) / n
                 row["max_tokens_mean"] = sum(r.max_tokens for r in requests) / n
                 rows.setdefault(name, []).append(row)
@@ -173,6 +206,17 @@ def run(args, log=print) -> int:
                     f"{_ms(row['tpot_p50_s'])}/{_ms(row['tpot_p99_s'])} ms, {row['failed']} failed")
         finally:
             server.stop()
+
+    if baselines:  # first: its budget sets ours' target
+        server = _llama_cpp(ckpt.path, threads, env, args.install_baseline, log)
+        info["llama_cpp_python"] = server.version
+        measure("llama.cpp", server, str(ckpt.path), {"logit_bias": {str(t): -100.0 for t in ckpt.config.eos_token_ids}})
+    target = _target(args, rows)
+    info["tpot_target_ms"] = target
+    runs = [(precisions[0], None)] + ([(p, target) for p in precisions] if target is not None else [])
+    for precision, target_ms in runs:
+        measure(_name(precision, target_ms), _ours(args.model, args.threads, env, precision, target_ms), args.model,
+                {"ignore_eos": True})
     compare = _budget_compare(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -188,6 +232,8 @@ def _ms(v) -> str:
 
 
 def _markdown(path: Path, info: dict, rows: dict[str, list[dict]], compare: dict | None) -> None:
+    ready = ", ".join(f"{name} {info[f'{name}_ready_s']} s" for name in rows if f"{name}_ready_s" in info)
+    target = info.get("tpot_target_ms")
     lines = ["# `stagewise serve` against llama.cpp's OpenAI server", "",
              f"Machine: {info['device_name']} ({info['device']}), {info['cpu_count']} CPUs, {report.isa_line(info)}; "
              f"torch {info['torch']}; the whole machine per server, one after the other: llama.cpp "
@@ -196,8 +242,11 @@ def _markdown(path: Path, info: dict, rows: dict[str, list[dict]], compare: dict
              f"Model: {info['model']}; {info['requests_per_rate']} streamed completions per rate, Poisson arrivals, "
              f"log-normal prompt (median {info['prompt_median']:g} tokens) and output (median {info['output_median']:g}) "
              "lengths, every requested token generated  ",
-             f"llama-cpp-python: {info.get('llama_cpp_python', '-')}; servers ready after "
-             f"{info.get('stagewise_ready_s')} s (stagewise) / {info.get('llama_cpp_ready_s', '-')} s (llama.cpp)", "",
+             f"llama-cpp-python: {info.get('llama_cpp_python', '-')}; ready after: {ready}  ",
+             "stagewise's TPOT target (`serve --tpot-target`): " + ("none" if target is None else
+             f"{target:g} ms ({HEADROOM:g} of llama.cpp's budget below, unless given)") + "; linear precisions: exact "
+             "(float32 on the exact dequantised weights) and int8 (activations quantised to int8 per block of 32, "
+             "as llama.cpp's CPU path does)", "",
              "| server | offered req/s | served req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
              "TPOT p99 ms | failed |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rs in rows.items():
@@ -205,16 +254,21 @@ def _markdown(path: Path, info: dict, rows: dict[str, list[dict]], compare: dict
             lines.append(f"| {name} | {r['rate']:g} | {r['req_per_s']:.2f} | {r['tok_per_s']:.1f} | {_ms(r['ttft_p50_s'])} "
                          f"| {_ms(r['ttft_p99_s'])} | {_ms(r['tpot_p50_s'])} | {_ms(r['tpot_p99_s'])} | {r['failed']} |")
     if compare:
-        within = (f"stagewise {compare['stagewise_req_per_s']:.2f} req/s (at {compare['stagewise_rate']:g} offered)"
-                  if compare["stagewise_rate"] is not None else "stagewise at no rate measured here")
         lines += ["", f"At equal p99 TPOT (the budget: llama.cpp's p99 TPOT at its best rate, "
-                      f"{_ms(compare['tpot_p99_budget_s'])} ms): llama.cpp serves {compare['llama_cpp_req_per_s']:.2f} "
-                      f"req/s, {within}: **{compare['ratio']:.2f}x**."]
-    peaks = {name: max(rs, key=lambda r: r["req_per_s"]) for name, rs in rows.items() if rs}
-    if len(peaks) == 2:
-        ours, base = peaks["stagewise"], peaks["llama.cpp"]
-        lines += ["", f"Most requests served per second, whatever the latency: stagewise {ours['req_per_s']:.2f} "
-                      f"(TTFT p50 {_ms(ours['ttft_p50_s'])} ms, TPOT p99 {_ms(ours['tpot_p99_s'])} ms), llama.cpp "
+                      f"{_ms(compare['tpot_p99_budget_s'])} ms), llama.cpp serves {compare['llama_cpp_req_per_s']:.2f} "
+                      "req/s; each run of stagewise its best within the budget:", ""]
+        for name, c in compare["stagewise"].items():
+            at = f"{c['req_per_s']:.2f} req/s (at {c['rate']:g} offered)" if c["rate"] is not None else \
+                "no rate measured here"
+            lines.append(f"- {name}: {at}: **{c['ratio']:.2f}x**")
+    base = max(rows.get("llama.cpp", []), key=lambda r: r["req_per_s"], default=None)
+    if base is not None:
+        lines += ["", "Most requests served per second, whatever the latency: llama.cpp "
                       f"{base['req_per_s']:.2f} (TTFT p50 {_ms(base['ttft_p50_s'])} ms, TPOT p99 "
-                      f"{_ms(base['tpot_p99_s'])} ms): {ours['req_per_s'] / base['req_per_s']:.2f}x."]
+                      f"{_ms(base['tpot_p99_s'])} ms)"]
+        for name, rs in rows.items():
+            if name != "llama.cpp" and rs:
+                top = max(rs, key=lambda r: r["req_per_s"])
+                lines.append(f"- {name}: {top['req_per_s']:.2f} (TTFT p50 {_ms(top['ttft_p50_s'])} ms, TPOT p99 "
+                             f"{_ms(top['tpot_p99_s'])} ms): {top['req_per_s'] / base['req_per_s']:.2f}x")
     path.write_text("\n".join(lines) + "\n")
