@@ -19,7 +19,7 @@ from stagewise.cli_prompts import (
     Requests, add_prompt_arguments, completion_json, config_problems, read_requests, report, sampling_args,
     sampling_problems,
 )  # fmt: skip
-from stagewise.launch.start import LAUNCHERS, PLACEMENTS
+from stagewise.parallel.plan_options import LAUNCHERS, PLACEMENTS, tpot_target_problem
 from stagewise.transport.select import TRANSPORTS
 
 PROG = "stagewise generate"
@@ -148,8 +148,8 @@ def model_problems(args: argparse.Namespace) -> list[str]:
                         "in the plan")
     if args.plan and args.tpot_target is not None:
         problems.append("--tpot-target is the scheduler's of stage 0; with --plan give tpot_target_ms in the plan")
-    if args.tpot_target is not None and not args.tpot_target > 0:
-        problems.append(f"--tpot-target must be > 0 milliseconds, got {args.tpot_target}")
+    if (why := tpot_target_problem(args.tpot_target, "--tpot-target")) is not None:
+        problems.append(why)
     if args.plan and args.threads is not None:
         problems.append("--threads is the stage processes'; with --plan give threads per stage in the plan")
     for name, value in (("--max-num-seqs", args.max_num_seqs), ("--max-prefill-tokens", args.max_prefill_tokens),

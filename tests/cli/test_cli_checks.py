@@ -51,7 +51,7 @@ def test_argument_problems_are_named_together_before_torch_is_imported():
     assert "8 problems" in err, err
     for fragment in ("temperature must be a finite number >= 0", "top_p must be a number in (0, 1]",
                      "--partition applies to processes", "--max-num-seqs must be >= 1",
-                     "--max-prefill-tokens must be >= 1, got 0", "--tpot-target must be > 0 milliseconds, got 0.0",
+                     "--max-prefill-tokens must be >= 1, got 0", "--tpot-target must be a finite number of milliseconds > 0 (or none), got 0.0",
                      "logprobs must be None or an int in [0, 20]", "--logprobs needs --json or --prompt-file"):
         assert fragment in err, (fragment, err)
 

@@ -86,7 +86,30 @@ def test_a_target_one_row_cannot_keep_still_starts_one_request_at_a_time():
     assert pacer.budget(0, [(0.0, 1)], rows=1, waiting=4, now=0.0) == Budget(MIN_CHUNK, 0)
 
 
-@pytest.mark.parametrize("target", [0, -1.0, float("nan"), True, "20"])
+def test_one_chunk_length_priced_is_all_cost_per_token():
+    """A single chunk length gives no slope: its whole cost counts per token, never as free."""
+    pacer = TpotPacer(0.020)
+    timed(pacer, 9, rows=1, tokens=0, seconds=0.005)
+    timed(pacer, 9, rows=2, tokens=16, seconds=0.005 + 0.001 + 0.032)  # decode(2) unknown slope: 5 ms
+    assert pacer._prefill.fit() == (pytest.approx(0.033), 0.0)
+    # 100 ms of slack less 5 ms of decode: 95 / (33 / 16) = 46 tokens, not unlimited.
+    assert pacer.budget(0, [(0.0, 5)], rows=1, waiting=0, now=0.0) == Budget(46, 1)
+
+
+def test_a_group_idle_between_budgets_and_a_failed_step_add_no_time_between_steps():
+    pacer = TpotPacer(0.020)
+    timed(pacer, 0, rows=1, tokens=0, seconds=0.005, now=1.0)  # group 0's step came back at 1.005
+    pacer.budget(0, [(0.9, 5)], rows=1, waiting=0, now=1.007)
+    assert pacer.between_s == pytest.approx(0.2 * 0.002)
+    pacer.budget(0, [(0.9, 5)], rows=1, waiting=0, now=3.0)  # asked again, no step since: idle
+    assert pacer.between_s == pytest.approx(0.2 * 0.002)
+    pacer.started(0, 1, 0, 3.0)
+    pacer.ended(0, None)  # failed: nothing priced, no step to count from
+    pacer.budget(0, [(0.9, 5)], rows=1, waiting=0, now=5.0)
+    assert pacer.between_s == pytest.approx(0.2 * 0.002) and len(pacer._decode.points) == 1
+
+
+@pytest.mark.parametrize("target", [0, -1.0, float("nan"), float("inf"), True, "20"])
 def test_bad_targets_are_refused(target):
     with pytest.raises(ValueError, match="target time per output token"):
         TpotPacer(target)
@@ -137,6 +160,16 @@ def simulate(folder, monkeypatch, tpot_target_ms):
             return run(batch, sampling)
 
         monkeypatch.setattr(engine.executor, "run", costed)
+        record = engine.requests.record
+        times: dict[int, list[float]] = {}
+
+        def timed_record(seqs, tokens, logprobs=None):
+            seqs = list(seqs)
+            for seq in seqs:
+                times.setdefault(seq.request_id, []).append(clock[0])
+            return record(seqs, tokens, logprobs)
+
+        monkeypatch.setattr(engine.requests, "record", timed_record)
         done, pending = {}, list(enumerate(arrivals))
         while pending or engine.has_unfinished():
             while pending and pending[0][1][0] <= clock[0]:
@@ -148,8 +181,9 @@ def simulate(folder, monkeypatch, tpot_target_ms):
             for out in engine.step():
                 done[out.request_id] = out
     assert sorted(done) == list(range(len(arrivals)))
-    tpot = {i: (o.finish_s - o.first_token_s) / (len(o.token_ids) - 1) for i, o in done.items()}
-    return {i: o.token_ids for i, o in done.items()}, tpot
+    # Each token's time since the request's first, over its index: the mean TPOT so far.
+    so_far = {i: max((t[k] - t[0]) / k for k in range(1, len(t))) for i, t in times.items()}
+    return {i: o.token_ids for i, o in done.items()}, so_far
 
 
 def test_every_request_keeps_the_target_and_its_tokens(folder, monkeypatch):
@@ -157,9 +191,11 @@ def test_every_request_keeps_the_target_and_its_tokens(folder, monkeypatch):
     paced_tokens, paced_tpot = simulate(folder, monkeypatch, TARGET_MS)
     assert paced_tokens == free_tokens  # pacing moves prompt chunks between steps, never a token
     assert max(free_tpot.values()) > 1.5 * TARGET_MS / 1e3  # without the target, prompts break it
+    # With it, no request's mean time per token passes the target at any of its tokens.
     assert max(paced_tpot.values()) <= TARGET_MS / 1e3 * 1.02, paced_tpot
 
 
 def test_pipeline_refuses_a_bad_target(folder):
-    with pytest.raises(ValueError, match="tpot_target_ms must be milliseconds > 0"):
-        stagewise.Pipeline(str(folder), tpot_target_ms=0)
+    for bad in (0, float("inf")):
+        with pytest.raises(ValueError, match="tpot_target_ms must be a finite number of milliseconds > 0"):
+            stagewise.Pipeline(str(folder), tpot_target_ms=bad)

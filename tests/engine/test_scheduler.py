@@ -54,6 +54,14 @@ def test_a_step_budget_lowers_the_prompt_tokens_and_the_requests_started():
     assert [(c.seq.request_id, c.length) for c in step.prefills] == [("c", 2), ("d", 2)]
 
 
+def test_a_whole_prompt_waits_for_a_step_budget_that_holds_it():
+    s = scheduler(budget=8, rows=4)
+    s.add(SeqState(request_id="img", prompt_ids=list(range(1, 13)), whole=True))  # 12 tokens > max_prefill_tokens
+    assert s.schedule(prefill_budget=10).prefills == []        # above the pacer's budget: it waits
+    step = s.schedule(prefill_budget=1 << 30)                   # nothing limits it: it runs alone, whole
+    assert [(c.seq.request_id, c.length) for c in step.prefills] == [("img", 12)]
+
+
 @pytest.mark.parametrize("budget", [1, 3, 4, 100])
 def test_every_prompt_token_is_scheduled_once_in_order(budget):
     s = scheduler(budget=budget, rows=2)

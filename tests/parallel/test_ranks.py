@@ -100,8 +100,9 @@ def test_rank_addresses_and_devices_follow_the_leader():
     ({"interleave_size": 3}, "interleave_size=3 must divide block_size=16"),
     ({"tp": 0}, "tp must be an int >= 1"),
     ({"pcp": 0}, "pcp must be an int >= 1"),
-    ({"tpot_target_ms": 0}, r"tpot_target_ms must be milliseconds > 0 or null, got 0"),
-    ({"tpot_target_ms": "20"}, r"tpot_target_ms must be milliseconds > 0 or null, got '20'"),
+    ({"tpot_target_ms": 0}, r"tpot_target_ms must be a finite number of milliseconds > 0 \(or none\), got 0"),
+    ({"tpot_target_ms": "20"}, r"tpot_target_ms must be a finite number of milliseconds > 0 \(or none\), got '20'"),
+    ({"tpot_target_ms": float("inf")}, r"tpot_target_ms must be a finite number of milliseconds > 0 \(or none\), got inf"),
     ({"stages": [{"layers": "0-4", "tp": "two"}]}, r"stages\[0\].tp must be an int >= 1"),
 ])
 def test_bad_rank_options_are_named(top, message):

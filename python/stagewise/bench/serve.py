@@ -36,6 +36,7 @@ from pathlib import Path
 
 from stagewise.bench import report
 from stagewise.bench.serve_load import OUTPUT, PROMPT, Shape, run_load, workload
+from stagewise.parallel.plan_options import tpot_target_problem
 
 RATES = "0.5,1,2,4"
 HEADROOM = 0.8
@@ -165,7 +166,7 @@ def run(args, log=print) -> int:
         return 2
     if args.tpot_target not in ("auto", "none"):
         try:
-            if not float(args.tpot_target) > 0:
+            if tpot_target_problem(float(args.tpot_target), "--tpot-target") is not None:
                 raise ValueError
         except ValueError:
             log(f"stagewise bench: --tpot-target takes auto, none or milliseconds > 0, got {args.tpot_target!r}")
@@ -212,7 +213,7 @@ def run(args, log=print) -> int:
         info["llama_cpp_python"] = server.version
         measure("llama.cpp", server, str(ckpt.path), {"logit_bias": {str(t): -100.0 for t in ckpt.config.eos_token_ids}})
     target = _target(args, rows)
-    info["tpot_target_ms"] = target
+    info["tpot_target_ms"], info["tpot_target_auto"] = target, args.tpot_target == "auto"
     runs = [(precisions[0], None)] + ([(p, target) for p in precisions] if target is not None else [])
     for precision, target_ms in runs:
         measure(_name(precision, target_ms), _ours(args.model, args.threads, env, precision, target_ms), args.model,
@@ -243,8 +244,8 @@ def _markdown(path: Path, info: dict, rows: dict[str, list[dict]], compare: dict
              f"log-normal prompt (median {info['prompt_median']:g} tokens) and output (median {info['output_median']:g}) "
              "lengths, every requested token generated  ",
              f"llama-cpp-python: {info.get('llama_cpp_python', '-')}; ready after: {ready}  ",
-             "stagewise's TPOT target (`serve --tpot-target`): " + ("none" if target is None else
-             f"{target:g} ms ({HEADROOM:g} of llama.cpp's budget below, unless given)") + "; linear precisions: exact "
+             "stagewise's TPOT target (`serve --tpot-target`): " + ("none" if target is None else f"{target:g} ms"
+             + (f" ({HEADROOM:g} of llama.cpp's budget below)" if info.get("tpot_target_auto") else "")) + "; linear precisions: exact "
              "(float32 on the exact dequantised weights) and int8 (activations quantised to int8 per block of 32, "
              "as llama.cpp's CPU path does)", "",
              "| server | offered req/s | served req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "

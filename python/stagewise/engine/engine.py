@@ -229,9 +229,10 @@ class Engine:
         """The prompt tokens and new requests the pacer allows the next step (None: no limit)."""
         if self.pacer is None:
             return None, None
-        running = [seq for sched in self.scheduler.groups for seq in sched.running.values()]
-        clocks = [(self.requests.first_token_s(s.request_id), len(s.output_ids)) for s in running if s.output_ids]
-        budget = self.pacer.budget(group, clocks, len(running), self.scheduler.status().waiting, now)
+        clocks = [(self.requests.first_token_s(s.request_id), len(s.output_ids))
+                  for sched in self.scheduler.groups for s in sched.running.values() if s.output_ids]
+        own = self.scheduler.groups[group]  # a step's rows are its group's: the decode line's basis
+        budget = self.pacer.budget(group, clocks, len(own.running), len(own.waiting), now)
         return (None, None) if budget is None else (budget.tokens, budget.rows)
 
     def _take(self, group: int, step_id: int) -> ScheduledStep:

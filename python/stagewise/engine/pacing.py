@@ -24,8 +24,8 @@ the ones after it. The prompt cost errs high: its line is raised until 90 % of t
 lie under it (a step's fixed cost is not quite a constant), and a step beside decodes runs at least
 :data:`MIN_CHUNK` prompt tokens or none.
 
-A target that even one decode row cannot keep is still served: prompts then start only when
-nothing decodes, one batch after another.
+A target that even one decode row cannot keep is still served: a request then starts only when
+nothing runs, one after another.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class _Line:
         a = my - slope * mx
         if upper is not None:
             above = sorted(y - (a + slope * x) for x, y in pts)
-            a += max(above[min(int(upper * n), n - 1)], 0.0)
+            a += max(above[max(math.ceil(upper * n) - 1, 0)], 0.0)
         return a, slope
 
 
@@ -85,7 +85,7 @@ class TpotPacer:
     """Prompt tokens and new rows the next step may take, for a target time per output token."""
 
     def __init__(self, target_s: float, *, window: int = 64) -> None:
-        if isinstance(target_s, bool) or not isinstance(target_s, (int, float)) or not target_s > 0:
+        if isinstance(target_s, bool) or not isinstance(target_s, (int, float)) or not 0 < target_s < math.inf:
             raise ValueError(f"TpotPacer: the target time per output token must be > 0 seconds, got {target_s!r}")
         self.target_s = float(target_s)
         self._decode = _Line(window)
@@ -110,9 +110,11 @@ class TpotPacer:
         """The step of ``group`` came back (its tokens were recorded at ``now``; None: it failed,
         and prices nothing)."""
         start = self._started.pop(group, None)
-        if now is not None:
-            self._ended[group] = now
-        if start is None or now is None:
+        if now is None:
+            self._ended.pop(group, None)
+            return
+        self._ended[group] = now
+        if start is None:
             return
         began, rows, tokens = start
         seconds = now - began
@@ -131,11 +133,13 @@ class TpotPacer:
     def budget(self, group: int, clocks: Iterable[tuple[float, int]], rows: int, waiting: int,
                now: float) -> Budget | None:
         """What the next step of ``group`` may start, given each decoding request's (time of its
-        first token, tokens so far), the rows running now (decoding or prefilling) and the requests
+        first token, tokens so far; of every group: a long step of one group holds up the others'
+        on every stage), the group's rows running now (decoding or prefilling) and its requests
         waiting to start; None: no limit (nothing measured yet)."""
         clocks = list(clocks)
-        if clocks and group in self._ended:
-            self.between_s = 0.8 * self.between_s + 0.2 * (now - self._ended[group])
+        last = self._ended.pop(group, None)  # once: a group asked again without a step between is idle
+        if clocks and last is not None:
+            self.between_s = 0.8 * self.between_s + 0.2 * (now - last)
         decode = self._decode.fit()
         if decode is None:
             return None
@@ -153,6 +157,8 @@ class TpotPacer:
         if prefill is None:
             return Budget(MIN_CHUNK, min(new_rows, 1))  # price prompt tokens on a small chunk first
         fixed, per_token = prefill
+        if per_token == 0:  # one chunk length priced so far: all of its cost per token (0: it cost nothing)
+            fixed, per_token = 0.0, max(y / x for x, y in self._prefill.points)
         # The step's decode time with every row it may start (each adds ``b`` to it) and the
         # layer loop of a step with prompt tokens; what is left of the tightest request's slack
         # buys prompt tokens.

@@ -197,7 +197,8 @@ class Scheduler:
         while self.waiting and admit > 0 and budget > 0:
             seq = self.waiting[0]
             n = len(seq.prompt_ids)
-            if seq.whole and n > budget and (step.prefills or budget < self.max_prefill_tokens):
+            if seq.whole and n > budget and (step.prefills or budget < self.max_prefill_tokens
+                                             or (prefill_budget is not None and n > prefill_budget)):
                 break  # a whole prompt that does not fit what is left waits for a step of its own
             try:
                 self.manager.add(seq.request_id, n)

@@ -163,4 +163,4 @@ class Restart:
         return self.connect(plan, addresses, procs, True, wait_s)
 
 
-__all__ = ["LAUNCHERS", "PLACEMENTS", "Restart", "process_options", "process_plan", "start_stages"]
+__all__ = ["Restart", "process_options", "process_plan", "start_stages"]

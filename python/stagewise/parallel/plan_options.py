@@ -3,6 +3,7 @@ their checks, each bad value named (:func:`option_problems`)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from stagewise.transport.select import TRANSPORTS
@@ -18,6 +19,13 @@ OPTION_KEYS = ("dtype", "transport", "checksum", "max_num_seqs", "max_prefill_to
 
 def problem(what: str, value: Any, expected: str) -> str:
     return f"{what} must be {expected}, got {value!r}"
+
+
+def tpot_target_problem(value: Any, what: str) -> str | None:
+    """What is wrong with a TPOT target in milliseconds (None: nothing; None is no target)."""
+    if value is None or (not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf):
+        return None
+    return problem(what, value, "a finite number of milliseconds > 0 (or none)")
 
 
 def option_problems(options: dict[str, Any]) -> list[str]:
@@ -53,9 +61,8 @@ def option_problems(options: dict[str, Any]) -> list[str]:
         value = get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             problems.append(problem(name, value, "an int >= 1 or null"))
-    target = get("tpot_target_ms")
-    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float)) or not target > 0):
-        problems.append(problem("tpot_target_ms", target, "milliseconds > 0 or null"))
+    if (why := tpot_target_problem(get("tpot_target_ms"), "tpot_target_ms")) is not None:
+        problems.append(why)
     block, inter = get("block_size", 16), get("interleave_size", 1)
     if isinstance(block, int) and isinstance(inter, int) and inter >= 1 and block % inter:
         problems.append(f"interleave_size={inter} must divide block_size={block} (a context-parallel rank's "

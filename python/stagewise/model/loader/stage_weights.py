@@ -45,11 +45,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"Pipeline: device must be 'cpu' or 'cuda[:N]', got {device!r}") from None
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}") from None
     if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"Pipeline: device must be 'cpu' or 'cuda[:N]', got {device!r}")
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("Pipeline: device 'cuda' was asked for but no CUDA device is available")
+        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
     return dev
 
 
