@@ -40,7 +40,7 @@ def test_the_cli_and_the_run_plan_take_the_names_from_here(capsys):
     import argparse
 
     from stagewise import cli_generate
-    from stagewise.parallel import runplan
+    from stagewise.parallel import plan_options
 
     parser = argparse.ArgumentParser()
     cli_generate.add_arguments(parser)
@@ -49,4 +49,4 @@ def test_the_cli_and_the_run_plan_take_the_names_from_here(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--transport", "udp"])
     assert ", ".join(repr(t) for t in TRANSPORTS) in capsys.readouterr().err
-    assert runplan.TRANSPORTS is TRANSPORTS
+    assert plan_options.TRANSPORTS is TRANSPORTS  # the run plan's option checks
