@@ -4,7 +4,7 @@ their hosts over ssh (``ssh``) or on a Ray cluster (``ray``), handed to the driv
 
 from __future__ import annotations
 
-from stagewise.parallel.plan_options import LAUNCHERS, PLACEMENTS
+from stagewise.parallel.plan_options import LAUNCHERS
 from stagewise.parallel.runplan import RunPlan
 
 PLAN_OPTIONS = ("partition", "transport", "checksum", "auth_token", "threads", "interleave_size", "tls")
