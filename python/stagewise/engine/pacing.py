@@ -51,14 +51,22 @@ class _Line:
 
     def __init__(self, window: int) -> None:
         self.points: deque[tuple[float, float]] = deque(maxlen=window)
+        self._fits: dict[float | None, tuple[float, float] | None] = {}
+        """fit(upper) since the last point: asked for every step, changed only by a new point."""
 
     def add(self, x: float, y: float) -> None:
         self.points.append((x, y))
+        self._fits.clear()
 
     def fit(self, upper: float | None = None) -> tuple[float, float] | None:
         """(a, b), or None before any point; b is 0 while every point has the same x. With
         ``upper`` (a share, e.g. 0.9), ``a`` is raised so that that share of the points lies on or
         under the line: where the costs are not quite a line, the pacer's estimate errs high."""
+        if upper not in self._fits:
+            self._fits[upper] = self._fit(upper)
+        return self._fits[upper]
+
+    def _fit(self, upper: float | None) -> tuple[float, float] | None:
         pts = self.points
         if not pts:
             return None
