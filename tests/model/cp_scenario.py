@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from stagewise.engine.handoff import KVShard, read_kv
 from stagewise.kv import KVCache, KVCacheManager, KVCacheSpec
 from stagewise.model.batch import KVMetadata, StepBatch, split_for_pcp
 from stagewise.model.collectives import StageGroups
@@ -19,6 +20,7 @@ from stagewise.model.layers.attention import Attention
 from stagewise.model.layers.context_parallel import restore_pcp_rows
 from stagewise.model.layers.linear import Linear, RowParallelLinear
 from stagewise.model.layers.rotary import Rotary
+from stagewise.model.loader.sharding import kv_heads_of_rank
 
 HIDDEN, HEAD_DIM, LAYERS, BLOCK_SIZE, SEED = 32, 16, 2, 16, 1234
 
@@ -87,9 +89,10 @@ def build_layers(case: dict, tp_rank: int = 0, tp_size: int = 1,
 
 
 def run(case: dict, layers: list[Attention], groups: StageGroups = StageGroups(),
-        interleave: int = 1) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """Each step's output of the stack (full step rows, every rank) and, after each step, this rank's
-    ``[blocks in use, token slots filled, tokens of live requests]``."""
+        interleave: int = 1) -> tuple[list[torch.Tensor], list[list[int]], dict[str, torch.Tensor]]:
+    """Each step's output of the stack (full step rows, every rank); after each step, this rank's
+    ``[blocks in use, token slots filled, tokens of live requests]``; and, at the end, this rank's
+    share of each live request's K and V as its KV handoff reads them (``"<id>/k"``, ``"<id>/v"``)."""
     cfg = config(case)
     manager = KVCacheManager(block_size=BLOCK_SIZE, num_blocks=64, max_blocks_per_seq=8,
                              cp_world_size=groups.cp_size, cp_rank=groups.cp_rank, interleave_size=interleave)
@@ -123,4 +126,18 @@ def run(case: dict, layers: list[Attention], groups: StageGroups = StageGroups()
         outputs.append(h if split is None else restore_pcp_rows(h, split, groups.pcp))
         live = sum(manager.num_tokens(r) for r in manager.request_ids())
         usage.append([manager.num_used_blocks, manager.num_stored_tokens(), live])
-    return outputs, usage
+    kv = {}
+    for rid in manager.request_ids():
+        share = shard(case, groups, interleave)
+        n = manager.num_tokens(rid)
+        kv[f"{rid}/k"], kv[f"{rid}/v"] = read_kv(manager, cache, rid, n if share is None else len(share.positions(n)))
+    return outputs, usage, kv
+
+
+def shard(case: dict, groups: StageGroups, interleave: int) -> KVShard | None:
+    """The share of each request's KV a rank of ``case`` holds (None: one rank, all of it)."""
+    if groups.size == 1:
+        return None
+    heads = kv_heads_of_rank(config(case), groups.tp.rank, case["tp"])
+    return KVShard(kv_heads=(heads.start, heads.stop), num_kv_heads=case["kv_heads"],
+                   cp_world_size=case["pcp"] * case["dcp"], cp_rank=groups.cp_rank, interleave_size=interleave)

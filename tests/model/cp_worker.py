@@ -50,10 +50,12 @@ def main(args: dict) -> None:
     for name, case in args["cases"].items():
         groups, replica, tp_rank = _groups(case, rank, world)
         layers = cp_scenario.build_layers(case, tp_rank, case["tp"], groups)
-        outputs, usage = cp_scenario.run(case, layers, groups, case["interleave"][replica])
+        outputs, usage, kv = cp_scenario.run(case, layers, groups, case["interleave"][replica])
         for step, out in enumerate(outputs):
             tensors[f"{name}/{step}"] = out.contiguous()
         tensors[f"{name}/usage"] = torch.tensor(usage, dtype=torch.int64)
+        tensors.update({f"{name}/kv/{key}": t for key, t in kv.items()})
+        tensors[f"{name}/cp_rank"] = torch.tensor(groups.cp_rank)
     comm.destroy_world()
     save_file(tensors, f"{args['out_dir']}/rank{rank}.safetensors")
 

@@ -20,12 +20,14 @@ import torch
 from safetensors.torch import load_file
 
 import cp_scenario
+from stagewise.engine.handoff import KVHandoff, KVShard, merge_handoffs, split_handoff
 from stagewise.kv import KVCacheManager, KVCacheSpec
 from stagewise.kv.cache import num_cache_blocks
 from stagewise.model.batch import KVMetadata, StepBatch, head_tail_ranges, split_for_pcp
 from stagewise.model.collectives import SINGLE, StageGroups
 from stagewise.model.layers.context_parallel import (_packed, check_groups, check_metadata, merge_partials,
                                                       valid_dcp_sizes)
+from stagewise.model.loader.sharding import kv_heads_of_rank
 from stagewise.parallel import comm
 
 WORKER = Path(__file__).with_name("cp_worker.py")
@@ -214,13 +216,13 @@ def launch(world: int, cases: dict, out_dir: Path, *, fail_rank: int | None = No
     return [load_file(out_dir / f"rank{r}.safetensors") for r in range(world)], result
 
 
-def _references() -> dict[tuple[int, int], list[torch.Tensor]]:
-    """The single-process stack's outputs, per (heads, kv_heads): no CP, no TP."""
+def _references() -> dict[tuple[int, int], tuple]:
+    """The single-process stack's outputs, usage and KV, per (heads, kv_heads): no CP, no TP."""
     out = {}
     for case in CASES.values():
         key = (case["heads"], case["kv_heads"])
         if key not in out:
-            out[key] = cp_scenario.run(case, cp_scenario.build_layers(case))[0]
+            out[key] = cp_scenario.run(case, cp_scenario.build_layers(case))
     return out
 
 
@@ -233,7 +235,7 @@ def world_run(tmp_path_factory):
 def test_every_rank_matches_the_single_process_stack(world_run, name):
     ranks, references = world_run
     case = CASES[name]
-    want = references[(case["heads"], case["kv_heads"])]
+    want = references[(case["heads"], case["kv_heads"])][0]
     for rank, got in enumerate(ranks):
         for step, expected in enumerate(want):
             # float32 throughout: the sums differ only in order (TP all-reduce, LSE combine).
@@ -259,6 +261,39 @@ def test_each_rank_stores_its_share_of_the_kv(world_run, name):
             lengths.update({rid: lengths[rid] + 1 for rid in decodes})
             blocks = sum(-(-n // (cp_scenario.BLOCK_SIZE * cp)) for n in lengths.values())
             assert usage[:, step, 0].tolist() == [blocks] * cp, (name, step)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_rank_hands_off_its_share_and_the_shares_merge_into_the_single_process_kv(world_run, name):
+    """Every live request's KV leaves each rank as that rank's share (its KV heads, the positions its
+    CP rank owns); the shares of one stage merge into the KV the single process holds, and the
+    single process's KV cut into a rank's share is what that rank holds."""
+    ranks, references = world_run
+    case = CASES[name]
+    whole_kv = references[(case["heads"], case["kv_heads"])][2]
+    size, cfg = case["tp"] * case["pcp"], cp_scenario.config(case)
+    live = sorted({key.split("/")[0] for key in whole_kv})
+    assert live and all(f"{name}/kv/{rid}/k" in ranks[0] for rid in live)
+    for replica, first in enumerate(range(0, WORLD, size)):
+        interleave = case["interleave"][replica]
+        for rid in live:
+            whole = KVHandoff(request_id=0, layers=(0, cp_scenario.LAYERS), num_tokens=whole_kv[f"{rid}/k"].size(1),
+                              k=whole_kv[f"{rid}/k"], v=whole_kv[f"{rid}/v"])
+            shares = []
+            for rank in range(first, first + size):
+                tp_rank = (rank - first) % case["tp"]
+                heads = kv_heads_of_rank(cfg, tp_rank, case["tp"])
+                share = KVShard(kv_heads=(heads.start, heads.stop), num_kv_heads=case["kv_heads"],
+                                cp_world_size=case["pcp"] * case["dcp"], cp_rank=int(ranks[rank][f"{name}/cp_rank"]),
+                                interleave_size=interleave)
+                shares.append(KVHandoff(request_id=0, layers=whole.layers, num_tokens=whole.num_tokens, shard=share,
+                                        k=ranks[rank][f"{name}/kv/{rid}/k"], v=ranks[rank][f"{name}/kv/{rid}/v"]))
+                cut = split_handoff(whole, share)
+                torch.testing.assert_close(shares[-1].k, cut.k, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(shares[-1].v, cut.v, rtol=1e-5, atol=1e-5)
+            merged = merge_handoffs(shares)
+            torch.testing.assert_close(merged.k, whole.k, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {rid}: {m}")
+            torch.testing.assert_close(merged.v, whole.v, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {rid}: {m}")
 
 
 def test_a_failing_rank_is_reported_and_every_process_reaped(tmp_path):

@@ -7,9 +7,10 @@ chunk of its prompt), slots for each later chunk and each decode row, and frees 
 request ended; no stage asks another for KV. Every stage of a pipeline runs the same block size
 and block count, so allocations that stage 0's scheduler admitted cannot fail on a later stage.
 
-A request's KV on this rank can also leave and join as a :class:`KVHandoff` (its K/V in position
-order and, on the last stage, its sampling state), so that another instance of the same stage
-continues it exactly.
+A request's KV on this rank can also leave and join as a
+:class:`~stagewise.engine.handoff.KVHandoff` (its K/V in position order and, on the last stage, its
+sampling state; on a stage of several ranks, the rank's share), so that another instance of the
+stage continues it exactly.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from typing import Protocol
 
 import torch
 
+from stagewise.engine.handoff import KVHandoff, KVShard, read_kv, split_handoff, write_kv
 from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.engine.sampling import History, Sampler, make_generator, token_logprobs
 from stagewise.kv import KVCache, KVCacheManager
 from stagewise.model.batch import KVMetadata, StepBatch, split_for_pcp
+from stagewise.model.loader.sharding import kv_heads_of_rank
 from stagewise.model.stage import StageModel
 
 
@@ -44,28 +47,6 @@ class _Sampling:
     generator: torch.Generator | None
     history: History | None
     """The tokens it has seen, when a penalty needs them."""
-
-
-@dataclass(kw_only=True, slots=True)
-class KVHandoff:
-    """One request's KV on one stage."""
-
-    request_id: int
-    layers: tuple[int, int]
-    """The stage's layer range ``[start, end)``."""
-    k: torch.Tensor
-    """``[num_layers, num_tokens, Hk, D]`` in the cache dtype, in position order."""
-    v: torch.Tensor
-    sampling: SamplingParams | None = None
-    """Last stage: the request's sampling parameters."""
-    generator_state: torch.Tensor | None = None
-    """Last stage: the state of the request's seeded generator (uint8)."""
-    history: tuple[list[int], list[int]] | None = None
-    """Last stage, with a penalty: the (prompt, generated) tokens its penalties count."""
-
-    @property
-    def num_tokens(self) -> int:
-        return self.k.size(1)
 
 
 class RanksOutOfStep(RuntimeError):
@@ -212,52 +193,62 @@ class Executor:
 
     # ---- KV handoff -------------------------------------------------------------------
 
+    def shard(self) -> KVShard | None:
+        """The share of each request's KV this rank holds; None on a stage of one rank (all of it)."""
+        groups = self.model.groups
+        if groups.size == 1:
+            return None
+        heads = kv_heads_of_rank(self.model.config, groups.tp.rank, groups.tp.size)
+        m = self.manager
+        return KVShard(kv_heads=(heads.start, heads.stop), num_kv_heads=self.model.config.num_kv_heads,
+                       cp_world_size=m.cp_world_size, cp_rank=m.cp_rank, interleave_size=m.interleave_size)
+
     def export_request(self, request_id: int) -> KVHandoff:
-        """The KV (and, on the last stage, the sampling state) this rank holds of a request."""
+        """The KV (and, on the last stage's leader, the sampling state) this rank holds of a request:
+        on a stage of several ranks each rank exports its share
+        (:func:`~stagewise.engine.handoff.merge_handoffs` puts them together)."""
         if request_id not in self.manager:
             raise ValueError(f"export_request: this stage holds no KV for request {request_id!r}")
-        if self.model.groups.size > 1:
-            raise NotImplementedError("export_request: a request's KV leaves a stage of one rank only")
-        n, storage = self.manager.num_tokens(request_id), self.kv_cache.storage
-        blocks = torch.tensor(self.manager.block_ids(request_id), dtype=torch.int64, device=storage.device)
-        # storage [L, 2, num_blocks, block, Hk, D] -> the request's blocks -> [L, 2, n, Hk, D]
-        kv = storage.index_select(2, blocks).flatten(2, 3)[:, :, :n]
-        spec, entry = self.kv_cache.spec, self._sampling.get(request_id)
+        n, shard, spec = self.manager.num_tokens(request_id), self.shard(), self.kv_cache.spec
+        k, v = read_kv(self.manager, self.kv_cache, request_id, n if shard is None else len(shard.positions(n)))
+        entry = self._sampling.get(request_id)
         history = None
         if entry is not None and entry.history is not None:
             history = (sorted(entry.history.prompt), list(entry.history.output.elements()))
-        return KVHandoff(request_id=request_id, layers=(spec.layer_start, spec.layer_end),
-                         k=kv[:, 0].contiguous().cpu(), v=kv[:, 1].contiguous().cpu(),
-                         sampling=None if entry is None else entry.params,
+        return KVHandoff(request_id=request_id, layers=(spec.layer_start, spec.layer_end), num_tokens=n, k=k, v=v,
+                         shard=shard, sampling=None if entry is None else entry.params,
                          generator_state=None if entry is None or entry.generator is None
                          else entry.generator.get_state(), history=history)
 
     def import_request(self, handoff: KVHandoff) -> None:
         """Take over a request from another instance of this stage: allocate its blocks and copy
-        its K/V in. ValueError, with nothing changed, when the handoff does not fit this stage."""
-        spec, storage, rid = self.kv_cache.spec, self.kv_cache.storage, handoff.request_id
+        its K/V in. A whole handoff goes to any layout (each rank takes its share of it); a share
+        only to the rank of the same share. ValueError, with nothing changed, when the handoff does
+        not fit this stage."""
+        spec, rid, mine = self.kv_cache.spec, handoff.request_id, self.shard()
         if tuple(handoff.layers) != (spec.layer_start, spec.layer_end):
             raise ValueError(f"import_request: the handoff holds layers {list(handoff.layers)}, this stage "
                              f"[{spec.layer_start}, {spec.layer_end})")
-        n = handoff.num_tokens
-        want = (spec.num_layers, n, spec.num_kv_heads, spec.head_dim)
+        if handoff.shard != mine:
+            if handoff.shard is not None:
+                raise ValueError(f"import_request: request {rid}: the handoff is the share {handoff.shard}, this "
+                                 f"rank holds {mine or 'the whole KV'}; merge the shares (merge_handoffs) first")
+            handoff = split_handoff(handoff, mine)
+        held = handoff.k.size(1)
+        want = (spec.num_layers, held, spec.num_kv_heads, spec.head_dim)
         for name, t in (("k", handoff.k), ("v", handoff.v)):
             if tuple(t.shape) != want or t.dtype != spec.dtype:
                 raise ValueError(f"import_request: tensor {name!r} must be {want} {spec.dtype}, "
                                  f"got {(tuple(t.shape), t.dtype)}")
-        if self.is_last and handoff.sampling is None:
+        samples = self.is_last and self.leads
+        if samples and handoff.sampling is None:
             raise ValueError(f"import_request: request {rid} reaches the last stage without sampling parameters")
         if rid in self.manager:
             raise ValueError(f"import_request: request {rid} already has KV on this stage")
-        self.manager.add(rid, n)
+        self.manager.add(rid, handoff.num_tokens)
         try:
-            blocks = torch.tensor(self.manager.block_ids(rid), dtype=torch.int64, device=storage.device)
-            padded = torch.zeros((spec.num_layers, len(blocks) * spec.block_size, spec.num_kv_heads, spec.head_dim),
-                                 dtype=spec.dtype, device=storage.device)
-            for j, t in enumerate((handoff.k, handoff.v)):
-                padded[:, :n] = t.to(storage.device)
-                storage[:, j].index_copy_(1, blocks, padded.unflatten(1, (len(blocks), spec.block_size)))
-            if self.is_last:
+            write_kv(self.manager, self.kv_cache, rid, handoff.k, handoff.v)
+            if samples:
                 params = handoff.sampling
                 generator = make_generator(params, self.device)
                 if generator is not None and handoff.generator_state is not None:

@@ -18,8 +18,8 @@ that ends its prompt or decodes; none for a chunk more of its prompt follows)
 or :class:`StepFailed`. Every decode failure raises :class:`ProtocolError` naming what is wrong;
 the receiving stage logs it and serves on.
 
-A :class:`~stagewise.engine.executor.KVHandoff` (one request's KV on one stage) travels as a
-``KV_HANDOFF`` frame: :func:`handoff_frame` and :func:`handoff_from_frame`.
+A :class:`~stagewise.engine.handoff.KVHandoff` (one request's KV on one stage, or a rank's share
+of it) travels as a ``KV_HANDOFF`` frame: :func:`handoff_frame` and :func:`handoff_from_frame`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from stagewise.engine.executor import KVHandoff, Sampled
+from stagewise.engine.executor import Sampled
+from stagewise.engine.handoff import KVHandoff, KVShard
 from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.model.batch import StepBatch
 from stagewise.transport.frame import Frame, Row, RowFlags, StepKind
@@ -327,13 +328,16 @@ def _from_json_bytes(data: torch.Tensor, name: str):
 # ---- KV handoff ----------------------------------------------------------------------------
 
 def handoff_frame(handoff: KVHandoff, *, stage: int) -> Frame:
-    """The frame of one request's KV on ``stage``: tensors ``k`` and ``v`` (and the generator's
-    state on the last stage), the layer range and sampling parameters in ``control``; the
-    request in ``request_id`` and its cached tokens in ``token_index``."""
+    """The frame of one request's KV on ``stage`` (or one rank's share of it): tensors ``k`` and
+    ``v`` (and the generator's state on the last stage), the layer range, the share and the
+    sampling parameters in ``control``; the request in ``request_id`` and its cached tokens in
+    ``token_index``."""
     tensors = {"k": handoff.k, "v": handoff.v}
     if handoff.generator_state is not None:
         tensors["generator_state"] = handoff.generator_state
     control = {"layers": list(handoff.layers)}
+    if handoff.shard is not None:
+        control["shard"] = {**dataclasses.asdict(handoff.shard), "kv_heads": list(handoff.shard.kv_heads)}
     if handoff.sampling is not None:
         control["sampling"] = dataclasses.asdict(handoff.sampling)
     if handoff.history is not None:
@@ -350,10 +354,11 @@ def handoff_from_frame(frame: Frame) -> KVHandoff:
     layers = control.get("layers")
     if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) for x in layers)):
         raise ProtocolError(f"control['layers']: expected [start, end], got {layers!r}")
-    k, v = frame.tensors.get("k"), frame.tensors.get("v")
-    if k is None or v is None or k.dim() != 4 or k.shape != v.shape or k.size(1) != frame.token_index:
-        raise ProtocolError(f"tensors 'k'/'v': expected two [layers, {frame.token_index}, heads, dim] tensors, got "
-                            f"{None if k is None else tuple(k.shape)} and {None if v is None else tuple(v.shape)}")
+    shard = control.get("shard")
+    try:
+        shard = None if shard is None else KVShard(**{**shard, "kv_heads": tuple(shard["kv_heads"])})
+    except (TypeError, ValueError, KeyError) as err:
+        raise ProtocolError(f"control['shard']: {err}") from None
     sampling = control.get("sampling")
     try:
         params = None if sampling is None else SamplingParams(**sampling)
@@ -363,6 +368,12 @@ def handoff_from_frame(frame: Frame) -> KVHandoff:
     if history is not None and not (isinstance(history, list) and len(history) == 2
                                     and all(isinstance(h, list) for h in history)):
         raise ProtocolError(f"control['history']: expected [prompt tokens, generated tokens], got {history!r:.80}")
-    return KVHandoff(request_id=frame.request_id, layers=(layers[0], layers[1]), k=k, v=v, sampling=params,
-                     generator_state=frame.tensors.get("generator_state"),
-                     history=None if history is None else (history[0], history[1]))
+    k, v = frame.tensors.get("k"), frame.tensors.get("v")
+    if k is None or v is None:
+        raise ProtocolError(f"tensors 'k'/'v': a KV_HANDOFF frame carries both, got {sorted(frame.tensors)}")
+    try:
+        return KVHandoff(request_id=frame.request_id, layers=(layers[0], layers[1]), num_tokens=frame.token_index,
+                         k=k, v=v, shard=shard, sampling=params, generator_state=frame.tensors.get("generator_state"),
+                         history=None if history is None else (history[0], history[1]))
+    except ValueError as err:
+        raise ProtocolError(f"tensors 'k'/'v': {err}") from None
