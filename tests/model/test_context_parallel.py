@@ -7,6 +7,7 @@ with the single-process stack."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -74,6 +75,31 @@ def test_split_for_pcp_and_its_restore_order(size):
     # Balance: the longest prompt's tokens differ by at most one part between ranks.
     longest = [s.prefill_spans[3][1] for s in splits]
     assert max(longest) - min(longest) <= 2 * math.ceil(70 / (2 * size))
+
+
+def test_split_for_pcp_gives_each_rank_its_image_tokens_and_their_features():
+    """An image prompt's placeholder rows fall on both ranks: each gets those of its head-tail rows,
+    with their embeddings and DeepStack features (tagged here by their index among the image tokens)."""
+    ids = torch.tensor([5, 6, 1, 9, 9, 9, 9, 2, 7, 8, 3, 3, 3, 4])
+    visual = (ids == 9).nonzero().flatten()
+    tags = torch.arange(4.0)
+    batch = StepBatch(request_ids=(0, 1), num_prefills=1, query_lens=(13, 1), context_lens=(0, 30),
+                      positions=torch.tensor([*range(13), 30]), token_ids=ids,
+                      mrope_positions=torch.tensor([*range(13), 30]).repeat(3, 1),
+                      image_embeds=tags[:, None].repeat(1, 2), visual_rows=visual,
+                      deepstack=tags[None, :, None].repeat(3, 1, 2))
+    seen = []
+    for rank in range(2):
+        sub = split_for_pcp(batch, rank, 2).batch
+        assert (sub.token_ids[sub.visual_rows] == 9).all()
+        assert int((sub.token_ids == 9).sum()) == sub.visual_rows.numel()
+        assert torch.equal(sub.image_embeds[:, 0], sub.deepstack[2, :, 0])
+        seen += sub.image_embeds[:, 0].tolist()
+    assert sorted(seen) == tags.tolist()
+    with pytest.raises(ValueError, match="still holds pixel_values"):
+        split_for_pcp(dataclasses.replace(batch, image_embeds=None, visual_rows=None, deepstack=None,
+                                          pixel_values=torch.zeros(4, 6),
+                                          image_grid_thw=torch.tensor([[1, 2, 2]])), 0, 2)
 
 
 def _attend(q, k, v):

@@ -1,8 +1,10 @@
 """Qwen3-VL as a pipeline of stage processes against transformers: greedy tokens identical with 2
 and 3 stages (the DeepStack levels straddling a boundary, a stage past the last level, the
-balanced partition) and with stages of two tensor-parallel ranks, images in some rows of a batch; and what crosses a boundary: the named extra
-tensors of a step frame (golden bytes), none on decode frames, DeepStack levels only to the stages
-that add them; the balanced partition weighs the vision tower on stage 0."""
+balanced partition), with stages of two tensor-parallel ranks, under prefill context parallelism
+(one and two stages) and decode context parallelism, images in some rows of a batch; and what
+crosses a boundary: the named extra tensors of a step frame (golden bytes), none on decode frames,
+DeepStack levels only to the stages that add them; the balanced partition weighs the vision tower
+on stage 0."""
 
 from __future__ import annotations
 
@@ -66,14 +68,21 @@ def dense(tmp_path_factory):
     return _saved("dense", tmp_path_factory.mktemp("vl-dense"))
 
 
-@pytest.mark.parametrize(("kind", "stages", "partition", "tp"), [
-    ("moe", 2, "balanced", 1), ("moe", 3, "0-1,1-3,3-4", 1), ("dense", 2, "0-2,2-4", 1), ("moe", 2, "even", 2)])
-def test_pipeline_tokens_equal_transformers(request, kind, stages, partition, tp):
+@pytest.mark.parametrize(("kind", "stages", "partition", "tp", "pcp", "dcp"), [
+    ("moe", 2, "balanced", 1, 1, 1), ("moe", 3, "0-1,1-3,3-4", 1, 1, 1), ("dense", 2, "0-2,2-4", 1, 1, 1),
+    ("moe", 2, "even", 2, 1, 1), ("dense", 1, "even", 1, 2, 1), ("moe", 2, "0-1,1-4", 1, 2, 1),
+    ("dense", 1, "even", 4, 1, 2)])
+def test_pipeline_tokens_equal_transformers(request, kind, stages, partition, tp, pcp, dcp):
     """3 stages: stage 0 holds one of the three DeepStack layers, stage 1 the other two, stage 2 none.
     Dense: the later stage decodes in the C++ layer loop at the rope-shifted positions. tp 2: stage
-    0's leader hands its other rank the image embeddings and DeepStack features with each step."""
+    0's leader hands its other rank the image embeddings and DeepStack features with each step.
+    pcp 2: each rank prefills its head-tail share of every prompt, image tokens and DeepStack
+    features among them, on both sides of a stage boundary that splits the DeepStack layers. pcp 2
+    and dcp 2: the decode rows of a request with images carry rope positions shifted by its rope
+    delta, while its KV shards follow its sequence positions."""
     folder, expected = request.getfixturevalue(kind)
-    with stagewise.Pipeline(str(folder), stages=stages, partition=partition, tp=tp, max_model_len=128) as pipe:
+    with stagewise.Pipeline(str(folder), stages=stages, partition=partition, tp=tp, pcp=pcp, dcp=dcp,
+                            max_model_len=128) as pipe:
         got = pipe.generate(prompt_token_ids=[ids for ids, _ in PROMPTS], images=[im for _, im in PROMPTS],
                             max_new_tokens=NEW, ignore_eos=True)
         assert [c.error for c in got] == [None] * 3
@@ -204,15 +213,3 @@ def test_stages_started_apart_take_images_through_attach(dense, tmp_path):
         assert run.returncode == 0, log
     finally:
         StageProcesses([run]).stop(grace_s=0.1)
-
-
-def test_prefill_context_parallel_refuses_image_prompts_alone(dense):
-    """Under PCP a prompt with images ends with an error saying so, before it is scheduled: the text
-    prompt of the same call runs, with transformers' tokens."""
-    folder, expected = dense
-    with stagewise.Pipeline(str(folder), pcp=2, max_model_len=128) as pipe:
-        got = pipe.generate(prompt_token_ids=[ids for ids, _ in PROMPTS], images=[im for _, im in PROMPTS],
-                            max_new_tokens=NEW, ignore_eos=True)
-    assert [c.finish_reason for c in got] == ["error", "length", "error"]
-    assert all("prefill context parallelism (pcp=2)" in got[i].error for i in (0, 2))
-    assert got[1].token_ids == expected[1]

@@ -115,10 +115,6 @@ class Engine:
         seq = self.requests.add(request_id, prompt_ids, params)
         try:
             vision = prepare_images(self.config, request_id, list(prompt_ids), images)
-            pcp = self.executor.model.groups.pcp.size
-            if vision is not None and pcp > 1:  # refused here, so that no step of other requests fails
-                raise ValueError(f"a prompt with images does not run under prefill context parallelism (pcp={pcp}); "
-                                 "run it on a pipeline with pcp=1")
             seq.whole = vision is not None  # the vision tower's rows land in one step
             self.scheduler.add(seq)
         except Exception:

@@ -242,8 +242,9 @@ def split_for_pcp(batch: StepBatch, rank: int, size: int) -> PcpSplit:
     """The rows of ``batch`` that PCP rank ``rank`` of ``size`` runs (see :class:`PcpSplit`)."""
     if not isinstance(size, int) or size < 1 or not isinstance(rank, int) or not 0 <= rank < size:
         raise ValueError(f"split_for_pcp: expected 0 <= rank < size, got rank={rank!r} size={size!r}")
-    if batch.visual_rows is not None or batch.pixel_values is not None:
-        raise ValueError("split_for_pcp: steps with images do not run under prefill context parallelism")
+    if batch.pixel_values is not None:
+        raise ValueError("split_for_pcp: the step still holds pixel_values; stage 0 encodes its images "
+                         "(StageModel.encode_images) before the step is split")
     spans = batch.prefill_spans()
     p, t = batch.num_prefill_tokens, batch.num_tokens
     per_rank: list[list[int]] = []
@@ -284,6 +285,14 @@ def split_for_pcp(batch: StepBatch, rank: int, size: int) -> PcpSplit:
         mrope_positions=None if batch.mrope_positions is None else batch.mrope_positions[:, rows],
         hidden_states=take(batch.hidden_states), residual=take(batch.residual))
     as_index = (lambda xs: torch.tensor(xs, dtype=torch.int64, device=device))
+    if batch.visual_rows is not None:  # this rank's image tokens: their rows here, their features
+        visual = {row: i for i, row in enumerate(batch.visual_rows.tolist())}
+        local = [j for j, row in enumerate(mine) if row in visual]
+        take = as_index([visual[mine[j]] for j in local])
+        sub = dataclasses.replace(
+            sub, visual_rows=as_index(local),
+            image_embeds=None if batch.image_embeds is None else batch.image_embeds[take],
+            deepstack=None if batch.deepstack is None else batch.deepstack[:, take])
     cached = {row: i for i, row in enumerate(batch.cached_rows())}
     local = [j for j, row in enumerate(mine) if row in cached]
     return PcpSplit(size=size, rank=rank, batch=sub, rows=rows, pad_rows=pad_rows, restore=as_index(restore),
@@ -358,7 +367,10 @@ class KVMetadata:
             cp_rows = torch.tensor(rows, dtype=torch.int64, device=device)
             cp["cp_rows"] = cp_rows
             cp["cp_block_tables"] = block_tables[torch.tensor(requests, dtype=torch.int64, device=device)]
-            lens = manager.num_local_positions(batch.positions.to(device)[cp_rows] + 1)
+            # A row's place in its request's sequence (not ``positions``: a decode row of a request with
+            # images carries its rope position there, shifted by the request's rope delta).
+            seq = [batch.context_lens[j] + row - first[j] for row, j in zip(rows, requests)]
+            lens = manager.num_local_positions(torch.tensor(seq, dtype=torch.int64, device=device) + 1)
             cp["cp_local_lens"] = lens.to(torch.int32)
         return cls(
             slot_mapping=manager.slot_mapping(spans, device, block_tables=shared),
