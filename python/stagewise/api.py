@@ -55,8 +55,9 @@ class Pipeline:
 
         ``linear_precision``: ``"exact"`` (default) or ``"int8"``, an approximate CPU mode in which
         those blocks multiply with the activations quantised to int8 per block of 32, as llama.cpp
-        does on the CPU (:func:`stagewise.ops.quant_linear_int8`): faster decode, tokens that may
-        differ from the exact model's.
+        does on the CPU (:func:`stagewise.ops.quant_linear_int8`): faster decode and prefill, tokens
+        that may differ from the exact model's. A dense float32 checkpoint's matmul weights are
+        quantised to Q8_0 blocks for it at load.
 
         ``max_prefill_tokens``: prompt tokens a step runs at most; a longer prompt is prefilled in
         chunks over several steps (chunked prefill), other requests decoding in the same steps.

@@ -39,8 +39,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_restarts: int = 0, 
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--linear-precision", default="exact", choices=["exact", "int8"],
-                        help="GGUF block-quantised linears: exact float32 maths (default) or int8 activations "
-                             "(approximate, faster decode on the CPU; tokens may differ from the exact model's)")
+                        help="linears: exact float32 maths (default) or int8 activations over the GGUF blocks, or "
+                             "over Q8_0 blocks quantised at load for a dense float32 checkpoint (approximate, "
+                             "faster on the CPU; tokens may differ from the exact model's)")
     parser.add_argument("--max-num-seqs", type=int, default=32, metavar="N", help="requests run at once")
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="torch CPU threads of each process that computes: the model's own process, or each "

@@ -137,7 +137,7 @@ def test_int8_mode_runs_its_reference_maths(monkeypatch):
 def test_int8_mode_needs_blocks_and_a_known_name():
     with pytest.raises(ValueError, match=r"linear_precision must be one of \('exact', 'int8'\), got 'int4'"):
         stagewise.Pipeline("smollm2-135m", linear_precision="int4")
-    with pytest.raises(ValueError, match="applies to block-quantised GGUF matrices kept in their blocks"):
+    with pytest.raises(ValueError, match="by int8 activations in float32: a Q4_0.* GGUF, or a dense checkpoint"):
         stagewise.Pipeline("smollm2-135m", dtype="bfloat16", linear_precision="int8")
 
 

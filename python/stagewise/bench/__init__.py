@@ -81,8 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e_args.add_argument("--new-tokens", type=int, default=None,
                           help="e2e: generated tokens per row (default: 64; --tiny: 4)")
     e2e_args.add_argument("--linear-precision", default="exact,int8", metavar="exact,int8",
-                          help="e2e and serve: ours' linear precisions, a row each (default: exact,int8; int8 only "
-                               "for GGUF block-quantised models)")
+                          help="e2e and serve: ours' linear precisions, a row each (default: exact,int8; int8 over "
+                               "GGUF blocks, or Q8_0 blocks quantised at load from float32 weights)")
     e2e_args.add_argument("--baseline", default="transformers", metavar="transformers,llama.cpp",
                           help="e2e: what ours runs beside, a column group each (default: transformers; llama.cpp: the "
                                "same GGUF through llama-cpp-python, an optional dependency)")

@@ -8,8 +8,9 @@ the baselines alternate so that a noisy machine slows all alike; each figure is 
 timed runs, after one short untimed warm-up of each.
 
 Ours runs once per linear precision asked for (``--linear-precision``, default ``exact,int8``;
-int8 only where the model has GGUF block-quantised matrices): each gets its own result row, and
-its runs alternate with the same baseline runs, so every ratio is measured side by side.
+int8 over the GGUF blocks, or over Q8_0 blocks quantised at load for a dense float32
+checkpoint): each gets its own result row, and its runs alternate with the same baseline runs, so
+every ratio is measured side by side.
 
 TTFT is the time from submitting the batch to its first sampled token (the prefill). Decode
 tokens/s counts every token after each row's first, summed over the batch, over the time from
@@ -249,7 +250,7 @@ def run(args, log=print) -> int:
         try:
             pipes[mode] = Pipeline(ckpt, device=device, dtype="float32", max_num_seqs=max(sizes), max_model_len=max_len,
                                    max_num_tokens=max(sizes) * per_row, linear_precision=mode)
-        except (ValueError, NotImplementedError) as err:  # int8 needs GGUF blocks on the CPU
+        except (ValueError, NotImplementedError) as err:  # int8: the CPU, float32
             log(f"bench e2e: skipping linear precision {mode}: {err}")
             skipped.append(mode)
     if not pipes:

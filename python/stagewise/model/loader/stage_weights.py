@@ -19,11 +19,12 @@ import torch
 
 from stagewise import ops
 from stagewise.model import shapes
+from stagewise.model.shapes import TensorShape
 from stagewise.model.loader.checkpoint import Checkpoint
 from stagewise.model.loader.sharding import Cut, check_tp, rank_cut
 from stagewise.model.loader.sources import open_checkpoint
 from stagewise.model.loader.storage import locate, read_cut
-from stagewise.model.quant import QTYPE_NAMES, QuantizedWeight, check_precision
+from stagewise.model.quant import QTYPE_NAMES, QuantizedWeight, check_precision, quantize_q8_0
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -123,7 +124,9 @@ def load_stage_weights(checkpoint: Checkpoint | str | Path, start_layer: int, en
 
     ``linear_precision="int8"`` makes those blocks multiply with x quantised to int8 per block
     (:func:`stagewise.ops.quant_linear_int8`: approximate, CPU only); it needs them kept in
-    their blocks, else ValueError. The default ``"exact"`` uses the exact dequantised values.
+    their blocks. A dense float32 checkpoint's matmul weights are quantised to Q8_0 blocks for it
+    at load (whose ``in`` is whole blocks of 32; the others stay dense); anything else is a
+    ValueError. The default ``"exact"`` uses the exact dequantised values.
 
     ``progress(done, total, nbytes)``, when given, is called once before the first read and
     after each tensor read: ``done`` of ``total`` tensors read so far (a tied matrix counts
@@ -160,9 +163,20 @@ def load_stage_weights(checkpoint: Checkpoint | str | Path, start_layer: int, en
         out[shapes.LM_HEAD] = out[shapes.embedding_name(cfg)]
     if linear_precision != "exact":
         if not any(isinstance(w, QuantizedWeight) for w in out.values()):
-            raise ValueError(f"load_stage_weights: linear_precision={linear_precision!r} applies to block-quantised "
-                             f"GGUF matrices kept in their blocks, and layers [{start_layer}, {end_layer}) of "
-                             f"{str(ckpt.path)!r} have none at dtype={dtype!r}, quantized={quantized!r} (it needs a "
-                             f"Q4_0/Q4_1/Q8_0 GGUF run in float32)")
+            out = _dense_to_q8_0(out, table, f"layers [{start_layer}, {end_layer}) of {str(ckpt.path)!r}")
         out = {k: w.with_precision(linear_precision) if isinstance(w, QuantizedWeight) else w for k, w in out.items()}
     return out
+
+
+def _dense_to_q8_0(out: dict, table: list[TensorShape], what: str) -> dict:
+    """The int8 mode over a dense checkpoint: every float32 matmul weight (linear and LM head)
+    whose ``in`` is whole blocks of 32, quantised to Q8_0 at load (llama.cpp's 8-bit type); the
+    embedding, norms, biases, experts and the vision stem stay as they are."""
+    linear = {t.name for t in table if t.kind == "linear"} | {shapes.LM_HEAD}
+    names = [n for n in linear if isinstance(out.get(n), torch.Tensor) and out[n].dim() == 2
+             and out[n].size(1) % 32 == 0]
+    if not names or any(out[n].dtype != torch.float32 for n in names):
+        raise ValueError(f"load_stage_weights: linear_precision='int8' multiplies block-quantised matrices by "
+                         f"int8 activations in float32: a Q4_0/Q4_1/Q8_0/Q4_K/Q6_K GGUF, or a dense checkpoint's "
+                         f"float32 matrices (quantised to Q8_0 at load); {what} have neither")
+    return {**out, **{n: quantize_q8_0(out[n]) for n in names}}
