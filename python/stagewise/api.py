@@ -172,7 +172,7 @@ class Pipeline:
     def attach(cls, plan, *, addresses: Sequence[tuple[str, int]] | None = None,
                auth_token: str | None = None, store: tuple[str, int] | str | None = None,
                connect_timeout: float = 60.0, processes=None, max_restarts: int = 0,
-               rejoin_timeout: float = REJOIN_S) -> Pipeline:
+               rejoin_timeout: float = REJOIN_S, launcher: dict | None = None) -> Pipeline:
         """Drive stage processes that are already running (``stagewise stage --plan PLAN --stage I``
         on their hosts, e.g. started by ``stagewise launch`` or torchrun): connect to each stage's
         listen address from the plan (its ``host`` when it listens on 0.0.0.0), or ``addresses``,
@@ -184,7 +184,9 @@ class Pipeline:
         config, tokenizer and chat template. ``max_restarts``: how many times a broken pipeline
         waits up to ``rejoin_timeout`` seconds for its stages to come back at their addresses
         (stages started with ``--rejoin`` wait for it; the lost ones are restarted on their hosts,
-        e.g. by systemd or Kubernetes), its running requests resumed."""
+        e.g. by systemd or Kubernetes), its running requests resumed. ``launcher``: how ``processes``
+        were started (:func:`~stagewise.launch.start.start_stages`' arguments, as ``stagewise launch
+        --ssh`` gives them): the lost ones are started again that way instead of waited for."""
         from stagewise.launch.multihost import connect_address, load_plan
         from stagewise.parallel.runplan import RunPlan
 
@@ -211,8 +213,8 @@ class Pipeline:
 
             addresses = store_addresses(plan, plan.fingerprint(ckpt.hf_config), store, timeout_s=connect_timeout)
         self.plan = plan
-        self._restart = Restart(plan, self._new_driver, launcher=None, auth_token=auth_token,
-                                rejoin=max_restarts > 0, rejoin_timeout_s=rejoin_timeout)
+        self._restart = Restart(plan, self._new_driver, launcher=launcher, auth_token=auth_token,
+                                rejoin=max_restarts > 0, rejoin_timeout_s=rejoin_timeout, log=_log)
         self._backend = self._restart.start(addresses, processes, connect_timeout)
         self._recover(max_restarts)
         self.load_s = time.perf_counter() - start

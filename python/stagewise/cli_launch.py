@@ -49,6 +49,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shared secret for every connection (default: $STAGEWISE_AUTH_TOKEN)")
     parser.add_argument("--connect-timeout", type=float, default=600.0, metavar="S",
                         help="how long to wait for the stages to start (default 600)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="when a stage dies or hangs, resume the running requests on the stages started again, "
+                             "up to N times (default 0: the requests end with an error): with --ssh or --launcher "
+                             "ray the lost stages are started again on their hosts; printed commands get --rejoin and "
+                             "the lost ones are waited for (their host starts them again)")
+    parser.add_argument("--rejoin-timeout", type=float, default=None, metavar="S",
+                        help="with --max-restarts and printed commands: how long to wait for each stage to come back "
+                             "(default 120)")
     add_prompt_arguments(parser)
     parser.add_argument("--serve", action="store_true",
                         help="answer OpenAI-compatible HTTP requests (as `stagewise serve`) instead of prompts")
@@ -62,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
     problems: list[str] = []
     req = Requests() if interactive else read_requests(args, problems)
     problems += sampling_problems(sampling_args(args)) + tls_problems(args)
+    if args.max_restarts < 0:
+        problems.append(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.rejoin_timeout is not None and not args.rejoin_timeout > 0:
+        problems.append(f"--rejoin-timeout must be > 0 seconds, got {args.rejoin_timeout}")
     if args.serve:
         problems += server_problems(args)
         if not interactive:
@@ -88,10 +100,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, KeyError, OSError) as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 2
+    from stagewise.launch.start import REJOIN_ARGS, rejoins
+
     procs = None
     launcher, options = how(plan, args)  # the same launcher and options `stagewise doctor` would use
     if launcher == "local" or args.print_only:
         launcher = None  # printed commands: the stages are started by hand
+    extra = REJOIN_ARGS if rejoins(plan, args.max_restarts > 0) else ()
     if launcher is not None:
         from stagewise.launch.start import start_stages
 
@@ -107,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: starting {plan.num_stages} stages " + ("on a Ray cluster" if ray else "over ssh"),
               file=sys.stderr)
         try:
-            procs, plan, addresses = start_stages(plan, launcher, timeout_s=args.connect_timeout, **options)
+            procs, plan, addresses = start_stages(plan, launcher, timeout_s=args.connect_timeout, extra=extra,
+                                                  **options)
         except (RuntimeError, TimeoutError, OSError, ValueError) as err:
             print(f"{PROG}: {err}", file=sys.stderr)
             return 1
@@ -120,14 +136,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"# {plan.member_label(index, rank)} on {spec.host}: layers {spec.start_layer}-{spec.end_layer}, "
                   f"listens on {spec.rank_listen(rank)}, device {spec.rank_device(rank)}", file=out)
             print(printed_command(plan, index, rank=rank, auth=token is not None, program=program,
-                                  remote_plan=args.remote_plan), file=out)
+                                  remote_plan=args.remote_plan, extra=extra), file=out)
         if args.remote_plan:
             print(f"# copy {args.plan} to {args.remote_plan} on every host first", file=out)
         if args.print_only:
             return 0
         addresses = None
         print(f"{PROG}: waiting up to {args.connect_timeout:.0f} s for the stages", file=sys.stderr)
-    return _drive(plan, args, req, token=token, addresses=addresses, procs=procs, interactive=interactive)
+    again = None if launcher is None else {"launcher": launcher, "timeout_s": args.connect_timeout,
+                                           **{k: v for k, v in options.items() if k != "auth_token"}}
+    return _drive(plan, args, req, token=token, addresses=addresses, procs=procs, interactive=interactive,
+                  launcher=again)
 
 
 def _preflight(plan, launcher: str, options: dict, timeout_s: float) -> bool:
@@ -142,12 +161,13 @@ def _preflight(plan, launcher: str, options: dict, timeout_s: float) -> bool:
     return True
 
 
-def _drive(plan, args, req: Requests, *, token, addresses, procs, interactive: bool) -> int:
+def _drive(plan, args, req: Requests, *, token, addresses, procs, interactive: bool, launcher: dict | None) -> int:
     from stagewise.api import Pipeline
 
     try:
         pipe = Pipeline.attach(plan, addresses=addresses, auth_token=token, connect_timeout=args.connect_timeout,
-                               processes=procs)
+                               processes=procs, max_restarts=args.max_restarts, launcher=launcher,
+                               **({} if args.rejoin_timeout is None else {"rejoin_timeout": args.rejoin_timeout}))
     except (ValueError, FileNotFoundError, KeyError, RuntimeError, TimeoutError, OSError) as err:
         if procs is not None:
             procs.stop(grace_s=0.5)

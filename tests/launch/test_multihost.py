@@ -187,6 +187,14 @@ def test_launch_prints_one_runnable_command_per_stage(tiny, tmp_path, capsys):
     assert "/opt/venv/bin/python -m stagewise.cli stage --plan /srv/plan.json --stage 1" in out
     assert "copy " in out and "/srv/plan.json on every host" in out
 
+    # With --max-restarts the printed stages wait for a new driver when the pipeline breaks.
+    assert cli_main(["launch", str(path), "--print-only", "--max-restarts", "2"]) == 0
+    commands = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    assert len(commands) == 2 and all(shlex.split(c)[-2:] == ["--rejoin", "120.0"] for c in commands)
+    assert cli_main(["launch", str(path), "--print-only", "--max-restarts", "-1", "--rejoin-timeout", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-restarts must be >= 0, got -1" in err and "--rejoin-timeout must be > 0 seconds, got 0.0" in err
+
 
 def test_ssh_command_survives_the_remote_shell_exactly(tmp_path):
     """ssh hands the remote shell one string; run that string with sh as sshd would, with the
@@ -298,6 +306,45 @@ def test_launch_over_ssh_on_this_machine(tiny, tmp_path):
     # the preflight's two probes over ssh, then the two stages
     assert log.count("127.0.0.1 sh -c") == 4 and log.count("--probe") == 2 and TOKEN not in log
     assert "preflight: " in done.stderr
+
+
+def test_stages_started_over_ssh_are_started_again_over_ssh_when_lost(tmp_path, monkeypatch):
+    """What `stagewise launch --ssh --max-restarts 1` drives: stages started through "ssh" with
+    --rejoin; when one dies mid-generation only it is started again, through ssh on its host, the
+    other rejoins with its layers loaded, and the request ends with the undisturbed tokens."""
+    import signal
+
+    from processes import gone
+    from stagewise.launch.start import REJOIN_ARGS, start_stages
+
+    prompt = "The capital of France is"
+    with Pipeline("smollm2-135m") as pipe:
+        [ref] = pipe.generate([prompt], max_new_tokens=40, ignore_eos=True)
+    monkeypatch.setenv("FAKE_SSH_LOG", str(tmp_path / "ssh.log"))
+    monkeypatch.setenv("FAKE_SSH_NETNS", "")
+    plan = load_plan(write_plan(tmp_path / "plan.json", "smollm2-135m", [{"listen": "127.0.0.1:0"}] * 2))
+    launcher = {"launcher": "ssh", "timeout_s": 120.0,
+                "ssh": {"program": [PY, "-m", "stagewise.cli"], "ssh": [str(fake_ssh(tmp_path))]}}
+    procs, plan, addresses = start_stages(plan, auth_token=TOKEN, extra=REJOIN_ARGS, **launcher)
+    first = list(procs.pids)
+    with Pipeline.attach(plan, addresses=addresses, auth_token=TOKEN, processes=procs, max_restarts=1,
+                         launcher=launcher) as pipe:
+        streamed = []
+
+        def kill_stage_1(i, text):
+            streamed.append(text)
+            if len(streamed) == 10:
+                os.kill(pipe.driver.processes.pids[1], signal.SIGKILL)
+
+        [out] = pipe.generate([prompt], max_new_tokens=40, ignore_eos=True, on_text=kill_stage_1)
+        assert len(streamed) >= 10 and pipe.restarts == 1
+        assert out.finish_reason == "length" and out.token_ids == ref.token_ids, out.error
+        now = list(pipe.driver.processes.pids)
+        assert now[0] == first[0] and now[1] != first[1]
+    log = (tmp_path / "ssh.log").read_text().splitlines()
+    assert len(log) == 3 and all(line.startswith("127.0.0.1 sh -c") and "--rejoin" in line for line in log)
+    assert "--stage 1" in log[2] and TOKEN not in "".join(log)
+    assert gone(first + now)
 
 
 def test_launch_reads_prompts_from_stdin_and_labels_each_answer(tiny, tmp_path):

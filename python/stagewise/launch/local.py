@@ -22,9 +22,13 @@ class StageProcesses:
     """The processes of a plan's stages (local children or ssh clients), one per rank of each
     stage, in the plan's rank order (:attr:`RunPlan.members`)."""
 
-    def __init__(self, procs: Sequence[subprocess.Popen], labels: Sequence[str] | None = None) -> None:
+    def __init__(self, procs: Sequence[subprocess.Popen], labels: Sequence[str] | None = None,
+                 spawn=None) -> None:
         self.procs = list(procs)
         self.labels = list(labels) if labels is not None else [f"stage {i}" for i in range(len(self.procs))]
+        self.spawn = spawn
+        """How :meth:`respawn` starts ranks: ``spawn(plan, auth_token=, extra=, members=)`` returning
+        (processes, addresses) as :func:`spawn_stages` (the default: here) or ``ssh_spawn`` do."""
 
     def __len__(self) -> int:
         return len(self.procs)
@@ -49,11 +53,12 @@ class StageProcesses:
     def respawn(self, plan: RunPlan, which: Sequence[int], *, auth_token: str | None,
                 extra: Sequence[str] = ()) -> tuple[RunPlan, list]:
         """Processes ``which`` (indices of :attr:`RunPlan.members`; killed first if they still
-        run) started again here. Returns the plan and their listen addresses."""
+        run) started again the way they were (here, or on their hosts over ssh). Returns the plan
+        and their listen addresses."""
         which = list(which)
         StageProcesses([self.procs[i] for i in which]).stop(grace_s=0.0, term_s=0.0)
-        new, addresses = spawn_stages(plan, auth_token=auth_token, extra=extra,
-                                      members=[plan.members[i] for i in which])
+        new, addresses = (self.spawn or spawn_stages)(plan, auth_token=auth_token, extra=extra,
+                                                      members=[plan.members[i] for i in which])
         for i, proc in zip(which, new.procs, strict=True):
             self.procs[i] = proc
         return plan, addresses

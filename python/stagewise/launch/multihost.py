@@ -10,6 +10,7 @@ written to the remote shell's standard input.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import shlex
@@ -121,12 +122,15 @@ def ssh_argv(host: str, argv: Sequence[str], *, auth: bool, ssh: Sequence[str] =
 
 def ssh_spawn(plan: RunPlan, *, auth_token: str | None, program: Sequence[str], ssh: Sequence[str],
               remote_plan: str | None = None, timeout_s: float = 300.0, extra: Sequence[str] = (),
-              keep_going: bool = False) -> tuple[StageProcesses, list]:
-    """Start every stage on its host over ssh; wait for each ``STAGEWISE-LISTENING`` line (ssh
-    forwards the remote stdout) and return the ssh processes and the stages' dial addresses.
-    The stages get ``--die-with-parent``: when ssh goes, the remote session ends and so do they."""
-    members = plan.members
-    procs = StageProcesses([], [plan.member_label(i, r) for i, r in members])
+              keep_going: bool = False, members: Sequence[tuple[int, int]] | None = None
+              ) -> tuple[StageProcesses, list]:
+    """Start every stage on its host over ssh (or only ``members``, (stage, rank) pairs); wait for
+    each ``STAGEWISE-LISTENING`` line (ssh forwards the remote stdout) and return the ssh processes
+    and the stages' dial addresses. The stages get ``--die-with-parent``: when ssh goes, the remote
+    session ends and so do they. The processes start lost ranks again over ssh too."""
+    members = plan.members if members is None else list(members)
+    again = functools.partial(ssh_spawn, program=program, ssh=ssh, remote_plan=remote_plan, timeout_s=timeout_s)
+    procs = StageProcesses([], [plan.member_label(i, r) for i, r in members], spawn=again)
     try:
         for index, rank in members:
             spec = plan.stages[index]

@@ -91,6 +91,16 @@ REJOIN_ARGS = ("--rejoin", str(REJOIN_S))
 """What a stage this process starts is told so."""
 
 
+def rejoins(plan: RunPlan, asked: bool) -> bool:
+    """Whether a broken pipeline of ``plan`` keeps its surviving stages (started with
+    :data:`REJOIN_ARGS`): asked for, and every stage one rank with no hop over torch.distributed
+    (a torch.distributed world cannot take a new member)."""
+    from stagewise.parallel.groups import needs_world
+    from stagewise.pipeline.links import hop_transports
+
+    return bool(asked) and not needs_world(plan, hop_transports(plan))
+
+
 class Restart:
     """How a pipeline's stages are started, and started again when the pipeline broke: the
     :class:`~stagewise.pipeline.recovery.Recovering` driver's ``restart``.
@@ -100,20 +110,18 @@ class Restart:
     request's KV and wait for a new driver. Then only the lost stages (the driver's
     :meth:`~stagewise.pipeline.driver.PipelineDriver.lost`) are started again by the local
     or Ray launcher (a lost node's stages placed again in their bundles, which Ray has moved to the
-    nodes it still has), or, for stages this process did not start (``launcher=None``: attached
-    to, on other hosts), waited for at their addresses for ``rejoin_timeout_s`` (their host
-    restarts them). Otherwise, or when that fails, every stage is stopped and started anew.
+    nodes it still has), over ssh on their hosts (``stagewise launch --ssh``), or, for stages this
+    process did not start (``launcher=None``: attached to, on other hosts), waited for at their
+    addresses for ``rejoin_timeout_s`` (their host restarts them). Otherwise, or when that fails,
+    every stage is stopped and started anew.
 
     ``connect(plan, addresses, processes, keep_processes, connect_timeout_s)`` makes the driver."""
 
     def __init__(self, plan: RunPlan, connect, *, launcher: dict | None, auth_token: str | None = None,
                  rejoin: bool = False, rejoin_timeout_s: float = REJOIN_S, log=None) -> None:
-        from stagewise.parallel.groups import needs_world
-        from stagewise.pipeline.links import hop_transports
-
         self.plan, self.connect, self.launcher, self.auth_token, self.log = plan, connect, launcher, auth_token, log
         self.rejoin_timeout_s = rejoin_timeout_s
-        self.rejoin = rejoin and not needs_world(plan, hop_transports(plan))
+        self.rejoin = rejoins(plan, rejoin)
         """Whether a broken pipeline keeps its surviving stages (asked for, and the layout allows it)."""
 
     def start(self, addresses=None, processes=None, connect_timeout_s: float = 60.0):
@@ -163,4 +171,4 @@ class Restart:
         return self.connect(plan, addresses, procs, True, wait_s)
 
 
-__all__ = ["Restart", "process_options", "process_plan", "start_stages"]
+__all__ = ["Restart", "process_options", "process_plan", "rejoins", "start_stages"]
