@@ -3,15 +3,16 @@
 //
 // At a few rows the maths is free and the step is the time it takes to read W from memory once.
 // A row of W read front to back is one stream that the hardware prefetchers follow only to the
-// end of its 4 KB page, and a core keeps too few such streams going to fill the memory's
-// bandwidth: BLAS's GEMV, which walks a few adjacent rows at a time, reads ~19 GB/s where a
-// plain read of the same bytes reaches ~26-30 (2-vCPU AMD EPYC, Zen 4, 4 KB pages). The kernel
-// (dense_linear_isa.h) therefore reads each thread's rows as 8 streams far apart (8 parts of its
-// range, a row of each at a time) and requests each stream 2 KB ahead into L2. Measured in C++
-// on that machine, 2 threads, W from DRAM, in GB/s (one run; the machine is shared and runs vary
-// by ~10%): [6144, 2048] 4 adjacent rows 18.9, the same + prefetch 20.3, 8 streams 22.9, 8 streams
-// + prefetch 25.7, a plain read in 8 streams 25.8; 12 or 16 streams, or prefetching into L1 or
-// non-temporally, were no better or worse.
+// end of its 4 KB page (a plain read of the same bytes in 2 MB pages ran ~35% faster), and a core
+// keeps too few such streams going to fill the memory's bandwidth: BLAS's GEMV, which walks a few
+// adjacent rows at a time, reads ~19 GB/s where a plain read of the same bytes reaches ~26-30
+// (2-vCPU AMD EPYC, Zen 4, 4 KB pages). The kernel (dense_linear_isa.h) therefore reads each
+// thread's rows as 8 streams far apart (8 parts of its range, a row of each at a time) and
+// requests each stream 2 KB ahead into L2. Measured in C++ on that machine, 2 threads, W from
+// DRAM, in GB/s (one run; the machine is shared and runs vary by ~10%): [6144, 2048] 4 adjacent
+// rows 18.9, the same + prefetch 20.3, 8 streams 22.9, 8 streams + prefetch 25.7, a plain read in
+// 8 streams 25.8; 12 or 16 streams, or prefetching into L1 or non-temporally, were no better or
+// worse.
 //
 // Copies per ISA level of cpu/isa.h: baseline (4-float vectors), AVX2 (8) and AVX-512 (16; the
 // VNNI level adds nothing to float maths and runs the AVX-512 copy); the copy cpu_isa() names

@@ -104,8 +104,8 @@ STAGEWISE_D_INLINE void features(const Operands& p, const int64_t* n, const floa
 // Output features [n0, n1): kStreams parts of whole tiles, then the rows left over one at a time.
 STAGEWISE_D_TARGET void feature_range(const Operands& p, int64_t n0, int64_t n1) {
   const int64_t K = p.in_features, part = (n1 - n0) / kStreams;
-  const float* ends[kStreams];
-  for (int j = 0; j < kStreams; ++j) ends[j] = p.weight + (n0 + (j + 1) * part) * K - 1;
+  const float* ends[kStreams] = {};  // each part's last float (parts are empty when part is 0)
+  for (int j = 0; j < kStreams && part > 0; ++j) ends[j] = p.weight + (n0 + (j + 1) * part) * K - 1;
   for (int64_t t = 0; t < part; ++t) {
     int64_t n[kStreams];
     const float* w[kStreams];
