@@ -33,8 +33,8 @@ c10::TypedOperatorHandle<Fn> op(const char* name) {
 
 using OptT = std::optional<at::Tensor>;
 
-// A linear: dense weight [out, in] (qtype < 0) or GGUF blocks through quant_linear, or the int8
-// mode's packed panels through quant_linear_int8.
+// A linear: dense weight [out, in] (qtype < 0) through dense_linear, GGUF blocks through
+// quant_linear, or the int8 mode's packed panels through quant_linear_int8.
 struct Linear {
   at::Tensor weight;
   int64_t qtype = -1;
@@ -135,13 +135,18 @@ class DecoderStack : public torch::CustomClassHolder {
 
  private:
   at::Tensor linear(const at::Tensor& x, const Linear& w) const {
+    static auto dense = op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&)>(
+        "stagewise::dense_linear");
     static auto quant = op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const OptT&)>(
         "stagewise::quant_linear");
     static auto quant_int8 = op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const OptT&)>(
         "stagewise::quant_linear_int8");
-    if (w.qtype < 0) return at::linear(x, w.weight, w.bias);
     at::Tensor out = at::empty({x.size(0), w.out_features}, x.options());
-    (w.int8 ? quant_int8 : quant).call(out, x, w.weight, w.qtype, w.bias);
+    if (w.qtype < 0) {
+      dense.call(out, x, w.weight, w.bias);
+    } else {
+      (w.int8 ? quant_int8 : quant).call(out, x, w.weight, w.qtype, w.bias);
+    }
     return out;
   }
 

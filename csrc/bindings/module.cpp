@@ -14,6 +14,7 @@
 #include "bindings/frame_py.h"
 #include "bindings/ring_py.h"
 #include "cpu/isa.h"
+#include "stagewise/linear.h"
 
 namespace {
 
@@ -32,9 +33,21 @@ PyObject* cpu_isa_supported_py(PyObject*, PyObject*) {
   return PyUnicode_FromString(stagewise::cpu::isa_name(stagewise::cpu::cpu_isa_supported()));
 }
 
+// dense_linear_max_rows() -> int (a bad STAGEWISE_CPU_ISA raises ValueError).
+PyObject* dense_linear_max_rows_py(PyObject*, PyObject*) {
+  try {
+    return PyLong_FromLongLong(stagewise::cpu::dense_linear_max_rows());
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    return nullptr;
+  }
+}
+
 PyMethodDef isa_methods[] = {
     {"cpu_isa", cpu_isa_py, METH_NOARGS, "The instruction-set level the CPU kernels run."},
     {"cpu_isa_supported", cpu_isa_supported_py, METH_NOARGS, "The best instruction-set level this CPU has."},
+    {"dense_linear_max_rows", dense_linear_max_rows_py, METH_NOARGS,
+     "The most rows of x dense_linear's float32 kernel takes at this ISA level."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -65,6 +65,22 @@ void merge_attn_states(at::Tensor& out, at::Tensor& lse, const at::Tensor& out_a
   cpu::merge_attn_states(make_merge_attn_states_params(out, lse, out_a, lse_a, out_b, lse_b));
 }
 
+// The GEMV kernel for the few float32 rows of a decode step; more rows, and float16 or bfloat16,
+// through at::addmm (a BLAS GEMM, as F.linear): the one place that chooses between them.
+void dense_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias) {
+  const DenseLinearParams p = make_dense_linear_params(out, x, weight, bias);
+  if (p.dtype == DType::kFloat32 && p.rows <= cpu::dense_linear_max_rows()) return cpu::dense_linear(p);
+  if (p.rows == 0 || p.out_features == 0) return;
+  const at::Tensor x2 = x.as_strided({p.rows, p.in_features}, {p.x_row_stride, 1});
+  at::Tensor y = out.as_strided({p.rows, p.out_features}, {p.out_row_stride, 1});
+  if (bias.has_value()) {
+    at::addmm_out(y, *bias, x2, weight.t());
+  } else {
+    at::mm_out(y, x2, weight.t());
+  }
+}
+
 // From cpu::quant_linear_dense_min_rows() rows of x (a prompt, not a decode step) quant_linear
 // dequantises W a tile of output features at a time and multiplies with at::mm (a packed BLAS GEMM):
 // the same float32 weights, float32 sums in BLAS order. Below it the block kernels, which read each
@@ -206,6 +222,7 @@ TORCH_LIBRARY_IMPL(stagewise, CPU, m) {
   m.impl("slot_mapping", &slot_mapping);
   m.impl("decode_attention", &decode_attention);
   m.impl("merge_attn_states", &merge_attn_states);
+  m.impl("dense_linear", &dense_linear);
   m.impl("quant_linear", &quant_linear);
   m.impl("quant_linear_int8", &quant_linear_int8);
   m.impl("quant_pack_int8", &quant_pack_int8);

@@ -490,6 +490,43 @@ MergeAttnStatesParams make_merge_attn_states_params(at::Tensor& out, at::Tensor&
 
 namespace stagewise::glue {
 
+DenseLinearParams make_dense_linear_params(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                                           const std::optional<at::Tensor>& bias) {
+  const char* op = "dense_linear";
+  DenseLinearParams p{};
+  p.dtype = float_dtype(op, "x", x);
+  const Rows xr = rows_of(op, "x", x);
+  check_float_like(op, "weight", weight, "x", x);
+  check_dim(op, "weight", weight, 2, "[out_features, in_features]");
+  check_size(op, "weight", weight, 1, x.size(-1), "in_features, x's last dim");
+  TORCH_CHECK_VALUE(weight.size(1) > 0, "stagewise.", op, ": argument 'weight' must have in_features >= 1, got shape ",
+                    shape_of(weight));
+  check_contiguous(op, "weight", weight);
+  const int64_t n = weight.size(0);
+  check_float_like(op, "out", out, "x", x);
+  std::vector<int64_t> want(x.sizes().begin(), x.sizes().end());
+  want.back() = n;
+  TORCH_CHECK_VALUE(out.sizes() == at::IntArrayRef(want), "stagewise.", op, ": argument 'out' must have shape ",
+                    at::IntArrayRef(want), " (x's leading dims, out_features), got ", shape_of(out));
+  const Rows outr = rows_of(op, "out", out);
+  if (bias.has_value()) {
+    check_float_like(op, "bias", *bias, "x", x);
+    check_dim(op, "bias", *bias, 1, "[out_features]");
+    check_size(op, "bias", *bias, 0, n, "out_features");
+    check_contiguous(op, "bias", *bias);
+    p.bias = bias->data_ptr();
+  }
+  p.out = out.data_ptr();
+  p.out_row_stride = outr.stride;
+  p.x = x.data_ptr();
+  p.x_row_stride = xr.stride;
+  p.weight = weight.data_ptr();
+  p.rows = xr.rows;
+  p.in_features = weight.size(1);
+  p.out_features = n;
+  return p;
+}
+
 QuantLinearParams make_quant_linear_params(at::Tensor& out, const at::Tensor& x,
                                            const at::Tensor& qweight, int64_t qtype,
                                            const std::optional<at::Tensor>& bias, bool packed) {

@@ -9,6 +9,7 @@
 
 #include "stagewise/attention.h"
 #include "stagewise/cache.h"
+#include "stagewise/linear.h"
 #include "stagewise/norm.h"
 #include "stagewise/quant.h"
 #include "stagewise/rope.h"
@@ -45,6 +46,10 @@ MergeAttnStatesParams make_merge_attn_states_params(at::Tensor& out, at::Tensor&
                                                     const at::Tensor& lse_a,
                                                     const at::Tensor& out_b,
                                                     const at::Tensor& lse_b);
+// bias: [out_features] in x's dtype, or none. Any number of rows; the caller picks the kernel
+// (cpu::dense_linear) or a BLAS GEMM.
+DenseLinearParams make_dense_linear_params(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                                           const std::optional<at::Tensor>& bias);
 // qtype: a GGML type id (QType); bias: [out_features] in x's dtype, or none; packed: qweight is
 // quant_pack_int8's panels (quant_linear_int8) rather than the GGUF rows (quant_linear).
 QuantLinearParams make_quant_linear_params(at::Tensor& out, const at::Tensor& x,

@@ -39,13 +39,13 @@ def test_runner_writes_json_and_markdown(tmp_path):
     for key in ("device", "device_name", "torch", "torch_threads", "date_utc", "git_commit"):
         assert key in machine
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", machine["date_utc"])
-    assert data["copy_bandwidth"]["gbps"] > 0
+    assert data["copy_bandwidth"]["gbps"] > 0 and data["read_bandwidth"]["gbps"] > 0
     assert {r["op"] for r in data["rows"]} == set(kernels.OPS)
     for r in data["rows"]:
         assert r["ref_ms"] is not None and r["ref_ms"] > 0, f"{r['op']} {r['case']}: no baseline"
         assert r["nbytes"] > 0
-        if r["error"] is None:  # the op ran: it was validated, timed and put against the copy bandwidth
-            assert r["ours_ms"] > 0 and r["max_err"] is not None and r["pct_copy"] > 0
+        if r["error"] is None:  # the op ran: it was validated, timed and put against the copy and read bandwidths
+            assert r["ours_ms"] > 0 and r["max_err"] is not None and r["pct_copy"] > 0 and r["pct_read"] > 0
             assert math.isclose(r["gbps"], r["nbytes"] / r["ours_ms"] / 1e6)
         else:
             assert r["ours_ms"] is None

@@ -258,7 +258,7 @@ def test_sharded_layers_sum_to_the_whole_layer(saved, name, tp_size):
 def test_row_parallel_bias_is_added_once_after_the_reduction():
     w, b, x = torch.randn(6, 8), torch.randn(6), torch.randn(3, 8)
     whole = RowParallelLinear(w, b)
-    assert torch.equal(whole(x), torch.nn.functional.linear(x, w, b))  # one rank: exactly F.linear
+    assert torch.equal(whole(x), Linear(w, b)(x))  # one rank: exactly the plain linear
     partial = [x[:, :4] @ w[:, :4].T, x[:, 4:] @ w[:, 4:].T]
     ranks = [RowParallelLinear(w[:, r * 4:(r + 1) * 4], b, all_reduce=lambda y, r=r: partial[1 - r] + y)
              for r in range(2)]

@@ -110,6 +110,10 @@ def _merge_attn_states(dev):
     )
 
 
+def _dense_linear(dev):
+    return dict(out=_f(T, 6, device=dev), x=_f(T, 20, device=dev), weight=_f(6, 20, device=dev), bias=_f(6, device=dev))
+
+
 def _quant_linear(dev):
     # Q4_1 blocks of zeros (d = m = 0) are valid blocks; 64 inputs = 2 blocks of 20 bytes a row.
     return dict(out=_f(T, 6, device=dev), x=_f(T, 64, device=dev),
@@ -134,6 +138,7 @@ VALID = {
     "slot_mapping": _slot_mapping,
     "decode_attention": _decode_attention,
     "merge_attn_states": _merge_attn_states,
+    "dense_linear": _dense_linear,
     "quant_linear": _quant_linear,
     "quant_linear_int8": _quant_linear_int8,
     "quant_pack_int8": _quant_pack_int8,
@@ -149,6 +154,7 @@ DEVICE_REF = {
     "slot_mapping": "block_tables",
     "decode_attention": "q",
     "merge_attn_states": "out_a",
+    "dense_linear": "x",
     "quant_linear": "x",
     "quant_linear_int8": "x",
     "quant_pack_int8": "qweight",
@@ -505,6 +511,29 @@ CASES = [
           "argument 'out' must have a contiguous last dim (stride 1), got strides [64, 16, 2]", ("last_dim", "out")),
     _case("merge_attn_states", ValueError, "argument 'lse' must be contiguous, got shape [3, 4] with strides [7, 1]",
           ("rows", "lse")),
+    # dense_linear(out, x, weight, bias)
+    _case("dense_linear", TypeError, "argument 'x' must be float32, float16 or bfloat16, got int32",
+          ("dtype", "x", torch.int32)),
+    _case("dense_linear", TypeError, "argument 'weight' must have the dtype of 'x' (float32), got float16",
+          ("dtype", "weight", torch.float16)),
+    _case("dense_linear", TypeError, "argument 'out' must have the dtype of 'x' (float32), got bfloat16",
+          ("dtype", "out", torch.bfloat16)),
+    _case("dense_linear", TypeError, "argument 'bias' must have the dtype of 'x' (float32), got float64",
+          ("dtype", "bias", torch.float64)),
+    _case("dense_linear", ValueError, "argument 'weight' must have 2 dims [out_features, in_features], got 1 dims "
+          "with shape [120]", ("shape", "weight", (120,))),
+    _case("dense_linear", ValueError, "argument 'weight' dim 1 (in_features, x's last dim) must be 20, got 19 (shape "
+          "[6, 19])", ("shape", "weight", (6, 19))),
+    _case("dense_linear", ValueError, "argument 'weight' must have in_features >= 1, got shape [6, 0]",
+          ("shape", "x", (T, 0)), ("shape", "weight", (6, 0))),
+    _case("dense_linear", ValueError, "argument 'out' must have shape [3, 6] (x's leading dims, out_features), got "
+          "[3, 7]", ("shape", "out", (T, 7))),
+    _case("dense_linear", ValueError, "argument 'bias' dim 0 (out_features) must be 6, got 5", ("shape", "bias", (5,))),
+    _case("dense_linear", ValueError, "argument 'x' must have a contiguous last dim (stride 1)", ("last_dim", "x")),
+    _case("dense_linear", ValueError, "argument 'out' must have a contiguous last dim (stride 1)", ("last_dim", "out")),
+    _case("dense_linear", ValueError, "argument 'weight' must be contiguous, got shape [6, 20] with strides [23, 1]",
+          ("rows", "weight")),
+    _case("dense_linear", ValueError, "argument 'bias' must be contiguous", ("last_dim", "bias")),
     # quant_linear(out, x, qweight, qtype, bias)
     _case("quant_linear", TypeError, "argument 'x' must be float32, float16 or bfloat16, got int32",
           ("dtype", "x", torch.int32)),

@@ -1,8 +1,8 @@
 """The one instruction-set dispatch of the CPU kernels (csrc/cpu/isa.h): STAGEWISE_CPU_ISA caps the
 level, read once per process, so every copy of every kernel runs here, each in a process of its own,
-against the same tests as the default level: the quantised linears (exact and int8, every block type),
-attention, merge, the norms and rope. A level this CPU lacks is skipped, saying so; the level the
-CPU picks by itself is the rest of the suite."""
+against the same tests as the default level: the dense linear, the quantised linears (exact and int8,
+every block type), attention, merge, the norms and rope. A level this CPU lacks is skipped, saying so;
+the level the CPU picks by itself is the rest of the suite."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import stagewise.ops as ops
 
 LEVELS = ["baseline", "avx2", "avx512", "avx512vnni"]
 TESTS = Path(__file__).resolve().parents[1]
-KERNEL_TESTS = ["test_quant_linear.py", "test_quant_linear_int8.py", "test_attention.py", "test_merge.py",
-                "test_norm.py", "test_rope.py"]
+KERNEL_TESTS = ["test_dense_linear.py", "test_quant_linear.py", "test_quant_linear_int8.py", "test_attention.py",
+                "test_merge.py", "test_norm.py", "test_rope.py"]
 
 
 def _run(level: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:

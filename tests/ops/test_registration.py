@@ -99,6 +99,11 @@ def _merge_attn_states(dev):
     return (torch.empty_like(out_a), torch.empty_like(lse_a), out_a, lse_a, out_b, lse_b)
 
 
+def _dense_linear(dev):
+    x = strided(torch.randn(T, 20, device=dev))  # rows with a stride
+    return (torch.empty(T, 6, device=dev), x, torch.randn(6, 20, device=dev), torch.randn(6, device=dev))
+
+
 def _quant_linear(dev):
     # Random bytes are valid blocks except where an fp16 scale is inf/NaN: clear the exponent's top bit.
     qweight = torch.randint(0, 256, (6, 2 * 20), dtype=torch.uint8)
@@ -127,6 +132,7 @@ OPCHECK_CASES = [
     pytest.param("decode_attention", lambda dev: _decode_attention(dev, False), id="decode_attention"),
     pytest.param("decode_attention", lambda dev: _decode_attention(dev, True), id="decode_attention-k_new"),
     pytest.param("merge_attn_states", _merge_attn_states, id="merge_attn_states"),
+    pytest.param("dense_linear", _dense_linear, id="dense_linear"),
     pytest.param("quant_linear", _quant_linear, id="quant_linear"),
     pytest.param("quant_linear_int8", _quant_linear_int8, id="quant_linear_int8"),
     pytest.param("quant_pack_int8", _quant_pack_int8, id="quant_pack_int8"),
@@ -137,6 +143,8 @@ OPCHECK_CASES = [
 def test_opcheck(op, make_args, device):
     if op in ("quant_linear_int8", "quant_pack_int8") and device != "cpu":
         pytest.skip("the int8 mode is a CPU kernel only")
+    if op == "dense_linear" and device != "cpu":
+        pytest.skip("dense_linear is a CPU op (F.linear serves the GPU)")
     torch.library.opcheck(getattr(torch.ops.stagewise, op), make_args(device))
 
 
@@ -197,6 +205,9 @@ def test_fake_shapes_and_dtypes():
 
         out, lse = ops.merge_attn_states(q, torch.empty(T, HQ), torch.empty_like(q), torch.empty(T, HQ))
         assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((T, HQ, D), dt, (T, HQ), torch.float32)
+
+        y = ops.dense_linear(torch.empty(2, T, HIDDEN), torch.empty(7, HIDDEN))
+        assert (y.shape, y.dtype) == ((2, T, 7), torch.float32)
 
         packed = ops.quant_pack_int8(torch.empty(37, 3 * 144, dtype=torch.uint8), ops.QTYPES["Q4_K"])
         assert (packed.shape, packed.dtype) == ((3, 3 * 2368), torch.uint8)

@@ -12,8 +12,9 @@ numbers mean nothing.
 For every case: validate OURS against the reference once (max abs error), then
 time OURS, the pure-torch baseline, torch.compile of that baseline and
 FlashInfer when available (median after warm-up), and express OURS as GB/s and
-as a percentage of the copy bandwidth measured in the same run. An op that
-raises becomes an error row and the run goes on.
+as a percentage of the copy and of the read bandwidth measured in the same run
+(the read one is the ceiling of ops that mostly read, such as a decode step's
+linears). An op that raises becomes an error row and the run goes on.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 from stagewise.bench import kernels, report
-from stagewise.bench.timing import TimingPolicy, copy_bandwidth, time_fn
+from stagewise.bench.timing import TimingPolicy, copy_bandwidth, read_bandwidth, time_fn
 from stagewise.transport.select import TRANSPORTS
 
 SUITES = ("kernels", "e2e", "transport", "profile", "serve")
@@ -174,8 +175,20 @@ def _raise_recompile_limit() -> None:
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
 
 
+def _rotated(case: kernels.Case, fn):
+    """``fn``, after the case's ``rotate`` where it has one."""
+    if case.rotate is None:
+        return fn
+
+    def call():
+        case.rotate()
+        return fn()
+
+    return call
+
+
 def measure(
-    case: kernels.Case, device: str, policy: TimingPolicy, compiled: dict | None, copy_gbps: float
+    case: kernels.Case, device: str, policy: TimingPolicy, compiled: dict | None, copy_gbps: float, read_gbps: float
 ) -> report.Row:
     """One table row. ``compiled`` maps op -> compiled baseline (None: no compile baseline)."""
     row = report.Row(op=case.op, case=case.name, dtype=str(case.dtype).removeprefix("torch."), nbytes=case.nbytes)
@@ -185,14 +198,15 @@ def measure(
         if not math.isfinite(err):
             raise ValueError(f"output differs from the reference by {err}")
         row.max_err = err
-        t = time_fn(case.ours, device, policy)
+        t = time_fn(_rotated(case, case.ours), device, policy)
         row.ours_ms, notes["repeats"], notes["ours_min_ms"] = t.median_ms, t.repeats, t.min_ms
         row.gbps = case.nbytes / t.median_ms / 1e6
         row.pct_copy = 100 * row.gbps / copy_gbps
+        row.pct_read = 100 * row.gbps / read_gbps
     except Exception as e:
         row.error = _describe(e)
     try:
-        row.ref_ms = time_fn(lambda: case.baseline(*case.baseline_args), device, policy).median_ms
+        row.ref_ms = time_fn(_rotated(case, lambda: case.baseline(*case.baseline_args)), device, policy).median_ms
     except Exception as e:
         notes["ref"] = f"n/a: {_describe(e)}"
     if compiled is None:
@@ -206,7 +220,7 @@ def measure(
             fn(*case.baseline_args)
             _sync(device)
             notes["compile_s"] = round(time.perf_counter() - t0, 2)
-            row.compile_ms = time_fn(lambda: fn(*case.baseline_args), device, policy).median_ms
+            row.compile_ms = time_fn(_rotated(case, lambda: fn(*case.baseline_args)), device, policy).median_ms
         except Exception as e:
             notes["compile"] = f"n/a: {_describe(e)}"
     if case.flashinfer is None:
@@ -291,7 +305,9 @@ def run(args: argparse.Namespace) -> int:
     # Far beyond the last-level cache: 1 GiB on a GPU, 256 MiB on a CPU (16 MiB for --tiny).
     copy_bytes = 2**30 if device == "cuda" else 2**24 if args.tiny else 2**28
     copy_bw = copy_bandwidth(device, copy_bytes, policy)
-    print(f"{info['device_name']}: copy bandwidth {copy_bw['gbps']:.1f} GB/s", file=sys.stderr)
+    read_bw = read_bandwidth(device, copy_bytes, policy)
+    print(f"{info['device_name']}: copy bandwidth {copy_bw['gbps']:.1f} GB/s, read bandwidth {read_bw['gbps']:.1f} GB/s",
+          file=sys.stderr)
 
     rows = []
     specs = kernels.case_specs(device, ops_wanted, preset)
@@ -304,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
         except Exception as e:  # e.g. out of memory: report it, go on
             rows.append(report.Row(op=op, case=str(size), dtype=dtype_name, nbytes=0, error=f"setup: {_describe(e)}"))
             continue
-        rows.append(measure(case, device, policy, compiled, copy_bw["gbps"]))
+        rows.append(measure(case, device, policy, compiled, copy_bw["gbps"], read_bw["gbps"]))
         del case
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -313,8 +329,8 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{info['device']}-kernels"
     info.update(preset=preset, timing=policy_dict(policy))
-    report.write_json(stem.with_suffix(".json"), info, copy_bw, rows)
-    report.write_markdown(stem.with_suffix(".md"), info, copy_bw, rows)
+    report.write_json(stem.with_suffix(".json"), info, copy_bw, rows, read_bw)
+    report.write_markdown(stem.with_suffix(".md"), info, copy_bw, rows, read_bw)
     print(f"wrote {stem}.json and {stem}.md", file=sys.stderr)
     return 0
 

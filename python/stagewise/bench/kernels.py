@@ -3,8 +3,13 @@
 Each case holds its own buffers and runs OURS (``stagewise.ops``) on them; the
 pure-torch baseline is ``stagewise.ops.reference`` except for decode_attention,
 whose reference is a per-sequence Python loop: there the baseline is the
-vectorised :func:`torch_decode_attention` below. ``nbytes`` is the least the op
-must read plus write, counted from the shapes (never measured).
+vectorised :func:`torch_decode_attention` below, and for the linears, whose
+baseline is ``F.linear``. ``nbytes`` is the least the op must read plus write,
+counted from the shapes (never measured).
+
+dense_linear's weights are several copies that together exceed the caches, a
+different one for each call (``Case.rotate``): as in a decode step, every call
+reads its weights from memory.
 
 In-place ops (fused_add_rms_norm, rope, qk_norm_rope, reshape_and_cache) are
 timed on the same buffers call after call: the values drift but stay finite
@@ -14,6 +19,7 @@ is needed between calls. Validation runs first, on clones.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +33,7 @@ from stagewise.bench import _flashinfer as fi
 EPS = 1e-6
 BLOCK = 16
 OPS = ("rms_norm", "fused_add_rms_norm", "rope", "qk_norm_rope", "reshape_and_cache", "slot_mapping",
-       "decode_attention", "merge_attn_states", "quant_linear", "quant_linear_int8")  # fmt: skip
+       "decode_attention", "merge_attn_states", "dense_linear", "quant_linear", "quant_linear_int8")  # fmt: skip
 
 # Sizes per preset and device. Attention shapes are Llama-3-8B / Qwen3-8B like
 # (32 query heads, 8 KV heads, head_dim 128) unless a size says otherwise.
@@ -48,6 +54,12 @@ SIZES = {
                          "tiny": [dict(B=2, ctx=40, Hq=4, Hk=2, D=32)]},
     "merge_attn_states": {"cpu": [dict(N=64)], "cuda": [dict(N=64), dict(N=16384)],
                           "tiny": [dict(N=3, H=4, D=32)]},
+    # A decode step of a dense float32 model of hidden 2048 (a random Qwen3-VL's: MLP 6144, a 32000-row LM
+    # head), one row; a batch of 4 and of 16 on the gate/up. pool_mb: the copies of W together (tiny: two).
+    "dense_linear": {"cpu": [dict(T=1, N=6144, K=2048), dict(T=1, N=2048, K=6144), dict(T=1, N=4096, K=2048),
+                             dict(T=1, N=2048, K=2048), dict(T=1, N=32000, K=2048), dict(T=4, N=6144, K=2048),
+                             dict(T=16, N=6144, K=2048)],
+                     "cuda": [], "tiny": [dict(T=3, N=40, K=64, pool_mb=0)]},
     # SmolLM2-135M's fused gate/up (Q4_1) and tied LM head (Q8_0) at decode batch 1 and 16; a Llama-8B
     # sized gate/up in the K-quants (the common GGUF types of larger models).
     "quant_linear": {"cpu": [dict(T=1, N=3072, K=576, q="Q4_1"), dict(T=16, N=3072, K=576, q="Q4_1"),
@@ -82,6 +94,9 @@ class Case:
     flashinfer: Callable[[], object] | None = None
     flashinfer_note: str = "not compared"
     """Why there is no FlashInfer timing, when there is none."""
+    rotate: Callable[[], None] | None = None
+    """Run before every timed call of ours and of the baselines (timed with it, a fraction of a microsecond):
+    points the case's weights at the next of several copies."""
 
 
 def case_specs(device: str, ops_wanted: list[str], preset: str) -> list[tuple[str, torch.dtype, dict]]:
@@ -92,8 +107,8 @@ def case_specs(device: str, ops_wanted: list[str], preset: str) -> list[tuple[st
         if preset == "quick":
             sizes = sizes[:1] + sizes[1:][-1:]  # the decode size and the largest one
         dtypes = NORM_DTYPES if op in ("rms_norm", "fused_add_rms_norm") and preset != "quick" else (torch.bfloat16,)
-        if op in ("quant_linear", "quant_linear_int8"):
-            dtypes = (torch.float32,)  # the dtype a quantised GGUF runs in
+        if op in ("dense_linear", "quant_linear", "quant_linear_int8"):
+            dtypes = (torch.float32,)  # the dtype of the dense kernel, and the one a quantised GGUF runs in
         specs += [(op, dt, size) for size in sizes for dt in dtypes]
     return specs
 
@@ -264,9 +279,28 @@ def _merge(dtype, dev, N, H=32, D=128) -> Case:
                 baseline_args=args, validate=_same(ops.merge_attn_states, ref.merge_attn_states, args))  # fmt: skip
 
 
-def dense_linear(x, w):
-    """The baseline of quant_linear: F.linear over the weights dequantised beforehand (float32)."""
+def f_linear(x, w):
+    """The baseline of the linears: F.linear (for quant_linear over the weights dequantised beforehand)."""
     return torch.nn.functional.linear(x, w)
+
+
+def _dense_linear(dtype, dev, T, N, K, pool_mb=256) -> Case:
+    # Copies of W, at least two, that together exceed the last-level cache many times over.
+    copies = [_randn(N, K, dtype=dtype, dev=dev) for _ in range(max(2, (pool_mb << 20) // (N * K * 4)))]
+    w = torch.empty(0, dtype=dtype, device=dev).set_(copies[0])  # the copies in turn, by set_
+    turn = itertools.count(1)
+    x, out = _randn(T, K, dtype=dtype, dev=dev), torch.empty(T, N, dtype=dtype, device=dev)
+
+    def rotate() -> None:
+        w.set_(copies[next(turn) % len(copies)])
+
+    # Read W and x, write out.
+    nbytes = (N * K + T * K + T * N) * x.element_size()
+    return Case(op="dense_linear", name=f"W[{N},{K}] x[{T}]", dtype=dtype, nbytes=nbytes,
+                ours=lambda: ops.dense_linear(x, w, out=out), baseline=f_linear, baseline_args=(x, w),
+                validate=lambda: max_abs_err(ops.dense_linear(x, w), ref.dense_linear(x.double(), w.double())),
+                rotate=rotate,
+                flashinfer_note="FlashInfer has no CPU kernels")  # fmt: skip
 
 
 def _quant_linear(dtype, dev, T, N, K, q, int8: bool = False) -> Case:
@@ -307,7 +341,7 @@ def _quant_linear(dtype, dev, T, N, K, q, int8: bool = False) -> Case:
     else:
         op, ref_fn, name = (lambda xs, **kw: ops.quant_linear(xs, qweight, qtype, **kw)), ref.quant_linear, "quant_linear"
     return Case(op=name, name=f"{q} W[{N},{K}] x[{T}]", dtype=dtype, nbytes=nbytes,
-                ours=lambda: op(x, out=out), baseline=dense_linear,
+                ours=lambda: op(x, out=out), baseline=f_linear,
                 baseline_args=(x, dense),
                 validate=lambda: max_abs_err(op(x), ref_fn(x, qweight, qtype)),
                 flashinfer_note="FlashInfer has no GGUF block GEMM")  # fmt: skip
@@ -322,6 +356,7 @@ _BUILDERS = {
     "slot_mapping": _slot_mapping,
     "decode_attention": _decode_attention,
     "merge_attn_states": _merge,
+    "dense_linear": _dense_linear,
     "quant_linear": _quant_linear,
     "quant_linear_int8": lambda **kw: _quant_linear(int8=True, **kw),
 }

@@ -32,6 +32,8 @@ class Row:
     gbps: float | None = None
     pct_copy: float | None = None
     """Ours' GB/s as a percentage of the measured copy bandwidth."""
+    pct_read: float | None = None
+    """Ours' GB/s as a percentage of the measured read bandwidth (the ceiling of ops that mostly read)."""
     error: str | None = None
     """Why ours has no timing (it raised)."""
     notes: dict | None = None
@@ -163,7 +165,7 @@ def machine_info(device: str) -> dict:
 
 
 COLUMNS = ["op", "case", "dtype", "ours ms", "ref ms", "ref/ours", "compile ms", "compile/ours",
-           "flashinfer ms", "bytes", "GB/s", "% copy BW", "max err"]  # fmt: skip
+           "flashinfer ms", "bytes", "GB/s", "% copy BW", "% read BW", "max err"]  # fmt: skip
 
 
 def _ms(v):
@@ -195,6 +197,7 @@ def cells(row: Row) -> list[str]:
         _bytes(row.nbytes),
         "-" if row.gbps is None else f"{row.gbps:.1f}",
         "-" if row.pct_copy is None else f"{row.pct_copy:.0f}%",
+        "-" if row.pct_read is None else f"{row.pct_read:.0f}%",
         "-" if row.max_err is None else f"{row.max_err:.1e}",
     ]  # fmt: skip
 
@@ -208,7 +211,7 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines + (["", "Errors:"] + errors if errors else []))
 
 
-def _header(info: dict, copy_bw: dict) -> list[str]:
+def _header(info: dict, copy_bw: dict, read_bw: dict | None) -> list[str]:
     return [
         f"Machine: {info['device_name']} ({info['device']}), {info['cpu_count']} CPUs, "
         f"{info['torch_threads']} torch threads; torch {info['torch']}"
@@ -218,17 +221,20 @@ def _header(info: dict, copy_bw: dict) -> list[str]:
         f"Date (UTC): {info['date_utc']}; commit: {info['git_commit'] or 'unknown'}",
         f"Copy bandwidth (read + write): {copy_bw['gbps']:.1f} GB/s "
         f"({_bytes(copy_bw['bytes'])} in {copy_bw['median_ms']:.3g} ms)",
+        *([f"Read bandwidth (a sum): {read_bw['gbps']:.1f} GB/s ({_bytes(read_bw['bytes'])} in "
+           f"{read_bw['median_ms']:.3g} ms)"] if read_bw else []),
     ]
 
 
-def write_markdown(path: Path, info: dict, copy_bw: dict, rows: list[Row]) -> None:
-    lines = ["# stagewise kernels", ""] + [f"{h}  " for h in _header(info, copy_bw)] + [""]
+def write_markdown(path: Path, info: dict, copy_bw: dict, rows: list[Row], read_bw: dict | None = None) -> None:
+    lines = ["# stagewise kernels", ""] + [f"{h}  " for h in _header(info, copy_bw, read_bw)] + [""]
     lines += [
         "Median times; ours = stagewise.ops, ref = pure-torch baseline (stagewise.ops.reference; "
         "a vectorised gather for decode_attention), compile = torch.compile of ref. "
         "Ratios > 1 mean ours is faster. Bytes = least bytes the op must read + write; "
         "% copy BW = ours' GB/s over the measured copy bandwidth (a DRAM-sized copy: cases that fit "
-        "in cache can exceed 100%).",
+        "in cache can exceed 100%); % read BW the same over the measured read bandwidth (a DRAM-sized sum), "
+        "the ceiling of ops that mostly read, such as the linears of a decode step.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "|".join("---" for _ in COLUMNS) + "|",
@@ -242,7 +248,7 @@ def write_markdown(path: Path, info: dict, copy_bw: dict, rows: list[Row]) -> No
     path.write_text("\n".join(lines) + "\n")
 
 
-def write_json(path: Path, info: dict, copy_bw: dict, rows: list[Row]) -> None:
+def write_json(path: Path, info: dict, copy_bw: dict, rows: list[Row], read_bw: dict | None = None) -> None:
     out = []
     for r in rows:
         d = asdict(r)
@@ -250,4 +256,5 @@ def write_json(path: Path, info: dict, copy_bw: dict, rows: list[Row]) -> None:
         d["compile_speedup"] = ratio(r.compile_ms, r.ours_ms)
         d["flashinfer_speedup"] = ratio(r.flashinfer_ms, r.ours_ms)
         out.append(d)
-    path.write_text(json.dumps({"machine": info, "copy_bandwidth": copy_bw, "rows": out}, indent=2) + "\n")
+    path.write_text(json.dumps({"machine": info, "copy_bandwidth": copy_bw, "read_bandwidth": read_bw, "rows": out},
+                               indent=2) + "\n")

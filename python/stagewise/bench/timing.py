@@ -1,4 +1,4 @@
-"""Timers: warm-up, then the median of N timed calls; and the copy-bandwidth ceiling.
+"""Timers: warm-up, then the median of N timed calls; and the copy- and read-bandwidth ceilings.
 
 CPU calls are timed with ``time.perf_counter`` around each call (the ops are
 synchronous there). CUDA calls are timed with a pair of CUDA events around each
@@ -128,4 +128,14 @@ def copy_bandwidth(device: str | torch.device, nbytes: int, policy: TimingPolicy
     dst = torch.empty_like(src)
     t = time_fn(lambda: dst.copy_(src), device, policy)
     moved = 2 * n * 4
+    return {"bytes": moved, "median_ms": t.median_ms, "repeats": t.repeats, "gbps": moved / t.median_ms / 1e6}
+
+
+def read_bandwidth(device: str | torch.device, nbytes: int, policy: TimingPolicy) -> dict:
+    """The device's measured streaming-read ceiling: ``src.sum()`` over ``nbytes`` of float32, the
+    least an op that reads its operand once must do (a decode step's linears: their weights).
+    Bandwidth counts the bytes read over the median time."""
+    src = torch.randn(nbytes // 4, dtype=torch.float32, device=device)
+    t = time_fn(lambda: src.sum(), device, policy)
+    moved = src.numel() * 4
     return {"bytes": moved, "median_ms": t.median_ms, "repeats": t.repeats, "gbps": moved / t.median_ms / 1e6}

@@ -30,6 +30,7 @@ __all__ = [
     "slot_mapping",
     "decode_attention",
     "merge_attn_states",
+    "dense_linear",
     "quant_linear",
     "quant_linear_int8",
     "quant_pack_int8",
@@ -180,6 +181,31 @@ def merge_attn_states(
         lse = torch.empty(lse_a.shape, dtype=torch.float32, device=lse_a.device)
     _ops.merge_attn_states(out, lse, out_a, lse_a, out_b, lse_b)
     return out, lse
+
+
+def dense_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x [..., in] @ weight.T + bias`` -> ``[..., out_features]`` in x's dtype: ``F.linear`` on the CPU.
+
+    ``weight [out_features, in]`` contiguous and ``bias [out_features]`` in x's dtype (float32,
+    float16 or bfloat16). In float32, the few rows of a decode step (up to
+    ``dense_linear_max_rows()``) take a GEMV kernel that reads the weights at the memory's pace,
+    summing in float32 in its own order; more rows, and the half dtypes, a BLAS GEMM as
+    ``F.linear`` does. CPU only.
+    """
+    if x.device.type != "cpu":
+        raise NotImplementedError(f"stagewise.dense_linear: runs on the CPU only, got x on {x.device}; use "
+                                  f"F.linear there")
+    out = _linear_out(x, weight, out)
+    _ops.dense_linear(out, x, weight, bias)
+    return out
+
+
+def dense_linear_max_rows() -> int:
+    """The most rows of x (its leading dims flattened) that :func:`dense_linear` runs through its
+    float32 kernel at this ISA level; more go to a BLAS GEMM."""
+    return _C.dense_linear_max_rows()
 
 
 def _linear_out(x: torch.Tensor, qweight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

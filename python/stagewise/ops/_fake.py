@@ -83,6 +83,11 @@ def _merge_attn_states(out, lse, out_a, lse_a, out_b, lse_b):
     return None
 
 
+@_fake("dense_linear", ref="x")
+def _dense_linear(out, x, weight, bias):
+    return None
+
+
 @_fake("quant_linear", ref="x")
 def _quant_linear(out, x, qweight, qtype, bias):
     return None

@@ -126,5 +126,10 @@ def merge_attn_states(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.T
     return out.to(out_a.dtype), lse
 
 
+def dense_linear(x, weight, bias=None) -> torch.Tensor:
+    """``x @ weight.T + bias`` (the kernel sums in float32 in its own order)."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 # The block-quantised linears (quant_linear, quant_linear_int8) have their own module.
 from stagewise.ops.reference_quant import dequantize, quant_linear, quant_linear_int8, quantize_blocks_int8  # noqa: E402,F401

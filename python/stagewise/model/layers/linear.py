@@ -1,7 +1,7 @@
 """Linear layers over weights the loader already cut for this rank (they never split a tensor).
 
-``W [out, in]`` is a dense tensor (``F.linear``) or a :class:`QuantizedWeight` in GGUF blocks
-(``stagewise.ops.quant_linear``). Under tensor parallelism a column-parallel (or replicated)
+``W [out, in]`` is a dense tensor (:func:`dense_linear`) or a :class:`QuantizedWeight` in GGUF
+blocks (``stagewise.ops.quant_linear``). Under tensor parallelism a column-parallel (or replicated)
 :class:`Linear` holds whole outputs and needs no communication. A :class:`RowParallelLinear`
 holds a block of the inputs and produces partial sums; its ``all_reduce`` adds them up across the
 TP group, and only then is the bias (whole on every rank) added, so it counts once.
@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stagewise import ops
 from stagewise.model.collectives import Collectives
 from stagewise.model.quant import QuantizedWeight, cat_rows
 
@@ -28,14 +29,24 @@ def tp_all_reduce(tp: Collectives) -> AllReduce | None:
     return None if tp.size == 1 else tp.all_reduce
 
 
+def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T + bias`` for a dense ``w [out, in]``: on the CPU :func:`stagewise.ops.dense_linear` (which
+    picks its GEMV kernel or a BLAS GEMM), elsewhere ``F.linear``. The decoder layers' dense linears,
+    the experts' and the LM head's come here, and the C++ decode loop calls the same op: one rule,
+    the same bits."""
+    if w.device.type == "cpu":
+        return ops.dense_linear(x, w, bias)
+    return F.linear(x, w, bias)
+
+
 def _weight(w: torch.Tensor | QuantizedWeight) -> nn.Parameter | QuantizedWeight:
-    return w.for_linear() if isinstance(w, QuantizedWeight) else nn.Parameter(w, requires_grad=False)
+    return w.for_linear() if isinstance(w, QuantizedWeight) else nn.Parameter(w.contiguous(), requires_grad=False)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     if isinstance(w, QuantizedWeight):
         return w.linear(x, bias)
-    return F.linear(x, w, bias)
+    return dense_linear(x, w, bias)
 
 
 class Linear(nn.Module):
@@ -66,7 +77,7 @@ class Linear(nn.Module):
 class RowParallelLinear(nn.Module):
     """``y = all_reduce(x_r @ W_r.T) + b``: ``W_r [out, in_local]`` this rank's block of the inputs,
     ``x_r`` the matching block of features, ``b [out]`` whole. ``all_reduce`` None: one rank, and
-    ``y = F.linear(x, W, b)`` exactly."""
+    ``y = dense_linear(x, W, b)`` exactly."""
 
     def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,
                  all_reduce: AllReduce | None = None) -> None:

@@ -9,10 +9,9 @@ alike and produces partial sums that ``all_reduce`` adds up.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from stagewise.model.layers.linear import AllReduce
+from stagewise.model.layers.linear import AllReduce, dense_linear
 from stagewise.model.layers.mlp import activation
 
 
@@ -35,7 +34,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``."""
-        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        probs = torch.softmax(dense_linear(x, self.router), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -44,7 +43,7 @@ class SparseMoE(nn.Module):
         # One pass per expert over the tokens routed to it (in expert order, as HF sums them).
         for e in torch.unique(experts).tolist():
             tokens, slot = torch.where(experts == e)
-            gate, up = F.linear(x[tokens], self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down[e]) * weights[tokens, slot, None]
+            gate, up = dense_linear(x[tokens], self.gate_up[e]).chunk(2, dim=-1)
+            y = dense_linear(self.act(gate) * up, self.down[e]) * weights[tokens, slot, None]
             out.index_add_(0, tokens, y)
         return out if self.all_reduce is None else self.all_reduce(out)

@@ -18,12 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from stagewise.model.collectives import SINGLE, Collectives
+from stagewise.model.layers.linear import dense_linear
 from stagewise.model.quant import QuantizedWeight
 
 
 def _frozen(w: torch.Tensor | QuantizedWeight) -> nn.Parameter | QuantizedWeight:
     """A dense weight as a frozen parameter (one already a parameter, e.g. a tied head's, as it is)."""
-    return w if isinstance(w, (QuantizedWeight, nn.Parameter)) else nn.Parameter(w, requires_grad=False)
+    return w if isinstance(w, (QuantizedWeight, nn.Parameter)) else nn.Parameter(w.contiguous(), requires_grad=False)
 
 
 def _check_rows(where: str, weight: torch.Tensor | QuantizedWeight, vocab_size: int, tp: Collectives) -> int:
@@ -71,7 +72,7 @@ class LMHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         w = self.weight
-        logits = w.linear(x) if isinstance(w, QuantizedWeight) else F.linear(x, w)
+        logits = w.linear(x) if isinstance(w, QuantizedWeight) else dense_linear(x, w)
         if self.tp.size == 1:
             return logits
         full = self.tp.gather(logits, dim=-1, dst=0)
