@@ -140,6 +140,28 @@ def dataclasses_replace_link(prof, *, latency_s: float):
     return dataclasses.replace(prof, links={**prof.links, "tp": Link(latency_s, prof.links["tp"].bandwidth)})
 
 
+def test_rank_processes_beyond_the_cores_are_named_in_the_estimate_and_the_results(mqa_llama):
+    """More rank processes than cores: a stage's ranks wait in collectives for descheduled partners,
+    which the estimate does not price; it says so, and plan validate names those cells."""
+    import dataclasses
+
+    cfg = open_checkpoint(str(mqa_llama)).config
+    prof = dataclasses.replace(load_profile("cpu-generic"), cores=2)
+    work = Workload(batch=1, input_length=8, output_length=4)
+    note = "4 rank processes on 2 cores"
+    two = estimate_layout(cfg, ParallelConfig(world_size=4, pp=2, tp=2), work, prof).notes
+    assert any(note in n and "not price" in n for n in two)
+    one_core = dataclasses.replace(prof, cores=1)
+    for layout, p in ((ParallelConfig(world_size=2, tp=2), prof), (ParallelConfig(world_size=2, pp=2), one_core)):
+        # the ranks fit the cores; stages of one rank each, which meet in no collective
+        assert not any("rank processes on" in n for n in estimate_layout(cfg, layout, work, p).notes)
+    rows = [{"batch": 4, "stages": 2, "tp": 2, "dcp": 1, "oversubscribed": True},
+            {"batch": 1, "stages": 1, "tp": 2, "dcp": 1, "oversubscribed": False}]
+    [text, _] = plan_validate._oversubscribed(rows, 2)
+    assert "than the 2 cores (batch, S, TP, DCP): (4, 2, 2, 1)." in text and "(1, 1, 2, 1)" not in text
+    assert plan_validate._oversubscribed(rows[1:], 2) == []
+
+
 def test_heads_regroups_a_gguf_and_keeps_every_other_tensor(tmp_path):
     import gguf
     from gguf_files import write_gguf

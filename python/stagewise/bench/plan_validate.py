@@ -155,7 +155,7 @@ def _run(argv: list[str]) -> int:
         f"Load average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load_before)}; after: "
         f"{', '.join(f'{x:.2f}' for x in load_after)} (2-core machine, shared)", "",
         "Error = (predicted - measured) / measured; the bubble's error is in % of the measured TPOT.", "",
-        table, "", VALIDATE_METHOD, "", RANKS_METHOD, ""]))
+        table, "", *_oversubscribed(rows, profile.cores), VALIDATE_METHOD, "", RANKS_METHOD, ""]))
     log(f"wrote {stem}.json and {stem}.md")
     if args.tiny:
         log("toy sizes (--tiny): the planner's validation record stays as it is")
@@ -197,6 +197,18 @@ shared caches and memory; the runnable threads of other work (/proc/stat procs_r
 recorded beside it as `background_load`. No figure of these end-to-end runs enters the model.
 "Least disturbed run" is the repeat with the lowest TPOT, the one closest to the quiet machine
 the profile's primitives describe."""
+
+
+def _oversubscribed(rows: list[dict], cores: int | None) -> list[str]:
+    """A paragraph naming the cells with more rank processes than cores (none: nothing)."""
+    cells = sorted({(r["batch"], r["stages"], r.get("tp", 1), r.get("dcp", 1))
+                    for r in rows if r.get("oversubscribed")})
+    if not cells:
+        return []
+    return [f"Cells with more rank processes (S x TP) than the {cores} cores (batch, S, TP, DCP): "
+            f"{', '.join(map(str, cells))}. There a stage's ranks wait in their collectives for partners the OS "
+            "has descheduled, which the planner does not price (its estimate says so in a note): their TPOT "
+            "runs above the prediction.", ""]
 
 
 def stage_layouts(config, tps: list[int], dcps: list[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int, str]]]:
@@ -242,7 +254,9 @@ def _cell(args, profile, config, work: Workload, B: int, S: int, tp: int, dcp: i
                            repeats=args.repeats, log=log, **layout)
     except (NotImplementedError, ValueError, RuntimeError, TimeoutError) as err:
         raise ValueError(str(err)) from None
-    return [{"batch": B, "background_load": background, "contention": slow, **r} for r in val.compare(est, measured)]
+    over = bool(profile.cores) and S * tp > profile.cores  # rank processes beyond the cores (see the estimate's note)
+    return [{"batch": B, "background_load": background, "contention": slow, "oversubscribed": over, **r}
+            for r in val.compare(est, measured)]
 
 
 RANKS_METHOD = """Stages of several ranks (TP, DCP cells): each rank is a process with one torch thread,

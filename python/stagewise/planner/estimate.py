@@ -306,6 +306,11 @@ def estimate_layout(config: ModelConfig, layout: ParallelConfig, workload: Workl
     tpot = steady + (fill / (workload.output_length - 1) if workload.output_length > 1 else 0.0)
     total = prefill.first_tokens_s[-1] + (workload.output_length - 1) * steady  # = ttft + (O - 1) * tpot
     notes = []
+    ranks = layout.pp * layout.tp * layout.pcp
+    if profile.kind == "cpu" and profile.cores and layout.tp * layout.pcp > 1 and ranks > profile.cores:
+        notes.append(f"{ranks} rank processes on {profile.cores} cores: while stages compute at once, a stage's "
+                     "ranks wait in their collectives for partners the OS has descheduled, which this estimate "
+                     "does not price (measured: TPOT 15-30 % above it); give each rank a core")
     if config.is_multimodal:
         notes.append(f"vision tower on stage 0, timed for one image of {workload.image_tokens} tokens per prompt"
                      if workload.image_tokens else "vision tower stored on stage 0, not timed (text requests)")
