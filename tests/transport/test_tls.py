@@ -162,3 +162,20 @@ def test_a_pipeline_over_tls_answers_like_one_process(pki):
         assert all(isinstance(c._sock, ssl.SSLSocket) for c in p.driver.controls)
         [got] = p.generate([question], chat=True, max_new_tokens=12)
     assert got.token_ids == want.token_ids and "Paris" in got.text
+
+
+def test_a_torch_hop_between_hosts_is_refused_when_the_plan_asks_for_tls():
+    """The torch transport has no TLS: a plan with tls whose hop between hosts would run it is an
+    error naming the hop, not activations in plain text; auto resolves to tcp there."""
+    from stagewise.parallel.runplan import RunPlan
+    from stagewise.pipeline.links import hop_transports
+
+    tls = {"cert": "n.crt", "key": "n.key", "ca": "ca.crt"}
+    stages = [{"host": "10.0.0.1", "listen": "10.0.0.1:7000"}, {"host": "10.0.0.2", "listen": "10.0.0.2:7000"}]
+    plan = RunPlan.from_dict({"model": "m", "stages": stages, "transport": "torch", "tls": tls}, 4)
+    with pytest.raises(ValueError, match=r"hop stage 0 -> 1 crosses hosts \(10.0.0.1 -> 10.0.0.2\) on the torch "
+                                         "transport, which has no TLS"):
+        hop_transports(plan)
+    assert hop_transports(RunPlan.from_dict({"model": "m", "stages": stages, "tls": tls}, 4)) == ["tcp", "tcp"]
+    assert hop_transports(RunPlan.from_dict({"model": "m", "stages": stages, "transport": "torch"}, 4)) == [
+        "torch", "torch"]

@@ -47,16 +47,22 @@ class LinkOptions:
 def hop_transports(plan: RunPlan) -> list[str]:
     """The transport of each stage's outgoing hop (stage i -> i + 1, the last -> 0): the plan's
     ``transport`` resolved per hop by the one rule, :func:`stagewise.transport.select.resolve`
-    (ValueError naming the hop for one it cannot use)."""
+    (ValueError naming the hop for one it cannot use, or for a ``torch`` hop between hosts of a
+    plan with ``tls``: that transport would carry the activations in plain text)."""
     n = plan.num_stages
     hops = []
     for i in range(n):
         a, b = plan.stages[i], plan.stages[(i + 1) % n]
         try:
-            hops.append(select.resolve(plan.transport, same_host=a.host == b.host,
-                                       cuda=a.device.startswith("cuda") and b.device.startswith("cuda")))
+            hop = select.resolve(plan.transport, same_host=a.host == b.host,
+                                 cuda=a.device.startswith("cuda") and b.device.startswith("cuda"))
         except ValueError as err:
             raise ValueError(f"run plan: hop stage {a.index} -> {b.index}: {err}") from None
+        if plan.tls and hop == "torch" and a.host != b.host:
+            raise ValueError(f"run plan: hop stage {a.index} -> {b.index} crosses hosts ({a.host} -> {b.host}) on "
+                             "the torch transport, which has no TLS, while the plan asks for tls: use transport "
+                             "auto or tcp (TLS between hosts), or leave tls out")
+        hops.append(hop)
     return hops
 
 
