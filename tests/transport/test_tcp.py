@@ -182,6 +182,38 @@ def test_peer_death_is_channel_closed_promptly_naming_the_peer():
             proc.wait()
 
 
+def test_closing_a_channel_ends_a_send_another_thread_waits_in():
+    """A peer that stops reading (a hung stage) fills the socket buffers and the sender waits; the
+    sender's own close() from another thread (its heartbeat finding the driver gone) ends that
+    wait with ChannelClosed at once."""
+    with tcp.listen(hello=HELLO) as lis:
+        t, box = serve(lis, lambda ch: ch)
+        sender = tcp.connect(*lis.address, hello=HELLO, timeout=5)
+        t.join(5)
+        idle = box["result"]  # accepted, never read
+        frame = Frame(step_kind=StepKind.DECODE, tensors={"hidden": torch.zeros(1 << 18)})  # 1 MiB
+        outcome: dict = {}
+
+        def flood():
+            try:
+                for _ in range(1000):  # far more than the socket buffers hold
+                    sender.send(frame)
+                outcome["sent"] = True
+            except ChannelClosed as err:
+                outcome["error"], outcome["at"] = err, time.monotonic()
+
+        th = threading.Thread(target=flood, daemon=True)
+        th.start()
+        time.sleep(1.0)
+        assert th.is_alive() and not outcome  # waiting for the reader that never comes
+        closed = time.monotonic()
+        sender.close()
+        th.join(5)
+        assert not th.is_alive() and isinstance(outcome.get("error"), ChannelClosed)
+        assert outcome["at"] - closed < 1.0
+        idle.close()
+
+
 def test_selectors_wait_on_several_channels():
     with tcp.listen(hello=HELLO) as lis:
         accepted = []

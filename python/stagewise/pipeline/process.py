@@ -255,7 +255,13 @@ class StageProcess:
         while not self._stop.wait(HEARTBEAT_S) and not beat.is_set():
             try:
                 self.tell_driver(Heartbeat())
-            except Exception:  # noqa: BLE001 - the main loop notices a dead driver
+            except Exception:  # noqa: BLE001 - the driver is gone: the main loop notices, unless
+                # it waits in a send to a hung neighbour; closing the data links ends that wait.
+                if not beat.is_set() and not self._stop.is_set():
+                    try:
+                        self.links.close()
+                    except Exception:  # noqa: BLE001 - already closed
+                        pass
                 return
 
     def _report_fatal(self, err: Exception, neighbour: bool | None = None) -> None:

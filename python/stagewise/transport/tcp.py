@@ -226,6 +226,10 @@ class TcpChannel(Channel):
     def _shut(self, why: str) -> None:
         if self._closed_why is None:
             self._closed_why = why
+            try:  # wakes a send or recv that another thread is waiting in (close alone would not)
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # not connected, or already reset
+                pass
             self._sock.close()
 
     def close(self) -> None:
