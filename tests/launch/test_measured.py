@@ -15,7 +15,7 @@ from stagewise.launch.start import start_stages
 from stagewise.model.loader import open_checkpoint
 from stagewise.parallel.plan import PipelineStageInfo
 from stagewise.parallel.runplan import RunPlan
-from stagewise.planner.compute import stage_compute, stage_ops
+from stagewise.planner.compute import stage_compute, stage_ops, stage_role
 from stagewise.planner.estimate import Workload
 from stagewise.planner.profiles import profile_from_dict
 
@@ -29,8 +29,8 @@ def _profile(name: str, *, rate: float, bandwidth: float, memory: float, layer_s
         "name": name, "kind": "cpu", "memory_bytes": int(memory), "peak_flops": {"float32": 5e10},
         "memory_bandwidth": bandwidth, "efficiency": {"matmul": 1.0, "attention": 1.0, "memory": 1.0},
         "op_overhead_s": 1e-6, "links": {k: {"latency_s": 2e-5, "bandwidth": 5e9} for k in ("tp", "pp", "ep")},
-        "quant": quant, "framework": {"layer_s": layer_s, **dict.fromkeys(
-            ("engine_s", "head_s", "middle_s", "last_s", "tokens_s"), 0.0)}})
+        "quant": quant, "framework": {"layer_s": layer_s, "engine_s": 2e-4, "head_s": 4e-4, "middle_s": 1e-4,
+                                      "last_s": 6e-4, "tokens_s": 1e-4}})
 
 
 def _exhaustive(config, profiles, prec, layers: int, fits) -> tuple[float, list]:
@@ -42,9 +42,12 @@ def _exhaustive(config, profiles, prec, layers: int, fits) -> tuple[float, list]
         ranges = list(zip(bounds, bounds[1:]))
         if not all(fits(s, a, b) for s, (a, b) in enumerate(ranges)):
             continue
-        worst = max(stage_compute(stage_ops(config, PipelineStageInfo(s, n, a, b, layers), rows=1, new_tokens=1,
-                                            context=64, prec=prec), profiles[s], "float32", role=None).time_s
-                    + (b - a) * profiles[s].framework["layer_s"] for s, (a, b) in enumerate(ranges))
+        # each stage with its role's fixed step cost; stage 0 of several also takes the tokens back
+        infos = [PipelineStageInfo(s, n, a, b, layers) for s, (a, b) in enumerate(ranges)]
+        worst = max(stage_compute(stage_ops(config, info, rows=1, new_tokens=1, context=64, prec=prec), profiles[s],
+                                  "float32", role=stage_role(info), num_layers=b - a).time_s
+                    + (profiles[0].framework["tokens_s"] if s == 0 and n > 1 else 0.0)
+                    for s, (info, (a, b)) in enumerate(zip(infos, ranges)))
         best = min(best, (worst, ranges), key=lambda x: x[0])
     return best
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 def cache_dir() -> Path:
@@ -61,7 +61,7 @@ def node_profile(device: str = "cpu", types: tuple[str, ...] = (), *, cache: boo
            "links": {k: {"latency_s": 20e-6, "bandwidth": 5e9} for k in ("tp", "pp", "ep")}}
     if out["kind"] == "cpu":
         from stagewise.bench import profile_runtime as rt
-        from stagewise.bench.profile_framework import streamed_layer_s
+        from stagewise.bench.profile_framework import role_overheads, streamed_layer_s
 
         quiet = log or (lambda *a: None)
         if types:
@@ -71,10 +71,11 @@ def node_profile(device: str = "cpu", types: tuple[str, ...] = (), *, cache: boo
         attn = rt.attention_decode_rate(log=quiet, repeats=3, calls=50)
         out["attention_decode"] = {k: attn[k] for k in ("flops", "bandwidth", "call_s")}
         layer = streamed_layer_s(steps=10, rounds=3)
-        # The per-step costs of each stage role are the same whichever layers it holds: the split
-        # does not depend on them, so they are not measured here (0).
-        out["framework"] = {"layer_s": layer["framework_s"] / layer["layers"],
-                            **dict.fromkeys(("engine_s", "head_s", "middle_s", "last_s", "tokens_s"), 0.0)}
+        # Each stage role's fixed step cost: it weighs the first and the last stage, and the
+        # predicted TPOT holds it.
+        roles = role_overheads(steps=10, repeats=2)
+        roles.pop("raw")
+        out["framework"] = {"layer_s": layer["framework_s"] / layer["layers"], **roles}
         out["cores"] = threads
     out["measured"] = {"cache_version": CACHE_VERSION, "seconds": time.perf_counter() - start, "threads": threads,
                        "host": socket.gethostname(), "device": device, "types": sorted(types)}

@@ -185,34 +185,46 @@ def _later_step_s(layers: int, last: bool, prompt: int, steps: int) -> float:
     return _median_step(one, steps)
 
 
-def framework_overheads(log=print, prompt: int = 128, steps: int = 40, repeats: int = 5) -> dict:
-    """Per decode step (batch 1): ``layer_s`` and the fixed part of each role (see the module doc);
-    each the least disturbed of ``repeats`` medians (this machine is shared)."""
+def role_overheads(prompt: int = 128, steps: int = 40, repeats: int = 5) -> dict:
+    """The fixed part of one decode step (batch 1) of each stage role, ``engine_s``, ``head_s``,
+    ``middle_s``, ``last_s`` and ``tokens_s`` (see the module doc), each the least disturbed of
+    ``repeats`` medians (this machine is shared); ``raw``: what they come from, with the hot-cache
+    cost of a layer (``hot_layer_s``) that separates a step's layers from its fixed part."""
     def med(fn):
         return min(fn() for _ in range(repeats))
 
     lo, hi = 1, LAYERS_HI
     eng = {n: med(lambda n=n: _engine_step_s(n, prompt, steps)) for n in (lo, hi)}
-    layer = max((eng[hi] - eng[lo]) / (hi - lo), 0.0)
-    # The Python layer loop's extra cost per layer (what a rank of a TP/CP stage runs).
-    py = {n: med(lambda n=n: _engine_step_s(n, prompt, steps, python_loop=True)) for n in (lo, hi)}
-    python_extra = max((py[hi] - py[lo]) / (hi - lo) - layer, 0.0)
+    hot_layer = max((eng[hi] - eng[lo]) / (hi - lo), 0.0)
     head_runs = [_head_step_s(lo, prompt, steps) for _ in range(repeats)]
     head = min(r[0] for r in head_runs)
     tokens = min(r[1] for r in head_runs)
     middle = med(lambda: _later_step_s(lo, False, prompt, steps))
     last = med(lambda: _later_step_s(lo, True, prompt, steps))
+    return {"engine_s": max(eng[lo] - lo * hot_layer, 0.0), "head_s": max(head - lo * hot_layer, 0.0),
+            "middle_s": max(middle - lo * hot_layer, 0.0), "last_s": max(last - lo * hot_layer, 0.0),
+            "tokens_s": tokens,
+            "raw": {"engine_step_s": eng, "head_launch_s": head, "middle_run_s": middle, "last_run_s": last,
+                    "model": "llama hidden 64, vocab 512, Q4_1 linears, Q8_0 embedding", "prompt": prompt,
+                    "hot_layer_s": hot_layer}}
+
+
+def framework_overheads(log=print, prompt: int = 128, steps: int = 40, repeats: int = 5) -> dict:
+    """Per decode step (batch 1): ``layer_s`` and the fixed part of each role (see the module doc);
+    each the least disturbed of ``repeats`` medians (this machine is shared)."""
+    roles = role_overheads(prompt, steps, repeats)
+    raw, lo, hi = roles.pop("raw"), 1, LAYERS_HI
+    hot_layer = raw["hot_layer_s"]
+    # The Python layer loop's extra cost per layer (what a rank of a TP/CP stage runs).
+    py = {n: min(_engine_step_s(n, prompt, steps, python_loop=True) for _ in range(repeats)) for n in (lo, hi)}
+    python_extra = max((py[hi] - py[lo]) / (hi - lo) - hot_layer, 0.0)
     # Per layer with the weights streaming; the engine's fixed part from the negligible-width model.
     streamed = streamed_layer_s(prompt)
-    fixed = max(eng[lo] - lo * layer, 0.0)
-    hot_layer, layer = layer, max((streamed["framework_s"] - fixed) / streamed["layers"], 0.0)
+    layer = max((streamed["framework_s"] - roles["engine_s"]) / streamed["layers"], 0.0)
     cp = cp_combine_s()
-    out = {"layer_s": layer, "python_layer_s": layer + python_extra, "cp_layer_s": cp, "engine_s": fixed,
-           "head_s": max(head - lo * hot_layer, 0.0),
-           "middle_s": max(middle - lo * hot_layer, 0.0), "last_s": max(last - lo * hot_layer, 0.0), "tokens_s": tokens,
-           "raw": {"engine_step_s": eng, "head_launch_s": head, "middle_run_s": middle, "last_run_s": last,
-                   "model": "llama hidden 64, vocab 512, Q4_1 linears, Q8_0 embedding", "prompt": prompt,
-                   "hot_layer_s": hot_layer, "python_loop_step_s": py, "streamed": streamed}}
+    tokens = roles["tokens_s"]
+    out = {"layer_s": layer, "python_layer_s": layer + python_extra, "cp_layer_s": cp, **roles,
+           "raw": {**raw, "python_loop_step_s": py, "streamed": streamed}}
     log(f"  framework per decode step: {layer * 1e6:.0f} us/layer with streamed weights "
         f"({out['python_layer_s'] * 1e6:.0f} through the Python layer loop) "
         f"({hot_layer * 1e6:.0f} with hot caches); fixed: engine {out['engine_s'] * 1e6:.0f} us, "

@@ -6,7 +6,8 @@ primitives (:func:`stagewise.bench.node.node_profile`: seconds, then cached for 
 threads). The planner's operator model (:mod:`stagewise.planner.compute`) turns each node's profile
 into the decode-step time of every decoder layer there (batch 1, the context ``context``), plus the
 embedding on stage 0 and the LM head and sampling on the last stage; the split is the contiguous
-one whose slowest stage is fastest (:func:`stagewise.parallel.plan.min_max_ranges`) among those in
+one whose slowest stage is fastest (:func:`stagewise.parallel.plan.min_max_ranges`; each stage's
+time also holds its role's fixed cost per step, which weighs the first and the last) among those in
 which every stage's weights and KV fit ``memory_fraction`` of its node's free memory (stages on one
 node share it equally). A stage the launcher placed itself (Ray) is then pinned to the node it was
 measured on.
@@ -25,7 +26,8 @@ from stagewise.parallel.runplan import RunPlan
 class Split:
     ranges: list[tuple[int, int]]
     stage_s: list[float]
-    """Each stage's predicted decode-step time, seconds."""
+    """Each stage's predicted decode-step time, seconds: its operators, the framework's cost per
+    layer and its role's fixed cost per step (stage 0's also taking the tokens back)."""
     stage_bytes: list[float]
     """Each stage's weights and KV, bytes."""
     memory: list[int]
@@ -42,7 +44,7 @@ def split_layers(config, profiles, *, prec, dtype: str = "float32", context: int
     """The split of ``config``'s layers over one stage per profile (a
     :class:`~stagewise.planner.profiles.DeviceProfile` each, in stage order)."""
     from stagewise.model import shapes
-    from stagewise.planner.compute import layer_ops, op_time, stage_ops
+    from stagewise.planner.compute import framework_time, layer_ops, op_time, stage_ops
 
     n, s_count = config.num_layers, len(profiles)
 
@@ -55,6 +57,11 @@ def split_layers(config, profiles, *, prec, dtype: str = "float32", context: int
     edge = [PipelineStageInfo(0, 2, 0, 0, n), PipelineStageInfo(1, 2, 0, 0, n)]  # no layers: the extras only
     first = [ops_s(stage_ops(config, edge[0], rows=1, new_tokens=1, context=context, prec=prec), p) for p in profiles]
     last = [ops_s(stage_ops(config, edge[1], rows=1, new_tokens=1, context=context, prec=prec), p) for p in profiles]
+    # Each role's fixed step cost (scheduling, metadata, sampling; stage 0 also takes the tokens back).
+    fw = [p.framework or {} for p in profiles]
+    fixed = ([framework_time(profiles[0], "engine", 0)] if s_count == 1 else
+             [framework_time(profiles[0], "head", 0) + fw[0].get("tokens_s", 0.0)]
+             + [framework_time(p, "middle", 0) for p in profiles[1:-1]] + [framework_time(profiles[-1], "last", 0)])
     kv = shapes.kv_bytes_per_token_layer(config, prec.kv) * kv_tokens
     layer_bytes = [shapes.count(config, shapes.layer_tensors(config, layer)) * prec.weight_bytes(1, prec.weight_quant)
                    + kv for layer in range(n)]
@@ -71,7 +78,8 @@ def split_layers(config, profiles, *, prec, dtype: str = "float32", context: int
         prefix_b.append(prefix_b[-1] + b)
 
     def time_of(s: int, a: int, b: int) -> float:
-        return prefix_s[s][b] - prefix_s[s][a] + (first[s] if s == 0 else 0.0) + (last[s] if s == s_count - 1 else 0.0)
+        return (prefix_s[s][b] - prefix_s[s][a] + fixed[s] + (first[s] if s == 0 else 0.0)
+                + (last[s] if s == s_count - 1 else 0.0))
 
     def bytes_of(s: int, a: int, b: int) -> float:
         return prefix_b[b] - prefix_b[a] + (first_bytes if s == 0 else 0.0) + (last_bytes if s == s_count - 1 else 0.0)
