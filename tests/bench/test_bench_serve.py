@@ -34,17 +34,19 @@ def test_the_load_is_poisson_at_the_rate_with_bounded_lengths():
     assert PROMPT.draw(shape) != PROMPT.draw(shape)
 
 
-def test_a_tiny_run_against_stagewise_serve(tmp_path):
-    """Ours as it starts by default, then with a TPOT target given."""
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_tiny_run_against_stagewise_serve(tmp_path, stages):
+    """Ours as it starts by default, then with a TPOT target given; as one process and as a pipeline."""
     assert main(["bench", "serve", "--tiny", "--server-baseline", "none", "--rates", "4", "--linear-precision", "int8",
-                 "--tpot-target", "50", "--out", str(tmp_path)]) == 0
+                 "--tpot-target", "50", "--stages", str(stages), "--out", str(tmp_path)]) == 0
     [result] = tmp_path.glob("*-serve.json")
     data = json.loads(result.read_text())
-    assert list(data["rows"]) == ["stagewise int8", "stagewise int8, TPOT target 50 ms"]
+    name = "stagewise int8" + ("" if stages == 1 else f", {stages} stages")
+    assert list(data["rows"]) == [name, f"{name}, TPOT target 50 ms"] and data["machine"]["stages"] == stages
     for [row] in data["rows"].values():
         assert row["completed"] == 4 and row["failed"] == 0 and row["tok_per_s"] > 0
         assert row["ttft_p50_s"] > 0 and row["tpot_p50_s"] > 0
-    assert "stagewise int8, TPOT target 50 ms" in result.with_suffix(".md").read_text()
+    assert f"{name}, TPOT target 50 ms" in result.with_suffix(".md").read_text()
 
 
 def row(rate: float, req_per_s: float, tpot_p99_s: float) -> dict:
@@ -73,6 +75,8 @@ def test_the_comparison_at_equal_p99_tpot_and_the_target_it_gives():
     (["--linear-precision", "int4"], "--linear-precision takes exact and/or int8"),
     (["--tpot-target", "0"], "--tpot-target takes auto, none or milliseconds > 0"),
     (["--tpot-target", "fast"], "--tpot-target takes auto, none or milliseconds > 0"),
+    (["--stages", "1,2"], "serve --stages takes one number of stages >= 1, got '1,2'"),
+    (["--stages", "0"], "serve --stages takes one number of stages >= 1, got '0'"),
 ])
 def test_bad_serve_options_are_named(argv, message, capsys):
     assert main(["bench", "serve", "--tiny", "--server-baseline", "none", *argv]) == 2

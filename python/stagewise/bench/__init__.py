@@ -94,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="e2e: also time fresh processes to their first token (generate, a 3-stage pipeline "
                                "and, with that baseline, llama.cpp)")
     e2e_args.add_argument("--stages", default=None, metavar="1,2,3",
-                          help="e2e: run the pipeline with these stage counts instead (batch 1 and S x 4 requests)")
+                          help="e2e: run the pipeline with these stage counts instead (batch 1 and S x 4 requests); "
+                               "serve: ours as a pipeline of S stage processes (one number)")
     e2e_args.add_argument("--launcher", default=None, choices=["ray"],
                           help="e2e: a pipeline of --stages S (default 3) started by this launcher and by the local "
                                "one, side by side (start-up, TPOT at batch 1 and 8)")

@@ -88,19 +88,22 @@ class Server:
         self.log.close()
 
 
-def _ours(model: str, threads: int | None, env: dict, precision: str, target_ms: float | None) -> Server:
+def _ours(model: str, threads: int | None, env: dict, precision: str, target_ms: float | None,
+          stages: int = 1) -> Server:
     """``threads`` None: the server's own choice (on the CPU one core fewer than the machine has,
-    which its HTTP loop keeps)."""
+    which its HTTP loop keeps); ``stages`` > 1: a pipeline of that many stage processes."""
     port = _free_port()
     argv = [sys.executable, "-m", "stagewise.cli", "serve", model, "--port", str(port), "--max-num-seqs", "32",
             "--max-waiting", "1024", "--log-level", "warning", "--linear-precision", precision]
     argv += ([] if threads is None else ["--threads", str(threads)])
+    argv += ([] if stages == 1 else ["--stages", str(stages)])
     argv += ([] if target_ms is None else ["--tpot-target", f"{target_ms:g}"])
     return Server("stagewise", argv, "/health", {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"})
 
 
-def _name(precision: str, target_ms: float | None) -> str:
-    return f"stagewise {precision}" + ("" if target_ms is None else f", TPOT target {target_ms:g} ms")
+def _name(precision: str, target_ms: float | None, stages: int = 1) -> str:
+    return (f"stagewise {precision}" + ("" if stages == 1 else f", {stages} stages")
+            + ("" if target_ms is None else f", TPOT target {target_ms:g} ms"))
 
 
 def _llama_cpp(gguf: Path, threads: int, env: dict, install: bool, log) -> Server:
@@ -171,6 +174,13 @@ def run(args, log=print) -> int:
         except ValueError:
             log(f"stagewise bench: --tpot-target takes auto, none or milliseconds > 0, got {args.tpot_target!r}")
             return 2
+    try:
+        stages = int(args.stages or 1)
+        if stages < 1:
+            raise ValueError
+    except ValueError:
+        log(f"stagewise bench: serve --stages takes one number of stages >= 1, got {args.stages!r}")
+        return 2
     n = args.requests or (4 if args.tiny else 40)
     shapes = (Shape(12, 0.3, 4, 24), Shape(4, 0.3, 2, 8)) if args.tiny else (PROMPT, OUTPUT)
     from stagewise.launch.local import usable_cores
@@ -189,7 +199,7 @@ def run(args, log=print) -> int:
     info = report.machine_info("cpu")
     info.update(model=str(ckpt.path), threads=threads, cores=cores,
                 stagewise_threads=args.threads or "its default (cores - 1 on the CPU: one core for the HTTP loop)",
-                requests_per_rate=n, rates=rates,
+                requests_per_rate=n, rates=rates, stages=stages,
                 prompt_median=shapes[0].median, output_median=shapes[1].median)
 
     def measure(name: str, server: Server, model: str, extra: dict) -> None:
@@ -216,8 +226,8 @@ def run(args, log=print) -> int:
     info["tpot_target_ms"], info["tpot_target_auto"] = target, args.tpot_target == "auto"
     runs = [(precisions[0], None)] + ([(p, target) for p in precisions] if target is not None else [])
     for precision, target_ms in runs:
-        measure(_name(precision, target_ms), _ours(args.model, args.threads, env, precision, target_ms), args.model,
-                {"ignore_eos": True})
+        measure(_name(precision, target_ms, stages), _ours(args.model, args.threads, env, precision, target_ms, stages),
+                args.model, {"ignore_eos": True})
     compare = _budget_compare(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
