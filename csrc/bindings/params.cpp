@@ -490,6 +490,33 @@ MergeAttnStatesParams make_merge_attn_states_params(at::Tensor& out, at::Tensor&
 
 namespace stagewise::glue {
 
+namespace {
+
+struct LinearOut {
+  Rows out_rows;
+  const void* bias;  // nullptr without a bias
+};
+
+// A linear's out [x's leading dims, n] and optional bias [n] (x's dtype; checked by the caller for out).
+LinearOut linear_out(const char* op, const at::Tensor& x, const at::Tensor& out,
+                     const std::optional<at::Tensor>& bias, int64_t n) {
+  std::vector<int64_t> want(x.sizes().begin(), x.sizes().end());
+  want.back() = n;
+  TORCH_CHECK_VALUE(out.sizes() == at::IntArrayRef(want), "stagewise.", op, ": argument 'out' must have shape ",
+                    at::IntArrayRef(want), " (x's leading dims, out_features), got ", shape_of(out));
+  LinearOut o{rows_of(op, "out", out), nullptr};
+  if (bias.has_value()) {
+    check_float_like(op, "bias", *bias, "x", x);
+    check_dim(op, "bias", *bias, 1, "[out_features]");
+    check_size(op, "bias", *bias, 0, n, "out_features");
+    check_contiguous(op, "bias", *bias);
+    o.bias = bias->data_ptr();
+  }
+  return o;
+}
+
+}  // namespace
+
 DenseLinearParams make_dense_linear_params(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                                            const std::optional<at::Tensor>& bias) {
   const char* op = "dense_linear";
@@ -504,20 +531,10 @@ DenseLinearParams make_dense_linear_params(at::Tensor& out, const at::Tensor& x,
   check_contiguous(op, "weight", weight);
   const int64_t n = weight.size(0);
   check_float_like(op, "out", out, "x", x);
-  std::vector<int64_t> want(x.sizes().begin(), x.sizes().end());
-  want.back() = n;
-  TORCH_CHECK_VALUE(out.sizes() == at::IntArrayRef(want), "stagewise.", op, ": argument 'out' must have shape ",
-                    at::IntArrayRef(want), " (x's leading dims, out_features), got ", shape_of(out));
-  const Rows outr = rows_of(op, "out", out);
-  if (bias.has_value()) {
-    check_float_like(op, "bias", *bias, "x", x);
-    check_dim(op, "bias", *bias, 1, "[out_features]");
-    check_size(op, "bias", *bias, 0, n, "out_features");
-    check_contiguous(op, "bias", *bias);
-    p.bias = bias->data_ptr();
-  }
+  const LinearOut o = linear_out(op, x, out, bias, n);
+  p.bias = o.bias;
   p.out = out.data_ptr();
-  p.out_row_stride = outr.stride;
+  p.out_row_stride = o.out_rows.stride;
   p.x = x.data_ptr();
   p.x_row_stride = xr.stride;
   p.weight = weight.data_ptr();
@@ -563,21 +580,10 @@ QuantLinearParams make_quant_linear_params(at::Tensor& out, const at::Tensor& x,
                       shape_of(qweight), ")");
   }
   check_contiguous(op, "qweight", qweight);
-  std::vector<int64_t> want(x.sizes().begin(), x.sizes().end());
-  want.back() = n;
-  TORCH_CHECK_VALUE(out.sizes() == at::IntArrayRef(want), "stagewise.", op, ": argument 'out' must ",
-                    "have shape ", at::IntArrayRef(want), " (x's leading dims, out_features), got ",
-                    shape_of(out));
-  const Rows outr = rows_of(op, "out", out);
-  if (bias.has_value()) {
-    check_float_like(op, "bias", *bias, "x", x);
-    check_dim(op, "bias", *bias, 1, "[out_features]");
-    check_size(op, "bias", *bias, 0, n, "out_features");
-    check_contiguous(op, "bias", *bias);
-    p.bias = bias->data_ptr();
-  }
+  const LinearOut o = linear_out(op, x, out, bias, n);
+  p.bias = o.bias;
   p.out = out.data_ptr();
-  p.out_row_stride = outr.stride;
+  p.out_row_stride = o.out_rows.stride;
   p.x = x.data_ptr();
   p.x_row_stride = xr.stride;
   p.qweight = qweight.data_ptr<uint8_t>();
