@@ -46,3 +46,24 @@ def shapes(name: str) -> list[tuple[int, int]]:
     if block_weights(name) == 256:
         return [(1, 256), (7, 512), (37, 768), (70, 256)]
     return [(1, 32), (7, 96), (37, 224), (70, 576)]
+
+
+def checked_int8_linear(seen: set):
+    """A stand-in for ``QuantizedWeight.linear`` in the int8 mode that checks each call on the
+    model's real activations against the plain pure-torch reference of the int8 maths (up to
+    float32 rounding), and that it differs from the exact op; ``seen`` collects each call's
+    (precision, shape)."""
+    from stagewise.model.quant import QuantizedWeight
+    from stagewise.ops import reference as ref
+
+    linear = QuantizedWeight.linear
+
+    def checked(self, x, bias=None):
+        out = linear(self, x, bias)
+        expected = ref.quant_linear_int8(x, self.data, self.qtype, bias)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
+        assert not torch.equal(out, ref.quant_linear(x, self.data, self.qtype, bias))
+        seen.add((self.precision, tuple(self.shape)))
+        return out
+
+    return checked

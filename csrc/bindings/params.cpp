@@ -515,6 +515,17 @@ LinearOut linear_out(const char* op, const at::Tensor& x, const at::Tensor& out,
   return o;
 }
 
+// x, out and bias of a linear's params (DenseLinearParams, QuantLinearParams).
+template <class Params>
+void set_linear_io(Params& p, const LinearOut& o, const at::Tensor& out, const at::Tensor& x, const Rows& xr) {
+  p.bias = o.bias;
+  p.out = out.data_ptr();
+  p.out_row_stride = o.out_rows.stride;
+  p.x = x.data_ptr();
+  p.x_row_stride = xr.stride;
+  p.rows = xr.rows;
+}
+
 }  // namespace
 
 DenseLinearParams make_dense_linear_params(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
@@ -531,14 +542,8 @@ DenseLinearParams make_dense_linear_params(at::Tensor& out, const at::Tensor& x,
   check_contiguous(op, "weight", weight);
   const int64_t n = weight.size(0);
   check_float_like(op, "out", out, "x", x);
-  const LinearOut o = linear_out(op, x, out, bias, n);
-  p.bias = o.bias;
-  p.out = out.data_ptr();
-  p.out_row_stride = o.out_rows.stride;
-  p.x = x.data_ptr();
-  p.x_row_stride = xr.stride;
+  set_linear_io(p, linear_out(op, x, out, bias, n), out, x, xr);
   p.weight = weight.data_ptr();
-  p.rows = xr.rows;
   p.in_features = weight.size(1);
   p.out_features = n;
   return p;
@@ -580,14 +585,8 @@ QuantLinearParams make_quant_linear_params(at::Tensor& out, const at::Tensor& x,
                       shape_of(qweight), ")");
   }
   check_contiguous(op, "qweight", qweight);
-  const LinearOut o = linear_out(op, x, out, bias, n);
-  p.bias = o.bias;
-  p.out = out.data_ptr();
-  p.out_row_stride = o.out_rows.stride;
-  p.x = x.data_ptr();
-  p.x_row_stride = xr.stride;
+  set_linear_io(p, linear_out(op, x, out, bias, n), out, x, xr);
   p.qweight = qweight.data_ptr<uint8_t>();
-  p.rows = xr.rows;
   p.in_features = in;
   p.out_features = n;
   return p;

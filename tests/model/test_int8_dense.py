@@ -8,11 +8,11 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
+from quant_cases import checked_int8_linear
 
 import stagewise
 from stagewise.model.loader import load_stage_weights
 from stagewise.model.quant import QuantizedWeight, quantize_q8_0
-from stagewise.ops import reference as ref
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,21 +51,14 @@ def test_the_model_multiplies_int8_activations_by_those_blocks(folder, monkeypat
     """Each call of a quantised linear agrees with the pure-torch reference of the int8 maths (and
     not with the exact maths); the tokens are deterministic, in one process and over two stages."""
     linear, seen = QuantizedWeight.linear, set()
-
-    def checked(self, x, bias=None):
-        out = linear(self, x, bias)
-        expected = ref.quant_linear_int8(x, self.data, self.qtype, bias)
-        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
-        assert not torch.equal(out, ref.quant_linear(x, self.data, self.qtype, bias))
-        seen.add(tuple(self.shape))
-        return out
+    checked = checked_int8_linear(seen)
 
     prompts = [[5, 9, 14, 3, 77, 21, 40], [8, 1, 4]]
     with stagewise.Pipeline(str(folder), dtype="float32", linear_precision="int8") as pipe:
         monkeypatch.setattr(QuantizedWeight, "linear", checked)
         one = [c.token_ids for c in pipe.generate(prompt_token_ids=prompts, max_new_tokens=5, ignore_eos=True)]
         monkeypatch.setattr(QuantizedWeight, "linear", linear)
-    assert (SMALL["vocab_size"], SMALL["hidden_size"]) in seen  # the LM head
+    assert ("int8", (SMALL["vocab_size"], SMALL["hidden_size"])) in seen  # the LM head
     with stagewise.Pipeline(str(folder), dtype="float32", linear_precision="int8", stages=2) as pipe:
         two = [c.token_ids for c in pipe.generate(prompt_token_ids=prompts, max_new_tokens=5, ignore_eos=True)]
     assert one == two and all(len(t) == 5 for t in one)

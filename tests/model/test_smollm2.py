@@ -111,18 +111,11 @@ def test_int8_mode_runs_its_reference_maths(monkeypatch):
     pure-torch reference of the int8 maths up to float32 rounding, and differs from the exact op.
     How often the int8 mode's tokens agree with transformers is a benchmark figure
     (bench/results/*-e2e.md), not asserted here: the mode is approximate by design."""
+    from quant_cases import checked_int8_linear
     from stagewise.model.quant import QuantizedWeight
-    from stagewise.ops import reference as ref
 
-    linear, seen = QuantizedWeight.linear, set()
-
-    def checked(self, x, bias=None):
-        out = linear(self, x, bias)
-        expected = ref.quant_linear_int8(x, self.data, self.qtype, bias)
-        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
-        assert not torch.equal(out, ref.quant_linear(x, self.data, self.qtype, bias))
-        seen.add((self.precision, tuple(self.shape)))
-        return out
+    seen = set()
+    checked = checked_int8_linear(seen)
 
     with stagewise.Pipeline("smollm2-135m", dtype="float32", linear_precision="int8") as int8:
         monkeypatch.setattr(QuantizedWeight, "linear", checked)
