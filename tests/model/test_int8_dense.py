@@ -8,8 +8,8 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
-from quant_cases import checked_int8_linear
 
+from quant_cases import checked_int8_linear
 import stagewise
 from stagewise.model.loader import load_stage_weights
 from stagewise.model.quant import QuantizedWeight, quantize_q8_0
