@@ -65,6 +65,23 @@ def test_quant_linear_float32(name, shape, batch):
     _check(reference.quant_linear(x, qweight, ops.QTYPES[name], bias), x, w, bias)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_prompt_splits_its_tiles_over_the_threads_in_inference_mode(threads):
+    """A prompt's rows run dequantised tiles through a GEMM, each thread its own tiles (more tiles
+    than threads, and a count that is not a multiple of them); under inference mode, as in a model,
+    and the same values at every thread count."""
+    qweight = _quantize("Q4_1", 1000, 256)
+    w, x, bias = _dequantize(qweight, "Q4_1"), torch.randn(70, 256), torch.randn(1000)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            out = ops.quant_linear(x, qweight, ops.QTYPES["Q4_1"], bias)
+    finally:
+        torch.set_num_threads(before)
+    _check(out, x, w, bias)
+
+
 @pytest.mark.parametrize("rows", [16, 40])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", QTYPES)
