@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from stagewise.engine.handoff import KVShard, read_kv
+from stagewise.engine.handoff import read_kv
 from stagewise.kv import KVCache, KVCacheManager, KVCacheSpec
 from stagewise.model.batch import KVMetadata, StepBatch, split_for_pcp
 from stagewise.model.collectives import StageGroups
@@ -20,7 +20,6 @@ from stagewise.model.layers.attention import Attention
 from stagewise.model.layers.context_parallel import restore_pcp_rows
 from stagewise.model.layers.linear import Linear, RowParallelLinear
 from stagewise.model.layers.rotary import Rotary
-from stagewise.model.loader.sharding import kv_heads_of_rank
 
 HIDDEN, HEAD_DIM, LAYERS, BLOCK_SIZE, SEED = 32, 16, 2, 16, 1234
 
@@ -128,16 +127,6 @@ def run(case: dict, layers: list[Attention], groups: StageGroups = StageGroups()
         usage.append([manager.num_used_blocks, manager.num_stored_tokens(), live])
     kv = {}
     for rid in manager.request_ids():
-        share = shard(case, groups, interleave)
-        n = manager.num_tokens(rid)
-        kv[f"{rid}/k"], kv[f"{rid}/v"] = read_kv(manager, cache, rid, n if share is None else len(share.positions(n)))
+        kv[f"{rid}/k"], kv[f"{rid}/v"] = read_kv(manager, cache, rid, manager.num_local_tokens(rid))
     return outputs, usage, kv
 
-
-def shard(case: dict, groups: StageGroups, interleave: int) -> KVShard | None:
-    """The share of each request's KV a rank of ``case`` holds (None: one rank, all of it)."""
-    if groups.size == 1:
-        return None
-    heads = kv_heads_of_rank(config(case), groups.tp.rank, case["tp"])
-    return KVShard(kv_heads=(heads.start, heads.stop), num_kv_heads=case["kv_heads"],
-                   cp_world_size=case["pcp"] * case["dcp"], cp_rank=groups.cp_rank, interleave_size=interleave)

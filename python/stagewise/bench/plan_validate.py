@@ -31,7 +31,7 @@ from stagewise.bench.profile_runtime import background_load, concurrent_pass_s
 from stagewise.model.loader import open_checkpoint
 from stagewise.parallel.ranks import ParallelConfig
 from stagewise.planner import validate as val
-from stagewise.planner.estimate import Workload, contention, estimate_layout
+from stagewise.planner.estimate import Workload, contention, estimate_layout, ranks_outnumber_cores
 from stagewise.planner.profiles import load_profile, profile_from_dict
 from stagewise.planner.validate import MeasuredRun
 
@@ -241,7 +241,8 @@ def _cell(args, profile, config, work: Workload, B: int, S: int, tp: int, dcp: i
         run_profile = dataclasses.replace(profile, concurrency=conc)
     # A stage's ranks compute at once: n busy stages are n * tp busy processes.
     run_profile = run_profile.for_ranks(tp)
-    est = estimate_layout(config, ParallelConfig(world_size=S * tp, pp=S, tp=tp, dcp=dcp), work, run_profile)
+    parallel = ParallelConfig(world_size=S * tp, pp=S, tp=tp, dcp=dcp)
+    est = estimate_layout(config, parallel, work, run_profile)
     slow = contention(run_profile, S, B if args.microbatches is None else args.microbatches)
     where = f"B={B} S={S}" + (f" tp={tp} dcp={dcp}" if (tp, dcp) != (1, 1) else "")
     log(f"{where}: background load {background if background is not None else 0:.2f}, {n * tp} busy "
@@ -254,7 +255,7 @@ def _cell(args, profile, config, work: Workload, B: int, S: int, tp: int, dcp: i
                            repeats=args.repeats, log=log, **layout)
     except (NotImplementedError, ValueError, RuntimeError, TimeoutError) as err:
         raise ValueError(str(err)) from None
-    over = bool(profile.cores) and S * tp > profile.cores  # rank processes beyond the cores (see the estimate's note)
+    over = ranks_outnumber_cores(parallel, run_profile)
     return [{"batch": B, "background_load": background, "contention": slow, "oversubscribed": over, **r}
             for r in val.compare(est, measured)]
 

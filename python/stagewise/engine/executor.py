@@ -209,14 +209,15 @@ class Executor:
         (:func:`~stagewise.engine.handoff.merge_handoffs` puts them together)."""
         if request_id not in self.manager:
             raise ValueError(f"export_request: this stage holds no KV for request {request_id!r}")
-        n, shard, spec = self.manager.num_tokens(request_id), self.shard(), self.kv_cache.spec
-        k, v = read_kv(self.manager, self.kv_cache, request_id, n if shard is None else len(shard.positions(n)))
+        spec = self.kv_cache.spec
+        k, v = read_kv(self.manager, self.kv_cache, request_id, self.manager.num_local_tokens(request_id))
         entry = self._sampling.get(request_id)
         history = None
         if entry is not None and entry.history is not None:
             history = (sorted(entry.history.prompt), list(entry.history.output.elements()))
-        return KVHandoff(request_id=request_id, layers=(spec.layer_start, spec.layer_end), num_tokens=n, k=k, v=v,
-                         shard=shard, sampling=None if entry is None else entry.params,
+        return KVHandoff(request_id=request_id, layers=(spec.layer_start, spec.layer_end),
+                         num_tokens=self.manager.num_tokens(request_id), k=k, v=v,
+                         shard=self.shard(), sampling=None if entry is None else entry.params,
                          generator_state=None if entry is None or entry.generator is None
                          else entry.generator.get_state(), history=history)
 

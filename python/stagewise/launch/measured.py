@@ -58,9 +58,8 @@ def split_layers(config, profiles, *, prec, dtype: str = "float32", context: int
     first = [ops_s(stage_ops(config, edge[0], rows=1, new_tokens=1, context=context, prec=prec), p) for p in profiles]
     last = [ops_s(stage_ops(config, edge[1], rows=1, new_tokens=1, context=context, prec=prec), p) for p in profiles]
     # Each role's fixed step cost (scheduling, metadata, sampling; stage 0 also takes the tokens back).
-    fw = [p.framework or {} for p in profiles]
     fixed = ([framework_time(profiles[0], "engine", 0)] if s_count == 1 else
-             [framework_time(profiles[0], "head", 0) + fw[0].get("tokens_s", 0.0)]
+             [framework_time(profiles[0], "head", 0) + framework_time(profiles[0], "tokens", 0)]
              + [framework_time(p, "middle", 0) for p in profiles[1:-1]] + [framework_time(profiles[-1], "last", 0)])
     kv = shapes.kv_bytes_per_token_layer(config, prec.kv) * kv_tokens
     layer_bytes = [shapes.count(config, shapes.layer_tensors(config, layer)) * prec.weight_bytes(1, prec.weight_quant)

@@ -133,7 +133,7 @@ class QuantizedWeight:
         return ops.quant_linear(x, self.data, self.qtype, bias)
 
 
-def quantize_q8_0(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> QuantizedWeight:
+def quantize_q8_0(w: torch.Tensor) -> QuantizedWeight:
     """A dense ``W [out, in]`` (``in`` a multiple of 32) in Q8_0 blocks, by the GGUF project's own
     quantiser (``gguf.quants``: llama.cpp's rounding, bit for bit), to multiply in the int8 mode."""
     import gguf  # only the int8 mode over dense weights needs it
@@ -142,7 +142,7 @@ def quantize_q8_0(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> Quanti
         raise ValueError(f"quantize_q8_0: expected a floating-point [out, in] matrix with in a multiple of 32, "
                          f"got {w.dtype} {list(w.shape)}")
     blocks = gguf.quants.quantize(w.detach().float().cpu().numpy(), gguf.GGMLQuantizationType.Q8_0)
-    return QuantizedWeight(torch.from_numpy(blocks), ops.QTYPES["Q8_0"], w.size(1), dtype, "int8")
+    return QuantizedWeight(torch.from_numpy(blocks), ops.QTYPES["Q8_0"], w.size(1), torch.float32, "int8")
 
 
 def cat_rows(parts: list) -> torch.Tensor | QuantizedWeight:

@@ -271,6 +271,14 @@ def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: c
     return PhaseEstimate(est, rows, new_tokens, context, bounds, tuple(groups), firsts)
 
 
+def ranks_outnumber_cores(layout: ParallelConfig, profile: DeviceProfile) -> bool:
+    """Whether a CPU layout of stages of several ranks has more rank processes than cores: its
+    ranks then wait in their collectives for partners the OS has descheduled, which the estimate
+    does not price (it says so in a note)."""
+    return (profile.kind == "cpu" and bool(profile.cores) and layout.tp * layout.pcp > 1
+            and layout.pp * layout.tp * layout.pcp > profile.cores)
+
+
 def layout_sharding(config: ModelConfig, layout: ParallelConfig) -> shapes.Sharding:
     """What one rank of ``layout`` holds and computes: TP, EP, MoE-TP (dense models: 1), DCP and PCP."""
     return shapes.Sharding(layout.tp, layout.ep, layout.moe_tp if config.num_experts else 1, dcp=layout.dcp,
@@ -306,11 +314,11 @@ def estimate_layout(config: ModelConfig, layout: ParallelConfig, workload: Workl
     tpot = steady + (fill / (workload.output_length - 1) if workload.output_length > 1 else 0.0)
     total = prefill.first_tokens_s[-1] + (workload.output_length - 1) * steady  # = ttft + (O - 1) * tpot
     notes = []
-    ranks = layout.pp * layout.tp * layout.pcp
-    if profile.kind == "cpu" and profile.cores and layout.tp * layout.pcp > 1 and ranks > profile.cores:
-        notes.append(f"{ranks} rank processes on {profile.cores} cores: while stages compute at once, a stage's "
-                     "ranks wait in their collectives for partners the OS has descheduled, which this estimate "
-                     "does not price (measured: TPOT 15-30 % above it); give each rank a core")
+    if ranks_outnumber_cores(layout, profile):
+        notes.append(f"{layout.pp * layout.tp * layout.pcp} rank processes on {profile.cores} cores: while stages "
+                     "compute at once, a stage's ranks wait in their collectives for partners the OS has "
+                     "descheduled, which this estimate does not price (measured: TPOT 15-30 % above it); give "
+                     "each rank a core")
     if config.is_multimodal:
         notes.append(f"vision tower on stage 0, timed for one image of {workload.image_tokens} tokens per prompt"
                      if workload.image_tokens else "vision tower stored on stage 0, not timed (text requests)")
