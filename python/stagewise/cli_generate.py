@@ -15,6 +15,7 @@ import json
 import os
 import sys
 
+from stagewise import heap
 from stagewise.cli_prompts import (
     Requests, add_prompt_arguments, completion_json, config_problems, read_requests, report, sampling_args,
     sampling_problems,
@@ -189,10 +190,14 @@ def run(args: argparse.Namespace) -> int:
     problems, req = argument_problems(args)
     if problems:
         return report(PROG, problems)
-    problems = config_checks(args, req, sampling_args(args))
-    if problems:
-        return report(PROG, problems)
-    pipe = open_pipeline(args, PROG)
+    heap.pause()  # until the model is loaded: see stagewise.heap
+    try:
+        problems = config_checks(args, req, sampling_args(args))
+        if problems:
+            return report(PROG, problems)
+        pipe = open_pipeline(args, PROG)
+    finally:
+        heap.settle()
     if pipe is None:
         return 1
     return generate_and_print(pipe, args, req, prog=PROG)

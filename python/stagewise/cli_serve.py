@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 
+from stagewise import heap
 from stagewise.cli_generate import add_model_arguments, config_checks, model_problems, open_pipeline
 from stagewise.cli_prompts import Requests, report
 
@@ -94,18 +95,22 @@ def run(args: argparse.Namespace) -> int:
     problems = model_problems(args) + server_problems(args)
     if problems:
         return report(PROG, problems)
-    problems = config_checks(args, Requests(), {"max_new_tokens": 1})
-    if problems:
-        return report(PROG, problems)
-    sock = listen(args, PROG)
-    if sock is None:
-        return 2
-    args.threads = serving_threads(args)
+    heap.pause()  # until the model is loaded: see stagewise.heap
     try:
-        pipe = open_pipeline(args, PROG)
-    except BaseException:
-        sock.close()
-        raise
+        problems = config_checks(args, Requests(), {"max_new_tokens": 1})
+        if problems:
+            return report(PROG, problems)
+        sock = listen(args, PROG)
+        if sock is None:
+            return 2
+        args.threads = serving_threads(args)
+        try:
+            pipe = open_pipeline(args, PROG)
+        except BaseException:
+            sock.close()
+            raise
+    finally:
+        heap.settle()
     if pipe is None:
         sock.close()
         return 1

@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 
+from stagewise import heap
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
@@ -34,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    heap.pause()  # until the stage's model is built (StageProcess.run settles it): see stagewise.heap
     if args.die_with_parent:
         _die_with_parent()
     # Until the stage exists there is nothing to clean up: a SIGTERM (the launcher stopping a run
@@ -51,6 +54,7 @@ def main(args: argparse.Namespace) -> int:
         if args.probe:
             from stagewise.launch.probe import serve_probe
 
+            heap.settle()  # nothing loads
             code = serve_probe(plan, index, rank, args.listen, token=token)
         else:
             if args.rejoin < 0:

@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args(argv)
 
+    from stagewise import heap
+
+    heap.pause()  # until the pipeline is up: see stagewise.heap
     import stagewise
 
     print(f"stagewise demo: {args.model} as a {args.stages}-stage pipeline ({args.partition} partition, "
@@ -30,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     with stagewise.Pipeline(args.model, stages=args.stages, partition=args.partition, transport=args.transport,
                             max_model_len=1024, max_num_seqs=4) as pipe:
+        heap.settle()
         print(f"ready in {time.perf_counter() - start:.1f} s; layers per stage: {pipe.plan.stage_plan}\n", flush=True)
         print(f"> {args.question}\n", flush=True)
 

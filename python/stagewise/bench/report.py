@@ -88,7 +88,13 @@ def isa_line(info: dict) -> str:
         return ""
     forced = "" if info["cpu_isa"] == info["cpu_isa_supported"] else \
         f" (capped by STAGEWISE_CPU_ISA; the CPU has {info['cpu_isa_supported']})"
-    return (f"ISA: stagewise kernels at {info['cpu_isa']}{forced}; CPU flags: "
+    # torch's own kernels (ATEN_CPU_CAPABILITY caps them) and MKL's GEMMs (MKL_ENABLE_INSTRUCTIONS)
+    others = ""
+    if info.get("torch_cpu_capability"):
+        others = f"; torch kernels at {info['torch_cpu_capability'].lower()}"
+        if info.get("mkl_instructions"):
+            others += f", MKL capped at {info['mkl_instructions'].lower()}"
+    return (f"ISA: stagewise kernels at {info['cpu_isa']}{forced}{others}; CPU flags: "
             f"{' '.join(info.get('cpu_features') or []) or 'none of avx2/avx512'}")
 
 
@@ -154,7 +160,9 @@ def machine_info(device: str) -> dict:
     if dev.type == "cpu":
         from stagewise import ops
 
-        info.update(cpu_isa=ops.cpu_isa(), cpu_isa_supported=ops.cpu_isa_supported(), cpu_features=cpu_features())
+        info.update(cpu_isa=ops.cpu_isa(), cpu_isa_supported=ops.cpu_isa_supported(), cpu_features=cpu_features(),
+                    torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                    mkl_instructions=os.environ.get("MKL_ENABLE_INSTRUCTIONS"))
     try:
         import flashinfer
 

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from stagewise import heap
 from stagewise.engine.engine import Engine
 from stagewise.engine.executor import Executor, model_dtype
 from stagewise.parallel.groups import join_stage_groups
@@ -125,6 +126,7 @@ class StageProcess:
                         model = StageModel.from_weights(cfg, self.spec.start_layer, self.spec.end_layer, weights,
                                                         dtype=dtype, device=device, groups=groups)
                         del weights
+                        heap.settle()  # start-up is over (a no-op unless the command paused it)
                     self._serve(model, setup, acceptor, max_model_len, device)  # ends by raising
                 except OSError as err:  # ChannelClosed, a timeout, a refused hello: the driver or a neighbour is gone
                     if not self.rejoin_s:
