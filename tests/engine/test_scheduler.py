@@ -54,14 +54,6 @@ def test_a_step_budget_lowers_the_prompt_tokens_and_the_requests_started():
     assert [(c.seq.request_id, c.length) for c in step.prefills] == [("c", 2), ("d", 2)]
 
 
-def test_a_whole_prompt_waits_for_a_step_budget_that_holds_it():
-    s = scheduler(budget=8, rows=4)
-    s.add(SeqState(request_id="img", prompt_ids=list(range(1, 13)), whole=True))  # 12 tokens > max_prefill_tokens
-    assert s.schedule(prefill_budget=10).prefills == []        # above the pacer's budget: it waits
-    step = s.schedule(prefill_budget=1 << 30)                   # nothing limits it: it runs alone, whole
-    assert [(c.seq.request_id, c.length) for c in step.prefills] == [("img", 12)]
-
-
 @pytest.mark.parametrize("budget", [1, 3, 4, 100])
 def test_every_prompt_token_is_scheduled_once_in_order(budget):
     s = scheduler(budget=budget, rows=2)
@@ -87,15 +79,3 @@ def test_a_budget_below_one_token_is_refused_naming_the_option(budget):
     with pytest.raises(ValueError, match="max_prefill_tokens"):
         GroupedScheduler(scheduler(1).manager, num_groups=2, max_num_seqs=2, max_model_len=32,
                          max_prefill_tokens=budget)
-
-
-def test_a_prompt_with_images_is_prefilled_whole():
-    """Its placeholders take the vision tower's rows in one step: never chunked, waiting for a step
-    whose budget holds it, alone in a step when it is above the budget."""
-    s = scheduler(budget=5)
-    s.add(SeqState(request_id="a", prompt_ids=list(range(1, 4))))
-    s.add(SeqState(request_id="img", prompt_ids=list(range(1, 5)), whole=True))
-    s.add(SeqState(request_id="big", prompt_ids=list(range(1, 9)), whole=True))
-    assert run_step(s) == ([("a", 0, 3)], [], ["a"])                 # 2 left: img (4) waits
-    assert run_step(s) == ([("img", 0, 4)], ["a"], ["img", "a"])     # then big (8 > 1 left) waits
-    assert run_step(s) == ([("big", 0, 8)], ["a", "img"], ["big", "a", "img"])  # above the budget: alone

@@ -98,7 +98,8 @@ def _hf_greedy(hf, folder, ids, images, n: int) -> list[int]:
 @pytest.mark.parametrize("budget", [8192, 4], ids=["whole", "chunked"])
 def test_greedy_generation_matches_transformers(vl, budget):
     """Images as PIL images, file paths and uint8 tensors, in one batch with a text-only prompt; with
-    a small prefill budget the text-only prompt is chunked and those with images run whole."""
+    a small prefill budget every prompt is chunked, an image's tokens split over steps (the vision
+    tower's output kept from a prompt's first chunk to its last)."""
     hf, folder = vl
     expected = [_hf_greedy(hf, folder, ids, images, 8) for ids, images in PROMPTS]
     path = folder / "second.png"

@@ -68,21 +68,24 @@ def dense(tmp_path_factory):
     return _saved("dense", tmp_path_factory.mktemp("vl-dense"))
 
 
-@pytest.mark.parametrize(("kind", "stages", "partition", "tp", "pcp", "dcp"), [
-    ("moe", 2, "balanced", 1, 1, 1), ("moe", 3, "0-1,1-3,3-4", 1, 1, 1), ("dense", 2, "0-2,2-4", 1, 1, 1),
-    ("moe", 2, "even", 2, 1, 1), ("dense", 1, "even", 1, 2, 1), ("moe", 2, "0-1,1-4", 1, 2, 1),
-    ("dense", 1, "even", 4, 1, 2)])
-def test_pipeline_tokens_equal_transformers(request, kind, stages, partition, tp, pcp, dcp):
+@pytest.mark.parametrize(("kind", "stages", "partition", "tp", "pcp", "dcp", "budget"), [
+    ("moe", 2, "balanced", 1, 1, 1, None), ("moe", 3, "0-1,1-3,3-4", 1, 1, 1, None),
+    ("dense", 2, "0-2,2-4", 1, 1, 1, None), ("moe", 2, "even", 2, 1, 1, None), ("dense", 1, "even", 1, 2, 1, None),
+    ("moe", 2, "0-1,1-4", 1, 2, 1, None), ("dense", 1, "even", 4, 1, 2, None), ("moe", 2, "0-1,1-4", 2, 1, 1, 5)])
+def test_pipeline_tokens_equal_transformers(request, kind, stages, partition, tp, pcp, dcp, budget):
     """3 stages: stage 0 holds one of the three DeepStack layers, stage 1 the other two, stage 2 none.
     Dense: the later stage decodes in the C++ layer loop at the rope-shifted positions. tp 2: stage
     0's leader hands its other rank the image embeddings and DeepStack features with each step.
     pcp 2: each rank prefills its head-tail share of every prompt, image tokens and DeepStack
     features among them, on both sides of a stage boundary that splits the DeepStack layers. pcp 2
     and dcp 2: the decode rows of a request with images carry rope positions shifted by its rope
-    delta, while its KV shards follow its sequence positions."""
+    delta, while its KV shards follow its sequence positions. A prefill budget of 5 tokens: every
+    prompt in chunks, each image's tokens and DeepStack features split over steps and stages of two
+    TP ranks."""
     folder, expected = request.getfixturevalue(kind)
+    options = {} if budget is None else {"max_prefill_tokens": budget}
     with stagewise.Pipeline(str(folder), stages=stages, partition=partition, tp=tp, pcp=pcp, dcp=dcp,
-                            max_model_len=128) as pipe:
+                            max_model_len=128, **options) as pipe:
         got = pipe.generate(prompt_token_ids=[ids for ids, _ in PROMPTS], images=[im for _, im in PROMPTS],
                             max_new_tokens=NEW, ignore_eos=True)
         assert [c.error for c in got] == [None] * 3

@@ -115,7 +115,6 @@ class Engine:
         seq = self.requests.add(request_id, prompt_ids, params)
         try:
             vision = prepare_images(self.config, request_id, list(prompt_ids), images)
-            seq.whole = vision is not None  # the vision tower's rows land in one step
             self.scheduler.add(seq)
         except Exception:
             self.requests.discard(request_id)
@@ -186,7 +185,7 @@ class Engine:
         sampling = {c.seq.request_id: SamplingRequest.of(self.requests.params(c.seq.request_id), c.seq.prompt_ids)
                     for c in plan.prefills if c.start == 0}
         try:
-            batch = self.executor.model.encode_images(self._batch(plan))
+            batch = self._batch(plan)
             output = self.executor.run(batch, sampling)
         except RanksOutOfStep:
             raise  # the stage itself is broken: not one step's failure
@@ -258,21 +257,34 @@ class Engine:
                          last_chunk=last, **self._image_fields(plan, positions))
 
     def _image_fields(self, plan: ScheduledStep, positions: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The images of the step's prefills and every row's 3-D positions, when a prefill has images
-        (a prompt with images is prefilled whole, in one chunk: see ``SeqState.whole``)."""
-        with_images = [self._vision[c.seq.request_id] for c in plan.prefills if c.seq.request_id in self._vision]
-        if not with_images:
+        """When a prefill chunk of the step belongs to a prompt with images: every row's 3-D
+        positions, and the embeddings and DeepStack features of the chunks' image tokens at their
+        rows. The vision tower runs with a prompt's first chunk; its output is dropped after the last."""
+        if not any(c.seq.request_id in self._vision for c in plan.prefills):
             return {}
-        mrope = positions.expand(3, -1).clone()
-        start = 0
-        for chunk in plan.prefills:
-            if chunk.seq.request_id in self._vision:
-                mrope[:, start:start + chunk.length] = self._vision[chunk.seq.request_id].positions.to(mrope.device)
-            start += chunk.length
         device = self.executor.device
-        return dict(mrope_positions=mrope,
-                    pixel_values=torch.cat([v.images.pixel_values for v in with_images]).to(device),
-                    image_grid_thw=torch.cat([v.images.image_grid_thw for v in with_images]).to(device))
+        mrope = positions.expand(3, -1).clone()
+        rows, embeds, deepstack = [], [], []
+        offset = 0
+        for chunk in plan.prefills:
+            vision = self._vision.get(chunk.seq.request_id)
+            if vision is not None:
+                start, n = chunk.start, chunk.length
+                mrope[:, offset:offset + n] = vision.positions[:, start:start + n].to(device)
+                if vision.features is None:
+                    vision.features = self.executor.model.image_features(vision.images.pixel_values.to(device),
+                                                                         vision.images.image_grid_thw.to(device))
+                at, e, d = vision.chunk_features(start, n)
+                rows.append(at.to(device) + offset), embeds.append(e), deepstack.append(d)
+                if chunk.last:
+                    vision.features = None
+            offset += chunk.length
+        fields = dict(mrope_positions=mrope)
+        if sum(r.numel() for r in rows):
+            fields.update(visual_rows=torch.cat(rows), image_embeds=torch.cat(embeds))
+            if deepstack[0].size(0):
+                fields["deepstack"] = torch.cat(deepstack, 1)
+        return fields
 
     def _end(self, request_id: Hashable, reason: str, error: str | None = None) -> RequestOutput:
         """Every way a request ends: its result, its row and blocks back, its KV freed here and,

@@ -1,7 +1,11 @@
 """The images of stage 0's requests: a request's ``pixel_values`` and patch grids checked against
-its prompt once, when it is added, and turned into what its steps carry — the images and 3-D rope
-positions with its prefill, the rope delta with each decode (see
-:mod:`stagewise.model.vision.positions`).
+its prompt once, when it is added, and turned into what its steps carry — the image tokens'
+embeddings, DeepStack features and 3-D rope positions with each chunk of its prefill, the rope
+delta with each decode (see :mod:`stagewise.model.vision.positions`).
+
+The vision tower runs once per request, with its prompt's first chunk; its output is kept until the
+prompt's last chunk (an encoder cache), so that a prompt with images is chunked like any other and
+never waits for a step of its own.
 
 Checks name the request and the image: the model must have a vision tower, each image's grid must
 fit the tower, and the prompt must hold one run of ``t * h * w / merge ** 2`` image placeholder
@@ -50,7 +54,22 @@ class VisionRequest:
     delta: int
     """Decode position = cached tokens + delta."""
     images: ImageInputs
-    """Its images, which its prefill step brings to the vision tower."""
+    """Its images, for the vision tower."""
+    token_index: torch.Tensor
+    """``[N]`` int64: the prompt indices of its image placeholder tokens, in order."""
+    features: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The vision tower's output while the prompt is being prefilled: the image tokens' embeddings
+    ``[N, hidden]`` and DeepStack features ``[levels, N, hidden]``; None before and after."""
+
+    def chunk_features(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For prompt tokens ``[start, start + length)``: the indices of the image tokens among them
+        (relative to ``start``), their embeddings and their DeepStack features."""
+        if self.features is None:
+            raise ValueError("VisionRequest.chunk_features: the images are not encoded")
+        idx = self.token_index
+        mask = (idx >= start) & (idx < start + length)
+        embeds, deepstack = self.features
+        return idx[mask] - start, embeds[mask.to(embeds.device)], deepstack[:, mask.to(deepstack.device)]
 
 
 def prepare_images(config: ModelConfig, request_id: Hashable, prompt_ids: list[int],
@@ -86,4 +105,5 @@ def prepare_images(config: ModelConfig, request_id: Hashable, prompt_ids: list[i
         raise ValueError(f"request {request_id!r}: {err} (image tokens per image: {counts})") from None
     if images is None or images.num_images == 0:
         return None  # text only: every axis at the token's index, as without M-RoPE
-    return VisionRequest(positions=positions, delta=delta, images=images)
+    index = (torch.tensor(prompt_ids, dtype=torch.int64) == v.image_token_id).nonzero().flatten()
+    return VisionRequest(positions=positions, delta=delta, images=images, token_index=index)

@@ -39,10 +39,6 @@ class SeqState:
     num_prefilled: int = 0
     """Prompt tokens scheduled into steps so far (chunked prefill); the prompt is prefilled when
     this reaches ``len(prompt_ids)``."""
-    whole: bool = False
-    """Prefill the prompt in one step, never in chunks (a prompt with images: the vision tower's
-    output replaces its placeholders in the step that runs them); above ``max_prefill_tokens`` it
-    runs in a step whose only prompt it is."""
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -197,9 +193,6 @@ class Scheduler:
         while self.waiting and admit > 0 and budget > 0:
             seq = self.waiting[0]
             n = len(seq.prompt_ids)
-            if seq.whole and n > budget and (step.prefills or budget < self.max_prefill_tokens
-                                             or (prefill_budget is not None and n > prefill_budget)):
-                break  # a whole prompt that does not fit what is left waits for a step of its own
             try:
                 self.manager.add(seq.request_id, n)
             except OutOfKVBlocks as err:
@@ -213,7 +206,7 @@ class Scheduler:
             admit -= 1
             seq.row = self._free_rows.pop()
             self.running[seq.request_id] = seq
-            budget -= self._chunk(step, seq, max(budget, n) if seq.whole else budget)
+            budget -= self._chunk(step, seq, budget)
         return step
 
     @staticmethod

@@ -99,16 +99,22 @@ class StageModel(nn.Module):
         placeholder tokens (``visual_rows``). A step without images is returned as it is."""
         if batch.pixel_values is None:
             return batch
-        if self.vision is None:
-            raise ValueError("StageModel.encode_images: this stage has no vision tower (a text-only model, "
-                             "or not the first stage)")
-        embeds, deepstack = self.vision(batch.pixel_values, batch.image_grid_thw)
+        embeds, deepstack = self.image_features(batch.pixel_values, batch.image_grid_thw)
         rows = (batch.token_ids == self.config.vision_config.image_token_id).nonzero().flatten()
         if rows.numel() != embeds.size(0):
             raise ValueError(f"StageModel.encode_images: the step has {rows.numel()} image placeholder tokens "
                              f"but its images give {embeds.size(0)} image tokens")
         return dataclasses.replace(batch, pixel_values=None, image_grid_thw=None, image_embeds=embeds,
                                    visual_rows=rows, deepstack=deepstack if deepstack.size(0) else None)
+
+    @torch.inference_mode()
+    def image_features(self, pixel_values: torch.Tensor,
+                       image_grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage 0: the vision tower's output for some images: the embeddings of their image tokens
+        ``[N, hidden]`` and their DeepStack features ``[levels, N, hidden]`` (``levels`` may be 0)."""
+        if self.vision is None:
+            raise ValueError("StageModel: this stage has no vision tower (a text-only model, or not the first stage)")
+        return self.vision(pixel_values, image_grid_thw)
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """The shape of the KV cache this stage's layers write (this TP rank's KV heads)."""
