@@ -114,7 +114,7 @@ def test_measured_concurrency_replaces_the_core_rule():
 
 
 def test_decode_spans_leave_out_each_groups_prefill():
-    from stagewise.bench.plan_validate import decode_spans
+    from stagewise.bench.plan_measure import decode_spans
 
     trace = [("compute", 0.0, 1.0, 0), ("compute", 1.0, 2.0, 1), ("send", 1.0, 0.1, 0), ("recv-wait", 3.0, 2.0, 0),
              ("compute", 5.0, 3.0, 0), ("send", 8.0, 0.2, 0), ("compute", 9.0, 4.0, 1)]

@@ -19,13 +19,12 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 from stagewise.model.quant import checkpoint_quant
 from stagewise.bench import report, tiny_from_environment
-from stagewise.bench.e2e import make_prompts
+from stagewise.bench.plan_measure import time_runs
 from stagewise.bench.regroup import describe_shapes, model_shapes, regrouped_model
 from stagewise.bench.profile_runtime import background_load, concurrent_pass_s
 from stagewise.model.loader import open_checkpoint
@@ -59,6 +58,11 @@ def _run(argv: list[str]) -> int:
                         "hidden/Q dims, every other tensor as it is: for TP/DCP sizes its own heads do not allow "
                         "(SmolLM2: 8/1 allows tp 2 and dcp 2); tokens are meaningless, timings keep its shapes")
     p.add_argument("--transport", default=None, help="the runtime's transport between stages (e.g. tcp)")
+    p.add_argument("--partition", choices=["measured"], default=None,
+                   help="measured: check the prediction of --partition measured (each stage's node measured, the "
+                        "layers split by it) against the run on that split, at batch 1 (bench/plan_validate_split.py)")
+    p.add_argument("--stage-threads", default=None, metavar="T,T,...",
+                   help="with --partition measured: each stage's torch threads, dealt in turn (default --threads)")
     p.add_argument("--device-profile", default=None,
                    help="profile JSON (default: measure this machine now, in this process, just before the runs: "
                         "on a shared machine a stored profile may describe other conditions)")
@@ -101,6 +105,12 @@ def _run(argv: list[str]) -> int:
     torch.set_num_threads(args.threads)
     info = report.machine_info("cpu")
     args.out = args.out if args.out is not None else report.default_out(info["device"])
+    if args.partition == "measured":
+        from stagewise.bench import plan_validate_split
+
+        return plan_validate_split.run(args, ckpt, info, model_name, log)
+    if args.stage_threads is not None:
+        raise ValueError("--stage-threads applies to --partition measured")
     if args.device_profile:
         profile = load_profile(args.device_profile)
     else:
@@ -299,70 +309,5 @@ def measure(model: str, stages: int, *, batch: int, input_length: int, output_le
         options["interleave_size"] = 1  # tokens dealt to the DCP ranks in turn, as the planner splits them
     pipe = Pipeline(model, stages=stages, tp=tp, dcp=dcp, dtype="float32", max_num_seqs=batch,
                     max_model_len=max_len, max_num_tokens=batch * max_len, **options)
-    label = f"S={stages}" + (f" tp={tp} dcp={dcp}" if (tp, dcp) != (1, 1) else "")
-    try:
-        prompts = make_prompts(pipe.checkpoint, batch, input_length)
-        pipe.generate(prompt_token_ids=prompts, max_new_tokens=2, ignore_eos=True)  # warm-up
-        prefill_comm = None
-        if tp > 1:  # the prefill alone: its collectives and fan-out, to take off the leaders' counters
-            pipe.generate(prompt_token_ids=prompts, max_new_tokens=1, ignore_eos=True)
-            prefill_comm = [(st["collective_s"], st["fanout_s"]) for st in pipe.stage_stats()]
-        ttfts, tpots, busy_runs, send_runs, coll_runs, fan_runs = [], [], [], [], [], []
-        for i in range(repeats):
-            pipe.generate(prompt_token_ids=prompts, max_new_tokens=output_length, ignore_eos=True)
-            s = pipe.last_stats
-            steps = s["decode_tokens"] / batch
-            ttfts.append(s["ttft_s"])
-            tpots.append(s["decode_s"] / steps)
-            if processes:
-                stats = pipe.stage_stats(trace=True)
-                spans = [decode_spans(st["trace"]) for st in stats]
-                busy_runs.append([b / steps for b, _ in spans])
-                send_runs.append([t / steps for _, t in spans])
-                if prefill_comm is not None:
-                    coll_runs.append(sum(st["collective_s"] - c for st, (c, _) in zip(stats, prefill_comm)) / steps)
-                    fan_runs.append(sum(st["fanout_s"] - f for st, (_, f) in zip(stats, prefill_comm)) / steps)
-            log(f"  {label} run {i + 1}/{repeats}: TTFT {1e3 * ttfts[-1]:.1f} ms, TPOT {1e3 * tpots[-1]:.2f} ms")
-    finally:
-        pipe.close()
-    tpot = statistics.median(tpots)
-    if not processes:
-        busy, send = [tpot], [0.0]
-    else:
-        busy = [statistics.median(run[i] for run in busy_runs) for i in range(stages)]
-        send = [statistics.median(run[i] for run in send_runs) for i in range(stages)]
-    microbatches = min(batch, stages)
-    # The bubble: the step's latency beyond the sum of one microbatch's stage times.
-    bubble = max(0.0, tpot - (sum(busy) + sum(send)) / microbatches) if processes else 0.0
-    # The least disturbed run (lowest TPOT): on a shared machine, the one closest to the conditions
-    # the profile's primitives describe; reported beside the medians.
-    k = min(range(len(tpots)), key=tpots.__getitem__)
-    if not processes:
-        best = {"tpot_s": tpots[k], "ttft_s": ttfts[k], "per_stage_busy_s": [tpots[k]], "bubble_s": 0.0}
-    else:
-        best = {"tpot_s": tpots[k], "ttft_s": ttfts[k], "per_stage_busy_s": busy_runs[k],
-                "bubble_s": max(0.0, tpots[k] - (sum(busy_runs[k]) + sum(send_runs[k])) / microbatches)}
-    return MeasuredRun(stages=stages, per_stage_busy_s=busy, tpot_s=tpot, ttft_s=statistics.median(ttfts),
-                       bubble_s=bubble, tp=tp, dcp=dcp,
-                       details={"ttft_runs_s": ttfts, "tpot_runs_s": tpots, "busy_runs_s": busy_runs,
-                                "send_per_step_s": send, "microbatches": microbatches, "best_run": best,
-                                **({"collective_per_step_s": statistics.median(coll_runs),
-                                    "fanout_per_step_s": statistics.median(fan_runs),
-                                    "collective_runs_s": coll_runs} if coll_runs else {})})
-
-
-def decode_spans(trace) -> tuple[float, float]:
-    """Seconds of ``compute`` and of ``send`` in a stage's trace ``(name, start, dur, microbatch)``
-    after each microbatch's first (its prefill)."""
-    seen: set[tuple[str, int]] = set()
-    total = {"compute": 0.0, "send": 0.0}
-    for name, _start, dur, mb in sorted(trace, key=lambda e: e[1]):
-        if name not in total:
-            continue
-        if (name, mb) not in seen:
-            seen.add((name, mb))
-            continue
-        total[name] += dur
-    return total["compute"], total["send"]
-
-
+    return time_runs(pipe, stages, batch=batch, input_length=input_length, output_length=output_length,
+                     repeats=repeats, log=log, tp=tp, dcp=dcp)

@@ -125,6 +125,12 @@ def measured_plan(plan: RunPlan, checkpoint, start, log=None, token: str | None 
     """``plan`` with its layers split by its nodes' measured speed (its partition says ``measured``),
     the probes started by ``start`` with the run's ``token`` (see :func:`measure_nodes`); the split
     is said through ``log`` (default: on stderr)."""
+    return measured_split(plan, checkpoint, start, log, token)[0]
+
+
+def measured_split(plan: RunPlan, checkpoint, start, log=None, token: str | None = None) -> tuple[RunPlan, Split]:
+    """:func:`measured_plan`, and the :class:`Split` it took with its prediction (what
+    ``stagewise plan validate --partition measured`` checks against the run)."""
     if log is None:
         import sys
 
@@ -159,4 +165,4 @@ def measured_plan(plan: RunPlan, checkpoint, start, log=None, token: str | None 
         log(f"stage {s}: layers {a}-{b} ({b - a}), predicted {1e3 * t:.2f} ms a decode step on "
             f"{node['host']} ({node['device']}, {node['threads']} threads)")
     log(f"predicted TPOT at batch 1: {1e3 * split.tpot_s:.2f} ms (hops not counted)")
-    return placed.validated()
+    return placed.validated(), split

@@ -68,6 +68,13 @@ def compare(predicted, measured: MeasuredRun) -> list[dict]:
         # time in them, waiting for the other ranks included) against the comm-bound ops' time.
         rows.append({"metric": "collectives", "predicted_s": predicted.decode.op_bound.get("comm", 0.0) * m,
                      "measured_s": measured.details["collective_per_step_s"]})
+    return finish_rows(rows, measured)
+
+
+def finish_rows(rows: list[dict], measured: MeasuredRun) -> list[dict]:
+    """Rows ``{metric, predicted_s, measured_s}`` of one configuration (metrics ``ttft``, ``tpot``,
+    ``stage<i>_busy``, ``bubble``, ``collectives``) with the run's layout, the least disturbed run
+    and the errors added."""
     best = measured.details.get("best_run")
     if best:
         for r in rows:
