@@ -149,10 +149,7 @@ def _run(argv: list[str]) -> int:
     data["model_note"] = model_note or None
     data["model_shapes"] = model_shapes(config)
     data["skipped"] = [{"tp": tp, "dcp": dcp, "why": why} for tp, dcp, why in skipped]
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"{info['device']}-plan-validate"
-    stem.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
-    stem.with_suffix(".md").write_text("\n".join([
+    report.write_results(args.out, f"{info['device']}-plan-validate", data, [
         "# Planner predictions against measured runs", "",
         f"Machine: {info['device_name']} ({info['device']}), {args.threads} torch thread(s); torch {info['torch']}  ",
         f"Date (UTC): {info['date_utc']}; commit: {info['git_commit']}  ",
@@ -165,8 +162,7 @@ def _run(argv: list[str]) -> int:
         f"Load average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load_before)}; after: "
         f"{', '.join(f'{x:.2f}' for x in load_after)} (2-core machine, shared)", "",
         "Error = (predicted - measured) / measured; the bubble's error is in % of the measured TPOT.", "",
-        table, "", *_oversubscribed(rows, profile.cores), VALIDATE_METHOD, "", RANKS_METHOD, ""]))
-    log(f"wrote {stem}.json and {stem}.md")
+        table, "", *_oversubscribed(rows, profile.cores), VALIDATE_METHOD, "", RANKS_METHOD, ""], log=log)
     if args.tiny:
         log("toy sizes (--tiny): the planner's validation record stays as it is")
     elif not args.no_store:

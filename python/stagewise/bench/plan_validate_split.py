@@ -13,7 +13,6 @@ the profile-based predictions) is left as it is.
 
 from __future__ import annotations
 
-import json
 import os
 
 METHOD = """Method: before each run the stage processes start as probes (as for `--partition measured`);
@@ -76,6 +75,7 @@ def measured_cell(args, checkpoint, stages: int, log) -> list[dict]:
 
 def run(args, checkpoint, info: dict, model_name: str, log) -> int:
     """Every stage count of ``args.stages``: measured, split, run and compared; the results written."""
+    from stagewise.bench import report
     from stagewise.bench.regroup import describe_shapes
     from stagewise.planner import validate as val
 
@@ -98,10 +98,7 @@ def run(args, checkpoint, info: dict, model_name: str, log) -> int:
             "model": model_name, "partition": "measured", "rows": rows,
             "workload": {"batch": 1, "input_length": args.input_length, "output_length": args.output_length,
                          "repeats": args.repeats, "stage_threads": args.stage_threads, "threads": args.threads}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"{info['device']}-plan-validate-measured"
-    stem.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
-    stem.with_suffix(".md").write_text("\n".join([
+    lines = [
         "# A measured split's prediction against its run", "",
         f"Machine: {info['device_name']} ({info['device']}); torch {info['torch']}  ",
         f"Date (UTC): {info['date_utc']}; commit: {info['git_commit']}  ",
@@ -110,6 +107,7 @@ def run(args, checkpoint, info: dict, model_name: str, log) -> int:
         f"median of {args.repeats} runs  ", f"Splits: {'; '.join(cells)}  ",
         f"Load average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load_before)}; after: "
         f"{', '.join(f'{x:.2f}' for x in load_after)}", "",
-        "Error = (predicted - measured) / measured.", "", table, "", METHOD, ""]))
-    log(f"wrote {stem}.json and {stem}.md (the planner's validation record stays as it is)")
+        "Error = (predicted - measured) / measured.", "", table, "", METHOD, ""]
+    report.write_results(args.out, f"{info['device']}-plan-validate-measured", data, lines, log=log)
+    log("the planner's validation record stays as it is (it holds the profile-based predictions)")
     return 0
