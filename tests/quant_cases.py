@@ -60,6 +60,8 @@ def checked_int8_linear(seen: set):
 
     def checked(self, x, bias=None):
         out = linear(self, x, bias)
+        if x.numel() == 0:  # the LM head of a step whose chunks sample nothing
+            return out
         expected = ref.quant_linear_int8(x, self.data, self.qtype, bias)
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
         assert not torch.equal(out, ref.quant_linear(x, self.data, self.qtype, bias))

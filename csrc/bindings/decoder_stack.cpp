@@ -6,13 +6,15 @@
 // much again. The stack holds every layer's weights once (built by
 // python/stagewise/model/decode_stack.py) and runs the very ops the Python layers run, through
 // the dispatcher from C++, in the same order with the same arguments: the results are the
-// same bits. It serves decode steps only (every row one new token); prefills take the Python
-// layers, which know SDPA and mixed batches.
+// same bits. It serves decode steps (every row one new token) and prompt steps whose prompts all
+// start at position 0 (attention: torch's SDPA, causal, over each prompt's own tokens); later
+// chunks, mixed steps, images and context parallelism take the Python layers.
 //
 // One step, per layer (x [B, hidden] and residual [B, hidden], updated in place):
 //   residual += x; x = rms_norm(residual)        (the first layer of stage 0: residual = x)
 //   qkv = linear(x); rope (or Qwen3's qk_norm_rope) on q, k
-//   attn = decode_attention(q over the cache plus k, v); reshape_and_cache(k, v)
+//   attn = decode_attention(q over the cache plus k, v)   (a prompt step: SDPA over each prompt)
+//   reshape_and_cache(k, v)
 //   x = linear_o(attn); residual += x; x = rms_norm(residual)
 //   gate, up = linear_gate_up(x); x = linear_down(act(gate) * up)
 #include <ATen/ATen.h>
@@ -86,24 +88,68 @@ class DecoderStack : public torch::CustomClassHolder {
   // stage's cache, layer i at kv[i]. has_residual false: residual is taken from x (stage 0).
   void decode(at::Tensor x, at::Tensor residual, bool has_residual, at::Tensor positions, at::Tensor slot_mapping,
               at::Tensor block_tables, at::Tensor seq_lens, at::Tensor kv) {
+    static auto attention = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                    const at::Tensor&, const at::Tensor&, double, const OptT&, const OptT&, int64_t)>(
+        "stagewise::decode_attention");
+    check(x, residual, kv, "decode");
+    at::Tensor lse = at::empty({x.size(0), hq_}, x.options().dtype(at::kFloat));
+    run(x, residual, has_residual, positions, slot_mapping, kv,
+        [&](at::Tensor& attn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+            const at::Tensor& v_cache) {
+          attention.call(attn, lse, q, k_cache, v_cache, block_tables, seq_lens, scale_, k, v, 0);
+        });
+  }
+
+  // A prompt step: prompts of query_lens tokens, one after another in x, each from position 0
+  // (nothing cached before it); causal attention over each prompt's own tokens, as the Python
+  // layer runs it (torch's SDPA on [1, H, n, D] views, the KV heads shared by GQA).
+  void prefill(at::Tensor x, at::Tensor residual, bool has_residual, at::Tensor positions, at::Tensor slot_mapping,
+               std::vector<int64_t> query_lens, at::Tensor kv) {
+    check(x, residual, kv, "prefill");
+    int64_t total = 0;
+    for (int64_t n : query_lens) {
+      TORCH_CHECK_VALUE(n > 0, "DecoderStack.prefill: every prompt needs at least one token, got ", n);
+      total += n;
+    }
+    TORCH_CHECK_VALUE(total == x.size(0), "DecoderStack.prefill: query_lens add up to ", total, " rows, x has ",
+                      x.size(0));
+    run(x, residual, has_residual, positions, slot_mapping, kv,
+        [&](at::Tensor& attn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
+            const at::Tensor&) {
+          int64_t start = 0;
+          for (int64_t n : query_lens) {
+            auto span = [&](const at::Tensor& a) { return a.narrow(0, start, n).transpose(0, 1).unsqueeze(0); };
+            at::Tensor o = at::scaled_dot_product_attention(span(q), span(k), span(v), std::nullopt, 0.0,
+                                                            /*is_causal=*/true, scale_, /*enable_gqa=*/hq_ != hk_);
+            attn.narrow(0, start, n).copy_(o[0].transpose(0, 1));
+            start += n;
+          }
+        });
+  }
+
+ private:
+  void check(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& kv, const char* what) const {
+    TORCH_CHECK_VALUE(x.dim() == 2 && residual.sizes() == x.sizes(), "DecoderStack.", what, ": x and residual must ",
+                      "be [B, hidden] alike, got ", x.sizes(), " and ", residual.sizes());
+    TORCH_CHECK_VALUE(kv.dim() == 6 && kv.size(0) == num_layers() && kv.size(1) == 2, "DecoderStack.", what,
+                      ": kv must be [", num_layers(), ", 2, blocks, block_size, Hk, D], got ", kv.sizes());
+  }
+
+  // Every layer over x (updated in place with residual); attend(attn, q, k, v, k_cache, v_cache)
+  // fills attn [B, Hq, D] before the new K/V go into the cache.
+  template <typename Attend>
+  void run(at::Tensor& x, at::Tensor& residual, bool has_residual, const at::Tensor& positions,
+           const at::Tensor& slot_mapping, const at::Tensor& kv, Attend&& attend) {
     static auto rms_norm = op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, double)>("stagewise::rms_norm");
     static auto fused_norm =
         op<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)>("stagewise::fused_add_rms_norm");
     static auto rope = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>("stagewise::rope");
     static auto qk_norm_rope = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
                                        const at::Tensor&, const at::Tensor&, double, bool)>("stagewise::qk_norm_rope");
-    static auto attention = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                    const at::Tensor&, const at::Tensor&, double, const OptT&, const OptT&, int64_t)>(
-        "stagewise::decode_attention");
     static auto cache = op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>(
         "stagewise::reshape_and_cache");
-    TORCH_CHECK_VALUE(x.dim() == 2 && residual.sizes() == x.sizes(), "DecoderStack.decode: x and residual must be ",
-                      "[B, hidden] alike, got ", x.sizes(), " and ", residual.sizes());
-    TORCH_CHECK_VALUE(kv.dim() == 6 && kv.size(0) == num_layers() && kv.size(1) == 2, "DecoderStack.decode: kv must "
-                      "be [", num_layers(), ", 2, blocks, block_size, Hk, D], got ", kv.sizes());
     const int64_t b = x.size(0), q_cols = hq_ * d_, kv_cols = hk_ * d_;
     at::Tensor attn = at::empty({b, hq_, d_}, x.options());
-    at::Tensor lse = at::empty({b, hq_}, x.options().dtype(at::kFloat));
     for (int64_t i = 0; i < num_layers(); ++i) {
       const Layer& l = layers_[i];
       if (i == 0 && !has_residual) {
@@ -122,7 +168,7 @@ class DecoderStack : public torch::CustomClassHolder {
         rope.call(q, k, positions, cos_sin_, neox_);
       }
       at::Tensor k_cache = kv[i][0], v_cache = kv[i][1];
-      attention.call(attn, lse, q, k_cache, v_cache, block_tables, seq_lens, scale_, k, v, 0);
+      attend(attn, q, k, v, k_cache, v_cache);
       cache.call(k, v, k_cache, v_cache, slot_mapping);
       at::Tensor h = linear(attn.view({b, q_cols}), l.o);
       fused_norm.call(h, residual, l.post_norm, eps_);
@@ -133,7 +179,6 @@ class DecoderStack : public torch::CustomClassHolder {
     }
   }
 
- private:
   at::Tensor linear(const at::Tensor& x, const Linear& w) const {
     static auto dense = op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&)>(
         "stagewise::dense_linear");
@@ -176,7 +221,8 @@ TORCH_LIBRARY_FRAGMENT(stagewise, m) {
       .def("add_layer", &DecoderStack::add_layer)
       .def("set_linear", &DecoderStack::set_linear)
       .def("num_layers", &DecoderStack::num_layers)
-      .def("decode", &DecoderStack::decode);
+      .def("decode", &DecoderStack::decode)
+      .def("prefill", &DecoderStack::prefill);
 }
 
 }  // namespace stagewise::glue

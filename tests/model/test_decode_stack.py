@@ -1,5 +1,6 @@
-"""The C++ decode loop (model/decode_stack.py, csrc/bindings/decoder_stack.cpp) against the Python
-layers it stands in for: the same ops in the same order, so decode steps give the same bits — the
+"""The C++ layer loop (model/decode_stack.py, csrc/bindings/decoder_stack.cpp) against the Python
+layers it stands in for: the same ops in the same order, so decode steps and prompt steps from
+position 0 give the same bits — the
 logits, the hidden states a stage sends on, and every K/V it writes. Weights: dense (float32 and
 bfloat16, Llama with biases, Qwen3's q/k norms) and GGUF blocks (exact and int8), stages first,
 middle and last, with decode rows at different context lengths."""
@@ -110,6 +111,13 @@ def test_stack_refuses_a_cache_of_other_layers():
     with pytest.raises(ValueError, match=r"DecoderStack.decode: kv must be \[2, 2, blocks, block_size, Hk, D\]"):
         stage.decode_stack.decode(x, x.clone(), True, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                                   torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), kv)
+    kv = torch.zeros(2, 2, 4, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    with pytest.raises(ValueError, match="DecoderStack.prefill: query_lens add up to 3 rows, x has 1"):
+        stage.decode_stack.prefill(x, x.clone(), True, torch.zeros(1, dtype=torch.long),
+                                   torch.zeros(1, dtype=torch.long), [1, 2], kv)
+    with pytest.raises(ValueError, match="DecoderStack.prefill: every prompt needs at least one token, got 0"):
+        stage.decode_stack.prefill(x, x.clone(), True, torch.zeros(1, dtype=torch.long),
+                                   torch.zeros(1, dtype=torch.long), [1, 0], kv)
     assert ops.cpu_isa() in ("baseline", "avx2", "avx512", "avx512vnni")
 
 

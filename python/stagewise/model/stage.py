@@ -48,7 +48,8 @@ class StageModel(nn.Module):
         self.embedding, self.final_norm, self.lm_head = embedding, final_norm, lm_head
         self.vision = vision
         device = next((p.device for p in self.parameters()), torch.device("cpu"))
-        # Decode steps run the layer loop in C++ where the layers allow: same ops, same bits. The
+        # Decode steps and prompt steps from position 0 run the layer loop in C++ where the layers
+        # allow: same ops, same bits (see _fresh_prompts). The
         # stack cannot all-reduce, so it takes only layers of one TP rank (build_decode_stack
         # returns None for row-parallel layers that reduce) and the Python loop runs under TP; nor
         # does it shard the KV, so context-parallel ranks run the Python loop too.
@@ -152,11 +153,17 @@ class StageModel(nn.Module):
             residual = None if batch.residual is None else batch.residual.clone()
         if batch.pixel_values is not None:
             raise ValueError("StageModel.forward: the step still holds pixel_values; run encode_images first")
-        if self.decode_stack is not None and batch.num_prefills == 0 and batch.num_tokens > 0:
+        stack = self.decode_stack if batch.num_tokens > 0 and split is None else None
+        if stack is not None and batch.num_prefills == 0:
             has_residual = residual is not None
             residual = residual if has_residual else torch.empty_like(x)
-            self.decode_stack.decode(x, residual, has_residual, batch.positions, meta.slot_mapping,
-                                     meta.block_tables, meta.seq_lens, kv_cache.storage)
+            stack.decode(x, residual, has_residual, batch.positions, meta.slot_mapping, meta.block_tables,
+                         meta.seq_lens, kv_cache.storage)
+        elif stack is not None and _fresh_prompts(batch):
+            has_residual = residual is not None
+            residual = residual if has_residual else torch.empty_like(x)
+            stack.prefill(x, residual, has_residual, batch.positions, meta.slot_mapping, list(batch.query_lens),
+                          kv_cache.storage)
         else:
             levels = 0 if batch.deepstack is None else batch.deepstack.size(0)
             for i, layer in enumerate(self.layers):
@@ -200,3 +207,9 @@ def load_stage(checkpoint: Checkpoint | str | Path, start_layer: int, end_layer:
     return StageModel.from_weights(cfg, start_layer, end_layer, weights, dtype=torch_dtype, device=device,
                                    groups=groups)
 
+
+def _fresh_prompts(batch: StepBatch) -> bool:
+    """Whether every row of ``batch`` belongs to a prompt that starts at position 0 in it, without
+    images: a step the C++ layer loop runs as the Python layers would."""
+    return (batch.num_prefills == len(batch.query_lens) and not any(batch.context_lens)
+            and batch.mrope_positions is None and batch.visual_rows is None)

@@ -92,7 +92,7 @@ def quantize_blocks_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``x [rows, K]`` (float32) per block of 32 -> ``q [rows, K / 32, 32]`` (integer values
     in float32) and ``d [rows, K / 32, 1]``: ``d = max|x| / 127``, ``q = round_half_even(x * (1 / d))``
     (0 for an all-zero block)."""
-    blocks = x.reshape(x.shape[0], -1, 32)
+    blocks = x.reshape(x.shape[0], x.shape[-1] // 32, 32)  # also for 0 rows
     d = blocks.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d != 0, 1 / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(d))
     return torch.round(blocks * inv), d
