@@ -154,16 +154,15 @@ class StageModel(nn.Module):
         if batch.pixel_values is not None:
             raise ValueError("StageModel.forward: the step still holds pixel_values; run encode_images first")
         stack = self.decode_stack if batch.num_tokens > 0 and split is None else None
-        if stack is not None and batch.num_prefills == 0:
+        if stack is not None and (batch.num_prefills == 0 or _fresh_prompts(batch)):
             has_residual = residual is not None
             residual = residual if has_residual else torch.empty_like(x)
-            stack.decode(x, residual, has_residual, batch.positions, meta.slot_mapping, meta.block_tables,
-                         meta.seq_lens, kv_cache.storage)
-        elif stack is not None and _fresh_prompts(batch):
-            has_residual = residual is not None
-            residual = residual if has_residual else torch.empty_like(x)
-            stack.prefill(x, residual, has_residual, batch.positions, meta.slot_mapping, list(batch.query_lens),
-                          kv_cache.storage)
+            if batch.num_prefills == 0:
+                stack.decode(x, residual, has_residual, batch.positions, meta.slot_mapping, meta.block_tables,
+                             meta.seq_lens, kv_cache.storage)
+            else:
+                stack.prefill(x, residual, has_residual, batch.positions, meta.slot_mapping, list(batch.query_lens),
+                              kv_cache.storage)
         else:
             levels = 0 if batch.deepstack is None else batch.deepstack.size(0)
             for i, layer in enumerate(self.layers):
