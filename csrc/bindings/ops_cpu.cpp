@@ -82,60 +82,9 @@ void dense_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight
   }
 }
 
-// From cpu::quant_linear_dense_min_rows() rows of x (a prompt, not a decode step) quant_linear
-// dequantises W a tile of output features at a time and multiplies with at::mm (a packed BLAS GEMM):
-// the same float32 weights, float32 sums in BLAS order. Below it the block kernels, which read each
-// block once and need no scratch, are as fast or faster (the crossing is measured per ISA level).
-constexpr int64_t kDenseTileBytes = int64_t{1} << 20;  // float32 weights per tile: L2-sized
-
-void quant_linear_dense(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
-                        const std::optional<at::Tensor>& bias, const QuantLinearParams& p) {
-  const int64_t K = p.in_features, N = p.out_features;
-  const at::Tensor x2 = x.reshape({p.rows, K}).to(at::kFloat);
-  const bool direct = out.scalar_type() == at::kFloat;
-  at::Tensor y = direct ? out.as_strided({p.rows, N}, {p.out_row_stride, 1}) : at::empty({p.rows, N}, x2.options());
-  const at::Tensor b = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
-  const int64_t row_bytes = qweight.size(1);
-  // Tiles of at most L2 size. With several threads each takes whole tiles (its own dequantising
-  // and a one-thread GEMM; 16-18 % faster prompts at 2 threads than BLAS splitting each small
-  // GEMM), as many tiles as a multiple of the threads, so that each gets the same share.
-  const int64_t threads = at::get_num_threads();
-  const int64_t l2_tile = std::max<int64_t>(64, kDenseTileBytes / (K * 4) / 16 * 16);
-  const int64_t count = ((N + l2_tile - 1) / l2_tile + threads - 1) / threads * threads;
-  const int64_t tile = threads == 1 ? l2_tile : std::max<int64_t>(16, ((N + count - 1) / count + 15) / 16 * 16);
-  const int64_t tiles = (N + tile - 1) / tile;
-  at::Tensor w = at::empty({std::min(threads, tiles), std::min(tile, N), K}, x2.options());
-  auto one_tile = [&](int64_t i, at::Tensor wbuf) {
-    const int64_t n0 = i * tile, tn = std::min(tile, N - n0);
-    at::Tensor wt = wbuf.narrow(0, 0, tn);
-    cpu::quant_dequantize(p.qweight + n0 * row_bytes, p.qtype, tn, K, wt.data_ptr<float>());
-    at::Tensor yt = y.narrow(1, n0, tn);
-    if (b.defined()) {
-      at::addmm_out(yt, b.narrow(0, n0, tn), x2, wt.t());
-    } else {
-      at::mm_out(yt, x2, wt.t());
-    }
-  };
-  if (threads > 1 && tiles > 1) {
-    const at::ThreadLocalState state;  // inference mode, grad mode: the ATen calls of the workers run as ours
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      at::ThreadLocalStateGuard guard(state);
-      at::Tensor wbuf = w.select(0, at::get_thread_num() % w.size(0));
-      for (int64_t i = begin; i < end; ++i) one_tile(i, wbuf);
-    });
-  } else {
-    for (int64_t i = 0; i < tiles; ++i) one_tile(i, w.select(0, 0));
-  }
-  if (!direct) out.as_strided({p.rows, N}, {p.out_row_stride, 1}).copy_(y);
-}
-
 void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,
                   const std::optional<at::Tensor>& bias) {
-  const QuantLinearParams p = make_quant_linear_params(out, x, qweight, qtype, bias);
-  if (p.rows >= cpu::quant_linear_dense_min_rows() && p.out_features > 0) {
-    return quant_linear_dense(out, x, qweight, bias, p);
-  }
-  cpu::quant_linear(p);
+  cpu::quant_linear(make_quant_linear_params(out, x, qweight, qtype, bias));
 }
 
 void quant_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,

@@ -149,23 +149,4 @@ STAGEWISE_QD_INLINE void sub_weights(const uint8_t* blk, int sub, const Factors<
   }
 }
 
-// Rows [begin, end) of W dequantised to float32, row r at out + r * K.
-template <QType Q>
-STAGEWISE_Q_TARGET void dequantize_rows(const uint8_t* qweight, int64_t K, int64_t begin, int64_t end, float* out) {
-  const int64_t nblocks = K / Block<Q>::kWeights;
-  for (int64_t r = begin; r < end; ++r) {
-    const uint8_t* row = qweight + r * nblocks * Block<Q>::kBytes;
-    float* dst = out + r * K;
-    for (int64_t b = 0; b < nblocks; ++b) {
-      Factors<Q> f;
-      block_factors<Q>(row + b * Block<Q>::kBytes, f);
-      for (int sub = 0; sub < Block<Q>::kSubs; ++sub, dst += kQuantBlock) {
-        VF w[kSubVectors];
-        sub_weights<Q>(row + b * Block<Q>::kBytes, sub, f, w);
-        for (int v = 0; v < kSubVectors; ++v) vstore(dst + v * kVecLanes, w[v]);
-      }
-    }
-  }
-}
-
 #undef STAGEWISE_QD_INLINE

@@ -3,11 +3,12 @@
 //
 // The kernels (quant_linear_isa.h) are compiled once per ISA level of cpu/isa.h: baseline,
 // AVX2 (8-float vectors) and AVX-512 (16; the VNNI level adds nothing to float maths and runs
-// the AVX-512 copy), and the copy cpu_isa() names runs. On AVX2 and AVX-512 the direct kernel
-// decodes each sub-block into registers and multiplies it at once; the baseline copy dequantises
-// a panel of weight rows into scratch and runs a register-blocked micro-kernel over it. From
-// quant_linear_dense_min_rows() rows on (a prompt) the glue multiplies dequantised tiles of W
-// with a BLAS GEMM instead (csrc/bindings/ops_cpu.cpp).
+// the AVX-512 copy), and the copy cpu_isa() names runs. For a decode step's few rows (AVX2 and
+// AVX-512) the direct kernel decodes each sub-block into registers and multiplies it at once; from
+// kTileMinRows rows on (a batch, a prompt) the tile kernel dequantises kTileNF weight rows once
+// into an L1 panel and runs every row of x, packed transposed, against it with broadcast FMAs: no
+// BLAS, no float32 copy of W (at 2 threads it runs at 180-210 GFLOP/s on Zen 4, where the
+// dequantised tiles through at::mm ran at 130-155).
 //
 // FMAs may fuse the products and sums: the dequantisation is exact either way (quant_blocks.h),
 // and the sums are float32 in the kernel's order.
@@ -27,12 +28,15 @@
 namespace stagewise::cpu {
 namespace {
 
-constexpr int64_t kPanel = 16;  // weight rows dequantised together (a multiple of every NR)
+constexpr int64_t kTileKC = 256;  // k a chunk of a tile's panel: [kTileNF][kTileKC] floats in L1
 
 struct Inputs {
   const float* x;    // [rows, K] float32, row stride x_stride
   int64_t x_stride;
   const float* bias;  // [out_features] float32 or nullptr
+  // The tile kernel's rows of x, [row_begin, row_end), packed by pack_group a group at a time.
+  const float* xt = nullptr;
+  int64_t row_begin = 0, row_end = 0;
 };
 
 // The ISA copies of the kernels, one namespace each.
@@ -62,53 +66,52 @@ struct Inputs {
 #undef STAGEWISE_Q_TARGET
 #endif
 
-// From this many rows of x the dequantised-tile GEMM beats the kernels here, per ISA level
-// (baseline, AVX2, AVX-512, AVX-512 VNNI). Measured with 1 thread on SmolLM2's 30 layers of Q4_1
-// linears streamed from memory (Zen 4, AVX2 forced through STAGEWISE_CPU_ISA; ms for all of them):
-//   AVX-512 direct  8 rows 25.0, 24 rows 69-71, 28 rows 81.9, 32 rows 91-93 (panels: 34.5, 75.7, -, 97.8)
-//   AVX2 direct     8 rows 37.6, 10 rows 46.4, 12 rows 54.8, 16 rows 71.9 (panels: 36.0, -, 58.1, 58.9)
-//   GEMM            8 rows 38-39, 10 rows 46.2, 12 rows 46.9, 16 rows 55.3, 28 rows 80.5, 32 rows 88-89
-// The panel kernel never won where the direct one exists; the baseline keeps the earlier 32.
-constexpr int64_t kDenseMinRows[] = {32, 12, 28, 28};
+// From this many rows of x the tile kernel beats the direct one, per ISA level (baseline, AVX2,
+// AVX-512, AVX-512 VNNI; the baseline has only the tile kernel). Measured with 1 thread on
+// SmolLM2's 30 layers of Q4_1 linears streamed from memory (Zen 4, AVX2 forced through
+// STAGEWISE_CPU_ISA; ms for all of them, 2026-11-27):
+//   AVX-512  direct  8 rows 25.4, 16 rows 47.4, 24 rows 71.5, 32 rows 92.2
+//            tiles           45.6,         46.8,         75.4,         78.3  (128 rows 294)
+//   AVX2     direct  8 rows 37.0, 10 rows 45.8, 12 rows 55.8, 16 rows 73.2
+//            tiles           36.9,         44.5,         45.0,         44.8  (128 rows 279)
+// A group of AVX-512 tiles holds 32 rows, so 24 rows leave a quarter of its lanes empty.
+constexpr int64_t kTileMinRows[] = {1, 10, 28, 28};
+
+// Rows of x the tile kernel packs and runs at a time: their packing (kRowBlock * K floats) stays
+// in L2 or L3 while every tile of weights runs over it.
+constexpr int64_t kRowBlock = 256;
 
 using KernelFn = void (*)(const QuantLinearParams&, const Inputs&, int64_t, int64_t);
-using DequantizeFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, float*);
+using PackFn = void (*)(const float*, int64_t, int64_t, int64_t, float*);
 
-// The kernel of an ISA level and the output features a work item of it covers.
+// The kernel of an ISA level for a number of rows: its function, the output features a work item
+// of it covers, and for the tile kernel its packing of x and the rows of a group (0: direct).
 struct Kernel {
   KernelFn fn = nullptr;
   int64_t features = 0;
+  PackFn pack = nullptr;
+  int64_t group_rows = 0;
 };
 
 template <QType Q, typename D>
-Kernel kernel_for(Isa isa) {
+Kernel kernel_for(Isa isa, int64_t rows) {
+  const bool tiles = rows >= kTileMinRows[static_cast<int>(isa)];
 #ifdef STAGEWISE_X86
-  if (isa >= Isa::kAvx512) return {isa_avx512::direct<Q, D>, isa_avx512::kDirectNR};
-  if (isa >= Isa::kAvx2) return {isa_avx2::direct<Q, D>, isa_avx2::kDirectNR};
+  if (isa >= Isa::kAvx512) {
+    return tiles ? Kernel{isa_avx512::tiles<Q, D>, isa_avx512::kTileNF, isa_avx512::pack_group,
+                          isa_avx512::kGroupRows}
+                 : Kernel{isa_avx512::direct<Q, D>, isa_avx512::kDirectNR};
+  }
+  if (isa >= Isa::kAvx2) {
+    return tiles ? Kernel{isa_avx2::tiles<Q, D>, isa_avx2::kTileNF, isa_avx2::pack_group, isa_avx2::kGroupRows}
+                 : Kernel{isa_avx2::direct<Q, D>, isa_avx2::kDirectNR};
+  }
 #endif
-  return {isa_baseline::panels<Q, D>, kPanel};
-}
-
-template <QType Q>
-DequantizeFn dequantize_for(Isa isa) {
-#ifdef STAGEWISE_X86
-  if (isa >= Isa::kAvx512) return isa_avx512::dequantize_rows<Q>;
-  if (isa >= Isa::kAvx2) return isa_avx2::dequantize_rows<Q>;
-#endif
-  return isa_baseline::dequantize_rows<Q>;
+  (void)tiles;
+  return {isa_baseline::tiles<Q, D>, isa_baseline::kTileNF, isa_baseline::pack_group, isa_baseline::kGroupRows};
 }
 
 }  // namespace
-
-int64_t quant_linear_dense_min_rows() { return kDenseMinRows[static_cast<int>(cpu_isa())]; }
-
-void quant_dequantize(const uint8_t* qweight, QType qtype, int64_t rows, int64_t in_features, float* out) {
-  const Isa isa = cpu_isa();
-  const DequantizeFn fn = dispatch_qtype(qtype, [&](auto tag) { return dequantize_for<decltype(tag)::value>(isa); });
-  at::parallel_for(0, rows, grain_for(in_features), [&](int64_t begin, int64_t end) {
-    fn(qweight, in_features, begin, end, out);
-  });
-}
 
 void quant_linear(const QuantLinearParams& p) {
   if (p.rows == 0 || p.out_features == 0) return;
@@ -128,12 +131,29 @@ void quant_linear(const QuantLinearParams& p) {
       in.x_stride = K;
     }
     if (p.bias != nullptr) in.bias = as_float<D>(p.bias, p.out_features, bias_buf);
-    k = dispatch_qtype(p.qtype, [&](auto q) { return kernel_for<decltype(q)::value, D>(isa); });
+    k = dispatch_qtype(p.qtype, [&](auto q) { return kernel_for<decltype(q)::value, D>(isa, p.rows); });
   });
   const int64_t items = (p.out_features + k.features - 1) / k.features;
-  at::parallel_for(0, items, grain_for(k.features * K * p.rows), [&](int64_t begin, int64_t end) {
-    k.fn(p, in, begin, end);
-  });
+  if (k.group_rows == 0) {
+    at::parallel_for(0, items, grain_for(k.features * K * p.rows), [&](int64_t begin, int64_t end) {
+      k.fn(p, in, begin, end);
+    });
+    return;
+  }
+  const int64_t g = k.group_rows;
+  std::vector<float> xt((std::min(kRowBlock, p.rows) + g - 1) / g * g * K);
+  in.xt = xt.data();
+  for (in.row_begin = 0; in.row_begin < p.rows; in.row_begin += kRowBlock) {
+    in.row_end = std::min(p.rows, in.row_begin + kRowBlock);
+    at::parallel_for(0, (in.row_end - in.row_begin + g - 1) / g, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = in.row_begin + i * g;
+        k.pack(in.x + r * in.x_stride, in.x_stride, std::min(g, in.row_end - r), K, xt.data() + i * g * K);
+      }
+    });
+    at::parallel_for(0, items, grain_for(k.features * K * (in.row_end - in.row_begin)),
+                     [&](int64_t begin, int64_t end) { k.fn(p, in, begin, end); });
+  }
 }
 
 }  // namespace stagewise::cpu

@@ -93,15 +93,10 @@ struct QuantLinearParams {
 
 namespace cpu {
 void quant_linear(const QuantLinearParams& p);
-// From this many rows of x, quant_linear's CPU glue multiplies dequantised tiles of W with a GEMM
-// (measured per ISA level in csrc/cpu/quant_linear.cpp).
-int64_t quant_linear_dense_min_rows();
 void quant_linear_int8(const QuantLinearParams& p);
 // packed [ceil(rows / 16), in_features / block weights * record bytes] = the GGUF rows
 // qweight [rows, ...] regrouped for quant_linear_int8 (csrc/cpu/quant_pack.h).
 void quant_pack_int8(const uint8_t* qweight, QType qtype, int64_t rows, int64_t in_features, uint8_t* packed);
-// out [rows, in_features] float32 = the exact dequantised values of qweight's first `rows` rows.
-void quant_dequantize(const uint8_t* qweight, QType qtype, int64_t rows, int64_t in_features, float* out);
 }  // namespace cpu
 
 #ifdef STAGEWISE_HAS_CUDA_DECLS

@@ -3,7 +3,8 @@
 Weights are real GGUF blocks made by gguf.quants.quantize from random matrices, random valid blocks
 for the K-quants (tests/quant_cases.py), plus hand-built blocks for the layout itself; sizes are
 awkward (in_features one block, odd block counts; output features not a multiple of any panel or
-tile); batches 1, 3, 9 (past every direct kernel's rows), 16, 33, 70; inputs contiguous, row-strided
+tile); batches 1, 3, 9 (the direct kernels' rows), 16, 33, 70 (the tile kernel's: whole and part
+groups of rows); a prompt of 300 rows (more than one block of packed rows); inputs contiguous, row-strided
 and with leading dims; outputs poisoned with NaN. The reference is float64 over the gguf-dequantised
 weights: what is left is float32 summation order, a few ulps of the sum of |x * w|. Every ISA copy
 runs these cases (tests/ops/test_isa.py).
@@ -21,7 +22,7 @@ from quant_cases import QTYPES, dequantize as _dequantize, quantize as _quantize
 from stagewise.ops import reference
 
 CASES = [(name, shape) for name in QTYPES for shape in shapes(name)]
-BATCHES = [1, 3, 9, 16, 33, 70]  # from 12 to 32 rows on, by ISA, the op runs dequantised tiles through a GEMM
+BATCHES = [1, 3, 9, 16, 33, 70]  # from 10 (AVX2) or 28 (AVX-512) rows on, the tile kernel
 
 
 def _expected(x, w, bias):
@@ -67,19 +68,26 @@ def test_quant_linear_float32(name, shape, batch):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_a_prompt_splits_its_tiles_over_the_threads_in_inference_mode(threads):
-    """A prompt's rows run dequantised tiles through a GEMM, each thread its own tiles (more tiles
-    than threads, and a count that is not a multiple of them); under inference mode, as in a model,
-    and the same values at every thread count."""
+    """A prompt's rows run the tile kernel, each thread its own tiles of weights (more tiles than
+    threads, and a count that is not a multiple of them) over blocks of packed rows (300 rows: a
+    whole block and part of one); under inference mode, as in a model, and the same bits at every
+    thread count (each output is one thread's sum in one order), and a row's bits do not depend on
+    the rows beside it (rows 250-289 alone: 40 rows, the tile kernel on every level)."""
     qweight = _quantize("Q4_1", 1000, 256)
-    w, x, bias = _dequantize(qweight, "Q4_1"), torch.randn(70, 256), torch.randn(1000)
+    w, x, bias = _dequantize(qweight, "Q4_1"), torch.randn(300, 256), torch.randn(1000)
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
+            torch.set_num_threads(1)
+            one = ops.quant_linear(x, qweight, ops.QTYPES["Q4_1"], bias)
+            torch.set_num_threads(threads)
             out = ops.quant_linear(x, qweight, ops.QTYPES["Q4_1"], bias)
+            part = ops.quant_linear(x[250:290], qweight, ops.QTYPES["Q4_1"], bias)
     finally:
         torch.set_num_threads(before)
     _check(out, x, w, bias)
+    assert torch.equal(out, one)
+    assert torch.equal(part, out[250:290])
 
 
 @pytest.mark.parametrize("rows", [16, 40])
