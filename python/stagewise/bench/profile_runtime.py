@@ -5,8 +5,9 @@ against those; nothing here looks at them):
 
 - ``quant``: :func:`stagewise.ops.quant_linear` per GGUF type, 96 MiB of distinct matrices a
   pass (so that the weights come from memory, not the caches), at 1, 2, 4 and ``ROWS`` rows of
-  x. The kernel dequantises each 16-row panel once per call and runs register tiles of rows of
-  ``x`` against it, so 2 rows cost about what 4 do; two shapes of as many weights and 16 times
+  x. A few rows take the direct kernel, which decodes each block into registers and multiplies it
+  into register tiles of a few rows of ``x``, so 2 rows cost about what 4 do; ``ROWS`` rows the
+  tile kernel (dequantised panels, every row against them); two shapes of as many weights and 16 times
   the output rows apart split each row count's time into a cost per weight and per output row.
   Also ``s_per_weight`` (one row minus its FMAs) and ``flops_rate`` (slope from 1 to ``ROWS``
   rows) on 1024 x 1536 matrices. Each the median of passes spread over the measurement.
@@ -49,8 +50,8 @@ ROWS = 32
 QUANT_ROWS = (1, 2, 4, ROWS)
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 """The GGUF types the planner models (its --weight-quant / --embed-quant choices)."""
-"""Rows of x the block-quantised linear is timed with: the kernel runs register tiles of a few
-rows against each decoded panel, so its cost is not linear from one row to a few."""
+"""Rows of x the block-quantised linear is timed with: the direct kernel runs register tiles of a
+few rows against each decoded block, so its cost is not linear from one row to a few."""
 LINK_SIZES = (2304, 1 << 20)  # bytes of the hidden tensor: a SmolLM2-sized decode row, and 1 MiB
 LINK_FRAMES = 60
 
