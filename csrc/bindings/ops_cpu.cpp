@@ -2,7 +2,6 @@
 // the C++ kernel of csrc/cpu/.
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
-#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
 #include "bindings/params.h"

@@ -5,16 +5,19 @@
 // AVX2 (8-float vectors) and AVX-512 (16; the VNNI level adds nothing to float maths and runs
 // the AVX-512 copy), and the copy cpu_isa() names runs. For a decode step's few rows (AVX2 and
 // AVX-512) the direct kernel decodes each sub-block into registers and multiplies it at once; from
-// kTileMinRows rows on (a batch, a prompt) the tile kernel dequantises kTileNF weight rows once
-// into an L1 panel and runs every row of x, packed transposed, against it with broadcast FMAs: no
-// BLAS, no float32 copy of W (at 2 threads it runs at 180-210 GFLOP/s on Zen 4, where the
-// dequantised tiles through at::mm ran at 130-155).
+// kTileMinRows rows on (a batch, a prompt; every row count on the baseline) the tile kernel
+// dequantises kTileNF weight rows at a time into an L1/L2 panel, once per block of kRowBlock rows,
+// and runs those rows of x, packed transposed, against it with broadcast FMAs: no BLAS, no float32
+// copy of W (at 2 threads it runs at 180-210 GFLOP/s on Zen 4, where the dequantised tiles
+// through at::mm ran at 130-155).
 //
 // FMAs may fuse the products and sums: the dequantisation is exact either way (quant_blocks.h),
 // and the sums are float32 in the kernel's order.
 #include "stagewise/quant.h"
 
 #include <ATen/Parallel.h>
+
+#include <memory>
 
 #include "cpu/cpu_utils.h"
 #include "cpu/isa.h"
@@ -28,7 +31,7 @@
 namespace stagewise::cpu {
 namespace {
 
-constexpr int64_t kTileKC = 256;  // k a chunk of a tile's panel: [kTileNF][kTileKC] floats in L1
+constexpr int64_t kTileKC = 256;  // k a chunk of a tile's panel: [kTileNF][kTileKC] floats
 
 struct Inputs {
   const float* x;    // [rows, K] float32, row stride x_stride
@@ -141,14 +144,14 @@ void quant_linear(const QuantLinearParams& p) {
     return;
   }
   const int64_t g = k.group_rows;
-  std::vector<float> xt((std::min(kRowBlock, p.rows) + g - 1) / g * g * K);
-  in.xt = xt.data();
+  const std::unique_ptr<float[]> xt(new float[(std::min(kRowBlock, p.rows) + g - 1) / g * g * K]);
+  in.xt = xt.get();
   for (in.row_begin = 0; in.row_begin < p.rows; in.row_begin += kRowBlock) {
     in.row_end = std::min(p.rows, in.row_begin + kRowBlock);
     at::parallel_for(0, (in.row_end - in.row_begin + g - 1) / g, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t r = in.row_begin + i * g;
-        k.pack(in.x + r * in.x_stride, in.x_stride, std::min(g, in.row_end - r), K, xt.data() + i * g * K);
+        k.pack(in.x + r * in.x_stride, in.x_stride, std::min(g, in.row_end - r), K, xt.get() + i * g * K);
       }
     });
     at::parallel_for(0, items, grain_for(k.features * K * (in.row_end - in.row_begin)),

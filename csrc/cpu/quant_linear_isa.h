@@ -7,9 +7,9 @@
 //   direct (AVX2 and AVX-512; a few rows of x): each 32-weight sub-block of kNR weight rows is
 //     decoded into registers and multiplied straight into kMR x kNR float32 partial-sum vectors;
 //     nothing is stored, the weights are read once per pass over the rows of x.
-//   tiles (every level; more rows, a prompt): kTileNF weight rows are dequantised once into a
-//     float32 panel (L1 resident a chunk of k at a time), then every group of rows of x, packed
-//     transposed (pack_rows: for each k the rows side by side), runs against it: per k a vector
+//   tiles (every level; more rows, a prompt): kTileNF weight rows are dequantised once per block
+//     of rows into a float32 panel (L1/L2 resident), then every group of rows of x, packed
+//     transposed (pack_group: for each k the rows side by side), runs against it: per k a vector
 //     of rows times each weight broadcast, into 2 x kTileNF partial-sum vectors.
 #define STAGEWISE_Q_INLINE STAGEWISE_ALWAYS_INLINE STAGEWISE_Q_TARGET
 
@@ -30,7 +30,7 @@ constexpr int kDirectMR = 2, kDirectNR = 4;
 #else
 constexpr int W = 4, kTileNF = 6;
 #endif
-constexpr int64_t kGroupRows = 2 * W;  // rows of x a group of pack_rows holds
+constexpr int64_t kGroupRows = 2 * W;  // rows of x a group of pack_group holds
 typedef float F __attribute__((vector_size(4 * W)));  // the tile kernel's vectors
 
 STAGEWISE_Q_INLINE F load_f32(const float* p) {
@@ -143,17 +143,16 @@ STAGEWISE_Q_TARGET void tile_rows(const float* __restrict xt, const float* __res
   }
 }
 
-// Tiles [begin, end) of kTileNF output features: their weights dequantised once into a panel
-// (chunks of kTileKC k, [kTileNF][kTileKC] each, so that a chunk stays in L1 while the rows run
-// over it), then every group of rows [in.row_begin, in.row_end) of x (in.xt, pack_group) against
-// it.
+// Tiles [begin, end) of kTileNF output features: their weights dequantised into a panel (chunks of
+// kTileKC k, [kTileNF][kTileKC] each: the loads of one k sit at fixed offsets), which stays in
+// L1/L2 while every group of rows [in.row_begin, in.row_end) of x (in.xt, pack_group) runs over it.
 template <QType Q, typename D>
 STAGEWISE_Q_TARGET void tiles(const QuantLinearParams& p, const Inputs& in, int64_t begin, int64_t end) {
   static_assert(kTileKC % Block<Q>::kWeights == 0);
   const int64_t K = p.in_features, nblocks = K / Block<Q>::kWeights;
   const int64_t row_bytes = nblocks * Block<Q>::kBytes;
-  std::vector<float> buf((K + kTileKC - 1) / kTileKC * kTileNF * kTileKC);
-  float* panel = buf.data();
+  const std::unique_ptr<float[]> buf(new float[(K + kTileKC - 1) / kTileKC * kTileNF * kTileKC]);
+  float* panel = buf.get();
   alignas(64) float acc[kTileNF * kGroupRows];
   for (int64_t tile = begin; tile < end; ++tile) {
     const int64_t n0 = tile * kTileNF, nf = std::min<int64_t>(kTileNF, p.out_features - n0);

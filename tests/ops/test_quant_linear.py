@@ -3,8 +3,10 @@
 Weights are real GGUF blocks made by gguf.quants.quantize from random matrices, random valid blocks
 for the K-quants (tests/quant_cases.py), plus hand-built blocks for the layout itself; sizes are
 awkward (in_features one block, odd block counts; output features not a multiple of any panel or
-tile); batches 1, 3, 9 (the direct kernels' rows), 16, 33, 70 (the tile kernel's: whole and part
-groups of rows); a prompt of 300 rows (more than one block of packed rows); inputs contiguous, row-strided
+tile); batches 1, 3, 9 (the direct kernels' rows with AVX2 and AVX-512), 16 (the tile kernel's on
+AVX2, the direct one's on AVX-512), 33, 60, 70 (the tile kernel's everywhere, whole and part groups
+of rows: 60 leaves 28 rows for AVX-512's second group of 32; the baseline level takes every batch
+there); a prompt of 300 rows (more than one block of packed rows); inputs contiguous, row-strided
 and with leading dims; outputs poisoned with NaN. The reference is float64 over the gguf-dequantised
 weights: what is left is float32 summation order, a few ulps of the sum of |x * w|. Every ISA copy
 runs these cases (tests/ops/test_isa.py).
@@ -22,7 +24,7 @@ from quant_cases import QTYPES, dequantize as _dequantize, quantize as _quantize
 from stagewise.ops import reference
 
 CASES = [(name, shape) for name in QTYPES for shape in shapes(name)]
-BATCHES = [1, 3, 9, 16, 33, 70]  # from 10 (AVX2) or 28 (AVX-512) rows on, the tile kernel
+BATCHES = [1, 3, 9, 16, 33, 60, 70]  # from 10 (AVX2) or 28 (AVX-512) rows on, the tile kernel
 
 
 def _expected(x, w, bias):
@@ -73,8 +75,8 @@ def test_a_prompt_splits_its_tiles_over_the_threads_in_inference_mode(threads):
     whole block and part of one); under inference mode, as in a model, and the same bits at every
     thread count (each output is one thread's sum in one order), and a row's bits do not depend on
     the rows beside it (rows 250-289 alone: 40 rows, the tile kernel on every level)."""
-    qweight = _quantize("Q4_1", 1000, 256)
-    w, x, bias = _dequantize(qweight, "Q4_1"), torch.randn(300, 256), torch.randn(1000)
+    qweight = _quantize("Q4_1", 1010, 256)  # 85 tiles of 12 (AVX-512), 169 of 6; the last ones part full
+    w, x, bias = _dequantize(qweight, "Q4_1"), torch.randn(300, 256), torch.randn(1010)
     before = torch.get_num_threads()
     try:
         with torch.inference_mode():

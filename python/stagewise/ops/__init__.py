@@ -231,10 +231,11 @@ def quant_linear(
     Q4_1, Q8_0 in blocks of 32 weights, Q4_K and Q6_K in blocks of 256).
     The weights are their exact float32 dequantised values and the sums are float32,
     rounded once to x's dtype with the bias added (bias ``[out_features]`` in x's dtype).
-    On the CPU, a few rows (decode) take a kernel that reads each block once; from 10 (AVX2) or 28
-    (AVX-512) rows on a tile kernel that dequantises a few weight rows at a time and runs every row
-    against them; both give these values up to summation order (the tile kernel's bits per row do
-    not depend on the other rows or the threads).
+    On the CPU with AVX2 or AVX-512, a few rows (decode) take a kernel that reads each block once;
+    from 10 (AVX2) or 28 (AVX-512) rows on, and on other CPUs always, a tile kernel that
+    dequantises a few weight rows at a time and runs every row against them; both give these values
+    up to summation order (the tile kernel's bits per row do not depend on the other rows or the
+    threads).
     """
     out = _linear_out(x, qweight, out)
     _ops.quant_linear(out, x, qweight, qtype, bias)
