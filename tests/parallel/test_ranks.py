@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+from stagewise.model.collectives import StageGroups
+from stagewise.parallel.groups import join_stage_groups, world_ranks
 from stagewise.parallel.ranks import ParallelConfig, StageRanks, stage_ranks
 from stagewise.parallel.runplan import RunPlan
 
@@ -84,6 +86,19 @@ def test_run_plan_numbers_its_ranks_like_stage_ranks():
     assert again == plan and again.fingerprint({}) == plan.fingerprint({})
     # a plan-wide tp is every stage's default
     assert [s.tp for s in _plan(tp=3, stages=[{"layers": "0-2"}, {"layers": "2-4", "tp": 1}]).stages] == [3, 1]
+
+
+def test_each_stage_of_several_ranks_is_a_world_of_its_own():
+    """A stage of several ranks joins a torch.distributed world of just its ranks (its leader hosts
+    the store, on its host: nothing of it crosses to another host); a stage of one rank joins none;
+    only the torch transport between stages puts every rank of the run in one world."""
+    plan = _plan(stages=[{"layers": "0-1", "tp": 2}, {"layers": "1-2"}, {"layers": "2-4", "tp": 3}])
+    assert [r.first for r in plan.stage_ranks()] == [0, 2, 3]
+    assert [world_ranks(plan, s, ["tcp"] * 3) for s in range(3)] == [[0, 1], [], [3, 4, 5]]
+    assert world_ranks(plan, 1, ["shm", "torch", "tcp"]) == list(range(6))
+    assert join_stage_groups(plan, 1, 0, None, ["tcp"] * 3) == StageGroups()
+    with pytest.raises(ValueError, match="stage 0 rank 1: the stage's torch.distributed world needs its store"):
+        join_stage_groups(plan, 0, 1, None, ["tcp"] * 3)
 
 
 def test_rank_addresses_and_devices_follow_the_leader():

@@ -34,7 +34,7 @@ def _tp_peer(rank: int, store: tuple[str, int], sizes: tuple[int, ...], calls: i
     # The groups of one stage of 2 CPU ranks, joined as the stage processes join theirs: whatever
     # the runtime runs a stage's collectives over on this host is what is timed.
     plan = RunPlan.build("bench/profile", 1, 1, tp=2)
-    group = join_stage_groups(plan, 0, rank, store, timeout_s=60.0).tp
+    group = join_stage_groups(plan, 0, rank, store, [], timeout_s=60.0).tp
     try:
         tensors = {n: torch.randn(n // 4) for n in sizes}
         fns = {"all_reduce": group.all_reduce, "all_gather": group.all_gather}

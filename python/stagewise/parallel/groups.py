@@ -1,13 +1,22 @@
-"""The process groups of a run: one torch.distributed world over every rank of every stage, and in
-it each stage's tp, dcp and pcp groups (numbered by :class:`~stagewise.parallel.ranks.StageRanks`).
+"""The process groups of a run: the torch.distributed worlds, and in each a stage's tp, dcp and
+pcp groups (numbered by :class:`~stagewise.parallel.ranks.StageRanks`).
 
-Every process of the run creates every group, in the same order (torch.distributed's rule for
-``new_group``), and keeps its own. The world exists only when something needs it: a stage of
-several ranks, or the ``torch`` transport between stages (whose peers are the stages' leaders).
+A world exists only where something needs it, and spans no more than that:
+
+- a stage of several ranks has a world of its own ranks (:func:`world_ranks`), whose store its
+  leader hosts on its own host. A stage's ranks share its leader's host, so neither the store's
+  traffic nor gloo's connections leave that host: a run that asks for TLS between hosts has no
+  plain-text link between them;
+- the ``torch`` transport between stages (whose peers are the stages' leaders) needs one world
+  over every rank of the run, whose store stage 0's leader hosts (that transport is refused
+  between hosts when the plan asks for TLS: :func:`stagewise.pipeline.links.hop_transports`).
+
+Every process of a world creates every group of it, in the same order (torch.distributed's rule
+for ``new_group``), and keeps its own.
 
 A group whose ranks are all CPU processes (the ranks of a stage share its leader's host) runs
 its collectives over shared memory (:mod:`stagewise.parallel.shm_group`), meeting through the
-run's store; ``STAGEWISE_SHM_COLLECTIVES=0`` keeps such groups on gloo.
+world's store; ``STAGEWISE_SHM_COLLECTIVES=0`` keeps such groups on gloo.
 """
 
 from __future__ import annotations
@@ -27,37 +36,60 @@ SHM_ENV = "STAGEWISE_SHM_COLLECTIVES"
 
 
 def needs_world(plan: RunPlan, hop_transports: list[str]) -> bool:
-    """Whether the run's processes join a torch.distributed world."""
+    """Whether any process of the run joins a torch.distributed world."""
     return plan.world_size > plan.num_stages or "torch" in hop_transports
 
 
-def join_stage_groups(plan: RunPlan, stage: int, rank: int, store: tuple[str, int] | None, *,
-                      timeout_s: float = comm.DEFAULT_TIMEOUT_S) -> StageGroups:
-    """Join the run's world through ``store`` as stage ``stage``'s rank ``rank`` and return that
-    rank's groups (None store: the run has no world, and every group is one rank)."""
-    if store is None:
-        if plan.world_size > plan.num_stages:
-            raise ValueError(f"stage {stage} rank {rank}: a stage of several ranks needs the driver's store")
+def world_ranks(plan: RunPlan, stage: int, hop_transports: list[str]) -> list[int]:
+    """The run-wide ranks (the plan's rank order) of the world stage ``stage`` joins: every rank of
+    the run with the ``torch`` transport, else the stage's own ranks when it has several; empty
+    when it joins none. Its first rank hosts the world's store."""
+    if "torch" in hop_transports:
+        return list(range(plan.world_size))
+    ranks = plan.stage_ranks()[stage]
+    return list(range(ranks.first, ranks.first + ranks.size)) if ranks.size > 1 else []
+
+
+def host_world_store(plan: RunPlan, stage: int, rank: int, hop_transports: list[str],
+                     host: str) -> dist.TCPStore | None:
+    """The store of stage ``stage``'s world (:func:`world_ranks`), hosted here on ``host`` (port 0:
+    a free one), when rank ``rank`` of the stage is the world's first rank; None otherwise. The
+    caller keeps it while the world lives."""
+    world = world_ranks(plan, stage, hop_transports)
+    if not world or world[0] != plan.stage_ranks()[stage].first + rank:
+        return None
+    return comm.host_store(host)[0]
+
+
+def join_stage_groups(plan: RunPlan, stage: int, rank: int, store: tuple[str, int] | None,
+                      hop_transports: list[str], *, timeout_s: float = comm.DEFAULT_TIMEOUT_S) -> StageGroups:
+    """Join stage ``stage``'s world (:func:`world_ranks`) through ``store`` as the stage's rank
+    ``rank`` and return that rank's groups (no world: every group is one rank)."""
+    world = world_ranks(plan, stage, hop_transports)
+    if not world:
         return StageGroups()
+    if store is None:
+        raise ValueError(f"stage {stage} rank {rank}: the stage's torch.distributed world needs its store")
     all_ranks = plan.stage_ranks()
     devices = [s.rank_device(r) for s, ranks in zip(plan.stages, all_ranks) for r in range(ranks.size)]
-    backend = comm.backend_for(devices)
-    me = all_ranks[stage].first + rank
-    comm.init_world(rank=me, world_size=plan.world_size, store=store, backend=backend, timeout_s=timeout_s)
+    backend = comm.backend_for([devices[w] for w in world])
+    me = world.index(all_ranks[stage].first + rank)
+    comm.init_world(rank=me, world_size=len(world), store=store, backend=backend, timeout_s=timeout_s)
     # A group's ranks are one stage's, on one host: they decide the same (the others ignore it).
     shm = shm_group.available() and os.environ.get(SHM_ENV, "1") != "0"
     meet = None
     mine = {}
-    for ranks in all_ranks:
+    for ranks in all_ranks if len(world) == plan.world_size else [all_ranks[stage]]:
         for kind in GROUP_ORDER:
             for members in ranks.groups(kind):
+                members = [world.index(m) for m in members]
                 local = (shm and me in members and len(members) > 1
-                         and all(torch.device(devices[m]).type == "cpu" for m in members))
+                         and all(torch.device(devices[world[m]]).type == "cpu" for m in members))
                 if local and meet is None:
                     client = dist.TCPStore(store[0], int(store[1]), is_master=False,
                                            timeout=timedelta(seconds=timeout_s))
                     meet = dist.PrefixStore("stagewise-shm", client)
-                group = comm.Group.new(list(members), shm_store=meet if local else None,
+                group = comm.Group.new(members, shm_store=meet if local else None,
                                        key=f"{kind}/{'-'.join(map(str, members))}", timeout_s=timeout_s)
                 if me in members:
                     mine[kind] = group

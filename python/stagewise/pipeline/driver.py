@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from stagewise.engine.requests import RequestOutput
 from stagewise.engine.params import SamplingParams, TokenLogprobs
-from stagewise.parallel.groups import needs_world
+from stagewise.parallel.groups import world_ranks
 from stagewise.parallel.runplan import RunPlan
 from stagewise.pipeline import links, messages
 from stagewise.pipeline.messages import (
@@ -59,7 +59,6 @@ class PipelineDriver:
         self._requests: dict[int, _Request] = {}
         self._tokens: list[tuple[int, int, TokenLogprobs | None]] = []
         self._problems: list[tuple[Fault, int, str]] = []
-        self._store = None
         self.members = plan.members
         """(stage, rank) of each process, in the order of ``addresses`` and of the launcher's."""
         if len(addresses) != len(self.members):
@@ -81,10 +80,10 @@ class PipelineDriver:
             self.num_blocks = min(r.capacity_blocks for r in ready)
             self.pids = [r.pid for r in ready]
             hops = links.hop_transports(plan)
-            store = self._host_store() if needs_world(plan, hops) else None
             for i, (stage, rank) in enumerate(self.members):
                 leader = rank == 0
                 following = [tuple(addresses[j]) for j, (s, r) in enumerate(self.members) if s == stage and r > 0]
+                store = self._world_store(stage, hops, ready)
                 self._send(i, Setup(num_blocks=self.num_blocks, transport=hops[stage], microbatches=n, store=store,
                                     next=None if n == 1 or not leader else tuple(addresses[self.leaders[(stage + 1) % n]]),
                                     followers=following if leader and following else None))
@@ -94,13 +93,18 @@ class PipelineDriver:
             raise
         self.last_seen = [time.monotonic()] * m
 
-    def _host_store(self) -> tuple[str, int]:
-        """The store of the stages' torch.distributed group (the ``torch`` transport), hosted here
-        on the address the stages reach this process at."""
-        from stagewise.parallel import comm
-
-        self._store, address = comm.host_store(self.controls[0].local_address[0])
-        return address
+    def _world_store(self, stage: int, hops: list[str], ready: list[Ready]) -> tuple[str, int] | None:
+        """The store of stage ``stage``'s torch.distributed world: hosted by the world's first rank
+        (:func:`~stagewise.parallel.groups.world_ranks`) on the host this driver reaches it at."""
+        world = world_ranks(self.plan, stage, hops)
+        if not world:
+            return None
+        first = world[0]
+        i = next(j for j, (s, r) in enumerate(self.members) if self.plan.stage_ranks()[s].first + r == first)
+        if ready[i].store_port is None:
+            raise ValueError(f"{self._label(i)} hosts no torch.distributed store for its world: the stages run "
+                             "another stagewise version")
+        return self.addresses[i][0], ready[i].store_port
 
     # ---- low level --------------------------------------------------------------
 
@@ -369,7 +373,6 @@ class PipelineDriver:
             except Exception:  # noqa: BLE001
                 pass
         self.controls = []
-        self._store = None
 
 
 def _status_dict(msg: Status) -> dict:

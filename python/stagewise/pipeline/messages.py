@@ -56,6 +56,10 @@ class Ready:
     fingerprint: str
     rank: int = 0
     """This process's rank in its stage (0: the leader)."""
+    store_port: int | None = None
+    """The port of the torch.distributed store this process hosts for its world (the first rank of
+    a world: :func:`stagewise.parallel.groups.world_ranks`), on the host the driver reaches it at;
+    None: it hosts none."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,8 +73,8 @@ class Setup:
     """This stage's outgoing hop: tcp, shm, cuda-ipc or torch."""
     microbatches: int
     store: tuple[str, int] | None = None
-    """The store of the run's torch.distributed group (the ``torch`` transport, and the collectives
-    of stages of several ranks)."""
+    """The store of this process's torch.distributed world (its stage's ranks, or the run's with the
+    ``torch`` transport), hosted by the world's first rank; None: it joins none."""
     followers: list[tuple[str, int]] | None = None
     """To a stage's leader: the addresses of the stage's other ranks, which it hands each step."""
 

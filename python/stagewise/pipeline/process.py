@@ -6,8 +6,8 @@ Life of a stage:
 1. read the model's config (for the fingerprint), listen on the plan's address and print
    ``STAGEWISE-LISTENING host port`` on stdout, so that a launcher learns an ephemeral port;
 2. load only this stage's layers while accepting the driver's control link (heartbeats start
-   then), and report :class:`~stagewise.pipeline.messages.Ready` (how many KV blocks it can hold)
-   or, if loading failed, :class:`~stagewise.pipeline.messages.Fatal` with the error;
+   then), and report :class:`~stagewise.pipeline.messages.Ready` (its KV block capacity; a
+   torch.distributed world's first rank also its store's port) or, on failure, ``Fatal``;
 3. on :class:`~stagewise.pipeline.messages.Setup`: allocate the KV cache, connect to the
    neighbours (:func:`~stagewise.pipeline.links.open_data_links`), report ``Connected``;
 4. serve until ``Shutdown``, the driver's disconnection or a dead neighbour. A heartbeat goes to
@@ -30,7 +30,7 @@ import torch
 from stagewise import heap
 from stagewise.engine.engine import Engine
 from stagewise.engine.executor import Executor, model_dtype
-from stagewise.parallel.groups import join_stage_groups
+from stagewise.parallel.groups import host_world_store, join_stage_groups
 from stagewise.parallel.runplan import RunPlan, parse_address
 from stagewise.pipeline import fanout, links, messages, protocol, stage_setup
 from stagewise.pipeline.lines import READY_LINE
@@ -65,10 +65,9 @@ class StageProcess:
         self.stats = StageStats()
         self.control: Channel | None = None
         self.links = links.DataLinks()
-        self._send_lock = threading.Lock()
-        self._stop = threading.Event()
-        self.fingerprint = ""
-        self.listener = None
+        self._send_lock, self._stop = threading.Lock(), threading.Event()
+        self.fingerprint, self.listener = "", None
+        self._store = None  # the store of this process's torch.distributed world, when it hosts it
         self.executor: Executor | None = None
         self._comm_base = (0.0, 0, 0, 0.0, 0)
         self.on_listening = None
@@ -111,9 +110,12 @@ class StageProcess:
             model = None
             while True:  # a driver each time round: the first, then (--rejoin) each after a broken pipeline
                 try:
-                    self.tell_driver(Ready(stage=self.index, rank=self.rank, capacity_blocks=capacity,
-                                           layers=(self.spec.start_layer, self.spec.end_layer), pid=os.getpid(),
-                                           fingerprint=self.fingerprint))
+                    hops = links.hop_transports(self.plan)  # the first rank of a world hosts its store, once
+                    self._store = self._store or host_world_store(self.plan, self.index, self.rank, hops,
+                                                                  self.listener.address[0])
+                    layers, port = (self.spec.start_layer, self.spec.end_layer), self._store and int(self._store.port)
+                    self.tell_driver(Ready(stage=self.index, rank=self.rank, capacity_blocks=capacity, layers=layers,
+                                           pid=os.getpid(), fingerprint=self.fingerprint, store_port=port))
                     setup = messages.from_frame(self.control.recv(timeout=self.driver_timeout_s))
                     if not isinstance(setup, Setup):
                         raise ValueError(f"expected the driver's setup, got {type(setup).__name__}")
@@ -122,7 +124,7 @@ class StageProcess:
 
                         if setup.store is not None:
                             self.rejoin_s = 0.0  # a torch.distributed world cannot take a new member: no rejoin
-                        groups = join_stage_groups(self.plan, self.index, self.rank, setup.store)
+                        groups = join_stage_groups(self.plan, self.index, self.rank, setup.store, hops)
                         model = StageModel.from_weights(cfg, self.spec.start_layer, self.spec.end_layer, weights,
                                                         dtype=dtype, device=device, groups=groups)
                         del weights
