@@ -33,6 +33,19 @@ def test_bad_groups_and_ranks_are_refused():
     assert comm.backend_for(["cuda:0", "cpu"]) == comm.backend_for([]) == "gloo"
 
 
+def test_a_loopback_store_listens_on_loopback_only():
+    """A stage's world meets at a store on 127.0.0.1 (its ranks share the host): the store opens no
+    port on any other interface."""
+    psutil = pytest.importorskip("psutil")
+    store, (host, port) = comm.host_store("127.0.0.1", timeout_s=10)
+    listening = [c.laddr for c in psutil.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN
+                 and c.laddr.port == port]
+    assert host == "127.0.0.1" and listening and all(a.ip == "127.0.0.1" for a in listening)
+    client = comm.dist.TCPStore(host, port, is_master=False, timeout=comm.timedelta(seconds=10))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+
+
 def _rank(rank: int, world: int, store: tuple[str, int], out) -> None:
     world_group = comm.init_world(rank=rank, world_size=world, store=store)
     try:

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from stagewise.model.collectives import StageGroups
-from stagewise.parallel.groups import join_stage_groups, world_ranks
+from stagewise.parallel.groups import join_stage_groups, store_host, world_ranks
 from stagewise.parallel.ranks import ParallelConfig, StageRanks, stage_ranks
 from stagewise.parallel.runplan import RunPlan
 
@@ -99,6 +99,9 @@ def test_each_stage_of_several_ranks_is_a_world_of_its_own():
     assert join_stage_groups(plan, 1, 0, None, ["tcp"] * 3) == StageGroups()
     with pytest.raises(ValueError, match="stage 0 rank 1: the stage's torch.distributed world needs its store"):
         join_stage_groups(plan, 0, 1, None, ["tcp"] * 3)
+    # a stage's world meets on loopback; the run's (torch transport) where its first rank is reached
+    assert store_host(["tcp"] * 3, "10.0.0.1") == "127.0.0.1"
+    assert store_host(["shm", "torch", "tcp"], "10.0.0.1") == "10.0.0.1"
 
 
 def test_rank_addresses_and_devices_follow_the_leader():

@@ -19,6 +19,7 @@ PARAMS = SamplingParams(max_new_tokens=7, temperature=0.5, top_k=3, top_p=0.9, s
                         frequency_penalty=2.0, min_p=0.05, logprobs=3)
 CONTROL = [
     messages.Ready(stage=2, capacity_blocks=99, layers=(4, 9), pid=1234, fingerprint="abc"),
+    messages.Ready(stage=1, capacity_blocks=8, layers=(0, 4), pid=7, fingerprint="abc", rank=0, store_port=29500),
     messages.Setup(num_blocks=64, next=("10.0.0.2", 7100), transport="shm", microbatches=3, store=("h", 5)),
     messages.Setup(num_blocks=1, next=None, transport="tcp", microbatches=1),
     messages.Connected(stage=1), messages.Heartbeat(), messages.Shutdown(),

@@ -3,13 +3,14 @@ between GPUs; a group whose ranks are all CPU processes on one host runs its col
 shared memory instead (:mod:`stagewise.parallel.shm_group`). A :class:`Group` of one rank does
 nothing, so single-process code calls the same collectives at no cost.
 
-The group of a run is bootstrapped through a ``TCPStore``: one process hosts it
-(:func:`host_store`, the driver of a pipeline) and every rank joins it as a client
-(:func:`init_world`); under ``torchrun`` the store of its environment is used instead.
+A world is bootstrapped through a ``TCPStore``: one process hosts it (:func:`host_store`; in a
+pipeline the world's first rank, :mod:`stagewise.parallel.groups`) and every rank joins it as a
+client (:func:`init_world`).
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from datetime import timedelta
 
@@ -26,8 +27,15 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 def host_store(host: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[dist.TCPStore, tuple[str, int]]:
     """A store on ``host`` (a free port) for the ranks to meet at; returns it and its address.
-    Keep the store object alive while the ranks use it."""
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    Keep the store object alive while the ranks use it. A loopback ``host`` (127.0.0.1) listens
+    there only (its ranks are processes of this host); any other, on every interface (TCPStore's
+    own choice)."""
+    fd = None
+    if host == "127.0.0.1":
+        server = socket.create_server((host, 0))
+        port, fd = server.getsockname()[1], server.detach()  # the store owns the socket from here
+    store = dist.TCPStore(host, 0 if fd is None else port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s), master_listen_fd=fd)
     return store, (host, store.port)
 
 

@@ -50,15 +50,23 @@ def world_ranks(plan: RunPlan, stage: int, hop_transports: list[str]) -> list[in
     return list(range(ranks.first, ranks.first + ranks.size)) if ranks.size > 1 else []
 
 
+def store_host(hop_transports: list[str], leader_host: str) -> str:
+    """Where the ranks of a world reach its store: a stage's own world on loopback (its ranks share
+    the leader's host; the store listens on nothing else), the run's world (the ``torch``
+    transport) at the host its first rank is reached at."""
+    return leader_host if "torch" in hop_transports else "127.0.0.1"
+
+
 def host_world_store(plan: RunPlan, stage: int, rank: int, hop_transports: list[str],
                      host: str) -> dist.TCPStore | None:
-    """The store of stage ``stage``'s world (:func:`world_ranks`), hosted here on ``host`` (port 0:
-    a free one), when rank ``rank`` of the stage is the world's first rank; None otherwise. The
-    caller keeps it while the world lives."""
+    """The store of stage ``stage``'s world (:func:`world_ranks`), hosted here (a free port: on
+    loopback for a stage's own world, on every interface of ``host``'s for the run's), when rank
+    ``rank`` of the stage is the world's first rank; None otherwise. The caller keeps it while
+    the world lives."""
     world = world_ranks(plan, stage, hop_transports)
     if not world or world[0] != plan.stage_ranks()[stage].first + rank:
         return None
-    return comm.host_store(host)[0]
+    return comm.host_store(store_host(hop_transports, host))[0]
 
 
 def join_stage_groups(plan: RunPlan, stage: int, rank: int, store: tuple[str, int] | None,

@@ -2,7 +2,7 @@
 
 One segment per group: a header with a cache line per rank (its arrival counter, an int64
 sequence number, and its pid), then two buffers of one slot per rank. The group's first rank
-creates the segment and shares its name through the run's store; every rank maps it, the ranks
+creates the segment and shares its name through the world's store; every rank maps it, the ranks
 meet at a store barrier, and the creator unlinks the name at once, so nothing is left in
 ``/dev/shm`` even when a process is killed later.
 
@@ -100,7 +100,7 @@ class ShmGroup:
     @classmethod
     def join(cls, store, key: str, *, rank: int, ranks: list[int], slot_bytes: int = DEFAULT_SLOT_BYTES,
              timeout_s: float = 120.0) -> ShmGroup:
-        """Group rank ``rank``'s end of the group ``key`` (unique in the run's ``store``, a
+        """Group rank ``rank``'s end of the group ``key`` (unique in the world's ``store``, a
         torch.distributed Store); every rank of the group calls this at the same time."""
         size = len(ranks)
         if not 0 <= rank < size:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from stagewise.engine.requests import RequestOutput
 from stagewise.engine.params import SamplingParams, TokenLogprobs
-from stagewise.parallel.groups import world_ranks
+from stagewise.parallel.groups import store_host, world_ranks
 from stagewise.parallel.runplan import RunPlan
 from stagewise.pipeline import links, messages
 from stagewise.pipeline.messages import (
@@ -103,8 +103,8 @@ class PipelineDriver:
         i = next(j for j, (s, r) in enumerate(self.members) if self.plan.stage_ranks()[s].first + r == first)
         if ready[i].store_port is None:
             raise ValueError(f"{self._label(i)} hosts no torch.distributed store for its world: the stages run "
-                             "another stagewise version")
-        return self.addresses[i][0], ready[i].store_port
+                             "another stagewise version, or a plan with another transport")
+        return store_host(hops, self.addresses[i][0]), ready[i].store_port
 
     # ---- low level --------------------------------------------------------------
 
