@@ -275,7 +275,9 @@ class Engine:
                     vision.features = self.executor.model.image_features(vision.images.pixel_values.to(device),
                                                                          vision.images.image_grid_thw.to(device))
                 at, e, d = vision.chunk_features(start, n)
-                rows.append(at.to(device) + offset), embeds.append(e), deepstack.append(d)
+                rows.append(at.to(device) + offset)
+                embeds.append(e)
+                deepstack.append(d)
                 if chunk.last:
                     vision.features = None
             offset += chunk.length

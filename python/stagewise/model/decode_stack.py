@@ -5,8 +5,9 @@ runs the same ops as the Python layers, in the same order, from C++.
 Why: at batch 1 a layer's kernels take tens of microseconds and driving them from Python costs
 about as much again (``stagewise bench profile`` measures the framework's cost per layer). The
 stack serves steps whose rows all decode one token and steps of prompts that all start at
-position 0 (without images); later chunks and mixed steps run the Python layers. It covers the pre-norm layers of :mod:`stagewise.model.models.llama` (Llama, Mistral,
-Qwen3) with a dense gated MLP on one tensor-parallel rank; other stages have none.
+position 0 (without images); later chunks and mixed steps run the Python layers. It covers the
+pre-norm layers of :mod:`stagewise.model.models.llama` (Llama, Mistral, Qwen3) with a dense gated
+MLP on one tensor-parallel rank; other stages have none.
 """
 
 from __future__ import annotations

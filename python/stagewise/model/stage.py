@@ -49,10 +49,10 @@ class StageModel(nn.Module):
         self.vision = vision
         device = next((p.device for p in self.parameters()), torch.device("cpu"))
         # Decode steps and prompt steps from position 0 run the layer loop in C++ where the layers
-        # allow: same ops, same bits (see _fresh_prompts). The
-        # stack cannot all-reduce, so it takes only layers of one TP rank (build_decode_stack
-        # returns None for row-parallel layers that reduce) and the Python loop runs under TP; nor
-        # does it shard the KV, so context-parallel ranks run the Python loop too.
+        # allow: same ops, same bits (see _fresh_prompts). The stack cannot all-reduce, so it takes
+        # only layers of one TP rank (build_decode_stack returns None for row-parallel layers that
+        # reduce) and the Python loop runs under TP; nor does it shard the KV, so context-parallel
+        # ranks run the Python loop too.
         self.decode_stack = None
         if device.type == "cpu" and groups.cp_size == 1:
             self.decode_stack = build_decode_stack(layers, config.activation, device)

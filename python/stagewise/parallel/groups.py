@@ -4,7 +4,7 @@ pcp groups (numbered by :class:`~stagewise.parallel.ranks.StageRanks`).
 A world exists only where something needs it, and spans no more than that:
 
 - a stage of several ranks has a world of its own ranks (:func:`world_ranks`), whose store its
-  leader hosts on its own host. A stage's ranks share its leader's host, so neither the store's
+  leader hosts on loopback. A stage's ranks share its leader's host, so neither the store's
   traffic nor gloo's connections leave that host: a run that asks for TLS between hosts has no
   plain-text link between them;
 - the ``torch`` transport between stages (whose peers are the stages' leaders) needs one world

@@ -95,12 +95,12 @@ class PipelineDriver:
 
     def _world_store(self, stage: int, hops: list[str], ready: list[Ready]) -> tuple[str, int] | None:
         """The store of stage ``stage``'s torch.distributed world: hosted by the world's first rank
-        (:func:`~stagewise.parallel.groups.world_ranks`) on the host this driver reaches it at."""
+        (:func:`~stagewise.parallel.groups.world_ranks`; ``members`` are in global rank order, so
+        that rank is its process's index here), where its ranks reach it (``store_host``)."""
         world = world_ranks(self.plan, stage, hops)
         if not world:
             return None
-        first = world[0]
-        i = next(j for j, (s, r) in enumerate(self.members) if self.plan.stage_ranks()[s].first + r == first)
+        i = world[0]
         if ready[i].store_port is None:
             raise ValueError(f"{self._label(i)} hosts no torch.distributed store for its world: the stages run "
                              "another stagewise version, or a plan with another transport")

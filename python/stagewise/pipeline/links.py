@@ -6,8 +6,8 @@ Every link opens with the transport's hello (protocol version, stage indices, ro
 fingerprint, optional auth token) over TCP; a data link then continues on its transport (tcp, a
 shared-memory ring, a CUDA IPC ring: :mod:`stagewise.transport.rings`). The ``torch`` transport
 instead opens point-to-point channels in a torch.distributed world over the run's ranks, whose
-store stage 0's leader hosts (:mod:`stagewise.parallel.groups`). :func:`open_data_links` is the one place that wires a stage to its neighbours,
-whatever the transport.
+store stage 0's leader hosts (:mod:`stagewise.parallel.groups`). :func:`open_data_links` is the
+one place that wires a stage to its neighbours, whatever the transport.
 """
 
 from __future__ import annotations

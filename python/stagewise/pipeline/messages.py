@@ -58,8 +58,8 @@ class Ready:
     """This process's rank in its stage (0: the leader)."""
     store_port: int | None = None
     """The port of the torch.distributed store this process hosts for its world (the first rank of
-    a world: :func:`stagewise.parallel.groups.world_ranks`), on the host the driver reaches it at;
-    None: it hosts none."""
+    a world: :func:`stagewise.parallel.groups.world_ranks`; on loopback for a stage's own world,
+    :func:`~stagewise.parallel.groups.store_host`); None: it hosts none."""
 
 
 @dataclass(kw_only=True, slots=True)
