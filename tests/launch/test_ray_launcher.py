@@ -3,7 +3,7 @@ its own resources): SmolLM2 as three stages on three nodes answers with the sing
 tokens; `pack` puts the stages on one node; a layout the cluster cannot hold is refused at once; a
 node removed mid-generation has its stage placed again and the requests end with the undisturbed
 tokens, and so do 8 streams of `stagewise serve --launcher ray`; no actor, placement group or stage
-process is left after any of it."""
+process (each stage is its actor's process) is left after any of it."""
 
 from __future__ import annotations
 
@@ -46,24 +46,13 @@ def reference():
         return p.generate([QUESTION] * 3, chat=True, max_new_tokens=24)
 
 
-def _stage_processes() -> list[int]:
+def _alive(pids: list[int], wait_s: float = 20.0) -> set[int]:
+    """Those of ``pids`` (a run's actors' processes) still alive ``wait_s`` after the run ended (a
+    killed actor's worker process exits a moment after Ray reports it dead)."""
     import psutil
 
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "stagewise.cli" in cmd and "stage" in cmd:
-            out.append(p.pid)
-    return out
-
-
-def _new_stage_processes(before: list[int], wait_s: float = 20.0) -> set[int]:
-    """This run's stage processes still alive ``wait_s`` after it ended. A run's end asks each
-    actor to stop its process and then kills the actor; one whose answer is late (a loaded machine)
-    is killed first, and its process then gets SIGTERM from the kernel (``--die-with-parent``) and
-    unwinds on its own, which takes a moment."""
     deadline = time.monotonic() + wait_s
-    while (left := set(_stage_processes()) - set(before)) and time.monotonic() < deadline:
+    while (left := {p for p in pids if psutil.pid_exists(p)}) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
 
@@ -82,19 +71,20 @@ def _leftovers(cluster) -> tuple[list, list]:
 
 
 def test_three_stages_on_three_nodes_answer_like_one_process(cluster, reference):
-    before = _stage_processes()
     with Pipeline(MODEL, stages=3, launcher="ray", ray_address=cluster.address, placement="strict_spread",
                   threads=1) as p:
         nodes = p.driver.processes.nodes
         assert len({n["node_id"] for n in nodes}) == 3
         assert [s.host for s in p.plan.stages] == [n["ip"] for n in nodes]
+        pids = [n["pid"] for n in nodes]
+        assert p.driver.pids == pids  # each stage serves in its actor's own process
         got = p.generate([QUESTION] * 3, chat=True, max_new_tokens=24)
         stats = p.last_stats["stages"]
     assert [(s["host"], s["node_id"]) for s in stats] == [(n["ip"], n["node_id"]) for n in nodes]
     assert [c.token_ids for c in got] == [c.token_ids for c in reference]
     assert "Paris" in got[0].text
     assert not ray.is_initialized()  # the run's own connection is closed with it
-    assert not _new_stage_processes(before)  # none of this run's is left (an earlier one may end)
+    assert not _alive(pids)
     assert _leftovers(cluster) == ([], [])
 
 

@@ -115,6 +115,26 @@ def test_auth_token_and_fingerprint_are_checked(folder):
         procs.stop(grace_s=5.0)
 
 
+def test_a_stage_started_with_another_plans_transport_is_named(folder):
+    """The fingerprint leaves hosts and transports out (they may differ between hosts' views), so
+    each stage checks the driver's setup against its own plan: stages started with the ``torch``
+    transport (one world over the run) meet a driver whose plan says ``tcp``, and say so at once."""
+    from stagewise.model.loader import open_checkpoint
+
+    stage_plan = RunPlan.build(str(folder), 4, 2, transport="torch")
+    plan = RunPlan.build(str(folder), 4, 2, transport="tcp")
+    fingerprint = plan.fingerprint(open_checkpoint(str(folder)).hf_config)
+    assert stage_plan.fingerprint(open_checkpoint(str(folder)).hf_config) == fingerprint
+    procs, addresses = spawn_stages(stage_plan)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"over 'tcp', but this stage's plan makes it 'torch'.*another plan"):
+            PipelineDriver(plan, addresses, fingerprint=fingerprint)
+        assert time.monotonic() - started < 30
+    finally:
+        procs.stop(grace_s=5.0)
+
+
 def test_a_live_stage_rejects_thousands_of_bad_frames_and_serves_on(folder):
     """This test plays the driver and stage 0 (an in-process Head) against a real last stage
     process. Between valid steps it sends bursts of corrupted, truncated and mismatched frames;

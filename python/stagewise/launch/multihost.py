@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import ipaddress
-import json
 import shlex
 import socket
 import subprocess
@@ -171,28 +170,3 @@ def load_plan(source, *, need_model: bool = True) -> RunPlan:
     if (need_model or not ranges_given) and isinstance(model, str) and model:
         return RunPlan.from_dict(data, open_checkpoint(model).config.num_layers)
     return RunPlan.from_dict(data)
-
-
-def stage_from_args(args) -> tuple[RunPlan, int, int, object]:
-    """``stagewise stage``'s plan, stage index, stage rank and on-listening hook from its
-    arguments (``--plan`` or ``--plan-json``; ``--stage`` and ``--rank``, or ``--torchrun``)."""
-    if args.plan_json is not None:
-        try:
-            data = json.loads(args.plan_json)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"run plan: --plan-json is not valid JSON: {err}") from None
-        plan = load_plan(data, need_model=False)
-    else:
-        plan = load_plan(args.plan, need_model=False)
-    if args.torchrun:
-        from stagewise.launch.torchrun import publish, torchrun_stage
-
-        plan, index, rank = torchrun_stage(plan, args.stage)
-
-        def on_listening(stage) -> None:
-            stage.store = publish(stage, timeout_s=stage.driver_timeout_s)  # kept: stage 0 may host it
-
-        return plan, index, rank, on_listening
-    if args.stage is None:
-        raise ValueError("stagewise stage: give --stage I (or --torchrun, which takes it from RANK)")
-    return plan, args.stage, args.rank, None

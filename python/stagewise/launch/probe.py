@@ -39,7 +39,7 @@ import time
 
 from stagewise.parallel.runplan import PROTOCOL_VERSION, RunPlan, parse_address
 from stagewise.transport.hello import auth_key, proof
-from stagewise.pipeline.lines import FAILED_LINE, READY_LINE
+from stagewise.pipeline.lines import print_listening
 
 IDLE_S = 120.0
 MAX_ECHO = 64 << 20
@@ -160,23 +160,23 @@ def say_bye(addresses, token: str | None = None) -> None:
 # ---- the probe process ---------------------------------------------------------------------------
 
 
-def serve_probe(plan: RunPlan, index: int, rank: int, listen: str | None = None, token: str | None = None) -> int:
-    """Run the probe of stage ``index`` rank ``rank`` until told bye (or idle); its exit code.
-    ``token``: the run's shared secret, which every request must then carry."""
+def serve_probe(plan: RunPlan, index: int, rank: int, listen: str | None = None, token: str | None = None, *,
+                announce=print_listening, done: threading.Event | None = None) -> int:
+    """Run the probe of stage ``index`` rank ``rank`` until told bye, idle or ``done`` is set; its
+    exit code. ``token``: the run's shared secret, which every request must then carry;
+    ``announce(host, port)``: once it listens (by default the line a launcher reads)."""
     host, port = parse_address(listen or plan.stages[index].rank_listen(rank))
     try:
         server = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as err:
-        why = f"cannot listen on {host}:{port}: {err.strerror or err}"
-        print(f"{FAILED_LINE} {json.dumps({'stage': index, 'host': socket.gethostname(), 'error': why})}", flush=True)
-        return 1
+        raise OSError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
     report = host_report(plan)
     report["device"] = plan.stages[index].rank_device(rank)
     # A probe measures hops towards the plan's own hosts only (it is not a relay to anywhere).
     peers = {st.host for st in plan.stages} | {parse_address(st.listen)[0] for st in plan.stages}
     bound = server.getsockname()
-    print(f"{READY_LINE} {bound[0]} {bound[1]}", flush=True)
-    done, last, jobs = threading.Event(), [time.monotonic()], queue.SimpleQueue()
+    announce(bound[0], bound[1])
+    done, last, jobs = done or threading.Event(), [time.monotonic()], queue.SimpleQueue()
     server.settimeout(0.1)
     with server:
         while not done.is_set() and time.monotonic() - last[0] < IDLE_S:

@@ -3,17 +3,19 @@ placement group, one bundle per stage (so a stage's ranks share a node: their co
 cross the network).
 
 An actor reserves its rank's resources (``num_cpus`` = its threads; on a GPU stage the stage's
-GPUs) and runs the rank's stage process (``stagewise stage``, the same program every launcher
-starts) as its child, which dies with it. Placement (``--placement``): ``spread`` (Ray's SPREAD: one
-stage a node where it can), ``pack`` (PACK: as few nodes as fit) or ``strict_spread`` (every stage
-on a node of its own, or no run). Stages are told nothing in advance: once placed, each actor
-reports its node's address, the plan's stages get those hosts with port 0, and each stage
-process reports the port it bound. Hops then follow the one ``auto`` rule (shared memory between
-stages of one host, TCP across hosts). Activations and control keep the project's frames: only
+GPUs) and is the rank's process: it runs ``stagewise stage`` (the same program every launcher
+starts, from the same arguments) in a thread of its own, so Ray's accounting of CPUs, GPUs and
+memory is the stage's, and a stage dies with its actor.
+
+Placement (``--placement``): ``spread`` (Ray's SPREAD: one stage a node where it can), ``pack``
+(PACK: as few nodes as fit) or ``strict_spread`` (every stage on a node of its own, or no run).
+Stages are told nothing in advance: once placed, each actor reports its node's address, the
+plan's stages get those hosts with port 0, and each stage reports the port it bound. Hops then
+follow the one ``auto`` rule (shared memory between stages of one host, TCP across hosts). Activations and control keep the project's frames: only
 Ray's own actor calls carry anything else (argv, addresses, exit codes).
 
 :class:`RayStages` is what the driver watches (exit codes, failures, stop); stopping it stops
-every process, kills every actor, removes the placement group, and shuts down the Ray instance
+every stage, kills every actor, removes the placement group, and shuts down the Ray instance
 it started (none when it joined a running cluster).
 """
 
@@ -22,18 +24,18 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
-from stagewise.launch.local import StageProcesses, read_address, stage_argv
+from stagewise.launch.local import stage_argv
 from stagewise.parallel.runplan import RunPlan
 
 STRATEGIES = {"spread": "SPREAD", "pack": "PACK", "strict_spread": "STRICT_SPREAD"}
 """Ray's placement strategy for each of :data:`~stagewise.parallel.plan_options.PLACEMENTS`."""
 POLL_S = 1.0
-"""How often the driver asks each actor whether its process still runs (a stage that stops
+"""How often the driver asks each actor whether its stage still runs (a stage that stops
 answering is caught sooner by the driver's heartbeat; each ask costs the actor's CPU)."""
 
 
@@ -46,33 +48,74 @@ def import_ray():
 
 
 class StageActor:
-    """One stage rank on a Ray node (made a Ray actor by :func:`start_stages`): its process."""
+    """One stage rank on a Ray node (made a Ray actor by :func:`start_stages`): the actor's process
+    is the rank's process, and the stage serves in a thread of it."""
 
     def __init__(self) -> None:
-        self.procs: StageProcesses | None = None
+        self.label = "stage"
+        self._thread: threading.Thread | None = None
+        self._stop = None
+        self._code: int | None = None
+        self._error: str | None = None
 
     def node(self) -> dict[str, Any]:
         import ray
 
         ctx = ray.get_runtime_context()
         return {"ip": ray.util.get_node_ip_address(), "host": socket.gethostname(), "node_id": ctx.get_node_id(),
-                "gpus": [str(g) for g in ray.get_gpu_ids()]}
+                "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
 
     def start(self, argv: list[str], env: dict[str, str], label: str, timeout_s: float) -> tuple[str, int]:
-        proc = subprocess.Popen([sys.executable, "-m", "stagewise.cli", *argv], env={**os.environ, **env},
-                                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-        self.procs = StageProcesses([proc], [label])
-        return read_address(proc, label, timeout_s)
+        """Run ``stagewise stage`` with ``argv`` (after ``stage``) here; its listen address once it
+        listens. ``env``: its threads and its stage's GPUs, set before torch starts CUDA."""
+        from stagewise import heap
+        from stagewise.launch import stage_args
+
+        args = stage_args.parse(argv)
+        os.environ.update(env)
+        heap.pause()  # as in a stage process of its own: the stage settles it once its model is built
+        self.label, listening, address = label, threading.Event(), []
+
+        def announce(host: str, port: int) -> None:
+            address.append((host, int(port)))
+            listening.set()
+
+        def serve() -> None:
+            code = 1
+            try:
+                run, self._stop = stage_args.prepare(args, announce)
+                code = run()
+            except BaseException as err:  # noqa: BLE001 - the driver reads it (failure)
+                self._error = f"{type(err).__name__}: {err}"
+                print(f"stagewise {label}: {self._error}", file=sys.stderr, flush=True)
+            finally:
+                self._code = code
+                listening.set()
+
+        self._thread = threading.Thread(target=serve, name=label, daemon=True)
+        self._thread.start()
+        if not listening.wait(timeout_s):
+            raise TimeoutError(f"{label} did not start listening within {timeout_s:.0f} s")
+        if not address:
+            raise RuntimeError(self.failure() or f"{label} exited with code {self._code} before listening")
+        return address[0]
 
     def poll(self) -> int | None:
-        return None if self.procs is None else self.procs.exit_code(0)
+        """None while the stage serves (or before it started); its exit code once it ended."""
+        return None if self._thread is None or self._thread.is_alive() else self._code
 
     def failure(self) -> str | None:
-        return None if self.procs is None else self.procs.failure(0)
+        return None if self._error is None else f"{self.label} on {socket.gethostname()} failed: {self._error}"
 
     def stop(self, grace_s: float) -> None:
-        if self.procs is not None:
-            self.procs.stop(grace_s)
+        """Give the stage ``grace_s`` to end (the driver's shutdown), then end it: its links close and
+        it unwinds, closing its rings, before the driver kills this actor."""
+        if self._thread is None:
+            return
+        self._thread.join(grace_s)
+        if self._thread.is_alive() and self._stop is not None:
+            self._stop()
+            self._thread.join(max(1.0, min(2.0, grace_s)))
 
 
 class RayStages:
@@ -91,7 +134,7 @@ class RayStages:
     def place(self, plan: RunPlan, which, *, auth_token: str | None, extra=(), timeout_s: float = 120.0,
               keep_going: bool = False) -> tuple[RunPlan, list]:
         """Members ``which`` (indices of :attr:`RunPlan.members`) as new actors in their stage's
-        bundle, each running its rank's process. Returns the plan with each placed stage's host
+        bundle, each serving its rank. Returns the plan with each placed stage's host
         (its node's address) and their listen addresses; with ``keep_going`` a rank's error takes
         its place (a string)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -134,7 +177,7 @@ class RayStages:
             gpus = self.nodes[members.index((index, 0))]["gpus"]
             if gpus:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-            argv = stage_argv(placed, index, rank=rank, program=(), extra=["--die-with-parent", *extra])
+            argv = stage_argv(placed, index, rank=rank, program=(), extra=extra)[1:]  # after "stage"
             starts.append(self.actors[i].start.remote(argv, env, self.labels[i], timeout_s))
         addresses = []
         for ref in starts:
@@ -151,7 +194,7 @@ class RayStages:
     def respawn(self, plan: RunPlan, which, *, auth_token: str | None, extra=()) -> tuple[RunPlan, list]:
         """Members ``which`` placed again (their actors killed first): Ray has moved a lost node's
         bundles to nodes it still has, where the layout allows (refused at once where it does not)."""
-        stops = [self.actors[i].stop.remote(0.0) for i in which]  # a hung process too: SIGKILL after SIGTERM
+        stops = [self.actors[i].stop.remote(0.0) for i in which]  # a hung stage too: killed with its actor
         self.ray.wait(stops, num_returns=len(stops), timeout=5.0)
         for i in which:
             try:
@@ -165,7 +208,7 @@ class RayStages:
         return len(self.actors)
 
     def exit_code(self, i: int) -> int | None:
-        """None while member ``i``'s process runs; its exit code once it exited; -9 when its actor
+        """None while member ``i``'s stage runs; its exit code once it ended; -9 when its actor
         (or its node) is gone. Asks the actor at most every :data:`POLL_S`, never waiting."""
         if i in self._codes:
             return self._codes[i]
@@ -189,7 +232,7 @@ class RayStages:
         return code
 
     def settle(self, timeout_s: float) -> None:
-        """Ask every actor not known to have ended whether its process runs, and wait up to
+        """Ask every actor not known to have ended whether its stage runs, and wait up to
         ``timeout_s`` for the answers (a failure's diagnosis: which stage is gone)."""
         refs = {i: a.poll.remote() for i, a in enumerate(self.actors) if i not in self._codes and a is not None}
         if refs:
@@ -209,7 +252,7 @@ class RayStages:
             return None
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Every process stopped (politely for ``grace_s``), every actor killed, the placement group
+        """Every stage stopped (politely for ``grace_s``), every actor killed, the placement group
         removed, and the Ray instance this run started shut down."""
         ray = self.ray
         try:

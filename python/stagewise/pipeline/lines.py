@@ -5,3 +5,8 @@ nothing, so that a stage failing while it still imports torch can say so."""
 
 READY_LINE = "STAGEWISE-LISTENING"
 FAILED_LINE = "STAGEWISE-FAILED"
+
+
+def print_listening(host: str, port: int) -> None:
+    """Tell whoever started this process where it listens (its ``READY_LINE``)."""
+    print(f"{READY_LINE} {host} {port}", flush=True)

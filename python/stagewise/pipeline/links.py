@@ -113,14 +113,17 @@ class Acceptor:
                  device: int | None = None) -> None:
         self.listener, self.stage, self.checksum, self.device = listener, stage, checksum, device
         self._pending: dict[str, Channel] = {}
+        self._cancelled = threading.Event()
 
     def take(self, role: str, timeout: float) -> Channel:
-        """The link of ``role`` (TimeoutError when none arrives in ``timeout`` seconds)."""
+        """The link of ``role`` (TimeoutError when none arrives in ``timeout`` seconds, or once
+        :meth:`cancel` is called)."""
         deadline = time.monotonic() + timeout
         while role not in self._pending:
             left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"stage {self.stage}: no {role} connection within {timeout:.0f} s")
+            if left <= 0 or self._cancelled.is_set():
+                why = "before the stage was stopped" if self._cancelled.is_set() else f"within {timeout:.0f} s"
+                raise TimeoutError(f"stage {self.stage}: no {role} connection {why}")
             try:
                 self._accept_one(min(0.5, left))
             except TimeoutError:
@@ -143,6 +146,10 @@ class Acceptor:
                 channel.close()
                 raise
         self._pending[role] = channel
+
+    def cancel(self) -> None:
+        """End every wait in :meth:`take` (from another thread) within half a second."""
+        self._cancelled.set()
 
     def drop(self) -> None:
         """Close the links taken from the listener but not handed out (a broken pipeline's)."""

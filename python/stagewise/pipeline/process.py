@@ -33,7 +33,7 @@ from stagewise.engine.executor import Executor, model_dtype
 from stagewise.parallel.groups import host_world_store, join_stage_groups
 from stagewise.parallel.runplan import RunPlan, parse_address
 from stagewise.pipeline import fanout, links, messages, protocol, stage_setup
-from stagewise.pipeline.lines import READY_LINE
+from stagewise.pipeline.lines import print_listening
 from stagewise.pipeline.messages import Add, Cancel, Connected, Fatal, GetStats, Heartbeat, Ready, Setup, Shutdown
 from stagewise.pipeline.protocol import ProtocolError
 from stagewise.pipeline.roles import Head, Route, StageStats, Worker
@@ -72,6 +72,9 @@ class StageProcess:
         self._comm_base = (0.0, 0, 0, 0.0, 0)
         self.on_listening = None
         """Called with this object once the listener is bound (torchrun publishes the address)."""
+        self.announce = print_listening
+        """Called with the bound (host, port): by default the line a launcher reads on stdout."""
+        self.acceptor: links.Acceptor | None = None
 
     # ---- start-up ------------------------------------------------------------------
 
@@ -86,12 +89,11 @@ class StageProcess:
         self.options = links.LinkOptions(fingerprint=self.fingerprint, auth_token=self.auth_token,
                                          checksum=self.plan.checksum, tls=links.TlsConfig.from_dict(self.plan.tls))
         self.listener = links.listen(self.listen_address, self.options)
-        host, port = self.listener.address
-        print(f"{READY_LINE} {host} {port}", flush=True)
+        self.announce(*self.listener.address)
         if self.on_listening is not None:
             self.on_listening(self)
         device = torch.device(self.spec.rank_device(self.rank))
-        acceptor = links.Acceptor(self.listener, stage=self.index, checksum=self.plan.checksum,
+        acceptor = self.acceptor = links.Acceptor(self.listener, stage=self.index, checksum=self.plan.checksum,
                                   device=device.index if device.type == "cuda" else None)
         # The driver connects while the layers load, so that a failure to load reaches it at once.
         driver = threading.Thread(target=self._accept_driver, args=(acceptor, self.driver_timeout_s),
@@ -116,14 +118,13 @@ class StageProcess:
                     layers, port = (self.spec.start_layer, self.spec.end_layer), self._store and int(self._store.port)
                     self.tell_driver(Ready(stage=self.index, rank=self.rank, capacity_blocks=capacity, layers=layers,
                                            pid=os.getpid(), fingerprint=self.fingerprint, store_port=port))
-                    setup = messages.from_frame(self.control.recv(timeout=self.driver_timeout_s))
-                    if not isinstance(setup, Setup):
-                        raise ValueError(f"expected the driver's setup, got {type(setup).__name__}")
+                    setup = stage_setup.checked(messages.from_frame(self.control.recv(timeout=self.driver_timeout_s)),
+                                                hops[self.index])
                     if model is None:
                         from stagewise.model.stage import StageModel  # after listening: the driver connects meanwhile
 
-                        if setup.store is not None:
-                            self.rejoin_s = 0.0  # a torch.distributed world cannot take a new member: no rejoin
+                        if "torch" in hops:  # the run's one world cannot take a new member: no rejoin
+                            self.rejoin_s = 0.0
                         groups = join_stage_groups(self.plan, self.index, self.rank, setup.store, hops)
                         model = StageModel.from_weights(cfg, self.spec.start_layer, self.spec.end_layer, weights,
                                                         dtype=dtype, device=device, groups=groups)
@@ -147,6 +148,22 @@ class StageProcess:
             self.links.close()
             acceptor.close()
         return 0
+
+    def stop(self) -> None:
+        """End :meth:`run` from another thread: no rejoin, every link closed (the loop unwinds and
+        closes its rings), a wait for a driver ended; a stage loading its layers stops once loaded."""
+        self.rejoin_s = 0.0
+        self._stop.set()
+        if self.acceptor is not None:
+            self.acceptor.cancel()
+        self._close_links()
+
+    def _close_links(self) -> None:
+        for channel in (self.control, self.links):
+            try:
+                channel.close()
+            except Exception:  # noqa: BLE001 - already gone (or None: no driver yet)
+                pass
 
     def _serve(self, model, setup: Setup, acceptor: links.Acceptor, max_model_len: int,
                device: torch.device) -> None:
@@ -189,11 +206,7 @@ class StageProcess:
         """After the pipeline broke: drop this stage's links, requests and KV (the model stays
         loaded) and wait up to ``rejoin_s`` for a new driver; False when none came."""
         self._beat.set()
-        for channel in (self.control, self.links):
-            try:
-                channel.close()
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+        self._close_links()
         self.control, self.links, self.executor = None, links.DataLinks(), None
         acceptor.drop()
         print(f"stagewise stage {self.index}: the pipeline broke; waiting up to {self.rejoin_s:.0f} s for a "
@@ -229,20 +242,9 @@ class StageProcess:
                 raise _Shutdown() from None
             raise
 
-    def _comm_counters(self) -> tuple[float, int, int, float, int]:
-        """(collective seconds, bytes, calls, fan-out seconds, bytes) of this rank so far."""
-        if self.executor is None:
-            return (0.0, 0, 0, 0.0, 0)
-        g = self.executor.model.groups
-        groups = list({id(x): x for x in (g.tp, g.dcp, g.pcp)}.values())
-        mirror = self.executor.mirror
-        return (sum(getattr(x, "seconds", 0.0) for x in groups), sum(getattr(x, "bytes", 0) for x in groups),
-                sum(getattr(x, "calls", 0) for x in groups), getattr(mirror, "seconds", 0.0),
-                getattr(mirror, "bytes", 0))
-
     def _stats_report(self, trace: bool) -> messages.Stats:
         report = self.stats.report(self.index, (self.spec.start_layer, self.spec.end_layer), trace=trace)
-        now = self._comm_counters()
+        now = stage_setup.comm_counters(self.executor)
         (report.collective_s, report.collective_bytes, report.collective_calls, report.fanout_s,
          report.fanout_bytes) = (a - b for a, b in zip(now, self._comm_base))
         report.ranks = self.ranks.size
@@ -295,7 +297,7 @@ class StageProcess:
                 self.tell_driver(self._stats_report(msg.trace))
                 if msg.reset:
                     self.stats.reset()
-                    self._comm_base = self._comm_counters()
+                    self._comm_base = stage_setup.comm_counters(self.executor)
             elif isinstance(msg, (Add, Cancel)):
                 out.append(msg)
         return out
@@ -336,7 +338,8 @@ class StageProcess:
             if frame is None:
                 continue
             try:
-                self._send_all(self.links.downstream, head.on_feedback(protocol.from_frame(frame, None)))
+                for out in head.on_feedback(protocol.from_frame(frame, None)):
+                    self._send(self.links.downstream, out)
             except ValueError as err:  # a ProtocolError, or tokens of a step not in flight
                 self._reject(f"(feedback step {frame.step_id}): {err}")
 
@@ -354,10 +357,6 @@ class StageProcess:
                 continue
             for route, outgoing in out:
                 self._send(routes[route], outgoing)
-
-    def _send_all(self, channel: Channel, frames: list[Frame]) -> None:
-        for frame in frames:
-            self._send(channel, frame)
 
     def _send(self, channel: Channel, frame: Frame) -> None:
         start, before = time.perf_counter(), channel.stats.bytes_sent

@@ -1,6 +1,7 @@
 """What a stage process sets up once, before it serves: its rank's weights on its device, how many
-KV blocks it can hold, and the sizes of the rings it sends on. Kept apart from the IO loop
-(:mod:`stagewise.pipeline.process`) so that a stage that rejoins a new driver reuses all of it."""
+KV blocks it can hold, and the sizes of the rings it sends on (and, for its stats, its collectives'
+counters). Kept apart from the IO loop (:mod:`stagewise.pipeline.process`) so that a stage that
+rejoins a new driver reuses all of it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from stagewise.kv.cache import KVCacheSpec, num_cache_blocks
 from stagewise.model.shapes import kv_heads_per_rank
+from stagewise.pipeline.messages import Setup
 from stagewise.parallel.runplan import RunPlan
 
 
@@ -30,6 +32,21 @@ def load_weights(plan: RunPlan, index: int, rank: int, checkpoint, device: torch
                                  tp_size=spec.tp, dtype=dtype, quantized=plan.quantized,
                                  linear_precision=plan.linear_precision)
     return weights, dtype
+
+
+def checked(setup, hop: str) -> Setup:
+    """The driver's :class:`Setup`, once it agrees with this stage's own plan (its outgoing
+    ``hop``) on whether the run's hops are ``torch``: that decides which torch.distributed world
+    the stage joins, and a stage started by hand with another plan's transport would otherwise
+    wait in a world of another size until it times out. Which other transport a hop runs is the
+    driver's to say."""
+    if not isinstance(setup, Setup):
+        raise ValueError(f"expected the driver's setup, got {type(setup).__name__}")
+    if (setup.transport == "torch") != (hop == "torch"):
+        raise ValueError(f"the driver runs this stage's outgoing hop over {setup.transport!r}, but this stage's "
+                         f"plan makes it {hop!r}: the stage was started with another plan (its transport or "
+                         "hosts); start it from the driver's plan")
+    return setup
 
 
 def kv_capacity(plan: RunPlan, index: int, cfg, dtype: torch.dtype, device: torch.device,
@@ -59,3 +76,16 @@ def ring_size(plan: RunPlan, index: int, hidden_size: int, dtype: torch.dtype, m
     need = tokens * hidden_size * dtype.itemsize + (256 << 10)
     return min(max(need, 1 << 20), 32 << 20), 2 * s + 2
 
+
+
+def comm_counters(executor) -> tuple[float, int, int, float, int]:
+    """(collective seconds, bytes, calls, fan-out seconds, bytes) of a stage rank's ``executor``
+    so far (zeros before it has one)."""
+    if executor is None:
+        return (0.0, 0, 0, 0.0, 0)
+    g = executor.model.groups
+    groups = list({id(x): x for x in (g.tp, g.dcp, g.pcp)}.values())
+    mirror = executor.mirror
+    return (sum(getattr(x, "seconds", 0.0) for x in groups), sum(getattr(x, "bytes", 0) for x in groups),
+            sum(getattr(x, "calls", 0) for x in groups), getattr(mirror, "seconds", 0.0),
+            getattr(mirror, "bytes", 0))
