@@ -276,6 +276,23 @@ def test_torchrun_environment_is_checked(monkeypatch):
         torchrun_stage(plan, None)
 
 
+def test_torchrun_refuses_a_stage_split_across_nodes(monkeypatch):
+    """Two stages of tp 2 on nodes of 3 processes each: node 0 runs RANKs 0-2, so stage 1 (RANKs
+    2-3) would straddle both nodes; nodes of 2 (or 4) hold whole stages."""
+    plan = plan_of([{"tp": 2}, {"tp": 2}])
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for rank, local, per_node, ok in [(2, 2, 3, False), (3, 0, 1, False), (0, 0, 3, True), (1, 1, 3, True),
+                                      (2, 0, 2, True), (3, 1, 2, True), (3, 3, 4, True)]:
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
+        if ok:
+            assert torchrun_stage(plan, None)[1:] == divmod(rank, 2)
+        else:
+            with pytest.raises(ValueError, match=r"stage 1 is RANKs 2-3, but this node runs RANKs .*must share a node"):
+                torchrun_stage(plan, None)
+
+
 def test_torchrun_stages_publish_their_addresses_in_the_store(tiny, tmp_path):
     model, ref = tiny
     plan_path = write_plan(tmp_path / "plan.json", model, [{"listen": "127.0.0.1:0"}, {"listen": "127.0.0.1:0"}])

@@ -1,6 +1,6 @@
 """Stages under ``torchrun``: ``RANK`` names the process (stage and stage rank, in the plan's
 rank order: the stage index when every stage is one process), ``WORLD_SIZE`` is the number of
-processes of the plan, and they publish their listen addresses in torch.distributed's TCPStore at
+processes of the plan (a stage's ranks on one node: checked), and they publish their listen addresses in torch.distributed's TCPStore at
 ``MASTER_ADDR:MASTER_PORT`` (no rendezvous of our own).
 
     torchrun --nproc-per-node 2 --master-port 29511 -m stagewise.cli stage --plan plan.yaml --torchrun
@@ -57,9 +57,26 @@ def torchrun_stage(plan: RunPlan, stage: int | None) -> tuple[RunPlan, int, int]
     if stage is not None and stage != index:
         raise ValueError(f"stagewise stage --torchrun: --stage {stage} disagrees with RANK {rank} (stage {index}); "
                          "leave --stage out")
+    _check_one_node(plan, index, rank)
     if plan.stages[index].device == "cuda":
         plan = plan.with_stage(index, device=f"cuda:{_env_int('LOCAL_RANK') - stage_rank}")
     return plan, index, stage_rank
+
+
+def _check_one_node(plan: RunPlan, index: int, rank: int) -> None:
+    """Refuse a stage whose ranks torchrun puts on more than one node: a node runs the consecutive
+    RANKs ``RANK - LOCAL_RANK`` .. ``+ LOCAL_WORLD_SIZE - 1``, and a stage's collectives (and its
+    world's store, on loopback) must stay on its leader's host."""
+    if "LOCAL_WORLD_SIZE" not in os.environ:
+        return
+    node_first, per_node = rank - _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE")
+    ranks = plan.stage_ranks()[index]
+    if ranks.first < node_first or ranks.first + ranks.size > node_first + per_node:
+        raise ValueError(f"stagewise stage --torchrun: stage {index} is RANKs {ranks.first}-"
+                         f"{ranks.first + ranks.size - 1}, but this node runs RANKs {node_first}-"
+                         f"{node_first + per_node - 1} (--nproc-per-node {per_node}): a stage's ranks must share "
+                         "a node. Give each node whole stages (--nproc-per-node a sum of consecutive stages' "
+                         "tp x pcp), or use --launcher ssh or ray, which place a stage's ranks together")
 
 
 def _master() -> tuple[str, int]:
