@@ -5,6 +5,7 @@ including in subgroups of the world."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import socket
 
 import pytest
 import torch
@@ -44,6 +45,50 @@ def test_a_loopback_store_listens_on_loopback_only():
     client = comm.dist.TCPStore(host, port, is_master=False, timeout=comm.timedelta(seconds=10))
     client.set("k", "v")
     assert store.get("k") == b"v"
+
+
+def _listening(rank: int, store: tuple[str, int], local: bool, out) -> None:
+    import psutil
+
+    comm.init_world(rank=rank, world_size=2, store=store, local=local)
+    try:
+        t = torch.ones(2)
+        comm.dist.all_reduce(t)
+        out.put((rank, t.tolist(), sorted({c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
+                                           if c.status == psutil.CONN_LISTEN})))
+        comm.dist.barrier()
+    finally:
+        comm.destroy_world()
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_a_local_world_listens_on_loopback_whatever_interface_gloo_is_told(local, monkeypatch):
+    """A host whose name resolves to its network address (or ``GLOO_SOCKET_IFNAME`` naming that
+    interface) makes gloo listen there; a world of one host's processes (``local``: a stage's own
+    world) listens on the loopback interface instead."""
+    psutil = pytest.importorskip("psutil")
+    nic = next(((name, a.address) for name, addrs in psutil.net_if_addrs().items() if name != comm.loopback_interface()
+                for a in addrs if a.family == socket.AF_INET and not a.address.startswith("127.")), None)
+    if nic is None or comm.loopback_interface() is None:
+        pytest.skip("this host has no network interface with an IPv4 address besides loopback")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", nic[0])  # the spawned ranks inherit it
+    store, address = comm.host_store("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_listening, args=(r, address, local, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(out.get(timeout=120) for _ in range(2))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for rank, summed, listening in results:
+        assert summed == [2.0, 2.0]
+        assert listening == (["127.0.0.1"] if local else [nic[1]]), (rank, listening)
+    del store
 
 
 def _rank(rank: int, world: int, store: tuple[str, int], out) -> None:

@@ -10,6 +10,7 @@ client (:func:`init_world`).
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from datetime import timedelta
@@ -44,16 +45,35 @@ def backend_for(devices: list[str]) -> str:
     return "nccl" if devices and all(torch.device(d).type == "cuda" for d in devices) else "gloo"
 
 
+def loopback_interface() -> str | None:
+    """The name of this host's loopback interface (on Linux the one flagged IFF_LOOPBACK; else
+    ``lo0`` or ``lo`` where the host has it); None where there is none to name."""
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    for name in names:
+        try:
+            with open(f"/sys/class/net/{name}/flags") as f:
+                if int(f.read(), 16) & 0x8:  # IFF_LOOPBACK
+                    return name
+        except (OSError, ValueError):
+            continue
+    return next((name for name in ("lo0", "lo") if name in names), None)
+
+
 def init_world(*, rank: int, world_size: int, store: tuple[str, int], backend: str = "gloo",
-               timeout_s: float = DEFAULT_TIMEOUT_S) -> Group:
+               timeout_s: float = DEFAULT_TIMEOUT_S, local: bool = False) -> Group:
     """Join the default process group as ``rank`` of ``world_size`` through the store at
     ``store`` (host, port); returns the whole world as a :class:`Group`. With NCCL the caller
-    has already selected this rank's GPU (``torch.cuda.set_device``)."""
+    has already selected this rank's GPU (``torch.cuda.set_device``). ``local``: every rank is a
+    process of this host, so gloo's sockets (and NCCL's bootstrap) listen on the loopback
+    interface only, whatever interface the host's name (or ``GLOO_SOCKET_IFNAME``) would pick."""
     if not 0 <= rank < world_size:
         raise ValueError(f"init_world: rank must be in [0, {world_size}), got {rank}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"init_world: backend must be 'gloo' or 'nccl', got {backend!r}")
     if not dist.is_initialized():
+        loopback = loopback_interface() if local else None
+        if loopback is not None:  # read when the process group is made; this process joins no other world
+            os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = loopback
         host, port = store
         client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=client, rank=rank, world_size=world_size,

@@ -5,8 +5,8 @@ A world exists only where something needs it, and spans no more than that:
 
 - a stage of several ranks has a world of its own ranks (:func:`world_ranks`), whose store its
   leader hosts on loopback. A stage's ranks share its leader's host, so neither the store's
-  traffic nor gloo's connections leave that host: a run that asks for TLS between hosts has no
-  plain-text link between them;
+  traffic nor gloo's connections leave that host (gloo listens on the loopback interface too):
+  a run that asks for TLS between hosts has no plain-text link between them;
 - the ``torch`` transport between stages (whose peers are the stages' leaders) needs one world
   over every rank of the run, whose store stage 0's leader hosts (that transport is refused
   between hosts when the plan asks for TLS: :func:`stagewise.pipeline.links.hop_transports`).
@@ -33,11 +33,6 @@ from stagewise.parallel.runplan import RunPlan
 
 GROUP_ORDER = ("tp", "dcp", "pcp")
 SHM_ENV = "STAGEWISE_SHM_COLLECTIVES"
-
-
-def needs_world(plan: RunPlan, hop_transports: list[str]) -> bool:
-    """Whether any process of the run joins a torch.distributed world."""
-    return plan.world_size > plan.num_stages or "torch" in hop_transports
 
 
 def world_ranks(plan: RunPlan, stage: int, hop_transports: list[str]) -> list[int]:
@@ -82,7 +77,8 @@ def join_stage_groups(plan: RunPlan, stage: int, rank: int, store: tuple[str, in
     devices = [s.rank_device(r) for s, ranks in zip(plan.stages, all_ranks) for r in range(ranks.size)]
     backend = comm.backend_for([devices[w] for w in world])
     me = world.index(all_ranks[stage].first + rank)
-    comm.init_world(rank=me, world_size=len(world), store=store, backend=backend, timeout_s=timeout_s)
+    comm.init_world(rank=me, world_size=len(world), store=store, backend=backend, timeout_s=timeout_s,
+                    local="torch" not in hop_transports)
     # A group's ranks are one stage's, on one host: they decide the same (the others ignore it).
     shm = shm_group.available() and os.environ.get(SHM_ENV, "1") != "0"
     meet = None
