@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     launcher, options = how(plan, args)  # the same launcher and options `stagewise doctor` would use
     if launcher == "local" or args.print_only:
         launcher = None  # printed commands: the stages are started by hand
-    extra = REJOIN_ARGS if rejoins(plan, args.max_restarts > 0) else ()
+    extra = REJOIN_ARGS if rejoins(plan, args.max_restarts > 0, launched=launcher is not None) else ()
     if launcher is not None:
         from stagewise.launch.start import start_stages
 

@@ -102,6 +102,50 @@ def test_a_run_that_cannot_rejoin_starts_every_stage_again(reference):
     assert gone(new)
 
 
+@pytest.fixture(scope="module")
+def tiny_gqa(tmp_path_factory):
+    """A random Llama of 4 query and 2 KV heads (tp 2 halves both), with a word-per-token tokenizer
+    (text streams as the tokens come back)."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=101, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, max_position_embeddings=256)).eval()
+    path = tmp_path_factory.mktemp("llama-gqa")
+    hf.save_pretrained(path)
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, 101)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    return str(path)
+
+
+def test_a_stage_of_several_ranks_keeps_its_world_or_starts_again_whole(tiny_gqa):
+    """Two stages of two TP ranks (each stage its own torch.distributed world). Stage 0's second
+    rank killed mid-generation: both of stage 0's ranks start again (its world cannot take a new
+    member), while stage 1's two ranks rejoin with their layers and their world; then stage 1's
+    leader killed: stage 1 starts again whole and stage 0's new ranks rejoin. The answers are the
+    undisturbed run's each time."""
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    with Pipeline(tiny_gqa, stages=2, tp=2, max_model_len=256, max_num_seqs=4, max_restarts=2) as pipe:
+        assert pipe.driver.processes.pids and len(pipe.plan.members) == 4
+        want = [c.token_ids for c in pipe.generate(prompt_token_ids=prompts, max_new_tokens=NEW, ignore_eos=True)]
+        for victim, restarted in [(1, [0, 1]), (2, [2, 3])]:
+            pids = list(pipe.driver.processes.pids)
+            out = pipe.generate(prompt_token_ids=prompts, max_new_tokens=NEW, ignore_eos=True,
+                                on_text=fail_stage_midway(pids[victim], signal.SIGKILL))
+            assert [c.finish_reason for c in out] == ["length"] * 3, [c.error for c in out]
+            assert [c.token_ids for c in out] == want
+            new = list(pipe.driver.processes.pids)
+            assert [p != q for p, q in zip(pids, new)] == [i in restarted for i in range(4)], (pids, new)
+            assert gone([pids[i] for i in restarted]) and all(alive(p) for p in new)
+        assert pipe.restarts == 2
+    assert gone(new)
+
+
 def test_stages_started_by_hand_rejoin(reference, tmp_path):
     """Stages on their "hosts" (started here by hand with --rejoin, fixed ports): the last is
     killed and, as its host's supervisor would, started again at its address; the driver waits for

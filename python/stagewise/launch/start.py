@@ -91,24 +91,28 @@ REJOIN_ARGS = ("--rejoin", str(REJOIN_S))
 """What a stage this process starts is told so."""
 
 
-def rejoins(plan: RunPlan, asked: bool) -> bool:
+def rejoins(plan: RunPlan, asked: bool, launched: bool = True) -> bool:
     """Whether a broken pipeline of ``plan`` keeps its surviving stages (started with
-    :data:`REJOIN_ARGS`): asked for, and every stage one rank with no hop over torch.distributed
-    (a torch.distributed world cannot take a new member)."""
-    from stagewise.parallel.groups import needs_world
+    :data:`REJOIN_ARGS`): asked for, and no hop over torch.distributed (that transport's one world
+    over the run cannot take a new member). A stage of several ranks keeps its own world: it
+    rejoins whole, or, when one of its ranks is lost, the launcher starts all of them again; so
+    stages not ``launched`` here (started by hand) rejoin only when each is one rank."""
     from stagewise.pipeline.links import hop_transports
 
-    return bool(asked) and not needs_world(plan, hop_transports(plan))
+    if not asked or "torch" in hop_transports(plan):
+        return False
+    return launched or plan.world_size == plan.num_stages
 
 
 class Restart:
     """How a pipeline's stages are started, and started again when the pipeline broke: the
     :class:`~stagewise.pipeline.recovery.Recovering` driver's ``restart``.
 
-    When every stage is one rank and no hop runs over torch.distributed, the stages are started
-    with ``--rejoin``: a broken pipeline's surviving stages keep their layers loaded, drop every
-    request's KV and wait for a new driver. Then only the lost stages (the driver's
-    :meth:`~stagewise.pipeline.driver.PipelineDriver.lost`) are started again by the local
+    When no hop runs over torch.distributed, the stages are started with ``--rejoin``: a broken
+    pipeline's surviving stages keep their layers loaded (a stage of several ranks its world too),
+    drop every request's KV and wait for a new driver. Then only the lost stages (the driver's
+    :meth:`~stagewise.pipeline.driver.PipelineDriver.lost`; every rank of a stage that lost one)
+    are started again by the local
     or Ray launcher (a lost node's stages placed again in their bundles, which Ray has moved to the
     nodes it still has), over ssh on their hosts (``stagewise launch --ssh``), or, for stages this
     process did not start (``launcher=None``: attached to, on other hosts), waited for at their
@@ -121,7 +125,7 @@ class Restart:
                  rejoin: bool = False, rejoin_timeout_s: float = REJOIN_S, log=None) -> None:
         self.plan, self.connect, self.launcher, self.auth_token, self.log = plan, connect, launcher, auth_token, log
         self.rejoin_timeout_s = rejoin_timeout_s
-        self.rejoin = rejoins(plan, rejoin)
+        self.rejoin = rejoins(plan, rejoin, launched=launcher is not None)
         """Whether a broken pipeline keeps its surviving stages (asked for, and the layout allows it)."""
 
     def start(self, addresses=None, processes=None, connect_timeout_s: float = 60.0):
