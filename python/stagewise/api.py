@@ -91,7 +91,7 @@ class Pipeline:
                 raise ValueError(f"Pipeline: {name} must be an int >= 1, got {value!r}")
         for problem in option_problems({"tpot_target_ms": tpot_target_ms}):
             raise ValueError(f"Pipeline: {problem}")
-        dev = resolve_device(device)
+        dev = resolve_device(device, here=launch_options.get("launcher") != "ray")  # Ray's nodes have the GPUs
         if linear_precision == "int8" and dev.type != "cpu":
             raise NotImplementedError(f"Pipeline: linear_precision='int8' runs on the CPU only, got device={device!r}")
         start = time.perf_counter()

@@ -284,3 +284,27 @@ def test_a_measured_split_on_ray_runs_where_it_was_measured(cluster, reference, 
         [got] = p.generate([QUESTION], chat=True, max_new_tokens=24)
     assert got.token_ids == reference[0].token_ids
     assert _leftovers(cluster) == ([], [])
+
+
+def test_gpu_stages_are_placed_by_their_gpus(cluster):
+    """A node that declares two GPUs to Ray (this machine has none): two stages on ``cuda`` are
+    placed there, each leader's actor holding a GPU of its own that Ray assigned; past placement
+    each stage finds no CUDA device and says so, naming itself, and nothing is left. A driver with
+    no GPU of its own (a cluster's head) starts such a run all the same."""
+    node = cluster.add_node(**NODE, num_gpus=2)
+    cluster.wait_for_nodes()
+    try:
+        plan = local_plan(MODEL, open_checkpoint(MODEL).config, 2, "cuda", "auto", threads=1)
+        stages, placed, addresses = start_stages(plan, address=cluster.address)
+        try:
+            assert {n["node_id"] for n in stages.nodes} == {node.node_id}
+            assert sorted(g for n in stages.nodes for g in n["gpus"]) == ["0", "1"]
+            assert [s.device for s in placed.stages] == ["cuda:0", "cuda:0"] and len(addresses) == 2
+        finally:
+            stages.stop(grace_s=1.0)  # each waits for a driver to tell why it cannot load: none comes
+        with pytest.raises(RuntimeError, match=r"stage \d.*0 CUDA device\(s\)"):
+            Pipeline(MODEL, stages=2, device="cuda", launcher="ray", ray_address=cluster.address, threads=1)
+        assert not ray.is_initialized()
+        assert _leftovers(cluster) == ([], [])
+    finally:
+        cluster.remove_node(node)

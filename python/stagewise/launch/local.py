@@ -101,10 +101,10 @@ def local_plan(model: str, config, stages: int, device_type: str, dtype: str, *,
     from stagewise.parallel.plan import decode_layer_costs
 
     per_stage = tp * pcp
-    if device_type == "cuda":
+    if device_type == "cuda":  # a driver with no GPU of its own (a Ray cluster's head): cuda:0, placed anew there
         import torch
 
-        devices = [f"cuda:{i * per_stage % torch.cuda.device_count()}" for i in range(stages)]
+        devices = [f"cuda:{i * per_stage % max(1, torch.cuda.device_count())}" for i in range(stages)]
     else:
         devices = ["cpu"] * stages
     threads = threads or max(1, usable_cores() // (stages * per_stage))

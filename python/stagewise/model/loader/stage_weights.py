@@ -41,15 +41,16 @@ def resolve_dtype(dtype: str | torch.dtype, stated: torch.dtype | None) -> torch
     return dtype
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
-    """The device a pipeline computes on: the CPU, or a CUDA device this machine has."""
+def resolve_device(device: str | torch.device, here: bool = True) -> torch.device:
+    """The device a pipeline computes on: the CPU, or a CUDA device this machine has (unless not
+    ``here``: the stages run on other machines, such as a Ray cluster's GPU nodes)."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}") from None
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if here and dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but no CUDA device is available")
     return dev
 
