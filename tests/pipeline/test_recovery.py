@@ -142,6 +142,10 @@ def test_a_stage_of_several_ranks_keeps_its_world_or_starts_again_whole(tiny_gqa
             new = list(pipe.driver.processes.pids)
             assert [p != q for p, q in zip(pids, new)] == [i in restarted for i in range(4)], (pids, new)
             assert gone([pids[i] for i in restarted]) and all(alive(p) for p in new)
+            # a rejoined leader's counters start with its new executor (its world's outlive the break)
+            stats = pipe.stage_stats()
+            assert all(st["fanout_bytes"] > 0 and st["fanout_s"] >= 0 and st["collective_bytes"] > 0
+                       for st in stats), stats
         assert pipe.restarts == 2
     assert gone(new)
 

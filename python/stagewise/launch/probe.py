@@ -196,7 +196,8 @@ def serve_probe(plan: RunPlan, index: int, rank: int, listen: str | None = None,
 
 def _measure_node(report: dict, types) -> dict:
     """The node's profile; torch's profiler (the per-layer framework cost) writes lines of its own to
-    this process's stderr, the launcher's terminal: they go to /dev/null meanwhile."""
+    this process's stderr, the launcher's terminal: they go to /dev/null meanwhile (in a Ray actor,
+    whose stderr is its log, every thread's lines for those seconds)."""
     saved, quiet = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(quiet, 2)
     try:
@@ -254,7 +255,7 @@ def _answer(conn: socket.socket, report: dict, peers: set[str], done: threading.
                     reply = {"ok": True, **measure(str(msg["host"]), int(msg["port"]), token=token)}
                 except (OSError, ValueError, KeyError) as err:
                     reply = {"ok": False, "error": f"{type(err).__name__}: {err}"}
-            elif op == "measure":  # run by the probe's main thread
+            elif op == "measure":  # run by the thread serving the probe
                 box: queue.SimpleQueue = queue.SimpleQueue()
                 jobs.put((lambda types=msg.get("types"): _measure_node(report, types), box))
                 reply = box.get()

@@ -42,9 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     """``stagewise stage``'s arguments (``argv`` without the program and ``stage``)."""
-    parser = argparse.ArgumentParser(prog="stagewise stage")
+    parser = _Parser(prog="stagewise stage")
     add_arguments(parser)
     return parser.parse_args(argv)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments raise ValueError (in a Ray actor: the driver reads it) instead of exiting."""
+
+    def error(self, message: str):
+        raise ValueError(f"stagewise stage: {message}")
 
 
 def prepare(args: argparse.Namespace, announce=None):

@@ -1,10 +1,11 @@
-"""A pipeline stage as an OS process: the IO around a :class:`~stagewise.pipeline.head.Head`
-(stage 0) or a :class:`~stagewise.pipeline.worker.Worker` (later stages).
+"""A pipeline stage rank: the IO around a :class:`~stagewise.pipeline.head.Head` (stage 0) or a
+:class:`~stagewise.pipeline.worker.Worker` (later stages), in a process of its own
+(``stagewise stage``) or a thread of a Ray actor (:mod:`stagewise.launch.ray_cluster`).
 
 Life of a stage:
 
-1. read the model's config (for the fingerprint), listen on the plan's address and print
-   ``STAGEWISE-LISTENING host port`` on stdout, so that a launcher learns an ephemeral port;
+1. read the model's config (for the fingerprint), listen on the plan's address and ``announce``
+   it (default: ``STAGEWISE-LISTENING host port`` on stdout), so a launcher learns the port;
 2. load only this stage's layers while accepting the driver's control link (heartbeats start
    then), and report :class:`~stagewise.pipeline.messages.Ready` (its KV block capacity; a
    torch.distributed world's first rank also its store's port) or, on failure, ``Fatal``;
@@ -13,9 +14,9 @@ Life of a stage:
 4. serve until ``Shutdown``, the driver's disconnection or a dead neighbour. A heartbeat goes to
    the driver every ``HEARTBEAT_S`` so that it notices a hung stage.
 
-Whatever stops it with an error is sent to the driver (``Fatal``) and printed on stdout as
-``STAGEWISE-FAILED {json}`` (:mod:`stagewise.cli_stage`), so that a launcher reads a stage's own
-words even when it failed before the driver connected.
+Whatever stops it with an error goes to the driver (``Fatal``) and, even before a driver connected,
+to its launcher: a process prints ``STAGEWISE-FAILED {json}`` (:mod:`stagewise.cli_stage`), a Ray
+actor keeps the words for the driver to ask.
 """
 
 from __future__ import annotations
@@ -69,11 +70,9 @@ class StageProcess:
         self.fingerprint, self.listener = "", None
         self._store = None  # the store of this process's torch.distributed world, when it hosts it
         self.executor: Executor | None = None
-        self._comm_base = (0.0, 0, 0, 0.0, 0)
         self.on_listening = None
         """Called with this object once the listener is bound (torchrun publishes the address)."""
         self.announce = print_listening
-        """Called with the bound (host, port): by default the line a launcher reads on stdout."""
         self.acceptor: links.Acceptor | None = None
 
     # ---- start-up ------------------------------------------------------------------
@@ -89,12 +88,12 @@ class StageProcess:
         self.options = links.LinkOptions(fingerprint=self.fingerprint, auth_token=self.auth_token,
                                          checksum=self.plan.checksum, tls=links.TlsConfig.from_dict(self.plan.tls))
         self.listener = links.listen(self.listen_address, self.options)
-        self.announce(*self.listener.address)
-        if self.on_listening is not None:
-            self.on_listening(self)
         device = torch.device(self.spec.rank_device(self.rank))
         acceptor = self.acceptor = links.Acceptor(self.listener, stage=self.index, checksum=self.plan.checksum,
                                   device=device.index if device.type == "cuda" else None)
+        self.announce(*self.listener.address)
+        if self.on_listening is not None:
+            self.on_listening(self)
         # The driver connects while the layers load, so that a failure to load reaches it at once.
         driver = threading.Thread(target=self._accept_driver, args=(acceptor, self.driver_timeout_s),
                                   name="accept-driver", daemon=True)
@@ -172,6 +171,8 @@ class StageProcess:
         executor = self.executor = Executor(model, num_blocks=setup.num_blocks, block_size=self.plan.block_size,
                                             max_model_len=max_model_len, device=device,
                                             interleave_size=self.plan.interleave_size)
+        self.stats.reset()  # and the collectives' counters (its world's outlive a rejoin): from here
+        self._comm_base = stage_setup.comm_counters(executor)
         if self.rank > 0:
             self._serve_follower(executor, acceptor, max_model_len, device)
             raise _Shutdown()
