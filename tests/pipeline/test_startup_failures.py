@@ -93,3 +93,50 @@ def test_the_command_line_names_a_failing_stage(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "stage 1 on 127.0.0.1 failed: ValueError:" in err and "are missing" in err, err
     assert os.path.isdir(folder)
+
+
+def test_the_driver_dials_again_a_stage_too_busy_to_say_hello():
+    """A stage loading its layers on loaded cores may leave the driver's connection without its
+    hello for a while (here: nothing accepts for 3 s, so the first try's hello times out after 2 s):
+    the driver dials again until its deadline instead of failing the start. A refused hello (another
+    fingerprint) still fails at once."""
+    import threading
+
+    from stagewise.pipeline import links
+    from stagewise.pipeline.driver import dial_control
+    from stagewise.transport.errors import HandshakeError
+
+    options = links.LinkOptions(fingerprint="f" * 16)
+    listener = links.listen(("127.0.0.1", 0), options)
+    accepted = []
+
+    def busy_stage() -> None:
+        time.sleep(3.0)
+        for _ in range(3):  # the first try's connection, abandoned by the driver, fails its hello
+            try:
+                accepted.append(listener.accept(timeout=5.0))
+                return
+            except (HandshakeError, TimeoutError):
+                continue
+
+    thread = threading.Thread(target=busy_stage, daemon=True)
+    thread.start()
+    try:
+        start = time.monotonic()
+        channel = dial_control(listener.address, options, peer=0, timeout=30.0, name="stage 0")
+        assert 2.0 < time.monotonic() - start < 15.0
+        thread.join(10)
+        assert accepted and accepted[0].peer.role == "driver"
+        channel.close()
+        accepted[0].close()
+        other = links.LinkOptions(fingerprint="0" * 16)
+        refusing = threading.Thread(target=lambda: pytest.raises(HandshakeError, listener.accept, timeout=10.0),
+                                    daemon=True)
+        refusing.start()
+        start = time.monotonic()
+        with pytest.raises(HandshakeError, match="fingerprint"):
+            dial_control(listener.address, other, peer=0, timeout=30.0, name="stage 0")
+        assert time.monotonic() - start < 5.0
+        refusing.join(10)
+    finally:
+        listener.close()

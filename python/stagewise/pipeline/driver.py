@@ -24,7 +24,7 @@ from stagewise.pipeline.messages import (
 )  # fmt: skip
 from stagewise.pipeline.faults import Fault, PipelineBroken, StageProcesses
 from stagewise.pipeline.protocol import ProtocolError
-from stagewise.transport.errors import ChannelClosed, HandshakeError
+from stagewise.transport.errors import ChannelClosed, HandshakeError, HelloTimeout
 
 HEARTBEAT_TIMEOUT_S = 3.0
 
@@ -110,18 +110,8 @@ class PipelineDriver:
 
     def _dial(self, stage: int, address: tuple[str, int], options: links.LinkOptions, timeout: float):
         """Stage ``stage``'s control link, giving up as soon as its process is gone."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return links.dial(address, options, transport="tcp", stage=-1, peer=stage, role="driver",
-                                  timeout=min(2.0, max(0.1, deadline - time.monotonic())))
-            except (TimeoutError, ConnectionError) as err:
-                if isinstance(err, HandshakeError):
-                    raise
-                self._check_process(stage)
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"{self._name(stage)}: no answer at {address[0]}:{address[1]} within "
-                                       f"{timeout:.0f} s ({err})") from None
+        return dial_control(address, options, peer=stage, timeout=timeout, name=self._name(stage),
+                            check=lambda: self._check_process(stage))
 
     def _label(self, member: int) -> str:
         return self.plan.member_label(*self.members[member])
@@ -378,3 +368,23 @@ class PipelineDriver:
 def _status_dict(msg: Status) -> dict:
     return {"waiting": msg.waiting, "running": msg.running, "max_num_seqs": msg.max_num_seqs,
             "free_blocks": msg.free_blocks, "total_blocks": msg.total_blocks}
+
+
+def dial_control(address: tuple[str, int], options: links.LinkOptions, *, peer: int, timeout: float, name: str,
+                 check=lambda: None):
+    """The driver's control link to stage member ``peer`` (``name`` in errors), dialled again every
+    2 s until ``timeout``: while nothing listens yet, and while the stage, busy loading its layers,
+    leaves a connection without its hello; ``check()`` between tries raises once its process is
+    gone. A refused hello (another model or plan, a wrong token) raises at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return links.dial(address, options, transport="tcp", stage=-1, peer=peer, role="driver",
+                              timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+        except (TimeoutError, ConnectionError) as err:
+            if isinstance(err, HandshakeError) and not isinstance(err, HelloTimeout):
+                raise
+            check()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{name}: no answer at {address[0]}:{address[1]} within {timeout:.0f} s "
+                                   f"({err})") from None

@@ -17,5 +17,10 @@ class HandshakeError(ConnectionError):
     authentication token is missing or wrong. The message names both sides' values."""
 
 
+class HelloTimeout(HandshakeError):
+    """The peer took the connection but sent no hello in time: a busy peer (loading its layers on
+    loaded cores, say), which a caller may dial again; not a refusal."""
+
+
 class ChannelClosed(ConnectionError):
     """The channel is closed: the peer closed it or died (EOF), or this side closed it."""

@@ -28,7 +28,7 @@ import secrets
 import time
 from dataclasses import asdict, dataclass
 
-from stagewise.transport.errors import ChannelClosed, FrameError, HandshakeError
+from stagewise.transport.errors import ChannelClosed, FrameError, HandshakeError, HelloTimeout
 from stagewise.transport.frame import VERSION, Frame, StepKind
 
 PROTOCOL_VERSION = VERSION
@@ -118,7 +118,7 @@ class _Exchange:
         try:
             frame = self.channel.recv(timeout=left, max_frame_bytes=HELLO_MAX_BYTES)
         except TimeoutError:
-            raise HandshakeError(f"stagewise.transport: no hello from {self.peer_name} in time") from None
+            raise HelloTimeout(f"stagewise.transport: no hello from {self.peer_name} in time") from None
         except ChannelClosed as e:
             raise HandshakeError(f"stagewise.transport: {self.peer_name} closed the connection during the hello ({e})") from None
         except FrameError as e:
