@@ -301,6 +301,22 @@ def test_no_segment_is_left_behind(name):
     assert not [f for f in os.listdir(SHM_DIR) if f.startswith(name)]  # nor a temporary file
 
 
+def test_a_process_about_to_be_killed_removes_the_names_it_published(name):
+    """A ring offered and never attached (its peer gone quiet) keeps its name until its creator
+    closes it; a process that will be killed without unwinding removes the names first."""
+    from stagewise.transport.rings.segment import remove_names
+
+    ring = ShmRing.create(name, 64, 2)
+    with ShmRing.create(name + "-b", 64, 2), ShmRing.attach(name + "-b"):
+        assert os.path.exists(shm_path(name)) and not os.path.exists(shm_path(name + "-b"))
+        assert remove_names() == 1  # the attached one's name is already gone
+    assert not os.path.exists(shm_path(name))
+    with pytest.raises(FileNotFoundError, match="no ring named"):
+        ShmRing.attach(name, timeout=0.1)
+    assert remove_names() == 0
+    ring.close()
+
+
 @pytest.mark.parametrize("path", ["direct", "torch-ops"])
 def test_a_blocked_wait_releases_the_gil_and_uses_no_cpu(path):
     # A ring in a plain tensor, and one 3-second call into C++ (ShmRing splits long waits in

@@ -109,13 +109,18 @@ class StageActor:
 
     def stop(self, grace_s: float) -> None:
         """Give the stage ``grace_s`` to end (the driver's shutdown), then end it: its links close and
-        it unwinds, closing its rings, before the driver kills this actor."""
+        it unwinds, closing its rings, before the driver kills this actor; if it is still busy (a
+        ring's set-up waiting for its peer, say), the names of the rings it offered are removed."""
         if self._thread is None:
             return
         self._thread.join(grace_s)
         if self._thread.is_alive() and self._stop is not None:
             self._stop()
             self._thread.join(max(1.0, min(2.0, grace_s)))
+        if self._thread.is_alive():  # killed next, without unwinding: no ring it offered keeps its name
+            from stagewise.transport.rings.segment import remove_names
+
+            remove_names()
 
 
 class RayStages:

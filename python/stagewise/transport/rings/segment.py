@@ -5,7 +5,9 @@ A creator makes the segment unnamed (``O_TMPFILE``), initialises it, then names 
 ``link()`` (which fails if the name is taken and never shows a half-written header); the
 attacher removes the name as soon as it has mapped the segment. From then on no crash leaves a
 file in ``/dev/shm``; before that, the creator's close, its garbage collection or its normal exit
-remove the name, and only a creator killed by SIGKILL before its peer attached leaves it.
+remove the name, and only a creator killed by SIGKILL before its peer attached leaves it. A
+process about to be killed so (a Ray actor whose stage did not end in time) first calls
+:func:`remove_names`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ SHM_DIR = "/dev/shm"
 EXTERNAL_SLOTS = 1  # kRingExternalSlots: the slots are not in the segment (a CUDA IPC ring)
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _ops = torch.ops.stagewise
+_published: set[str] = set()
+"""Paths of the segments this process named and has not removed (the peer may have, on attach)."""
 
 
 def check_name(op: str, name: str) -> str:
@@ -47,6 +51,7 @@ class Segment:
             return
         _ops.ring_close(self.tensor)
         if self.owner:
+            _published.discard(self.path)
             try:
                 os.unlink(self.path)
             except FileNotFoundError:  # the peer removed it when it attached
@@ -76,9 +81,25 @@ def create_segment(op: str, path: str, size: int, init) -> Segment:
                 ) from None
             raise
         segment.owner = True
+        _published.add(path)
     finally:
         os.close(fd)
     return segment
+
+
+def remove_names() -> int:
+    """Remove the name of every segment this process created and has not closed (a peer that has
+    not attached yet then cannot); returns how many were still there. For a process about to be
+    killed without unwinding; the rings themselves stay usable by whoever has them mapped."""
+    removed = 0
+    for path in list(_published):
+        _published.discard(path)
+        try:
+            os.unlink(path)
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 def _link_unnamed(fd: int, path: str) -> None:
