@@ -8,6 +8,7 @@ process (each stage is its actor's process) is left after any of it."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -308,3 +309,40 @@ def test_gpu_stages_are_placed_by_their_gpus(cluster):
         assert _leftovers(cluster) == ([], [])
     finally:
         cluster.remove_node(node)
+
+
+CTRL_C = """
+import os, signal, sys
+from stagewise.api import Pipeline
+
+def strike(_index, _text):
+    os.killpg(0, signal.SIGINT)  # a terminal's Ctrl-C: the driver's process group (Ray's actors are not in it)
+
+pipe = Pipeline(sys.argv[1], stages=2, launcher="ray", ray_address=sys.argv[2], threads=1)
+print("PIDS", *[n["pid"] for n in pipe.driver.processes.nodes], flush=True)
+try:
+    with pipe:
+        pipe.generate(["Once upon a time"], max_new_tokens=200, ignore_eos=True, on_text=strike)
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def test_ctrl_c_mid_generation_removes_every_actor_and_the_placement_group(cluster):
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", CTRL_C, MODEL, cluster.address], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        first = proc.stdout.readline().split()
+        assert first and first[0] == "PIDS", proc.stderr.read()[-2000:]
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = proc.stderr.read()
+    assert code == 130, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert not _alive([int(pid) for pid in first[1:]])
+    assert _leftovers(cluster) == ([], [])
