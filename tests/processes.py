@@ -38,3 +38,23 @@ def children(pid: int) -> list[int]:
             if int(fields[1]) == pid:
                 out.append(int(entry))
     return out
+
+
+def ended_by_ctrl_c(proc, timeout: float) -> str:
+    """Wait up to ``timeout`` for ``proc``, which got a Ctrl-C (its process group killed if it
+    outlives that), check that it ended as a Ctrl-C should (exit 130, no traceback), and return
+    its standard error."""
+    import signal
+    import subprocess
+
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = proc.stderr.read()
+    assert code == 130, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    return err
