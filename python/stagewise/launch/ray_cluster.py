@@ -11,8 +11,9 @@ Placement (``--placement``): ``spread`` (Ray's SPREAD: one stage a node where it
 (PACK: as few nodes as fit) or ``strict_spread`` (every stage on a node of its own, or no run).
 Stages are told nothing in advance: once placed, each actor reports its node's address, the
 plan's stages get those hosts with port 0, and each stage reports the port it bound. Hops then
-follow the one ``auto`` rule (shared memory between stages of one host, TCP across hosts). Activations and control keep the project's frames: only
-Ray's own actor calls carry anything else (argv, addresses, exit codes).
+follow the one ``auto`` rule (shared memory between stages of one host, TCP across hosts).
+Activations and control keep the project's frames: only Ray's own actor calls carry anything else
+(argv, addresses, exit codes).
 
 :class:`RayStages` is what the driver watches (exit codes, failures, stop); stopping it stops
 every stage, kills every actor, removes the placement group, and shuts down the Ray instance

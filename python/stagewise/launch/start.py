@@ -97,9 +97,10 @@ def rejoins(plan: RunPlan, asked: bool, launched: bool = True) -> bool:
     over the run cannot take a new member). A stage of several ranks keeps its own world: it
     rejoins whole, or, when one of its ranks is lost, the launcher starts all of them again; so
     stages not ``launched`` here (started by hand) rejoin only when each is one rank."""
+    from stagewise.parallel.groups import spans_run
     from stagewise.pipeline.links import hop_transports
 
-    if not asked or "torch" in hop_transports(plan):
+    if not asked or spans_run(hop_transports(plan)):
         return False
     return launched or plan.world_size == plan.num_stages
 

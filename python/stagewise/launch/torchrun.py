@@ -1,7 +1,8 @@
 """Stages under ``torchrun``: ``RANK`` names the process (stage and stage rank, in the plan's
 rank order: the stage index when every stage is one process), ``WORLD_SIZE`` is the number of
-processes of the plan (a stage's ranks on one node: checked), and they publish their listen addresses in torch.distributed's TCPStore at
-``MASTER_ADDR:MASTER_PORT`` (no rendezvous of our own).
+processes of the plan (a stage's ranks on one node: checked), and they publish their listen
+addresses in torch.distributed's TCPStore at ``MASTER_ADDR:MASTER_PORT`` (no rendezvous of our
+own).
 
     torchrun --nproc-per-node 2 --master-port 29511 -m stagewise.cli stage --plan plan.yaml --torchrun
     stagewise generate --plan plan.yaml --store 127.0.0.1:29511 --prompt "..."

@@ -35,11 +35,18 @@ GROUP_ORDER = ("tp", "dcp", "pcp")
 SHM_ENV = "STAGEWISE_SHM_COLLECTIVES"
 
 
+def spans_run(hop_transports: list[str]) -> bool:
+    """Whether the run has one world over every rank (the ``torch`` transport between stages)
+    rather than a world per stage of several ranks. That world cannot take a new member, so its
+    stages never rejoin a new driver."""
+    return "torch" in hop_transports
+
+
 def world_ranks(plan: RunPlan, stage: int, hop_transports: list[str]) -> list[int]:
     """The run-wide ranks (the plan's rank order) of the world stage ``stage`` joins: every rank of
     the run with the ``torch`` transport, else the stage's own ranks when it has several; empty
     when it joins none. Its first rank hosts the world's store."""
-    if "torch" in hop_transports:
+    if spans_run(hop_transports):
         return list(range(plan.world_size))
     ranks = plan.stage_ranks()[stage]
     return list(range(ranks.first, ranks.first + ranks.size)) if ranks.size > 1 else []
@@ -49,7 +56,7 @@ def store_host(hop_transports: list[str], leader_host: str) -> str:
     """Where the ranks of a world reach its store: a stage's own world on loopback (its ranks share
     the leader's host; the store listens on nothing else), the run's world (the ``torch``
     transport) at the host its first rank is reached at."""
-    return leader_host if "torch" in hop_transports else "127.0.0.1"
+    return leader_host if spans_run(hop_transports) else "127.0.0.1"
 
 
 def host_world_store(plan: RunPlan, stage: int, rank: int, hop_transports: list[str],
@@ -78,7 +85,7 @@ def join_stage_groups(plan: RunPlan, stage: int, rank: int, store: tuple[str, in
     backend = comm.backend_for([devices[w] for w in world])
     me = world.index(all_ranks[stage].first + rank)
     comm.init_world(rank=me, world_size=len(world), store=store, backend=backend, timeout_s=timeout_s,
-                    local="torch" not in hop_transports)
+                    local=not spans_run(hop_transports))
     # A group's ranks are one stage's, on one host: they decide the same (the others ignore it).
     shm = shm_group.available() and os.environ.get(SHM_ENV, "1") != "0"
     meet = None

@@ -31,7 +31,7 @@ import torch
 from stagewise import heap
 from stagewise.engine.engine import Engine
 from stagewise.engine.executor import Executor, model_dtype
-from stagewise.parallel.groups import host_world_store, join_stage_groups
+from stagewise.parallel.groups import host_world_store, join_stage_groups, spans_run
 from stagewise.parallel.runplan import RunPlan, parse_address
 from stagewise.pipeline import fanout, links, messages, protocol, stage_setup
 from stagewise.pipeline.lines import print_listening
@@ -70,6 +70,7 @@ class StageProcess:
         self.fingerprint, self.listener = "", None
         self._store = None  # the store of this process's torch.distributed world, when it hosts it
         self.executor: Executor | None = None
+        self._comm_base = stage_setup.comm_counters(None)
         self.on_listening = None
         """Called with this object once the listener is bound (torchrun publishes the address)."""
         self.announce = print_listening
@@ -108,12 +109,11 @@ class StageProcess:
                 driver.join(self.driver_timeout_s)
             if self.control is None:
                 raise TimeoutError(f"no driver connected within {self.driver_timeout_s:.0f} s")
-            model = None
+            model, hops = None, links.hop_transports(self.plan)
+            # The first rank of a world hosts its store, once: a stage that rejoins keeps its world.
+            self._store = host_world_store(self.plan, self.index, self.rank, hops, self.listener.address[0])
             while True:  # a driver each time round: the first, then (--rejoin) each after a broken pipeline
                 try:
-                    hops = links.hop_transports(self.plan)  # the first rank of a world hosts its store, once
-                    self._store = self._store or host_world_store(self.plan, self.index, self.rank, hops,
-                                                                  self.listener.address[0])
                     layers, port = (self.spec.start_layer, self.spec.end_layer), self._store and int(self._store.port)
                     self.tell_driver(Ready(stage=self.index, rank=self.rank, capacity_blocks=capacity, layers=layers,
                                            pid=os.getpid(), fingerprint=self.fingerprint, store_port=port))
@@ -122,7 +122,7 @@ class StageProcess:
                     if model is None:
                         from stagewise.model.stage import StageModel  # after listening: the driver connects meanwhile
 
-                        if "torch" in hops:  # the run's one world cannot take a new member: no rejoin
+                        if spans_run(hops):  # the run's one world cannot take a new member: no rejoin
                             self.rejoin_s = 0.0
                         groups = join_stage_groups(self.plan, self.index, self.rank, setup.store, hops)
                         model = StageModel.from_weights(cfg, self.spec.start_layer, self.spec.end_layer, weights,
@@ -194,7 +194,6 @@ class StageProcess:
                  for address in setup.followers], stage=self.index)
             self.links.fanout = executor.mirror
         self.tell_driver(Connected(stage=self.index))
-        self.stats.reset()
         if self.index == 0:
             engine = Engine(executor, max_num_seqs=self.plan.max_num_seqs, num_groups=setup.microbatches,
                             max_prefill_tokens=self.plan.max_prefill_tokens,

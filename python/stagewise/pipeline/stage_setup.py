@@ -9,8 +9,8 @@ import torch
 
 from stagewise.kv.cache import KVCacheSpec, num_cache_blocks
 from stagewise.model.shapes import kv_heads_per_rank
-from stagewise.pipeline.messages import Setup
 from stagewise.parallel.runplan import RunPlan
+from stagewise.pipeline.messages import Setup
 
 
 def load_weights(plan: RunPlan, index: int, rank: int, checkpoint, device: torch.device):
@@ -44,8 +44,8 @@ def checked(setup, hop: str) -> Setup:
         raise ValueError(f"expected the driver's setup, got {type(setup).__name__}")
     if (setup.transport == "torch") != (hop == "torch"):
         raise ValueError(f"the driver runs this stage's outgoing hop over {setup.transport!r}, but this stage's "
-                         f"plan makes it {hop!r}: the stage was started with another plan (its transport or "
-                         "hosts); start it from the driver's plan")
+                         f"plan makes it {hop!r}: the stage was started with another plan's transport; start "
+                         "it from the driver's plan")
     return setup
 
 
@@ -75,7 +75,6 @@ def ring_size(plan: RunPlan, index: int, hidden_size: int, dtype: torch.dtype, m
     tokens = min(plan.max_prefill_tokens, plan.max_num_seqs * max_model_len) + plan.max_num_seqs
     need = tokens * hidden_size * dtype.itemsize + (256 << 10)
     return min(max(need, 1 << 20), 32 << 20), 2 * s + 2
-
 
 
 def comm_counters(executor) -> tuple[float, int, int, float, int]:
