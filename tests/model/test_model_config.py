@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from stagewise.model import ModelConfig
-from stagewise.model.hf_config import parse_config_file, parse_hf_config
+from stagewise.model.hf_config import MODEL_TYPES, MULTIMODAL_TYPES, parse_config_file, parse_hf_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -218,6 +218,46 @@ def test_falcon_round_trip(tmp_path, how, layout):
     layer = FalconDecoderLayer(t)
     assert cfg.parallel_attn == (not hasattr(layer, "post_attention_layernorm"))
     assert (cfg.num_ln_in_parallel_attn == 2) == hasattr(layer, "ln_mlp")
+
+
+_TEXT = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=96)
+_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
+# Only the sizes a model cannot do without; the vision tower's left out whole (its defaults' output
+# width is 3584, so the text model has that width there).
+_GIVEN = {
+    "llama": _TEXT, "mistral": _TEXT, "qwen3": _TEXT, "qwen3_moe": {**_TEXT, **_EXPERTS},
+    "falcon": dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
+    "qwen3_vl": dict(text_config={**_TEXT, "hidden_size": 3584}, vision_config={}),
+    "qwen3_vl_moe": dict(text_config={**_TEXT, **_EXPERTS, "hidden_size": 3584}, vision_config={}),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(set(MODEL_TYPES) | set(MULTIMODAL_TYPES)))
+def test_left_out_keys_mean_what_transformers_fills_in(model_type):
+    """A config.json holding only a model's sizes parses as the whole file transformers' config class
+    writes from it: every key left out (head_dim, positions, rope theta and M-RoPE bands, sliding
+    window, special tokens, the vision tower and its DeepStack levels, ...) means the class's
+    default. Every supported model_type is here (a new one fails until it has sizes above)."""
+    given = {"model_type": model_type, **json.loads(json.dumps(_GIVEN[model_type]))}
+    full = transformers.CONFIG_MAPPING[model_type](**_GIVEN[model_type])
+    assert parse_hf_config(given) == parse_hf_config(json.loads(full.to_json_string(use_diff=False)))
+
+
+def test_qwen3_vl_moe_always_renormalises_its_router():
+    """transformers' Qwen3-VL-MoE router renormalises its top-k weights whatever the file says (its
+    config class has no norm_topk_prob); Qwen3-MoE's follows the key, absent meaning no."""
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextTopKRouter
+
+    vl = dict(model_type="qwen3_vl_moe", text_config={**_TEXT, **_EXPERTS}, vision_config=dict(out_hidden_size=64))
+    for value in (None, False, True):
+        text = vl["text_config"] if value is None else {**vl["text_config"], "norm_topk_prob": value}
+        assert parse_hf_config({**vl, "text_config": text}).norm_topk_prob
+    router = Qwen3VLMoeTextTopKRouter(transformers.Qwen3VLMoeTextConfig(**_TEXT, **_EXPERTS, norm_topk_prob=False))
+    torch.nn.init.normal_(router.weight)
+    _, weights, _ = router(torch.randn(5, _TEXT["hidden_size"]))
+    torch.testing.assert_close(weights.sum(-1), torch.ones(5))
+    assert not parse_hf_config({"model_type": "qwen3_moe", **_TEXT, **_EXPERTS}).norm_topk_prob
 
 
 def test_transformers5_rope_parameters_and_classic_keys_agree():

@@ -61,9 +61,11 @@ class RopeConfig:
     is_neox: bool = True
     """Rotation pairs (i, i + d/2) as in NeoX/HF rotate_half; False pairs (2i, 2i+1)."""
     mrope_section: tuple[int, ...] | None = None
-    """Qwen3-VL multimodal rope: frequency bands for the (t, h, w) position axes."""
+    """Qwen3-VL multimodal rope: frequency bands for the (t, h, w) position axes, interleaved as
+    transformers reads them for any sizes (:func:`stagewise.model.layers.rotary.mrope_axes`); real
+    checkpoints' bands sum to ``rotary_dim / 2``."""
     mrope_interleaved: bool = False
-    """Qwen3-VL: the mrope bands are interleaved rather than contiguous."""
+    """As the file says; Qwen3-VL interleaves the bands whatever it says, as transformers does."""
 
     def __post_init__(self) -> None:
         if self.type not in ROPE_TYPES:
@@ -238,9 +240,8 @@ class ModelConfig:
         if self.num_ln_in_parallel_attn not in (1, 2):
             raise _fail("ModelConfig", "num_ln_in_parallel_attn", self.num_ln_in_parallel_attn, "1 or 2")
         section = self.rope.mrope_section
-        if section is not None and (len(section) != 3 or sum(section) != self.rotary_dim // 2):
-            raise _fail("ModelConfig", "rope.mrope_section", section,
-                        f"3 bands (t, h, w) summing to rotary_dim / 2 = {self.rotary_dim // 2}")
+        if section is not None and (len(section) != 3 or not all(isinstance(n, int) and n >= 0 for n in section)):
+            raise _fail("ModelConfig", "rope.mrope_section", list(section), "3 band sizes (t, h, w), each >= 0")
         v = self.vision_config
         if v is not None and v.out_hidden_size != self.hidden_size:
             raise _fail("ModelConfig", "vision_config.out_hidden_size", v.out_hidden_size,

@@ -1,7 +1,10 @@
 """HF ``config.json`` -> :class:`~stagewise.model.config.ModelConfig`.
 
 Defaults for keys a file leaves out are the ones the matching transformers
-config class uses, so that a checkpoint means the same model here and there.
+config class uses (transformers 5 saves some of its checkpoints' configs without
+them, and hub files often omit them), so that a checkpoint means the same model
+here and there: :data:`TEXT_DEFAULTS` and :data:`VISION_DEFAULTS`, held against
+the classes themselves by the tests.
 """
 
 from __future__ import annotations
@@ -20,6 +23,24 @@ MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3", "qwen3_mo
 # Qwen3-VL checkpoints: the language model lives under text_config.
 MULTIMODAL_TYPES = {"qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}
 _MISSING = object()
+# Per model_type, what transformers' config class gives a left-out key where the parser's
+# general fallback (head_dim = hidden / heads, 2048 positions, theta 10000, no special tokens)
+# would say otherwise. Qwen3-VL reads rope_theta and mrope_section inside rope_parameters.
+MROPE_SECTION = (24, 20, 20)  # transformers' Qwen3-VL rotary embedding when the file names none
+TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
+    "mistral": dict(max_position_embeddings=131072, sliding_window=4096, bos_token_id=1, eos_token_id=2),
+    "qwen3": dict(max_position_embeddings=32768, head_dim=128),
+    "qwen3_moe": dict(max_position_embeddings=32768),
+    "falcon": dict(max_position_embeddings=2048, bos_token_id=11, eos_token_id=11),
+    "qwen3_vl": dict(max_position_embeddings=128000, head_dim=128, rope_theta=500000.0, mrope_section=MROPE_SECTION),
+    "qwen3_vl_moe": dict(max_position_embeddings=128000, rope_theta=500000.0, mrope_section=MROPE_SECTION),
+}
+# transformers' Qwen3VLVisionConfig (and Qwen3VLMoeVisionConfig, the same) for left-out keys.
+VISION_DEFAULTS: dict[str, Any] = dict(
+    depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh", intermediate_size=4304, num_heads=16, in_channels=3,
+    patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584, num_position_embeddings=2304,
+    deepstack_visual_indexes=[8, 16, 24])
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
@@ -71,6 +92,7 @@ def parse_hf_config(hf: dict[str, Any]) -> ModelConfig:
     else:
         supported = sorted([*MODEL_TYPES, *MULTIMODAL_TYPES])
         raise ValueError(f"config.json: model_type {model_type!r} is not supported; expected one of {supported}")
+    hf = {**TEXT_DEFAULTS[model_type], **hf}
 
     heads, hidden = _get(hf, "num_attention_heads"), _get(hf, "hidden_size")
     fields.update(
@@ -93,7 +115,9 @@ def parse_hf_config(hf: dict[str, Any]) -> ModelConfig:
             num_experts=_get(hf, "num_experts", hf.get("num_local_experts", 0)),
             num_experts_per_tok=_get(hf, "num_experts_per_tok"),
             moe_intermediate_size=_get(hf, "moe_intermediate_size"),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            # Qwen3-VL-MoE's router always renormalises its top-k weights: transformers' class
+            # has no such field, and a file saved by it names none.
+            norm_topk_prob=model_type == "qwen3_vl_moe" or bool(hf.get("norm_topk_prob", False)),
             decoder_sparse_step=_get(hf, "decoder_sparse_step", 1),
             mlp_only_layers=tuple(_get(hf, "mlp_only_layers", ())),
         )
@@ -101,9 +125,6 @@ def parse_hf_config(hf: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-_VISION_KEYS = ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size", "hidden_act", "in_channels",
-                "patch_size", "temporal_patch_size", "spatial_merge_size", "num_position_embeddings",
-                "deepstack_visual_indexes")
 _VISION_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
@@ -112,7 +133,7 @@ def _vision(hf: dict[str, Any]) -> VisionConfig:
     v = hf.get("vision_config")
     if not isinstance(v, dict):
         raise ValueError(f"config.json: field 'vision_config' must be an object for model_type {hf['model_type']!r}")
-    fields = {k: v[k] for k in _VISION_KEYS if v.get(k) is not None}
+    fields = {k: default if v.get(k) is None else v[k] for k, default in VISION_DEFAULTS.items()}
     for key in ("patch_size", "temporal_patch_size"):
         if isinstance(fields.get(key), (list, tuple)):  # HF allows [n, n]: only square patches are used
             sizes = set(fields[key])
@@ -128,8 +149,8 @@ def _vision(hf: dict[str, Any]) -> VisionConfig:
         raise ValueError(f"config.json: vision_config: {err}") from None
 
 
-def _head_dim(hf: dict[str, Any], heads: int, hidden: int, default: int | None = None) -> int:
-    head_dim = hf.get("head_dim") or default
+def _head_dim(hf: dict[str, Any], heads: int, hidden: int) -> int:
+    head_dim = hf.get("head_dim")
     if head_dim is None:
         if hidden % heads:
             raise ValueError(
@@ -145,8 +166,7 @@ def _llama_like(hf: dict[str, Any], architecture: str, heads: int, hidden: int) 
         raise ValueError("config.json: use_sliding_window=True is not supported for Qwen3 models")
     return dict(
         num_kv_heads=_get(hf, "num_key_value_heads", heads),
-        # Qwen3Config defaults head_dim to 128; the others derive it.
-        head_dim=_head_dim(hf, heads, hidden, 128 if hf.get("model_type") == "qwen3" else None),
+        head_dim=_head_dim(hf, heads, hidden),
         intermediate_size=_get(hf, "intermediate_size"),
         norm="rms",
         norm_eps=_get(hf, "rms_norm_eps", 1e-6),
@@ -203,7 +223,7 @@ def _rope(hf: dict[str, Any], max_position: int) -> RopeConfig:
         type=rope_type,
         theta=float(_first(params.get("rope_theta"), hf.get("rope_theta"), 10000.0)),
         partial_rotary_factor=float(_first(params.get("partial_rotary_factor"), hf.get("partial_rotary_factor"), 1.0)),
-        mrope_section=params.get("mrope_section"),
+        mrope_section=params.get("mrope_section") or hf.get("mrope_section"),
         mrope_interleaved=bool(params.get("mrope_interleaved", False)),
     )
     if rope_type in ("llama3", "yarn"):
