@@ -37,10 +37,18 @@ class ImageError(ValueError):
         self.index = index
 
 
+# What transformers' Qwen2-VL image processor gives the keys a preprocessor_config.json leaves out
+# (its patch sizes aside: those follow the vision tower, whose patches they must cut).
+HF_DEFAULTS: dict[str, Any] = dict(min_pixels=56 * 56, max_pixels=28 * 28 * 1280,
+                                   image_mean=(0.48145466, 0.4578275, 0.40821073),
+                                   image_std=(0.26862954, 0.26130258, 0.27577711))
+
+
 @dataclass(kw_only=True, slots=True)
 class ImageProcessor:
-    """The preprocessing of one model: its ``preprocessor_config.json`` (HF's names), with
-    Qwen3-VL's published values where a checkpoint has none."""
+    """The preprocessing of one model: its ``preprocessor_config.json`` (HF's names, and for keys
+    it leaves out transformers' defaults, :data:`HF_DEFAULTS`), or Qwen3-VL's published values
+    (these fields' defaults) for a checkpoint without one."""
 
     patch_size: int = 16
     temporal_patch_size: int = 2
@@ -73,15 +81,17 @@ class ImageProcessor:
     @classmethod
     def for_model(cls, folder: str | Path | None, vision: VisionConfig, **overrides: Any) -> ImageProcessor:
         """From ``folder/preprocessor_config.json`` when there is one; the patch sizes default to the
-        vision tower's. ``overrides`` replace fields (e.g. ``max_input_pixels``)."""
+        vision tower's. ``overrides`` replace fields (e.g. ``max_input_pixels``). As in
+        transformers, ``min_pixels`` / ``max_pixels`` win over ``size``'s edges."""
         fields: dict[str, Any] = dict(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
                                       merge_size=vision.spatial_merge_size)
         path = None if folder is None else Path(folder) / "preprocessor_config.json"
         if path is not None and path.is_file():
             hf = json.loads(path.read_text())
             size = hf.get("size") or {}
-            for ours, value in (("min_pixels", size.get("shortest_edge", hf.get("min_pixels"))),
-                                ("max_pixels", size.get("longest_edge", hf.get("max_pixels")))):
+            fields.update(HF_DEFAULTS)
+            for ours, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+                value = hf[ours] if hf.get(ours) is not None else size.get(edge)
                 if value is not None:
                     fields[ours] = value
             for key in ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std",

@@ -68,6 +68,25 @@ def test_defaults_without_a_processor_config():
         ImageProcessor.for_model(None, VISION, merge_size=3)
 
 
+@pytest.mark.parametrize("keys", [
+    {}, {"image_mean": [0.5, 0.4, 0.3]}, {"min_pixels": 2000}, {"max_pixels": 5000},
+    {"size": {"shortest_edge": 1024, "longest_edge": 16384}, "min_pixels": 300, "max_pixels": 2000},
+], ids=["none", "mean", "min-pixels", "max-pixels", "pixels-over-size"])
+def test_left_out_keys_mean_what_transformers_fills_in(tmp_path, keys):
+    """A preprocessor_config.json naming only some keys: those left out are transformers' defaults
+    (CLIP's mean and std, 3136 to 1003520 pixels), and min_pixels / max_pixels win over size, as
+    transformers reads the same file."""
+    import json
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 4, **keys}))
+    hf, ours = Qwen2VLImageProcessorPil.from_pretrained(tmp_path), ImageProcessor.for_model(tmp_path, VISION)
+    images = [_image(w, h, "RGB", i) for i, (w, h, _) in enumerate(SIZES[:4])]
+    ref, got = hf(images=images, return_tensors="pt"), ours(images)
+    assert got.image_grid_thw.tolist() == ref["image_grid_thw"].tolist()
+    assert torch.equal(got.pixel_values, ref["pixel_values"])
+
+
 def test_bad_images_say_what_is_wrong(tmp_path):
     with pytest.raises(ValueError, match="no image file"):
         load_image(tmp_path / "missing.png")
