@@ -1,115 +1,79 @@
-"""Qwen3-VL (dense and MoE) against transformers on tiny random models it builds and saves: the
-vision tower, M-RoPE and DeepStack in float32 logits, greedy generation through
-:class:`stagewise.Pipeline` with images (in batches with text-only prompts, several images in one
-prompt), the checkpoint layouts of the fused experts, and the errors of bad image inputs."""
+"""Qwen3-VL (dense and MoE) against transformers on tiny random models it builds and saves, of two
+shapes (vl_models.SMALL and WIDE): the vision tower, M-RoPE and DeepStack in float32 logits, greedy
+generation through :class:`stagewise.Pipeline` with images under, within and above the pixel
+bounds (in batches with text-only prompts, several images in one prompt) with each step's
+log-probabilities, the checkpoint layouts of the fused experts, and the errors of bad image inputs."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from vl_models import END, IMAGE, START, build, image_tokens, save
+from vl_models import (END, IMAGE, SMALL, START, WIDE, assert_logprobs_close, build, hf_greedy, hf_inputs,
+                       prefill_logits, save)
+from vl_models import random_image as _image
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
 
 from stagewise import Pipeline  # noqa: E402
-from stagewise.engine.images import ImageInputs, prepare_images  # noqa: E402
-from stagewise.kv import KVCache, KVCacheManager  # noqa: E402
-from stagewise.model.batch import KVMetadata, StepBatch  # noqa: E402
-from stagewise.model.stage import load_stage  # noqa: E402
+
+SHAPES = {"small": SMALL, "wide": WIDE}
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
+@pytest.fixture(scope="module", params=["dense-small", "moe-small", "moe-wide", "dense-wide"])
 def vl(request, tmp_path_factory):
-    """(transformers model, its saved folder); the MoE one's experts stored as published checkpoints do."""
-    hf = build(request.param)
-    folder = save(hf, tmp_path_factory.mktemp(request.param), published_experts=request.param == "moe")
+    """(transformers model, its saved folder); the MoE ones' experts stored as published checkpoints
+    do in one shape and as transformers 5 saves them in the other."""
+    kind, shape = request.param.split("-")
+    hf = build(kind, SHAPES[shape])
+    folder = save(hf, tmp_path_factory.mktemp(request.param), shape=SHAPES[shape],
+                  published_experts=request.param == "moe-small")
     return hf, folder
 
 
-def _image(w: int, h: int, seed: int):
-    return PIL.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
-def _hf_inputs(folder, ids: list[int], images: list) -> dict:
-    """transformers' own processing of a prompt: its image processor, and the prompt's placeholders
-    expanded to one per merged patch."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    out = {}
-    if images:
-        px = Qwen2VLImageProcessorPil.from_pretrained(folder)(images=images, return_tensors="pt")
-        counts = iter(image_tokens(tuple(g)) for g in px["image_grid_thw"].tolist())
-        ids = [t for tok in ids for t in ([IMAGE] * next(counts) if tok == IMAGE else [tok])]
-        out.update(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"])
-    input_ids = torch.tensor([ids])
-    out.update(input_ids=input_ids, mm_token_type_ids=(input_ids == IMAGE).int())
-    return out
-
-
-PROMPTS = [  # (token ids with one placeholder per image, images)
-    ([5, 6, START, IMAGE, END, 7, 8, 9], [_image(37, 29, 0)]),
+PROMPTS = [  # (token ids with one placeholder per image, images): SMALL's bounds are 256 to 2048 pixels
+    ([5, 6, START, IMAGE, END, 7, 8, 9], [_image(37, 29, 0)]),  # WIDE's are 4096 to 16384
     ([11, 12, 13, 14, 15], []),
     ([START, IMAGE, END, 21, START, IMAGE, END, 22, 23], [_image(19, 61, 1), _image(70, 40, 2)]),
+    ([31, START, IMAGE, END, 32], [_image(200, 130, 4)]),
 ]
+_hf_inputs = hf_inputs
 
 
 def test_prefill_logits_match_transformers(vl):
-    """Two requests in one step, one with two images and one text-only: every position's logits."""
+    """Four requests in one step, three with images (one of them two) and one text-only: every
+    position's logits."""
     hf, folder = vl
-    stage = load_stage(folder, 0, 4)
-    cfg = stage.config
-    rows, refs, per_request = [], [], []
-    for rid, (ids, images) in enumerate([PROMPTS[2], PROMPTS[1]]):
-        inputs = _hf_inputs(folder, ids, images)
-        with torch.no_grad():
-            refs.append(hf(**inputs).logits[0])
-        prompt = inputs["input_ids"][0].tolist()
-        given = ImageInputs(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"]) \
-            if images else None
-        per_request.append((rid, prompt, prepare_images(cfg, rid, prompt, given), given))
-        rows.append(len(prompt))
-    ids = torch.tensor([t for _, p, _, _ in per_request for t in p])
-    mrope = torch.cat([v.positions if v is not None else torch.arange(len(p)).expand(3, -1)
-                       for _, p, v, _ in per_request], dim=1)
-    given = [g for *_, g in per_request if g is not None]
-    batch = StepBatch(request_ids=[0, 1], num_prefills=2, query_lens=rows, context_lens=[0, 0],
-                      positions=torch.cat([torch.arange(n) for n in rows]), token_ids=ids, mrope_positions=mrope,
-                      pixel_values=torch.cat([g.pixel_values for g in given]),
-                      image_grid_thw=torch.cat([g.image_grid_thw for g in given]), all_logits=True)
-    batch = stage.encode_images(batch)
-    assert batch.deepstack.shape[0] == 3
-    manager = KVCacheManager(block_size=4, num_blocks=64, max_blocks_per_seq=16)
-    for rid, n in enumerate(rows):
-        manager.add(rid, n)
-    logits = stage(batch, KVCache(stage.kv_cache_spec(4, torch.float32), num_blocks=64),
-                   KVMetadata.build(batch, manager, "cpu"))
-    torch.testing.assert_close(logits, torch.cat(refs), rtol=0, atol=1e-4)
+    logits, expected, batch = prefill_logits(hf, folder, PROMPTS)
+    assert batch.deepstack.shape[0] == len(hf.config.vision_config.deepstack_visual_indexes)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4)
 
 
 def _hf_greedy(hf, folder, ids, images, n: int) -> list[int]:
-    inputs = _hf_inputs(folder, ids, images)
-    out = hf.generate(**inputs, max_new_tokens=n, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return hf_greedy(hf, folder, ids, images, n)[0]
 
 
 @pytest.mark.parametrize("budget", [8192, 4], ids=["whole", "chunked"])
 def test_greedy_generation_matches_transformers(vl, budget):
     """Images as PIL images, file paths and uint8 tensors, in one batch with a text-only prompt; with
     a small prefill budget every prompt is chunked, an image's tokens split over steps (the vision
-    tower's output kept from a prompt's first chunk to its last)."""
+    tower's output kept from a prompt's first chunk to its last). Each step's log-probabilities
+    are transformers' within 1e-4."""
+    import numpy as np
+
     hf, folder = vl
-    expected = [_hf_greedy(hf, folder, ids, images, 8) for ids, images in PROMPTS]
+    expected = [hf_greedy(hf, folder, ids, images, 8) for ids, images in PROMPTS]
     path = folder / "second.png"
     PROMPTS[2][1][0].save(path)
-    given = [PROMPTS[0][1][0], None, [str(path), torch.from_numpy(np.array(PROMPTS[2][1][1]))]]
+    given = [PROMPTS[0][1][0], None, [str(path), torch.from_numpy(np.array(PROMPTS[2][1][1]))], PROMPTS[3][1]]
     with Pipeline(folder, max_prefill_tokens=budget) as pipe:
         out = pipe.generate(prompt_token_ids=[ids for ids, _ in PROMPTS], images=given, max_new_tokens=8,
-                            ignore_eos=True)
-    assert [c.error for c in out] == [None] * 3
-    assert [c.token_ids for c in out] == expected
+                            ignore_eos=True, logprobs=3)
+    assert [c.error for c in out] == [None] * len(PROMPTS)
+    assert [c.token_ids for c in out] == [tokens for tokens, _ in expected]
+    for c, (_, logprobs) in zip(out, expected):
+        assert_logprobs_close(c, logprobs, atol=1e-4)
 
 
 def test_precomputed_pixel_values_and_prompt_without_placeholders(vl):
@@ -176,16 +140,21 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def test_expert_layouts_and_stage_bytes(tmp_path):
+@pytest.mark.parametrize("inter", [24, 32, 64], ids=["plain", "square-gate-up", "square-down"])
+def test_expert_layouts_and_stage_bytes(tmp_path, inter):
     """The fused experts in transformers' layout, the published (transposed) one and one tensor per
-    expert all load as the table's; only the first stage reads vision bytes (its TP rank 0 only); a
-    stage reads its layers and nothing else; a TP rank's cut of the transposed layout is its block."""
+    expert all load as the table's, also where one of the fused tensors is square (hidden 64 is
+    twice or once the experts' width) and only the other one's shape tells the layouts apart; only
+    the first stage reads vision bytes (its TP rank 0 only); a stage reads its layers and nothing
+    else; a TP rank's cut of the transposed layout is its block."""
+    import dataclasses
+
     from safetensors.torch import load_file, save_file
 
     from stagewise.model.loader import load_stage_weights
     from stagewise.model.loader.hf_folder import HFCheckpoint
 
-    hf = build("moe")
+    hf = build("moe", dataclasses.replace(SMALL, moe={**SMALL.moe, "moe_intermediate_size": inter}))
     state = {k: v for k, v in hf.state_dict().items()}
     own = save(hf, tmp_path / "own")
     published = save(hf, tmp_path / "published", published_experts=True)
@@ -220,5 +189,6 @@ def test_expert_layouts_and_stage_bytes(tmp_path):
     rank1 = load_stage_weights(published, 1, 2, tp_rank=1, tp_size=2)
     p = "model.language_model.layers.1.mlp.experts."
     gate, up = state[p + "gate_up_proj"].chunk(2, dim=1)
-    assert torch.equal(rank1[p + "gate_up_proj"], torch.cat([gate[:, 12:], up[:, 12:]], dim=1))
-    assert torch.equal(rank1[p + "down_proj"], state[p + "down_proj"][:, :, 12:])
+    half = inter // 2
+    assert torch.equal(rank1[p + "gate_up_proj"], torch.cat([gate[:, half:], up[:, half:]], dim=1))
+    assert torch.equal(rank1[p + "down_proj"], state[p + "down_proj"][:, :, half:])

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from vl_models import END, IMAGE, START, build, image_tokens, save
+from vl_models import END, IMAGE, START, WIDE, assert_logprobs_close, build, hf_greedy, random_image, save
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
@@ -27,35 +27,21 @@ from stagewise.pipeline.protocol import StageShape, Step  # noqa: E402
 from stagewise.transport import decode_frame, encode_frame  # noqa: E402
 
 NEW = 6
-
-
-def _image(w: int, h: int, seed: int):
-    return PIL.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
+_image = random_image
 PROMPTS = [([5, 6, START, IMAGE, END, 7, 8], [_image(37, 29, 0)]), ([11, 12, 13], []),
            ([START, IMAGE, END, 21, START, IMAGE, END, 22], [_image(19, 61, 1), _image(70, 40, 2)])]
+# WIDE's pixel bounds are 4096 to 16384: an image under them, one within and one over.
+WIDE_PROMPTS = [([5, 6, START, IMAGE, END, 7, 8], [_image(97, 61, 0)]), ([11, 12, 13], []),
+                ([START, IMAGE, END, 21, START, IMAGE, END, 22], [_image(40, 30, 1), _image(200, 130, 2)])]
 
 
-def _saved(kind: str, folder):
-    """The model saved (MoE: the published expert layout) and transformers' greedy tokens for PROMPTS."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    hf = build(kind)
-    folder = save(hf, folder, published_experts=kind == "moe")
-    processor = Qwen2VLImageProcessorPil.from_pretrained(folder)
-    expected = []
-    for ids, images in PROMPTS:
-        inputs = {}
-        if images:
-            inputs = dict(processor(images=images, return_tensors="pt"))
-            counts = iter(image_tokens(tuple(g)) for g in inputs["image_grid_thw"].tolist())
-            ids = [t for tok in ids for t in ([IMAGE] * next(counts) if tok == IMAGE else [tok])]
-        input_ids = torch.tensor([ids])
-        out = hf.generate(input_ids=input_ids, mm_token_type_ids=(input_ids == IMAGE).int(), **inputs,
-                          max_new_tokens=NEW, do_sample=False)
-        expected.append(out[0, len(ids):].tolist())
-    return folder, expected
+def _saved(kind: str, folder, shape=None, prompts=PROMPTS):
+    """The model saved (MoE: the published expert layout), the prompts, and transformers' greedy
+    tokens and log-probabilities for each."""
+    hf = build(kind) if shape is None else build(kind, shape)
+    folder = save(hf, folder, published_experts=kind == "moe") if shape is None else \
+        save(hf, folder, shape=shape, published_experts=True)
+    return folder, prompts, [hf_greedy(hf, folder, ids, images, NEW) for ids, images in prompts]
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +54,19 @@ def dense(tmp_path_factory):
     return _saved("dense", tmp_path_factory.mktemp("vl-dense"))
 
 
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """The MoE model of vl_models.WIDE: the config, images and checkpoint layout a Qwen3-VL-MoE
+    answered differently from transformers with, its router's renormalisation missing."""
+    return _saved("moe", tmp_path_factory.mktemp("vl-wide"), WIDE, WIDE_PROMPTS)
+
+
 @pytest.mark.parametrize(("kind", "stages", "partition", "tp", "pcp", "dcp", "budget"), [
     ("moe", 2, "balanced", 1, 1, 1, None), ("moe", 3, "0-1,1-3,3-4", 1, 1, 1, None),
     ("dense", 2, "0-2,2-4", 1, 1, 1, None), ("moe", 2, "even", 2, 1, 1, None), ("dense", 1, "even", 1, 2, 1, None),
-    ("moe", 2, "0-1,1-4", 1, 2, 1, None), ("dense", 1, "even", 4, 1, 2, None), ("moe", 2, "0-1,1-4", 2, 1, 1, 5)])
+    ("moe", 2, "0-1,1-4", 1, 2, 1, None), ("dense", 1, "even", 4, 1, 2, None), ("moe", 2, "0-1,1-4", 2, 1, 1, 5),
+    ("wide", 2, "even", 1, 1, 1, None), ("wide", 3, "even", 1, 1, 1, None), ("wide", 2, "0-1,1-3", 2, 1, 1, 6),
+    ("wide", 2, "0-2,2-3", 1, 2, 1, None)])
 def test_pipeline_tokens_equal_transformers(request, kind, stages, partition, tp, pcp, dcp, budget):
     """3 stages: stage 0 holds one of the three DeepStack layers, stage 1 the other two, stage 2 none.
     Dense: the later stage decodes in the C++ layer loop at the rope-shifted positions. tp 2: stage
@@ -81,15 +76,19 @@ def test_pipeline_tokens_equal_transformers(request, kind, stages, partition, tp
     and dcp 2: the decode rows of a request with images carry rope positions shifted by its rope
     delta, while its KV shards follow its sequence positions. A prefill budget of 5 tokens: every
     prompt in chunks, each image's tokens and DeepStack features split over steps and stages of two
-    TP ranks."""
-    folder, expected = request.getfixturevalue(kind)
+    TP ranks. Wide: the MoE of vl_models.WIDE with images under, within and over its pixel bounds,
+    in 2 and 3 stages, stages of two TP ranks (prompts in chunks of 6), and pcp 2. Each step's
+    log-probabilities are transformers' within 1e-4."""
+    folder, prompts, expected = request.getfixturevalue(kind)
     options = {} if budget is None else {"max_prefill_tokens": budget}
     with stagewise.Pipeline(str(folder), stages=stages, partition=partition, tp=tp, pcp=pcp, dcp=dcp,
                             max_model_len=128, **options) as pipe:
-        got = pipe.generate(prompt_token_ids=[ids for ids, _ in PROMPTS], images=[im for _, im in PROMPTS],
-                            max_new_tokens=NEW, ignore_eos=True)
+        got = pipe.generate(prompt_token_ids=[ids for ids, _ in prompts], images=[im for _, im in prompts],
+                            max_new_tokens=NEW, ignore_eos=True, logprobs=3)
         assert [c.error for c in got] == [None] * 3
-        assert [c.token_ids for c in got] == expected
+        assert [c.token_ids for c in got] == [tokens for tokens, _ in expected]
+        for c, (_, logprobs) in zip(got, expected):
+            assert_logprobs_close(c, logprobs, atol=1e-4)
         if partition == "balanced":  # the vision tower's weight moves layers off stage 0
             assert [tuple(r) for r in pipe.plan.stage_plan.ranges] == [(0, 1), (1, 4)]
 
@@ -172,16 +171,44 @@ def test_cli_generate_with_an_image(moe, stages, tmp_path, capsys):
 
     from stagewise.cli import main as cli_main
 
-    folder, expected = moe
+    folder, _, expected = moe
     ids, [image] = PROMPTS[0]
     image.save(tmp_path / "cat.png")
     argv = ["generate", str(folder), "--prompt-ids", ",".join(map(str, ids)), "--image", str(tmp_path / "cat.png"),
             "--max-new-tokens", str(NEW), "--ignore-eos", "--json", "--stages", str(stages)]
     assert cli_main(argv) == 0
     [completion] = json.loads(capsys.readouterr().out)["completions"]
-    assert completion["token_ids"] == expected[0]
+    assert completion["token_ids"] == expected[0][0]
     assert cli_main([*argv[:4], "--image", str(tmp_path / "missing.png"), *argv[6:]]) == 2
     assert f"--image {tmp_path / 'missing.png'}: no such file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_cli_generate_chat_with_an_image(wide, stages, tmp_path, capsys):
+    """The command a user runs: ``stagewise generate DIR --chat --image IMG --json --dtype float32``
+    on the wide MoE, an image over its pixel bounds, answered with transformers' tokens and
+    log-probabilities (within 1e-4)."""
+    import json
+
+    from vl_models import ASSISTANT, IM_END, IM_START, USER
+
+    from stagewise.cli import main as cli_main
+
+    folder, _, _ = wide
+    hf = build("moe", WIDE)
+    image = _image(200, 130, 7)
+    image.save(tmp_path / "picture.png")
+    ids = [IM_START, USER, START, IMAGE, END, 5, 6, IM_END, IM_START, ASSISTANT]
+    expected, logprobs = hf_greedy(hf, folder, ids, [image], NEW)
+    argv = ["generate", str(folder), "--chat", "--prompt", "w5 w6", "--image", str(tmp_path / "picture.png"),
+            "--json", "--dtype", "float32", "--max-new-tokens", str(NEW), "--ignore-eos", "--stages", str(stages),
+            "--logprobs", "2"]
+    assert cli_main(argv) == 0
+    [completion] = json.loads(capsys.readouterr().out)["completions"]
+    assert completion["token_ids"] == expected
+    for step, want in zip(completion["logprobs"], logprobs, strict=True):
+        for token, logprob in [(step["token"], step["logprob"]), *step["top"]]:
+            assert abs(logprob - want[token].item()) <= 1e-4, (token, logprob, want[token].item())
 
 
 def test_stages_started_apart_take_images_through_attach(dense, tmp_path):
@@ -195,7 +222,7 @@ def test_stages_started_apart_take_images_through_attach(dense, tmp_path):
 
     from stagewise.launch.local import StageProcesses
 
-    folder, expected = dense
+    folder, _, expected = dense
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"model": str(folder), "max_model_len": 128,
                                 "stages": [{"listen": "127.0.0.1:0", "layers": "0-2"},
@@ -211,7 +238,7 @@ def test_stages_started_apart_take_images_through_attach(dense, tmp_path):
             got = pipe.generate(prompt_token_ids=[ids for ids, _ in PROMPTS], images=[im for _, im in PROMPTS],
                                 max_new_tokens=NEW, ignore_eos=True)
         assert [c.error for c in got] == [None] * 3
-        assert [c.token_ids for c in got] == expected
+        assert [c.token_ids for c in got] == [tokens for tokens, _ in expected]
         log, _ = run.communicate(timeout=60)
         assert run.returncode == 0, log
     finally:

@@ -13,7 +13,10 @@ here and nowhere else:
 - published Qwen3-VL-MoE checkpoints store the fused experts with their last two dims swapped,
   ``mlp.experts.gate_up_proj [E, H, 2I]`` and ``down_proj [E, I, H]`` (transformers transposes a
   tensor whose shape is not its own, and saves its own layout): a rank's cut is read along the
-  swapped dim and transposed back.
+  swapped dim and transposed back. Where a tensor is square in those dims (``H == 2I`` for
+  gate_up, ``I == H`` for down) its shape cannot tell, and transformers, which asks each tensor
+  alone, keeps it as stored; here the layer's other fused tensor, which cannot be square too,
+  tells for both, as the checkpoint stores both one way.
 
 (GGUF names and the multimodal ``model.language_model.`` prefix need no mapping: the GGUF reader
 names its tensors as HF does, and the table uses the prefix the config implies.)
@@ -62,9 +65,7 @@ def locate(ckpt: Checkpoint, config: ModelConfig, tensors: list[TensorShape], wh
     for t in tensors:
         name = embedding_name(config) if t.name == LM_HEAD and config.tie_word_embeddings else t.name
         if name in stored:
-            # transformers' own rule: the table's shape as stored, else the swapped one transposed.
-            swapped = (t.kind == "expert" and config.is_multimodal and ckpt.shape(name) != t.shape
-                       and ckpt.shape(name) == (t.shape[0], t.shape[2], t.shape[1]))
+            swapped = t.kind == "expert" and config.is_multimodal and _stored_swapped(ckpt, stored, t)
             out[t.name] = Source(((name,),), transposed=swapped)
             expected[name] = (t.shape[0], t.shape[2], t.shape[1]) if swapped else t.shape
             continue
@@ -84,6 +85,20 @@ def locate(ckpt: Checkpoint, config: ModelConfig, tensors: list[TensorShape], wh
             raise ValueError(f"checkpoint {str(ckpt.path)!r}: tensor {name!r} has shape {list(ckpt.shape(name))}, "
                              f"but the config expects {list(shape)}")
     return out
+
+
+def _stored_swapped(ckpt: Checkpoint, stored: set[str], t: TensorShape) -> bool:
+    """Whether fused expert tensor ``t`` is stored with dims 1 and 2 swapped: by its own shape, or
+    when that is square in them, by its layer's other fused tensor's."""
+    def swapped(name: str, shape: tuple[int, ...]) -> bool:
+        return name in stored and ckpt.shape(name) != shape and ckpt.shape(name) == (shape[0], shape[2], shape[1])
+
+    e, rows, cols = t.shape
+    if rows != cols:
+        return swapped(t.name, t.shape)
+    if t.name.endswith("gate_up_proj"):  # [E, 2I, H] with H == 2I: down_proj [E, H, I] is not square
+        return swapped(t.name.replace("gate_up_proj", "down_proj"), (e, cols, rows // 2))
+    return swapped(t.name.replace("down_proj", "gate_up_proj"), (e, 2 * cols, rows))  # [E, H, I], I == H
 
 
 def _per_expert(config: ModelConfig, t: TensorShape) -> Source | None:
