@@ -17,8 +17,8 @@ import sys
 
 from stagewise import heap
 from stagewise.cli_prompts import (
-    Requests, add_prompt_arguments, completion_json, config_problems, read_requests, report, sampling_args,
-    sampling_problems,
+    Requests, add_prompt_arguments, completion_json, config_problems, encode_texts, read_requests, report,
+    sampling_args, sampling_problems,
 )  # fmt: skip
 from stagewise.parallel.plan_options import LAUNCHERS, PLACEMENTS, tpot_target_problem
 from stagewise.transport.select import TRANSPORTS
@@ -204,17 +204,31 @@ def run(args: argparse.Namespace) -> int:
 
 
 def config_checks(args: argparse.Namespace, req: Requests, sampling: dict) -> list[str]:
-    """What the model's config rules out of these arguments (its config only: nothing is loaded)."""
+    """What the model's config rules out of these arguments (its config only: nothing is loaded);
+    with ``--plan``, what is wrong with the plan (as ``launch`` and ``doctor`` name it)."""
     if args.model is None:
+        if not args.plan:
+            return []
+        from stagewise.launch.multihost import load_plan
+
+        try:
+            load_plan(args.plan)
+        except (ValueError, FileNotFoundError, KeyError, OSError) as err:
+            return [str(err)]
         return []
     try:
         from stagewise.model.loader import open_checkpoint
 
-        config = open_checkpoint(args.model).config
+        checkpoint = open_checkpoint(args.model)
+        config = checkpoint.config
     except (ValueError, FileNotFoundError, OSError) as err:
         return [f"cannot open {args.model!r}: {err}"]
+    try:
+        encoded = encode_texts(checkpoint, req, args)
+    except ValueError as err:  # a chat template that refuses the prompt
+        return [str(err)]
     problems = config_problems(config, req, args, sampling=sampling, max_model_len=args.max_model_len,
-                               stages=args.stages, partition=args.partition)
+                               stages=args.stages, partition=args.partition, encoded=encoded)
     from stagewise.model.shapes import parallel_problems
 
     return problems + [f"--tp {args.tp} --dcp {args.dcp}: {p}" for p in parallel_problems(config, args.tp, args.dcp)]

@@ -198,9 +198,11 @@ def sampling_problems(fields: dict[str, Any]) -> list[str]:
 
 
 def config_problems(config, req: Requests, args: argparse.Namespace, *, sampling: dict[str, Any],
-                    max_model_len: int | None, stages: int = 1, partition: str | None = None) -> list[str]:
+                    max_model_len: int | None, stages: int = 1, partition: str | None = None,
+                    encoded: list[list[int]] | None = None) -> list[str]:
     """What the model's config rules out: ids outside its vocabulary, a length beyond its rotary
-    table, more tokens asked than the context leaves, a layout it cannot take."""
+    table, more tokens asked than the context leaves, a layout it cannot take. ``encoded``: the
+    text prompts' ids (:func:`encode_texts`), checked as given ids are."""
     problems = []
     if getattr(args, "image", None) and config.vision_config is None:
         problems.append(f"--image: the model is text-only ({config.architecture}, no vision tower)")
@@ -214,8 +216,9 @@ def config_problems(config, req: Requests, args: argparse.Namespace, *, sampling
         new = (extra or {}).get("max_new_tokens", sampling["max_new_tokens"])
         if isinstance(new, int) and new >= length:
             no_room.add(new)
-        if i < len(req.ids):  # (a file holds ids or texts, not both)
-            ids = req.ids[i]
+        prompts = req.ids or encoded or []  # (a file holds ids or texts, not both)
+        if i < len(prompts):
+            ids = prompts[i]
             where = f"prompt {i}" if req.lines[i] is None else f"{args.prompt_file}:{req.lines[i]}"
             bad = [t for t in ids if not 0 <= t < config.vocab_size]
             if not ids:
@@ -238,6 +241,25 @@ def config_problems(config, req: Requests, args: argparse.Namespace, *, sampling
             except ValueError as err:
                 problems.append(f"--partition {partition!r}: {err}")
     return problems
+
+
+def encode_texts(checkpoint, req: Requests, args: argparse.Namespace) -> list[list[int]] | None:
+    """The text prompts' ids as the pipeline will encode them (the checkpoint's tokenizer, inside
+    its chat template with ``--chat``), so that an empty or too long prompt is named before the
+    model loads; None for id prompts, prompts with images (whose tokens the images add) or a
+    checkpoint without a tokenizer (the pipeline names that)."""
+    if not req.texts or getattr(args, "image", None):
+        return None
+    from stagewise.prompts import encode_prompts, render_chat
+
+    try:
+        tokenizer = checkpoint.tokenizer()
+    except (ValueError, OSError, KeyError):
+        return None
+    if tokenizer is None:
+        return None
+    return encode_prompts(tokenizer, req.texts, None, chat=bool(getattr(args, "chat", False)),
+                          render=lambda messages: render_chat(checkpoint, tokenizer, messages))
 
 
 def report(prog: str, problems: list[str]) -> int:
