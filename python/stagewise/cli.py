@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 
@@ -30,27 +31,34 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", add_help=False, help="microbenchmarks against their baselines (bench --help)")
     from stagewise import cli_generate
 
-    cli_generate.add_arguments(sub.add_parser("generate", help="generate text with a model in this process"))
+    parsers = {"generate": sub.add_parser("generate", help="generate text with a model in this process")}
+    cli_generate.add_arguments(parsers["generate"])
     from stagewise import cli_serve
 
-    cli_serve.add_arguments(sub.add_parser("serve", help="an OpenAI-compatible HTTP server in front of the model"))
+    parsers["serve"] = sub.add_parser("serve", help="an OpenAI-compatible HTTP server in front of the model")
+    cli_serve.add_arguments(parsers["serve"])
     from stagewise import cli_stage
 
-    cli_stage.add_arguments(sub.add_parser("stage", help="run one pipeline stage of a run plan (a process)"))
+    parsers["stage"] = sub.add_parser("stage", help="run one pipeline stage of a run plan (a process)")
+    cli_stage.add_arguments(parsers["stage"])
     plan = sub.add_parser("plan", add_help=False, help="memory and latency of TP/PP/DP/EP layouts "
                           "(plan MODEL ..., plan memory, plan ranks, plan validate; plan --help)")
     plan.add_argument("plan_args", nargs=argparse.REMAINDER)
     from stagewise import cli_launch
 
-    cli_launch.add_arguments(sub.add_parser("launch", help="start a run plan's stages on their hosts (printed "
-                                            "commands, ssh) and drive them"))
+    parsers["launch"] = sub.add_parser("launch", help="start a run plan's stages on their hosts (printed "
+                                       "commands, ssh) and drive them")
+    cli_launch.add_arguments(parsers["launch"])
     from stagewise import cli_doctor
 
-    cli_doctor.add_arguments(sub.add_parser("doctor", help="check a multi-host run plan in seconds, before any weight "
-                                            "loads: hosts, versions, the model, every hop"))
+    parsers["doctor"] = sub.add_parser("doctor", help="check a multi-host run plan in seconds, before any weight "
+                                       "loads: hosts, versions, the model, every hop")
+    cli_doctor.add_arguments(parsers["doctor"])
     from stagewise.cli_prompts import negative_ids_fix
 
-    args = parser.parse_args(negative_ids_fix(argv))
+    args, extra = parser.parse_known_args(negative_ids_fix(argv))
+    if extra:  # named by the command's own parser, with its usage and the option meant
+        parsers[args.command].error(unrecognized(parsers[args.command], extra))
     if args.command == "generate":
         return cli_generate.run(args)
     if args.command == "serve":
@@ -66,6 +74,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         return cli_doctor.run(args)
     return 2
+
+
+def unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """The error for arguments ``parser`` does not take, each misspelled option with the closest
+    one it has."""
+    options = [o for action in parser._actions for o in action.option_strings]
+    hints = []
+    for arg in extra:
+        name = arg.split("=", 1)[0]
+        if name.startswith("-"):
+            close = difflib.get_close_matches(name, options, n=1, cutoff=0.7)
+            if close:
+                hints.append(f"{name}: did you mean {close[0]}?")
+    return f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else "")
 
 
 def _main() -> int:

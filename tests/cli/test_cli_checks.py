@@ -74,6 +74,49 @@ def test_what_the_config_rules_out_is_named_before_loading(folder, argv, fragmen
         assert fragment in err, (fragment, err)
 
 
+@pytest.mark.parametrize("argv, fragments", [
+    (["--prompt", ""], ["prompt 0: the prompt is empty"]),
+    (["--prompt", "fine", "--prompt", ""], ["prompt 1: the prompt is empty"]),
+    (["--prompt", "word " * 9000, "--chat"], ["prompt 0: 90", "exceed the model length 8192"]),
+    (["--prompt-file", "{empty}"], ["empty.jsonl:2: the prompt is empty"]),
+])
+def test_text_prompts_are_checked_before_loading(argv, fragments, tmp_path, capsys, monkeypatch):
+    """Text prompts are encoded with the checkpoint's tokenizer (and chat template) before the
+    weights load: an empty or too long one is named at once, not after the model loaded."""
+    from stagewise import cli_generate
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"prompt": "a"}\n{"prompt": ""}\n')
+    monkeypatch.setattr(cli_generate, "open_pipeline", lambda *_: pytest.fail("the model was loaded"))
+    assert cli_main(["generate", "smollm2-135m", *[a.format(empty=empty) for a in argv]]) == 2
+    err = capsys.readouterr().err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+def test_a_misspelled_option_is_named_by_its_command(capsys):
+    """The command's own usage and the option meant, not the top-level usage."""
+    with pytest.raises(SystemExit) as end:
+        cli_main(["generate", "smollm2-135m", "--prompt", "hi", "--temprature", "0.5", "stray"])
+    assert end.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: stagewise generate") and "stagewise generate: error: unrecognized arguments: " \
+        "--temprature 0.5 stray (--temprature: did you mean --temperature?)" in err
+    with pytest.raises(SystemExit):
+        cli_main(["serve", "smollm2-135m", "--prot=8000"])
+    assert "stagewise serve: error" in (err := capsys.readouterr().err) and "did you mean --port?" in err
+
+
+def test_a_bad_plan_is_a_usage_error(tmp_path, capsys):
+    """generate --plan on a plan with a problem exits 2 naming it, as launch and doctor do."""
+    plan = tmp_path / "bad.yaml"
+    plan.write_text("model: smollm2-135m\nstages:\n  - listen: nothere\n")
+    assert cli_main(["generate", "--plan", str(plan), "--prompt", "hi"]) == 2
+    assert "stages[0].listen must be 'host:port', got 'nothere'" in capsys.readouterr().err
+    assert cli_main(["generate", "--plan", str(tmp_path / "missing.yaml"), "--prompt", "hi"]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
+
+
 def test_prompt_file_in_json_lines_out(folder, tmp_path, capsys):
     prompts = tmp_path / "requests.jsonl"
     prompts.write_text("\n".join([
