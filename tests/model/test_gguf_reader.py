@@ -80,14 +80,21 @@ def test_smollm2_header_equals_gguf_reader():
     (lambda b: b[:4] + (3).to_bytes(4, "big") + b[8:], "a big-endian file"),
     (lambda b: b[:200], "past the end of the file"),
     (lambda b: b[: len(b) - 100], "tensor 'q41' runs past the end of the file"),
+    (lambda b: b"", "cannot mmap an empty file"),
 ])
 def test_damaged_file_is_refused(tmp_path, damage, reason):
+    """The header names the file and what is wrong, once; a checkpoint opened on it says no more."""
+    from stagewise.model.loader.gguf_file import GGUFCheckpoint
+
     path = tmp_path / "t.gguf"
     _write(path)
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(ValueError, match="is not a readable GGUF file") as err:
         GGUFHeader(path)
     assert reason in str(err.value)
+    with pytest.raises(ValueError) as err:
+        GGUFCheckpoint(path)
+    assert str(err.value).count("is not a readable GGUF file") == 1 and reason in str(err.value)
 
 
 def test_type_table_equals_gguf():

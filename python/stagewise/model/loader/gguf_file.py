@@ -29,10 +29,9 @@ class GGUFCheckpoint(Checkpoint):
         if not self.path.is_file():
             raise FileNotFoundError(f"checkpoint: no GGUF file at {str(self.path)!r}")
         try:
-            self._header = GGUFHeader(self.path)
-        except (ValueError, OSError) as err:
-            raise ValueError(f"checkpoint: {str(self.path)!r} is not a readable GGUF file "
-                             f"(truncated or corrupt?): {err}") from None
+            self._header = GGUFHeader(self.path)  # a ValueError that names the file and what is wrong
+        except OSError as err:
+            raise ValueError(f"checkpoint: cannot read the GGUF file {str(self.path)!r}: {err}") from None
         self._meta = {k: v for k, v in self._header.metadata.items() if not isinstance(v, ArrayRef)}
         self._arch = self._meta.get("general.architecture")
         self._tensors = {}

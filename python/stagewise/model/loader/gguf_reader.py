@@ -84,10 +84,10 @@ class GGUFHeader:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        with open(self.path, "rb") as f:
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._at = 0
         try:
+            with open(self.path, "rb") as f:
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # ValueError when empty
             self._parse()
         except (IndexError, UnicodeDecodeError, ValueError) as err:
             raise ValueError(f"gguf: {str(self.path)!r} is not a readable GGUF file (truncated or corrupt?): "
