@@ -3,8 +3,11 @@
 
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
+# Parallel compile jobs of the extension build: every core unless JOBS says otherwise.
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
+SHELL := /bin/bash
 
 SOURCES := CMakeLists.txt pyproject.toml $(shell find csrc include -type f 2>/dev/null)
 # The editable install maps every Python module to its file: when modules are added, moved or
@@ -44,9 +47,18 @@ $(VENV)/.deps: $(PY) Makefile
 	@command -v ninja >/dev/null || $(PIP) install ninja
 	touch $@
 
-# The extension, built against the torch installed above (no build isolation).
+# The extension, built against the torch installed above (no build isolation). pip shows a
+# build's output only when verbose: the whole of it goes to build/extension.log, and the
+# compiler's progress lines ([done/total] file) to the terminal.
 $(VENV)/.built: $(VENV)/.deps $(SOURCES) $(VENV)/.modules
-	$(PIP) install --no-build-isolation --no-deps -e .
+	@mkdir -p build
+	@echo "Building the C++ extension (stagewise._C; with nvcc present, the CUDA kernels too) with $(JOBS) jobs:"
+	@echo "about 3 minutes on 2 free cores the first time, longer on a loaded machine; the full log is build/extension.log"
+	@set -o pipefail; CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) \
+		$(PY) -m pip --disable-pip-version-check install -v --no-build-isolation --no-deps -e . 2>&1 \
+		| tee build/extension.log | { grep --line-buffered -oE '\[[0-9]+/[0-9]+\] .*' \
+		| sed -uE 's@(Building [A-Z+]+ object |Linking [A-Z+]+ [a-z ]*)(CMakeFiles/[^/]+\.dir/)?@@; s@\.o$$@@; s@^@  @'; true; } \
+		|| { echo "The extension build failed; the end of build/extension.log:"; tail -n 40 build/extension.log; exit 1; }
 	touch $@
 
 # Rewritten only when the list of modules differs, so that only then is .built out of date.

@@ -67,8 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
     parser.add_argument("--out", type=Path, default=None,
                         help="directory for <device>-<suite>.json and .md (default: a new folder "
-                             "bench/results/<device>-<date>, never the committed results; <device> names the "
-                             "CPU model and the ISA level the kernels ran at)")  # fmt: skip
+                             "bench/results/<device>-<date>, never the committed results, and ignored by git; "
+                             "<device> names the CPU model and the ISA level the kernels ran at)")  # fmt: skip
     e2e_args = parser.add_argument_group("e2e")
     e2e_args.add_argument("--model", default="smollm2-135m",
                           help="e2e: folder, .gguf file, smollm2-135m, or random-qwen3-vl (a random Qwen3-VL of hidden "
