@@ -35,7 +35,6 @@ _log = logging.getLogger("stagewise").warning
 """Where a pipeline's restarts are told."""
 
 
-
 class Pipeline:
     """A model loaded for generation. ``stages=1`` runs every layer in this process."""
 
@@ -318,6 +317,12 @@ class Pipeline:
     def broken(self) -> str | None:
         """Why the stages stopped serving (a stage died or hung), or None while they serve."""
         return getattr(getattr(self, "_backend", None), "broken", None)
+
+    @property
+    def repairing(self) -> str | None:
+        """Why the stages are being started again (a stage died or hung), or None; requests added
+        meanwhile wait for the repaired pipeline."""
+        return getattr(getattr(self, "_backend", None), "repairing", None)
 
     def stage_stats(self, *, trace: bool = False) -> list[dict[str, Any]]:
         """Each stage's measurements since the last generate() began: layers, busy_s and

@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
 
 from stagewise import heap
 from stagewise.cli_generate import add_model_arguments, config_checks, model_problems, open_pipeline
 from stagewise.cli_prompts import Requests, report
+from stagewise.pipeline.lines import TIME_FORMAT, log_line
+from stagewise.serve.openai import MAX_REQUEST_BYTES
 
 PROG = "stagewise serve"
 
@@ -49,6 +50,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds one image URL may take to fetch, first byte to last (default 10)")
     s.add_argument("--max-image-bytes", type=int, default=20 << 20, metavar="N",
                    help="largest image file a chat may send or name, in bytes (default 20 MiB)")
+    s.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, metavar="N",
+                   help="largest request body, in bytes; a larger one gets 413 before it is read (default 32 MiB: "
+                        "one image of the default --max-image-bytes fits as a data: URL)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -66,6 +70,8 @@ def server_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--max-images must be >= 0, got {args.max_images}")
     if args.max_image_bytes < 1:
         problems.append(f"--max-image-bytes must be >= 1, got {args.max_image_bytes}")
+    if args.max_request_bytes < 1:
+        problems.append(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     return problems
 
 
@@ -131,6 +137,22 @@ def serve_closing(pipe, args: argparse.Namespace, prog: str, sock: socket.socket
             sock.close()
 
 
+def log_config(level: str) -> dict:
+    """uvicorn's logging with the time at the start of each line (as a stage's lines have it,
+    :func:`~stagewise.pipeline.lines.log_line`), and stagewise's own logger (a stage restarted, ...)
+    through the same handler and format."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    for formatter in config["formatters"].values():
+        formatter["fmt"] = f"%(asctime)s.%(msecs)03d {formatter['fmt']}"
+        formatter["datefmt"] = TIME_FORMAT
+    config["loggers"]["stagewise"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return config
+
+
 def serve(pipe, args: argparse.Namespace, sock: socket.socket, prog: str) -> int:
     """Answer requests on ``sock`` until stopped (the caller closes ``pipe``)."""
     import uvicorn
@@ -144,15 +166,15 @@ def serve(pipe, args: argparse.Namespace, sock: socket.socket, prog: str) -> int
     media = MediaLimits(max_bytes=args.max_image_bytes, timeout_s=args.image_fetch_timeout,
                         fetch=args.allow_image_fetch, max_images=args.max_images)
     app = build_app(pipe, model_name=name, api_key=key, max_waiting=args.max_waiting,
-                    default_max_tokens=args.default_max_tokens, media=media)
+                    default_max_tokens=args.default_max_tokens, media=media, max_request_bytes=args.max_request_bytes)
     host, port = sock.getsockname()[:2]
     here = ""
     if pipe.plan is None:  # the model computes in this process
         import torch
 
         here = f", {torch.get_num_threads()} torch thread(s) here"
-    print(f"{prog}: {name} on http://{host}:{port}/v1 ({'API key required' if key else 'no API key'}{here})",
-          file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5))
+    log_line(f"{prog}: {name} on http://{host}:{port}/v1 ({'API key required' if key else 'no API key'}{here})")
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, log_config=log_config(args.log_level),
+                                           lifespan="on", timeout_graceful_shutdown=5))
     server.run(sockets=[sock])
     return 0 if server.started else 1

@@ -256,3 +256,41 @@ def test_max_restarts_is_checked():
         Pipeline("smollm2-135m", max_restarts=1)
     with pytest.raises(ValueError, match="rejoin must be True or False, got 'no'"):
         Pipeline("smollm2-135m", stages=2, max_restarts=1, rejoin="no")
+
+
+def test_repairing_says_why_while_the_stages_start_again():
+    """What a server's /health reads: the reason while a restart is due or under way, None once the
+    pipeline serves again, and once it failed for good (``broken`` then says why)."""
+    from stagewise.pipeline.recovery import Recovering
+
+    class Driver:  # a driver's face as Recovering sees it
+        def __init__(self, broken=None):
+            self.broken = broken
+
+        def poll(self, timeout):
+            return []
+
+        def take_tokens(self):
+            return []
+
+        def close(self, force=False):
+            pass
+
+    seen = []
+
+    def restart(old):
+        seen.append(recovering.repairing)
+        if len(seen) == 2:
+            raise RuntimeError("its host is gone")
+        return Driver()
+
+    recovering = Recovering(Driver(), restart, max_restarts=2)
+    assert recovering.repairing is None
+    recovering.driver.broken = "stage 1 process exited with signal 9"
+    assert recovering.repairing == "stage 1 process exited with signal 9" and recovering.broken is None
+    recovering.poll(0.0)
+    assert seen == ["stage 1 process exited with signal 9"] and recovering.repairing is None
+    recovering.driver.broken = "stage 1 sent nothing for 3.0 s"
+    recovering.poll(0.0)  # this restart fails: the pipeline is broken for good
+    assert seen[1] == "stage 1 sent nothing for 3.0 s" and recovering.repairing is None
+    assert "its host is gone" in recovering.broken

@@ -118,6 +118,9 @@ def test_stop_strings_end_the_text(client):
     ({"prompt": "x", "max_tokens": 10**6}, "max_tokens"),
     ({"prompt": "x", "stop": 5}, "stop"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "max_token": 5}, "max_token"),  # misspelt: refused, not ignored
+    ({"prompt": "x", "suffix": "!"}, "suffix"),
+    ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
 ])
 def test_bad_completion_requests_get_400(client, body, param):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
@@ -137,10 +140,60 @@ def test_bad_completion_requests_get_400(client, body, param):
                                                 {"type": "text", "text": "What is this?"}]}]},
      "messages[0].content[0]"),  # SmolLM2 has no vision tower
     ({"messages": QUESTION, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": QUESTION, "max_tokens": -1}, "max_tokens"),
+    ({"messages": QUESTION, "max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"messages": QUESTION, "max_completion_tokens": 10**6}, "max_completion_tokens"),
+    ({"messages": QUESTION, "temprature": 0}, "temprature"),
+    ({"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": QUESTION, "response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_bad_chat_requests_get_400(client, body, param):
     r = client.post("/v1/chat/completions", json=body)
-    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    message = r.json()["error"]["message"]
+    other = {"max_tokens": "max_completion_tokens", "max_completion_tokens": "max_tokens"}.get(param)
+    assert param in message and (other is None or other not in message), message
+
+
+def test_unknown_fields_are_named(client):
+    r = client.post("/v1/chat/completions", json={"messages": QUESTION, "temprature": 0})
+    assert r.json()["error"]["message"] == "Unrecognized request argument supplied: temprature"
+    r = client.post("/v1/chat/completions", json={"messages": QUESTION, "tools": [{"type": "function"}]})
+    assert r.json()["error"]["message"] == "'tools' is not supported by this server"
+
+
+def test_fields_that_ask_for_nothing_more_are_taken(client):
+    """OpenAI's fields that change nothing here, null fields, and a feature's 'off' value."""
+    r = client.post("/v1/chat/completions", json={
+        "messages": QUESTION, "max_completion_tokens": 2, "user": "u-1", "metadata": {"k": "v"}, "store": False,
+        "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logit_bias": None, "seed": None})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "user": "u-1", "suffix": None})
+    assert r.status_code == 200, r.text
+
+
+def test_the_fields_taken_and_refused_are_the_documented_ones():
+    from pathlib import Path
+
+    from stagewise.serve import openai
+
+    doc = (Path(__file__).parents[2] / "docs" / "serving.md").read_text()
+    for name in [*openai.IGNORED_FIELDS, *openai.UNSUPPORTED_FIELDS, *openai.COMPLETION_FIELDS, *openai.CHAT_FIELDS]:
+        assert f"`{name}" in doc, f"docs/serving.md does not name the request field {name!r}"
+
+
+def test_a_body_over_the_limit_gets_413(pipe):
+    with TestClient(build_app(pipe, model_name=MODEL, max_request_bytes=1000)) as c:
+        fits = json.dumps({"prompt": "Hi " * 300, "max_tokens": 1}).encode()
+        over = json.dumps({"prompt": "Hi " * 400, "max_tokens": 1}).encode()
+        assert len(fits) <= 1000 < len(over)
+        assert c.post("/v1/completions", content=fits).status_code == 200
+        for body in (over, iter([over[:600], over[600:]])):  # Content-Length, then chunked
+            r = c.post("/v1/completions", content=body)
+            assert r.status_code == 413, r.text
+            assert r.json()["error"]["code"] == "request_too_large" and "1000 bytes" in r.json()["error"]["message"]
+    with pytest.raises(ValueError, match="max_request_bytes"):
+        build_app(pipe, model_name=MODEL, max_request_bytes=0)
 
 
 def test_a_bad_request_beside_running_ones_disturbs_nothing(client):

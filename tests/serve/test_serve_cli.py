@@ -10,11 +10,12 @@ from stagewise.cli import main
 
 def test_bad_arguments_are_named_at_once(capsys):
     code = main(["serve", "smollm2-135m", "--port", "70000", "--max-waiting", "-1", "--default-max-tokens", "0",
-                 "--tp", "0", "--threads", "0"])
+                 "--tp", "0", "--threads", "0", "--max-request-bytes", "0"])
     err = capsys.readouterr().err
     assert code == 2
     for what in ("--port must be in [0, 65535], got 70000", "--max-waiting must be >= 0, got -1",
-                 "--default-max-tokens must be >= 1, got 0", "--tp must be >= 1, got 0", "--threads must be >= 1, got 0"):
+                 "--default-max-tokens must be >= 1, got 0", "--tp must be >= 1, got 0", "--threads must be >= 1, got 0",
+                 "--max-request-bytes must be >= 1, got 0"):
         assert what in err, err
 
 

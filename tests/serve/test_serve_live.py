@@ -1,13 +1,16 @@
 """`stagewise serve` as a user runs it: a process serving a 2-stage pipeline over HTTP. Requests from
 several clients share the running batches (a short one ends while a long one streams), a client
-that goes away frees its request's KV on every stage, the metrics show each stage, a stage killed
-mid-answer is restarted and the answer goes on with the same tokens, Ctrl-C leaves no process
-behind, and without restarts a dead stage turns /health to 503."""
+that goes away frees its request's KV on every stage, the metrics show each stage, a 5 MB prompt
+holds up no other request and a body over the limit gets 413 at once, a stage killed mid-answer is
+restarted and the answer goes on with the same tokens, a stage that dies or hangs while the server
+is idle is replaced at once (/health says so meanwhile), Ctrl-C leaves no process behind, and
+without restarts a dead stage turns /health to 503."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,9 +24,18 @@ pytest.importorskip("uvicorn")
 
 from processes import alive, children, gone  # noqa: E402
 
+from stagewise.pipeline.driver import HEARTBEAT_TIMEOUT_S  # noqa: E402
+
+STAMPED = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} ")
+
 
 def metric(page: str, prefix: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines() if line.startswith(prefix))
+
+
+def reaped(pid: int) -> bool:
+    """Whether ``pid`` is gone from the process table (a zombie is not)."""
+    return not os.path.exists(f"/proc/{pid}")
 
 
 class Served:
@@ -33,22 +45,26 @@ class Served:
         self.proc = subprocess.Popen([sys.executable, "-m", "stagewise.cli", "serve", "smollm2-135m", "--stages", "2",
                                       "--port", "0", "--max-num-seqs", "16", "--log-level", "warning", *extra],
                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
-        lines, url = [], None
+        self.log, url = [], None
         deadline = time.monotonic() + 120
         while url is None and time.monotonic() < deadline:
             line = self.proc.stderr.readline()
             if not line:
                 break
-            lines.append(line)
+            self.log.append(line)
             if " on http://" in line:
                 url = line.split(" on ", 1)[1].split()[0].removesuffix("/v1")
         if url is None:
             self.stop()
-            raise AssertionError("the server did not start:\n" + "".join(lines))
-        threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # keep its pipe drained
+            raise AssertionError("the server did not start:\n" + "".join(self.log))
+        threading.Thread(target=self._drain, daemon=True).start()
         self.client = httpx.Client(base_url=url, timeout=60)
         while self.client.get("/health").status_code != 200:
             time.sleep(0.1)
+
+    def _drain(self) -> None:  # the pipe never fills; its lines are kept
+        for line in self.proc.stderr:
+            self.log.append(line)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -60,13 +76,13 @@ class Served:
 def server():
     served = Served()
     try:
-        yield served.proc, served.client
+        yield served
     finally:
         served.stop()
 
 
 def test_a_short_request_ends_while_a_long_one_streams(server):
-    _, client = server
+    client = server.client
     events = []
 
     def long():
@@ -92,7 +108,7 @@ def test_a_short_request_ends_while_a_long_one_streams(server):
 
 
 def test_a_client_that_goes_away_frees_its_kv(server):
-    _, client = server
+    client = server.client
     before = client.get("/metrics").text
     with client.stream("POST", "/v1/chat/completions",
                        json={"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 400,
@@ -114,7 +130,7 @@ def test_a_client_that_goes_away_frees_its_kv(server):
 
 
 def test_metrics_show_each_stage(server):
-    _, client = server
+    client = server.client
     client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
     page = client.get("/metrics").text
     for stage in ("0", "1"):
@@ -122,9 +138,59 @@ def test_metrics_show_each_stage(server):
         assert metric(page, f'stagewise_stage_bytes_sent{{model_name="smollm2-135m",stage="{stage}"}}') > 0
 
 
+def test_a_5_mb_prompt_holds_up_no_other_request(server):
+    """The big prompt is tokenised for seconds (and refused: it is longer than the model); probes
+    and small completions sent meanwhile take a fraction of that (before they waited for it)."""
+    client = server.client
+    small = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    assert client.post("/v1/completions", json=small).status_code == 200
+    text = ("The quick brown fox jumps over the lazy dog. " * 120_000)[:5_000_000]
+    big = {}
+
+    def send_big():
+        start = time.perf_counter()
+        r = httpx.post(f"{client.base_url}/v1/completions", json={"prompt": text, "max_tokens": 4}, timeout=120)
+        big.update(s=time.perf_counter() - start, status=r.status_code, error=r.json()["error"])
+
+    sender = threading.Thread(target=send_big)
+    sender.start()
+    time.sleep(0.3)  # its body is in: it is being tokenised
+    took = []
+    while sender.is_alive():
+        start = time.perf_counter()
+        assert client.get("/health").status_code == 200
+        r = client.post("/v1/completions", json=small)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        took.append(time.perf_counter() - start)
+        time.sleep(0.25)  # leave the cores to the big one's tokenizer for most of the time
+    sender.join()
+    assert big["status"] == 400 and big["error"]["code"] == "context_length_exceeded", big
+    assert big["error"]["param"] == "prompt", big
+    assert len(took) >= 3 and max(took) < big["s"] / 3, \
+        f"the small requests took up to {max(took):.2f} s beside a big one of {big['s']:.2f} s ({len(took)} sent)"
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_read(server):
+    """The default limit (32 MiB), told by the Content-Length or counted as a chunked body streams."""
+    from stagewise.serve.openai import MAX_REQUEST_BYTES
+
+    client = server.client
+    body = b'{"prompt": "' + b"a" * MAX_REQUEST_BYTES + b'"}'
+    chunked = (body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20))
+    for content in (body, chunked):
+        start = time.perf_counter()
+        r = client.post("/v1/completions", content=content, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+        assert str(MAX_REQUEST_BYTES) in r.json()["error"]["message"]
+        assert time.perf_counter() - start < 10
+    assert client.get("/health").status_code == 200
+    assert metric(client.get("/metrics").text, 'stagewise_requests_rejected_total{model_name="smollm2-135m",'
+                  'reason="too_large"}') == 2
+
+
 def test_the_openai_client(server):
     openai = pytest.importorskip("openai")
-    _, client = server
+    client = server.client
     api = openai.OpenAI(base_url=str(client.base_url) + "/v1", api_key="unused")
     [model] = api.models.list().data
     question = [{"role": "user", "content": "What is the capital of France?"}]
@@ -150,7 +216,7 @@ def test_soak_200_requests_32_at_a_time_a_tenth_cancelled(server):
 
     from stagewise.api import Pipeline
 
-    _, client = server
+    client = server.client
     rng = random.Random(5)
     words = "the of a river stone light city north quiet green seven over under bright market song".split()
     jobs = []
@@ -193,7 +259,7 @@ def test_soak_200_requests_32_at_a_time_a_tenth_cancelled(server):
 
 def test_a_stage_that_dies_mid_answer_is_restarted_and_the_answer_goes_on(server):
     """Only the dead stage starts again (stage 0 rejoins with its layers loaded)."""
-    proc, client = server
+    proc, client = server.proc, server.client
     body = {"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
     want = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
     stages = children(proc.pid)
@@ -213,8 +279,37 @@ def test_a_stage_that_dies_mid_answer_is_restarted_and_the_answer_goes_on(server
     assert len(new) == 2 and set(new) & set(stages) == {stages[0]}, "only the dead stage starts again"
 
 
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_stage_lost_while_idle_is_replaced_at_once(server, signum):
+    """Nothing is running: the server notices the stage within the heartbeat timeout (the dead
+    process reaped, /health 503 with the reason) and starts it again before any request comes."""
+    proc, client = server.proc, server.client
+    stages = children(proc.pid)
+    restarts = metric(client.get("/metrics").text, "stagewise_stage_restarts_total")
+    os.kill(stages[1], signum)
+    lost = time.monotonic()
+    health = client.get("/health")
+    while health.status_code == 200 and time.monotonic() - lost < HEARTBEAT_TIMEOUT_S + 4:
+        time.sleep(0.05)
+        health = client.get("/health")
+    assert health.status_code == 503, f"still {health.text} {time.monotonic() - lost:.1f} s after the stage was lost"
+    assert health.json()["status"] == "repairing" and "stage 1" in health.json()["reason"], health.text
+    while health.status_code == 503 and time.monotonic() - lost < 60:
+        time.sleep(0.1)
+        health = client.get("/health")
+    assert health.json() == {"status": "ok"}, health.text
+    assert reaped(stages[1]), "the lost stage's process was left behind (a zombie or still running)"
+    assert metric(client.get("/metrics").text, "stagewise_stage_restarts_total") == restarts + 1
+    r = client.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    new = children(proc.pid)
+    assert len(new) == 2 and stages[0] in new and all(alive(p) for p in new), "stage 0 rejoins, stage 1 is new"
+    said = [line for line in server.log if "starting it again" in line or "the pipeline broke" in line]
+    assert len(said) >= 2 and all(STAMPED.match(line) for line in said), said  # the server's and stage 0's
+
+
 def test_ctrl_c_leaves_nothing(server):
-    proc, _ = server
+    proc = server.proc
     stages = children(proc.pid)
     os.killpg(proc.pid, signal.SIGINT)
     try:
@@ -229,13 +324,14 @@ def test_without_restarts_a_dead_stage_turns_health_to_503():
     try:
         client = served.client
         stages = children(served.proc.pid)
+        assert all(STAMPED.match(line) for line in served.log if " on http://" in line), served.log
         os.kill(stages[1], signal.SIGKILL)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + HEARTBEAT_TIMEOUT_S + 4  # noticed with no request sent
         while client.get("/health").status_code == 200 and time.monotonic() < deadline:
-            client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})  # the loop notices on its next poll
-            time.sleep(0.1)
+            time.sleep(0.05)
         health = client.get("/health")
-        assert health.status_code == 503 and "stage 1" in health.json()["reason"], health.text
+        assert health.status_code == 503 and health.json()["status"] == "failed", health.text
+        assert "stage 1" in health.json()["reason"], health.text
         r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 503 and "stage 1" in r.json()["error"]["message"]
     finally:

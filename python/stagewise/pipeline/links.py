@@ -12,13 +12,13 @@ one place that wires a stage to its neighbours, whatever the transport.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from stagewise.parallel.runplan import RunPlan
+from stagewise.pipeline.lines import log_line
 from stagewise.transport import select, tcp, torch_dist
 from stagewise.transport.channel import Channel
 from stagewise.transport.hello import Hello
@@ -129,7 +129,7 @@ class Acceptor:
             except TimeoutError:
                 continue
             except Exception as err:  # noqa: BLE001 - a bad connector must not stop the stage
-                print(f"stagewise stage {self.stage}: refused a connection: {err}", file=sys.stderr, flush=True)
+                log_line(f"stagewise stage {self.stage}: refused a connection: {err}")
         return self._pending.pop(role)
 
     def _accept_one(self, timeout: float) -> None:

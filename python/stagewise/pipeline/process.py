@@ -22,7 +22,6 @@ actor keeps the words for the driver to ask.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 
@@ -34,7 +33,7 @@ from stagewise.engine.executor import Executor, model_dtype
 from stagewise.parallel.groups import host_world_store, join_stage_groups, spans_run
 from stagewise.parallel.runplan import RunPlan, parse_address
 from stagewise.pipeline import fanout, links, messages, protocol, stage_setup
-from stagewise.pipeline.lines import print_listening
+from stagewise.pipeline.lines import log_line, print_listening
 from stagewise.pipeline.messages import Add, Cancel, Connected, Fatal, GetStats, Heartbeat, Ready, Setup, Shutdown
 from stagewise.pipeline.protocol import ProtocolError
 from stagewise.pipeline.roles import Head, Route, StageStats, Worker
@@ -209,8 +208,8 @@ class StageProcess:
         self._close_links()
         self.control, self.links, self.executor = None, links.DataLinks(), None
         acceptor.drop()
-        print(f"stagewise stage {self.index}: the pipeline broke; waiting up to {self.rejoin_s:.0f} s for a "
-              "driver to rejoin", file=sys.stderr, flush=True)
+        log_line(f"stagewise stage {self.index}: the pipeline broke; waiting up to {self.rejoin_s:.0f} s for a "
+                 "driver to rejoin")
         self._accept_driver(acceptor, self.rejoin_s)
         return self.control is not None
 
@@ -394,6 +393,5 @@ class StageProcess:
         """Log a frame that was not accepted; the stage serves on."""
         self.stats.rejected_frames += 1
         if self.stats.rejected_frames <= 20 or self.stats.rejected_frames % 1000 == 0:
-            print(f"stagewise stage {self.index}: rejected frame #{self.stats.rejected_frames} {why}",
-                  file=sys.stderr, flush=True)
+            log_line(f"stagewise stage {self.index}: rejected frame #{self.stats.rejected_frames} {why}")
 

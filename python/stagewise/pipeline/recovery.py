@@ -71,6 +71,15 @@ class Recovering:
         return self.driver.broken
 
     @property
+    def repairing(self) -> str | None:
+        """Why the pipeline is being started again: a stage died or hung and a restart is under
+        way, or due at the next :meth:`poll` (None while it serves, or once it failed for good)."""
+        broken = self.driver.broken
+        if broken and (self.recovering or self.restarts < self.max_restarts):
+            return broken
+        return None
+
+    @property
     def status(self) -> dict:
         return self.driver.status
 

@@ -10,6 +10,11 @@ Every request joins the pipeline's running batches through the one :class:`Serve
 disconnects cancels its request (its KV is freed on every stage). Past the loop's capacity a
 request gets 503 with ``Retry-After``; a bad one 400 with OpenAI's error body, and nothing else is
 disturbed. With an API key, ``/v1/*`` needs ``Authorization: Bearer <key>`` (401 otherwise).
+
+A body over ``max_request_bytes`` gets 413 before it is read (by its Content-Length) or as soon as
+its streamed bytes pass the limit. The JSON, the chat template and the tokenizer run on worker
+threads, neither on the event loop nor on the serving loop's thread: a prompt of megabytes takes
+seconds to tokenise, and every other client's tokens and probes go on meanwhile.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import time
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -55,9 +61,13 @@ class _Stream:
 
 
 def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting: int = 64,
-              default_max_tokens: int = 256, media: MediaLimits | None = None) -> Starlette:
+              default_max_tokens: int = 256, media: MediaLimits | None = None,
+              max_request_bytes: int = openai.MAX_REQUEST_BYTES) -> Starlette:
     """The server's app over ``pipe`` (which the caller keeps and closes after the app stopped);
-    ``media``: how a chat's image URLs are read (default :class:`MediaLimits`)."""
+    ``media``: how a chat's image URLs are read (default :class:`MediaLimits`); a request body over
+    ``max_request_bytes`` is refused (413)."""
+    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise ValueError(f"build_app: max_request_bytes must be a positive integer, got {max_request_bytes!r}")
     media = media or MediaLimits()
     # The images' reading and decoding: threads of their own, so that slow fetches never hold the
     # default executor (/metrics, shutdown).
@@ -98,21 +108,28 @@ def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting:
         return _error(openai.ApiError("a valid API key is needed: Authorization: Bearer <key>", status=401,
                                       type="authentication_error", code="invalid_api_key"))
 
+    def prepare(raw: bytes, chat: bool) -> tuple[openai.ApiRequest, list[int]]:
+        """The request and its prompt's token ids (on a worker thread: see the module's docstring)."""
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise openai.ApiError(f"the request body is not valid JSON: {err}") from None
+        if chat:
+            req = openai.parse_chat(body, model_name, render, default_max_tokens,
+                                    vision=pipe.image_processor is not None)
+        else:
+            req = openai.parse_completion(body, model_name, default_max_tokens)
+        ids = req.prompt_ids if req.prompt_ids is not None else _encode(pipe, req.prompt, req.chat)
+        if not req.images:  # else checked once the images have grown their placeholders
+            _check_prompt(pipe, ids, req)
+        return req, ids
+
     async def generate(request: Request, chat: bool) -> Response:
         if not authorised(request):
             return unauthorised()
         loop: ServeLoop = state["loop"]
         try:
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise openai.ApiError(f"the request body is not valid JSON: {err}") from None
-            if chat:
-                req = openai.parse_chat(body, model_name, render, default_max_tokens,
-                                        vision=pipe.image_processor is not None)
-            else:
-                req = openai.parse_completion(body, model_name, default_max_tokens)
-            ids = req.prompt_ids if req.prompt_ids is not None else _encode(pipe, req.prompt, req.chat)
+            req, ids = await run_in_threadpool(prepare, await _read_body(request, max_request_bytes), chat)
             images = None
             if req.images:  # fetched, decoded and cut into patches off the event loop, if there is room
                 if len(req.images) > media.max_images:
@@ -122,9 +139,8 @@ def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting:
                     raise Busy(f"{loop.held} requests are running or waiting (at most {loop.capacity})")
                 images, ids = await asyncio.get_running_loop().run_in_executor(images_pool, _prompt_images, pipe,
                                                                                req, ids, media)
-            _check_prompt(pipe, ids, req)
         except openai.ApiError as err:
-            metrics.reject("bad_request")
+            metrics.reject("too_large" if err.status == 413 else "bad_request")
             return _error(err)
         except Busy as err:
             metrics.reject("busy")
@@ -161,9 +177,9 @@ def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting:
 
     async def health(request: Request) -> Response:
         loop = state["loop"]
-        why = "the server is starting" if loop is None else loop.unavailable
+        status, why = ("starting", "the server is starting") if loop is None else loop.health()
         if why:
-            return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
+            return JSONResponse({"status": status, "reason": why}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def metrics_text(request: Request) -> Response:
@@ -185,12 +201,33 @@ def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting:
     return app
 
 
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body; ApiError 413 when it is over ``limit`` bytes, told by its Content-Length
+    before anything is read, else as soon as the bytes streamed in pass the limit."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"{int(declared)} bytes", limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(f"more than {limit} bytes", limit)
+    return bytes(body)
+
+
+def _too_large(size: str, limit: int) -> openai.ApiError:
+    return openai.ApiError(f"the request body holds {size}; this server takes at most {limit} bytes "
+                           "(stagewise serve --max-request-bytes)", status=413, code="request_too_large")
+
+
 def _encode(pipe, text: str, chat: bool) -> list[int]:
     if pipe.tokenizer is None:
         raise openai.ApiError("this checkpoint has no tokenizer: send 'prompt' as a list of token ids",
                               param="prompt")
     # A chat template writes the special tokens itself (as Pipeline.generate(chat=True) encodes it).
-    return pipe.tokenizer.encode(text, add_special_tokens=not chat).ids
+    # encode_batch, unlike encode, lets go of the GIL while it works: the event loop and the
+    # serving loop's thread run meanwhile (a 5 MB prompt takes seconds).
+    return pipe.tokenizer.encode_batch([text], add_special_tokens=not chat)[0].ids
 
 
 def _prompt_images(pipe, req: openai.ApiRequest, ids: list[int], media: MediaLimits):
@@ -214,6 +251,7 @@ def _prompt_images(pipe, req: openai.ApiRequest, ids: list[int], media: MediaLim
     if problems:
         raise openai.ApiError(f"the rendered chat does not match its images: {problems[0].partition(': ')[2]}",
                               param="messages")
+    _check_prompt(pipe, expanded[0], req)
     return inputs, expanded[0]
 
 
@@ -226,8 +264,11 @@ def _check_prompt(pipe, ids: list[int], req: openai.ApiRequest) -> None:
     try:
         pipe.check_lengths([ids], [req.params])
     except ValueError as err:
-        raise openai.ApiError(str(err).replace("Pipeline.generate: ", "").replace("prompt 0", "the prompt"),
-                              param="max_tokens", code="context_length_exceeded") from None
+        raise openai.ApiError(str(err).replace("Pipeline.generate: ", "").replace("prompt 0", "the prompt")
+                              .replace("max_new_tokens", req.max_tokens_param),
+                              param=("messages" if req.chat else "prompt") if len(ids) >= pipe.max_model_len
+                              else req.max_tokens_param,
+                              code="context_length_exceeded") from None
 
 
 def _choice(req: openai.ApiRequest, text: str, lps, piece, finish: str | None, offset: int = 0,

@@ -7,6 +7,11 @@ queue and get their text and results back through a :class:`Sink`, called on thi
 
 Back-pressure: at most ``max_num_seqs + max_waiting`` requests are held at once; one more is refused
 at once (:class:`Busy`) rather than queued without bound.
+
+The thread polls the pipeline whether requests run or not: the same poll that reads their tokens
+reads the stages' heartbeats and exit codes, so a stage that dies or hangs while the server is idle
+is noticed within the heartbeat timeout (its process reaped) and repaired at once, not when the
+next request comes (:meth:`ServeLoop.health` says so meanwhile).
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ class ServeLoop:
         self._stop = threading.Event()
         self._status_every = status_every_s
         self._status_due = False
+        self._stages = pipe.driver is not None
+        """Whether there are stage processes to watch (in one process, an idle engine has nothing to do)."""
         self._run = pipe.open_run(on_text=self._text, on_done=self._done)
         self._thread = threading.Thread(target=self._main, name="stagewise-serve-loop", daemon=True)
         self._thread.start()
@@ -73,6 +80,20 @@ class ServeLoop:
         if self._stop.is_set():
             return "the server is shutting down"
         return self.failed or (f"the pipeline failed: {self.pipe.broken}" if self.pipe.broken else None)
+
+    def health(self) -> tuple[str, str | None]:
+        """``("ok", None)`` while requests can be served, else the state and why: ``repairing`` (a
+        stage died or hung and is being started again: requests wait for it), ``failed`` (the
+        pipeline cannot serve any more) or ``stopping``."""
+        if self._stop.is_set():
+            return "stopping", "the server is shutting down"
+        why = self.unavailable
+        if why:
+            return "failed", why
+        repairing = self.pipe.repairing
+        if repairing:
+            return "repairing", f"{repairing}; the pipeline is being started again"
+        return "ok", None
 
     @property
     def held(self) -> int:
@@ -123,8 +144,8 @@ class ServeLoop:
         try:
             while not self._stop.is_set():
                 self._take_commands(block=not self._run.pending)
-                if self._run.pending:
-                    self._run.poll_once(0.01)
+                if self._run.pending or (self._stages and not self.pipe.broken):  # idle too: one watch
+                    self._run.poll_once(0.01 if self._run.pending else 0.0)
                 self._ended = [rid for rid in self._ended if not self._run.forget(rid)]
                 now = time.perf_counter()
                 if now - last_status >= self._status_every or self._status_due:

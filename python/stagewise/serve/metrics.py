@@ -29,7 +29,8 @@ class ServerMetrics:
         self.finished = Counter("stagewise_requests_finished", "Requests that ended, by finish reason",
                                 names + ["finish_reason"], registry=r)
         self.rejected = Counter("stagewise_requests_rejected", "Requests refused before they ran, by reason "
-                                "(busy, bad_request, unauthorized, unavailable)", names + ["reason"], registry=r)
+                                "(busy, bad_request, too_large, unauthorized, unavailable)", names + ["reason"],
+                                registry=r)
         self.prompt_tokens = Counter("stagewise_prompt_tokens", "Prompt tokens of the requests that ended", names,
                                      registry=r)
         self.generation_tokens = Counter("stagewise_generation_tokens", "Tokens generated", names, registry=r)

@@ -15,8 +15,28 @@ from typing import Any
 
 from stagewise.engine.params import SamplingParams, TokenLogprobs
 
+MAX_REQUEST_BYTES = 32 << 20
+"""The default limit on a request's body (``serve --max-request-bytes``): a data: URL of one image
+of the largest default size (20 MiB, 26.7 MiB as base64) fits."""
 MAX_COMPLETION_LOGPROBS = 5  # what OpenAI's legacy completions endpoint allows
 MAX_TOP_LOGPROBS = 20
+
+# The fields each endpoint reads (OpenAI's, and vLLM's top_k, min_p, repetition_penalty, ignore_eos).
+# Any other field is refused, as OpenAI's API does: a misspelt field or a feature this server lacks
+# would otherwise give an answer the client did not ask for, with nothing to say so.
+_COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                              "frequency_penalty", "repetition_penalty", "seed", "stop", "n", "logprobs", "ignore_eos",
+                              "stream", "stream_options"})
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+"""OpenAI's fields that change nothing in an answer of this server (accepted, not used)."""
+UNSUPPORTED_FIELDS = {"tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
+                      "response_format": {"type": "text"}, "logit_bias": {}, "suffix": "", "audio": None,
+                      "modalities": ["text"], "prediction": None, "reasoning_effort": None,
+                      "web_search_options": None}
+"""OpenAI's fields this server does not implement, each with the value that asks for nothing
+(accepted, as is null): any other value is refused with 'not supported'."""
 
 
 class ApiError(Exception):
@@ -47,6 +67,8 @@ class ApiRequest:
     created: int = field(default_factory=lambda: int(time.time()))
     images: list[tuple[str, str]] = field(default_factory=list)
     """The URL of each image of a chat, in order, with the part that gave it (``messages[i].content[j]``)."""
+    max_tokens_param: str = "max_tokens"
+    """The field that set max_tokens (a chat's ``max_completion_tokens``), named in its errors."""
 
 
 def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
@@ -59,6 +81,17 @@ def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
     return value
 
 
+def _check_fields(body: dict, known: frozenset[str]) -> None:
+    for name, value in body.items():
+        if name in known or name in IGNORED_FIELDS or value is None:
+            continue
+        if name in UNSUPPORTED_FIELDS:
+            if value != UNSUPPORTED_FIELDS[name]:
+                raise ApiError(f"'{name}' is not supported by this server", param=name)
+            continue
+        raise ApiError(f"Unrecognized request argument supplied: {name}", param=name)
+
+
 def _check_model(body: dict, served: str) -> None:
     model = body.get("model")
     if model is not None and model != served:
@@ -66,15 +99,17 @@ def _check_model(body: dict, served: str) -> None:
                        code="model_not_found")
 
 
-def _sampling(body: dict, max_tokens_names: tuple[str, ...], default_max: int, logprobs: int | None) -> SamplingParams:
-    """The sampling fields common to both endpoints, OpenAI's defaults (temperature 1)."""
+def _sampling(body: dict, max_tokens_names: tuple[str, ...], default_max: int,
+              logprobs: int | None) -> tuple[SamplingParams, str]:
+    """The sampling fields common to both endpoints, OpenAI's defaults (temperature 1); and the
+    name of the field that gave max_tokens (the last of ``max_tokens_names`` sent)."""
     if _get(body, "n", (int,), 1) != 1:
         raise ApiError("only n=1 is supported", param="n")
-    max_tokens = default_max
+    max_tokens, max_name = default_max, max_tokens_names[0]
     for name in max_tokens_names:
         given = _get(body, name, (int,))
         if given is not None:
-            max_tokens = given
+            max_tokens, max_name = given, name
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -95,10 +130,10 @@ def _sampling(body: dict, max_tokens_names: tuple[str, ...], default_max: int, l
     if fields["top_k"] == -1:  # vLLM's spelling of "off"
         fields["top_k"] = 0
     try:
-        return SamplingParams(**fields)
+        return SamplingParams(**fields), max_name
     except ValueError as err:
         name = str(err).split(" ")[0].removeprefix("SamplingParams.")
-        param = {"max_new_tokens": max_tokens_names[-1]}.get(name, name)
+        param = {"max_new_tokens": max_name}.get(name, name)
         raise ApiError(str(err).replace(f"SamplingParams.{name}", param), param=param) from None
 
 
@@ -115,6 +150,7 @@ def parse_completion(body: Any, served: str, default_max: int = 16) -> ApiReques
     ignore_eos)."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
+    _check_fields(body, COMPLETION_FIELDS)
     _check_model(body, served)
     prompt = body.get("prompt")
     text, ids = None, None
@@ -135,9 +171,9 @@ def parse_completion(body: Any, served: str, default_max: int = 16) -> ApiReques
     if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
         raise ApiError(f"'logprobs' must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {logprobs}", param="logprobs")
     stream, usage = _stream_options(body)
-    params = _sampling(body, ("max_tokens",), default_max, logprobs)
+    params, max_name = _sampling(body, ("max_tokens",), default_max, logprobs)
     return ApiRequest(chat=False, prompt=text, prompt_ids=ids, params=params, stream=stream, include_usage=usage,
-                      logprobs=logprobs)
+                      logprobs=logprobs, max_tokens_param=max_name)
 
 
 def chat_messages(body: dict) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
@@ -193,6 +229,7 @@ def parse_chat(body: Any, served: str, render, default_max: int, *, vision: bool
     whether the model takes images."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
+    _check_fields(body, CHAT_FIELDS)
     _check_model(body, served)
     messages, images = chat_messages(body)
     if images and not vision:
@@ -206,13 +243,13 @@ def parse_chat(body: Any, served: str, render, default_max: int, *, vision: bool
         raise ApiError(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {top}", param="top_logprobs")
     logprobs = (top or 0) if want else None
     stream, usage = _stream_options(body)
-    params = _sampling(body, ("max_tokens", "max_completion_tokens"), default_max, logprobs)
+    params, max_name = _sampling(body, ("max_tokens", "max_completion_tokens"), default_max, logprobs)
     try:
         prompt = render(messages)
     except (ValueError, KeyError, TypeError) as err:
         raise ApiError(f"the chat template cannot render these messages: {err}", param="messages") from None
     return ApiRequest(chat=True, prompt=prompt, params=params, stream=stream, include_usage=usage, logprobs=logprobs,
-                      images=images)
+                      images=images, max_tokens_param=max_name)
 
 
 # ---- responses ---------------------------------------------------------------------------------
