@@ -255,6 +255,7 @@ def _attach(args: argparse.Namespace, prog: str):
 
 def _load(args: argparse.Namespace, prog: str):
     from stagewise.api import Pipeline
+    from stagewise.launch import LaunchError
 
     # Loading takes seconds; show a progress bar on a terminal (stderr, so piped output stays clean).
     chatty = sys.stderr.isatty()
@@ -287,6 +288,9 @@ def _load(args: argparse.Namespace, prog: str):
         finally:  # before any message, so that the bar's line is finished first
             if bar is not None:
                 bar.close()
+    except LaunchError as err:  # the launcher's own failure (a cluster, its resources): the model is fine
+        print(f"{prog}: {err}", file=sys.stderr)
+        return None
     except (ValueError, FileNotFoundError, KeyError, RuntimeError, TimeoutError, OSError, NotImplementedError) as err:
         print(f"{prog}: cannot load {args.model!r}: {err}", file=sys.stderr)
         return None

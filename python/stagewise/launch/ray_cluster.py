@@ -17,12 +17,12 @@ Activations and control keep the project's frames: only Ray's own actor calls ca
 
 :class:`RayStages` is what the driver watches (exit codes, failures, stop); stopping it stops
 every stage, kills every actor, removes the placement group, and shuts down the Ray instance
-it started (none when it joined a running cluster).
+it started (none when it joined a running cluster). Joining the cluster, and refusing at once a
+layout it cannot hold, are :mod:`stagewise.launch.ray_join`'s.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import sys
@@ -30,7 +30,9 @@ import threading
 import time
 from typing import Any
 
+from stagewise.launch import LaunchError
 from stagewise.launch.local import stage_argv
+from stagewise.launch.ray_join import bundles, check_fits, connect
 from stagewise.parallel.runplan import RunPlan
 
 STRATEGIES = {"spread": "SPREAD", "pack": "PACK", "strict_spread": "STRICT_SPREAD"}
@@ -44,7 +46,7 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise RuntimeError("--launcher ray needs Ray, which is not installed: pip install 'stagewise[ray]'") from None
+        raise LaunchError("--launcher ray needs Ray, which is not installed: pip install 'stagewise[ray]'") from None
     return ray
 
 
@@ -165,8 +167,9 @@ class RayStages:
             for i, node in zip(which, ray.get([self.actors[i].node.remote() for i in which], timeout=timeout_s)):
                 self.nodes[i] = node
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"--launcher ray: {', '.join(self.labels[i] for i in which)} not placed within "
-                               f"{timeout_s:.0f} s; free: {ray.available_resources()}") from None
+            raise LaunchError(f"--launcher ray: {', '.join(self.labels[i] for i in which)} not placed within "
+                              f"{timeout_s:.0f} s; free: {ray.available_resources()} (`ray status` shows what holds "
+                              "the rest)") from None
         placed = plan
         for i in which:
             index, rank = members[i]
@@ -207,7 +210,7 @@ class RayStages:
                 self.ray.kill(self.actors[i], no_restart=True)
             except Exception:  # noqa: BLE001 - already gone with its node
                 pass
-        _check_fits(self.ray, _bundles(plan), self.strategy)
+        check_fits(self.ray, plan, self.strategy)
         return self.place(plan, which, auth_token=auth_token, extra=extra, timeout_s=60.0)
 
     def __len__(self) -> int:
@@ -281,63 +284,6 @@ class RayStages:
                 ray.shutdown()
 
 
-def connect(ray, address: str | None, cpus: float = 0) -> bool:
-    """Join the cluster at ``address`` (else RAY_ADDRESS; else start a local instance for the run,
-    with the machine's cores as its CPUs, or ``cpus`` when the run asks for more: its ranks then
-    share the cores, as local processes do). Returns whether this call connected (and so must
-    disconnect, which stops an instance it started)."""
-    if ray.is_initialized():
-        return False
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    opts: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
-                                configure_logging=True)
-    if address is None:
-        from stagewise.launch.local import usable_cores
-
-        # An instance of our own: no dashboard, and no metrics (nothing would scrape them).
-        opts.update(num_cpus=max(usable_cores(), int(-(-cpus // 1))), object_store_memory=100 << 20,
-                    _system_config={"enable_metrics_collection": False})
-    try:  # "local": a new instance of our own, even where `ray start` runs a cluster on this host
-        ray.init(address=address or "local", **opts)
-    except ConnectionError as err:
-        raise RuntimeError(f"--launcher ray: no Ray cluster at {address!r}: {err}") from None
-    return True
-
-
-def _bundles(plan: RunPlan) -> list[dict[str, float]]:
-    """Each stage's bundle: its ranks' CPUs (their threads), GPUs on a GPU stage, its ``resources``."""
-    out = []
-    for stage in plan.stages:
-        ranks = stage.tp * plan.pcp
-        bundle = {"CPU": float((stage.threads or 1) * ranks)}
-        if stage.device.startswith("cuda"):
-            bundle["GPU"] = float(ranks)
-        out.append({**bundle, **(stage.resources or {})})
-    return out
-
-
-def _check_fits(ray, bundles: list[dict[str, float]], strategy: str) -> None:
-    """Refuse at once a layout no node set of the cluster could hold (Ray would wait forever)."""
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    fits = [[all(node.get(k, 0.0) >= v for k, v in b.items()) for node in nodes] for b in bundles]
-    have = "; ".join(", ".join(f"{k} {v:g}" for k, v in sorted(n.items()) if not k.startswith(("node:", "object_store",
-                                                                                               "memory")))
-                     for n in nodes)
-    for i, row in enumerate(fits):
-        if not any(row):
-            raise RuntimeError(f"--launcher ray: no node of the cluster can hold stage {i} "
-                               f"({', '.join(f'{k} {v:g}' for k, v in bundles[i].items())}); its nodes have: {have}")
-    for key in sorted({k for b in bundles for k in b}):
-        need, total = sum(b.get(key, 0.0) for b in bundles), sum(n.get(key, 0.0) for n in nodes)
-        if need > total:
-            raise RuntimeError(f"--launcher ray: the stages need {key} {need:g} in all; the cluster has {total:g} "
-                               f"({have})")
-    if strategy == "STRICT_SPREAD" and len(bundles) > len(nodes):
-        raise RuntimeError(f"--placement strict_spread: {len(bundles)} stages need as many nodes; the cluster has "
-                           f"{len(nodes)}")
-
-
 def start_stages(plan: RunPlan, *, address: str | None = None, placement: str = "spread",
                  auth_token: str | None = None, timeout_s: float = 120.0, extra=(),
                  keep_going: bool = False) -> tuple[RayStages, RunPlan, list]:
@@ -350,18 +296,19 @@ def start_stages(plan: RunPlan, *, address: str | None = None, placement: str = 
     ray = import_ray()
     from ray.util.placement_group import placement_group
 
-    bundles = _bundles(plan)
-    started = connect(ray, address, sum(b["CPU"] for b in bundles))
+    need = bundles(plan)
+    started = connect(ray, address, sum(b["CPU"] for b in need))
     members = plan.members
     stages = RayStages(ray, None, [plan.member_label(s, r) for s, r in members], started)
     try:
-        _check_fits(ray, bundles, STRATEGIES[placement])
-        stages.pg = placement_group(bundles, strategy=STRATEGIES[placement], name=f"stagewise-{os.getpid()}")
+        check_fits(ray, plan, STRATEGIES[placement])
+        stages.pg = placement_group(need, strategy=STRATEGIES[placement], name=f"stagewise-{os.getpid()}")
         try:
             ray.get(stages.pg.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"--launcher ray: the cluster did not place the {len(bundles)} stages ({placement}) "
-                               f"within {timeout_s:.0f} s; free: {ray.available_resources()}") from None
+            raise LaunchError(f"--launcher ray: the cluster did not place the {len(need)} stages ({placement}) "
+                              f"within {timeout_s:.0f} s; free: {ray.available_resources()} (`ray status` shows what "
+                              "holds the rest)") from None
         stages.strategy = STRATEGIES[placement]
         placed, addresses = stages.place(plan, range(len(members)), auth_token=auth_token, extra=extra,
                                          timeout_s=timeout_s, keep_going=keep_going)
