@@ -34,8 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def how(plan, args: argparse.Namespace) -> tuple[str | None, dict]:
-    """The launcher that starts the probes (None: by hand, from printed commands) and its options."""
-    from stagewise.transport.tls import is_loopback
+    """The launcher that starts the probes (None: those on other hosts by hand, from printed
+    commands, and those on this machine here) and its options."""
+    from stagewise.launch.multihost import is_this_machine
 
     token = args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None
     if (args.launcher or plan.launcher) == "ray":
@@ -43,13 +44,14 @@ def how(plan, args: argparse.Namespace) -> tuple[str | None, dict]:
     if args.ssh:
         return "ssh", dict(auth_token=token, ssh=dict(program=shlex.split(args.remote_command),
                                                       ssh=shlex.split(args.ssh_command), remote_plan=args.remote_plan))
-    if all(is_loopback(s.host) for s in plan.stages):
+    if all(is_this_machine(host) for host in {s.host for s in plan.stages}):
         return "local", dict(auth_token=token)
     return None, dict(auth_token=token)
 
 
 def run(args: argparse.Namespace) -> int:
     from stagewise.launch.doctor import as_json, run_doctor, table
+    from stagewise.launch.here import members_here
     from stagewise.launch.local import stage_argv
     from stagewise.launch.multihost import load_plan
 
@@ -59,17 +61,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 2
     launcher, options = how(plan, args)
-    if launcher is None:
+    here = []
+    if launcher is None:  # the probes of this machine's stages start here, the others' on their hosts
+        here = members_here(plan)
         print(f"# run on each host, then wait here ({args.timeout:.0f} s):", file=sys.stderr)
-        for index, rank in plan.members:
+        for index, rank in [m for i, m in enumerate(plan.members) if i not in here]:
             argv = stage_argv(plan, index, rank=rank, program=shlex.split(args.remote_command),
                               remote_plan=args.remote_plan, extra=["--probe"])
             print(f"# {plan.member_label(index, rank)} on {plan.stages[index].host}:\n{shlex.join(argv)}",
                   file=sys.stderr)
-    checks, here = run_doctor(plan, launcher, timeout_s=args.timeout, **options)
-    failed = bool(here) or not all(c.ok for c in checks)
+    checks, model_here = run_doctor(plan, launcher, timeout_s=args.timeout, here=here, **options)
+    failed = bool(model_here) or not all(c.ok for c in checks)
     if args.json:
-        print(json.dumps({"ok": not failed, "model_here": here, "checks": as_json(checks)}, indent=2))
+        print(json.dumps({"ok": not failed, "model_here": model_here, "checks": as_json(checks)}, indent=2))
     else:
-        print(table(checks, plan, here))
+        print(table(checks, plan, model_here))
     return 1 if failed else 0

@@ -69,6 +69,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_restarts: int = 0, 
     pp.add_argument("--partition", default=None, metavar="P",
                     help="with --stages: even (default) | ceil | balanced | measured (each stage's node timed first, "
                          "the layers split by its speed) | explicit ranges such as 0-10,10-22,22-30")
+    pp.add_argument("--remeasure", action="store_true",
+                    help="with --partition measured: time each stage's node again instead of reading the profile "
+                         "cached for it")
     pp.add_argument("--transport", default=None, choices=TRANSPORTS,
                     help="with --stages: how stages pass activations (auto, the default: shared memory on one "
                          "host, tcp across hosts)")
@@ -168,6 +171,8 @@ def model_problems(args: argparse.Namespace) -> list[str]:
     if args.tp >= 1 and args.dcp >= 1 and args.tp % args.dcp:
         problems.append(f"--dcp {args.dcp} must divide --tp {args.tp} (DCP shards the KV inside the TP group)")
     local_pipeline = args.stages * args.tp * args.pcp > 1 and not args.plan
+    if args.remeasure and args.partition != "measured":
+        problems.append("--remeasure applies to --partition measured")
     for flag, given in (("--partition", args.partition is not None), ("--transport", args.transport is not None),
                         ("--no-checksum", args.no_checksum), ("--trace", args.trace is not None),
                         ("--launcher", args.launcher != "local")):
@@ -269,6 +274,8 @@ def _load(args: argparse.Namespace, prog: str):
         bar = None  # the stages load in their own processes
         if args.threads is not None:
             options["threads"] = args.threads
+        if args.remeasure:
+            options["remeasure"] = True
         if tls_from_args(args):
             options["tls"] = tls_from_args(args)
         if args.launcher != "local":

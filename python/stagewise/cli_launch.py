@@ -1,7 +1,9 @@
 """``stagewise launch PLAN``: start the stages of a run plan on their hosts, then drive them.
 
-Without ``--ssh`` it prints the command each host must run (and waits for those stages to accept
-the driver); with ``--ssh`` it runs them over ssh itself. Then, as the driver, it generates for
+The stages on this machine start here (the local launcher, as ``generate --stages`` starts its
+own); for each stage on another host it prints the command that host must run, and waits for
+those stages to accept the driver. With ``--ssh`` it runs every stage on its host over ssh, and
+with ``--launcher ray`` places them on a Ray cluster. Then, as the driver, it generates for
 the prompt arguments (``--prompt``, ``--prompt-ids``, ``--prompt-file``), or for each line read
 from stdin (each answer printed under ``--- line N``), and stops the stages at the end. The
 plan's ``sampling`` section gives the defaults of the sampling options. See docs/multi-host.md.
@@ -33,14 +35,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'/opt/venv/bin/python -m stagewise.cli')")
     parser.add_argument("--remote-plan", default=None, metavar="PATH",
                         help="hosts read the plan from PATH (copy it there) instead of getting it inline")
-    parser.add_argument("--print-only", action="store_true", help="print the commands and exit")
+    parser.add_argument("--print-only", action="store_true",
+                        help="print every stage's command (this machine's too) and exit")
     parser.add_argument("--no-preflight", action="store_true",
                         help="with --ssh or --launcher ray: start the stages without first running `stagewise "
                              "doctor`'s checks")
     add_tls_arguments(parser)
     parser.add_argument("--launcher", default=None, choices=LAUNCHERS,
                         help="ray: place the stages on a Ray cluster as actors (default: the plan's launcher; "
-                             "local prints the commands, or runs them with --ssh)")
+                             "local starts the stages on this machine here and prints the others' commands, or "
+                             "runs them with --ssh)")
     parser.add_argument("--ray-address", default=None, metavar="ADDR",
                         help="with --launcher ray: the cluster (default $RAY_ADDRESS, else a Ray instance for this run)")
     parser.add_argument("--placement", default=None, choices=PLACEMENTS,
@@ -48,12 +52,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auth-token", default=None, metavar="TOKEN",
                         help="shared secret for every connection (default: $STAGEWISE_AUTH_TOKEN)")
     parser.add_argument("--connect-timeout", type=float, default=600.0, metavar="S",
-                        help="how long to wait for the stages to start (default 600)")
+                        help="how long to wait for the stages to start: those started here, and those their "
+                             "hosts start with the printed commands (default 600)")
+    parser.add_argument("--remeasure", action="store_true",
+                        help="with partition: measured (in the plan): measure each stage's node again instead of "
+                             "reading its cached profile")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="when a stage dies or hangs, resume the running requests on the stages started again, "
-                             "up to N times (default 0: the requests end with an error): with --ssh or --launcher "
-                             "ray the lost stages are started again on their hosts; printed commands get --rejoin and "
-                             "the lost ones are waited for (their host starts them again)")
+                             "up to N times (default 0: the requests end with an error): with --ssh, --launcher "
+                             "ray or every stage on this machine the lost stages are started again on their hosts; "
+                             "printed commands get --rejoin and the lost ones are waited for (their host starts them "
+                             "again)")
     parser.add_argument("--rejoin-timeout", type=float, default=None, metavar="S",
                         help="with --max-restarts and printed commands: how long to wait for each stage to come back "
                              "(default 120)")
@@ -64,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stagewise.launch.multihost import check_plan, load_plan, printed_command
+    from stagewise.launch.here import members_here
+    from stagewise.launch.multihost import check_plan, load_plan
 
     interactive = not args.prompt and not args.prompt_ids and not args.prompt_file
     problems: list[str] = []
@@ -81,7 +91,6 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         return report(PROG, problems)
     token = args.auth_token or os.environ.get("STAGEWISE_AUTH_TOKEN") or None
-    program = shlex.split(args.remote_command)
     try:
         plan = load_plan(args.plan, need_model=not args.print_only)
         if tls_from_args(args):  # the flags name this host's files; the plan's paths are every host's
@@ -93,60 +102,78 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("the Ray launcher starts the stages itself: leave out --ssh and --print-only")
         if not ray and (args.ray_address or args.placement):
             raise ValueError("--ray-address and --placement apply to --launcher ray (or launcher: ray in the plan)")
-        check_plan(plan, fixed_ports=not (args.ssh or ray))
-        if plan.partition == "measured" and not (ray or args.ssh) and not args.print_only:
-            raise ValueError("partition measured times each stage's node first: start the stages with --ssh or "
-                             "--launcher ray")
+        if args.remeasure and plan.partition != "measured":
+            raise ValueError(f"--remeasure applies to a plan with partition: measured, got {plan.partition!r}")
+        # The launcher and options `stagewise doctor` would use: local when every stage is here.
+        launcher, options = how(plan, args)
+        if args.print_only:
+            launcher = None
+        here = members_here(plan) if launcher is None and not args.print_only else []
+        check_plan(plan, fixed_ports=launcher is None, started_here={plan.members[i][0] for i in here})
+        if plan.partition == "measured" and launcher is None and not args.print_only:
+            raise ValueError("partition measured times each stage's node before the layers are split, so this launch "
+                             "must start every stage: put them all on this machine, or use --ssh or --launcher ray")
     except (ValueError, FileNotFoundError, KeyError, OSError) as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 2
     from stagewise.launch.start import REJOIN_ARGS, rejoins
 
-    procs = None
-    launcher, options = how(plan, args)  # the same launcher and options `stagewise doctor` would use
-    if launcher == "local" or args.print_only:
-        launcher = None  # printed commands: the stages are started by hand
     extra = REJOIN_ARGS if rejoins(plan, args.max_restarts > 0, launched=launcher is not None) else ()
-    if launcher is not None:
-        from stagewise.launch.start import start_stages
+    if launcher is None:
+        return _by_hand(plan, args, req, token=token, here=here, extra=extra, interactive=interactive)
+    from stagewise.launch.start import start_stages
 
-        if not args.no_preflight and not _preflight(plan, launcher, options, args.connect_timeout):
-            return 1
+    if launcher != "local" and not args.no_preflight and not _preflight(plan, launcher, options,
+                                                                         args.connect_timeout):
+        return 1
+    try:
         if plan.partition == "measured":
             from stagewise.launch.measured import measured_plan
             from stagewise.model.loader import open_checkpoint
 
             plan = measured_plan(plan, open_checkpoint(plan.model),
                                  lambda p, **kw: start_stages(p, launcher, **options, **kw),
-                                 token=options.get("auth_token"))
-        print(f"{PROG}: starting {plan.num_stages} stages " + ("on a Ray cluster" if ray else "over ssh"),
-              file=sys.stderr)
+                                 token=options.get("auth_token"), remeasure=args.remeasure)
+        where = {"ray": "on a Ray cluster", "ssh": "over ssh", "local": "on this machine"}[launcher]
+        print(f"{PROG}: starting {plan.num_stages} stages {where}", file=sys.stderr)
+        procs, plan, addresses = start_stages(plan, launcher, timeout_s=args.connect_timeout, extra=extra, **options)
+    except (RuntimeError, TimeoutError, OSError, ValueError) as err:
+        print(f"{PROG}: {err}", file=sys.stderr)
+        return 1
+    again = {"launcher": launcher, "timeout_s": args.connect_timeout,
+             **{k: v for k, v in options.items() if k != "auth_token"}}
+    return _drive(plan, args, req, token=token, addresses=addresses, procs=procs, interactive=interactive,
+                  launcher=again)
+
+
+def _by_hand(plan, args, req: Requests, *, token, here: list[int], extra, interactive: bool) -> int:
+    """Stages started by their hosts from the printed commands (``--print-only``: all of them, and
+    nothing more), those on this machine (``here``) started here; then drive them."""
+    from stagewise.launch.here import awaited, print_commands, start_here
+
+    away = [i for i in range(len(plan.members)) if i not in here]
+    out = sys.stdout if args.print_only else sys.stderr
+    if away and not args.print_only:
+        print("# on other hosts than this one: run each command below on its host (this launch waits for them)",
+              file=out)
+    print_commands(plan, away, out, auth=token is not None, program=shlex.split(args.remote_command),
+                   remote_plan=args.remote_plan, remote_source=args.plan, extra=extra)
+    if args.print_only:
+        return 0
+    procs, addresses = None, None
+    if here:
+        print(f"{PROG}: starting {', '.join(plan.member_label(*plan.members[i]) for i in here)} here", file=sys.stderr)
         try:
-            procs, plan, addresses = start_stages(plan, launcher, timeout_s=args.connect_timeout, extra=extra,
-                                                  **options)
+            procs, addresses = start_here(plan, here, auth_token=token, timeout_s=args.connect_timeout, extra=extra)
         except (RuntimeError, TimeoutError, OSError, ValueError) as err:
             print(f"{PROG}: {err}", file=sys.stderr)
             return 1
-    else:
-        out = sys.stdout if args.print_only else sys.stderr
-        if token is not None:
-            print("# every host needs STAGEWISE_AUTH_TOKEN set to the same token", file=out)
-        for index, rank in plan.members:
-            spec = plan.stages[index]
-            print(f"# {plan.member_label(index, rank)} on {spec.host}: layers {spec.start_layer}-{spec.end_layer}, "
-                  f"listens on {spec.rank_listen(rank)}, device {spec.rank_device(rank)}", file=out)
-            print(printed_command(plan, index, rank=rank, auth=token is not None, program=program,
-                                  remote_plan=args.remote_plan, extra=extra), file=out)
-        if args.remote_plan:
-            print(f"# copy {args.plan} to {args.remote_plan} on every host first", file=out)
-        if args.print_only:
-            return 0
-        addresses = None
-        print(f"{PROG}: waiting up to {args.connect_timeout:.0f} s for the stages", file=sys.stderr)
-    again = None if launcher is None else {"launcher": launcher, "timeout_s": args.connect_timeout,
-                                           **{k: v for k, v in options.items() if k != "auth_token"}}
+    if away:
+        by = "its command above on its host" if len(away) == 1 else "the commands above on their hosts"
+        print(f"{PROG}: waiting up to {args.connect_timeout:.0f} s for {awaited(plan, away)}, started by {by}",
+              file=sys.stderr)
     return _drive(plan, args, req, token=token, addresses=addresses, procs=procs, interactive=interactive,
-                  launcher=again)
+                  launcher=None, away=away)
 
 
 def _preflight(plan, launcher: str, options: dict, timeout_s: float) -> bool:
@@ -161,17 +188,29 @@ def _preflight(plan, launcher: str, options: dict, timeout_s: float) -> bool:
     return True
 
 
-def _drive(plan, args, req: Requests, *, token, addresses, procs, interactive: bool, launcher: dict | None) -> int:
+def _drive(plan, args, req: Requests, *, token, addresses, procs, interactive: bool, launcher: dict | None,
+           away: list[int] = ()) -> int:
+    """Attach to the stages (``procs``: those started here, watched and stopped with the pipeline;
+    ``away``: the members other hosts start) and answer the prompts, stdin's lines or HTTP."""
     from stagewise.api import Pipeline
 
     try:
         pipe = Pipeline.attach(plan, addresses=addresses, auth_token=token, connect_timeout=args.connect_timeout,
                                processes=procs, max_restarts=args.max_restarts, launcher=launcher,
                                **({} if args.rejoin_timeout is None else {"rejoin_timeout": args.rejoin_timeout}))
-    except (ValueError, FileNotFoundError, KeyError, RuntimeError, TimeoutError, OSError) as err:
+    except BaseException as err:
         if procs is not None:
             procs.stop(grace_s=0.5)
-        print(f"{PROG}: cannot connect to the stages: {err}", file=sys.stderr)
+        if not isinstance(err, (ValueError, FileNotFoundError, KeyError, RuntimeError, TimeoutError, OSError)):
+            raise
+        hint = ""
+        if away and isinstance(err, OSError):  # not there (yet), or something else answers there
+            from stagewise.launch.here import awaited
+
+            one = len(away) == 1
+            hint = (f"; start {awaited(plan, away)} on {'its host' if one else 'their hosts'} with the "
+                    f"command{'' if one else 's'} printed above, or allow more time (--connect-timeout)")
+        print(f"{PROG}: cannot connect to the stages: {err}{hint}", file=sys.stderr)
         return 1
     print(f"{PROG}: connected to {plan.num_stages} stages", file=sys.stderr)
     if args.serve:

@@ -107,6 +107,11 @@ def test_a_misspelled_option_is_named_by_its_command(capsys):
     assert "stagewise serve: error" in (err := capsys.readouterr().err) and "did you mean --port?" in err
 
 
+def test_remeasure_needs_a_measured_partition(capsys):
+    assert cli_main(["generate", "smollm2-135m", "--prompt", "hi", "--stages", "2", "--remeasure"]) == 2
+    assert "--remeasure applies to --partition measured" in capsys.readouterr().err
+
+
 def test_a_bad_plan_is_a_usage_error(tmp_path, capsys):
     """generate --plan on a plan with a problem exits 2 naming it, as launch and doctor do."""
     plan = tmp_path / "bad.yaml"

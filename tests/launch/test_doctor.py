@@ -7,6 +7,7 @@ what to change; nothing is left running."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 
@@ -175,3 +176,28 @@ def test_a_probe_answers_only_requests_proven_with_the_runs_token(tmp_path, monk
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_plan_partly_on_this_machine_probes_it_here_and_prints_the_others(tmp_path, capsys):
+    """Stage 0 on this machine (its name, every interface), stage 1 on a host that is not: the
+    doctor starts stage 0's probe itself and prints stage 1's command only; stage 1's probe is
+    named as not answering, and nothing is left."""
+    from processes import children, gone
+
+    host = socket.gethostname()
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        pytest.skip(f"this machine's name {host!r} does not resolve (the doctor dials stage 0's probe by it)")
+    away = "2001:db8::5"  # an IPv6 documentation address: no host answers there
+    plan = RunPlan.from_dict({"model": "smollm2-135m", "stages": [
+        {"host": host, "listen": "0.0.0.0:0"}, {"host": away, "listen": f"[{away}]:7101"}]}, 30)
+    before = set(children(os.getpid()))
+    assert main(["doctor", _write(tmp_path, plan), "--timeout", "12"]) == 1  # for both: stage 0 starts in it
+    out, err = capsys.readouterr()
+    printed = [line for line in err.splitlines() if " stage " in line and not line.startswith("#")]
+    assert len(printed) == 1 and printed[0].endswith("--stage 1 --probe"), err
+    started = [line for line in out.splitlines() if line.startswith("probe started")]
+    assert "stage 0 on" in started[0] and " ok " in started[0], out
+    assert "stage 1 on" in started[1] and "FAIL" in started[1] and "nothing accepts" in started[1], out
+    assert gone(set(children(os.getpid())) - before, timeout=10)

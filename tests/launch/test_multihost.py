@@ -91,6 +91,7 @@ def test_ports_hosts_and_duplicates_are_checked():
     with pytest.raises(PlanError, match=r"stages\[0\]: listens on port 0"):
         check_plan(zero, fixed_ports=True)
     check_plan(zero, fixed_ports=False)  # --ssh reads the port each stage prints
+    check_plan(zero, fixed_ports=True, started_here={0})  # and so does launch of a stage it starts itself
     with pytest.raises(PlanError, match=r"stages\[0\]: listens on '0.0.0.0:7000' and has no 'host'"):
         check_plan(plan_of([{"listen": "0.0.0.0:7000"}, {"host": "192.0.2.8", "listen": "192.0.2.8:7000"}]),
                    fixed_ports=True)
@@ -194,6 +195,117 @@ def test_launch_prints_one_runnable_command_per_stage(tiny, tmp_path, capsys):
     assert cli_main(["launch", str(path), "--print-only", "--max-restarts", "-1", "--rejoin-timeout", "0"]) == 2
     err = capsys.readouterr().err
     assert "--max-restarts must be >= 0, got -1" in err and "--rejoin-timeout must be > 0 seconds, got 0.0" in err
+
+
+# A host that is not this machine and that nothing answers for, without a network: an IPv6
+# documentation address (dialling it fails at once, or times out, by the routes there are).
+AWAY = "2001:db8::5"
+
+
+def _launch_watched(cmd: list[str], timeout: float = 180.0) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """Run a `stagewise launch` command; its result and every child process seen while it ran."""
+    import time
+
+    from processes import children
+
+    env = dict(os.environ)
+    env.pop("STAGEWISE_AUTH_TOKEN", None)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen.update(children(proc.pid))
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), sorted(seen)
+
+
+def test_launch_starts_the_stages_of_this_machine_itself(tiny, tmp_path):
+    """Every stage on 127.0.0.1: `launch` starts them (no command printed, nothing to run by hand),
+    answers with the single process's tokens and leaves no process behind."""
+    from processes import gone
+
+    model, ref = tiny
+    plan_path = write_plan(tmp_path / "plan.json", model, [{"host": "127.0.0.1", "listen": "127.0.0.1:0"},
+                                                           {"host": "localhost", "listen": "127.0.0.1:0"}])
+    done, seen = _launch_watched([PY, "-m", "stagewise.cli", "launch", str(plan_path), "--prompt-ids",
+                                  ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", "8", "--json"])
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["completions"][0]["token_ids"][:8] == ref
+    assert "starting 2 stages on this machine" in done.stderr
+    assert "stagewise stage" not in done.stderr and "waiting" not in done.stderr
+    assert len(seen) == 2 and gone(seen), "the stage processes were not stopped"
+
+
+def test_launch_prints_and_waits_for_the_stages_of_other_hosts(tiny, tmp_path, capsys):
+    """Stages on other hosts: their commands, then what is awaited where; when they do not come,
+    the error says which and how to start them."""
+    model, _ = tiny
+    path = write_plan(tmp_path / "p.json", model, [{"host": "2001:db8::4", "listen": "[::]:7100"},
+                                                   {"host": AWAY, "listen": f"[{AWAY}]:7101"}])
+    assert cli_main(["launch", str(path), "--prompt-ids", "5,6", "--connect-timeout", "1"]) == 1
+    err = capsys.readouterr().err
+    commands = [line for line in err.splitlines() if line.startswith("stagewise stage ")]
+    assert [shlex.split(c)[-1] for c in commands] == ["0", "1"]
+    assert f"# stage 1 on {AWAY}: layers 2-4, listens on [{AWAY}]:7101" in err
+    awaited = f"stage 0 at [2001:db8::4]:7100 (on 2001:db8::4), stage 1 at [{AWAY}]:7101 (on {AWAY})"
+    assert f"waiting up to 1 s for {awaited}, started by the commands above on their hosts" in err
+    assert f"start {awaited} on their hosts with the commands printed above" in err
+    assert "starting" not in err  # nothing is started here
+
+
+def test_launch_starts_its_own_stage_and_waits_for_the_other_hosts(tiny, tmp_path):
+    """Stage 0 on this machine (by its name, listening on every interface), stage 1 elsewhere:
+    stage 0 is started here, only stage 1's command is printed and awaited, and stage 0's
+    process is stopped when stage 1 does not come."""
+    from processes import gone
+
+    host = socket.gethostname()
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        pytest.skip(f"this machine's name {host!r} does not resolve (the driver dials stage 0 by it)")
+    model, _ = tiny
+    plan_path = write_plan(tmp_path / "plan.json", model, [{"host": host, "listen": "0.0.0.0:0"},
+                                                           {"host": AWAY, "listen": f"[{AWAY}]:7101"}])
+    done, seen = _launch_watched([PY, "-m", "stagewise.cli", "launch", str(plan_path), "--prompt-ids", "5,6",
+                                  "--connect-timeout", "60"])
+    assert done.returncode == 1, done.stderr
+    commands = [line for line in done.stderr.splitlines() if line.startswith("stagewise stage ")]
+    assert len(commands) == 1 and shlex.split(commands[0])[-1] == "1"
+    assert "starting stage 0 here" in done.stderr
+    assert f"waiting up to 60 s for stage 1 at [{AWAY}]:7101 (on {AWAY}), started by its command above on its " \
+           "host" in done.stderr
+    assert f"start stage 1 at [{AWAY}]:7101 (on {AWAY}) on its host with the command printed above" in done.stderr
+    assert len(seen) == 1 and gone(seen), "stage 0's process was not stopped"
+
+
+def test_a_ctrl_c_while_connecting_stops_the_stages_started_here(tiny, tmp_path, monkeypatch):
+    from stagewise import cli_launch
+    from stagewise.api import Pipeline
+
+    stopped = []
+
+    class Started:
+        def stop(self, grace_s):
+            stopped.append(grace_s)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Pipeline, "attach", interrupted)
+    plan = load_plan(write_plan(tmp_path / "plan.json", tiny[0], [{"listen": "127.0.0.1:0"}]))
+    args = cli_launch.argparse.Namespace(connect_timeout=1.0, max_restarts=0, rejoin_timeout=None)
+    with pytest.raises(KeyboardInterrupt):
+        cli_launch._drive(plan, args, None, token=None, addresses=[("127.0.0.1", 1)], procs=Started(),
+                          interactive=False, launcher=None)
+    assert stopped, "the stages started here were left running"
 
 
 def test_ssh_command_survives_the_remote_shell_exactly(tmp_path):

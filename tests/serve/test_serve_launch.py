@@ -1,14 +1,12 @@
-"""`stagewise launch PLAN --serve`: the stages of a run plan, started by the commands `launch`
-prints (as on other hosts), answer HTTP requests through the driver with the tokens
-`Pipeline.generate` gives in one process."""
+"""`stagewise launch PLAN --serve`: the stages of a run plan on this machine, started by `launch`
+itself, answer HTTP requests through the driver with the tokens `Pipeline.generate` gives in one
+process, and stop with it."""
 
 from __future__ import annotations
 
 import json
 import os
-import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,16 +16,10 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 
-from processes import gone  # noqa: E402
+from processes import children, gone  # noqa: E402
 from stagewise.api import Pipeline  # noqa: E402
 
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_launch_serve_answers_with_the_single_process_tokens(tmp_path):
@@ -36,14 +28,13 @@ def test_launch_serve_answers_with_the_single_process_tokens(tmp_path):
         [want] = pipe.generate([prompt], max_new_tokens=6)
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"model": "smollm2-135m", "stages": [
-        {"host": "127.0.0.1", "listen": f"127.0.0.1:{free_port()}"},
-        {"host": "127.0.0.1", "listen": f"127.0.0.1:{free_port()}"}]}))
+        {"host": "127.0.0.1", "listen": "127.0.0.1:0"}, {"host": "127.0.0.1", "listen": "127.0.0.1:0"}]}))
     env = dict(os.environ)
     env.pop("STAGEWISE_AUTH_TOKEN", None)
     launch = subprocess.Popen([PY, "-m", "stagewise.cli", "launch", str(plan), "--serve", "--port", "0",
                                "--log-level", "warning", "--connect-timeout", "120"],
                               stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    stages: list[subprocess.Popen] = []
+    stages: list[int] = []
     try:
         url = None
         deadline = time.monotonic() + 180
@@ -53,14 +44,11 @@ def test_launch_serve_answers_with_the_single_process_tokens(tmp_path):
             if not line:
                 break
             lines.append(line)
-            if line.startswith("stagewise stage "):  # a stage's command, for its host to run
-                argv = shlex.split(line)
-                argv = [PY, "-m", "stagewise.cli", *argv[argv.index("stage"):]]
-                stages.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                               env=env, start_new_session=True))
             if " on http://" in line:
                 url = line.split(" on ", 1)[1].split()[0].removesuffix("/v1")
-        assert len(stages) == 2 and url, "".join(lines)
+        stages = children(launch.pid)
+        assert url and len(stages) == 2, "".join(lines)  # both stages started by launch, none by hand
+        assert not any(line.startswith("stagewise stage ") for line in lines), "".join(lines)
         threading.Thread(target=launch.stderr.read, daemon=True).start()
         with httpx.Client(base_url=url, timeout=60) as client:
             r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0})
@@ -68,9 +56,8 @@ def test_launch_serve_answers_with_the_single_process_tokens(tmp_path):
         assert r.json()["choices"][0]["text"] == want.text
         os.killpg(launch.pid, signal.SIGINT)
         launch.wait(timeout=30)
-        assert gone([s.pid for s in stages], timeout=20), "the stages did not stop with the driver"
+        assert gone(stages, timeout=20), "the stages did not stop with the driver"
     finally:
-        for p in [launch, *stages]:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)
+            launch.wait()

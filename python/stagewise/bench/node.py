@@ -3,7 +3,10 @@
 (matmul rate, memory bandwidth, op overhead, the block-quantised linear of the model's GGUF types,
 the decode attention kernel, the per-layer framework cost), with this process's torch threads,
 and the memory free for weights. Cached per host, device, threads and types in the user's cache
-folder (``$XDG_CACHE_HOME/stagewise/nodes``, else ``~/.cache/...``): a node is measured once.
+folder (``$XDG_CACHE_HOME/stagewise/nodes``, else ``~/.cache/...``): a node is measured once, unless
+asked to measure again (``reuse=False``, ``--remeasure``). The profile's ``measured`` section says
+where it came from: ``at`` (when it was measured, seconds since the epoch), ``cache`` (its file) and
+``from_cache`` (read from that file rather than measured now).
 """
 
 from __future__ import annotations
@@ -33,22 +36,50 @@ def free_memory(device: str) -> int:
     return int(psutil.virtual_memory().available)
 
 
-def node_profile(device: str = "cpu", types: tuple[str, ...] = (), *, cache: bool = True, log=None) -> dict:
+def cache_path(device: str, threads: int, types: tuple[str, ...] = ()) -> Path:
+    """The cache file of this host's profile for ``device``, ``threads`` and GGUF ``types``."""
+    key = f"{socket.gethostname()}-{device.replace(':', '')}-t{threads}-{'+'.join(sorted(types)) or 'dense'}"
+    return cache_dir() / f"{key}.json"
+
+
+def node_profile(device: str = "cpu", types: tuple[str, ...] = (), *, cache: bool = True, reuse: bool = True,
+                 log=None) -> dict:
     """This node's profile dict (see :mod:`stagewise.planner.profiles`), from the cache when it has
-    one for this host, device, thread count and GGUF types; ``memory_bytes`` is measured now."""
+    one for this host, device, thread count and GGUF types and ``reuse`` allows it, else measured
+    now (and cached, unless ``cache`` is False); ``memory_bytes`` is measured now either way."""
+    threads = torch.get_num_threads()
+    path = cache_path(device, threads, types)
+    if cache and reuse and path.is_file():
+        try:
+            got = json.loads(path.read_text())
+            measured = got.get("measured", {})
+            if measured.get("cache_version") == CACHE_VERSION:
+                # A profile cached before dates were kept: the file's own time.
+                origin = {"at": measured.get("at") or path.stat().st_mtime, "cache": str(path), "from_cache": True}
+                return {**got, "memory_bytes": free_memory(device), "measured": {**measured, **origin}}
+        except (OSError, ValueError):
+            pass
+    out = _measure(device, types, threads, path.stem, log)
+    saved = None
+    if cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(out, indent=1))
+            tmp.replace(path)
+            saved = str(path)
+        except OSError:
+            pass  # a read-only home: measured again next time
+    out["measured"].update(cache=saved, from_cache=False)
+    return out
+
+
+def _measure(device: str, types: tuple[str, ...], threads: int, key: str, log) -> dict:
+    """The profile, measured now (seconds)."""
     from stagewise.bench.profile import matmul_flops, op_overhead
     from stagewise.bench.timing import TimingPolicy, copy_bandwidth
 
-    threads = torch.get_num_threads()
-    key = f"{socket.gethostname()}-{device.replace(':', '')}-t{threads}-{'+'.join(sorted(types)) or 'dense'}"
-    path = cache_dir() / f"{key}.json"
-    if cache and path.is_file():
-        try:
-            got = json.loads(path.read_text())
-            if got.get("measured", {}).get("cache_version") == CACHE_VERSION:
-                return {**got, "memory_bytes": free_memory(device)}
-        except (OSError, ValueError):
-            pass
+    at = time.time()
     start = time.perf_counter()
     policy = TimingPolicy(warmup=1, min_repeats=3, max_repeats=10, budget_s=0.1)
     peak = matmul_flops(torch.float32, device, 512, policy)["flops"]
@@ -78,13 +109,5 @@ def node_profile(device: str = "cpu", types: tuple[str, ...] = (), *, cache: boo
         out["framework"] = {"layer_s": layer["framework_s"] / layer["layers"], **roles}
         out["cores"] = threads
     out["measured"] = {"cache_version": CACHE_VERSION, "seconds": time.perf_counter() - start, "threads": threads,
-                       "host": socket.gethostname(), "device": device, "types": sorted(types)}
-    if cache:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(out, indent=1))
-            tmp.replace(path)
-        except OSError:
-            pass  # a read-only home: measured again next time
+                       "host": socket.gethostname(), "device": device, "types": sorted(types), "at": at}
     return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from stagewise.launch.probe import Connection, measure, say_bye
@@ -179,18 +180,28 @@ def wait_for(addresses: list[tuple[str, int]], timeout: float) -> list[tuple[str
 
 
 def run_doctor(plan: RunPlan, launcher: str | None, *, timeout_s: float = 60.0, auth_token: str | None = None,
-               **start) -> tuple[list[Check], str | None]:
-    """Start the probes with ``launcher`` (``local``, ``ssh``, ``ray``; None: they were started
-    by hand, from the printed commands, at the plan's addresses), check, and stop them. Returns the
+               here: Sequence[int] = (), **start) -> tuple[list[Check], str | None]:
+    """Start the probes with ``launcher`` (``local``, ``ssh``, ``ray``; None: they were started by
+    hand, from the printed commands, at the plan's addresses, but for members ``here``, indices of
+    :attr:`RunPlan.members` on this machine, which start here), check, and stop them. Returns the
     checks and why this host cannot read the model (None when it can)."""
     from stagewise.launch.start import start_stages
 
     fingerprint, here_error = own_fingerprint(plan)
     procs, placed = None, plan
     if launcher is None:
-        from stagewise.launch.multihost import connect_address
+        from stagewise.launch.here import start_here
 
-        addresses = wait_for([connect_address(plan.stages[i], r) for i, r in plan.members], timeout_s)
+        deadline = time.monotonic() + timeout_s  # for them all, started here or by hand
+        procs, addresses = start_here(plan, here, auth_token=auth_token, timeout_s=timeout_s, extra=["--probe"],
+                                      keep_going=True)
+        away = [i for i in range(len(addresses)) if i not in here]
+        try:
+            for i, got in zip(away, wait_for([addresses[i] for i in away], max(0.5, deadline - time.monotonic()))):
+                addresses[i] = got
+        except BaseException:
+            procs.stop(0.5)
+            raise
     else:
         try:
             procs, placed, addresses = start_stages(plan, launcher, extra=["--probe"], keep_going=True,

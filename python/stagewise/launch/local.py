@@ -20,9 +20,11 @@ from stagewise.pipeline.lines import FAILED_LINE, READY_LINE
 
 class StageProcesses:
     """The processes of a plan's stages (local children or ssh clients), one per rank of each
-    stage, in the plan's rank order (:attr:`RunPlan.members`)."""
+    stage, in the plan's rank order (:attr:`RunPlan.members`); None in the place of a rank that
+    another host runs (started there by hand, :mod:`stagewise.launch.here`), which is watched by
+    its links and heartbeats alone."""
 
-    def __init__(self, procs: Sequence[subprocess.Popen], labels: Sequence[str] | None = None,
+    def __init__(self, procs: Sequence[subprocess.Popen | None], labels: Sequence[str] | None = None,
                  spawn=None) -> None:
         self.procs = list(procs)
         self.labels = list(labels) if labels is not None else [f"stage {i}" for i in range(len(self.procs))]
@@ -34,12 +36,13 @@ class StageProcesses:
         return len(self.procs)
 
     def exit_code(self, stage: int) -> int | None:
-        return self.procs[stage].poll()
+        proc = self.procs[stage]
+        return None if proc is None else proc.poll()
 
     def failure(self, stage: int) -> str | None:
         """The ``STAGEWISE-FAILED`` words of an exited stage (what it printed after listening)."""
         proc = self.procs[stage]
-        if proc.poll() is None or proc.stdout is None or proc.stdout.closed:
+        if proc is None or proc.poll() is None or proc.stdout is None or proc.stdout.closed:
             return None
         for line in proc.stdout.read().splitlines():
             if line.startswith(FAILED_LINE):
@@ -47,8 +50,8 @@ class StageProcesses:
         return None
 
     @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
+    def pids(self) -> list[int | None]:
+        return [None if p is None else p.pid for p in self.procs]
 
     def respawn(self, plan: RunPlan, which: Sequence[int], *, auth_token: str | None,
                 extra: Sequence[str] = ()) -> tuple[RunPlan, list]:
@@ -68,13 +71,14 @@ class StageProcesses:
         2 s, or ``grace_s`` when shorter) SIGKILL: no orphans."""
         term_s = min(2.0, grace_s) if term_s is None else term_s
         deadline = time.monotonic() + grace_s
-        for p in self.procs:
+        procs = [p for p in self.procs if p is not None]
+        for p in procs:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.terminate()
         deadline = time.monotonic() + term_s
-        for p in self.procs:
+        for p in procs:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

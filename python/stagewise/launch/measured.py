@@ -3,8 +3,10 @@
 Before any weight loads, the run's launcher starts a probe in place of every stage rank (as
 ``stagewise doctor`` does); each stage leader's probe measures its node with the planner's profile
 primitives (:func:`stagewise.bench.node.node_profile`: seconds, then cached for the host, device and
-threads). The planner's operator model (:mod:`stagewise.planner.compute`) turns each node's profile
-into the decode-step time of every decoder layer there (batch 1, the context ``context``), plus the
+threads; ``remeasure`` measures again, and the log says of each node whether its profile was
+measured now or read from the cache, naming the file and when it was measured). The planner's
+operator model (:mod:`stagewise.planner.compute`) turns each node's profile into the decode-step
+time of every decoder layer there (batch 1, the context ``context``), plus the
 embedding on stage 0 and the LM head and sampling on the last stage; the split is the contiguous
 one whose slowest stage is fastest (:func:`stagewise.parallel.plan.min_max_ranges`; each stage's
 time also holds its role's fixed cost per step, which weighs the first and the last) among those in
@@ -16,6 +18,7 @@ measured on.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 from stagewise.parallel.plan import PipelineStageInfo, min_max_ranges
@@ -97,19 +100,25 @@ def split_layers(config, profiles, *, prec, dtype: str = "float32", context: int
                  [bytes_of(s, a, b) for s, (a, b) in enumerate(ranges)], [p.memory_bytes for p in profiles])
 
 
-def measure_nodes(plan: RunPlan, types: tuple[str, ...], start, token: str | None = None) -> list[dict]:
-    """Each stage's node profile dict, measured by its leader's probe; ``start(plan, extra=...)``
-    starts the run's processes (:func:`stagewise.launch.start.start_stages` with its launcher, and
-    the run's auth ``token``, which the probes then ask for)."""
+def measure_nodes(plan: RunPlan, types: tuple[str, ...], start, token: str | None = None,
+                  remeasure: bool = False) -> list[dict]:
+    """Each stage's node profile dict, measured by its leader's probe (its cached profile unless
+    ``remeasure``: then each node is measured again, once, the stages after the first on it
+    reading what it measured); ``start(plan, extra=...)`` starts the run's processes
+    (:func:`stagewise.launch.start.start_stages` with its launcher, and the run's auth ``token``,
+    which the probes then ask for)."""
     from stagewise.launch.probe import Connection, say_bye
 
     procs, placed, addresses = start(plan, extra=["--probe"])
     try:
-        out = []
+        out, measured_now = [], set()
         for index in range(plan.num_stages):
             address = addresses[plan.members.index((index, 0))]
+            spec = placed.stages[index]
+            node = (spec.host, spec.device, spec.threads)  # where the launcher put it: one cache entry
             with Connection(address, token, timeout=300) as c:
-                got = c.ask({"op": "measure", "types": list(types)})
+                got = c.ask({"op": "measure", "types": list(types), "fresh": remeasure and node not in measured_now})
+            measured_now.add(node)
             if "error" in got:
                 raise RuntimeError(f"stage {index} on {plan.stages[index].host} could not measure its node: "
                                    f"{got['error']}")
@@ -121,14 +130,43 @@ def measure_nodes(plan: RunPlan, types: tuple[str, ...], start, token: str | Non
         procs.stop(2.0)
 
 
-def measured_plan(plan: RunPlan, checkpoint, start, log=None, token: str | None = None) -> RunPlan:
+def measured_plan(plan: RunPlan, checkpoint, start, log=None, token: str | None = None,
+                  remeasure: bool = False) -> RunPlan:
     """``plan`` with its layers split by its nodes' measured speed (its partition says ``measured``),
-    the probes started by ``start`` with the run's ``token`` (see :func:`measure_nodes`); the split
-    is said through ``log`` (default: on stderr)."""
-    return measured_split(plan, checkpoint, start, log, token)[0]
+    the probes started by ``start`` with the run's ``token`` (see :func:`measure_nodes`); where each
+    node's profile came from and the split are said through ``log`` (default: on stderr)."""
+    return measured_split(plan, checkpoint, start, log, token, remeasure)[0]
 
 
-def measured_split(plan: RunPlan, checkpoint, start, log=None, token: str | None = None) -> tuple[RunPlan, Split]:
+def profile_origin(measured: dict, now: float | None = None, hint: bool = True) -> str:
+    """Where a node's profile came from (its ``measured`` section, :mod:`stagewise.bench.node`):
+    measured now, or read from a cache file, with when it was measured (and with ``hint``, how to
+    measure again)."""
+    if not measured.get("from_cache"):
+        saved = f", cached in {measured['cache']}" if measured.get("cache") else ""
+        return f"measured now in {measured.get('seconds', 0.0):.1f} s{saved}"
+    at = measured.get("at")
+    if isinstance(at, (int, float)):
+        age = max(0.0, (time.time() if now is None else now) - at)
+        when = f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(at))}, {_age(age)} ago"
+    else:
+        when = "at an unknown time"
+    return f"cached profile {measured.get('cache')}, measured {when}" + (" (--remeasure measures it again)"
+                                                                          if hint else "")
+
+
+def _age(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.0f} days"
+
+
+def measured_split(plan: RunPlan, checkpoint, start, log=None, token: str | None = None,
+                   remeasure: bool = False) -> tuple[RunPlan, Split]:
     """:func:`measured_plan`, and the :class:`Split` it took with its prediction (what
     ``stagewise plan validate --partition measured`` checks against the run)."""
     if log is None:
@@ -143,7 +181,11 @@ def measured_split(plan: RunPlan, checkpoint, start, log=None, token: str | None
 
     weight_quant, embed_quant = checkpoint_quant(checkpoint)
     types = tuple(sorted({t for t in (weight_quant, embed_quant) if t}))
-    nodes = measure_nodes(plan, types, start, token)
+    nodes = measure_nodes(plan, types, start, token, remeasure)
+    for s, node in enumerate(nodes):
+        m = node["measured"]
+        log(f"stage {s}'s node ({m['host']}, {m['device']}, {m['threads']} threads): "
+            f"{profile_origin(m, hint=not remeasure)}")
     profiles = [profile_from_dict(d, f"stage {i}'s node") for i, d in enumerate(nodes)]
     # Stages that share a node (its host and device) share its free memory, each an equal part.
     where = [(d["measured"]["host"], d["measured"]["device"]) for d in nodes]

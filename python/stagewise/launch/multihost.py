@@ -15,7 +15,7 @@ import ipaddress
 import shlex
 import socket
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from stagewise.launch.local import StageProcesses, read_addresses, stage_argv
 from stagewise.parallel.runplan import RunPlan, StageSpec, parse_address
@@ -65,10 +65,11 @@ def connect_address(spec: StageSpec, rank: int = 0) -> tuple[str, int]:
     return (spec.host if host in WILDCARD_HOSTS else host), port
 
 
-def check_plan(plan: RunPlan, *, fixed_ports: bool) -> None:
+def check_plan(plan: RunPlan, *, fixed_ports: bool, started_here: Collection[int] = ()) -> None:
     """Raise PlanError naming each stage that its peers (the driver here, the previous stage on
     its host) could not reach. ``fixed_ports``: the driver learns addresses from the plan only
-    (printed commands), so port 0 cannot work."""
+    (printed commands), so port 0 cannot work, except for the stages it starts itself
+    (``started_here``, stage indices), which say where they listen."""
     problems: list[str] = []
     n = plan.num_stages
     for spec in plan.stages:
@@ -85,7 +86,7 @@ def check_plan(plan: RunPlan, *, fixed_ports: bool) -> None:
             elif n > 1 and dialler.host != spec.host and not (is_this_machine(dialler.host)):
                 problems.append(f"{where}: listens on loopback {spec.listen!r} but stage {dialler.index} on "
                                 f"{dialler.host!r} must dial it")
-        if port == 0 and fixed_ports:
+        if port == 0 and fixed_ports and spec.index not in started_here:
             problems.append(f"{where}: listens on port 0 (any free port); the driver finds stages by the plan, so "
                             "give a fixed port (or use --ssh, or torchrun with --store)")
     seen: dict[tuple[str, int], int] = {}

@@ -14,8 +14,9 @@ JSON lines over TCP (no pickle; each connection in a thread of its own):
   bandwidth are measured with it);
 - ``{"op": "probe", "host": H, "port": P}``: measure from here to another probe (a hop's
   direction; ``H`` one of the plan's hosts) and answer with the figures or the error;
-- ``{"op": "measure", "types": [...]}``: this node's profile for the rank's device and threads
-  (:func:`stagewise.bench.node.node_profile`, cached), for ``--partition measured``;
+- ``{"op": "measure", "types": [...], "fresh": false}``: this node's profile for the rank's device
+  and threads (:func:`stagewise.bench.node.node_profile`: cached, or with ``fresh`` measured
+  again), for ``--partition measured``;
 - ``{"op": "bye"}``: the probe exits (it also does after ``IDLE_S`` without a request).
 
 A probe opens each connection with a line of its own, ``{"nonce": HEX}``. When the run has a shared
@@ -194,7 +195,7 @@ def serve_probe(plan: RunPlan, index: int, rank: int, listen: str | None = None,
     return 0
 
 
-def _measure_node(report: dict, types) -> dict:
+def _measure_node(report: dict, types, fresh: bool = False) -> dict:
     """The node's profile; torch's profiler (the per-layer framework cost) writes lines of its own to
     this process's stderr, the launcher's terminal: they go to /dev/null meanwhile (in a Ray actor,
     whose stderr is its log, every thread's lines for those seconds)."""
@@ -203,7 +204,7 @@ def _measure_node(report: dict, types) -> dict:
     try:
         from stagewise.bench.node import node_profile
 
-        return node_profile(report["device"], tuple(str(t) for t in types or ()))
+        return node_profile(report["device"], tuple(str(t) for t in types or ()), reuse=not fresh)
     except Exception as err:  # noqa: BLE001 - the driver names the stage with it
         return {"error": f"{type(err).__name__}: {err}"}
     finally:
@@ -257,7 +258,8 @@ def _answer(conn: socket.socket, report: dict, peers: set[str], done: threading.
                     reply = {"ok": False, "error": f"{type(err).__name__}: {err}"}
             elif op == "measure":  # run by the thread serving the probe
                 box: queue.SimpleQueue = queue.SimpleQueue()
-                jobs.put((lambda types=msg.get("types"): _measure_node(report, types), box))
+                jobs.put((lambda types=msg.get("types"), fresh=msg.get("fresh") is True:
+                          _measure_node(report, types, fresh), box))
                 reply = box.get()
             elif op == "auth":  # a probe without a token takes any
                 reply = {"ok": True}

@@ -7,8 +7,9 @@ from __future__ import annotations
 from stagewise.parallel.plan_options import LAUNCHERS
 from stagewise.parallel.runplan import RunPlan
 
-PLAN_OPTIONS = ("partition", "transport", "checksum", "auth_token", "threads", "interleave_size", "tls")
-"""Pipeline's keyword arguments that go into the run plan of its processes."""
+PLAN_OPTIONS = ("partition", "transport", "checksum", "auth_token", "threads", "interleave_size", "tls", "remeasure")
+"""Pipeline's keyword arguments that make the run plan of its processes (``remeasure``: with
+``partition="measured"``, each node measured again rather than its cached profile read)."""
 LAUNCH_OPTIONS = ("launcher", "ray_address", "placement")
 """Pipeline's keyword arguments that say where its processes start."""
 
@@ -28,14 +29,21 @@ def process_options(options: dict, processes: bool, max_restarts: int) -> tuple[
                          "process has no stage to restart")
     if not processes and (plan or launch):
         raise ValueError(f"Pipeline: {sorted({**plan, **launch})} apply to stages > 1 (or tp, pcp > 1), got stages=1")
+    remeasure = plan.get("remeasure", False)
+    if not isinstance(remeasure, bool):
+        raise ValueError(f"Pipeline: remeasure must be True or False, got {remeasure!r}")
+    if remeasure and plan.get("partition") != "measured":
+        raise ValueError("Pipeline: remeasure applies to partition='measured' (the nodes' measured profiles), got "
+                         f"partition={plan.get('partition', 'even')!r}")
     return plan, launch
 
 
 def process_plan(checkpoint, model: str, stages: int, device_type: str, dtype: str, *, tp: int, dcp: int, pcp: int,
-                 launch: dict, **options) -> RunPlan:
+                 launch: dict, remeasure: bool = False, **options) -> RunPlan:
     """The run plan of a Pipeline's processes on this machine (``options``: the plan's): the layout
     checked against the model and each hop's transport; with ``partition="measured"`` the layers
-    split by the nodes, measured by probes the run's launcher (``launch``) starts."""
+    split by the nodes, measured by probes the run's launcher (``launch``) starts (their cached
+    profiles read, unless ``remeasure``)."""
     from stagewise.launch.local import local_plan
     from stagewise.model.shapes import parallel_problems
     from stagewise.pipeline.links import hop_transports
@@ -50,7 +58,8 @@ def process_plan(checkpoint, model: str, stages: int, device_type: str, dtype: s
 
         launch = {"launcher": "local", **launch}
         plan = measured_plan(plan, checkpoint, lambda p, **kw: start_stages(
-            p, auth_token=options.get("auth_token"), **launch, **kw), token=options.get("auth_token"))
+            p, auth_token=options.get("auth_token"), **launch, **kw), token=options.get("auth_token"),
+            remeasure=remeasure)
     return plan
 
 
