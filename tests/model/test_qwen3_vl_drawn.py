@@ -70,7 +70,7 @@ def test_drawn_config_matches_transformers(kind, seed, tmp_path):
 # Q8_0 weights and int8 activations each carry up to 1/254 relative error per element. Through
 # these models (a 3- or 4-block ViT, 3 or 4 decoder layers) the first step's log-probabilities moved
 # by at most 0.07 from the float run's on SMALL and WIDE, and by at most 0.14 over six drawn MoE
-# configs, where a token routed to another expert moves them most (2026-11-28, AVX-512 VNNI). Later
+# configs, where a token routed to another expert moves them most (2026-11-28, AMD EPYC, AVX2). Later
 # steps of MoE models moved by up to 0.4 when a generated token's routing flipped, so they are held
 # to the float run's top tokens only. This bound catches gross faults of the int8 path (the ViT's qkv
 # rows out of order moved them by 0.23 to 0.72); a matmul's own maths is the per-call check's.

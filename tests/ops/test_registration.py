@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 import stagewise.ops as ops
-from conftest import strided
+from conftest import DEVICES, strided
 
 EPS = 1e-6
 T, HIDDEN = 5, 96  # tokens, hidden size (norms)
@@ -139,12 +139,16 @@ OPCHECK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("op, make_args", OPCHECK_CASES)
+CPU_ONLY = {"quant_linear_int8", "quant_pack_int8",  # the int8 mode is a CPU kernel only
+            "dense_linear"}  # a CPU op: F.linear serves the GPU
+# (op, make_args, device): every op on the CPU, those with a CUDA kernel on CUDA too.
+OPCHECK_GRID = [pytest.param(*case.values, *d.values, marks=[*case.marks, *d.marks], id=f"{case.id}-{d.values[0]}")
+                for case in OPCHECK_CASES for d in (pytest.param(x) if isinstance(x, str) else x for x in DEVICES)
+                if d.values[0] == "cpu" or case.values[0] not in CPU_ONLY]
+
+
+@pytest.mark.parametrize("op, make_args, device", OPCHECK_GRID)
 def test_opcheck(op, make_args, device):
-    if op in ("quant_linear_int8", "quant_pack_int8") and device != "cpu":
-        pytest.skip("the int8 mode is a CPU kernel only")
-    if op == "dense_linear" and device != "cpu":
-        pytest.skip("dense_linear is a CPU op (F.linear serves the GPU)")
     torch.library.opcheck(getattr(torch.ops.stagewise, op), make_args(device))
 
 
