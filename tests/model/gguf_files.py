@@ -14,6 +14,8 @@ HF_TO_GGUF = {
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
 }
 # Stored types of the tiny file: F32 by default, these F16 or Q8_0 (one of them a permuted attn_q).
 TYPES = {"blk.0.attn_k.weight": Q.F16, "blk.0.attn_v.weight": Q.F16,
@@ -54,17 +56,24 @@ def permute(w, n_head, n_head_kv):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, arch="llama", tied=False, types=TYPES, intermediate=96):
-    """A tiny random HF model written as llama.cpp's converter would (stored types ``types``, F32
-    otherwise); returns its state_dict."""
+def write_gguf(path, arch="llama", tied=False, types=TYPES, intermediate=96, perturbed=False):
+    """A tiny random HF model of ``arch`` (llama, qwen2 or qwen3) written as llama.cpp's converter
+    would (stored types ``types``, F32 otherwise); with ``perturbed`` every weight moved off its init
+    value (biases at 0, norms at 1), so that each matters. Returns its state_dict."""
     torch.manual_seed(0)
     kw = dict(vocab_size=len(TOKENS), hidden_size=64, intermediate_size=intermediate, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=50000.0,
               max_position_embeddings=256, tie_word_embeddings=tied)
     if arch == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    elif arch == "qwen2":  # q/k/v biases, stored as attn_{q,k,v}.bias and not permuted
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
     else:
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw, head_dim=32))
+    if perturbed:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
     state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -74,7 +83,7 @@ def write_gguf(path, arch="llama", tied=False, types=TYPES, intermediate=96):
     w.add_feed_forward_length(intermediate)
     w.add_head_count(4)
     w.add_head_count_kv(2)
-    w.add_key_length(cfg.head_dim)
+    w.add_key_length(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(50000.0)
     w.add_tokenizer_model("gpt2")

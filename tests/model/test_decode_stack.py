@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from stagewise import ops
-from stagewise.bench.profile_framework import tiny_config, tiny_weights
+from stagewise.measure.framework import tiny_config, tiny_weights
 from stagewise.kv import KVCache, KVCacheManager
 from stagewise.model.batch import KVMetadata, StepBatch
 from stagewise.model.hf_config import parse_hf_config
@@ -94,13 +94,33 @@ def test_decode_stack_equals_python_layers(kind, part):
     assert fast[0][-1].isfinite().all()
 
 
-def test_no_stack_where_the_layers_do_not_fit():
+def test_no_stack_where_the_architecture_says_why():
+    """Falcon's entry states why the loop does not take its layers; the stage says so."""
     transformers = pytest.importorskip("transformers")
     hf = transformers.FalconForCausalLM(transformers.FalconConfig(
         vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True,
         num_kv_heads=2))
     cfg = parse_hf_config(hf.config.to_dict())
-    assert StageModel.from_weights(cfg, 0, 2, hf.state_dict()).decode_stack is None
+    stage = StageModel.from_weights(cfg, 0, 2, hf.state_dict())
+    assert stage.decode_stack is None
+    assert stage.python_loop_reason.startswith("falcon: LayerNorms with biases")
+
+
+def test_a_layer_the_stack_cannot_run_is_an_error():
+    """Where the architecture says the loop takes its layers, a layer it cannot run fails loudly rather
+    than falling back to the Python loop."""
+    from stagewise.model.decode_stack import build_decode_stack
+
+    cfg = tiny_config(2)
+    stage = StageModel.from_weights(cfg, 0, 2, tiny_weights(cfg))
+    assert stage.python_loop_reason is None and stage.decode_stack is not None
+    layers = list(stage.layers)
+    layers[1].post_norm = torch.nn.LayerNorm(cfg.hidden_size)
+    with pytest.raises(ValueError, match=r"cannot run layer 1 of the stage: post_norm is a LayerNorm \(it runs "
+                                         r"RMSNorm\)\. An architecture whose layers it does not run says why"):
+        build_decode_stack(layers, cfg.activation)
+    with pytest.raises(ValueError, match=r"layer 0 of the stage: activation 'gelu_fast'"):
+        build_decode_stack(layers, "gelu_fast")
 
 
 def test_stack_refuses_a_cache_of_other_layers():

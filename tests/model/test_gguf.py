@@ -20,15 +20,16 @@ from gguf_files import TOKENS, TYPES, gguf_name, write_gguf  # noqa: E402
 
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_gguf_gives_back_hf_weights(tmp_path, arch):
-    state = write_gguf(tmp_path / "m.gguf", arch)
+    state = write_gguf(tmp_path / "m.gguf", arch, perturbed=True)
     ckpt = open_checkpoint(tmp_path / "m.gguf")
     c = ckpt.config
     assert (c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.intermediate_size,
             c.vocab_size, c.norm_eps, c.rope.theta, c.max_position_embeddings, c.tie_word_embeddings) == \
         (arch, 3, 64, 4, 2, 96, len(TOKENS), pytest.approx(1e-5), 50000.0, 256, False)
-    assert c.head_dim == (16 if arch == "llama" else 32) and c.qk_norm == (arch == "qwen3")
+    assert c.head_dim == (32 if arch == "qwen3" else 16) and c.qk_norm == (arch == "qwen3")
+    assert c.qkv_bias == (arch == "qwen2") and not c.o_bias
     got = load_stage_weights(ckpt, 0, 3, quantized=False)
     assert sorted(got) == sorted(state)
     for name, want in state.items():
@@ -47,6 +48,27 @@ def test_tiny_gguf_gives_back_hf_weights(tmp_path, arch):
             assert got[name].dtype == torch.float32 and bool((err <= bound).all()), name
     as_bf16 = load_stage_weights(ckpt, 1, 2, dtype=torch.bfloat16)
     assert all(v.dtype == torch.bfloat16 for v in as_bf16.values())
+
+
+def test_an_entrys_own_metadata_and_adjustment(tmp_path, monkeypatch):
+    """``GGUFNames.adjust`` gives back what a converter changed (Gemma's norms, stored plus one), and
+    ``GGUFNames.metadata`` reads an architecture's own metadata keys into its config."""
+    import dataclasses
+
+    from stagewise.model import architectures
+
+    state = write_gguf(tmp_path / "m.gguf")
+    llama = architectures.for_gguf("llama")
+    own = dataclasses.replace(llama.gguf, adjust=lambda name, t: t - 1 if name.endswith("norm.weight") else t,
+                              metadata={"context_length": "sliding_window", "absent.key": "mlp_bias"})
+    monkeypatch.setitem(architectures.GGUF_ARCHITECTURES, "llama", dataclasses.replace(llama, gguf=own))
+    ckpt = open_checkpoint(tmp_path / "m.gguf")
+    assert ckpt.hf_config["sliding_window"] == 256 and "mlp_bias" not in ckpt.hf_config
+    got = load_stage_weights(ckpt, 0, 3, quantized=False)
+    norm, q = "model.layers.1.input_layernorm.weight", "model.layers.1.self_attn.q_proj.weight"
+    assert torch.equal(got[norm], state[norm] - 1)
+    assert torch.equal(got["model.norm.weight"], state["model.norm.weight"] - 1)
+    assert torch.equal(got[q], state[q])
 
 
 def test_stage_reads_only_its_tensors(tmp_path):

@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from stagewise.model import ModelConfig
-from stagewise.model.hf_config import MODEL_TYPES, MULTIMODAL_TYPES, parse_config_file, parse_hf_config
+from stagewise.model import architectures
+from stagewise.model.architectures import MODEL_TYPES
+from stagewise.model.architectures.falcon import FalconLayout
+from stagewise.model.hf_config import parse_config_file, parse_hf_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,7 +41,7 @@ def _eos(value) -> tuple[int, ...]:
 @needs_configs
 def test_qwen3_4b_matches_its_json():
     hf, cfg = _load("qwen3-4b.json")
-    assert cfg.architecture == "qwen3" and cfg.qk_norm and cfg.norm == "rms"
+    assert cfg.architecture == "qwen3" and cfg.qk_norm and cfg.arch is None
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers) == (
         hf["vocab_size"], hf["hidden_size"], hf["num_hidden_layers"])
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
@@ -49,26 +52,26 @@ def test_qwen3_4b_matches_its_json():
     assert cfg.rotary_dim == hf["head_dim"]
     assert cfg.max_position_embeddings == hf["max_position_embeddings"]
     assert cfg.tie_word_embeddings == hf["tie_word_embeddings"]
-    assert cfg.attention_bias == hf["attention_bias"]
+    assert cfg.qkv_bias == cfg.o_bias == hf["attention_bias"] and not cfg.mlp_bias
     assert cfg.bos_token_id == hf["bos_token_id"] and cfg.eos_token_ids == _eos(hf["eos_token_id"])
     assert cfg.dtype == getattr(torch, hf["torch_dtype"])
-    assert cfg.num_experts == 0 and not any(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    assert cfg.moe is None and not any(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     assert not cfg.is_multimodal and cfg.vision_config is None
 
 
 @needs_configs
 def test_falcon_40b_matches_its_json():
     hf, cfg = _load("falcon-40b.json")
-    assert cfg.architecture == "falcon" and cfg.norm == "layer" and not cfg.qk_norm
-    assert cfg.new_decoder_architecture == hf["new_decoder_architecture"] is True
+    assert cfg.architecture == "falcon" and not cfg.qk_norm
+    assert cfg.arch.new_decoder_architecture == hf["new_decoder_architecture"] is True
     assert cfg.num_kv_heads == hf["num_kv_heads"]  # the 40B layout groups KV heads
-    assert cfg.parallel_attn and cfg.num_ln_in_parallel_attn == 2
+    assert cfg.arch.parallel_attn and cfg.arch.num_ln_in_parallel_attn == 2
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads) == (
         hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"])
     assert cfg.head_dim * cfg.num_heads == hf["hidden_size"]
     assert cfg.intermediate_size == 4 * hf["hidden_size"]  # no ffn_hidden_size: Falcon's 4x default
     assert cfg.norm_eps == hf["layer_norm_epsilon"]
-    assert cfg.attention_bias == cfg.mlp_bias == hf["bias"]
+    assert cfg.qkv_bias == cfg.o_bias == cfg.mlp_bias == hf["bias"]
     assert cfg.vocab_size == hf["vocab_size"] and cfg.max_position_embeddings == hf["max_position_embeddings"]
     assert cfg.bos_token_id == hf["bos_token_id"] and cfg.eos_token_ids == _eos(hf["eos_token_id"])
     assert cfg.dtype == getattr(torch, hf["torch_dtype"])
@@ -90,13 +93,14 @@ def test_qwen3_vl_moe_parses_its_text_model():
     for ours, theirs in [("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers"),
                          ("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"),
                          ("head_dim", "head_dim"), ("intermediate_size", "intermediate_size"),
-                         ("vocab_size", "vocab_size"), ("num_experts", "num_experts"),
-                         ("num_experts_per_tok", "num_experts_per_tok"),
-                         ("moe_intermediate_size", "moe_intermediate_size"),
-                         ("norm_topk_prob", "norm_topk_prob"), ("decoder_sparse_step", "decoder_sparse_step"),
+                         ("vocab_size", "vocab_size"), ("moe.num_experts", "num_experts"),
+                         ("moe.num_experts_per_tok", "num_experts_per_tok"),
+                         ("moe.intermediate_size", "moe_intermediate_size"),
+                         ("moe.norm_topk_prob", "norm_topk_prob"), ("moe.decoder_sparse_step", "decoder_sparse_step"),
                          ("norm_eps", "rms_norm_eps"), ("max_position_embeddings", "max_position_embeddings")]:
-        assert getattr(cfg, ours) == text[theirs], ours
-    assert cfg.mlp_only_layers == tuple(text["mlp_only_layers"])
+        owner, _, name = ours.rpartition(".")
+        assert getattr(cfg.moe if owner else cfg, name) == text[theirs], ours
+    assert cfg.moe.mlp_only_layers == tuple(text["mlp_only_layers"])
     assert cfg.rope.theta == text["rope_theta"]
     assert cfg.rope.mrope_section == tuple(text["rope_scaling"]["mrope_section"])
     assert cfg.rope.mrope_interleaved == text["rope_scaling"]["mrope_interleaved"]
@@ -140,11 +144,11 @@ def test_llama_round_trip(tmp_path, how, rope):
                                  attention_bias=True, mlp_bias=True, eos_token_id=[2, 5], dtype="float16")
     cfg = _round_trip(t, tmp_path, how)
     _check_common(cfg, t)
-    assert cfg.architecture == "llama" and not cfg.qk_norm and cfg.norm == "rms"
+    assert cfg.architecture == "llama" and not cfg.qk_norm and cfg.arch is None
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == (
         t.num_key_value_heads, t.head_dim, t.intermediate_size)
     assert cfg.norm_eps == t.rms_norm_eps and cfg.activation == t.hidden_act
-    assert cfg.attention_bias == t.attention_bias and cfg.mlp_bias == t.mlp_bias
+    assert cfg.qkv_bias == cfg.o_bias == t.attention_bias and cfg.mlp_bias == t.mlp_bias
     assert cfg.dtype == torch.float16
     # The rope factor transformers will scale cos/sin by, and the parameters it reads.
     assert cfg.rope.attention_factor == pytest.approx(LlamaRotaryEmbedding(t).attention_scaling, rel=1e-12)
@@ -162,6 +166,26 @@ def test_mistral_is_llama_with_its_window():
 
 
 @pytest.mark.parametrize("how", ["dict", "file"])
+def test_qwen2_round_trip(tmp_path, how):
+    """Qwen2.5's shape: q/k/v biases (o and the MLP none), tied, rope theta 1e6, its sliding-window
+    keys present but off."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP
+
+    t = transformers.Qwen2Config(**SMALL, num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=True,
+                                 rms_norm_eps=1e-6, rope_parameters=dict(rope_theta=1e6), sliding_window=32,
+                                 max_window_layers=2, use_sliding_window=False)
+    cfg = _round_trip(t, tmp_path, how)
+    _check_common(cfg, t)
+    assert cfg.architecture == "qwen2" and not cfg.qk_norm and cfg.sliding_window is None
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == (
+        t.num_key_value_heads, t.hidden_size // t.num_attention_heads, t.intermediate_size)
+    attn, mlp = Qwen2Attention(t, 0), Qwen2MLP(t)  # the biases as transformers' own modules have them
+    assert cfg.qkv_bias == (attn.q_proj.bias is not None) == (attn.k_proj.bias is not None) is True
+    assert cfg.o_bias == (attn.o_proj.bias is not None) is False
+    assert cfg.mlp_bias == (mlp.down_proj.bias is not None) is False
+
+
+@pytest.mark.parametrize("how", ["dict", "file"])
 def test_qwen3_round_trip(tmp_path, how):
     t = transformers.Qwen3Config(**SMALL, num_key_value_heads=4, head_dim=16, intermediate_size=96,
                                  tie_word_embeddings=True, rms_norm_eps=1e-5, rope_parameters=dict(rope_theta=1e6))
@@ -170,7 +194,7 @@ def test_qwen3_round_trip(tmp_path, how):
     assert cfg.architecture == "qwen3" and cfg.qk_norm
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == (
         t.num_key_value_heads, t.head_dim, t.intermediate_size)
-    assert cfg.norm_eps == t.rms_norm_eps and cfg.attention_bias == t.attention_bias
+    assert cfg.norm_eps == t.rms_norm_eps and cfg.qkv_bias == cfg.o_bias == t.attention_bias
 
 
 @pytest.mark.parametrize("how", ["dict", "file"])
@@ -184,9 +208,9 @@ def test_qwen3_moe_round_trip_and_moe_layers(tmp_path, how, sparse_step, mlp_onl
     cfg = _round_trip(t, tmp_path, how)
     _check_common(cfg, t)
     assert cfg.architecture == "qwen3_moe" and cfg.qk_norm
-    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
+    assert (cfg.moe.num_experts, cfg.moe.num_experts_per_tok, cfg.moe.intermediate_size) == (
         t.num_experts, t.num_experts_per_tok, t.moe_intermediate_size)
-    assert cfg.norm_topk_prob == t.norm_topk_prob and cfg.head_dim == t.head_dim
+    assert cfg.moe.norm_topk_prob == t.norm_topk_prob and cfg.head_dim == t.head_dim
     # Which layers transformers itself builds with a sparse block.
     for i in range(t.num_hidden_layers):
         layer = Qwen3MoeDecoderLayer(t, i)
@@ -208,16 +232,16 @@ def test_falcon_round_trip(tmp_path, how, layout):
     t = transformers.FalconConfig(**SMALL, bias=layout == "rw", ffn_hidden_size=80, **FALCONS[layout])
     cfg = _round_trip(t, tmp_path, how)
     _check_common(cfg, t)
-    assert cfg.architecture == "falcon" and cfg.norm == "layer" and cfg.norm_eps == t.layer_norm_epsilon
+    assert cfg.architecture == "falcon" and isinstance(cfg.arch, FalconLayout) and cfg.norm_eps == t.layer_norm_epsilon
     assert cfg.head_dim == t.head_dim and cfg.intermediate_size == t.ffn_hidden_size
-    assert cfg.activation == t.activation and cfg.attention_bias == cfg.mlp_bias == t.bias
-    assert cfg.new_decoder_architecture == t.new_decoder_architecture
+    assert cfg.activation == t.activation and cfg.qkv_bias == cfg.o_bias == cfg.mlp_bias == t.bias
+    assert cfg.arch.new_decoder_architecture == t.new_decoder_architecture
     # Structure as transformers' own modules build it.
     t._attn_implementation = "eager"
     assert cfg.num_kv_heads == FalconAttention(t).num_kv_heads
     layer = FalconDecoderLayer(t)
-    assert cfg.parallel_attn == (not hasattr(layer, "post_attention_layernorm"))
-    assert (cfg.num_ln_in_parallel_attn == 2) == hasattr(layer, "ln_mlp")
+    assert cfg.arch.parallel_attn == (not hasattr(layer, "post_attention_layernorm"))
+    assert (cfg.arch.num_ln_in_parallel_attn == 2) == hasattr(layer, "ln_mlp")
 
 
 _TEXT = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -226,14 +250,14 @@ _EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
 # Only the sizes a model cannot do without; the vision tower's left out whole (its defaults' output
 # width is 3584, so the text model has that width there).
 _GIVEN = {
-    "llama": _TEXT, "mistral": _TEXT, "qwen3": _TEXT, "qwen3_moe": {**_TEXT, **_EXPERTS},
+    "llama": _TEXT, "mistral": _TEXT, "qwen2": _TEXT, "qwen3": _TEXT, "qwen3_moe": {**_TEXT, **_EXPERTS},
     "falcon": dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
     "qwen3_vl": dict(text_config={**_TEXT, "hidden_size": 3584}, vision_config={}),
     "qwen3_vl_moe": dict(text_config={**_TEXT, **_EXPERTS, "hidden_size": 3584}, vision_config={}),
 }
 
 
-@pytest.mark.parametrize("model_type", sorted(set(MODEL_TYPES) | set(MULTIMODAL_TYPES)))
+@pytest.mark.parametrize("model_type", sorted(MODEL_TYPES))
 def test_left_out_keys_mean_what_transformers_fills_in(model_type):
     """A config.json holding only a model's sizes parses as the whole file transformers' config class
     writes from it: every key left out (head_dim, positions, rope theta and M-RoPE bands, sliding
@@ -252,12 +276,12 @@ def test_qwen3_vl_moe_always_renormalises_its_router():
     vl = dict(model_type="qwen3_vl_moe", text_config={**_TEXT, **_EXPERTS}, vision_config=dict(out_hidden_size=64))
     for value in (None, False, True):
         text = vl["text_config"] if value is None else {**vl["text_config"], "norm_topk_prob": value}
-        assert parse_hf_config({**vl, "text_config": text}).norm_topk_prob
+        assert parse_hf_config({**vl, "text_config": text}).moe.norm_topk_prob
     router = Qwen3VLMoeTextTopKRouter(transformers.Qwen3VLMoeTextConfig(**_TEXT, **_EXPERTS, norm_topk_prob=False))
     torch.nn.init.normal_(router.weight)
     _, weights, _ = router(torch.randn(5, _TEXT["hidden_size"]))
     torch.testing.assert_close(weights.sum(-1), torch.ones(5))
-    assert not parse_hf_config({"model_type": "qwen3_moe", **_TEXT, **_EXPERTS}).norm_topk_prob
+    assert not parse_hf_config({"model_type": "qwen3_moe", **_TEXT, **_EXPERTS}).moe.norm_topk_prob
 
 
 def test_transformers5_rope_parameters_and_classic_keys_agree():
@@ -294,6 +318,11 @@ GOOD = dict(model_type="llama", vocab_size=10, hidden_size=32, num_hidden_layers
     (dict(torch_dtype="int8"), ["torch_dtype", "'int8'"]),
     (dict(model_type="falcon", alibi=True), ["alibi"]),
     (dict(model_type="qwen3", use_sliding_window=True), ["use_sliding_window"]),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1),
+     ["use_sliding_window=True", "layers [1]", "sliding_window=64", "max_window_layers=1"]),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=64, layer_types=["sliding_attention",
+                                                                                     "full_attention"]),
+     ["layers [0]"]),
     (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5, moe_intermediate_size=8),
      ["num_experts_per_tok", "5", "num_experts=4"]),
     (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
@@ -305,6 +334,13 @@ def test_bad_configs_name_the_field(changes, words):
         parse_hf_config({**GOOD, **changes})
     for word in words:
         assert word in str(err.value), (word, str(err.value))
+
+
+def test_qwen2_window_on_no_layer_is_full_attention():
+    """transformers' Qwen2 slides only from max_window_layers on: with all layers below, none does."""
+    cfg = parse_hf_config({**GOOD, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64,
+                           "max_window_layers": GOOD["num_hidden_layers"]})
+    assert cfg.architecture == "qwen2" and cfg.sliding_window is None
 
 
 def test_from_file_errors(tmp_path):
@@ -324,7 +360,12 @@ def test_is_moe_layer_rejects_out_of_range():
 
 def test_direct_construction_validates():
     cfg = parse_hf_config(GOOD)
-    with pytest.raises(ValueError, match="norm.*'batch'"):
-        cfg.replace(norm="batch")
-    with pytest.raises(ValueError, match="architecture"):
-        cfg.replace(architecture="gpt2")
+    with pytest.raises(ValueError, match=r"ModelConfig.norm_eps: expected a positive number, got 0"):
+        cfg.replace(norm_eps=0)
+    with pytest.raises(ValueError, match=r"ModelConfig.architecture: expected one of \[.*'llama'.*\], got 'gpt2'"):
+        architectures.of(cfg.replace(architecture="gpt2"))
+    with pytest.raises(ValueError, match=r"ModelConfig.arch: expected a FalconLayout for architecture 'falcon', "
+                                         r"got None"):
+        architectures.of(cfg.replace(architecture="falcon"))
+    with pytest.raises(ValueError, match=r"ModelConfig.arch: architecture 'llama' has no fields of its own"):
+        architectures.of(cfg.replace(arch=FalconLayout()))

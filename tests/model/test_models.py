@@ -1,6 +1,6 @@
 """Architectures against transformers: tiny random float32 models built by transformers
 itself, their ``state_dict()`` as the weights. Checked: prefill logits, greedy decoding
-token for token with the paged KV cache, and a model cut into two stages."""
+token for token with the paged KV cache, and a model cut into two and three stages."""
 
 from __future__ import annotations
 
@@ -37,6 +37,10 @@ MODELS = {
         **SMALL, num_key_value_heads=2, intermediate_size=96, rope_parameters=YARN)),
     "llama-yarn-untruncated": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **SMALL, num_key_value_heads=4, intermediate_size=96, rope_parameters=dict(YARN, truncate=False))),
+    # Qwen2.5's shape: q/k/v biases, tied embeddings, rope theta 1e6.
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        **SMALL, num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="default", rope_theta=1e6))),
     "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         **SMALL, num_key_value_heads=2, head_dim=32, intermediate_size=96)),
     "qwen3-moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
@@ -148,11 +152,11 @@ def test_greedy_decode_matches_generate(name, device):
 
 
 @pytest.mark.parametrize("name", ARCHS)
-@pytest.mark.parametrize("cut", [1, 2])
-def test_two_stages_equal_one(name, cut, device):
+@pytest.mark.parametrize("cuts", [(1,), (2,), (1, 2)], ids=["2-stages-1-2", "2-stages-2-1", "3-stages"])
+def test_stages_equal_one(name, cuts, device):
     hf, cfg = make_model(name)
     ps, weights = prompts(cfg), hf.state_dict()
-    one, two = Pipeline(cfg, weights, device=device), Pipeline(cfg, weights, cuts=(cut,), device=device)
+    one, two = Pipeline(cfg, weights, device=device), Pipeline(cfg, weights, cuts=cuts, device=device)
     for pipe in (one, two):  # prefill, then one decode step of every request
         pipe.logits = [pipe.step(dict(enumerate(ps)), {}, all_logits=True),
                        pipe.step({}, {r: (7 + r, len(p)) for r, p in enumerate(ps)})]

@@ -19,9 +19,11 @@ from stagewise.model.collectives import StageGroups
 from stagewise.model.layers.linear import Linear, RowParallelLinear
 from stagewise.model.layers.rotary import Rotary
 from stagewise.model.loader import load_stage_weights, open_checkpoint
-from stagewise.model.models import falcon, llama, qwen3, qwen3_moe
-from stagewise.model.models.falcon import unpack_qkv
-from stagewise.model.models.weights import Weights
+from stagewise.model import architectures
+from stagewise.model.architectures.base import StageBuild
+from stagewise.model.architectures.falcon import unpack_qkv
+from stagewise.model.rows import SPLITS, kv_heads_per_rank
+from stagewise.model.weights import Weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,7 +48,6 @@ MODELS = {
     "falcon-rw": lambda: transformers.FalconForCausalLM(transformers.FalconConfig(
         **SMALL, new_decoder_architecture=False, multi_query=False, parallel_attn=False, bias=True)),
 }
-ARCHS = {"llama": llama, "qwen3": qwen3, "qwen3_moe": qwen3_moe, "falcon": falcon}
 TP_SIZES = (2, 4)
 
 
@@ -129,13 +130,13 @@ def test_shards_match_the_table_and_reassemble(saved, name, tp_size):
     assert set(full) == set(shards[0]) == {t.name for t in table} | ({shapes.LM_HEAD} if cfg.tie_word_embeddings else set())
     expected = {"replicated", "column", "row", "vocab"}  # vocab: the embedding (and an untied LM head)
     expected |= {"fused_qkv"} if cfg.architecture == "falcon" else {"kv_column"}
-    expected |= {"expert_column", "expert_row"} if cfg.num_experts else set()
+    expected |= {"expert_column", "expert_row"} if cfg.moe else set()
     assert splits == expected
 
 
 def test_every_split_kind_is_covered(saved):
     covered = {t.split for folder in saved.values() for t in shapes.model_tensors(open_checkpoint(folder).config)}
-    assert covered == set(shapes.SPLITS)
+    assert covered == set(SPLITS)
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen3-moe", "falcon-40b", "falcon-7b"])
@@ -214,10 +215,11 @@ class ThreadRank:
 def run_layer(cfg, layer, weights, groups, x, prompts):
     """Layer ``layer`` built from ``weights`` on one rank: a prefill of ``prompts`` (rows of ``x``),
     then one decode step of every request. Returns both steps' outputs (x + residual)."""
-    rotary = Rotary(cfg, torch.float32, "cpu")
-    module = ARCHS[cfg.architecture].build_layer(cfg, layer, Weights(weights, torch.float32, "cpu"), rotary, groups)
+    stage = StageBuild(groups, Rotary(cfg, torch.float32, "cpu"), torch.float32, torch.device("cpu"))
+    module = architectures.of(cfg).build_layer(cfg, layer, shapes.layer_prefix(cfg, layer),
+                                               Weights(weights, torch.float32, "cpu"), stage)
     spec = KVCacheSpec(layer_start=layer, layer_end=layer + 1,
-                       num_kv_heads=shapes.kv_heads_per_rank(cfg, groups.tp.size),
+                       num_kv_heads=kv_heads_per_rank(cfg, groups.tp.size),
                        head_dim=cfg.head_dim, block_size=4, dtype=torch.float32)
     cache, manager = KVCache(spec, num_blocks=16), KVCacheManager(block_size=4, num_blocks=16, max_blocks_per_seq=8)
     ids, lens = list(range(len(prompts))), [len(p) for p in prompts]

@@ -41,6 +41,9 @@ MODELS = {
     "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         **SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96,
         tie_word_embeddings=True)),
+    # q/k/v biases (not o, not the MLP), tied, over three stages: the last holds its own head copy.
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        **SMALL, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=True)),
     "qwen3-moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         **SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, num_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
@@ -55,12 +58,14 @@ MODELS = {
         **SMALL, num_attention_heads=4, new_decoder_architecture=False, multi_query=False, parallel_attn=False,
         bias=True)),
 }
-CUTS = {"llama-mqa-tied": [1]}
+CUTS = {"llama-mqa-tied": [1], "qwen2": [1, 2], "gguf-qwen2": [2]}
 # Every matrix, the embedding and the head in Q8_0 blocks; 128 = 2 * 64 so the down cut keeps whole blocks.
 GGUF_TYPES = {f"blk.{i}.{t}.weight": Q.Q8_0 for i in range(3)
               for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
 GGUF_TYPES.update({"token_embd.weight": Q.Q8_0, "output.weight": Q.Q8_0})
-WORLDS = {2: [*MODELS, "gguf-q8"], 4: ["llama-gqa", "falcon-40b"]}
+GGUF = {"gguf-q8": "llama", "gguf-qwen2": "qwen2"}
+"""GGUF cases: the architecture of the tiny file (every weight moved off its init for qwen2's biases)."""
+WORLDS = {2: [*MODELS, *GGUF], 4: ["llama-gqa", "falcon-40b"]}
 
 
 def _hf_model(name):
@@ -73,9 +78,11 @@ def _hf_model(name):
 
 
 def _gguf_as_hf(path):
-    """transformers' Llama with the GGUF file's exact (dequantised) weights."""
+    """transformers' model of the GGUF file's config, with the file's exact (dequantised) weights."""
     ckpt = open_checkpoint(path)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**ckpt.hf_config)).eval()
+    keys = dict(ckpt.hf_config)
+    config = transformers.AutoConfig.for_model(keys.pop("model_type"), **keys)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     hf.load_state_dict(load_stage_weights(ckpt, 0, ckpt.config.num_layers, quantized=False), strict=True)
     return hf
 
@@ -96,10 +103,11 @@ def cases(tmp_path_factory):
     """name -> case: its checkpoint on disk, prompts, the single process's logits and greedy tokens,
     transformers' logits."""
     out = {}
-    for name in [*MODELS, "gguf-q8"]:
+    for name in [*MODELS, *GGUF]:
         folder = tmp_path_factory.mktemp(name)
-        if name == "gguf-q8":
-            write_gguf(folder / "m.gguf", types=GGUF_TYPES, intermediate=128)
+        if name in GGUF:
+            write_gguf(folder / "m.gguf", GGUF[name], types=GGUF_TYPES, intermediate=128,
+                       perturbed=name == "gguf-qwen2")
             checkpoint, hf = folder / "m.gguf", _gguf_as_hf(folder / "m.gguf")
         else:
             hf = _hf_model(name)
@@ -143,7 +151,7 @@ def test_rank0_logits_match_one_process_and_transformers(cases, worlds, tp, name
 def _layer_reduces(cfg) -> int:
     """All-reduces of one decoder layer: after attention and after the MLP, or once for both when
     Falcon runs them in parallel."""
-    return 1 if cfg.architecture == "falcon" and cfg.parallel_attn else 2
+    return 1 if cfg.architecture == "falcon" and cfg.arch.parallel_attn else 2
 
 
 @pytest.mark.parametrize("tp,name", PARAMS)

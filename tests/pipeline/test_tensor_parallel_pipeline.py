@@ -36,6 +36,9 @@ MODELS = {
     # MQA: one KV head, on every rank
     "llama-mqa": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **SMALL, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)),
+    # Qwen2.5's shape: q/k/v biases, tied embeddings
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        **SMALL, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3-moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         **SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
@@ -120,6 +123,7 @@ def _cancel_some_then_check(pipe, tiny) -> None:
     ("llama-mqa", 1, 2, 2, 1, 7),     # the one KV head's sequence over both ranks; prompts in chunks of 7
     ("llama-mqa", 2, 1, 1, 2, 5),     # every prompt chunk split head-tail over 2 ranks, on both stages
     ("llama-gqa", 1, 2, 1, 2, 8192),  # PCP x TP
+    ("qwen2", 2, 2, 1, 1, 7),         # q/k/v biases split with their heads; prompts in chunks of 7
     ("qwen3-moe", 2, 2, 1, 1, 8192),  # experts split over TP ranks, on both stages
     ("falcon-40b", 1, 4, 2, 1, 8192), # KV heads on 2 ranks each, sharded over them
 ])

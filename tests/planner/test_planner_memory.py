@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stagewise.model import shapes
-from stagewise.model.config import ModelConfig
+from stagewise.model.config import ModelConfig, MoEConfig
 from stagewise.model.hf_config import parse_config_file
 from stagewise.parallel.plan import StagePlan
 from stagewise.planner import cli
@@ -156,8 +156,8 @@ def test_tensor_parallel_shards_by_hand():
 
 
 def test_moe_layer_counts_and_expert_parallel():
-    config = _tiny(architecture="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=4,
-                   mlp_only_layers=(0,))
+    config = _tiny(architecture="qwen3_moe",
+                   moe=MoEConfig(num_experts=8, num_experts_per_tok=2, intermediate_size=4, mlp_only_layers=(0,)))
     attn = 2 * 16 + 32 * 16 + 16 * 16 + 16 * 16 + 16 * 32 + 2 * 8
     assert shapes.count(config, shapes.layer_tensors(config, 0)) == attn + 3 * 32 * 16  # dense by mlp_only_layers
     moe = attn + 8 * 16 + 8 * 3 * 4 * 16

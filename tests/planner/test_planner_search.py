@@ -1,11 +1,11 @@
 """Planner search space, rank groups, serving YAML, communication, latency and breakdown;
-expected values computed by hand from the formulas the README states."""
+expected values computed by hand from the formulas docs/planner.md states."""
 
 from __future__ import annotations
 
 import pytest
 
-from stagewise.model.config import ModelConfig
+from stagewise.model.config import ModelConfig, MoEConfig
 from stagewise.parallel.plan import StagePlan
 from stagewise.parallel.ranks import ParallelConfig
 from stagewise.planner import compute
@@ -233,8 +233,8 @@ def test_attention_grows_with_context_and_moe_counts_active_experts():
     windowed = attn(compute.stage_ops(_dense(num_layers=1, architecture="llama", sliding_window=4), stage,
                                       rows=1, new_tokens=1, context=999))
     assert windowed.flops == 4 * 8 * 8 * 4
-    moe = _dense(num_layers=1, architecture="qwen3_moe", num_experts=16, num_experts_per_tok=2,
-                 moe_intermediate_size=32)
+    moe = _dense(num_layers=1, architecture="qwen3_moe",
+                 moe=MoEConfig(num_experts=16, num_experts_per_tok=2, intermediate_size=32))
     experts = next(o for o in compute.stage_ops(moe, stage, rows=1, new_tokens=5, context=0) if o.name == "experts")
     assert experts.flops == 2 * 5 * 2 * 3 * 64 * 32  # 5 tokens x 2 active experts x 3 matrices
     # Weight bytes: the expected share of experts 5 tokens x 2 picks touch, 2 bytes each.

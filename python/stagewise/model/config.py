@@ -1,8 +1,11 @@
 """The model description shared by the runtime and the planner.
 
-:class:`ModelConfig` says everything about a decoder-only LM that decides the
-shape of its weights, its KV cache and its maths; :class:`RopeConfig` says how
-its rotary tables are built. Both validate themselves; the parsing of HF
+:class:`ModelConfig` says what every decoder-only LM here has and what the shared layers, the
+loader and the planner read: sizes, biases, rope (:class:`RopeConfig`), special tokens, and, for
+the models that have them, experts (:class:`MoEConfig`) and a vision tower (:class:`VisionConfig`).
+What only one architecture reads lives in that architecture's own frozen dataclass,
+``ModelConfig.arch`` (Falcon's qkv layout, for one), defined in its file of
+:mod:`stagewise.model.architectures`. Everything validates itself; the parsing of HF
 ``config.json`` files lives in :mod:`stagewise.model.hf_config`, which builds on this module
 (never the other way round).
 """
@@ -16,9 +19,7 @@ from typing import Any
 
 import torch
 
-ARCHITECTURES = ("llama", "qwen3", "qwen3_moe", "falcon")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-NORMS = ("rms", "layer")
 
 
 def _fail(owner: str, name: str, value: Any, expected: str) -> ValueError:
@@ -147,11 +148,36 @@ class VisionConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class MoEConfig:
+    """A sparse mixture-of-experts MLP (Qwen3-MoE's, Qwen3-VL-MoE's): which layers have one, and its
+    experts."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    """Experts each token runs (top-k of the router)."""
+    intermediate_size: int
+    """Width of each expert's MLP (HF ``moe_intermediate_size``)."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k router probabilities to sum to one."""
+    decoder_sparse_step: int = 1
+    """Every decoder_sparse_step-th layer is sparse (see :meth:`ModelConfig.is_moe_layer`)."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers that keep a dense MLP whatever decoder_sparse_step says."""
+
+    def __post_init__(self) -> None:
+        _positive("MoEConfig", self, "num_experts", "num_experts_per_tok", "intermediate_size", "decoder_sparse_step")
+        if self.num_experts_per_tok > self.num_experts:
+            raise _fail("MoEConfig", "num_experts_per_tok", self.num_experts_per_tok,
+                        f"at most num_experts={self.num_experts}")
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+
+
+@dataclass(kw_only=True, slots=True)
 class ModelConfig:
     """A decoder-only LM: embedding, ``num_layers`` decoder layers, final norm, LM head."""
 
     architecture: str
-    """Which layer code runs it: llama, qwen3, qwen3_moe or falcon."""
+    """The registry's name of the code that runs it (:mod:`stagewise.model.architectures`)."""
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -162,17 +188,17 @@ class ModelConfig:
     head_dim: int
     intermediate_size: int
     """Width of the dense MLP."""
-    norm: str = "rms"
-    """rms (RMSNorm, no bias) or layer (LayerNorm with bias)."""
     norm_eps: float = 1e-6
     activation: str = "silu"
-    """HF name of the MLP activation (gated for llama/qwen3, plain for falcon)."""
+    """HF name of the MLP activation (gated or plain, as the architecture's MLP is)."""
     rope: RopeConfig = field(default_factory=RopeConfig)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     """The LM head reuses the embedding matrix."""
-    attention_bias: bool = False
-    """q/k/v (and for falcon o) projections carry a bias."""
+    qkv_bias: bool = False
+    """The q, k and v projections carry biases."""
+    o_bias: bool = False
+    """The attention's output projection carries a bias."""
     mlp_bias: bool = False
     qk_norm: bool = False
     """Per-head RMSNorm of q and k before rope (Qwen3)."""
@@ -183,40 +209,20 @@ class ModelConfig:
     """Every token id that ends generation (HF eos_token_id may be a list)."""
     dtype: torch.dtype | None = None
     """dtype the config states for the weights; None when it states none."""
-
-    # Mixture of experts (qwen3_moe).
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    """Width of each expert's MLP."""
-    norm_topk_prob: bool = False
-    """Renormalise the top-k router probabilities to sum to one."""
-    decoder_sparse_step: int = 1
-    """Every decoder_sparse_step-th layer is sparse (see :meth:`is_moe_layer`)."""
-    mlp_only_layers: tuple[int, ...] = ()
-    """Layers that keep a dense MLP whatever decoder_sparse_step says."""
-
-    # Falcon.
-    new_decoder_architecture: bool = False
-    """Falcon-40B/180B layout: grouped KV heads, fused qkv per group."""
-    multi_query: bool = False
-    """Falcon-7B layout: one shared KV head."""
-    parallel_attn: bool = False
-    """Attention and MLP both read the layer input; their outputs are summed."""
-    num_ln_in_parallel_attn: int = 1
-    """With parallel_attn: 2 = separate input norms for attention and MLP, 1 = shared."""
-
-    # Multimodal (Qwen3-VL): the text model above plus the vision tower.
+    moe: MoEConfig | None = None
+    """The sparse MLP of a mixture-of-experts model; None for a dense one."""
     vision_config: VisionConfig | None = None
     """The vision tower and the image tokens of a Qwen3-VL model; None for a text-only model."""
+    arch: Any = None
+    """The architecture's own fields: a frozen dataclass of its file (Falcon's qkv layout, for one),
+    None for an architecture that has none. Its registry entry checks the type
+    (:func:`stagewise.model.architectures.of`)."""
 
     def __post_init__(self) -> None:
-        if self.architecture not in ARCHITECTURES:
-            raise _fail("ModelConfig", "architecture", self.architecture, f"one of {ARCHITECTURES}")
+        if not isinstance(self.architecture, str) or not self.architecture:
+            raise _fail("ModelConfig", "architecture", self.architecture, "a registered architecture's name")
         _positive("ModelConfig", self, "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                  "head_dim", "intermediate_size", "max_position_embeddings", "decoder_sparse_step")
-        if self.norm not in NORMS:
-            raise _fail("ModelConfig", "norm", self.norm, f"one of {NORMS}")
+                  "head_dim", "intermediate_size", "max_position_embeddings")
         if not self.norm_eps > 0:
             raise _fail("ModelConfig", "norm_eps", self.norm_eps, "a positive number")
         if self.num_heads % self.num_kv_heads:
@@ -227,18 +233,11 @@ class ModelConfig:
             raise _fail("ModelConfig", "rope.partial_rotary_factor", self.rope.partial_rotary_factor,
                         f"a factor giving an even rotary_dim >= 2 of head_dim={self.head_dim}, got {rotary_dim}")
         self.eos_token_ids = tuple(self.eos_token_ids)
-        self.mlp_only_layers = tuple(self.mlp_only_layers)
-        if self.architecture == "qwen3_moe":
-            _positive("ModelConfig", self, "num_experts", "num_experts_per_tok", "moe_intermediate_size")
-            if self.num_experts_per_tok > self.num_experts:
-                raise _fail("ModelConfig", "num_experts_per_tok", self.num_experts_per_tok,
-                            f"at most num_experts={self.num_experts}")
-        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
-        if bad:
-            raise _fail("ModelConfig", "mlp_only_layers", list(self.mlp_only_layers),
-                        f"layer indices in [0, {self.num_layers})")
-        if self.num_ln_in_parallel_attn not in (1, 2):
-            raise _fail("ModelConfig", "num_ln_in_parallel_attn", self.num_ln_in_parallel_attn, "1 or 2")
+        if self.moe is not None:
+            bad = [i for i in self.moe.mlp_only_layers if not 0 <= i < self.num_layers]
+            if bad:
+                raise _fail("ModelConfig", "moe.mlp_only_layers", list(self.moe.mlp_only_layers),
+                            f"layer indices in [0, {self.num_layers})")
         section = self.rope.mrope_section
         if section is not None and (len(section) != 3 or not all(isinstance(n, int) and n >= 0 for n in section)):
             raise _fail("ModelConfig", "rope.mrope_section", list(section), "3 band sizes (t, h, w), each >= 0")
@@ -258,14 +257,12 @@ class ModelConfig:
         return int(self.head_dim * self.rope.partial_rotary_factor)
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether decoder layer ``layer`` has a sparse MoE block (Qwen3-MoE's rule)."""
+        """Whether decoder layer ``layer`` has a sparse MoE block (Qwen3-MoE's rule: every
+        ``decoder_sparse_step``-th layer but the ``mlp_only_layers``; none without ``moe``)."""
         if not 0 <= layer < self.num_layers:
             raise _fail("ModelConfig.is_moe_layer", "layer", layer, f"an index in [0, {self.num_layers})")
-        return (
-            layer not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (layer + 1) % self.decoder_sparse_step == 0
-        )
+        moe = self.moe
+        return moe is not None and layer not in moe.mlp_only_layers and (layer + 1) % moe.decoder_sparse_step == 0
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A validated copy with ``changes`` applied."""

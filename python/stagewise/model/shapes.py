@@ -1,7 +1,9 @@
 """The table of every weight tensor of a model, from its config alone: the one place that knows
 each tensor's checkpoint name, shape, owner and tensor-parallel split. The loader reads what it
-loads from here, the architectures take their tensor names from here and the planner counts
-parameters, stage bytes and shard bytes from here.
+loads from here and the planner counts parameters, stage bytes and shard bytes from here. A decoder
+layer's rows, and the names of the embedding, final norm and layers, come from the model's
+architecture (:mod:`stagewise.model.architectures`); a row and its split kinds are
+:mod:`stagewise.model.rows`.
 
 Names and shapes are those of the transformers model built from the same config.json (``[out, in]``
 linears, transformers 5's fused ``mlp.experts.gate_up_proj``, Falcon's fused ``query_key_value``,
@@ -12,24 +14,6 @@ entries by :mod:`stagewise.model.loader`.
 Ownership by pipeline stage: the first stage holds the embedding and the vision tower, every stage
 its decoder layers, the last stage the final norm and the LM head. With tied embeddings a single
 stage stores the matrix once; a pipeline's last stage holds its own copy.
-
-Tensor-parallel splits (``TensorShape.split``; Megatron's layout over ``tp`` ranks, ``W [out, in]``):
-
-- ``replicated``: every rank holds the whole tensor (norms, router, and the bias of a row-parallel
-  linear, which is added once after the partial sums are reduced); the vision tower is whole too,
-  held by TP rank 0 of the first stage only (it runs the tower for the stage), the rank the
-  planner's largest per-rank bytes describe.
-- ``column``: rank ``r`` holds rows ``[r * out / tp, (r + 1) * out / tp)`` (q, gate, up and their
-  biases; whole query heads since ``tp`` divides the head count).
-- ``row``: rank ``r`` holds the same block of columns of ``in`` (o, down): partial sums.
-- ``kv_column``: k and v by whole KV heads, ``num_kv_heads / tp`` each; with more ranks than KV
-  heads each head is held by ``tp / num_kv_heads`` consecutive ranks.
-- ``fused_qkv``: Falcon's ``query_key_value``, by whole heads of its layout: each rank's rows keep
-  the layout, with the rank's query heads and KV heads (KV heads shared as in ``kv_column``).
-- ``vocab``: rows in blocks of ``ceil(vocab / tp)``, the last block padded with zero rows, so that
-  every rank holds the same shape (embedding and LM head: vocab parallel).
-- ``expert_column`` / ``expert_row``: per expert, its gate and up halves column-split, its down
-  projection row-split, over ``moe_tp`` ranks; ``ep`` ranks hold ``num_experts / ep`` experts each.
 """
 
 from __future__ import annotations
@@ -37,35 +21,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from stagewise.model.config import ModelConfig
+from stagewise.model import architectures
+from stagewise.model.config import ModelConfig
+from stagewise.model.rows import SPLITS, TensorShape, kv_heads_per_rank, linear_rows, norm_rows
 
-PARTS = ("vision", "embedding", "layer", "final_norm", "lm_head")
-SPLITS = ("replicated", "column", "row", "kv_column", "fused_qkv", "vocab", "expert_column", "expert_row")
 LM_HEAD = "lm_head.weight"
-
-
-@dataclass(frozen=True, slots=True)
-class TensorShape:
-    """One weight tensor."""
-
-    name: str
-    """Its name in the HF checkpoint (and in the transformers model)."""
-    shape: tuple[int, ...]
-    part: str
-    """vision, embedding, layer, final_norm or lm_head."""
-    split: str = "replicated"
-    """How tensor parallelism shards it (see the module docstring)."""
-    layer: int | None = None
-    kind: str = "linear"
-    """linear (a matmul weight), bias, norm, expert (read only for the experts a token picks),
-    router, embedding or conv (vision stem)."""
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,26 +60,22 @@ def check_sharding(config: ModelConfig, sharding: Sharding) -> None:
         raise ValueError(f"tensor parallel: tp={tp} and num_key_value_heads={hk} must divide one another "
                          f"(KV heads are split, or replicated when TP exceeds them); valid tp sizes for this "
                          f"model: {valid_tp_sizes(config)}")
-    if config.num_experts:
-        if config.num_experts % sharding.ep:
-            raise ValueError(f"expert parallel: ep={sharding.ep} must divide num_experts={config.num_experts}")
-        if config.moe_intermediate_size % sharding.moe_tp:
+    moe = config.moe
+    if moe is not None:
+        if moe.num_experts % sharding.ep:
+            raise ValueError(f"expert parallel: ep={sharding.ep} must divide num_experts={moe.num_experts}")
+        if moe.intermediate_size % sharding.moe_tp:
             raise ValueError(f"expert parallel: moe_tp={sharding.moe_tp} must divide "
-                             f"moe_intermediate_size={config.moe_intermediate_size}")
+                             f"moe_intermediate_size={moe.intermediate_size}")
 
 
 def valid_tp_sizes(config: ModelConfig) -> list[int]:
     """The tp sizes the model allows: divisors of the query heads that divide the KV heads or are a
     multiple of them, and divide the MLP's (and the experts') intermediate size."""
     hq, hk = config.num_heads, config.num_kv_heads
-    widths = [config.intermediate_size] + ([config.moe_intermediate_size] if config.num_experts else [])
+    widths = [config.intermediate_size] + ([config.moe.intermediate_size] if config.moe else [])
     return [tp for tp in range(1, hq + 1)
             if hq % tp == 0 and (hk % tp == 0 or tp % hk == 0) and all(w % tp == 0 for w in widths)]
-
-
-def kv_heads_per_rank(config: ModelConfig, tp: int = 1) -> int:
-    """KV heads one TP rank stores: ``num_kv_heads / tp``, at least one (replicated beyond)."""
-    return max(1, config.num_kv_heads // tp)
 
 
 def valid_dcp_sizes(config: ModelConfig, tp: int) -> list[int]:
@@ -131,7 +88,7 @@ def valid_dcp_sizes(config: ModelConfig, tp: int) -> list[int]:
 def parallel_problems(config: ModelConfig, tp: int, dcp: int = 1) -> list[str]:
     """Why ``config`` cannot run at ``tp`` and ``dcp`` (empty when it can), naming the sizes it can."""
     if tp not in valid_tp_sizes(config):
-        moe = f", moe_intermediate_size={config.moe_intermediate_size}" if config.num_experts else ""
+        moe = f", moe_intermediate_size={config.moe.intermediate_size}" if config.moe else ""
         return [f"tp={tp} does not split num_attention_heads={config.num_heads}, "
                 f"num_key_value_heads={config.num_kv_heads}, intermediate_size={config.intermediate_size}{moe}; "
                 "valid tp sizes: "
@@ -145,96 +102,30 @@ def parallel_problems(config: ModelConfig, tp: int, dcp: int = 1) -> list[str]:
 
 # ---- checkpoint names -----------------------------------------------------------------------------
 
-def _text_prefix(config: ModelConfig) -> str:
-    if config.architecture == "falcon":
-        return "transformer."
-    return "model.language_model." if config.is_multimodal else "model."
-
-
 def layer_prefix(config: ModelConfig, layer: int) -> str:
     """Name prefix of decoder layer ``layer``'s tensors (``model.layers.3.``, ``transformer.h.3.`` ...)."""
-    if config.architecture == "falcon":
-        return f"transformer.h.{layer}."
-    return f"{_text_prefix(config)}layers.{layer}."
+    return architectures.of(config).layer_prefix(layer, config.is_multimodal)
 
 
 def embedding_name(config: ModelConfig) -> str:
-    word = "word_embeddings" if config.architecture == "falcon" else "embed_tokens"
-    return f"{_text_prefix(config)}{word}.weight"
+    arch = architectures.of(config)
+    return arch.text_prefix(config.is_multimodal) + arch.embedding
 
 
-def final_norm_prefix(config: ModelConfig) -> str:
-    """``{prefix}weight`` (and with LayerNorm ``{prefix}bias``) of the final norm."""
-    return _text_prefix(config) + ("ln_f." if config.architecture == "falcon" else "norm.")
+def final_norm_name(config: ModelConfig) -> str:
+    """``{name}.weight`` (and with LayerNorm ``{name}.bias``) are the final norm's tensors."""
+    arch = architectures.of(config)
+    return arch.text_prefix(config.is_multimodal) + arch.final_norm
 
 
 # ---- the table ------------------------------------------------------------------------------------
-
-def _norm(name: str, width: int, part: str, layer: int | None, layer_norm: bool) -> list[TensorShape]:
-    out = [TensorShape(f"{name}.weight", (width,), part, layer=layer, kind="norm")]
-    if layer_norm:
-        out.append(TensorShape(f"{name}.bias", (width,), part, layer=layer, kind="norm"))
-    return out
-
-
-def _linear(name: str, out_f: int, in_f: int, split: str, layer: int | None, bias: bool,
-            part: str = "layer") -> list[TensorShape]:
-    out = [TensorShape(f"{name}.weight", (out_f, in_f), part, split, layer)]
-    if bias:  # a row-parallel bias is added once, after the reduction: replicated
-        out.append(TensorShape(f"{name}.bias", (out_f,), part, "replicated" if split == "row" else split, layer,
-                               kind="bias"))
-    return out
-
-
-def _falcon_layer(config: ModelConfig, layer: int, p: str) -> list[TensorShape]:
-    h, d, hq, hk = config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads
-    ln = config.norm == "layer"
-    t: list[TensorShape] = []
-    if config.parallel_attn and config.num_ln_in_parallel_attn == 2:
-        t += _norm(p + "ln_attn", h, "layer", layer, ln) + _norm(p + "ln_mlp", h, "layer", layer, ln)
-    else:
-        t += _norm(p + "input_layernorm", h, "layer", layer, ln)
-        if not config.parallel_attn:
-            t += _norm(p + "post_attention_layernorm", h, "layer", layer, ln)
-    t += _linear(p + "self_attention.query_key_value", (hq + 2 * hk) * d, h, "fused_qkv", layer,
-                 config.attention_bias)
-    t += _linear(p + "self_attention.dense", h, hq * d, "row", layer, config.attention_bias)
-    t += _linear(p + "mlp.dense_h_to_4h", config.intermediate_size, h, "column", layer, config.mlp_bias)
-    t += _linear(p + "mlp.dense_4h_to_h", h, config.intermediate_size, "row", layer, config.mlp_bias)
-    return t
-
 
 def layer_tensors(config: ModelConfig, layer: int) -> list[TensorShape]:
     """The weights of decoder layer ``layer``."""
     if not 0 <= layer < config.num_layers:
         raise ValueError(f"layer_tensors: layer must be in [0, {config.num_layers}), got {layer}")
-    p = layer_prefix(config, layer)
-    if config.architecture == "falcon":
-        return _falcon_layer(config, layer, p)
-    h, d, hq, hk = config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads
-    ln = config.norm == "layer"
-    t = _norm(p + "input_layernorm", h, "layer", layer, ln)
-    t += _norm(p + "post_attention_layernorm", h, "layer", layer, ln)
-    bias = config.attention_bias
-    t += _linear(p + "self_attn.q_proj", hq * d, h, "column", layer, bias)
-    t += _linear(p + "self_attn.k_proj", hk * d, h, "kv_column", layer, bias)
-    t += _linear(p + "self_attn.v_proj", hk * d, h, "kv_column", layer, bias)
-    t += _linear(p + "self_attn.o_proj", h, hq * d, "row", layer, bias)
-    if config.qk_norm:
-        t += [TensorShape(p + "self_attn.q_norm.weight", (d,), "layer", layer=layer, kind="norm"),
-              TensorShape(p + "self_attn.k_norm.weight", (d,), "layer", layer=layer, kind="norm")]
-    if config.is_moe_layer(layer):
-        e, mi = config.num_experts, config.moe_intermediate_size
-        t += [TensorShape(p + "mlp.gate.weight", (e, h), "layer", layer=layer, kind="router"),
-              TensorShape(p + "mlp.experts.gate_up_proj", (e, 2 * mi, h), "layer", "expert_column", layer,
-                          kind="expert"),
-              TensorShape(p + "mlp.experts.down_proj", (e, h, mi), "layer", "expert_row", layer, kind="expert")]
-    else:
-        inter, mb = config.intermediate_size, config.mlp_bias
-        t += _linear(p + "mlp.gate_proj", inter, h, "column", layer, mb)
-        t += _linear(p + "mlp.up_proj", inter, h, "column", layer, mb)
-        t += _linear(p + "mlp.down_proj", h, inter, "row", layer, mb)
-    return t
+    arch = architectures.of(config)
+    return arch.layer_tensors(config, layer, arch.layer_prefix(layer, config.is_multimodal))
 
 
 def vision_tensors(config: ModelConfig) -> list[TensorShape]:
@@ -250,17 +141,17 @@ def vision_tensors(config: ModelConfig) -> list[TensorShape]:
          TensorShape("model.visual.pos_embed.weight", (v.num_position_embeddings, vh), "vision", kind="embedding")]
     for b in range(v.depth):
         p = f"model.visual.blocks.{b}."
-        t += _norm(p + "norm1", vh, "vision", None, True) + _norm(p + "norm2", vh, "vision", None, True)
-        t += _linear(p + "attn.qkv", 3 * vh, vh, "replicated", None, True, "vision")
-        t += _linear(p + "attn.proj", vh, vh, "replicated", None, True, "vision")
-        t += _linear(p + "mlp.linear_fc1", vi, vh, "replicated", None, True, "vision")
-        t += _linear(p + "mlp.linear_fc2", vh, vi, "replicated", None, True, "vision")
+        t += norm_rows(p + "norm1", vh, "vision", None, True) + norm_rows(p + "norm2", vh, "vision", None, True)
+        t += linear_rows(p + "attn.qkv", 3 * vh, vh, "replicated", None, True, "vision")
+        t += linear_rows(p + "attn.proj", vh, vh, "replicated", None, True, "vision")
+        t += linear_rows(p + "mlp.linear_fc1", vi, vh, "replicated", None, True, "vision")
+        t += linear_rows(p + "mlp.linear_fc2", vh, vi, "replicated", None, True, "vision")
     merged = v.merged_width
     for name, norm_width in [("model.visual.merger", vh)] + [(f"model.visual.deepstack_merger_list.{i}", merged)
                                                               for i in range(len(v.deepstack_visual_indexes))]:
-        t += _norm(name + ".norm", norm_width, "vision", None, True)
-        t += _linear(name + ".linear_fc1", merged, merged, "replicated", None, True, "vision")
-        t += _linear(name + ".linear_fc2", v.out_hidden_size, merged, "replicated", None, True, "vision")
+        t += norm_rows(name + ".norm", norm_width, "vision", None, True)
+        t += linear_rows(name + ".linear_fc1", merged, merged, "replicated", None, True, "vision")
+        t += linear_rows(name + ".linear_fc2", v.out_hidden_size, merged, "replicated", None, True, "vision")
     return t
 
 
@@ -270,8 +161,7 @@ def embedding_tensors(config: ModelConfig) -> list[TensorShape]:
 
 
 def final_norm_tensors(config: ModelConfig) -> list[TensorShape]:
-    return _norm(final_norm_prefix(config).removesuffix("."), config.hidden_size, "final_norm", None,
-                 config.norm == "layer")
+    return architectures.of(config).final_norm_tensors(config, final_norm_name(config))
 
 
 def lm_head_tensors(config: ModelConfig) -> list[TensorShape]:
@@ -336,7 +226,7 @@ def decode_read_params(config: ModelConfig, layer: int) -> int:
     total = 0
     for t in layer_tensors(config, layer):
         if t.kind == "expert":
-            total += t.numel // config.num_experts * config.num_experts_per_tok
+            total += t.numel // config.moe.num_experts * config.moe.num_experts_per_tok
         elif t.kind in ("linear", "bias", "router"):
             total += t.numel
     return total

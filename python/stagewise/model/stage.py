@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from torch import nn
 
 from stagewise.kv import KVCache, KVCacheSpec
+from stagewise.model import architectures
+from stagewise.model.architectures.base import StageBuild
 from stagewise.model.batch import KVMetadata, StepBatch
 from stagewise.model.collectives import StageGroups
 from stagewise.model.config import ModelConfig
@@ -26,13 +27,11 @@ from stagewise.model.layers.rotary import Rotary
 from stagewise.model.layers.vocab import LMHead, VocabEmbedding
 from stagewise.model.loader import Checkpoint, load_stage_weights, open_checkpoint, resolve_dtype
 from stagewise.model.loader.sharding import check_tp
-from stagewise.model.models import falcon, llama, qwen3, qwen3_moe
-from stagewise.model.models.weights import Weights
 from stagewise.model.quant import QuantizedWeight
-from stagewise.model.shapes import LM_HEAD, embedding_name, kv_heads_per_rank
+from stagewise.model.rows import kv_heads_per_rank
+from stagewise.model.shapes import LM_HEAD, embedding_name, final_norm_name, layer_prefix
 from stagewise.model.vision.tower import VisionTower
-
-_ARCHITECTURES: dict[str, ModuleType] = {"llama": llama, "qwen3": qwen3, "qwen3_moe": qwen3_moe, "falcon": falcon}
+from stagewise.model.weights import Weights
 
 
 class StageModel(nn.Module):
@@ -48,14 +47,12 @@ class StageModel(nn.Module):
         self.embedding, self.final_norm, self.lm_head = embedding, final_norm, lm_head
         self.vision = vision
         device = next((p.device for p in self.parameters()), torch.device("cpu"))
-        # Decode steps and prompt steps from position 0 run the layer loop in C++ where the layers
-        # allow: same ops, same bits (see _fresh_prompts). The stack cannot all-reduce, so it takes
-        # only layers of one TP rank (build_decode_stack returns None for row-parallel layers that
-        # reduce) and the Python loop runs under TP; nor does it shard the KV, so context-parallel
-        # ranks run the Python loop too.
+        # Decode steps and prompt steps from position 0 run the layer loop in C++ where it can:
+        # same ops, same bits (see _fresh_prompts). Where it cannot, python_loop_reason says why.
+        self.python_loop_reason = _python_loop_reason(config, device, groups)
         self.decode_stack = None
-        if device.type == "cpu" and groups.cp_size == 1:
-            self.decode_stack = build_decode_stack(layers, config.activation, device)
+        if self.python_loop_reason is None:
+            self.decode_stack = build_decode_stack(layers, config.activation)
 
     @classmethod
     def from_weights(cls, config: ModelConfig, start_layer: int, end_layer: int,
@@ -69,17 +66,20 @@ class StageModel(nn.Module):
             raise ValueError(f"StageModel: layer range [{start_layer}, {end_layer}) must be non-empty and within "
                              f"[0, num_layers={config.num_layers})")
         check_tp(config, groups.tp.rank, groups.tp.size)
-        arch = _ARCHITECTURES[config.architecture]
+        arch = architectures.of(config)
         w = Weights(weights, dtype, device)
-        rotary = Rotary(config, dtype, device)
-        layers = [arch.build_layer(config, i, w, rotary, groups) for i in range(start_layer, end_layer)]
-        embedding = VocabEmbedding(w(embedding_name(config)), config.vocab_size, groups.tp) if start_layer == 0 else None
+        build = StageBuild(groups, Rotary(config, dtype, device), dtype, torch.device(device))
+        layers = [arch.build_layer(config, i, layer_prefix(config, i), w, build) for i in range(start_layer, end_layer)]
+        embedding = None
+        if start_layer == 0:
+            scale = None if arch.embedding_scale is None else arch.embedding_scale(config)
+            embedding = VocabEmbedding(w(embedding_name(config)), config.vocab_size, groups.tp, scale)
         vision = None
         if start_layer == 0 and config.vision_config is not None and "model.visual.pos_embed.weight" in w:
             vision = VisionTower(config.vision_config, w)  # TP rank 0 only: the others take its output
         final_norm = lm_head = None
         if end_layer == config.num_layers:
-            final_norm = arch.final_norm(config, w)
+            final_norm = arch.build_final_norm(config, final_norm_name(config), w)
             # Tied on a stage that also embeds: one tensor (this rank's vocab rows) for both.
             tied_here = config.tie_word_embeddings and embedding is not None
             lm_head = LMHead(embedding.weight if tied_here else w(LM_HEAD), config.vocab_size, groups.tp)
@@ -205,6 +205,18 @@ def load_stage(checkpoint: Checkpoint | str | Path, start_layer: int, end_layer:
                                  progress=progress)
     return StageModel.from_weights(cfg, start_layer, end_layer, weights, dtype=torch_dtype, device=device,
                                    groups=groups)
+
+
+def _python_loop_reason(config: ModelConfig, device: torch.device, groups: StageGroups) -> str | None:
+    """Why a stage's decode steps cannot run the C++ layer loop (None: they can)."""
+    if device.type != "cpu":
+        return f"the C++ layer loop runs on the CPU, this stage on {device}"
+    if groups.tp.size > 1:
+        return f"the C++ layer loop cannot all-reduce, and this stage runs on {groups.tp.size} tensor-parallel ranks"
+    if groups.cp_size > 1:
+        return "the C++ layer loop does not shard the KV cache, and this stage is context parallel"
+    reason = architectures.of(config).decode_stack
+    return None if reason is None else f"{config.architecture}: {reason}"
 
 
 def _fresh_prompts(batch: StepBatch) -> bool:

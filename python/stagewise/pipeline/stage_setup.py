@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 
 from stagewise.kv.cache import KVCacheSpec, num_cache_blocks
-from stagewise.model.shapes import kv_heads_per_rank
+from stagewise.model.rows import kv_heads_per_rank
 from stagewise.parallel.runplan import RunPlan
 from stagewise.pipeline.messages import Setup
+from stagewise.transport import registry
 
 
 def load_weights(plan: RunPlan, index: int, rank: int, checkpoint, device: torch.device):
@@ -36,13 +37,13 @@ def load_weights(plan: RunPlan, index: int, rank: int, checkpoint, device: torch
 
 def checked(setup, hop: str) -> Setup:
     """The driver's :class:`Setup`, once it agrees with this stage's own plan (its outgoing
-    ``hop``) on whether the run's hops are ``torch``: that decides which torch.distributed world
-    the stage joins, and a stage started by hand with another plan's transport would otherwise
+    ``hop``) on whether the run's hops are on a world transport (``torch``): that decides which
+    torch.distributed world the stage joins, and a stage started by hand with another plan's transport would otherwise
     wait in a world of another size until it times out. Which other transport a hop runs is the
     driver's to say."""
     if not isinstance(setup, Setup):
         raise ValueError(f"expected the driver's setup, got {type(setup).__name__}")
-    if (setup.transport == "torch") != (hop == "torch"):
+    if registry.is_world(setup.transport) != registry.is_world(hop):
         raise ValueError(f"the driver runs this stage's outgoing hop over {setup.transport!r}, but this stage's "
                          f"plan makes it {hop!r}: the stage was started with another plan's transport; start "
                          "it from the driver's plan")

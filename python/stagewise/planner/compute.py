@@ -41,8 +41,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stagewise.model import shapes
+from stagewise.model import architectures, shapes
 from stagewise.model.config import ModelConfig
+from stagewise.model.rows import kv_heads_per_rank
 from stagewise.parallel.plan import PipelineStageInfo
 from stagewise.planner.profiles import QUANT_BITS, DeviceProfile
 
@@ -120,7 +121,8 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
     tp, pcp, dcp = sharding.tp, sharding.pcp, sharding.dcp
     cp = pcp * dcp
     h, d = config.hidden_size, config.head_dim
-    hq, hk = config.num_heads // tp, shapes.kv_heads_per_rank(config, tp)
+    hq, hk = config.num_heads // tp, kv_heads_per_rank(config, tp)
+    work = architectures.of(config).layer_work(config, layer)
     w, a, kv = prec.weight, prec.act, prec.kv
     decode = new_tokens == 1
     T_all = rows * new_tokens
@@ -133,7 +135,7 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
         ops.append(Op("kv_all_gather", "comm", 0, 2 * T_all * hk * d * a, layer, "tp", pcp,
                       collective="all_gather"))
     ops.append(Op("kv_write", "vec", 0, T_all * 2 * hk * d * (a + kv) / cp, layer))
-    keys = min(context + new_tokens, config.sliding_window or context + new_tokens)
+    keys = min(context + new_tokens, work.window or context + new_tokens)
     if decode and cp > 1:
         if dcp > 1:
             ops.append(Op("q_all_gather", "comm", 0, dcp * T * hq * d * a, layer, "tp", dcp, collective="all_gather"))
@@ -141,7 +143,7 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
         pairs = rows * keys
     else:
         heads = hq
-        pairs = rows * _causal_pairs(context, new_tokens, config.sliding_window)
+        pairs = rows * _causal_pairs(context, new_tokens, work.window)
         pairs = -(-pairs // pcp) if not decode else pairs
     cache = rows * keys * 2 * hk * d * kv
     ops.append(Op("attention", "attention", 4 * heads * d * pairs, cache + 2 * T * heads * d * a, layer,
@@ -157,8 +159,8 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
     if tp > 1:
         ops.append(Op("attn_all_reduce", "comm", 0, T * h * a, layer, "tp", tp, collective="all_reduce"))
     ops.append(Op("post_attn_norm", "vec", 5 * T * h, 3 * T * h * a + h * w, layer))
-    if config.is_moe_layer(layer):
-        e, k, mi = config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
+    if work.mlp == "experts":
+        e, k, mi = config.moe.num_experts, config.moe.num_experts_per_tok, config.moe.intermediate_size
         ops.append(Op("router", "matmul", 2 * T * h * e, h * e * w + T * (h + e) * a, layer))
         touched = 1.0 - (1.0 - k / e) ** T
         expert_bytes = touched * (e // sharding.ep) * 3 * h * (mi // sharding.moe_tp) * w
@@ -171,8 +173,7 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
             ops.append(Op("moe_combine", "comm", 0, a2a, layer, "ep", sharding.ep, collective="all_to_all"))
     else:
         inter = config.intermediate_size // tp
-        gated = config.architecture != "falcon"
-        n_up = (2 if gated else 1) * inter
+        n_up = (2 if work.mlp == "gated" else 1) * inter
         ops.append(linear_op("gate_up_proj", prec, tokens=T, n_in=h, n_out=n_up, layer=layer))
         ops.append(Op("act", "vec", 8 * T * inter, (n_up + inter) * T * a, layer))
         ops.append(linear_op("down_proj", prec, tokens=T, n_in=inter, n_out=h, layer=layer))

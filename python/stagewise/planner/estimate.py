@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stagewise.model import shapes
+from stagewise.model import architectures, shapes
 from stagewise.model.config import ModelConfig
 from stagewise.parallel.plan import StagePlan
 from stagewise.parallel.ranks import ParallelConfig
@@ -203,6 +203,9 @@ def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: c
     groups = group_rows(batch, m)
     rows = max(groups)
     cache: dict[int, tuple[list[float], list[dict[str, float]]]] = {}
+    # The ranks of a TP/CP stage, and the layers the C++ loop does not take, run the Python layer loop.
+    python_loop = (sharding.tp * sharding.pcp * sharding.dcp > 1
+                   or architectures.of(config).decode_stack is not None)
 
     def stage_base(r: int) -> tuple[list[float], list[dict[str, float]]]:
         if r not in cache:
@@ -212,7 +215,7 @@ def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: c
                                         sharding=sharding, image_tokens=image_tokens)
                 sc = compute.stage_compute(ops, profile, prec.compute_dtype, role=compute.stage_role(info),
                                            num_layers=len(info.active_layer_indices),
-                                           python_loop=sharding.tp * sharding.pcp * sharding.dcp > 1,
+                                           python_loop=python_loop,
                                            cp=new_tokens == 1 and sharding.dcp * sharding.pcp > 1)
                 times.append(sc.time_s)
                 bounds.append(sc.by_bound)
@@ -281,7 +284,7 @@ def ranks_outnumber_cores(layout: ParallelConfig, profile: DeviceProfile) -> boo
 
 def layout_sharding(config: ModelConfig, layout: ParallelConfig) -> shapes.Sharding:
     """What one rank of ``layout`` holds and computes: TP, EP, MoE-TP (dense models: 1), DCP and PCP."""
-    return shapes.Sharding(layout.tp, layout.ep, layout.moe_tp if config.num_experts else 1, dcp=layout.dcp,
+    return shapes.Sharding(layout.tp, layout.ep, layout.moe_tp if config.moe else 1, dcp=layout.dcp,
                            pcp=layout.pcp)
 
 

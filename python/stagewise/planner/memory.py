@@ -9,7 +9,7 @@ Two weight estimates per stage:
 
 KV cache: only the stage's own layers,
 ``2 * L_s * kv_heads * head_dim * bytes * batch * ceil(T / (pcp * dcp))`` per rank: ``kv_heads``
-those of one TP rank (:func:`~stagewise.model.shapes.kv_heads_per_rank`), and context parallel
+those of one TP rank (:func:`~stagewise.model.rows.kv_heads_per_rank`), and context parallel
 spreads every sequence over the ``pcp * dcp`` ranks that share a KV head (the interleaved
 mapping), each storing ``ceil(T / (pcp * dcp))`` of its tokens. DCP reuses the TP ranks that hold
 copies of one KV head, so ``dcp`` must divide ``max(1, tp // num_kv_heads)``

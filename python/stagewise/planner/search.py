@@ -101,7 +101,7 @@ def model_accepts(config: ModelConfig, layout: ParallelConfig, partition: str) -
         StagePlan.for_model(config, layout.pp, partition)
     except ValueError as err:
         return str(err)
-    if not config.num_experts and (layout.ep > 1 or layout.moe_dp > 1):
+    if config.moe is None and (layout.ep > 1 or layout.moe_dp > 1):
         return f"ep={layout.ep} / moe_dp={layout.moe_dp} need a mixture-of-experts model"
     return None
 

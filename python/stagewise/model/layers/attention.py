@@ -29,7 +29,7 @@ from stagewise.model.config import ModelConfig
 from stagewise.model.layers.context_parallel import check_groups, cp_attention
 from stagewise.model.layers.linear import Linear, RowParallelLinear
 from stagewise.model.layers.rotary import Rotary
-from stagewise.model.shapes import kv_heads_per_rank
+from stagewise.model.rows import kv_heads_per_rank
 
 
 class Attention(nn.Module):

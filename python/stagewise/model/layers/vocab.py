@@ -36,12 +36,15 @@ def _check_rows(where: str, weight: torch.Tensor | QuantizedWeight, vocab_size: 
 
 
 class VocabEmbedding(nn.Module):
-    """``ids [T]`` -> ``[T, hidden]`` from this rank's rows ``weight [ceil(V / tp), hidden]``."""
+    """``ids [T]`` -> ``[T, hidden]`` from this rank's rows ``weight [ceil(V / tp), hidden]``, times
+    ``scale`` when given (Gemma's sqrt(hidden)), which is rounded to the vectors' dtype first, as
+    transformers does."""
 
-    def __init__(self, weight: torch.Tensor | QuantizedWeight, vocab_size: int, tp: Collectives = SINGLE) -> None:
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, vocab_size: int, tp: Collectives = SINGLE,
+                 scale: float | None = None) -> None:
         super().__init__()
         self.rows = _check_rows("VocabEmbedding", weight, vocab_size, tp)
-        self.weight, self.tp = _frozen(weight), tp
+        self.weight, self.tp, self.scale = _frozen(weight), tp, scale
         self.first = tp.rank * self.rows
         """The first vocabulary id of this rank's rows."""
 
@@ -52,11 +55,13 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self._lookup(ids)
-        local = ids - self.first
-        outside = (local < 0) | (local >= self.rows)
-        x = self._lookup(local.masked_fill(outside, 0))
-        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+            x = self._lookup(ids)
+        else:
+            local = ids - self.first
+            outside = (local < 0) | (local >= self.rows)
+            x = self._lookup(local.masked_fill(outside, 0))
+            x = self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+        return x if self.scale is None else x * torch.tensor(self.scale, dtype=x.dtype, device=x.device)
 
 
 class LMHead(nn.Module):

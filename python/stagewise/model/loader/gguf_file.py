@@ -13,6 +13,7 @@ import torch
 
 import stagewise.model.loader.gguf_map as gguf_map
 from stagewise import ops
+from stagewise.model import architectures
 from stagewise.model.hf_config import parse_hf_config
 from stagewise.model.loader.checkpoint import Checkpoint
 from stagewise.model.loader.gguf_reader import GGUF_PLAIN, ArrayRef, GGUFHeader
@@ -33,10 +34,10 @@ class GGUFCheckpoint(Checkpoint):
         except OSError as err:
             raise ValueError(f"checkpoint: cannot read the GGUF file {str(self.path)!r}: {err}") from None
         self._meta = {k: v for k, v in self._header.metadata.items() if not isinstance(v, ArrayRef)}
-        self._arch = self._meta.get("general.architecture")
+        self._arch = architectures.for_gguf(self._meta.get("general.architecture"))
         self._tensors = {}
         for t in self._header.tensors:
-            hf = gguf_map.hf_tensor_name(t.name)
+            hf = gguf_map.hf_tensor_name(self._arch, t.name)
             if hf is not None:
                 self._tensors[hf] = t
         self.hf_config = gguf_map.hf_config_from_gguf(self._meta, self._header.array_len("tokenizer.ggml.tokens"),
@@ -127,7 +128,8 @@ class GGUFCheckpoint(Checkpoint):
             tensor = gguf_map.unpermute_qk(tensor, heads)
         if rest is not None:
             tensor = tensor.narrow(*rest).contiguous()
-        return tensor
+        adjust = self._arch.gguf.adjust
+        return tensor if adjust is None else adjust(name, tensor)
 
     def qtype(self, name: str) -> int | None:
         t = self._tensor(name)

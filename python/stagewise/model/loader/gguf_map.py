@@ -1,10 +1,11 @@
 """llama.cpp GGUF conventions -> HF ones: tensor names, the config dict, Q/K row order, tokenizer.
 
-GGUF stores each tensor with its dims reversed (``[in, out]`` for a linear
-weight), which numpy already undoes (``reader.tensors[i].data`` is ``[out, in]``
-like HF). For llama-arch models llama.cpp's converter also permutes the rows of
-``attn_q``/``attn_k`` so that its rope rotates adjacent pairs; :func:`unpermute_qk`
-restores HF's half-split order.
+Which architectures a file may hold, and their tensors' llama.cpp names, are their entries'
+(``Architecture.gguf``, :mod:`stagewise.model.architectures`). GGUF stores each tensor with its dims
+reversed (``[in, out]`` for a linear weight), which numpy already undoes (``reader.tensors[i].data``
+is ``[out, in]`` like HF). For llama-arch models llama.cpp's converter also permutes the rows of
+``attn_q``/``attn_k`` so that its rope rotates adjacent pairs (``GGUFNames.permuted_qk``);
+:func:`unpermute_qk` restores HF's half-split order.
 """
 
 from __future__ import annotations
@@ -15,31 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
-# Architectures whose GGUF tensors we can name in HF terms, and the HF model_type they become.
-GGUF_ARCHS = {"llama": "llama", "qwen3": "qwen3"}
+from stagewise.model import architectures
+from stagewise.model.architectures.base import Architecture
+from stagewise.model.shapes import LM_HEAD
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+_QK = re.compile(r"blk\.\d+\.attn_[qk]\.(weight|bias)")
 
 # llama.cpp pre-tokenizer name -> the split regexes it applies, in order, before byte-level BPE.
 _GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -51,19 +33,25 @@ PRE_TOKENIZERS = {
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values of added tokens
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """HF name of a llama.cpp tensor; None for tensors HF has no counterpart of (e.g. rope_freqs)."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+def hf_tensor_name(arch: Architecture, gguf_name: str) -> str | None:
+    """HF name of a llama.cpp tensor of architecture ``arch``; None for tensors HF has no counterpart
+    of (e.g. rope_freqs)."""
+    if gguf_name == "token_embd.weight":
+        return arch.prefix + arch.embedding
+    if gguf_name == "output_norm.weight":
+        return f"{arch.prefix}{arch.final_norm}.weight"
+    if gguf_name == "output.weight":
+        return LM_HEAD
     match = _LAYER.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    if match and match.group(2) in arch.gguf.layer_tensors:
+        return arch.layer_prefix(int(match.group(1))) + arch.gguf.layer_tensors[match.group(2)]
     return None
 
 
-def needs_unpermute(arch: str, gguf_name: str) -> bool:
-    """llama.cpp permutes the Q/K rows (weights and biases) of llama-arch models only."""
-    return arch == "llama" and re.fullmatch(r"blk\.\d+\.attn_[qk]\.(weight|bias)", gguf_name) is not None
+def needs_unpermute(arch: Architecture, gguf_name: str) -> bool:
+    """Whether the converter permuted this tensor's rows: attn_q / attn_k (weights and biases) of an
+    architecture whose entry says so (llama's)."""
+    return arch.gguf.permuted_qk and _QK.fullmatch(gguf_name) is not None
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -84,8 +72,7 @@ def hf_config_from_gguf(meta: dict[str, Any], vocab_size: int | None, has_output
     whether an ``output.weight`` tensor exists (absent: the LM head is tied to the embedding).
     """
     arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHS:
-        raise ValueError(f"gguf: general.architecture {arch!r} is not supported; expected one of {sorted(GGUF_ARCHS)}")
+    entry = architectures.for_gguf(arch)
 
     def key(name: str, default: Any = None, required: bool = False) -> Any:
         value = meta.get(f"{arch}.{name}", default)
@@ -95,7 +82,7 @@ def hf_config_from_gguf(meta: dict[str, Any], vocab_size: int | None, has_output
 
     heads = key("attention.head_count", required=True)
     hf: dict[str, Any] = {
-        "model_type": GGUF_ARCHS[arch],
+        "model_type": entry.gguf.model_type,
         "vocab_size": vocab_size or key("vocab_size", required=True),
         "hidden_size": key("embedding_length", required=True),
         "num_hidden_layers": key("block_count", required=True),
@@ -111,6 +98,7 @@ def hf_config_from_gguf(meta: dict[str, Any], vocab_size: int | None, has_output
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
+    hf.update({hf_key: value for name, hf_key in entry.gguf.metadata.items() if (value := key(name)) is not None})
     scaling = key("rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling not in ("linear", "yarn"):

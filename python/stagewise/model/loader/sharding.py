@@ -6,10 +6,9 @@ rows appended. Every split kind of :mod:`stagewise.model.shapes` becomes one:
 
 - ``column``: rows ``[r * out / tp, (r + 1) * out / tp)``; ``row``: the same block of columns.
 - ``kv_column``: the rows of the rank's KV heads (:func:`kv_heads_of_rank`).
-- ``fused_qkv``: Falcon's ``query_key_value`` by whole heads. Its three layouts, in head-sized blocks
-  of rows: grouped (40B/180B) ``[q_0 .. q_{g-1}, k, v]`` per KV group; multi-query (7B)
-  ``[q_0 .. q_{Hq-1}, k, v]``; one KV head per query head (RW) ``[q_h, k_h, v_h]`` per head. A rank
-  takes its query heads and its KV heads, so its rows are in the same layout with the rank's counts.
+- ``fused_qkv``: q, k and v in one tensor (Falcon's ``query_key_value``) by whole heads: its
+  head-sized blocks of rows, in the order the architecture states (``Architecture.fused_qkv_heads``),
+  of which a rank takes its query heads' and its KV heads', in that order.
 - ``vocab``: rows in blocks of ``ceil(vocab / tp)``; the last ranks' blocks run past the vocabulary
   and are filled with zero rows (whose logits the gather cuts off again).
 - ``expert_column``: per expert, the gate half and the up half of ``gate_up_proj [E, 2I, H]`` each
@@ -22,9 +21,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from stagewise.model import shapes
+from stagewise.model import architectures, shapes
 from stagewise.model.config import ModelConfig
-from stagewise.model.shapes import Sharding, TensorShape
+from stagewise.model.rows import SPLITS, TensorShape
+from stagewise.model.shapes import Sharding
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +104,7 @@ def rank_cut(config: ModelConfig, tensor: TensorShape, tp_rank: int, tp_size: in
         start = min(tp_rank * per_rank, tensor.shape[0])
         stop = min(start + per_rank, tensor.shape[0])
         return Cut(0, ((start, stop),) if stop > start else (), per_rank - (stop - start))
-    raise ValueError(f"rank_cut: tensor {tensor.name!r} has split {split!r}; expected one of {shapes.SPLITS}")
+    raise ValueError(f"rank_cut: tensor {tensor.name!r} has split {split!r}; expected one of {SPLITS}")
 
 
 def _block(tensor: TensorShape, dim: int, size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
@@ -116,20 +116,15 @@ def _block(tensor: TensorShape, dim: int, size: int, tp_rank: int, tp_size: int)
 
 
 def _fused_qkv(config: ModelConfig, tensor: TensorShape, tp_rank: int, tp_size: int) -> Cut:
-    hq, hk = config.num_heads, config.num_kv_heads
-    q, kv = query_heads_of_rank(config, tp_rank, tp_size), kv_heads_of_rank(config, tp_rank, tp_size)
-    if config.new_decoder_architecture:
-        g = hq // hk  # query heads per KV group; group j is head blocks [j * (g + 2), (j + 1) * (g + 2))
-        blocks = []
-        for j in kv:
-            base = j * (g + 2)
-            first, last = max(q.start, j * g) - j * g, min(q.stop, (j + 1) * g) - j * g
-            blocks += [(base + first, base + last), (base + g, base + g + 2)]
-    elif config.multi_query:
-        blocks = [(q.start, q.stop), (hq, hq + 2)]
-    else:
-        blocks = [(3 * q.start, 3 * q.stop)]
-    d = tensor.shape[0] // (hq + 2 * hk)
+    heads = architectures.of(config).fused_qkv_heads
+    if heads is None:
+        raise ValueError(f"rank_cut: tensor {tensor.name!r} is fused_qkv, but architecture {config.architecture!r} "
+                         "states no order of its head blocks (Architecture.fused_qkv_heads)")
+    order = heads(config)
+    mine = {"q": query_heads_of_rank(config, tp_rank, tp_size), "k": kv_heads_of_rank(config, tp_rank, tp_size)}
+    mine["v"] = mine["k"]
+    d = tensor.shape[0] // len(order)
+    blocks = [(i, i + 1) for i, (kind, head) in enumerate(order) if head in mine[kind]]
     return Cut(0, tuple((a * d, b * d) for a, b in _merge(blocks)))
 
 

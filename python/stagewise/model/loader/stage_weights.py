@@ -19,7 +19,7 @@ import torch
 
 from stagewise import ops
 from stagewise.model import shapes
-from stagewise.model.shapes import TensorShape
+from stagewise.model.rows import TensorShape
 from stagewise.model.loader.checkpoint import Checkpoint
 from stagewise.model.loader.sharding import Cut, check_tp, rank_cut
 from stagewise.model.loader.sources import open_checkpoint

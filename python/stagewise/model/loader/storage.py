@@ -33,7 +33,8 @@ from stagewise.model.config import ModelConfig
 from stagewise.model.loader.checkpoint import Checkpoint
 from stagewise.model.loader.sharding import Cut
 from stagewise.model.quant import QuantizedWeight, cat_rows
-from stagewise.model.shapes import LM_HEAD, TensorShape, embedding_name
+from stagewise.model.rows import TensorShape
+from stagewise.model.shapes import LM_HEAD, embedding_name
 
 Weight = torch.Tensor | QuantizedWeight
 
@@ -109,7 +110,7 @@ def _per_expert(config: ModelConfig, t: TensorShape) -> Source | None:
     if not prefix or projections is None:
         return None
     return Source(tuple(tuple(f"{prefix}mlp.experts.{e}.{p}.weight" for p in projections)
-                        for e in range(config.num_experts)), per_expert=True)
+                        for e in range(config.moe.num_experts)), per_expert=True)
 
 
 def read_cut(ckpt: Checkpoint, source: Source, cut: Cut, keep_blocks: bool) -> Weight:

@@ -22,7 +22,7 @@ from stagewise import ops
 from stagewise.model.config import VisionConfig
 from stagewise.model.layers.linear import Linear
 from stagewise.model.layers.norm import LayerNorm
-from stagewise.model.models.weights import Weights
+from stagewise.model.weights import Weights
 from stagewise.model.vision import grid
 
 PREFIX = "model.visual."

@@ -1,1 +1,0 @@
-"""The architectures: how each builds its decoder layers from a stage's named weights."""
