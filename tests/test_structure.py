@@ -1,5 +1,5 @@
 """The tree's shape: no import cycle between the package's modules, no module past 400 lines, no
-third-party source in the tree. Imports are read from the source (every import statement, also
+third-party source in the tree, and the runtime never importing the benchmarks. Imports are read from the source (every import statement, also
 those inside functions and under ``TYPE_CHECKING``), so a cycle cannot hide behind a lazy import."""
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ PACKAGE = ROOT / "python" / "stagewise"
 MAX_LINES = 400
 EXTENSIONS = {"stagewise._C"}
 """Compiled modules of the package (no Python source, no imports of their own)."""
+BENCH = "stagewise.bench"
+BENCH_ROUTES = {"stagewise.cli.bench", "stagewise.cli.plan"}
+"""The commands that hand over to the benchmarks (``stagewise bench``, ``stagewise plan validate``)."""
 
 
 def _module_name(path: Path) -> str:
@@ -109,3 +112,19 @@ def test_the_tree_holds_no_third_party_source():
     vendored = [str(p.relative_to(ROOT)) for top in ("csrc", "include", "python")
                 for p in (ROOT / top).rglob("*") if p.is_dir() and p.name in ("third_party", "vendor", "external")]
     assert not vendored, f"third-party source in the tree: {vendored}"
+
+
+def _in_bench(name: str) -> bool:
+    return name == BENCH or name.startswith(BENCH + ".")
+
+
+def test_the_runtime_never_imports_the_benchmarks():
+    """The benchmarks measure the runtime; nothing of the runtime may need them (what both need,
+    such as the timers and a node's profile, lives in the runtime: ``stagewise.measure``)."""
+    modules = _modules()
+    assert BENCH_ROUTES <= set(modules), f"the routing commands moved: {sorted(BENCH_ROUTES - set(modules))}"
+    found = {name: sorted(m for m in _imports(path, name, modules) if _in_bench(m))
+             for name, path in modules.items() if not _in_bench(name) and name not in BENCH_ROUTES}
+    found = {name: bench for name, bench in found.items() if bench}
+    assert not found, f"runtime modules importing the benchmarks: {found}"
+

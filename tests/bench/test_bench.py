@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import stagewise.ops
-from stagewise.bench import kernels, report
-from stagewise.bench.__main__ import main
+from stagewise.bench import report
+from stagewise.bench.cli import main
+from stagewise.bench.kernels import cases
+from stagewise.bench.kernels import report as table
 from stagewise.cli import main as cli_main
 from stagewise.ops import reference as ref
 
@@ -40,7 +42,7 @@ def test_runner_writes_json_and_markdown(tmp_path):
         assert key in machine
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", machine["date_utc"])
     assert data["copy_bandwidth"]["gbps"] > 0 and data["read_bandwidth"]["gbps"] > 0
-    assert {r["op"] for r in data["rows"]} == set(kernels.OPS)
+    assert {r["op"] for r in data["rows"]} == set(cases.OPS)
     for r in data["rows"]:
         assert r["ref_ms"] is not None and r["ref_ms"] > 0, f"{r['op']} {r['case']}: no baseline"
         assert r["nbytes"] > 0
@@ -54,7 +56,7 @@ def test_runner_writes_json_and_markdown(tmp_path):
     assert md[0].startswith("# ") and any(line.startswith("Machine: ") for line in md[:6])
     assert any(line.startswith("Date (UTC): ") for line in md[:6])
     header = next(line for line in md if line.startswith("| op |"))
-    assert [c.strip() for c in header.strip("|").split("|")] == report.COLUMNS
+    assert [c.strip() for c in header.strip("|").split("|")] == table.COLUMNS
     assert sum(1 for line in md if line.startswith("| ") and not line.startswith("| op |")) == len(data["rows"])
 
 
@@ -134,7 +136,7 @@ def test_torch_decode_attention_matches_reference(with_new, dtype):
     k_new = torch.randn(5, hk, d).to(dtype) if with_new else None
     v_new = torch.randn(5, hk, d).to(dtype) if with_new else None
     args = (q, k_cache, v_cache, tables, seq_lens, d**-0.5, k_new, v_new)
-    out, lse = kernels.torch_decode_attention(*args)
+    out, lse = cases.torch_decode_attention(*args)
     out_ref, lse_ref = ref.decode_attention(*args)
     assert out.shape == (5, hq, d) and out.dtype == dtype and lse.shape == (5, hq) and lse.dtype == torch.float32
     # Both compute in float32 and round once at the end: float32 accumulation order

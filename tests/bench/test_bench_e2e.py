@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from stagewise.bench import e2e
-from stagewise.bench.__main__ import main
+from stagewise.bench.cli import main
+from stagewise.bench.e2e import compare
+from stagewise.bench.e2e.prompts import make_prompts
 from stagewise.model.loader import load_stage_weights, open_checkpoint
 from stagewise.model.stage import StageModel
 
@@ -89,7 +90,7 @@ def test_llama_cpp_baseline_needs_a_gguf(folder, tmp_path, capsys):
 
 def test_prompts_have_the_asked_length_and_differ(folder):
     ckpt = open_checkpoint(str(folder))
-    prompts = e2e.make_prompts(ckpt, 4, 10)
+    prompts = make_prompts(ckpt, 4, 10)
     assert [len(p) for p in prompts] == [10] * 4
     assert len({tuple(p) for p in prompts}) == 4
     assert all(0 <= t < SMALL["vocab_size"] for p in prompts for t in p)
@@ -104,10 +105,10 @@ def test_floor_bytes_match_the_model_tensors(folder):
     params = sum(p.numel() * p.element_size() for name, p in stage.named_parameters()
                  if not name.startswith("embedding."))
     for batch in (1, 5):
-        assert e2e.weight_bytes_per_step(cfg, batch, 4) == params + batch * cfg.hidden_size * 4
+        assert compare.weight_bytes_per_step(cfg, batch, 4) == params + batch * cfg.hidden_size * 4
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
-    assert e2e.kv_bytes_per_token(cfg, 4) == kv
-    floor = e2e.memory_floor(cfg, 2, 10, 3, 4, gbps=1.0)
+    assert compare.kv_bytes_per_token(cfg, 4) == kv
+    floor = compare.memory_floor(cfg, 2, 10, 3, 4, gbps=1.0)
     # Two steps at contexts 10 and 11, each reading those tokens and writing one more, for 2 rows.
     total = 2 * (params + 2 * cfg.hidden_size * 4) + 2 * (11 + 12) * kv
     assert floor["bytes_per_step_mean"] == pytest.approx(total / 2)

@@ -11,8 +11,8 @@ import types
 
 import pytest
 
-from stagewise.bench.serve import _budget_compare, _target
-from stagewise.bench.serve_load import OUTPUT, PROMPT, workload
+from stagewise.bench.serve.compare import _budget_compare, _target
+from stagewise.bench.serve.load import OUTPUT, PROMPT, workload
 from stagewise.cli import main
 
 

@@ -9,17 +9,17 @@ import json
 
 import pytest
 
-from stagewise import bench
-from stagewise.bench import plan_validate
-from stagewise.bench.__main__ import main as bench_main
-from stagewise.bench.transport import TRANSPORTS as MEASURED
+from stagewise.bench import e2e, options, plan_validate
+from stagewise.bench.cli import main as bench_main
+from stagewise.bench.plan_validate import runs
+from stagewise.bench.transport.channels import MEASURED
 from stagewise.planner import validate
 from stagewise.planner.validate import MeasuredRun
-from stagewise.transport.select import TRANSPORTS
+from stagewise.transport.registry import TRANSPORTS
 
 
 def test_the_environment_variable_runs_a_suite_as_tiny(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(bench.TINY_ENV, "1")
+    monkeypatch.setenv(options.TINY_ENV, "1")
     assert bench_main(["kernels", "--ops", "rms_norm", "--no-compile", "--device", "cpu", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("*-kernels.json")
     assert json.loads(path.read_text())["machine"]["preset"] == "tiny"
@@ -27,7 +27,7 @@ def test_the_environment_variable_runs_a_suite_as_tiny(tmp_path, monkeypatch, ca
 
 
 def test_a_bad_value_is_refused(monkeypatch, capsys):
-    monkeypatch.setenv(bench.TINY_ENV, "yes")
+    monkeypatch.setenv(options.TINY_ENV, "yes")
     assert bench_main(["kernels", "--ops", "rms_norm"]) == 2
     assert "STAGEWISE_BENCH_TINY must be 1 (toy sizes) or 0, got 'yes'" in capsys.readouterr().err
 
@@ -36,8 +36,8 @@ def test_e2e_sizes_not_given_are_toy_ones_with_tiny_and_given_ones_stay():
     def sizes(tiny: bool, **given) -> dict:
         args = argparse.Namespace(tiny=tiny, batch_sizes=None, prompt_len=None, new_tokens=None, repeats=None)
         vars(args).update(given)
-        bench.resolve_e2e_sizes(args)
-        return {k: getattr(args, k) for k in bench.E2E_SIZES}
+        e2e.resolve_sizes(args)
+        return {k: getattr(args, k) for k in e2e.SIZES}
 
     assert sizes(False) == {"batch_sizes": "1,16", "prompt_len": 128, "new_tokens": 64, "repeats": 3}
     assert sizes(True) == {"batch_sizes": "1", "prompt_len": 8, "new_tokens": 4, "repeats": 1}
@@ -47,7 +47,9 @@ def test_e2e_sizes_not_given_are_toy_ones_with_tiny_and_given_ones_stay():
 def test_transports_help_names_what_the_suite_measures(monkeypatch):
     monkeypatch.setenv("COLUMNS", "1000")  # no line break inside a name such as tcp-tls
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
+    from stagewise.bench import transport
+
+    transport.add_arguments(parser)
     text = " ".join(parser.format_help().split())
     assert f"comma-separated subset of {','.join(MEASURED)}" in text
     assert "shm" in MEASURED and {m.removesuffix("-tls") for m in MEASURED} <= set(TRANSPORTS)  # tcp-tls: tcp in TLS
@@ -74,11 +76,11 @@ def test_plan_validate_with_tiny_leaves_the_validation_record_alone(tmp_path, mo
         seen.update(input_length=input_length, output_length=output_length, repeats=repeats)
         return MeasuredRun(stages=stages, per_stage_busy_s=[0.01] * stages, tpot_s=0.01, ttft_s=0.1, bubble_s=0.0)
 
-    monkeypatch.setattr(plan_validate, "measure", fake_measure)
+    monkeypatch.setattr(runs, "measure", fake_measure)
     if tiny:
-        monkeypatch.setenv(bench.TINY_ENV, "1")
+        monkeypatch.setenv(options.TINY_ENV, "1")
     else:
-        monkeypatch.delenv(bench.TINY_ENV, raising=False)
+        monkeypatch.delenv(options.TINY_ENV, raising=False)
     argv = [str(tiny_llama), "--stages", "1", "--device-profile", "cpu-generic", "--out", str(tmp_path / "out")]
     assert plan_validate.main(argv) == 0
     assert seen == ({"input_length": 16, "output_length": 4, "repeats": 1} if tiny else

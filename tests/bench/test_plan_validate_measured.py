@@ -9,7 +9,7 @@ import json
 import pytest
 
 from stagewise.bench import plan_validate
-from stagewise.bench.plan_validate_split import stage_threads
+from stagewise.bench.plan_validate.split import stage_threads
 from stagewise.planner import validate
 
 MODEL = "smollm2-135m"

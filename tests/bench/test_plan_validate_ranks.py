@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from stagewise.bench import plan_validate, regroup
-from stagewise.bench.profile_tp import fit_tp_link, measure_tp_link
+from stagewise.bench.plan_validate.compare import _oversubscribed
+from stagewise.bench.profile.tp import fit_tp_link, measure_tp_link
 from stagewise.model.loader import open_checkpoint
 from stagewise.planner import validate
 from stagewise.planner.estimate import Workload, estimate_layout, slowdown
@@ -157,9 +158,9 @@ def test_rank_processes_beyond_the_cores_are_named_in_the_estimate_and_the_resul
         assert not any("rank processes on" in n for n in estimate_layout(cfg, layout, work, p).notes)
     rows = [{"batch": 4, "stages": 2, "tp": 2, "dcp": 1, "oversubscribed": True},
             {"batch": 1, "stages": 1, "tp": 2, "dcp": 1, "oversubscribed": False}]
-    [text, _] = plan_validate._oversubscribed(rows, 2)
+    [text, _] = _oversubscribed(rows, 2)
     assert "than the 2 cores (batch, S, TP, DCP): (4, 2, 2, 1)." in text and "(1, 1, 2, 1)" not in text
-    assert plan_validate._oversubscribed(rows[1:], 2) == []
+    assert _oversubscribed(rows[1:], 2) == []
 
 
 def test_heads_regroups_a_gguf_and_keeps_every_other_tensor(tmp_path):

@@ -138,7 +138,7 @@ def _fake_measure(calls: list):
     import socket
     import time
 
-    from stagewise.bench import node
+    from stagewise.measure import node
 
     def measure(device, types, threads, key, log):
         calls.append((device, tuple(types), threads))
@@ -156,7 +156,7 @@ def test_a_nodes_profile_says_whether_it_was_measured_now_or_read_from_the_cache
 
     import torch
 
-    from stagewise.bench import node
+    from stagewise.measure import node
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls: list = []
@@ -198,7 +198,7 @@ def test_the_split_says_where_each_nodes_profile_came_from_and_measures_again_wh
     their own (other threads) each measure theirs."""
     import threading
 
-    from stagewise.bench import node
+    from stagewise.measure import node
     from stagewise.launch.probe import serve_probe
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -272,7 +272,7 @@ def test_launch_splits_a_plan_of_this_machine_by_its_cached_profiles(tmp_path, m
     import subprocess
     import sys
 
-    from stagewise.bench import node
+    from stagewise.measure import node
 
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")

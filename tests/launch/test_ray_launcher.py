@@ -216,7 +216,7 @@ def test_stages_on_ray_nodes_talk_mutual_tls(cluster, reference, tmp_path):
     import ssl
 
     pytest.importorskip("cryptography")
-    from stagewise.bench.certs import make_pki
+    from stagewise.bench.transport.certs import make_pki
 
     pki = make_pki(tmp_path)
     cert, key = pki["stage"]

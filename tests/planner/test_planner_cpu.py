@@ -114,7 +114,7 @@ def test_measured_concurrency_replaces_the_core_rule():
 
 
 def test_decode_spans_leave_out_each_groups_prefill():
-    from stagewise.bench.plan_measure import decode_spans
+    from stagewise.bench.plan_validate.runs import decode_spans
 
     trace = [("compute", 0.0, 1.0, 0), ("compute", 1.0, 2.0, 1), ("send", 1.0, 0.1, 0), ("recv-wait", 3.0, 2.0, 0),
              ("compute", 5.0, 3.0, 0), ("send", 8.0, 0.2, 0), ("compute", 9.0, 4.0, 1)]
@@ -171,7 +171,7 @@ def test_profile_fields_checked():
 
 def test_random_blocks_are_valid_gguf():
     from stagewise import ops
-    from stagewise.bench.profile_runtime import random_blocks
+    from stagewise.measure.primitives import random_blocks
     from stagewise.ops import reference
 
     scale = float(torch.tensor(0.01, dtype=torch.float16))  # the blocks' d, rounded to float16

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("cryptography")
-from stagewise.bench.certs import make_pki  # noqa: E402
+from stagewise.bench.transport.certs import make_pki  # noqa: E402
 from stagewise.transport import ChannelClosed, Frame, HandshakeError, Hello, Row, StepKind, tcp  # noqa: E402
 from stagewise.transport.tls import TlsConfig, is_loopback  # noqa: E402
 

@@ -1,20 +1,8 @@
-"""``python -m stagewise.bench kernels``: the same as ``stagewise bench kernels``."""
+"""``python -m stagewise.bench SUITE ...``: the same as ``stagewise bench SUITE ...``."""
 
-from __future__ import annotations
-
-import argparse
 import sys
 
-from stagewise.bench import add_arguments, run
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m stagewise.bench", description="microbenchmarks against their baselines"
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
+from stagewise.bench.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -2,7 +2,7 @@
 
 Before any weight loads, the run's launcher starts a probe in place of every stage rank (as
 ``stagewise doctor`` does); each stage leader's probe measures its node with the planner's profile
-primitives (:func:`stagewise.bench.node.node_profile`: seconds, then cached for the host, device and
+primitives (:func:`stagewise.measure.node.node_profile`: seconds, then cached for the host, device and
 threads; ``remeasure`` measures again, and the log says of each node whether its profile was
 measured now or read from the cache, naming the file and when it was measured). The planner's
 operator model (:mod:`stagewise.planner.compute`) turns each node's profile into the decode-step
@@ -139,7 +139,7 @@ def measured_plan(plan: RunPlan, checkpoint, start, log=None, token: str | None 
 
 
 def profile_origin(measured: dict, now: float | None = None, hint: bool = True) -> str:
-    """Where a node's profile came from (its ``measured`` section, :mod:`stagewise.bench.node`):
+    """Where a node's profile came from (its ``measured`` section, :mod:`stagewise.measure.node`):
     measured now, or read from a cache file, with when it was measured (and with ``hint``, how to
     measure again)."""
     if not measured.get("from_cache"):

@@ -15,7 +15,7 @@ JSON lines over TCP (no pickle; each connection in a thread of its own):
 - ``{"op": "probe", "host": H, "port": P}``: measure from here to another probe (a hop's
   direction; ``H`` one of the plan's hosts) and answer with the figures or the error;
 - ``{"op": "measure", "types": [...], "fresh": false}``: this node's profile for the rank's device
-  and threads (:func:`stagewise.bench.node.node_profile`: cached, or with ``fresh`` measured
+  and threads (:func:`stagewise.measure.node.node_profile`: cached, or with ``fresh`` measured
   again), for ``--partition measured``;
 - ``{"op": "bye"}``: the probe exits (it also does after ``IDLE_S`` without a request).
 
@@ -202,7 +202,7 @@ def _measure_node(report: dict, types, fresh: bool = False) -> dict:
     saved, quiet = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(quiet, 2)
     try:
-        from stagewise.bench.node import node_profile
+        from stagewise.measure.node import node_profile
 
         return node_profile(report["device"], tuple(str(t) for t in types or ()), reuse=not fresh)
     except Exception as err:  # noqa: BLE001 - the driver names the stage with it

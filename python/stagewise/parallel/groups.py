@@ -7,9 +7,10 @@ A world exists only where something needs it, and spans no more than that:
   leader hosts on loopback. A stage's ranks share its leader's host, so neither the store's
   traffic nor gloo's connections leave that host (gloo listens on the loopback interface too):
   a run that asks for TLS between hosts has no plain-text link between them;
-- the ``torch`` transport between stages (whose peers are the stages' leaders) needs one world
-  over every rank of the run, whose store stage 0's leader hosts (that transport is refused
-  between hosts when the plan asks for TLS: :func:`stagewise.pipeline.links.hop_transports`).
+- a world transport between stages (``torch``, :mod:`stagewise.transport.registry`; its peers are
+  the stages' leaders) needs one world over every rank of the run, whose store stage 0's leader
+  hosts (that transport is refused between hosts when the plan asks for TLS:
+  :func:`stagewise.pipeline.links.hop_transports`).
 
 Every process of a world creates every group of it, in the same order (torch.distributed's rule
 for ``new_group``), and keeps its own.
@@ -30,16 +31,17 @@ import torch.distributed as dist
 from stagewise.model.collectives import StageGroups
 from stagewise.parallel import comm, shm_group
 from stagewise.parallel.runplan import RunPlan
+from stagewise.transport import registry
 
 GROUP_ORDER = ("tp", "dcp", "pcp")
 SHM_ENV = "STAGEWISE_SHM_COLLECTIVES"
 
 
 def spans_run(hop_transports: list[str]) -> bool:
-    """Whether the run has one world over every rank (the ``torch`` transport between stages)
+    """Whether the run has one world over every rank (a world transport between stages: ``torch``)
     rather than a world per stage of several ranks. That world cannot take a new member, so its
     stages never rejoin a new driver."""
-    return "torch" in hop_transports
+    return any(registry.is_world(hop) for hop in hop_transports)
 
 
 def world_ranks(plan: RunPlan, stage: int, hop_transports: list[str]) -> list[int]:

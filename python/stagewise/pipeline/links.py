@@ -3,11 +3,12 @@
 stage 0).
 
 Every link opens with the transport's hello (protocol version, stage indices, role, model/plan
-fingerprint, optional auth token) over TCP; a data link then continues on its transport (tcp, a
-shared-memory ring, a CUDA IPC ring: :mod:`stagewise.transport.rings`). The ``torch`` transport
-instead opens point-to-point channels in a torch.distributed world over the run's ranks, whose
-store stage 0's leader hosts (:mod:`stagewise.parallel.groups`). :func:`open_data_links` is the
-one place that wires a stage to its neighbours, whatever the transport.
+fingerprint, optional auth token) over TCP; a data link then continues on its transport (a link
+transport of :mod:`stagewise.transport.registry`: tcp, a shared-memory ring, a CUDA IPC ring). A
+world transport (``torch``) instead opens point-to-point channels in a torch.distributed world
+over the run's ranks, whose store stage 0's leader hosts (:mod:`stagewise.parallel.groups`).
+:func:`open_data_links` is the one place that wires a stage to its neighbours, whatever the
+transport; nothing here names one but the driver's control link, which is always TCP.
 """
 
 from __future__ import annotations
@@ -19,18 +20,19 @@ from typing import TYPE_CHECKING
 
 from stagewise.parallel.runplan import RunPlan
 from stagewise.pipeline.lines import log_line
-from stagewise.transport import select, tcp, torch_dist
+from stagewise.transport import registry, tcp
 from stagewise.transport.channel import Channel
 from stagewise.transport.hello import Hello
 from stagewise.transport.tls import TlsConfig
-from stagewise.transport.rings import LINK_TRANSPORTS, upgrade_accepted, upgrade_dialled
+from stagewise.transport.rings import upgrade_accepted, upgrade_dialled
 
 if TYPE_CHECKING:
     from stagewise.pipeline.fanout import Fanout
 
 ROLES = ("driver", "activations", "feedback", "fanout")
 LINK_TIMEOUT_S = 120.0
-TORCH_TAGS = {"activations": 1, "feedback": 2}
+WORLD_TAGS = {"activations": 1, "feedback": 2}
+"""The tag of each role's messages on a world transport (both directions share the ranks)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,30 +48,35 @@ class LinkOptions:
 
 def hop_transports(plan: RunPlan) -> list[str]:
     """The transport of each stage's outgoing hop (stage i -> i + 1, the last -> 0): the plan's
-    ``transport`` resolved per hop by the one rule, :func:`stagewise.transport.select.resolve`
-    (ValueError naming the hop for one it cannot use, or for a ``torch`` hop between hosts of a
-    plan with ``tls``: that transport would carry the activations in plain text)."""
+    ``transport`` resolved per hop by the one rule, :func:`stagewise.transport.registry.resolve`
+    (ValueError naming the hop for one it cannot use, or for a hop between hosts on a world
+    transport in a plan with ``tls``: torch.distributed would carry the activations in plain text)."""
     n = plan.num_stages
     hops = []
     for i in range(n):
         a, b = plan.stages[i], plan.stages[(i + 1) % n]
         try:
-            hop = select.resolve(plan.transport, same_host=a.host == b.host,
-                                 cuda=a.device.startswith("cuda") and b.device.startswith("cuda"))
+            hop = registry.resolve(plan.transport, same_host=a.host == b.host,
+                                   cuda=a.device.startswith("cuda") and b.device.startswith("cuda"))
         except ValueError as err:
             raise ValueError(f"run plan: hop stage {a.index} -> {b.index}: {err}") from None
-        if plan.tls and hop == "torch" and a.host != b.host:
+        if plan.tls and registry.is_world(hop) and a.host != b.host:
+            across = [t.name for t in registry.REGISTRY.values() if not t.world and not t.same_host]
             raise ValueError(f"run plan: hop stage {a.index} -> {b.index} crosses hosts ({a.host} -> {b.host}) on "
-                             "the torch transport, which has no TLS, while the plan asks for tls: use transport "
-                             "auto or tcp (TLS between hosts), or leave tls out")
+                             f"the {hop} transport, which has no TLS, while the plan asks for tls: use transport "
+                             f"{' or '.join([registry.AUTO, *across])} (TLS between hosts), or leave tls out")
         hops.append(hop)
     return hops
 
 
 def fanout_transport(plan: RunPlan) -> str:
-    """The transport from a stage's leader to its other ranks, which run on its host: shared
-    memory, unless the plan asks for TCP everywhere."""
-    return "tcp" if plan.transport == "tcp" else "shm"
+    """The transport from a stage's leader to its other ranks, which run on its host (CPU tensors:
+    steps come from the host): the plan's own when it asks for a link that goes anywhere (tcp
+    everywhere), else what ``auto`` takes on one host (shared memory)."""
+    asked = registry.REGISTRY.get(plan.transport)
+    if asked is not None and not asked.world and not asked.same_host:
+        return asked.name
+    return registry.resolve(registry.AUTO, same_host=True)
 
 
 def listen(address: tuple[str, int], options: LinkOptions) -> tcp.Listener:
@@ -88,8 +95,8 @@ def dial(address: tuple[str, int], options: LinkOptions, *, transport: str, stag
         raise ValueError(f"links.dial: role must be one of {ROLES}, got {role!r}")
     if role == "driver" and transport != "tcp":
         raise ValueError(f"links.dial: the driver's control link is TCP, got transport {transport!r}")
-    if role != "driver" and transport not in LINK_TRANSPORTS:
-        raise ValueError(f"links.dial: transport must be one of {LINK_TRANSPORTS} for a {role} link, "
+    if role != "driver" and transport not in registry.LINK_TRANSPORTS:
+        raise ValueError(f"links.dial: transport must be one of {registry.LINK_TRANSPORTS} for a {role} link, "
                          f"got {transport!r}")
     host, port = address
     hello = Hello(fingerprint=options.fingerprint, stage_from=None if stage < 0 else stage, stage_to=peer, role=role)
@@ -186,8 +193,9 @@ def open_data_links(*, index: int, num_stages: int, transport: str, next_address
                     device: int | None = None, world_ranks: list[int] | None = None) -> DataLinks:
     """Connect stage ``index``'s leader to its neighbours: dial the next stage (the last dials
     stage 0) while accepting the previous one, since every stage dials first and a hello needs the
-    other end to be accepting. The ``torch`` transport runs over the run's torch.distributed world
-    (already joined: :mod:`stagewise.parallel.groups`), between the leaders' ranks ``world_ranks``."""
+    other end to be accepting. A world transport (``torch``) runs over the run's torch.distributed
+    world (already joined: :mod:`stagewise.parallel.groups`), between the leaders' ranks
+    ``world_ranks``."""
     links = DataLinks()
     if num_stages == 1:
         return links
@@ -195,14 +203,14 @@ def open_data_links(*, index: int, num_stages: int, transport: str, next_address
     incoming = "feedback" if first else "activations"
     outgoing = "feedback" if last else "activations"
     peer, prev = (index + 1) % num_stages, (index - 1) % num_stages
-    if transport == "torch":
-        world = world_ranks or list(range(num_stages))
+    if registry.is_world(transport):
+        world, open_channel = world_ranks or list(range(num_stages)), registry.get(transport).load()
 
         def open_in() -> Channel:
-            return _torch_link(world, options, sender=prev, receiver=index, role=incoming, stage=index)
+            return _world_link(open_channel, world, options, sender=prev, receiver=index, role=incoming, stage=index)
 
         def open_out() -> Channel:
-            return _torch_link(world, options, sender=index, receiver=peer, role=outgoing, stage=index)
+            return _world_link(open_channel, world, options, sender=index, receiver=peer, role=outgoing, stage=index)
     else:
         if next_address is None:
             raise ValueError(f"stage {index}: setup names no address for stage {peer}")
@@ -240,10 +248,9 @@ def open_data_links(*, index: int, num_stages: int, transport: str, next_address
     return links
 
 
-def _torch_link(world: list[int], options: LinkOptions, *, sender: int, receiver: int, role: str,
+def _world_link(open_channel, world: list[int], options: LinkOptions, *, sender: int, receiver: int, role: str,
                 stage: int) -> Channel:
     hello = Hello(fingerprint=options.fingerprint, stage_from=sender, stage_to=receiver, role=role)
     peer = world[receiver if stage == sender else sender]
-    return torch_dist.open_channel(peer, hello=hello, initiator=stage == sender, tag=TORCH_TAGS[role],
-                                   auth_token=options.auth_token, checksum=options.checksum,
-                                   verify_checksum=options.checksum, timeout=LINK_TIMEOUT_S)
+    return open_channel(peer, hello=hello, initiator=stage == sender, tag=WORLD_TAGS[role], auth_token=options.auth_token,
+                        checksum=options.checksum, verify_checksum=options.checksum, timeout=LINK_TIMEOUT_S)

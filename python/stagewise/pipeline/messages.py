@@ -70,7 +70,7 @@ class Setup:
     next: tuple[str, int] | None
     """Address of the stage this one dials (the last stage dials stage 0); None with one stage."""
     transport: str
-    """This stage's outgoing hop: tcp, shm, cuda-ipc or torch."""
+    """This stage's outgoing hop: a registered transport (:mod:`stagewise.transport.registry`), never auto."""
     microbatches: int
     store: tuple[str, int] | None = None
     """The store of this process's torch.distributed world (its stage's ranks, or the run's with the

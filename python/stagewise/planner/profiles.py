@@ -15,7 +15,8 @@ Built-in profiles live in ``planner/profiles/*.json`` (h100-sxm, h200, a100, cpu
 - ``transports``: measured ``{"tcp"|"shm"|...: {"latency_s", "bandwidth"}}``; ``--transport``
   makes one of them the PP link.
 
-Optional, measured by ``stagewise bench profile`` on a CPU (:mod:`stagewise.bench.profile_runtime`):
+Optional, measured by ``stagewise bench profile`` on a CPU (:mod:`stagewise.measure.primitives`,
+:mod:`stagewise.bench.profile`):
 
 - ``quant``: ``{"q4_0"|"q4_1"|"q8_0": {"s_per_weight", "flops", "rows_s_per_weight"}}``: a
   block-quantised linear costs ``weights * s_per_weight + flops / flops`` (decode each weight

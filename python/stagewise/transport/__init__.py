@@ -6,7 +6,8 @@
 - :mod:`~stagewise.transport.tcp`, :mod:`~stagewise.transport.torch_dist`: channels;
 - :mod:`~stagewise.transport.rings`: the shared-memory and CUDA IPC rings, and the ``link`` message
   that moves a dialled TCP channel's frames onto one;
-- :mod:`~stagewise.transport.select`: the transport names and the one rule that resolves ``auto``.
+- :mod:`~stagewise.transport.registry`: every transport once (its name, what a hop needs to use it,
+  what sets a channel up on it) and the one rule that resolves ``auto``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from stagewise.transport.frame import DEFAULT_MAX_PAYLOAD_BYTES, Frame, Layout, Row, RowFlags, StepKind, WireDType
     from stagewise.transport.hello import Hello
 
-# Loaded on first use, so that the light modules (select, errors) import without torch or the
+# Loaded on first use, so that the light modules (registry, errors) import without torch or the
 # extension: the CLI and the run-plan parser name transports without loading either.
 _EXPORTS = {
     "Channel": "channel", "ChannelStats": "channel", "decode_frame": "codec", "encode_frame": "codec",

@@ -1,4 +1,4 @@
-"""A ring link, and the ``link`` message that sets one up on a TCP channel.
+"""A ring link, and the ``link`` message that sets a data link up on a TCP channel.
 
 A data link between two stages is first a TCP channel (which did the hello and the
 authentication). Its dialling end then sends one ``link`` message naming the transport its
@@ -6,10 +6,10 @@ frames continue on; for a ring, the message also names the ring (a shared-memory
 IPC handle), the accepting end attaches to it and answers ``link-ready`` (or ``link-failed``
 with the reason). From then on frames from the dialling end go through the ring; the TCP channel
 stays open beside it for the reverse direction, for frames too large for a slot, and because its
-EOF tells that the peer is gone.
+EOF tells that the peer is gone. On ``tcp`` (:class:`TcpLink`) the TCP channel itself carries them.
 
-The messages are CONTROL frames: ``{"op": "link", "transport": "shm" | "cuda-ipc" | "tcp", ...}``,
-``{"op": "link-ready"}``, ``{"op": "link-failed", "error": reason}``.
+The messages are CONTROL frames: ``{"op": "link", "transport": NAME, ...}`` (a link transport of
+:mod:`stagewise.transport.registry`), ``{"op": "link-ready"}``, ``{"op": "link-failed", "error": reason}``.
 """
 
 from __future__ import annotations
@@ -48,6 +48,25 @@ def ready(tcp: Channel) -> None:
 def failed(tcp: Channel, why: str) -> None:
     """Accepting end: the link could not be set up (the dialler raises with ``why``)."""
     tcp.send(Frame(step_kind=StepKind.CONTROL, control={"op": "link-failed", "error": why}))
+
+
+class TcpLink:
+    """The ``tcp`` transport's setup (:class:`~stagewise.transport.registry.LinkSetup`): the link
+    message names tcp, and the TCP channel itself carries the frames from then on."""
+
+    @classmethod
+    def offer(cls, tcp: Channel, *, slot_bytes: int = 0, num_slots: int = 0, device: int | None = None,
+              checksum: bool = True, verify_checksum: bool = True) -> Channel:  # fmt: skip
+        """Dialling end (the channel's checksum settings are its own, from its connect)."""
+        offer(tcp, "tcp", "the tcp link")
+        return tcp
+
+    @classmethod
+    def attach(cls, tcp: Channel, message: dict, *, device: int | None = None, checksum: bool = True,
+               verify_checksum: bool = True) -> Channel:  # fmt: skip
+        """Accepting end."""
+        ready(tcp)
+        return tcp
 
 
 class RingLink(Channel):

@@ -42,8 +42,10 @@ class ShmChannel(RingLink):
     # ---- setup ---------------------------------------------------------------------
 
     @classmethod
-    def offer(cls, tcp: Channel, *, slot_bytes: int, num_slots: int = 4, **options) -> ShmChannel:
-        """Sending end: create the ring, name it to the peer, wait until it attached."""
+    def offer(cls, tcp: Channel, *, slot_bytes: int, num_slots: int = 4, device: int | None = None,
+              **options) -> ShmChannel:  # fmt: skip
+        """Sending end: create the ring, name it to the peer, wait until it attached (``device``:
+        not used, the ring is in host memory)."""
         ring = ShmRing.create(ShmRing.unique_name("stagewise"), slot_bytes, num_slots)
         try:
             link.offer(tcp, "shm", f"shm ring {ring.name}", name=ring.name, slot_bytes=slot_bytes,
@@ -54,8 +56,8 @@ class ShmChannel(RingLink):
         return cls(tcp, ring, sending=True, **options)
 
     @classmethod
-    def attach(cls, tcp: Channel, message: dict, **options) -> ShmChannel:
-        """Receiving end, given the sender's ``link`` message."""
+    def attach(cls, tcp: Channel, message: dict, *, device: int | None = None, **options) -> ShmChannel:
+        """Receiving end, given the sender's ``link`` message (``device``: not used)."""
         try:
             ring = ShmRing.attach(str(message["name"]), timeout=5.0)
         except (OSError, ValueError, KeyError) as err:

@@ -1,0 +1,130 @@
+"""`stagewise bench e2e --stages 1,2,3`: SmolLM2 decode through the pipeline's stage processes.
+
+For every stage count S it measures, side by side in one run (the configurations take turns,
+so a noisy machine slows them alike):
+
+- batch 1: decode tokens/s and time per output token; the per-token overhead of S stages over
+  the single process (target: S = 2 at most 10 % slower than S = 1);
+- S x 4 concurrent requests: decode tokens/s and each stage's busy fraction (compute time over
+  the stage's wall time during the call; target: every stage >= 80 % busy).
+
+Greedy tokens of every S are compared with S = 1 (they must be identical). Every stage runs
+one torch thread, the single process as well.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+
+
+def run(args, log=print) -> int:
+    from stagewise.api import Pipeline
+    from stagewise.bench import report
+    from stagewise.bench.e2e.prompts import make_prompts
+
+    try:
+        counts = [int(s) for s in str(args.stages).split(",") if s.strip()]
+    except ValueError:
+        counts = []
+    repeats = args.repeats or 3
+    if not counts or min(counts) < 1 or args.prompt_len < 1 or args.new_tokens < 2 or repeats < 1:
+        print(f"stagewise bench e2e: --stages takes stage counts >= 1 such as 1,2,3 (got {args.stages!r}); "
+              "--prompt-len >= 1, --new-tokens >= 2, --repeats >= 1", file=sys.stderr)
+        return 2
+    counts = sorted(set(counts) | {1})
+    torch.set_num_threads(1)
+    transport = getattr(args, "transport", None) or "auto"
+    partition = getattr(args, "partition", None) or "balanced"
+    info = report.machine_info("cpu")
+    max_len = args.prompt_len + args.new_tokens + 1
+    most = 4 * max(counts)
+    pipes = {}
+    try:
+        for s in counts:
+            log(f"starting S={s} ...")
+            options = {} if s == 1 else {"threads": 1, "transport": transport, "partition": partition}
+            pipes[s] = Pipeline(args.model, stages=s, dtype="float32", max_num_seqs=most, max_model_len=max_len,
+                                max_num_tokens=most * max_len, **options)
+        ckpt = pipes[1].checkpoint
+        cases = {"b1": make_prompts(ckpt, 1, args.prompt_len)}
+        for s in counts:
+            cases[f"c{s}"] = make_prompts(ckpt, 4 * s, args.prompt_len)
+        samples: dict[tuple[int, str], list[dict]] = {}
+        tokens: dict[tuple[int, str], list[list[int]]] = {}
+        for s, pipe in pipes.items():  # warm-up
+            pipe.generate(prompt_token_ids=cases["b1"], max_new_tokens=2, ignore_eos=True)
+        for rep in range(repeats):
+            for s, pipe in pipes.items():
+                for case in ("b1", f"c{s}"):
+                    prompts = cases[case]
+                    prefill = None
+                    if s > 1:  # the prefill alone, to take it off the stages' busy and wall time
+                        pipe.generate(prompt_token_ids=prompts, max_new_tokens=1, ignore_eos=True)
+                        prefill = pipe.last_stats["stages"]
+                    out = pipe.generate(prompt_token_ids=prompts, max_new_tokens=args.new_tokens, ignore_eos=True)
+                    st = dict(pipe.last_stats)
+                    if prefill is not None:
+                        st["decode_busy"] = [(a["busy_s"] - b["busy_s"]) / max(a["wall_s"] - b["wall_s"], 1e-9)
+                                             for a, b in zip(st["stages"], prefill)]
+                    steps = st["decode_tokens"] / len(prompts)
+                    st["tpot_s"] = st["decode_s"] / steps if steps else 0.0
+                    samples.setdefault((s, case), []).append(st)
+                    tokens[(s, case)] = [c.token_ids for c in out]
+                    log(f"  run {rep + 1}/{repeats} S={s} {case}: {st['decode_tokens_per_s']:.1f} tok/s, "
+                        f"TPOT {1e3 * st['tpot_s']:.1f} ms")
+    finally:
+        for pipe in pipes.values():
+            pipe.close()
+    rows = []
+    base_tpot = statistics.median(r["tpot_s"] for r in samples[(1, "b1")])
+    for s in counts:
+        for case in ("b1", f"c{s}"):
+            runs = samples[(s, case)]
+            row = {"stages": s, "requests": len(cases[case]),
+                   "decode_tok_s": statistics.median(r["decode_tokens_per_s"] for r in runs),
+                   "tpot_ms": 1e3 * statistics.median(r["tpot_s"] for r in runs),
+                   "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs),
+                   "tokens_equal_s1": tokens[(s, case)] == tokens[(1, case)] if (1, case) in tokens else None}
+            if case == "b1":
+                row["overhead_vs_s1_pct"] = 100.0 * (1e-3 * row["tpot_ms"] / base_tpot - 1.0)
+            if s > 1:
+                row["busy_pct"] = [100.0 * statistics.median(r["stages"][i]["busy_fraction"] for r in runs)
+                                   for i in range(s)]
+                row["decode_busy_pct"] = [100.0 * statistics.median(r["decode_busy"][i] for r in runs)
+                                          for i in range(s)]
+                row["layers"] = [r["layers"] for r in runs[0]["stages"]]
+            rows.append(row)
+    info.update(model=str(args.model), dtype="float32", repeats=repeats, transport=transport, partition=partition,
+                prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+    table = format_table(rows)
+    print(table)
+    report.write_results(args.out, f"{info['device']}-e2e-stages", {"machine": info, "rows": rows}, [
+        "# stagewise pipeline end to end: SmolLM2 decode by stage count", "",
+        f"Machine: {info['device_name']} ({info['device']}), {info['cpu_count']} CPUs; 1 torch thread per stage "
+        f"(and for S = 1); torch {info['torch']}  ", f"Date (UTC): {info['date_utc']}; commit: {info['git_commit']}  ",
+        f"Model: {info['model']}, float32, greedy, EOS ignored, prompt {args.prompt_len}, {args.new_tokens} new tokens; "
+        f"transport {transport}, partition {partition}; median of {repeats} runs, configurations taking turns", "",
+        "overhead = TPOT at batch 1 over S = 1's, in % (target for S = 2: <= 10 %). busy % = each stage's "
+        "compute time over its wall time during the whole call; decode busy % = the same after the prefill "
+        "(a prefill-only call of the same prompts taken off), with S x 4 concurrent requests the target is "
+        ">= 80 %. S > 2 stage processes share this machine's 2 cores. "
+        "tokens = S1: greedy tokens identical to the single process.", "",
+        table, ""], log)
+    return 0
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ["S", "requests", "decode tok/s", "TPOT ms", "TTFT ms", "overhead %", "busy % per stage",
+            "decode busy % per stage", "tokens = S1"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for r in rows:
+        busy = " / ".join(f"{b:.0f}" for b in r.get("busy_pct", [])) or "-"
+        dbusy = " / ".join(f"{b:.0f}" for b in r.get("decode_busy_pct", [])) or "-"
+        over = f"{r['overhead_vs_s1_pct']:+.1f}" if "overhead_vs_s1_pct" in r else "-"
+        eq = "-" if r["tokens_equal_s1"] is None else ("yes" if r["tokens_equal_s1"] else "NO")
+        lines.append(f"| {r['stages']} | {r['requests']} | {r['decode_tok_s']:.1f} | {r['tpot_ms']:.1f} | "
+                     f"{r['ttft_ms']:.0f} | {over} | {busy} | {dbusy} | {eq} |")
+    return "\n".join(lines)

@@ -1,0 +1,37 @@
+"""``stagewise bench serve``: ``stagewise serve`` against llama.cpp's OpenAI server on the same GGUF
+and cores, each under the same Poisson load of ShareGPT-like requests
+(:mod:`~stagewise.bench.serve.load`) at each rate, compared at equal p99 TPOT
+(:mod:`~stagewise.bench.serve.compare`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from stagewise.bench.options import add_common
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common(parser, "serve")
+    parser.add_argument("--model", default="smollm2-135m", help="a GGUF file or smollm2-135m (default)")
+    parser.add_argument("--linear-precision", default="exact,int8", metavar="exact,int8",
+                        help="ours' linear precisions, a row group each with the TPOT target (default: exact,int8)")
+    parser.add_argument("--stages", default=None, metavar="S",
+                        help="ours as a pipeline of S stage processes (default 1)")
+    parser.add_argument("--rates", default=None, metavar="0.5,1,2,4",
+                        help="offered loads, requests per second (default 0.5,1,2,4)")
+    parser.add_argument("--requests", type=int, default=None, metavar="N",
+                        help="requests per rate (default 40; --tiny: 4)")
+    parser.add_argument("--server-baseline", dest="baseline_server", default="llama.cpp", choices=["llama.cpp", "none"],
+                        help="the server run beside stagewise serve (default llama.cpp: llama-cpp-python's "
+                             "llama_cpp.server, an optional dependency)")
+    parser.add_argument("--install-baseline", action="store_true",
+                        help="pip install llama-cpp-python (a native source build) when it is missing")
+    parser.add_argument("--tpot-target", default="auto", metavar="auto|none|MS",
+                        help="ours also runs with this TPOT target, each --linear-precision (default auto: 0.8 of "
+                             "llama.cpp's measured p99 TPOT; none: only ours as it starts by default)")
+
+
+def run(args: argparse.Namespace, log) -> int:
+    from stagewise.bench.serve import compare
+
+    return compare.run(args, log)
