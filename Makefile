@@ -17,7 +17,7 @@ PY_MODULES := $(shell find python/stagewise -name '*.py' 2>/dev/null | sort)
 .PHONY: demo test build bench clean FORCE
 
 demo: $(VENV)/.built
-	$(PY) -m stagewise.demo
+	$(VENV)/bin/stagewise demo
 
 test: $(VENV)/.built
 	$(PY) -m pytest -q tests

@@ -83,11 +83,11 @@ def test_what_the_config_rules_out_is_named_before_loading(folder, argv, fragmen
 def test_text_prompts_are_checked_before_loading(argv, fragments, tmp_path, capsys, monkeypatch):
     """Text prompts are encoded with the checkpoint's tokenizer (and chat template) before the
     weights load: an empty or too long one is named at once, not after the model loaded."""
-    from stagewise import cli_generate
+    from stagewise.cli import generate
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text('{"prompt": "a"}\n{"prompt": ""}\n')
-    monkeypatch.setattr(cli_generate, "open_pipeline", lambda *_: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(generate, "open_pipeline", lambda *_: pytest.fail("the model was loaded"))
     assert cli_main(["generate", "smollm2-135m", *[a.format(empty=empty) for a in argv]]) == 2
     err = capsys.readouterr().err
     for fragment in fragments:
@@ -152,7 +152,7 @@ def test_prompt_file_problems_name_their_lines(folder, tmp_path, capsys):
     assert cli_main(["generate", str(folder), "--prompt-file", str(prompts)]) == 2
     err = capsys.readouterr().err
     for fragment in (f"{prompts}:1: top_k must be an int >= 0", f"{prompts}:2: not JSON",
-                     f"{prompts}:3: give exactly one of prompt and prompt_ids", f"{prompts}:4: unknown fields ['colour']"):
+                     f"{prompts}:3: give exactly one of prompt and prompt_ids", f"{prompts}:4: 'colour' is not a sampling option"):
         assert fragment in err, (fragment, err)
 
 

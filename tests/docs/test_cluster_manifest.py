@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_kuberay_manifest_serves_with_the_ray_launcher():
-    from stagewise.cli_generate import model_problems
-    from stagewise.cli_serve import add_arguments, server_problems
+    from stagewise.cli.model_args import model_problems
+    from stagewise.cli.serve import add_arguments, server_problems
 
     examples, problems = parse((ROOT / "docs/cluster.md").read_text(), "docs/cluster.md")
     assert not problems

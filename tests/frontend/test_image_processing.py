@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from stagewise.image_processing import ImageProcessor, load_image, smart_resize
+from stagewise.frontend.image_processing import ImageProcessor, load_image, smart_resize
 from stagewise.model.config import VisionConfig
-from stagewise.prompts import expand_image_placeholders
+from stagewise.frontend.prompts import expand_image_placeholders
 
 PIL = pytest.importorskip("PIL.Image")
 pytest.importorskip("transformers")

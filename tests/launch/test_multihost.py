@@ -287,7 +287,7 @@ def test_launch_starts_its_own_stage_and_waits_for_the_other_hosts(tiny, tmp_pat
 
 
 def test_a_ctrl_c_while_connecting_stops_the_stages_started_here(tiny, tmp_path, monkeypatch):
-    from stagewise import cli_launch
+    from stagewise.cli import launch
     from stagewise.api import Pipeline
 
     stopped = []
@@ -301,9 +301,9 @@ def test_a_ctrl_c_while_connecting_stops_the_stages_started_here(tiny, tmp_path,
 
     monkeypatch.setattr(Pipeline, "attach", interrupted)
     plan = load_plan(write_plan(tmp_path / "plan.json", tiny[0], [{"listen": "127.0.0.1:0"}]))
-    args = cli_launch.argparse.Namespace(connect_timeout=1.0, max_restarts=0, rejoin_timeout=None)
+    args = launch.argparse.Namespace(connect_timeout=1.0, max_restarts=0, rejoin_timeout=None)
     with pytest.raises(KeyboardInterrupt):
-        cli_launch._drive(plan, args, None, token=None, addresses=[("127.0.0.1", 1)], procs=Started(),
+        launch._drive(plan, args, None, token=None, addresses=[("127.0.0.1", 1)], procs=Started(),
                           interactive=False, launcher=None)
     assert stopped, "the stages started here were left running"
 

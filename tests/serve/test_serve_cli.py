@@ -41,7 +41,7 @@ def test_launch_serve_takes_no_prompts(tmp_path, capsys):
 def _args(*argv):
     import argparse
 
-    from stagewise.cli_serve import add_arguments
+    from stagewise.cli.serve import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -49,7 +49,7 @@ def _args(*argv):
 
 
 def test_the_model_in_the_servers_process_leaves_a_core_to_the_http_loop(monkeypatch):
-    from stagewise.cli_serve import serving_threads
+    from stagewise.cli.serve import serving_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})

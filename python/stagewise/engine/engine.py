@@ -1,6 +1,6 @@
 """Stage 0's serving logic: requests, scheduling and token bookkeeping over one
 :class:`~stagewise.engine.executor.Executor`. It works in tokens: text (detokenisation, stop
-strings) is the front end's (:mod:`stagewise.engine.text`), so no stage needs the tokenizer.
+strings) is the front end's (:mod:`stagewise.frontend.text`), so no stage needs the tokenizer.
 
 In one process the executor holds every layer and :meth:`Engine.step` runs one step of every
 microbatch group: schedule, run, sample, record. As stage 0 of a pipeline the executor holds the
@@ -178,32 +178,32 @@ class Engine:
         if group in self.inflight:
             raise ValueError(f"Engine.launch: group {group} already has step {self.inflight[group][0]} in flight")
         now = time.perf_counter()
-        plan = self.scheduler.schedule(group, *self._budget(group, now))
-        done = [self._end(seq.request_id, "error", message) for seq, message in plan.failed]
-        if plan.empty:
+        scheduled = self.scheduler.schedule(group, *self._budget(group, now))
+        done = [self._end(seq.request_id, "error", message) for seq, message in scheduled.failed]
+        if scheduled.empty:
             return None, done
         sampling = {c.seq.request_id: SamplingRequest.of(self.requests.params(c.seq.request_id), c.seq.prompt_ids)
-                    for c in plan.prefills if c.start == 0}
+                    for c in scheduled.prefills if c.start == 0}
         try:
-            batch = self._batch(plan)
+            batch = self._batch(scheduled)
             output = self.executor.run(batch, sampling)
         except RanksOutOfStep:
             raise  # the stage itself is broken: not one step's failure
         except Exception as err:  # noqa: BLE001 - a failed step ends its requests, not the engine
             message = f"stage 0 step failed: {type(err).__name__}: {err}"
-            return None, done + [self._end(s.request_id, "error", message) for s in plan.seqs]
+            return None, done + [self._end(s.request_id, "error", message) for s in scheduled.seqs]
         step_id, self._next_step_id = self._next_step_id, self._next_step_id + 1
-        self.inflight[group] = (step_id, plan)
+        self.inflight[group] = (step_id, scheduled)
         if self.pacer is not None:
-            self.pacer.started(group, len(plan.seqs), sum(c.length for c in plan.prefills), now)
+            self.pacer.started(group, len(scheduled.seqs), sum(c.length for c in scheduled.prefills), now)
         return LaunchedStep(group=group, step_id=step_id, batch=batch, output=output, sampling=sampling), done
 
     def complete(self, group: int, step_id: int, request_ids, tokens: list[int],
                  logprobs: list[TokenLogprobs | None] | None = None) -> list[RequestOutput]:
         """The sampled tokens of a launched step (one per request that samples, in row order, with
         their logprobs where asked); returns the requests that ended with them."""
-        plan = self._take(group, step_id)
-        seqs = plan.sampled
+        scheduled = self._take(group, step_id)
+        seqs = scheduled.sampled
         expected = [s.request_id for s in seqs]
         if list(request_ids) != expected:
             raise ValueError(f"Engine.complete: step {step_id} carries requests {list(request_ids)[:8]}, "
@@ -215,10 +215,10 @@ class Engine:
 
     def fail(self, group: int, step_id: int, message: str) -> list[RequestOutput]:
         """A later stage could not run a launched step: its requests end with ``message``."""
-        plan = self._take(group, step_id)
+        scheduled = self._take(group, step_id)
         if self.pacer is not None:
             self.pacer.ended(group, None)
-        return [self._end(s.request_id, "error", message) for s in plan.seqs if s.request_id in self.requests]
+        return [self._end(s.request_id, "error", message) for s in scheduled.seqs if s.request_id in self.requests]
 
     def _budget(self, group: int, now: float) -> tuple[int | None, int | None]:
         """The prompt tokens and new requests the pacer allows the next step (None: no limit)."""
@@ -238,35 +238,35 @@ class Engine:
         del self.inflight[group]
         return entry[1]
 
-    def _batch(self, plan: ScheduledStep) -> StepBatch:
+    def _batch(self, scheduled: ScheduledStep) -> StepBatch:
         ids, lens, ctx, tokens, positions, last = [], [], [], [], [], []
-        for chunk in plan.prefills:
+        for chunk in scheduled.prefills:
             start, n = chunk.start, chunk.length
             ids.append(chunk.seq.request_id), lens.append(n), ctx.append(start), last.append(chunk.last)
             tokens += chunk.seq.prompt_ids[start : start + n]
             positions += range(start, start + n)
-        for seq in plan.decodes:
+        for seq in scheduled.decodes:
             pos = seq.num_cached  # tokens cached before this step; the new slot is the next one
             ids.append(seq.request_id), lens.append(1), ctx.append(pos), last.append(True)
             vision = self._vision.get(seq.request_id)
             tokens.append(seq.output_ids[-1]), positions.append(pos + (0 if vision is None else vision.delta))
         device = self.executor.device
         positions = torch.tensor(positions, dtype=torch.int64, device=device)
-        return StepBatch(request_ids=ids, num_prefills=len(plan.prefills), query_lens=lens, context_lens=ctx,
+        return StepBatch(request_ids=ids, num_prefills=len(scheduled.prefills), query_lens=lens, context_lens=ctx,
                          positions=positions, token_ids=torch.tensor(tokens, dtype=torch.int64, device=device),
-                         last_chunk=last, **self._image_fields(plan, positions))
+                         last_chunk=last, **self._image_fields(scheduled, positions))
 
-    def _image_fields(self, plan: ScheduledStep, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _image_fields(self, scheduled: ScheduledStep, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """When a prefill chunk of the step belongs to a prompt with images: every row's 3-D
         positions, and the embeddings and DeepStack features of the chunks' image tokens at their
         rows. The vision tower runs with a prompt's first chunk; its output is dropped after the last."""
-        if not any(c.seq.request_id in self._vision for c in plan.prefills):
+        if not any(c.seq.request_id in self._vision for c in scheduled.prefills):
             return {}
         device = self.executor.device
         mrope = positions.expand(3, -1).clone()
         rows, embeds, deepstack = [], [], []
         offset = 0
-        for chunk in plan.prefills:
+        for chunk in scheduled.prefills:
             vision = self._vision.get(chunk.seq.request_id)
             if vision is not None:
                 start, n = chunk.start, chunk.length

@@ -3,7 +3,7 @@ generated, the stops that tokens decide (EOS and stop token ids, ``max_new_token
 length), and the result when a request ends.
 
 Text is not here: detokenisation and stop strings belong to the front end
-(:mod:`stagewise.engine.text`), so that no stage needs the tokenizer. :class:`Requests` knows
+(:mod:`stagewise.frontend.text`), so that no stage needs the tokenizer. :class:`Requests` knows
 nothing of KV blocks, steps or stages either: the :class:`~stagewise.engine.engine.Engine` hands
 it each step's sampled tokens and asks it to close a request, whatever ended it. Whoever streams
 takes the new tokens (:meth:`Requests.take_tokens`); nothing here calls back into the caller.

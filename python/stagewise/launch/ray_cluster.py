@@ -71,12 +71,12 @@ class StageActor:
     def start(self, argv: list[str], env: dict[str, str], label: str, timeout_s: float) -> tuple[str, int]:
         """Run ``stagewise stage`` with ``argv`` (after ``stage``) here; its listen address once it
         listens. ``env``: its threads and its stage's GPUs, set before torch starts CUDA."""
-        from stagewise import heap
+        from stagewise import startup_gc
         from stagewise.launch import stage_args
 
         args = stage_args.parse(argv)
         os.environ.update(env)
-        heap.pause()  # as in a stage process of its own: the stage settles it once its model is built
+        startup_gc.pause()  # as in a stage process of its own: the stage settles it once its model is built
         self.label, listening, address = label, threading.Event(), []
 
         def announce(host: str, port: int) -> None:

@@ -1,6 +1,6 @@
 """One stage rank from ``stagewise stage``'s arguments, run in the calling process: the argument
 definitions, the plan, stage and rank they name, and the stage (or the preflight probe) ready to
-run. ``stagewise stage`` (:mod:`stagewise.cli_stage`) runs it as a process of its own; a Ray actor
+run. ``stagewise stage`` (:mod:`stagewise.cli.stage`) runs it as a process of its own; a Ray actor
 (:mod:`stagewise.launch.ray_cluster`) runs it in a thread of the actor, from the same arguments."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 import os
 import threading
 
-from stagewise import heap
+from stagewise import startup_gc
 from stagewise.launch.multihost import load_plan
 from stagewise.parallel.runplan import RunPlan
 
@@ -66,7 +66,7 @@ def prepare(args: argparse.Namespace, announce=None):
     if args.probe:
         from stagewise.launch.probe import serve_probe
 
-        heap.settle()  # nothing loads
+        startup_gc.settle()  # nothing loads
         done = threading.Event()
         return (lambda: serve_probe(plan, index, rank, args.listen, token=token, announce=announce, done=done),
                 done.set)

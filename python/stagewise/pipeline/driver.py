@@ -42,6 +42,9 @@ class _Request:
 
 
 class PipelineDriver:
+    """A running pipeline, driven from this process: a front end's
+    :class:`~stagewise.frontend.run.Backend`."""
+
     def __init__(self, plan: RunPlan, addresses: list[tuple[str, int]], *, fingerprint: str,
                  auth_token: str | None = None, processes: StageProcesses | None = None,
                  ready_timeout_s: float = 600.0, connect_timeout_s: float = 60.0,

@@ -15,7 +15,7 @@ Life of a stage:
    the driver every ``HEARTBEAT_S`` so that it notices a hung stage.
 
 Whatever stops it with an error goes to the driver (``Fatal``) and, even before a driver connected,
-to its launcher: a process prints ``STAGEWISE-FAILED {json}`` (:mod:`stagewise.cli_stage`), a Ray
+to its launcher: a process prints ``STAGEWISE-FAILED {json}`` (:mod:`stagewise.cli.stage`), a Ray
 actor keeps the words for the driver to ask.
 """
 
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from stagewise import heap
+from stagewise import startup_gc
 from stagewise.engine.engine import Engine
 from stagewise.engine.executor import Executor, model_dtype
 from stagewise.parallel.groups import host_world_store, join_stage_groups, spans_run
@@ -127,7 +127,7 @@ class StageProcess:
                         model = StageModel.from_weights(cfg, self.spec.start_layer, self.spec.end_layer, weights,
                                                         dtype=dtype, device=device, groups=groups)
                         del weights
-                        heap.settle()  # start-up is over (a no-op unless the command paused it)
+                        startup_gc.settle()  # start-up is over (a no-op unless the command paused it)
                     self._serve(model, setup, acceptor, max_model_len, device)  # ends by raising
                 except OSError as err:  # ChannelClosed, a timeout, a refused hello: the driver or a neighbour is gone
                     if not self.rejoin_s:
@@ -271,7 +271,7 @@ class StageProcess:
 
     def _report_fatal(self, err: Exception, neighbour: bool | None = None) -> None:
         """Tell the driver why this stage stops, in its own words (the launcher also reads them
-        from the process's output: see :mod:`stagewise.cli_stage`); ``neighbour``: it only lost
+        from the process's output: see :mod:`stagewise.cli.stage`); ``neighbour``: it only lost
         its pipeline (default: when a link closed)."""
         if self.control is None:
             return

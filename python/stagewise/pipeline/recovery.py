@@ -45,8 +45,8 @@ class _Running:
 
 class Recovering:
     """A driver whose pipeline is started again (``restart(broken driver) -> driver``) up to
-    ``max_restarts`` times when it breaks, its running requests resumed. ``log`` hears of each
-    restart."""
+    ``max_restarts`` times when it breaks, its running requests resumed; a front end's
+    :class:`~stagewise.frontend.run.Backend`, as the driver is. ``log`` hears of each restart."""
 
     def __init__(self, driver, restart: Callable[[object], object], max_restarts: int,
                  log: Callable[[str], None] | None = None) -> None:

@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from stagewise.engine.requests import prompt_problem
-from stagewise.frontend import Completion
+from stagewise.frontend.run import Completion
 from stagewise.serve import openai
 from stagewise.serve.loop import Busy, ServeLoop, Sink, Unavailable
 from stagewise.serve.media import MediaLimits, read_image_url
@@ -233,7 +233,7 @@ def _encode(pipe, text: str, chat: bool) -> list[int]:
 def _prompt_images(pipe, req: openai.ApiRequest, ids: list[int], media: MediaLimits):
     """The chat's images read from their URLs and made the vision tower's input, and ``ids`` with
     each image's placeholder run grown to its tokens. ApiError naming the part at fault."""
-    from stagewise.image_processing import ImageError, expand_prompts
+    from stagewise.frontend.image_processing import ImageError, expand_prompts
 
     files = []
     for where, url in req.images:

@@ -1,6 +1,6 @@
 """The one thread that talks to the pipeline while a server runs (:class:`ServeLoop`).
 
-Requests from every client are added to the same running :class:`~stagewise.frontend.Run`, so they
+Requests from every client are added to the same running :class:`~stagewise.frontend.run.Run`, so they
 join the batches the scheduler is running (continuous batching across HTTP requests). The server's
 handlers never touch the pipeline: they hand requests and cancellations to this thread through a
 queue and get their text and results back through a :class:`Sink`, called on this thread.
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stagewise.engine.params import SamplingParams, TokenLogprobs
-from stagewise.frontend import Completion
+from stagewise.frontend.run import Completion
 
 
 class Busy(Exception):

@@ -1,17 +1,15 @@
-"""What ``stagewise generate`` and ``stagewise launch`` share: the prompt and sampling arguments,
-the prompt file, the checks made before anything loads, and how results are printed.
+"""What ``stagewise generate`` and ``stagewise launch`` share about prompts: their arguments (the
+sampling options among them: :mod:`stagewise.cli.sampling`), the prompt file, and the checks made
+before anything loads.
 
 Checks name every problem at once. Those that need no model run first, before torch is imported;
 those that need the model read its config only (:func:`config_problems`).
 
 A prompt file (``--prompt-file FILE.jsonl``) holds one request per line: ``{"prompt": "..."}`` or
-``{"prompt_ids": [1, 2, 3]}``, with any sampling field of the command line beside it
-(``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
-``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``, ``stop_token_ids``,
-``ignore_eos``, ``logprobs``) that replaces the command line's for that line. The output is one
-JSON line per request, in input order: ``index`` (0-based among the requests), ``line`` (its line
-in the file), ``text``, ``token_ids``, ``finish_reason`` and, where they apply, ``error`` and
-``logprobs``. Blank lines are skipped.
+``{"prompt_ids": [1, 2, 3]}``, with any sampling option beside it under its name (the field of
+:class:`~stagewise.engine.params.SamplingParams`: ``max_new_tokens``, ``temperature``, ...,
+``stop_token_ids``), which replaces the command line's for that line. The output is one JSON line
+per request, in input order (:mod:`stagewise.cli.output`). Blank lines are skipped.
 """
 
 from __future__ import annotations
@@ -22,15 +20,8 @@ import os
 import sys
 from typing import Any
 
-from stagewise.engine.params import SamplingParams
-
-SAMPLING_DEFAULTS = {"max_new_tokens": 64, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
-                     "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": None,
-                     "stop": [], "ignore_eos": False, "logprobs": None}
-"""The command line's own defaults (a run plan's ``sampling`` section comes between them and the
-options given)."""
-SAMPLING_ARGS = tuple(SAMPLING_DEFAULTS)
-LINE_FIELDS = (*SAMPLING_ARGS, "stop_token_ids")
+from stagewise.cli.sampling import add_sampling_arguments
+from stagewise.engine.params import sampling_problems
 
 
 def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,28 +37,7 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
     prompts.add_argument("--image", action="append", default=[], metavar="FILE",
                          help="an image for the prompt (repeatable, in order; a vision model such as Qwen3-VL); "
                               "with several prompts each one gets them")
-    s = parser.add_argument_group("sampling")
-    s.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
-                   help="most tokens to generate (default 64); more than the model's length leaves is an error")
-    s.add_argument("--temperature", type=float, default=None, metavar="T", help="0 = greedy (default)")
-    s.add_argument("--top-k", type=int, default=None, metavar="K", help="0 = off")
-    s.add_argument("--top-p", type=float, default=None, metavar="P", help="1 = off")
-    s.add_argument("--min-p", type=float, default=None, metavar="P",
-                   help="drop tokens less likely than P times the most likely one (0 = off)")
-    s.add_argument("--repetition-penalty", type=float, default=None, metavar="R",
-                   help="divide (multiply) the positive (negative) logits of prompt and output tokens by R "
-                        "(1 = off)")
-    s.add_argument("--presence-penalty", type=float, default=None, metavar="X",
-                   help="subtract X from the logits of tokens the output holds (-2 .. 2; 0 = off)")
-    s.add_argument("--frequency-penalty", type=float, default=None, metavar="X",
-                   help="subtract X per occurrence in the output (-2 .. 2; 0 = off)")
-    s.add_argument("--seed", type=int, default=None, metavar="S", help="prompt i samples from seed + i")
-    s.add_argument("--stop", action="append", default=None, metavar="S", help="a stop string (repeatable)")
-    s.add_argument("--ignore-eos", action="store_true", default=None,
-                   help="generate past the model's end-of-sequence tokens")
-    s.add_argument("--logprobs", type=int, default=None, metavar="K",
-                   help="with --json or --prompt-file: each token's log-probability and the K most likely "
-                        "(0 .. 20)")
+    add_sampling_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
 
@@ -85,7 +55,7 @@ def negative_ids_fix(argv: list[str]) -> list[str]:
     return out
 
 
-class Requests:
+class PromptBatch:
     """The prompts of a command: text or ids, each with its sampling overrides (prompt file)."""
 
     def __init__(self) -> None:
@@ -99,40 +69,41 @@ class Requests:
         return len(self.texts) + len(self.ids)
 
 
-def read_requests(args: argparse.Namespace, problems: list[str]) -> Requests:
+def read_prompts(args: argparse.Namespace, problems: list[str]) -> PromptBatch:
     """The prompts of ``args`` (``--prompt``, ``--prompt-ids`` or ``--prompt-file``); each problem
     found is added to ``problems`` (all of them, not the first)."""
-    req = Requests()
+    batch = PromptBatch()
     given = [name for name, value in (("--prompt", args.prompt), ("--prompt-ids", args.prompt_ids),
                                       ("--prompt-file", args.prompt_file)) if value]
     if len(given) != 1:
         problems.append("give one of --prompt TEXT, --prompt-ids 1,2,3 or --prompt-file FILE.jsonl"
                         + (f" (got {' and '.join(given)})" if given else ""))
-        return req
+        return batch
     if args.prompt:
-        req.texts, req.overrides, req.lines = list(args.prompt), [None] * len(args.prompt), [None] * len(args.prompt)
+        n = len(args.prompt)
+        batch.texts, batch.overrides, batch.lines = list(args.prompt), [None] * n, [None] * n
     elif args.prompt_ids:
         for text in args.prompt_ids:
             try:
-                req.ids.append([int(t) for t in text.split(",") if t.strip()])
+                batch.ids.append([int(t) for t in text.split(",") if t.strip()])
             except ValueError:
                 problems.append(f"--prompt-ids: expected comma-separated integers, got {text!r}")
-        req.overrides, req.lines = [None] * len(req.ids), [None] * len(req.ids)
+        batch.overrides, batch.lines = [None] * len(batch.ids), [None] * len(batch.ids)
     else:
-        _read_file(args.prompt_file, req, problems)
-    if args.chat and req.ids:
+        _read_file(args.prompt_file, batch, problems)
+    if args.chat and batch.ids:
         problems.append("--chat needs text prompts, not token ids")
     images = getattr(args, "image", None) or []
     if images and args.prompt_file:
         problems.append("--image applies to --prompt or --prompt-ids, not to --prompt-file")
     problems += [f"--image {path}: no such file" for path in images if not os.path.isfile(path)]
-    if req.texts and req.ids:
+    if batch.texts and batch.ids:
         problems.append(f"{args.prompt_file}: lines mix prompt and prompt_ids; give one kind for the whole file")
-    return req
+    return batch
 
 
-def _read_file(path: str, req: Requests, problems: list[str]) -> None:
-    req.from_file = True
+def _read_file(path: str, batch: PromptBatch, problems: list[str]) -> None:
+    batch.from_file = True
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -151,53 +122,29 @@ def _read_file(path: str, req: Requests, problems: list[str]) -> None:
         if not isinstance(item, dict):
             problems.append(f"{where}: expected an object, got {type(item).__name__}")
             continue
-        unknown = sorted(set(item) - {"prompt", "prompt_ids", *LINE_FIELDS})
-        if unknown:
-            problems.append(f"{where}: unknown fields {unknown}; expected prompt or prompt_ids and some of "
-                            f"{list(LINE_FIELDS)}")
+        overrides = {k: v for k, v in item.items() if k not in ("prompt", "prompt_ids")}
+        problems += [f"{where}: {p}" for p in sampling_problems(overrides)]
         if ("prompt" in item) == ("prompt_ids" in item):
             problems.append(f"{where}: give exactly one of prompt and prompt_ids")
             continue
-        overrides = {k: v for k, v in item.items() if k in LINE_FIELDS}
-        problems += [f"{where}: {p}" for p in sampling_problems(overrides)]
         if "prompt" in item:
             if not isinstance(item["prompt"], str):
                 problems.append(f"{where}: prompt must be a string, got {item['prompt']!r:.60}")
                 continue
-            req.texts.append(item["prompt"])
+            batch.texts.append(item["prompt"])
         else:
             ids = item["prompt_ids"]
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 problems.append(f"{where}: prompt_ids must be a list of integers, got {ids!r:.60}")
                 continue
-            req.ids.append(ids)
-        req.overrides.append(overrides or None)
-        req.lines.append(n)
-    if not len(req) and not problems:
+            batch.ids.append(ids)
+        batch.overrides.append(overrides or None)
+        batch.lines.append(n)
+    if not len(batch) and not problems:
         problems.append(f"--prompt-file: {path!r} holds no request")
 
 
-def sampling_args(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The sampling values of a command: the options given, else ``defaults`` (a run plan's
-    ``sampling``), else :data:`SAMPLING_DEFAULTS`."""
-    out = dict(SAMPLING_DEFAULTS)
-    out.update(defaults or {})
-    out.update({name: getattr(args, name) for name in SAMPLING_ARGS if getattr(args, name) is not None})
-    return out
-
-
-def sampling_problems(fields: dict[str, Any]) -> list[str]:
-    """Every sampling value that is wrong, each checked on its own (so that all are named)."""
-    problems = []
-    for name, value in fields.items():
-        try:
-            SamplingParams(**{name: value})
-        except (ValueError, TypeError) as err:
-            problems.append(str(err).replace("SamplingParams.", ""))
-    return problems
-
-
-def config_problems(config, req: Requests, args: argparse.Namespace, *, sampling: dict[str, Any],
+def config_problems(config, batch: PromptBatch, args: argparse.Namespace, *, max_new_tokens: int,
                     max_model_len: int | None, stages: int = 1, partition: str | None = None,
                     encoded: list[list[int]] | None = None) -> list[str]:
     """What the model's config rules out: ids outside its vocabulary, a length beyond its rotary
@@ -210,16 +157,16 @@ def config_problems(config, req: Requests, args: argparse.Namespace, *, sampling
     if max_model_len is not None and max_model_len > config.max_position_embeddings:
         problems.append(f"--max-model-len {max_model_len} is above the model's max_position_embeddings "
                         f"({config.max_position_embeddings})")
-    overrides = req.overrides or [None] * len(req)
+    overrides = batch.overrides or [None] * len(batch)
     no_room = set()
     for i, extra in enumerate(overrides):
-        new = (extra or {}).get("max_new_tokens", sampling["max_new_tokens"])
+        new = (extra or {}).get("max_new_tokens", max_new_tokens)
         if isinstance(new, int) and new >= length:
             no_room.add(new)
-        prompts = req.ids or encoded or []  # (a file holds ids or texts, not both)
+        prompts = batch.ids or encoded or []  # (a file holds ids or texts, not both)
         if i < len(prompts):
             ids = prompts[i]
-            where = f"prompt {i}" if req.lines[i] is None else f"{args.prompt_file}:{req.lines[i]}"
+            where = f"prompt {i}" if batch.lines[i] is None else f"{args.prompt_file}:{batch.lines[i]}"
             bad = [t for t in ids if not 0 <= t < config.vocab_size]
             if not ids:
                 problems.append(f"{where}: the prompt is empty")
@@ -243,14 +190,14 @@ def config_problems(config, req: Requests, args: argparse.Namespace, *, sampling
     return problems
 
 
-def encode_texts(checkpoint, req: Requests, args: argparse.Namespace) -> list[list[int]] | None:
+def encode_texts(checkpoint, batch: PromptBatch, args: argparse.Namespace) -> list[list[int]] | None:
     """The text prompts' ids as the pipeline will encode them (the checkpoint's tokenizer, inside
     its chat template with ``--chat``), so that an empty or too long prompt is named before the
     model loads; None for id prompts, prompts with images (whose tokens the images add) or a
     checkpoint without a tokenizer (the pipeline names that)."""
-    if not req.texts or getattr(args, "image", None):
+    if not batch.texts or getattr(args, "image", None):
         return None
-    from stagewise.prompts import encode_prompts, render_chat
+    from stagewise.frontend.prompts import encode_prompts, render_chat
 
     try:
         tokenizer = checkpoint.tokenizer()
@@ -258,7 +205,7 @@ def encode_texts(checkpoint, req: Requests, args: argparse.Namespace) -> list[li
         return None
     if tokenizer is None:
         return None
-    return encode_prompts(tokenizer, req.texts, None, chat=bool(getattr(args, "chat", False)),
+    return encode_prompts(tokenizer, batch.texts, None, chat=bool(getattr(args, "chat", False)),
                           render=lambda messages: render_chat(checkpoint, tokenizer, messages))
 
 
@@ -271,16 +218,3 @@ def report(prog: str, problems: list[str]) -> int:
         for p in problems:
             print(f"  - {p}", file=sys.stderr)
     return 2
-
-
-def completion_json(c, *, index: int | None = None, line: int | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {} if index is None else {"index": index}
-    if line is not None:
-        out["line"] = line
-    out.update(text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason)
-    if c.error:
-        out["error"] = c.error
-    if c.logprobs is not None:
-        out["logprobs"] = [{"token": e.token, "logprob": e.logprob, "top": [[t, v] for t, v in e.top]}
-                           if e is not None else None for e in c.logprobs]
-    return out

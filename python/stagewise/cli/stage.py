@@ -8,14 +8,14 @@ import os
 import signal
 import sys
 
-from stagewise import heap
+from stagewise import startup_gc
 from stagewise.launch.stage_args import add_arguments, prepare
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["add_arguments", "run"]
 
 
-def main(args: argparse.Namespace) -> int:
-    heap.pause()  # until the stage's model is built (StageProcess.run settles it): see stagewise.heap
+def run(args: argparse.Namespace) -> int:
+    startup_gc.pause()  # until the stage's model is built (StageProcess.run settles it)
     if args.die_with_parent:
         _die_with_parent()
     # Until the stage exists there is nothing to clean up: a SIGTERM (the launcher stopping a run
@@ -29,8 +29,8 @@ def main(args: argparse.Namespace) -> int:
 
         # From here SIGTERM unwinds, so that the stage closes its links and rings on the way out.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        run, _ = prepare(args)
-        code = run()
+        serve_stage, _ = prepare(args)
+        code = serve_stage()
     except KeyboardInterrupt:
         code = 130
     except SystemExit as exit_:

@@ -9,9 +9,9 @@ import argparse
 import os
 import socket
 
-from stagewise import heap
-from stagewise.cli_generate import add_model_arguments, config_checks, model_problems, open_pipeline
-from stagewise.cli_prompts import Requests, report
+from stagewise import startup_gc
+from stagewise.cli.model_args import add_model_arguments, config_checks, model_problems, open_pipeline
+from stagewise.cli.prompt_args import PromptBatch, report
 from stagewise.pipeline.lines import TIME_FORMAT, log_line
 from stagewise.serve.openai import MAX_REQUEST_BYTES
 
@@ -101,9 +101,9 @@ def run(args: argparse.Namespace) -> int:
     problems = model_problems(args) + server_problems(args)
     if problems:
         return report(PROG, problems)
-    heap.pause()  # until the model is loaded: see stagewise.heap
+    startup_gc.pause()  # until the model is loaded: see stagewise.startup_gc
     try:
-        problems = config_checks(args, Requests(), {"max_new_tokens": 1})
+        problems = config_checks(args, PromptBatch(), max_new_tokens=1)
         if problems:
             return report(PROG, problems)
         sock = listen(args, PROG)
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             sock.close()
             raise
     finally:
-        heap.settle()
+        startup_gc.settle()
     if pipe is None:
         sock.close()
         return 1

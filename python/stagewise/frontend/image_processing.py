@@ -251,8 +251,8 @@ def _prompt_images(item: Any, processor: ImageProcessor | None) -> ImageInputs |
 def expand_prompts(encoded: list[list[int]], prepared: list[ImageInputs | None], vision: VisionConfig | None,
                    failed: dict[int, str]) -> dict[int, str]:
     """In place: each prompt with images gets one placeholder token per image token
-    (:func:`stagewise.prompts.expand_image_placeholders`). Returns the prompts that could not be."""
-    from stagewise.prompts import expand_image_placeholders
+    (:func:`stagewise.frontend.prompts.expand_image_placeholders`). Returns the prompts that could not be."""
+    from stagewise.frontend.prompts import expand_image_placeholders
 
     errors = {}
     for i, inputs in enumerate(prepared):

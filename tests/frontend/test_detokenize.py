@@ -14,7 +14,7 @@ import pytest
 tokenizers = pytest.importorskip("tokenizers")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
-from stagewise.engine.detokenize import IncrementalDetokenizer, StopChecker  # noqa: E402
+from stagewise.frontend.detokenize import IncrementalDetokenizer, StopChecker  # noqa: E402
 
 CORPUS = [
     "Hello world! Café crème brûlée, naïve façade.",

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from stagewise.engine.detokenize import IncrementalDetokenizer, StopChecker
+from stagewise.frontend.detokenize import IncrementalDetokenizer, StopChecker
 from stagewise.engine.params import SamplingParams
 
 

@@ -1,4 +1,5 @@
-"""``make demo``: SmolLM2-135M-Instruct as a 3-stage pipeline on this machine.
+"""``stagewise demo`` (what ``make demo`` runs): SmolLM2-135M-Instruct as a 3-stage pipeline on this
+machine.
 
 Three stage processes (layers split by the ``balanced`` policy), connected over the default
 transport, answer a question with streamed text; then a table per stage (layers, busy %,
@@ -11,21 +12,24 @@ import argparse
 import sys
 import time
 
+from stagewise import startup_gc
+from stagewise.engine.params import SamplingParams
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stagewise.demo", description=__doc__)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--partition", default="balanced")
-    parser.add_argument("--transport", default="auto")
-    parser.add_argument("--question", default="What is the capital of France? Answer in one sentence, then "
-                                              "name two famous landmarks there.")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    args = parser.parse_args(argv)
+QUESTION = "What is the capital of France? Answer in one sentence, then name two famous landmarks there."
 
-    from stagewise import heap
 
-    heap.pause()  # until the pipeline is up: see stagewise.heap
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="the model (default smollm2-135m)")
+    parser.add_argument("--stages", type=int, default=3, help="pipeline stages, one process each (default 3)")
+    parser.add_argument("--partition", default="balanced", help="how the layers are split (default balanced)")
+    parser.add_argument("--transport", default="auto", help="how stages pass activations (default auto)")
+    parser.add_argument("--question", default=QUESTION, help="what to ask")
+    parser.add_argument("--max-new-tokens", type=int, default=SamplingParams().max_new_tokens, metavar="N",
+                        help="most tokens of the answer (default: the sampling default, %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    startup_gc.pause()  # until the pipeline is up: see stagewise.startup_gc
     import stagewise
 
     print(f"stagewise demo: {args.model} as a {args.stages}-stage pipeline ({args.partition} partition, "
@@ -33,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     with stagewise.Pipeline(args.model, stages=args.stages, partition=args.partition, transport=args.transport,
                             max_model_len=1024, max_num_seqs=4) as pipe:
-        heap.settle()
+        startup_gc.settle()
         print(f"ready in {time.perf_counter() - start:.1f} s; layers per stage: {pipe.plan.stage_plan}\n", flush=True)
         print(f"> {args.question}\n", flush=True)
 
@@ -57,7 +61,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntime to first token {1e3 * stats['ttft_s']:.0f} ms; decode {stats['decode_tokens_per_s']:.1f} tokens/s "
           f"({stats['decode_tokens']} tokens in {stats['decode_s']:.2f} s)")
     return 0 if answer.finish_reason in ("stop", "length") else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

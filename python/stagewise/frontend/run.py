@@ -1,10 +1,11 @@
-"""The front end of a generate call: requests handed to a backend — the single-process engine
-(:class:`LocalBackend`) or the pipeline's driver (:class:`~stagewise.pipeline.driver.PipelineDriver`),
-which answer the same calls — and their tokens turned into text, streamed, and collected into
-results and timings.
+"""A run: requests handed to a :class:`Backend` — the single-process engine
+(:class:`~stagewise.frontend.local.LocalBackend`), a pipeline's driver
+(:class:`~stagewise.pipeline.driver.PipelineDriver`) or a driver that repairs its pipeline
+(:class:`~stagewise.pipeline.recovery.Recovering`) — and their tokens turned into text, streamed,
+and collected into results and timings.
 
 The backends work in tokens; the text (incremental detokenisation, stop strings) is made here,
-where the tokenizer is (:class:`~stagewise.engine.text.TextStreams`). A stop string that
+where the tokenizer is (:class:`~stagewise.frontend.text.TextStreams`). A stop string that
 completes ends the request here at once; the backend is told to cancel it.
 """
 
@@ -13,13 +14,40 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from stagewise.engine.params import SAMPLING_FIELDS, SamplingParams, TokenLogprobs, unknown_field
 from stagewise.engine.requests import FINISH_REASONS, RequestOutput
-from stagewise.engine.params import SamplingParams, TokenLogprobs
-from stagewise.engine.text import TextStreams
+from stagewise.frontend.text import TextStreams
 
-SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+if TYPE_CHECKING:
+    from stagewise.engine.images import ImageInputs
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What a :class:`Run` drives. Every request added ends with exactly one output from
+    :meth:`poll`, a cancelled or aborted one included; by then its tokens wait in
+    :meth:`take_tokens`."""
+
+    def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams,
+            images: ImageInputs | None = None) -> None:
+        """Start a request; ValueError, with nothing started, for one it refuses (its prompt)."""
+
+    def cancel(self, request_id: int) -> None:
+        """End a request (finish_reason 'cancelled'); an unknown or ended one is ignored."""
+
+    def abort(self, request_id: int, error: str) -> None:
+        """End a request with finish_reason 'error' and ``error``."""
+
+    def poll(self, timeout: float) -> list[RequestOutput]:
+        """Run or wait up to ``timeout`` seconds; the requests that ended."""
+
+    def take_tokens(self) -> list[tuple[int, int, TokenLogprobs | None]]:
+        """(request id, token, its logprobs or None) of every token since the last call, in order."""
+
+    def close(self) -> None:
+        """Let go of what it holds (the engine, or the stage processes); it takes nothing more."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -44,45 +72,17 @@ class Completion:
             raise ValueError(f"Completion.finish_reason: expected one of {FINISH_REASONS}, got {self.finish_reason!r}")
 
 
-class LocalBackend:
-    """The single-process backend: one engine over every layer. As with the driver, every request
-    added ends with exactly one output from :meth:`poll`, a cancelled or aborted one included."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self._ended: list[RequestOutput] = []
-
-    def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams, images=None) -> None:
-        self.engine.add_request(request_id, prompt_ids, params, images)
-
-    def cancel(self, request_id: int) -> None:
-        out = self.engine.cancel(request_id)
-        if out is not None:
-            self._ended.append(out)
-
-    def abort(self, request_id: int, error: str) -> None:
-        out = self.engine.abort(request_id, error)
-        if out is not None:
-            self._ended.append(out)
-
-    def poll(self, timeout: float) -> list[RequestOutput]:
-        ended, self._ended = self._ended, []
-        return ended + self.engine.step()
-
-    def take_tokens(self) -> list[tuple[int, int, TokenLogprobs | None]]:
-        return self.engine.take_tokens()
-
-    def close(self) -> None:
-        self.engine = None
-
-
 def sampling_per_prompt(base: Mapping[str, Any], n: int,
                         overrides: Sequence[Mapping[str, Any] | None] | None) -> list[SamplingParams]:
-    """Each prompt's :class:`SamplingParams`: ``base`` with ``overrides[i]``'s fields replaced,
-    and with a ``seed`` given, prompt i seeded ``seed + i`` unless its override names a seed.
-    ValueError naming the prompt and field for anything wrong."""
+    """Each prompt's :class:`SamplingParams`: ``base`` (a call's sampling keywords; the fields not
+    named keep their defaults) with ``overrides[i]``'s fields replaced, and with a ``seed`` given,
+    prompt i seeded ``seed + i`` unless its override names a seed. ValueError naming the prompt and
+    field for anything wrong."""
     if overrides is not None and len(overrides) != n:
         raise ValueError(f"Pipeline.generate: overrides must hold one entry per prompt ({n}), got {len(overrides)}")
+    for name in base:
+        if name not in SAMPLING_FIELDS:
+            raise ValueError(f"Pipeline.generate: {unknown_field(name)}")
     SamplingParams(**base)  # the call's own values, checked as given (a seed before it is offset)
     out = []
     for i in range(n):
@@ -90,10 +90,9 @@ def sampling_per_prompt(base: Mapping[str, Any], n: int,
         if fields.get("seed") is not None:
             fields["seed"] = (fields["seed"] + i) % 2**64
         extra = (overrides or [None] * n)[i] or {}
-        unknown = sorted(set(extra) - set(SAMPLING_FIELDS))
-        if unknown:
-            raise ValueError(f"Pipeline.generate: prompt {i}: unknown sampling fields {unknown}; expected some of "
-                             f"{sorted(SAMPLING_FIELDS)}")
+        for name in extra:
+            if name not in SAMPLING_FIELDS:
+                raise ValueError(f"Pipeline.generate: prompt {i}: {unknown_field(name)}")
         fields.update(extra)
         try:
             out.append(SamplingParams(**fields))
@@ -107,7 +106,7 @@ class Run:
     a server's for as long as it runs (:meth:`poll_once` in a loop, ``on_done`` handing each
     result out, :meth:`forget` dropping what is kept of it)."""
 
-    def __init__(self, backend, streams: TextStreams, on_text: Callable[[int, str], None] | None,
+    def __init__(self, backend: Backend, streams: TextStreams, on_text: Callable[[int, str], None] | None,
                  on_done: Callable[[int, Completion], None] | None = None) -> None:
         self.backend, self.streams, self.on_text, self.on_done = backend, streams, on_text, on_done
         self.start = time.perf_counter()
@@ -126,9 +125,9 @@ class Run:
         """Requests whose consumer raised: no more text is handed to it."""
 
     def add(self, request_id: int, index: int, prompt_ids: list[int], params: SamplingParams,
-            images=None) -> None:
-        """Start a request for prompt ``index`` (with its :class:`~stagewise.engine.images.ImageInputs`,
-        if any); a request the backend refuses ends at once with its error."""
+            images: ImageInputs | None = None) -> None:
+        """Start a request for prompt ``index`` (with its images, if any); a request the backend
+        refuses ends at once with its error."""
         try:
             if images is None:
                 self.backend.add(request_id, prompt_ids, params)  # checks the prompt's ids first

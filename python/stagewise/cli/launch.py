@@ -16,10 +16,13 @@ import os
 import shlex
 import sys
 
-from stagewise.cli_doctor import how
-from stagewise.cli_generate import add_tls_arguments, generate_and_print, tls_from_args, tls_problems
-from stagewise.cli_prompts import Requests, add_prompt_arguments, read_requests, report, sampling_args, sampling_problems
-from stagewise.cli_serve import add_server_arguments, serve_closing, server_problems
+from stagewise.cli.doctor import how
+from stagewise.cli.model_args import add_tls_arguments, tls_from_args, tls_problems
+from stagewise.cli.output import generate_and_print
+from stagewise.cli.prompt_args import PromptBatch, add_prompt_arguments, read_prompts, report
+from stagewise.cli.sampling import sampling_args
+from stagewise.cli.serve import add_server_arguments, serve_closing, server_problems
+from stagewise.engine.params import sampling_problems
 from stagewise.parallel.plan_options import LAUNCHERS, PLACEMENTS
 
 PROG = "stagewise launch"
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
     interactive = not args.prompt and not args.prompt_ids and not args.prompt_file
     problems: list[str] = []
-    req = Requests() if interactive else read_requests(args, problems)
+    batch = PromptBatch() if interactive else read_prompts(args, problems)
     problems += sampling_problems(sampling_args(args)) + tls_problems(args)
     if args.max_restarts < 0:
         problems.append(f"--max-restarts must be >= 0, got {args.max_restarts}")
@@ -120,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
 
     extra = REJOIN_ARGS if rejoins(plan, args.max_restarts > 0, launched=launcher is not None) else ()
     if launcher is None:
-        return _by_hand(plan, args, req, token=token, here=here, extra=extra, interactive=interactive)
+        return _by_hand(plan, args, batch, token=token, here=here, extra=extra, interactive=interactive)
     from stagewise.launch.start import start_stages
 
     if launcher != "local" and not args.no_preflight and not _preflight(plan, launcher, options,
@@ -142,11 +145,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     again = {"launcher": launcher, "timeout_s": args.connect_timeout,
              **{k: v for k, v in options.items() if k != "auth_token"}}
-    return _drive(plan, args, req, token=token, addresses=addresses, procs=procs, interactive=interactive,
+    return _drive(plan, args, batch, token=token, addresses=addresses, procs=procs, interactive=interactive,
                   launcher=again)
 
 
-def _by_hand(plan, args, req: Requests, *, token, here: list[int], extra, interactive: bool) -> int:
+def _by_hand(plan, args, batch: PromptBatch, *, token, here: list[int], extra, interactive: bool) -> int:
     """Stages started by their hosts from the printed commands (``--print-only``: all of them, and
     nothing more), those on this machine (``here``) started here; then drive them."""
     from stagewise.launch.here import awaited, print_commands, start_here
@@ -172,7 +175,7 @@ def _by_hand(plan, args, req: Requests, *, token, here: list[int], extra, intera
         by = "its command above on its host" if len(away) == 1 else "the commands above on their hosts"
         print(f"{PROG}: waiting up to {args.connect_timeout:.0f} s for {awaited(plan, away)}, started by {by}",
               file=sys.stderr)
-    return _drive(plan, args, req, token=token, addresses=addresses, procs=procs, interactive=interactive,
+    return _drive(plan, args, batch, token=token, addresses=addresses, procs=procs, interactive=interactive,
                   launcher=None, away=away)
 
 
@@ -188,7 +191,7 @@ def _preflight(plan, launcher: str, options: dict, timeout_s: float) -> bool:
     return True
 
 
-def _drive(plan, args, req: Requests, *, token, addresses, procs, interactive: bool, launcher: dict | None,
+def _drive(plan, args, batch: PromptBatch, *, token, addresses, procs, interactive: bool, launcher: dict | None,
            away: list[int] = ()) -> int:
     """Attach to the stages (``procs``: those started here, watched and stopped with the pipeline;
     ``away``: the members other hosts start) and answer the prompts, stdin's lines or HTTP."""
@@ -216,7 +219,7 @@ def _drive(plan, args, req: Requests, *, token, addresses, procs, interactive: b
     if args.serve:
         return serve_closing(pipe, args, PROG)
     if not interactive:
-        return generate_and_print(pipe, args, req, prog=PROG)
+        return generate_and_print(pipe, args, batch, prog=PROG)
     code = 0
     try:
         if sys.stdin.isatty():
@@ -224,7 +227,7 @@ def _drive(plan, args, req: Requests, *, token, addresses, procs, interactive: b
         for number, line in enumerate(sys.stdin, start=1):
             if not line.strip():
                 continue
-            one = Requests()
+            one = PromptBatch()
             one.texts, one.overrides, one.lines = [line.rstrip("\n")], [None], [number]
             code = max(code, generate_and_print(pipe, args, one, prog=PROG, close=False, label=f"line {number}"))
     except KeyboardInterrupt:

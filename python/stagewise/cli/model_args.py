@@ -1,37 +1,16 @@
-"""``stagewise generate``: load a model (in this process, or as pipeline stages) and generate for
-one or more prompts.
-
-Every argument is checked before anything loads, and every problem is named at once: first what
-needs no model, then what the model's config rules out (reading the config only). Plain output
-streams each prompt's text as it is generated; ``--json`` prints one object
-``{"completions": [...], "stats": {...}}``; ``--prompt-file`` prints one JSON line per request (see
-:mod:`stagewise.cli_prompts`).
-"""
+"""What loads the model and lays it out, for ``generate`` and ``serve``: the arguments, their checks
+(those that need no model, then those its config decides), and the pipeline they ask for, started
+or attached to."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-from stagewise import heap
-from stagewise.cli_prompts import (
-    Requests, add_prompt_arguments, completion_json, config_problems, encode_texts, read_requests, report,
-    sampling_args, sampling_problems,
-)  # fmt: skip
+from stagewise.cli.prompt_args import PromptBatch, config_problems, encode_texts
 from stagewise.parallel.plan_options import LAUNCHERS, PLACEMENTS, tpot_target_problem
-from stagewise.transport.select import TRANSPORTS
-
-PROG = "stagewise generate"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="an HF folder, a .gguf file, or an embedded model name (smollm2-135m); "
-                             "with --plan, the plan's model")
-    add_prompt_arguments(parser)
-    add_model_arguments(parser)
+from stagewise.transport.registry import TRANSPORTS
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, max_restarts: int = 0, server: bool = False) -> None:
@@ -125,19 +104,6 @@ def tls_problems(args: argparse.Namespace) -> list[str]:
             if not os.path.isfile(getattr(args, f"tls_{k}"))]
 
 
-def argument_problems(args: argparse.Namespace) -> tuple[list[str], Requests]:
-    """Every problem of the arguments that needs no model."""
-    problems: list[str] = []
-    req = read_requests(args, problems)
-    problems += sampling_problems(sampling_args(args))
-    problems += model_problems(args)
-    if args.logprobs is not None and not (args.json or args.prompt_file):
-        problems.append("--logprobs needs --json or --prompt-file (the log-probabilities are printed as JSON)")
-    if args.prompt_file and args.json:
-        problems.append("--prompt-file prints JSON lines already; leave out --json")
-    return problems, req
-
-
 def model_problems(args: argparse.Namespace) -> list[str]:
     """Every problem of :func:`add_model_arguments`' arguments that needs no model."""
     problems: list[str] = []
@@ -189,28 +155,10 @@ def model_problems(args: argparse.Namespace) -> list[str]:
     return problems
 
 
-def run(args: argparse.Namespace) -> int:
-    # Two passes, each naming every problem it finds: what the arguments alone decide (at once,
-    # before torch is even imported), then what the model's config decides (its config only).
-    problems, req = argument_problems(args)
-    if problems:
-        return report(PROG, problems)
-    heap.pause()  # until the model is loaded: see stagewise.heap
-    try:
-        problems = config_checks(args, req, sampling_args(args))
-        if problems:
-            return report(PROG, problems)
-        pipe = open_pipeline(args, PROG)
-    finally:
-        heap.settle()
-    if pipe is None:
-        return 1
-    return generate_and_print(pipe, args, req, prog=PROG)
-
-
-def config_checks(args: argparse.Namespace, req: Requests, sampling: dict) -> list[str]:
-    """What the model's config rules out of these arguments (its config only: nothing is loaded);
-    with ``--plan``, what is wrong with the plan (as ``launch`` and ``doctor`` name it)."""
+def config_checks(args: argparse.Namespace, batch: PromptBatch, max_new_tokens: int) -> list[str]:
+    """What the model's config rules out of these arguments (its config only: nothing is loaded)
+    for ``batch`` asking up to ``max_new_tokens`` each; with ``--plan``, what is wrong with the
+    plan (as ``launch`` and ``doctor`` name it)."""
     if args.model is None:
         if not args.plan:
             return []
@@ -229,10 +177,10 @@ def config_checks(args: argparse.Namespace, req: Requests, sampling: dict) -> li
     except (ValueError, FileNotFoundError, OSError) as err:
         return [f"cannot open {args.model!r}: {err}"]
     try:
-        encoded = encode_texts(checkpoint, req, args)
+        encoded = encode_texts(checkpoint, batch, args)
     except ValueError as err:  # a chat template that refuses the prompt
         return [str(err)]
-    problems = config_problems(config, req, args, sampling=sampling, max_model_len=args.max_model_len,
+    problems = config_problems(config, batch, args, max_new_tokens=max_new_tokens, max_model_len=args.max_model_len,
                                stages=args.stages, partition=args.partition, encoded=encoded)
     from stagewise.model.shapes import parallel_problems
 
@@ -307,40 +255,6 @@ def _load(args: argparse.Namespace, prog: str):
     return pipe
 
 
-def generate_and_print(pipe, args: argparse.Namespace, req: Requests, *, prog: str, close: bool = True,
-                       label: str | None = None) -> int:
-    """Generate for ``req`` and print the results (streamed text, ``--json`` or JSON lines);
-    closes ``pipe`` afterwards unless ``close`` is False. ``label`` heads the streamed answer
-    (``stagewise launch`` names the input line)."""
-    defaults = getattr(pipe.plan, "sampling", None) if pipe.plan is not None else None
-    kwargs = dict(sampling_args(args, defaults), chat=args.chat, overrides=req.overrides if req.from_file else None)
-    kwargs.update(prompts=req.texts) if req.texts else kwargs.update(prompt_token_ids=req.ids)
-    if getattr(args, "image", None):
-        kwargs["images"] = [list(args.image)] * len(req)
-    stream = None if args.json or req.from_file else _Streamer(len(req), label)
-    trace = getattr(args, "trace", None)
-    try:
-        try:
-            completions = pipe.generate(**kwargs, on_text=stream)
-            stats = {"load_s": pipe.load_s, **pipe.last_stats}
-            if trace:
-                pipe.write_trace(trace)
-        finally:
-            if close:
-                pipe.close()
-    except ValueError as err:
-        print(f"{prog}: {err}", file=sys.stderr)
-        return 2
-    if req.from_file:
-        for i, (c, line) in enumerate(zip(completions, req.lines)):
-            print(json.dumps(completion_json(c, index=i, line=line)), flush=True)
-    elif args.json:
-        print(json.dumps({"completions": [completion_json(c) for c in completions], "stats": stats}), flush=True)
-    else:
-        stream.finish(completions, prog)
-    return 1 if any(c.finish_reason == "error" for c in completions) else 0
-
-
 class _LoadBar:
     """A tqdm bar on stderr over the tensors read; the bytes read so far are shown after it."""
 
@@ -359,37 +273,3 @@ class _LoadBar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-class _Streamer:
-    """Prints text as it arrives. One prompt streams live; with several, each prompt's text is
-    printed as a block once it is complete (their tokens arrive interleaved). ``label`` heads a
-    single prompt's answer (``--- label``)."""
-
-    def __init__(self, n: int, label: str | None = None) -> None:
-        self.n, self.label, self.started = n, label, False
-
-    def __call__(self, index: int, text: str) -> None:
-        if self.n == 1:
-            self._head()
-            sys.stdout.write(text)
-            sys.stdout.flush()
-
-    def _head(self) -> None:
-        if self.label is not None and not self.started:
-            sys.stdout.write(f"--- {self.label}\n")
-        self.started = True
-
-    def finish(self, completions, prog: str) -> None:
-        for i, c in enumerate(completions):
-            if self.n > 1:
-                sys.stdout.write(f"--- [{i}] {c.finish_reason}\n{c.text}")
-            else:
-                self._head()
-                if not c.text:
-                    sys.stdout.write(f"(no text: {c.finish_reason}, {len(c.token_ids)} tokens)")
-            if c.error:
-                where = f"prompt {i}" if self.label is None else self.label
-                print(f"\n{prog}: {where}: {c.error} (after {len(c.token_ids)} tokens)", file=sys.stderr)
-            sys.stdout.write("\n")
-        sys.stdout.flush()

@@ -1,0 +1,46 @@
+"""The engine in this process as a :class:`~stagewise.frontend.run.Backend`: every layer here, no
+stage processes (``Pipeline(..., stages=1)``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from stagewise.engine.params import SamplingParams, TokenLogprobs
+from stagewise.engine.requests import RequestOutput
+
+if TYPE_CHECKING:
+    from stagewise.engine.engine import Engine
+    from stagewise.engine.images import ImageInputs
+
+
+class LocalBackend:
+    """The single-process backend: one engine over every layer. As with the driver, every request
+    added ends with exactly one output from :meth:`poll`, a cancelled or aborted one included."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._ended: list[RequestOutput] = []
+
+    def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams,
+            images: ImageInputs | None = None) -> None:
+        self.engine.add_request(request_id, prompt_ids, params, images)
+
+    def cancel(self, request_id: int) -> None:
+        out = self.engine.cancel(request_id)
+        if out is not None:
+            self._ended.append(out)
+
+    def abort(self, request_id: int, error: str) -> None:
+        out = self.engine.abort(request_id, error)
+        if out is not None:
+            self._ended.append(out)
+
+    def poll(self, timeout: float) -> list[RequestOutput]:
+        ended, self._ended = self._ended, []
+        return ended + self.engine.step()
+
+    def take_tokens(self) -> list[tuple[int, int, TokenLogprobs | None]]:
+        return self.engine.take_tokens()
+
+    def close(self) -> None:
+        self.engine = None
