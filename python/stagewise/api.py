@@ -7,8 +7,9 @@ one prompt's result.
 
 With ``stages=1`` (and ``tp=pcp=1``) every layer runs in this process (an
 :class:`~stagewise.engine.engine.Engine`); otherwise each rank of each stage is a process of its
-own and this one drives them (a :class:`~stagewise.pipeline.driver.PipelineDriver`). Both answer the same calls — add a request,
-cancel it, poll for the requests that ended — so :meth:`Pipeline.generate` has one path.
+own and this one drives them (a :class:`~stagewise.pipeline.driver.PipelineDriver`). Both are a
+:class:`~stagewise.frontend.run.Backend` — add a request, cancel it, poll for the requests that
+ended — so :meth:`Pipeline.generate` has one path.
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ from typing import Any
 
 import torch
 
-from stagewise.engine.text import TextStreams
-from stagewise.frontend import Completion, LocalBackend, Run, sampling_per_prompt
+from stagewise.engine.params import sampling_keywords
+from stagewise.frontend.image_processing import expand_prompts, prepare_prompt_images
+from stagewise.frontend.local import LocalBackend
+from stagewise.frontend.prompts import encode_prompts, render_chat
+from stagewise.frontend.run import Completion, Run, sampling_per_prompt
+from stagewise.frontend.text import TextStreams
 from stagewise.model.loader import Checkpoint, open_checkpoint, resolve_device, resolve_dtype
 from stagewise.model.quant import check_precision
-from stagewise.image_processing import expand_prompts, prepare_prompt_images
 from stagewise.parallel.plan_options import option_problems
 from stagewise.launch.start import REJOIN_S, Restart, process_options, process_plan
-from stagewise.prompts import encode_prompts, render_chat
 
 _log = logging.getLogger("stagewise").warning
 """Where a pipeline's restarts are told."""
@@ -135,7 +138,7 @@ class Pipeline:
         self._ids = count()
         self.image_processor = None
         if self.config.vision_config is not None:
-            from stagewise.image_processing import ImageProcessor
+            from stagewise.frontend.image_processing import ImageProcessor
 
             self.image_processor = ImageProcessor.for_model(getattr(checkpoint, "path", None), self.config.vision_config)
 
@@ -232,25 +235,26 @@ class Pipeline:
         if backend is not None:
             backend.close()
 
+    @sampling_keywords
     def generate(self, prompts: str | Sequence[str] | None = None, *,
-                 prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-                 max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 min_p: float = 0.0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
-                 chat: bool = False, ignore_eos: bool = False, logprobs: int | None = None,
+                 prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None, chat: bool = False,
                  overrides: Sequence[Mapping[str, Any] | None] | None = None,
                  on_text: Callable[[int, str], None] | None = None,
-                 images: Sequence[Any] | None = None) -> list[Completion]:
+                 images: Sequence[Any] | None = None, **sampling: Any) -> list[Completion]:
         """One :class:`Completion` per prompt, in order. Argument errors raise ValueError before
         anything runs, as does a prompt whose tokens plus ``max_new_tokens`` exceed
         :attr:`max_model_len`; a prompt's own problem (empty, ids outside the vocabulary, out of KV
-        blocks) gives that prompt finish_reason 'error'. With ``seed``,
-        prompt i samples from seed + i. ``on_text(i, delta)`` streams prompt i's text. ``ignore_eos``
-        generates past the model's EOS ids (for benchmarks: every prompt gets max_new_tokens).
-        ``logprobs=K`` gives each generated token's log-probability and the K most likely tokens'
-        (:class:`~stagewise.engine.params.TokenLogprobs`). ``overrides[i]``, when given, holds
-        sampling fields (the names of the arguments above, and ``stop_token_ids``) that replace the
-        call's for prompt i.
+        blocks) gives that prompt finish_reason 'error'. ``on_text(i, delta)`` streams prompt i's
+        text.
+
+        The sampling keywords are the fields of :class:`~stagewise.engine.params.SamplingParams`,
+        with its defaults: ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``,
+        ``min_p``, the penalties, ``stop`` (a string or a list), ``stop_token_ids``, ``ignore_eos``
+        (for benchmarks: every prompt gets max_new_tokens), and ``logprobs=K``, each generated
+        token's log-probability and the K most likely tokens'
+        (:class:`~stagewise.engine.params.TokenLogprobs`). With ``seed``, prompt i samples from
+        seed + i. ``overrides[i]``, when given, holds sampling fields that replace the call's for
+        prompt i.
 
         ``images[i]`` (one entry per prompt, None for none) holds prompt i's images: an image (a
         file path, a PIL image or a uint8 tensor ``[H, W, 3]``), a list of them, or the processor's
@@ -261,18 +265,13 @@ class Pipeline:
         backend = self._backend
         if backend is None:
             raise ValueError("Pipeline.generate: the pipeline is closed")
-        base = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                    repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                    frequency_penalty=frequency_penalty, seed=seed,
-                    stop=[stop] if isinstance(stop, str) else list(stop or []), ignore_eos=ignore_eos,
-                    logprobs=logprobs)
         prepared, failed = prepare_prompt_images(images, self.image_processor)
         encoded = self._encode(prompts, prompt_token_ids, chat, [0 if p is None else p.num_images for p in prepared])
         if images is not None and len(images) != len(encoded):
             raise ValueError(f"Pipeline.generate: images must hold one entry per prompt ({len(encoded)}), "
                              f"got {len(images)}")
         failed.update(expand_prompts(encoded, prepared, self.config.vision_config, failed))
-        params = sampling_per_prompt(base, len(encoded), overrides)  # every value checked before anything runs
+        params = sampling_per_prompt(sampling, len(encoded), overrides)  # every value checked before anything runs
         if any(p.stop for p in params) and self.tokenizer is None:
             raise ValueError("Pipeline.generate: stop strings need a tokenizer; this checkpoint has none")
         self.check_lengths(encoded, params)

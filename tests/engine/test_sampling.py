@@ -61,7 +61,7 @@ def test_filtered_distribution_matches_transformers():
 def test_top_k_ties_keep_every_tied_token(dtype):
     # Few distinct values: many ties at every top-k threshold.
     logits = torch.randint(0, 4, (6, VOCAB)).to(dtype)
-    params = [SamplingParams(top_k=k) for k in (1, 2, 3, 10, 50, VOCAB)]
+    params = [SamplingParams(top_k=k, temperature=1.0) for k in (1, 2, 3, 10, 50, VOCAB)]
     ours = Sampler.filtered_logits(logits, params)
     for i, p in enumerate(params):
         ref = hf_filtered_logits(logits[i], p)
@@ -74,7 +74,7 @@ def test_top_p_ties_keep_lower_ids():
     logits = torch.zeros(4, 4)
     top_ps = [0.5, 0.6, 0.3, 1e-3]
     expected_kept = [[0, 1], [0, 1, 2], [0, 1], [0]]
-    ours = Sampler.filtered_logits(logits, [SamplingParams(top_p=p) for p in top_ps])
+    ours = Sampler.filtered_logits(logits, [SamplingParams(top_p=p, temperature=1.0) for p in top_ps])
     for row, kept in zip(ours, expected_kept):
         assert torch.isfinite(row).nonzero().flatten().tolist() == kept
 
@@ -189,7 +189,7 @@ def test_seeded_draw_frequencies():
         ("seed", 2**64),
         ("seed", "7"),
         ("stop", ["ok", ""]),
-        ("stop", "STOP"),
+        ("stop", ""),
         ("stop_token_ids", [3, -1]),
         ("stop_token_ids", [True]),
     ],
@@ -202,6 +202,7 @@ def test_invalid_params_name_the_field(field, value):
 def test_valid_edges_are_accepted():
     p = SamplingParams(max_new_tokens=1, temperature=0, top_k=0, top_p=1.0, seed=2**64 - 1, stop=("a",))
     assert p.greedy and p.stop == ["a"]
+    assert SamplingParams(stop="STOP").stop == ["STOP"]  # a string alone is one stop string
 
 
 def test_sample_checks_its_arguments():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from stagewise.transport.select import TRANSPORTS
+from stagewise.transport.registry import TRANSPORTS
 
 LAUNCHERS = ("local", "ray")
 """Where a plan's processes start: here (or by hand, or over ssh), or as actors on a Ray cluster."""
@@ -74,11 +74,11 @@ def option_problems(options: dict[str, Any]) -> list[str]:
         if not isinstance(sampling, dict):
             problems.append(problem("sampling", sampling, "a mapping of sampling fields"))
         else:
-            from stagewise.engine.params import SamplingParams
+            from stagewise.engine.params import SAMPLING_FIELDS, unknown_field, value_problem
 
             for name, value in sampling.items():
-                try:
-                    SamplingParams(**{name: value})
-                except (TypeError, ValueError) as err:
-                    problems.append(f"sampling.{str(err).removeprefix('SamplingParams.')}")
+                if name not in SAMPLING_FIELDS:
+                    problems.append(f"sampling: {unknown_field(str(name))}")
+                elif (why := value_problem(name, value)) is not None:
+                    problems.append(f"sampling.{name} {why}")
     return problems

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from stagewise.engine.params import SamplingParams, TokenLogprobs
+from stagewise.engine.params import SURFACES, SamplingParams, TokenLogprobs, value_problem
 
 MAX_REQUEST_BYTES = 32 << 20
 """The default limit on a request's body (``serve --max-request-bytes``): a data: URL of one image
@@ -21,14 +21,18 @@ of the largest default size (20 MiB, 26.7 MiB as base64) fits."""
 MAX_COMPLETION_LOGPROBS = 5  # what OpenAI's legacy completions endpoint allows
 MAX_TOP_LOGPROBS = 20
 
-# The fields each endpoint reads (OpenAI's, and vLLM's top_k, min_p, repetition_penalty, ignore_eos).
-# Any other field is refused, as OpenAI's API does: a misspelt field or a feature this server lacks
-# would otherwise give an answer the client did not ask for, with nothing to say so.
-_COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                              "frequency_penalty", "repetition_penalty", "seed", "stop", "n", "logprobs", "ignore_eos",
-                              "stream", "stream_options"})
+# The fields each endpoint reads: every sampling option under its OpenAI names (OpenAI's, and
+# vLLM's for the options OpenAI lacks: top_k, min_p, repetition_penalty, stop_token_ids,
+# ignore_eos), and each endpoint's own. Any other field is refused, as OpenAI's API does: a
+# misspelt field or a feature this server lacks would otherwise give an answer the client did not
+# ask for, with nothing to say so.
+_SAMPLING_FIELDS = frozenset(name for row in SURFACES for name in row.openai)
+_COMMON_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = _COMMON_FIELDS | {name for row in SURFACES for name in row.openai_chat} | {"messages"}
+OPENAI_DEFAULTS = {"temperature": 1.0}
+"""Where OpenAI's API documents another default than the option's own (its clients expect
+sampling); ``max_tokens`` defaults to the server's ``--default-max-tokens``."""
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 """OpenAI's fields that change nothing in an answer of this server (accepted, not used)."""
 UNSUPPORTED_FIELDS = {"tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
@@ -99,42 +103,32 @@ def _check_model(body: dict, served: str) -> None:
                        code="model_not_found")
 
 
-def _sampling(body: dict, max_tokens_names: tuple[str, ...], default_max: int,
-              logprobs: int | None) -> tuple[SamplingParams, str]:
-    """The sampling fields common to both endpoints, OpenAI's defaults (temperature 1); and the
-    name of the field that gave max_tokens (the last of ``max_tokens_names`` sent)."""
+def _sampling(body: dict, chat: bool, default_max: int, logprobs: int | None) -> tuple[SamplingParams, str]:
+    """The sampling options of a request, each read from its OpenAI fields (the last of them sent),
+    OpenAI's defaults where they differ from ours; and the name of the field that gave max_tokens.
+    ``logprobs``: the endpoint's own reading of it."""
     if _get(body, "n", (int,), 1) != 1:
         raise ApiError("only n=1 is supported", param="n")
-    max_tokens, max_name = default_max, max_tokens_names[0]
-    for name in max_tokens_names:
-        given = _get(body, name, (int,))
-        if given is not None:
-            max_tokens, max_name = given, name
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
-        raise ApiError("'stop' must be a string or a list of at most 16 strings", param="stop")
-    fields = dict(max_new_tokens=max_tokens,
-                  temperature=float(_get(body, "temperature", (int, float), 1.0)),
-                  top_p=float(_get(body, "top_p", (int, float), 1.0)),
-                  top_k=_get(body, "top_k", (int,), 0),
-                  min_p=float(_get(body, "min_p", (int, float), 0.0)),
-                  presence_penalty=float(_get(body, "presence_penalty", (int, float), 0.0)),
-                  frequency_penalty=float(_get(body, "frequency_penalty", (int, float), 0.0)),
-                  repetition_penalty=float(_get(body, "repetition_penalty", (int, float), 1.0)),
-                  seed=_get(body, "seed", (int,)), stop=[s for s in stop if s], logprobs=logprobs,
-                  ignore_eos=_get(body, "ignore_eos", (bool,), False))
-    if fields["top_k"] == -1:  # vLLM's spelling of "off"
-        fields["top_k"] = 0
-    try:
-        return SamplingParams(**fields), max_name
-    except ValueError as err:
-        name = str(err).split(" ")[0].removeprefix("SamplingParams.")
-        param = {"max_new_tokens": max_name}.get(name, name)
-        raise ApiError(str(err).replace(f"SamplingParams.{name}", param), param=param) from None
+    values: dict[str, Any] = {"max_new_tokens": default_max, **OPENAI_DEFAULTS}
+    sent: dict[str, str] = {}
+    for row in SURFACES:
+        for name in row.openai + (row.openai_chat if chat else ()):
+            if body.get(name) is not None:
+                values[row.field], sent[row.field] = body[name], name
+    values["logprobs"] = logprobs  # (its fields' shape differs by endpoint: read by the endpoint)
+    if values.get("top_k") == -1:  # vLLM's spelling of "off"
+        values["top_k"] = 0
+    stop = values.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or len(stop) > 16 or not all(isinstance(s, str) for s in stop):
+            raise ApiError("'stop' must be a string or a list of at most 16 strings", param="stop")
+        values["stop"] = [s for s in stop if s]  # an empty stop string stops nothing
+    for field, value in values.items():
+        if (why := value_problem(field, value)) is not None:
+            param = sent.get(field, field)
+            raise ApiError(f"{param} {why}", param=param)
+    return SamplingParams(**values), sent.get("max_new_tokens", "max_tokens")
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:
@@ -146,8 +140,7 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
 
 
 def parse_completion(body: Any, served: str, default_max: int = 16) -> ApiRequest:
-    """A `/v1/completions` body (OpenAI's fields, plus vLLM's top_k, min_p, repetition_penalty,
-    ignore_eos)."""
+    """A `/v1/completions` body (OpenAI's fields, plus vLLM's for the options OpenAI lacks)."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     _check_fields(body, COMPLETION_FIELDS)
@@ -171,7 +164,7 @@ def parse_completion(body: Any, served: str, default_max: int = 16) -> ApiReques
     if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
         raise ApiError(f"'logprobs' must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {logprobs}", param="logprobs")
     stream, usage = _stream_options(body)
-    params, max_name = _sampling(body, ("max_tokens",), default_max, logprobs)
+    params, max_name = _sampling(body, False, default_max, logprobs)
     return ApiRequest(chat=False, prompt=text, prompt_ids=ids, params=params, stream=stream, include_usage=usage,
                       logprobs=logprobs, max_tokens_param=max_name)
 
@@ -243,7 +236,7 @@ def parse_chat(body: Any, served: str, render, default_max: int, *, vision: bool
         raise ApiError(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {top}", param="top_logprobs")
     logprobs = (top or 0) if want else None
     stream, usage = _stream_options(body)
-    params, max_name = _sampling(body, ("max_tokens", "max_completion_tokens"), default_max, logprobs)
+    params, max_name = _sampling(body, True, default_max, logprobs)
     try:
         prompt = render(messages)
     except (ValueError, KeyError, TypeError) as err:
