@@ -1,6 +1,8 @@
 """The tree's shape: no import cycle between the package's modules, no module past 400 lines, no
-third-party source in the tree, and the runtime never importing the benchmarks. Imports are read from the source (every import statement, also
-those inside functions and under ``TYPE_CHECKING``), so a cycle cannot hide behind a lazy import."""
+third-party source in the tree, the runtime never importing the benchmarks, and the tests in folders
+beside the code with their shared helpers in tests/helpers/. Imports are read from the source (every
+import statement, also those inside functions and under ``TYPE_CHECKING``), so a cycle cannot hide
+behind a lazy import."""
 
 from __future__ import annotations
 
@@ -128,3 +130,27 @@ def test_the_runtime_never_imports_the_benchmarks():
     found = {name: bench for name, bench in found.items() if bench}
     assert not found, f"runtime modules importing the benchmarks: {found}"
 
+
+
+TESTS = ROOT / "tests"
+
+
+def test_the_tests_are_a_package_of_folders_beside_the_code():
+    """A test file sits in the folder of the package it tests (``tests/<package>/``; ``tests/docs/``
+    for the documentation), what tests share sits in ``tests/helpers/``, and a test imports
+    ``stagewise`` and ``helpers``, never another test file."""
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and not p.name.startswith("_")}
+    misplaced, imports = [], []
+    for path in TESTS.rglob("*.py"):
+        rel = path.relative_to(TESTS)
+        if rel.parts[0] == "helpers" or rel.name in ("conftest.py", "test_structure.py"):
+            pass
+        elif len(rel.parts) != 2 or rel.parts[0] not in folders | {"docs"} or not rel.name.startswith("test_"):
+            misplaced.append(str(rel))
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            imports += [f"{rel}: {n}" for n in names if n.split(".")[0].startswith(("test_", "conftest", "tests"))]
+    assert not misplaced, f"test files outside tests/<package>/test_*.py or tests/helpers/: {sorted(misplaced)}"
+    assert not imports, f"tests importing other test files (move what they share to tests/helpers/): {imports}"

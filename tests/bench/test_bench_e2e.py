@@ -134,11 +134,7 @@ def test_e2e_tp_runs_ranks_beside_the_single_process(folder, tmp_path, capsys):
 def test_e2e_with_an_image_on_a_vision_model(tmp_path):
     """`--image WxH` on a tiny Qwen3-VL: every row starts with the image, both sides take the same
     pixel values, and the greedy tokens agree row by row."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parents[1]))
-    from vl_models import build, save
+    from helpers.vl_models import build, save
 
     folder = save(build("dense"), tmp_path / "vl")
     out = tmp_path / "results"

@@ -6,8 +6,6 @@ not allow)."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +18,6 @@ from stagewise.planner import validate
 from stagewise.planner.estimate import Workload, estimate_layout, slowdown
 from stagewise.planner.profiles import load_profile, process_slowdown
 from stagewise.parallel.ranks import ParallelConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 
 transformers = pytest.importorskip("transformers")
 
@@ -165,7 +161,7 @@ def test_rank_processes_beyond_the_cores_are_named_in_the_estimate_and_the_resul
 
 def test_heads_regroups_a_gguf_and_keeps_every_other_tensor(tmp_path):
     import gguf
-    from gguf_files import write_gguf
+    from helpers.gguf_files import write_gguf
 
     src = tmp_path / "tiny.gguf"
     write_gguf(src)  # 4 query / 2 KV heads, hidden 64

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from doc_examples import parse
+from helpers.doc_examples import parse
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,8 +9,8 @@ import re
 import sys
 from pathlib import Path
 
-from doc_examples import Example, parse
-from example_runner import failure, run
+from helpers.doc_examples import Example, parse
+from helpers.example_runner import failure, run
 
 ROOT = Path(__file__).resolve().parents[2]
 

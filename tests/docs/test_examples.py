@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from doc_examples import collect, pages
-from example_runner import failure, run
+from helpers.doc_examples import collect, pages
+from helpers.example_runner import failure, run
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES, PROBLEMS = collect(ROOT, pages(ROOT))

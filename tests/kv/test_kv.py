@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from conftest import DTYPES
+from helpers.kernels import DTYPES
 from stagewise.kv import PAD_BLOCK_ID, BlockPool, KVCache, KVCacheManager, KVCacheSpec, OutOfKVBlocks
 from stagewise.ops import reference
 

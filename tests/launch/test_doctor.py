@@ -182,7 +182,7 @@ def test_a_plan_partly_on_this_machine_probes_it_here_and_prints_the_others(tmp_
     """Stage 0 on this machine (its name, every interface), stage 1 on a host that is not: the
     doctor starts stage 0's probe itself and prints stage 1's command only; stage 1's probe is
     named as not answering, and nothing is left."""
-    from processes import children, gone
+    from helpers.processes import children, gone
 
     host = socket.gethostname()
     try:

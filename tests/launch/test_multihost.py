@@ -206,7 +206,7 @@ def _launch_watched(cmd: list[str], timeout: float = 180.0) -> tuple[subprocess.
     """Run a `stagewise launch` command; its result and every child process seen while it ran."""
     import time
 
-    from processes import children
+    from helpers.processes import children
 
     env = dict(os.environ)
     env.pop("STAGEWISE_AUTH_TOKEN", None)
@@ -229,7 +229,7 @@ def _launch_watched(cmd: list[str], timeout: float = 180.0) -> tuple[subprocess.
 def test_launch_starts_the_stages_of_this_machine_itself(tiny, tmp_path):
     """Every stage on 127.0.0.1: `launch` starts them (no command printed, nothing to run by hand),
     answers with the single process's tokens and leaves no process behind."""
-    from processes import gone
+    from helpers.processes import gone
 
     model, ref = tiny
     plan_path = write_plan(tmp_path / "plan.json", model, [{"host": "127.0.0.1", "listen": "127.0.0.1:0"},
@@ -264,7 +264,7 @@ def test_launch_starts_its_own_stage_and_waits_for_the_other_hosts(tiny, tmp_pat
     """Stage 0 on this machine (by its name, listening on every interface), stage 1 elsewhere:
     stage 0 is started here, only stage 1's command is printed and awaited, and stage 0's
     process is stopped when stage 1 does not come."""
-    from processes import gone
+    from helpers.processes import gone
 
     host = socket.gethostname()
     try:
@@ -443,7 +443,7 @@ def test_stages_started_over_ssh_are_started_again_over_ssh_when_lost(tmp_path, 
     other rejoins with its layers loaded, and the request ends with the undisturbed tokens."""
     import signal
 
-    from processes import gone
+    from helpers.processes import gone
     from stagewise.launch.start import REJOIN_ARGS, start_stages
 
     prompt = "The capital of France is"

@@ -330,7 +330,7 @@ except KeyboardInterrupt:
 def test_ctrl_c_mid_generation_removes_every_actor_and_the_placement_group(cluster):
     import subprocess
 
-    from processes import ended_by_ctrl_c
+    from helpers.processes import ended_by_ctrl_c
 
     proc = subprocess.Popen([sys.executable, "-c", CTRL_C, MODEL, cluster.address], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)

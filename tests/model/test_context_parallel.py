@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import cp_scenario
+from helpers import cp_scenario
 from stagewise.engine.handoff import KVHandoff, KVShard, merge_handoffs, split_handoff
 from stagewise.kv import KVCacheManager, KVCacheSpec
 from stagewise.kv.cache import num_cache_blocks
@@ -31,7 +31,7 @@ from stagewise.model.layers.context_parallel import (_packed, check_groups, chec
 from stagewise.model.loader.sharding import kv_heads_of_rank
 from stagewise.parallel import comm
 
-WORKER = Path(__file__).with_name("cp_worker.py")
+WORKER = Path(__file__).parents[1] / "helpers" / "cp_worker.py"
 
 # ---- pure pieces ---------------------------------------------------------------------------------
 

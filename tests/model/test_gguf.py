@@ -1,4 +1,4 @@
-"""GGUF checkpoints: tiny files written from HF models (tests/model/gguf_files.py), and the embedded SmolLM2-135M."""
+"""GGUF checkpoints: tiny files written from HF models (tests/helpers/gguf_files.py), and the embedded SmolLM2-135M."""
 
 import importlib.util
 import os
@@ -16,7 +16,7 @@ from stagewise.model.loader import sources as sources_module  # noqa: E402
 from stagewise.model.loader.gguf_file import GGUFCheckpoint  # noqa: E402
 from stagewise.model.quant import QuantizedWeight  # noqa: E402
 
-from gguf_files import TOKENS, TYPES, gguf_name, write_gguf  # noqa: E402
+from helpers.gguf_files import TOKENS, TYPES, gguf_name, write_gguf  # noqa: E402
 
 
 

@@ -9,7 +9,7 @@ import gguf
 import pytest
 import torch
 
-from quant_cases import checked_int8_linear
+from helpers.quant_cases import checked_int8_linear
 import stagewise
 from stagewise.model.loader import load_stage_weights
 from stagewise.model.quant import QuantizedWeight, quantize_q8_0

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vl_models import (END, IMAGE, SMALL, START, WIDE, assert_logprobs_close, build, hf_greedy, hf_inputs,
+from helpers.vl_models import (END, IMAGE, SMALL, START, WIDE, assert_logprobs_close, build, hf_greedy, hf_inputs,
                        prefill_logits, save)
-from vl_models import random_image as _image
+from helpers.vl_models import random_image as _image
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
@@ -94,7 +94,7 @@ def test_precomputed_pixel_values_and_prompt_without_placeholders(vl):
 def test_chat_template_places_the_images(vl):
     """Text prompts with ``chat``: the template puts each image's vision start, placeholder and end
     in front of the text, and each placeholder becomes one token per merged patch."""
-    from vl_models import ASSISTANT, IM_END, IM_START, USER
+    from helpers.vl_models import ASSISTANT, IM_END, IM_START, USER
 
     hf, folder = vl
     images = PROMPTS[2][1]

@@ -19,8 +19,8 @@ import random
 
 import pytest
 
-from quant_cases import checked_int8_linear
-from vl_models import (END, IMAGE, SMALL, START, WIDE, assert_logprobs_close, build, draw, hf_greedy, prefill_logits,
+from helpers.quant_cases import checked_int8_linear
+from helpers.vl_models import (END, IMAGE, SMALL, START, WIDE, assert_logprobs_close, build, draw, hf_greedy, prefill_logits,
                        random_image, save)
 
 transformers = pytest.importorskip("transformers")

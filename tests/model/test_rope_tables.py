@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import stagewise.ops as ops
-from conftest import assert_close
+from helpers.kernels import assert_close
 from stagewise.model.hf_config import parse_config_file, parse_hf_config
 from stagewise.model.layers.rotary import cos_sin_cache, rope_frequencies
 

@@ -113,7 +113,7 @@ def test_int8_mode_runs_its_reference_maths(monkeypatch):
     (bench/results/*-e2e.md), not asserted here: the mode is approximate by design. The prompt runs
     in chunks of 8 tokens: those after the first take the Python layers, where the check sits (the
     C++ layer loop, which runs first chunks and decode steps, calls the same op)."""
-    from quant_cases import checked_int8_linear
+    from helpers.quant_cases import checked_int8_linear
     from stagewise.model.quant import QuantizedWeight
 
     seen = set()

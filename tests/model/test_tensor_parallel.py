@@ -1,4 +1,4 @@
-"""Tensor parallel inside a stage, for real: ``tp`` rank processes over gloo (tests/model/tp_ranks.py),
+"""Tensor parallel inside a stage, for real: ``tp`` rank processes over gloo (tests/helpers/tp_ranks.py),
 each loading its shard of a checkpoint saved to disk, run the same prefill and decode steps; rank
 0's logits must equal the single-process stage's and transformers' (float32, 1e-4), its argmax the
 single process's greedy tokens, and the other ranks' last stage must return None. Every case of a
@@ -23,8 +23,8 @@ from stagewise.model.hf_config import parse_hf_config  # noqa: E402
 from stagewise.model.loader import load_stage_weights, open_checkpoint  # noqa: E402
 from stagewise.model.stage import StageModel, load_stage  # noqa: E402
 
-from gguf_files import write_gguf  # noqa: E402
-from tp_ranks import JOINS, NUM_STEPS, WorldFailed, load_stages, prompts, run_steps, run_world, step_requests  # noqa: E402,E501
+from helpers.gguf_files import write_gguf  # noqa: E402
+from helpers.tp_ranks import JOINS, NUM_STEPS, WorldFailed, load_stages, prompts, run_steps, run_world, step_requests  # noqa: E402,E501
 
 TOL = dict(rtol=1e-4, atol=1e-4)  # float32; the ranks' partial sums add in another order than one matmul
 # vocab 97 is odd: the last vocab-parallel rank holds padding rows at tp 2 and 4.

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from conftest import DEVICES, DTYPES, TOLERANCES, assert_close, poison_, strided
+from helpers.kernels import DEVICES, DTYPES, TOLERANCES, assert_close, poison_, strided
 
 import stagewise.ops as ops
 from stagewise.ops import reference

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import stagewise.ops as ops
-from conftest import HAS_CUDA, strided
+from helpers.kernels import HAS_CUDA, strided
 
 T, HIDDEN = 3, 8  # tokens, hidden size (norms)
 B, HQ, HK, D = 2, 4, 2, 8  # batch, query heads, kv heads, head dim

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import stagewise.ops as ops
-from conftest import DTYPES, strided
+from helpers.kernels import DTYPES, strided
 from stagewise.ops import reference
 
 BLOCK_SIZE = 16

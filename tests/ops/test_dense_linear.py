@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import stagewise.ops as ops
-from conftest import poison_, strided
+from helpers.kernels import poison_, strided
 
 MAX_ROWS = ops.dense_linear_max_rows()
 ROWS = sorted({*range(1, MAX_ROWS + 1), MAX_ROWS + 1, 2 * MAX_ROWS + 3})  # past MAX_ROWS: the GEMM

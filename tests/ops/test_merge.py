@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import DTYPES, TOLERANCES, assert_close, poison_, strided
+from helpers.kernels import DTYPES, TOLERANCES, assert_close, poison_, strided
 
 import stagewise.ops as ops
 from stagewise.ops import reference

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import stagewise.ops as ops
-from conftest import DTYPES, assert_close, poison_, strided
+from helpers.kernels import DTYPES, assert_close, poison_, strided
 from stagewise.ops import reference
 
 EPS = 1e-6

@@ -1,7 +1,7 @@
 """quant_linear against a dequantisation written from the GGUF block layout (gguf.quants.dequantize).
 
 Weights are real GGUF blocks made by gguf.quants.quantize from random matrices, random valid blocks
-for the K-quants (tests/quant_cases.py), plus hand-built blocks for the layout itself; sizes are
+for the K-quants (tests/helpers/quant_cases.py), plus hand-built blocks for the layout itself; sizes are
 awkward (in_features one block, odd block counts; output features not a multiple of any panel or
 tile); batches 1, 3, 9 (the direct kernels' rows with AVX2 and AVX-512), 16 (the tile kernel's on
 AVX2, the direct one's on AVX-512), 33, 60, 70 (the tile kernel's everywhere, whole and part groups
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import stagewise.ops as ops
-from conftest import poison_, strided
-from quant_cases import QTYPES, dequantize as _dequantize, quantize as _quantize, shapes
+from helpers.kernels import poison_, strided
+from helpers.quant_cases import QTYPES, dequantize as _dequantize, quantize as _quantize, shapes
 from stagewise.ops import reference
 
 CASES = [(name, shape) for name in QTYPES for shape in shapes(name)]

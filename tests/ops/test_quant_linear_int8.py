@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import stagewise.ops as ops
-from conftest import poison_, strided
-from quant_cases import QTYPES, dequantize as _dequantize, quantize as _quantize, shapes
+from helpers.kernels import poison_, strided
+from helpers.quant_cases import QTYPES, dequantize as _dequantize, quantize as _quantize, shapes
 from stagewise.ops import reference
 
 CASES = [(name, shape) for name in QTYPES for shape in shapes(name)]

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 import stagewise.ops as ops
-from conftest import DEVICES, strided
+from helpers.kernels import DEVICES, strided
 
 EPS = 1e-6
 T, HIDDEN = 5, 96  # tokens, hidden size (norms)

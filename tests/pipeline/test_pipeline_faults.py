@@ -25,7 +25,7 @@ from stagewise.transport import encode_frame
 from stagewise.transport.errors import HandshakeError
 from stagewise.transport.frame import Frame, Row, StepKind
 
-from processes import children as process_children, ended_by_ctrl_c, gone
+from helpers.processes import children as process_children, ended_by_ctrl_c, gone
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 import struct
 
-import numpy as np
 import pytest
 import torch
 
-from vl_models import END, IMAGE, START, WIDE, assert_logprobs_close, build, hf_greedy, random_image, save
+from helpers.vl_models import END, IMAGE, START, WIDE, assert_logprobs_close, build, hf_greedy, random_image, save
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
@@ -190,7 +189,7 @@ def test_cli_generate_chat_with_an_image(wide, stages, tmp_path, capsys):
     log-probabilities (within 1e-4)."""
     import json
 
-    from vl_models import ASSISTANT, IM_END, IM_START, USER
+    from helpers.vl_models import ASSISTANT, IM_END, IM_START, USER
 
     from stagewise.cli import main as cli_main
 

@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from processes import alive, gone
+from helpers.processes import alive, gone
 from stagewise.api import Pipeline
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,", "def fib(n):"]

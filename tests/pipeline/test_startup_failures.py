@@ -17,7 +17,7 @@ from stagewise.model.loader import open_checkpoint
 from stagewise.parallel.runplan import RunPlan
 from stagewise.pipeline.driver import PipelineBroken, PipelineDriver
 
-from processes import alive
+from helpers.processes import alive
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")

@@ -23,7 +23,7 @@ import stagewise
 from stagewise.launch.local import spawn_stages
 from stagewise.parallel.runplan import RunPlan
 
-from processes import alive, gone
+from helpers.processes import alive, gone
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from vl_models import IMAGE, build, save
+from helpers.vl_models import IMAGE, build, save
 
 pytest.importorskip("starlette")
 transformers = pytest.importorskip("transformers")

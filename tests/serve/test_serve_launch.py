@@ -16,7 +16,7 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 
-from processes import children, gone  # noqa: E402
+from helpers.processes import children, gone  # noqa: E402
 from stagewise.api import Pipeline  # noqa: E402
 
 PY = sys.executable

@@ -22,7 +22,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from processes import alive, children, gone  # noqa: E402
+from helpers.processes import alive, children, gone  # noqa: E402
 
 from stagewise.pipeline.driver import HEARTBEAT_TIMEOUT_S  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The CUDA IPC activation ring (stagewise.transport.rings.cuda_ipc_ring, csrc/cuda/ring.cu).
 
-The tests marked `cuda` need one GPU and run two processes on it (tests/ring_peer.py is
+The tests marked `cuda` need one GPU and run two processes on it (tests/helpers/ring_peer.py is
 the other): random messages checked byte for byte in both directions, the name and the
 handle as ways to attach, and a commit that does not wait for the producer's GPU. The rest
 runs anywhere: the handle's bytes, the errors without a GPU, the kind check.
@@ -14,9 +14,8 @@ import time
 import pytest
 import torch
 
-from ring_peer import as_tensor, messages
+from helpers.ring_peer import as_tensor, finish, messages, spawn
 from stagewise.transport.rings import SHM_DIR, CudaIpcRing, RingClosedError, RingHandle, ShmRing
-from test_shm_ring import finish, spawn
 
 HAS_CUDA = torch.cuda.is_available()
 cuda = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]

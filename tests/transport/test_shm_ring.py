@@ -1,6 +1,6 @@
 """The shared-memory activation ring (stagewise.transport.rings.shm_ring, csrc/cpu/ring.cpp).
 
-Between two real processes (ring_peer.py beside this file is the other one): thousands of
+Between two real processes (tests/helpers/ring_peer.py is the other one): thousands of
 messages of random sizes checked byte for byte in both directions, through the
 extension's direct functions and through the torch ops; back-pressure; a peer's
 close and a peer's death; several rings at once. In one process: timeouts,
@@ -14,30 +14,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from ring_peer import messages
+from helpers.ring_peer import finish, messages, spawn
 from stagewise import _C
 from stagewise.transport.rings import SHM_DIR, RingClosedError, ShmRing
 
-PEER = str(Path(__file__).with_name("ring_peer.py"))
 ops = torch.ops.stagewise
-
-
-def spawn(*args) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen([sys.executable, PEER, *map(str, args)], env=env, stdout=subprocess.PIPE, text=True)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 120) -> None:
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, f"peer failed ({proc.returncode}): {out}"
 
 
 def shm_path(name: str) -> str:

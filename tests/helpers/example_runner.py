@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from doc_examples import SHELLS, Example
+from helpers.doc_examples import SHELLS, Example
 
 # One line, so that the block's line k is the script's line k + 1. On exit, background jobs the
 # block started (stages) are stopped.

@@ -1,5 +1,5 @@
 """The context-parallel test scenario, shared by the test (single-process reference) and the rank
-worker (tests/model/cp_worker.py): a two-layer attention stack from seeded random weights, and a
+worker (tests/helpers/cp_worker.py): a two-layer attention stack from seeded random weights, and a
 script of prefill, mixed and decode steps with a request freed and its blocks reused, and prompts
 prefilled in chunks beside decodes.
 

@@ -1,4 +1,4 @@
-"""The other process of the ring tests: `python tests/transport/ring_peer.py MODE ARGS...`.
+"""The other process of the ring tests: `python tests/helpers/ring_peer.py MODE ARGS...`.
 
 Modes:
   read NAME SEED COUNT DELAY [ops]  attach, sleep DELAY s, read COUNT messages and check each
@@ -9,12 +9,14 @@ Modes:
   hold-created NAME SLOT NUM        create, then wait to be killed
   cuda-read NAME SEED COUNT         as read, for a CudaIpcRing (checks on the GPU)
   cuda-write NAME SEED COUNT        as write, for a CudaIpcRing
-Exit status 0 means every check passed; a failure prints why and exits 1.
+Exit status 0 means every check passed; a failure prints why and exits 1. The tests start it with
+:func:`spawn` and wait for it with :func:`finish`.
 """
 
 from __future__ import annotations
 
 import random
+import subprocess
 import sys
 import time
 
@@ -33,6 +35,17 @@ def as_tensor(data: bytes, device: str = "cpu"):
     import torch
 
     return (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)).to(device)
+
+
+def spawn(*args) -> subprocess.Popen:
+    """This script in a new process, with ``args`` as its arguments; its output piped."""
+    return subprocess.Popen([sys.executable, __file__, *map(str, args)], stdout=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Waits for a peer of :func:`spawn`, which must have passed its checks."""
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"peer failed ({proc.returncode}): {out}"
 
 
 def _ops(ring: ShmRing, argv: list[str]) -> ShmRing:

@@ -16,7 +16,7 @@ import traceback
 import torch
 from safetensors.torch import save_file
 
-import cp_scenario
+import cp_scenario  # beside this script
 from stagewise.model.collectives import StageGroups
 from stagewise.parallel import comm
 from stagewise.parallel.ranks import StageRanks
