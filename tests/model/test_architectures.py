@@ -48,17 +48,11 @@ def _name_tests(path: Path, root: Path = PACKAGE) -> list[str]:
     return found
 
 
-KNOWN = {"bench/e2e/compare.py": {"'llama'", "'qwen3'"}}
-"""Name tests not yet gone, and why: the e2e benchmark's own byte count of a decode step covers the
-llama and qwen3 layouts; it goes when the count reads the table (shapes.count)."""
-
-
 def test_nothing_outside_an_architectures_file_tests_its_name():
     """An architecture is one file plus one registry line: the rest of the package reaches it
     through the registry, never by asking which architecture a model is."""
     found = [hit for path in sorted(PACKAGE.rglob("*.py")) if ARCHITECTURE_FILES not in path.parents
              for hit in _name_tests(path)]
-    found = [hit for hit in found if hit.split(": ", 1)[1] not in KNOWN.get(hit.split(":", 1)[0], ())]
     assert not found, "architecture names tested outside model/architectures/:\n" + "\n".join(found)
 
 

@@ -42,23 +42,21 @@ def run_ours(pipe, prompts: list[list[int]], new_tokens: int, images=None) -> Ru
 
 
 def weight_bytes_per_step(cfg: ModelConfig, batch: int, elem: int, ckpt: Checkpoint | None = None) -> int:
-    """Weight bytes one decode step must read (Llama/Qwen3 dense layout): every linear and norm
-    of every layer, the final norm, the LM head, and ``batch`` rows of the embedding. For a GGUF
-    file, whose matrices stay in their blocks, the file's own tensor bytes (the embedding, read
-    whole when it is the tied LM head) and ``batch`` embedding rows of ``elem`` bytes."""
+    """Weight bytes one decode step must read, from the tensor table (any architecture): each
+    layer's matrices and biases (only the experts a token picks, :func:`shapes.decode_read_params`)
+    and norms, the final norm, the LM head, and ``batch`` rows of the embedding. For a GGUF file,
+    whose matrices stay in their blocks, the file's own tensor bytes (the embedding, read whole when
+    it is the tied LM head) and ``batch`` embedding rows of ``elem`` bytes."""
+    from stagewise.model import shapes
     from stagewise.model.loader.gguf_file import GGUFCheckpoint
 
     if isinstance(ckpt, GGUFCheckpoint):
         return ckpt.tensor_bytes() + batch * cfg.hidden_size * elem
-    h, d, hq, hk, inter = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
-    if cfg.architecture not in ("llama", "qwen3"):
-        raise ValueError(f"bench e2e: the byte count covers llama and qwen3 layouts, got {cfg.architecture!r}")
-    attn = h * (hq + 2 * hk) * d + hq * d * h + (2 * d if cfg.qk_norm else 0)
-    mlp = 3 * h * inter  # gate, up, down
-    norms = 2 * h
-    per_layer = attn + mlp + norms
-    elems = cfg.num_layers * per_layer + h + cfg.vocab_size * h + batch * h
-    return elems * elem
+    layers = sum(shapes.decode_read_params(cfg, i)
+                 + shapes.count(cfg, [t for t in shapes.layer_tensors(cfg, i) if t.kind == "norm"])
+                 for i in range(cfg.num_layers))
+    head = shapes.count(cfg, shapes.final_norm_tensors(cfg)) + cfg.vocab_size * cfg.hidden_size
+    return (layers + head + batch * cfg.hidden_size) * elem
 
 
 def kv_bytes_per_token(cfg: ModelConfig, elem: int) -> int:
