@@ -136,3 +136,13 @@ def test_stage_build_shares_what_its_layers_ask_for_once():
     build = StageBuild(groups=None, rotary=None, dtype=torch.float32, device=torch.device("cpu"))
     first = build.share("local rope", lambda: made.append(1) or object())
     assert build.share("local rope", lambda: made.append(2) or object()) is first and made == [1]
+
+
+def test_the_manual_lists_every_architecture():
+    """docs/cli.md's list of architectures names every registry entry (``qwen3_moe`` as Qwen3-MoE)."""
+    text = (PACKAGE.parents[1] / "docs" / "cli.md").read_text()
+    listed = re.search(r"Architectures:(.*?)\.\n", text, re.S)
+    assert listed, "docs/cli.md: no 'Architectures: ...' sentence"
+    words = set(re.findall(r"[a-z0-9_]+", listed.group(1).lower().replace("-", "_")))
+    missing = sorted(set(architectures.BY_NAME) - words)
+    assert not missing, f"docs/cli.md's list of architectures leaves out {missing}"
