@@ -73,6 +73,17 @@ def random_blocks(out: int, inp: int, qtype: int, gen: torch.Generator | None = 
     return data.reshape(out, nb * bb)
 
 
+def split_time(t_narrow: float, t_wide: float, out_narrow: int, out_wide: int, weights: int) -> tuple[float, float]:
+    """Seconds per weight and per output row from the times of two matrices of ``weights`` weights
+    each, ``out_narrow`` and ``out_wide`` rows: ``t = weights * per_weight + out * per_output``. When
+    the two are too close for the noise to leave both parts positive, all of the time is taken per
+    weight (a profile's per-weight costs are positive)."""
+    per_out = (t_wide - t_narrow) / (out_wide - out_narrow)
+    if per_out <= 0 or t_narrow - out_narrow * per_out <= 0:
+        per_out = 0.0
+    return (t_narrow - out_narrow * per_out) / weights, per_out
+
+
 def quant_rates(log=print, rounds: int = 7, types: tuple[str, ...] | None = None) -> dict:
     """Per GGUF type: the kernel's time at each of :data:`QUANT_ROWS` rows of x split into a
     cost per weight and one per output row (``rows_s_per_weight``, ``rows_s_per_output``: from
@@ -119,9 +130,8 @@ def quant_rates(log=print, rounds: int = 7, types: tuple[str, ...] | None = None
         per_weight = max(t1 - 2 * weights / rate, 0.0) / weights
         per_out, per_w = {}, {}
         for rows in QUANT_ROWS:
-            ta, tb = best[narrow, rows], best[wide, rows]
-            c = max((tb - ta) / (wide[0] - narrow[0]), 0.0)
-            per_out[str(rows)], per_w[str(rows)] = c, max(ta - narrow[0] * c, 0.0) / weights
+            per_w[str(rows)], per_out[str(rows)] = split_time(best[narrow, rows], best[wide, rows],
+                                                              narrow[0], wide[0], weights)
         result[name.lower()] = {"s_per_weight": per_weight, "flops": rate, "rows_s_per_weight": per_w,
                                 "rows_s_per_output": per_out, "shapes": [list(s_) for s_ in shapes_],
                                 "matrices": counts[name], "passes": rounds,
