@@ -89,14 +89,14 @@ class DecoderStack : public torch::CustomClassHolder {
   void decode(at::Tensor x, at::Tensor residual, bool has_residual, at::Tensor positions, at::Tensor slot_mapping,
               at::Tensor block_tables, at::Tensor seq_lens, at::Tensor kv) {
     static auto attention = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                    const at::Tensor&, const at::Tensor&, double, const OptT&, const OptT&, int64_t)>(
-        "stagewise::decode_attention");
+                                    const at::Tensor&, const at::Tensor&, double, const OptT&, const OptT&, int64_t,
+                                    int64_t)>("stagewise::decode_attention");
     check(x, residual, kv, "decode");
     at::Tensor lse = at::empty({x.size(0), hq_}, x.options().dtype(at::kFloat));
     run(x, residual, has_residual, positions, slot_mapping, kv,
         [&](at::Tensor& attn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
             const at::Tensor& v_cache) {
-          attention.call(attn, lse, q, k_cache, v_cache, block_tables, seq_lens, scale_, k, v, 0);
+          attention.call(attn, lse, q, k_cache, v_cache, block_tables, seq_lens, scale_, k, v, 0, 0);
         });
   }
 

@@ -49,12 +49,12 @@ void decode_attention(at::Tensor& out, at::Tensor& lse, const at::Tensor& q,
                       const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                       const std::optional<at::Tensor>& k_new,
-                      const std::optional<at::Tensor>& v_new, int64_t num_splits) {
+                      const std::optional<at::Tensor>& v_new, int64_t num_splits, int64_t window) {
   DecodeAttentionParams p = make_decode_attention_params(
-      out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits);
+      out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits, window);
   if (p.num_splits == 0) {
     p.num_splits = cpu::decode_attention_num_splits(
-        p.batch, p.num_kv_heads, p.max_blocks_per_seq * p.block_size, p.block_size,
+        p.batch, p.num_kv_heads, max_context(p), p.block_size,
         at::get_num_threads());
   }
   cpu::decode_attention(p);

@@ -72,9 +72,9 @@ void decode_attention(at::Tensor& out, at::Tensor& lse, const at::Tensor& q,
                       const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                       const std::optional<at::Tensor>& k_new,
-                      const std::optional<at::Tensor>& v_new, int64_t num_splits) {
+                      const std::optional<at::Tensor>& v_new, int64_t num_splits, int64_t window) {
   DecodeAttentionParams p = make_decode_attention_params(
-      out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits);
+      out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits, window);
   // After the checks, so a CPU tensor among the arguments gets the device message.
   const c10::cuda::CUDAGuard guard(q.device());
   TORCH_CHECK_VALUE(p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256,
@@ -85,7 +85,7 @@ void decode_attention(at::Tensor& out, at::Tensor& lse, const at::Tensor& q,
     check_launch("decode_attention",
                  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.device().index()));
     p.num_splits = cuda::decode_attention_num_splits(
-        p.batch, p.num_kv_heads, p.max_blocks_per_seq * p.block_size, p.block_size, sms);
+        p.batch, p.num_kv_heads, max_context(p), p.block_size, sms);
   }
   // Partial outputs of the splits; from the caching allocator, so capturable.
   at::Tensor workspace = at::empty(

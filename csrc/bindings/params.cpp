@@ -351,7 +351,7 @@ DecodeAttentionParams make_decode_attention_params(
     at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     double scale, const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
-    int64_t num_splits) {
+    int64_t num_splits, int64_t window) {
   const char* op = "decode_attention";
   DecodeAttentionParams p{};
   p.dtype = float_dtype(op, "q", q);
@@ -414,6 +414,8 @@ DecodeAttentionParams make_decode_attention_params(
   TORCH_CHECK_VALUE(num_splits >= 0 && num_splits <= kMaxNumSplits,
                     "stagewise.decode_attention: argument 'num_splits' must be in [1, ", kMaxNumSplits,
                     "] (or 0/None for the heuristic), got ", num_splits);
+  TORCH_CHECK_VALUE(window >= 0, "stagewise.decode_attention: argument 'window' must be >= 0 (0: no window), got ",
+                    window);
   p.out = out.data_ptr();
   p.out_batch_stride = out.stride(0);
   p.out_head_stride = out.stride(1);
@@ -427,6 +429,7 @@ DecodeAttentionParams make_decode_attention_params(
   p.block_table_row_stride = block_tables.stride(0);
   p.max_blocks_per_seq = block_tables.size(1);
   p.seq_lens = seq_lens.data_ptr();
+  p.window = window;
   p.batch = B;
   p.num_q_heads = Hq;
   p.num_kv_heads = Hk;

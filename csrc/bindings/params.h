@@ -40,7 +40,14 @@ DecodeAttentionParams make_decode_attention_params(
     at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     double scale, const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
-    int64_t num_splits);
+    int64_t num_splits, int64_t window);
+// The most cached tokens a decode_attention query reads, for the split heuristics: the block
+// table's capacity, or the window when that is shorter (read without touching seq_lens, which
+// may live on the device).
+inline int64_t max_context(const DecodeAttentionParams& p) {
+  const int64_t capacity = p.max_blocks_per_seq * p.block_size;
+  return p.window > 0 && p.window < capacity ? p.window : capacity;
+}
 MergeAttnStatesParams make_merge_attn_states_params(at::Tensor& out, at::Tensor& lse,
                                                     const at::Tensor& out_a,
                                                     const at::Tensor& lse_a,

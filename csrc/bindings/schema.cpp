@@ -28,7 +28,7 @@ TORCH_LIBRARY(stagewise, m) {
   m.def(
       "decode_attention(Tensor(a!) out, Tensor(b!) lse, Tensor q, Tensor k_cache, "
       "Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_new, "
-      "Tensor? v_new, int num_splits) -> ()");
+      "Tensor? v_new, int num_splits, int window=0) -> ()");
   m.def(
       "merge_attn_states(Tensor(a!) out, Tensor(b!) lse, Tensor out_a, Tensor lse_a, "
       "Tensor out_b, Tensor lse_b) -> ()");

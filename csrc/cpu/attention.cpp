@@ -46,9 +46,15 @@ int64_t block_id(const DecodeAttentionParams& p, int64_t b, int64_t j) {
   return load_index(p.block_tables, p.block_table_type, b * p.block_table_row_stride + j);
 }
 
-// Every length and every block id a sequence uses is checked before any work,
-// so bad metadata raises instead of reading out of bounds, and leaves out/lse as
-// they were. Table entries beyond a sequence's blocks are never read.
+// The first cached token of sequence b in its window (0 without one).
+int64_t first_token(const DecodeAttentionParams& p, int64_t b) {
+  return window_first_token(seq_len_of(p, b), p.k_new != nullptr, p.window);
+}
+
+// Every length and every block id a sequence uses (those of its window) is checked
+// before any work, so bad metadata raises instead of reading out of bounds, and
+// leaves out/lse as they were. Table entries outside a sequence's window are never
+// read (a sliding-window layer's freed blocks are -1 there).
 void check_lengths_and_blocks(const DecodeAttentionParams& p) {
   const int64_t capacity = p.max_blocks_per_seq * p.block_size;
   for (int64_t b = 0; b < p.batch; ++b) {
@@ -57,7 +63,7 @@ void check_lengths_and_blocks(const DecodeAttentionParams& p) {
                       "] = ", len, " is out of range [0, ", capacity,
                       "] (block_tables holds max_blocks_per_seq = ", p.max_blocks_per_seq,
                       " blocks of block_size = ", p.block_size, " tokens)");
-    for (int64_t j = 0, n = ceil_div(len, p.block_size); j < n; ++j) {
+    for (int64_t j = first_token(p, b) / p.block_size, n = ceil_div(len, p.block_size); j < n; ++j) {
       const int64_t id = block_id(p, b, j);
       TORCH_CHECK_INDEX(id >= 0 && id < p.num_blocks, "stagewise.decode_attention: block_tables[",
                         b, "][", j, "] = ", id, " is out of range [0, ", p.num_blocks, ")");
@@ -238,9 +244,12 @@ Range item_range(const DecodeAttentionParams& p, int64_t item) {
   const int64_t Hk = p.num_kv_heads, S = p.num_splits;
   const int64_t b = item / (Hk * S), g = item / S % Hk, s = item % S;
   const int64_t len = seq_len_of(p, b);
-  // Splits are whole blocks: ceil(blocks / S) each, the last ones possibly empty.
-  const int64_t split_tokens = ceil_div(ceil_div(len, p.block_size), S) * p.block_size;
-  const int64_t t0 = std::min(len, s * split_tokens), t1 = std::min(len, t0 + split_tokens);
+  // Splits are whole blocks from the window's first block: ceil(blocks / S) each, the
+  // last ones possibly empty; the first starts at the window's first token.
+  const int64_t first = first_token(p, b), block0 = first / p.block_size * p.block_size;
+  const int64_t split_tokens = ceil_div(ceil_div(len - block0, p.block_size), S) * p.block_size;
+  const int64_t t0 = std::max(first, std::min(len, block0 + s * split_tokens));
+  const int64_t t1 = std::max(t0, std::min(len, block0 + (s + 1) * split_tokens));
   return {b, g, t0, t1};
 }
 

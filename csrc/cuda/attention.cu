@@ -161,13 +161,16 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeAttentionP
   const int64_t head0 = int64_t{kv_head} * l.group + head_chunk * GC;  // first query head
   const int num_heads = min(GC, l.group - head_chunk * GC);           // valid heads of this CTA
 
-  // This split's tokens [begin, end): tile-aligned chunks of the clamped length
-  // (the capacity, max_blocks_per_seq * block_size, is < 2^31: checked at launch).
+  // This split's tokens [begin, end): tile-aligned chunks of the window's tokens
+  // [first, seq_len) of the clamped length (the capacity, max_blocks_per_seq *
+  // block_size, is < 2^31: checked at launch); tokens before the window, and their
+  // block-table entries, are never read.
   const int64_t capacity = p.max_blocks_per_seq * p.block_size;
   const int64_t seq_len =
       min(max(load_index(p.seq_lens, p.seq_lens_type, b), int64_t{0}), capacity);
-  const int64_t per_split = ceil_div(ceil_div(seq_len, num_splits), kTile) * kTile;
-  const uint32_t begin = static_cast<uint32_t>(min(split * per_split, seq_len));
+  const int64_t first = window_first_token(seq_len, p.k_new != nullptr, p.window);
+  const int64_t per_split = ceil_div(ceil_div(seq_len - first, num_splits), kTile) * kTile;
+  const uint32_t begin = static_cast<uint32_t>(min(first + split * per_split, seq_len));
   const uint32_t end = static_cast<uint32_t>(min(begin + per_split, seq_len));
   const int num_tiles = static_cast<int>(ceil_div(end - begin, kTile));
 

@@ -4,7 +4,11 @@
 // For sequence b and query head h (kv head g = h / (num_q_heads / num_kv_heads)):
 //   keys = the first seq_lens[b] cached tokens of b (token t lives in block
 //          block_tables[b][t / block_size], offset t % block_size), then k_new[b]
-//          when k_new is given;
+//          when k_new is given; with window > 0 only the last `window` of them
+//          (the query is the newest token: k_new when given, else the last cached
+//          one, so it sees itself and window - 1 tokens before it; a sliding
+//          window). Cached tokens before the window are never read, nor are their
+//          block-table entries (a freed block may be marked -1 there);
 //   s_t  = scale * dot(q[b,h], key_t[g])        (float32)
 //   lse[b,h] = log(sum_t exp(s_t))                (natural log; -inf if no keys)
 //   out[b,h] = sum_t softmax(s)_t * value_t[g]    (0 if no keys), rounded to dtype.
@@ -47,8 +51,20 @@ struct DecodeAttentionParams {
   int64_t num_blocks;
   float scale;
   int num_splits;          // >= 1, resolved by the glue (0 is never passed to a kernel)
+  int64_t window;          // > 0: keys a query attends to at most (sliding window); 0: all
   float* workspace;        // device kernels only: decode_attention_workspace_floats() floats
 };
+
+// The first cached token a sequence's query attends to: the window's first key,
+// counting the new token (when given) as the newest; 0 without a window.
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline int64_t window_first_token(int64_t seq_len, bool has_new, int64_t window) {
+  if (window <= 0) return 0;
+  const int64_t first = seq_len + (has_new ? 1 : 0) - window;
+  return first > 0 ? first : 0;
+}
 
 struct MergeAttnStatesParams {
   void* out;               // [num_tokens, num_heads, head_dim], last dim contiguous
@@ -75,11 +91,13 @@ struct MergeAttnStatesParams {
 
 namespace cpu {
 // Raises c10::IndexError before computing anything when a block id needed by a
-// sequence is outside [0, num_blocks) or seq_lens[b] exceeds the block table.
+// sequence (in its window) is outside [0, num_blocks) or seq_lens[b] exceeds the
+// block table.
 void decode_attention(const DecodeAttentionParams& p);
 void merge_attn_states(const MergeAttnStatesParams& p);
 // Heuristic split count: enough (batch x kv head x split) work items for the
-// thread pool, never more than the context has blocks.
+// thread pool, never more than the context (the window, when there is one) has
+// blocks.
 int decode_attention_num_splits(int64_t batch, int64_t num_kv_heads, int64_t max_context,
                                 int64_t block_size, int num_threads);
 }  // namespace cpu

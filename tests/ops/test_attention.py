@@ -238,3 +238,79 @@ def test_bad_metadata_raises_and_leaves_outputs(device, case):
         ops.decode_attention(q, k_cache, v_cache, tables, torch.tensor(seq_lens, device=device), 0.1,
                              num_splits=2, out=out, lse=lse)
     assert out.isnan().all() and lse.isnan().all(), "outputs written before the error"
+
+
+# ---- sliding window ---------------------------------------------------------------------------
+
+WINDOWS = [1, 2, 16, 17, 60, 400]  # the query alone; block edges; shorter and longer than the sequences
+
+
+def windowed(seqs, tables, window, with_new, block_size=16):
+    """Each sequence's last keys in the window (unpaged), and its table with the entries of blocks
+    wholly before the window set to -1, as a sliding-window layer's freed blocks are."""
+    tables = tables.clone()
+    kept = []
+    for b, (k, v) in enumerate(seqs):
+        first = max(0, k.size(0) + with_new - window)
+        tables[b, : first // block_size] = -1
+        kept.append((k[first:], v[first:]))
+    return kept, tables
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("with_new", [False, True])
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_window_matches_reference_and_plain_attention(device, dtype, window, with_new, num_splits):
+    """Keys older than the window are not attended to, and the blocks holding only such keys are
+    never read: their table entries are -1."""
+    seq_lens = SEQ_LENS[::-1] if with_new else SEQ_LENS
+    k_cache, v_cache, tables, seqs = paged_kv(seq_lens, 2, 64, 16, dtype, device)
+    seqs, tables = windowed(seqs, tables, window, with_new)
+    batch = len(seq_lens)
+    q = strided((2 * torch.randn(batch, 8, 64)).to(dtype).to(device))
+    k_new = v_new = None
+    if with_new:
+        k_new, v_new = (strided(torch.randn(batch, 2, 64).to(dtype).to(device)) for _ in range(2))
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    out, lse = poisoned_outputs(batch, 8, 64, dtype, device)
+
+    ops.decode_attention(q, k_cache, v_cache, tables, lens, 0.125, k_new, v_new, num_splits, window=window, out=out,
+                         lse=lse)
+
+    ref_out, ref_lse = reference.decode_attention(q, k_cache, v_cache, tables, lens, 0.125, k_new, v_new, window)
+    assert_close(out, ref_out)
+    assert_close(lse, ref_lse, **LSE_TOL[dtype])
+    plain_out, plain_lse = plain_attention(q, seqs, 0.125, k_new, v_new)
+    assert_close(out, plain_out.to(dtype))
+    assert_close(lse, plain_lse.float(), **LSE_TOL[dtype])
+
+
+def test_window_rows_of_one_sequence(device):
+    """A prompt chunk's rows, as the attention layer runs them after writing the chunk: each row
+    of one sequence attends over the cache up to its own position (seq_len = position + 1), its
+    window counted back from itself."""
+    k_cache, v_cache, tables, seqs = paged_kv([45], 2, 64, 5, torch.float32, device)
+    rows = torch.arange(20, 45, device=device)
+    q = torch.randn(rows.numel(), 4, 64, device=device)
+    out, lse = ops.decode_attention(q, k_cache, v_cache, tables.expand(rows.numel(), -1).contiguous(),
+                                    (rows + 1).int(), 0.125, window=7)
+    (k, v), = seqs
+    want = plain_attention(q, [(k[p - 6 : p + 1], v[p - 6 : p + 1]) for p in rows.tolist()], 0.125)
+    assert_close(out, want[0].float())
+    assert_close(lse, want[1].float())
+
+
+@pytest.mark.parametrize("device", ["cpu"])
+def test_window_checks_only_its_blocks(device):
+    """A bad block id inside the window raises; one before it is never read (CPU: the CUDA kernel
+    masks bad ids instead)."""
+    k_cache, v_cache = torch.randn(64, 16, 2, 64), torch.randn(64, 16, 2, 64)
+    tables = torch.randperm(64)[:16].view(2, 8).int()
+    lens = torch.tensor([100, 100], dtype=torch.int32)
+    q = torch.randn(2, 4, 64)
+    tables[0, 2] = 999  # tokens 32-47: before the window of 40 (tokens 60-99)
+    ops.decode_attention(q, k_cache, v_cache, tables, lens, 0.1, window=40)
+    tables[1, 5] = 999  # tokens 80-95: in it
+    with pytest.raises(IndexError, match=r"block_tables\[1\]\[5\] = 999 is out of range \[0, 64\)"):
+        ops.decode_attention(q, k_cache, v_cache, tables, lens, 0.1, window=40)

@@ -96,6 +96,7 @@ def _decode_attention(dev):
         k_new=_f(B, HK, D, device=dev),
         v_new=_f(B, HK, D, device=dev),
         num_splits=0,
+        window=0,
     )
 
 
@@ -373,7 +374,8 @@ CASES = [
           ("set", "interleave_size", 3)),
     _case("slot_mapping", ValueError, "argument 'interleave_size' must divide block_size=4, got 0",
           ("set", "interleave_size", 0)),
-    # decode_attention(out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits)
+    # decode_attention(out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits,
+    #                  window)
     _case("decode_attention", TypeError, "argument 'q' must be float32, float16 or bfloat16, got int32",
           ("dtype", "q", torch.int32)),
     _case("decode_attention", TypeError, "argument 'k_cache' must have the dtype of 'q' (float32), got float16",
@@ -472,6 +474,8 @@ CASES = [
           "got -1", ("set", "num_splits", -1)),
     _case("decode_attention", ValueError, "argument 'num_splits' must be in [1, 1024] (or 0/None for the heuristic), "
           "got 4294967296", ("set", "num_splits", 2**32)),
+    _case("decode_attention", ValueError, "argument 'window' must be >= 0 (0: no window), got -3",
+          ("set", "window", -3)),
     # merge_attn_states(out, lse, out_a, lse_a, out_b, lse_b)
     _case("merge_attn_states", TypeError, "argument 'out_a' must be float32, float16 or bfloat16, got int32",
           ("dtype", "out_a", torch.int32)),
@@ -649,6 +653,15 @@ def test_decode_attention_num_splits(num_splits):
     with pytest.raises(ValueError, match=message):
         ops.decode_attention(a["q"], a["k_cache"], a["v_cache"], a["block_tables"], a["seq_lens"], a["scale"],
                              a["k_new"], a["v_new"], num_splits=num_splits)
+
+
+@pytest.mark.parametrize("window", [0, -1, True, 2.0])
+def test_decode_attention_window(window):
+    a = _decode_attention("cpu")
+    message = rf"^stagewise\.decode_attention: argument 'window' must be an int >= 1 or None, got {window!r}$"
+    with pytest.raises(ValueError, match=message):
+        ops.decode_attention(a["q"], a["k_cache"], a["v_cache"], a["block_tables"], a["seq_lens"], a["scale"],
+                             a["k_new"], a["v_new"], window=window)
 
 
 def test_rope_rotary_dim_mismatch():

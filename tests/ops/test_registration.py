@@ -84,12 +84,12 @@ def _slot_mapping(dev):
     return (c["block_tables"], seq_index, torch.tensor([36, 37, 1, -1, 16], device=dev), BLOCK_SIZE, 2, 1, 4)
 
 
-def _decode_attention(dev, new_tokens: bool):
+def _decode_attention(dev, new_tokens: bool, window: int = 0):
     c = _paged_cache(dev)
     new = (torch.randn(B, HK, D, device=dev), torch.randn(B, HK, D, device=dev)) if new_tokens else (None, None)
     out, lse = torch.empty(B, HQ, D, device=dev), torch.empty(B, HQ, device=dev)
     q = torch.randn(B, HQ, D, device=dev)
-    return (out, lse, q, c["k_cache"], c["v_cache"], c["block_tables"], c["seq_lens"], D**-0.5, *new, 2)
+    return (out, lse, q, c["k_cache"], c["v_cache"], c["block_tables"], c["seq_lens"], D**-0.5, *new, 2, window)
 
 
 def _merge_attn_states(dev):
@@ -131,6 +131,7 @@ OPCHECK_CASES = [
     pytest.param("slot_mapping", _slot_mapping, id="slot_mapping"),
     pytest.param("decode_attention", lambda dev: _decode_attention(dev, False), id="decode_attention"),
     pytest.param("decode_attention", lambda dev: _decode_attention(dev, True), id="decode_attention-k_new"),
+    pytest.param("decode_attention", lambda dev: _decode_attention(dev, True, 3), id="decode_attention-window"),
     pytest.param("merge_attn_states", _merge_attn_states, id="merge_attn_states"),
     pytest.param("dense_linear", _dense_linear, id="dense_linear"),
     pytest.param("quant_linear", _quant_linear, id="quant_linear"),

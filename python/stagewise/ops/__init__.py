@@ -141,6 +141,7 @@ def decode_attention(
     v_new: torch.Tensor | None = None,
     num_splits: int | None = None,
     *,
+    window: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,17 +149,24 @@ def decode_attention(
 
     Attends over the first ``seq_lens[b]`` cached tokens of each sequence and,
     when given, the token ``k_new/v_new [B, Hk, D]`` not yet in the cache; the
-    parts are merged by log-sum-exp. Returns ``out [B, Hq, D]`` (q's dtype) and
-    ``lse [B, Hq]`` float32; a sequence with nothing to attend to gets
+    parts are merged by log-sum-exp. With ``window`` (a sliding window) each
+    query attends to its last ``window`` keys only, the query being the newest
+    token (``k_new`` when given, else the last cached one): cached tokens
+    ``[seq_len + has_new - window, seq_len)``; those before, and their
+    block-table entries, are never read. Returns ``out [B, Hq, D]`` (q's dtype)
+    and ``lse [B, Hq]`` float32; a sequence with nothing to attend to gets
     ``lse = -inf`` and ``out = 0``. ``num_splits=None`` picks a split count.
     """
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"stagewise.decode_attention: argument 'num_splits' must be >= 1 or None, got {num_splits}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"stagewise.decode_attention: argument 'window' must be an int >= 1 or None, got {window!r}")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    _ops.decode_attention(out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits or 0)
+    _ops.decode_attention(out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits or 0,
+                          window or 0)
     return out, lse
 
 

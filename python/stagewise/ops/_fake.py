@@ -74,7 +74,8 @@ def _slot_mapping(block_tables, seq_index, positions, block_size, cp_world_size,
 
 
 @_fake("decode_attention", ref="q")
-def _decode_attention(out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits):
+def _decode_attention(out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits,
+                      window=0):
     return None
 
 

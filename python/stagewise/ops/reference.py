@@ -80,10 +80,11 @@ def slot_mapping(block_tables, seq_index, positions, block_size, cp_world_size=1
     return torch.where((owner == cp_rank) & (pos >= 0), slot, torch.full_like(slot, -1))
 
 
-def gather_kv(k_cache, v_cache, block_table_row, seq_len) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``seq_len`` cached tokens of one sequence, unpaged: ``[seq_len, Hk, D]`` each."""
+def gather_kv(k_cache, v_cache, block_table_row, seq_len, start=0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached tokens ``[start, seq_len)`` of one sequence, unpaged: ``[seq_len - start, Hk, D]`` each
+    (the table's entries before ``start`` are not read)."""
     block_size = k_cache.size(1)
-    t = torch.arange(seq_len, device=k_cache.device)
+    t = torch.arange(start, seq_len, device=k_cache.device)
     blocks = block_table_row.long()[t // block_size]
     return k_cache[blocks, t % block_size], v_cache[blocks, t % block_size]
 
@@ -101,11 +102,14 @@ def attention_with_lse(q, k, v, scale) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_new=None, v_new=None):
-    """Returns (out ``[B, Hq, D]`` in q's dtype, lse ``[B, Hq]`` float32)."""
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_new=None, v_new=None, window=None):
+    """Returns (out ``[B, Hq, D]`` in q's dtype, lse ``[B, Hq]`` float32); ``window``: each query's
+    last ``window`` keys only (the new token, when given, is the last)."""
     outs, lses = [], []
     for b in range(q.size(0)):
-        k, v = gather_kv(k_cache, v_cache, block_tables[b], int(seq_lens[b]))
+        n = int(seq_lens[b])
+        first = 0 if not window else max(0, n + (k_new is not None) - window)
+        k, v = gather_kv(k_cache, v_cache, block_tables[b], n, first)
         if k_new is not None:
             k, v = torch.cat([k, k_new[b : b + 1]]), torch.cat([v, v_new[b : b + 1]])
         out, lse = attention_with_lse(q[b], k, v, scale)
