@@ -140,12 +140,14 @@ class DecoderStack : public torch::CustomClassHolder {
   template <typename Attend>
   void run(at::Tensor& x, at::Tensor& residual, bool has_residual, const at::Tensor& positions,
            const at::Tensor& slot_mapping, const at::Tensor& kv, Attend&& attend) {
-    static auto rms_norm = op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, double)>("stagewise::rms_norm");
+    static auto rms_norm =
+        op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool)>("stagewise::rms_norm");
     static auto fused_norm =
-        op<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)>("stagewise::fused_add_rms_norm");
+        op<void(at::Tensor&, at::Tensor&, const at::Tensor&, double, bool)>("stagewise::fused_add_rms_norm");
     static auto rope = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>("stagewise::rope");
     static auto qk_norm_rope = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                       const at::Tensor&, const at::Tensor&, double, bool)>("stagewise::qk_norm_rope");
+                                       const at::Tensor&, const at::Tensor&, double, bool, bool)>(
+        "stagewise::qk_norm_rope");
     static auto cache = op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>(
         "stagewise::reshape_and_cache");
     const int64_t b = x.size(0), q_cols = hq_ * d_, kv_cols = hk_ * d_;
@@ -154,16 +156,16 @@ class DecoderStack : public torch::CustomClassHolder {
       const Layer& l = layers_[i];
       if (i == 0 && !has_residual) {
         residual.copy_(x);
-        rms_norm.call(x, residual, l.input_norm, eps_);
+        rms_norm.call(x, residual, l.input_norm, eps_, false);
       } else {
-        fused_norm.call(x, residual, l.input_norm, eps_);
+        fused_norm.call(x, residual, l.input_norm, eps_, false);
       }
       at::Tensor qkv = linear(x, l.qkv);
       at::Tensor q = qkv.narrow(1, 0, q_cols).view({b, hq_, d_});
       at::Tensor k = qkv.narrow(1, q_cols, kv_cols).view({b, hk_, d_});
       at::Tensor v = qkv.narrow(1, q_cols + kv_cols, kv_cols).view({b, hk_, d_});
       if (l.q_norm.has_value()) {
-        qk_norm_rope.call(q, k, *l.q_norm, *l.k_norm, positions, cos_sin_, eps_, neox_);
+        qk_norm_rope.call(q, k, *l.q_norm, *l.k_norm, positions, cos_sin_, eps_, neox_, false);
       } else {
         rope.call(q, k, positions, cos_sin_, neox_);
       }
@@ -171,7 +173,7 @@ class DecoderStack : public torch::CustomClassHolder {
       attend(attn, q, k, v, k_cache, v_cache);
       cache.call(k, v, k_cache, v_cache, slot_mapping);
       at::Tensor h = linear(attn.view({b, q_cols}), l.o);
-      fused_norm.call(h, residual, l.post_norm, eps_);
+      fused_norm.call(h, residual, l.post_norm, eps_, false);
       at::Tensor gate_up = linear(h, l.gate_up);
       const int64_t inter = gate_up.size(1) / 2;
       at::Tensor act = activate(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter);

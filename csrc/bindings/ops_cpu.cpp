@@ -11,12 +11,14 @@
 namespace stagewise::glue {
 namespace {
 
-void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  cpu::rms_norm(make_rms_norm_params(out, x, weight, eps));
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps,
+              bool unit_offset) {
+  cpu::rms_norm(make_rms_norm_params(out, x, weight, eps, unit_offset));
 }
 
-void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
-  cpu::fused_add_rms_norm(make_fused_add_rms_norm_params(x, residual, weight, eps));
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps,
+                        bool unit_offset) {
+  cpu::fused_add_rms_norm(make_fused_add_rms_norm_params(x, residual, weight, eps, unit_offset));
 }
 
 void rope(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
@@ -26,9 +28,10 @@ void rope(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
 
 void qk_norm_rope(at::Tensor& q, at::Tensor& k, const at::Tensor& q_weight,
                   const at::Tensor& k_weight, const at::Tensor& positions,
-                  const at::Tensor& cos_sin_cache, double eps, bool is_neox) {
+                  const at::Tensor& cos_sin_cache, double eps, bool is_neox, bool unit_offset) {
   cpu::qk_norm_rope(
-      make_qk_norm_rope_params(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox));
+      make_qk_norm_rope_params(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox,
+                               unit_offset));
 }
 
 void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,

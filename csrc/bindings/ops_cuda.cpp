@@ -29,13 +29,15 @@ void check_launch(const char* op, cudaError_t err) {
     check_launch(op, call);                                        \
   } while (0)
 
-void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  auto p = make_rms_norm_params(out, x, weight, eps);
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps,
+              bool unit_offset) {
+  auto p = make_rms_norm_params(out, x, weight, eps, unit_offset);
   STAGEWISE_CUDA_CALL("rms_norm", x, cuda::rms_norm(p, stream_));
 }
 
-void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
-  auto p = make_fused_add_rms_norm_params(x, residual, weight, eps);
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps,
+                        bool unit_offset) {
+  auto p = make_fused_add_rms_norm_params(x, residual, weight, eps, unit_offset);
   STAGEWISE_CUDA_CALL("fused_add_rms_norm", x, cuda::fused_add_rms_norm(p, stream_));
 }
 
@@ -47,8 +49,9 @@ void rope(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
 
 void qk_norm_rope(at::Tensor& q, at::Tensor& k, const at::Tensor& q_weight,
                   const at::Tensor& k_weight, const at::Tensor& positions,
-                  const at::Tensor& cos_sin_cache, double eps, bool is_neox) {
-  auto p = make_qk_norm_rope_params(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox);
+                  const at::Tensor& cos_sin_cache, double eps, bool is_neox, bool unit_offset) {
+  auto p = make_qk_norm_rope_params(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox,
+                                    unit_offset);
   STAGEWISE_CUDA_CALL("qk_norm_rope", q, cuda::qk_norm_rope(p, stream_));
 }
 

@@ -145,7 +145,7 @@ void check_float_like(const char* op, const char* name, const at::Tensor& t, con
 }  // namespace
 
 RmsNormParams make_rms_norm_params(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                                   double eps) {
+                                   double eps, bool unit_offset) {
   const char* op = "rms_norm";
   RmsNormParams p{};
   p.dtype = float_dtype(op, "x", x);
@@ -169,11 +169,13 @@ RmsNormParams make_rms_norm_params(at::Tensor& out, const at::Tensor& x, const a
   p.rows = xr.rows;
   p.hidden = hidden;
   p.eps = static_cast<float>(eps);
+  p.unit_offset = unit_offset;
   return p;
 }
 
 FusedAddRmsNormParams make_fused_add_rms_norm_params(at::Tensor& x, at::Tensor& residual,
-                                                     const at::Tensor& weight, double eps) {
+                                                     const at::Tensor& weight, double eps,
+                                                     bool unit_offset) {
   const char* op = "fused_add_rms_norm";
   FusedAddRmsNormParams p{};
   p.dtype = float_dtype(op, "x", x);
@@ -197,6 +199,7 @@ FusedAddRmsNormParams make_fused_add_rms_norm_params(at::Tensor& x, at::Tensor& 
   p.rows = xr.rows;
   p.hidden = hidden;
   p.eps = static_cast<float>(eps);
+  p.unit_offset = unit_offset;
   return p;
 }
 
@@ -245,7 +248,8 @@ RopeParams make_rope_params(const char* op, at::Tensor& q, at::Tensor& k,
 
 RopeParams make_qk_norm_rope_params(at::Tensor& q, at::Tensor& k, const at::Tensor& q_weight,
                                     const at::Tensor& k_weight, const at::Tensor& positions,
-                                    const at::Tensor& cos_sin_cache, double eps, bool is_neox) {
+                                    const at::Tensor& cos_sin_cache, double eps, bool is_neox,
+                                    bool unit_offset) {
   const char* op = "qk_norm_rope";
   RopeParams p = make_rope_params(op, q, k, positions, cos_sin_cache, is_neox);
   for (auto [name, w] : {std::pair<const char*, const at::Tensor*>{"q_weight", &q_weight},
@@ -258,6 +262,7 @@ RopeParams make_qk_norm_rope_params(at::Tensor& q, at::Tensor& k, const at::Tens
   p.q_weight = q_weight.data_ptr();
   p.k_weight = k_weight.data_ptr();
   p.eps = static_cast<float>(eps);
+  p.unit_offset = unit_offset;
   return p;
 }
 

@@ -17,15 +17,17 @@
 namespace stagewise::glue {
 
 RmsNormParams make_rms_norm_params(at::Tensor& out, const at::Tensor& x,
-                                   const at::Tensor& weight, double eps);
+                                   const at::Tensor& weight, double eps, bool unit_offset);
 FusedAddRmsNormParams make_fused_add_rms_norm_params(at::Tensor& x, at::Tensor& residual,
-                                                     const at::Tensor& weight, double eps);
+                                                     const at::Tensor& weight, double eps,
+                                                     bool unit_offset);
 RopeParams make_rope_params(const char* op, at::Tensor& q, at::Tensor& k,
                             const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                             bool is_neox);
 RopeParams make_qk_norm_rope_params(at::Tensor& q, at::Tensor& k, const at::Tensor& q_weight,
                                     const at::Tensor& k_weight, const at::Tensor& positions,
-                                    const at::Tensor& cos_sin_cache, double eps, bool is_neox);
+                                    const at::Tensor& cos_sin_cache, double eps, bool is_neox,
+                                    bool unit_offset);
 ReshapeAndCacheParams make_reshape_and_cache_params(const at::Tensor& k, const at::Tensor& v,
                                                     at::Tensor& k_cache, at::Tensor& v_cache,
                                                     const at::Tensor& slot_mapping);

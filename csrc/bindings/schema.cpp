@@ -11,14 +11,16 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(stagewise, m) {
-  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
-  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps, bool unit_offset=False) -> ()");
+  m.def(
+      "fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, "
+      "bool unit_offset=False) -> ()");
   m.def(
       "rope(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_sin_cache, bool is_neox) "
       "-> ()");
   m.def(
       "qk_norm_rope(Tensor(a!) q, Tensor(b!) k, Tensor q_weight, Tensor k_weight, "
-      "Tensor positions, Tensor cos_sin_cache, float eps, bool is_neox) -> ()");
+      "Tensor positions, Tensor cos_sin_cache, float eps, bool is_neox, bool unit_offset=False) -> ()");
   m.def(
       "reshape_and_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()");

@@ -341,9 +341,15 @@ STAGEWISE_ALWAYS_INLINE float inv_rms(float sum_sq, int64_t n, float eps) {
 
 // y[i] = float(D(x[i] * inv_rms)) * w[i] for i in [0, n): the rounding of
 // norm.h up to the final rounding to D, which the caller does. y may be x.
-template <typename D>
+// kRoundNormed false (Gemma's unit-offset form, w already 1 + w): y[i] =
+// x[i] * inv_rms * w[i], nothing rounded before the caller's final rounding.
+template <typename D, bool kRoundNormed = true>
 STAGEWISE_ALWAYS_INLINE void rms_norm_block(const float* x, float* y, float inv_rms, const float* w,
                                             int64_t n) {
+  if constexpr (!kRoundNormed) {
+    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inv_rms * w[i];
+    return;
+  }
 #ifdef STAGEWISE_X86_F16C
   if constexpr (std::is_same_v<D, F16>) {
     if (cpu_has_f16c()) {  // the round trip as a pass of hardware conversions
@@ -358,14 +364,28 @@ STAGEWISE_ALWAYS_INLINE void rms_norm_block(const float* x, float* y, float inv_
 }
 
 // out[i] = D(float(D(x[i] * inv_rms)) * w[i]) for i in [0, n), converting
-// inline (kConvertInline types): the whole rounding of norm.h in one pass.
-template <typename D>
+// inline (kConvertInline types): the whole rounding of norm.h in one pass;
+// kRoundNormed false: D(x[i] * inv_rms * w[i]) (Gemma's form, w = 1 + w).
+template <typename D, bool kRoundNormed = true>
 STAGEWISE_ALWAYS_INLINE void rms_norm_store(const Storage<D>* x, Storage<D>* out, float inv_rms,
                                             const float* __restrict w, int64_t n) {
   static_assert(kConvertInline<D>);
   for (int64_t i = 0; i < n; ++i) {
-    out[i] = from_float<D>(round_to<D>(to_float<D>(x[i]) * inv_rms) * w[i]);
+    const float normed = to_float<D>(x[i]) * inv_rms;
+    out[i] = from_float<D>((kRoundNormed ? round_to<D>(normed) : normed) * w[i]);
   }
+}
+
+// The float32 weights a norm multiplies by: w as float32, or 1 + w (added in
+// float32, as Gemma's RMSNorm does) with unit_offset. Returns buf's data, or w
+// itself for float32 weights without the offset.
+template <typename D>
+const float* norm_weights(const void* w, int64_t n, bool unit_offset, std::vector<float>& buf) {
+  const float* f = as_float<D>(w, n, buf);
+  if (!unit_offset) return f;
+  if (buf.empty()) buf.assign(f, f + n);
+  for (int64_t i = 0; i < n; ++i) buf[i] = 1.f + buf[i];
+  return buf.data();
 }
 
 // --- parallel grain ------------------------------------------------------------

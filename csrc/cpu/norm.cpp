@@ -12,15 +12,16 @@ namespace stagewise::cpu {
 namespace {
 
 // out[0, n) = D(float(D(x * inv_rms)) * w), a block at a time; out may be x.
-template <typename D>
+// kUnit: Gemma's D(x * inv_rms * w), w holding 1 + w.
+template <typename D, bool kUnit>
 STAGEWISE_ALWAYS_INLINE void normalise_row(const Storage<D>* x, Storage<D>* out, const float* w,
                                            float inv_rms, int64_t n) {
-  if constexpr (kConvertInline<D>) return rms_norm_store<D>(x, out, inv_rms, w, n);
+  if constexpr (kConvertInline<D>) return rms_norm_store<D, !kUnit>(x, out, inv_rms, w, n);
   float buf[kBlock];
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t m = std::min(kBlock, n - b);
     float* y = out_block<D>(out + b, buf);
-    rms_norm_block<D>(load_block<D>(x + b, buf, m), y, inv_rms, w + b, m);
+    rms_norm_block<D, !kUnit>(load_block<D>(x + b, buf, m), y, inv_rms, w + b, m);
     store_block<D>(y, out + b, m);
   }
 }
@@ -51,8 +52,8 @@ STAGEWISE_ALWAYS_INLINE void add_residual_row(const Storage<D>* __restrict x,
   for (int j = 0; j < kLanes; ++j) acc[j] = a[j];
 }
 
-// Rows [begin, end) of out = rms_norm(x); w is float32 [hidden].
-template <typename D>
+// Rows [begin, end) of out = rms_norm(x); w is float32 [hidden] (1 + w with kUnit).
+template <typename D, bool kUnit>
 struct RmsNormRows {
   static STAGEWISE_ALWAYS_INLINE void run(const RmsNormParams& p, const float* w, int64_t begin,
                                           int64_t end) {
@@ -70,14 +71,14 @@ struct RmsNormRows {
           add_squares(load_block<D>(x + b, buf, m), m, acc);
         }
       }
-      normalise_row<D>(x, static_cast<S*>(p.out) + r * p.out_row_stride, w,
+      normalise_row<D, kUnit>(x, static_cast<S*>(p.out) + r * p.out_row_stride, w,
                        inv_rms(sum_lanes(acc), n, p.eps), n);
     }
   }
 };
 
 // Rows [begin, end) of residual = D(residual + x), then x = rms_norm(residual).
-template <typename D>
+template <typename D, bool kUnit>
 struct FusedAddRmsNormRows {
   static STAGEWISE_ALWAYS_INLINE void run(const FusedAddRmsNormParams& p, const float* w,
                                           int64_t begin, int64_t end) {
@@ -103,7 +104,7 @@ struct FusedAddRmsNormRows {
           store_block<D>(sum, res + b, m);
         }
       }
-      normalise_row<D>(res, x, w, inv_rms(sum_lanes(acc), n, p.eps), n);
+      normalise_row<D, kUnit>(res, x, w, inv_rms(sum_lanes(acc), n, p.eps), n);
     }
   }
 };
@@ -112,17 +113,21 @@ struct FusedAddRmsNormRows {
 
 namespace {
 
-// Rows of p through Rows<D>::run (D = the storage dtype), the weight converted
-// to float32 once.
-template <template <typename> class Rows, typename Params>
+// Rows of p through Rows<D, unit_offset>::run (D = the storage dtype), the
+// weight converted to float32 (1 + w with unit_offset) once.
+template <template <typename, bool> class Rows, typename Params>
 void run_rows(const Params& p) {
   if (p.rows == 0) return;
   dispatch_dtype(p.dtype, [&](auto tag) {
     using D = decltype(tag);
     std::vector<float> w_buf;
-    const float* w = as_float<D>(p.weight, p.hidden, w_buf);
+    const float* w = norm_weights<D>(p.weight, p.hidden, p.unit_offset, w_buf);
     at::parallel_for(0, p.rows, grain_for(p.hidden), [&](int64_t begin, int64_t end) {
-      call_best_isa<Rows<D>>(p, w, begin, end);
+      if (p.unit_offset) {
+        call_best_isa<Rows<D, true>>(p, w, begin, end);
+      } else {
+        call_best_isa<Rows<D, false>>(p, w, begin, end);
+      }
     });
   });
 }

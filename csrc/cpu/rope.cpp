@@ -51,43 +51,50 @@ STAGEWISE_ALWAYS_INLINE void rotate_store(const float* __restrict in, Storage<D>
   }
 }
 
+// What a head is normalised with before rope: nothing (rope), the RMSNorm of
+// norm.h (Qwen3) or Gemma's unit-offset RMSNorm (the weights hold 1 + w).
+enum class Norm { kNone, kPlain, kUnitOffset };
+
 // rope_head for kConvertInline types: the same maths, each step converting
 // inline, so a head takes one pass to load (and normalise) and one to rotate.
-template <typename D, bool kNorm>
+template <typename D, Norm kNorm>
 STAGEWISE_ALWAYS_INLINE void rope_head_inline(Storage<D>* x, const float* __restrict w,
                                               const float* cos, const float* sin,
                                               const RopeParams& p, float* __restrict in_buf) {
   const int64_t rot = p.rotary_dim;
-  if constexpr (kNorm) {
+  if constexpr (kNorm != Norm::kNone) {
+    constexpr bool kRound = kNorm == Norm::kPlain;
     const int64_t n = p.head_dim;
     float acc[kLanes] = {};
     add_squares_of<D>(x, n, acc);
     const float inv = inv_rms(sum_lanes(acc), n, p.eps);
     // The normed values as stored: rope's input below rot, the output above.
     for (int64_t i = 0; i < rot; ++i) {
-      in_buf[i] = round_to<D>(round_to<D>(to_float<D>(x[i]) * inv) * w[i]);
+      const float normed = to_float<D>(x[i]) * inv;
+      in_buf[i] = round_to<D>((kRound ? round_to<D>(normed) : normed) * w[i]);
     }
-    rms_norm_store<D>(x + rot, x + rot, inv, w + rot, n - rot);
+    rms_norm_store<D, kRound>(x + rot, x + rot, inv, w + rot, n - rot);
   } else {
     for (int64_t i = 0; i < rot; ++i) in_buf[i] = to_float<D>(x[i]);
   }
   rotate_store<D>(in_buf, x, cos, sin, rot / 2, p.is_neox);
 }
 
-// One head x [head_dim] in place: with kNorm, x = D(D(x * inv_rms) * w) first;
-// then features [0, rotary_dim) are rotated in float32 and rounded once.
-template <typename D, bool kNorm>
+// One head x [head_dim] in place: with a norm, x = D(D(x * inv_rms) * w) (or
+// Gemma's D(x * inv_rms * w), w = 1 + w) first; then features [0, rotary_dim)
+// are rotated in float32 and rounded once.
+template <typename D, Norm kNorm>
 STAGEWISE_ALWAYS_INLINE void rope_head(Storage<D>* x, const float* w, const float* cos,
                                        const float* sin, const RopeParams& p, float* in_buf,
                                        float* out_buf) {
   if constexpr (kConvertInline<D>) return rope_head_inline<D, kNorm>(x, w, cos, sin, p, in_buf);
   const int64_t rot = p.rotary_dim;
-  if constexpr (kNorm) {
+  if constexpr (kNorm != Norm::kNone) {
     const int64_t n = p.head_dim;
     const float* raw = load_block<D>(x, in_buf, n);
     float acc[kLanes] = {};
     add_squares(raw, n, acc);
-    rms_norm_block<D>(raw, in_buf, inv_rms(sum_lanes(acc), n, p.eps), w, n);
+    rms_norm_block<D, kNorm == Norm::kPlain>(raw, in_buf, inv_rms(sum_lanes(acc), n, p.eps), w, n);
     round_block<D>(in_buf, n);  // the normed values as stored: rope's input
     store_block<D>(in_buf + rot, x + rot, n - rot);
   } else if constexpr (std::is_same_v<D, F32>) {
@@ -101,8 +108,8 @@ STAGEWISE_ALWAYS_INLINE void rope_head(Storage<D>* x, const float* w, const floa
 }
 
 // Tokens [begin, end) of q and k; D is the dtype of q/k, C that of cos_sin_cache;
-// q_w, k_w are the float32 norm weights (kNorm only).
-template <typename D, typename C, bool kNorm>
+// q_w, k_w are the float32 norm weights (with a norm only).
+template <typename D, typename C, Norm kNorm>
 struct RopeTokens {
   static STAGEWISE_ALWAYS_INLINE void run(const RopeParams& p, const float* q_w, const float* k_w,
                                           int64_t begin, int64_t end) {
@@ -130,7 +137,7 @@ struct RopeTokens {
   }
 };
 
-template <bool kNorm>
+template <Norm kNorm>
 void run(const char* op, const RopeParams& p) {
   // Every position is checked before any token is written.
   check_indices_in_range(op, "positions", p.positions, p.position_type, p.num_tokens, 0,
@@ -138,9 +145,11 @@ void run(const char* op, const RopeParams& p) {
   if (p.num_tokens == 0) return;
   dispatch_dtype(p.dtype, [&](auto tag) {
     using D = decltype(tag);
+    constexpr bool kWeights = kNorm != Norm::kNone;
+    constexpr bool kUnit = kNorm == Norm::kUnitOffset;
     std::vector<float> q_w_buf, k_w_buf;
-    const float* q_w = kNorm ? as_float<D>(p.q_weight, p.head_dim, q_w_buf) : nullptr;
-    const float* k_w = kNorm ? as_float<D>(p.k_weight, p.head_dim, k_w_buf) : nullptr;
+    const float* q_w = kWeights ? norm_weights<D>(p.q_weight, p.head_dim, kUnit, q_w_buf) : nullptr;
+    const float* k_w = kWeights ? norm_weights<D>(p.k_weight, p.head_dim, kUnit, k_w_buf) : nullptr;
     const int64_t grain = grain_for((p.num_q_heads + p.num_k_heads) * p.head_dim);
     auto tokens = [&](auto cache_tag) {
       using C = decltype(cache_tag);
@@ -159,8 +168,11 @@ void run(const char* op, const RopeParams& p) {
 
 }  // namespace
 
-void rope(const RopeParams& p) { run<false>("rope", p); }
+void rope(const RopeParams& p) { run<Norm::kNone>("rope", p); }
 
-void qk_norm_rope(const RopeParams& p) { run<true>("qk_norm_rope", p); }
+void qk_norm_rope(const RopeParams& p) {
+  if (p.unit_offset) return run<Norm::kUnitOffset>("qk_norm_rope", p);
+  run<Norm::kPlain>("qk_norm_rope", p);
+}
 
 }  // namespace stagewise::cpu

@@ -1,5 +1,6 @@
 // RMSNorm and residual-add + RMSNorm on the GPU; maths and rounding in
-// include/stagewise/norm.h:  y = T(T(x * rsqrt(mean(x^2) + eps)) * w),
+// include/stagewise/norm.h:  y = T(T(x * rsqrt(mean(x^2) + eps)) * w), or with
+// unit_offset (kUnit, Gemma) y = T(x * rsqrt(mean(x^2) + eps) * (1 + w));
 // fused: r = T(r + x) first, then y = rms_norm(r) written over x.
 //
 // Two kernels, each a grid-stride loop over rows:
@@ -14,6 +15,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <type_traits>
 
 #include "common.cuh"
 
@@ -32,12 +34,20 @@ constexpr int kScalarThreads = 256;
 constexpr int64_t kMaxGrid = int64_t{1} << 20;  // more rows loop inside the kernel
 constexpr int kWords = 4;                       // one 16-byte vector
 
+// The normalised value before its final rounding: T(v * inv_rms) * w, or Gemma's
+// v * inv_rms * (1 + w) (kUnit), every step rounded to float32 as the CPU does it.
+template <typename T, bool kUnit>
+__device__ __forceinline__ float normed(float v, float inv_rms, float w) {
+  if constexpr (kUnit) return __fmul_rn(__fmul_rn(v, inv_rms), __fadd_rn(1.f, w));
+  return round_to<T>(v * inv_rms) * w;
+}
+
 // out may alias x (rms_norm in place, and always for the fused op), so no
 // __restrict__: each element is read before the same thread writes it.
 // residual is null unless kFused. Rows: [rows, hidden] with the given strides.
 // kWarpPerRow: each warp owns its rows (its trip count may differ from its
 // neighbours': no barrier in that mode); else the CTA owns a row.
-template <typename T, bool kFused, bool kWarpPerRow>
+template <typename T, bool kFused, bool kWarpPerRow, bool kUnit>
 __global__ void rms_norm_vec_kernel(T* out, int64_t out_stride, const T* x, int64_t x_stride,
                                     T* residual, int64_t residual_stride, const T* weight,
                                     int64_t rows, int hidden, float eps) {
@@ -95,7 +105,7 @@ __global__ void rms_norm_vec_kernel(T* out, int64_t out_stride, const T* x, int6
         detail::unpack<T>(xw[i], v);
         detail::unpack<T>(ww[i], w);
 #pragma unroll
-        for (int e = 0; e < kN; ++e) v[e] = round_to<T>(v[e] * inv_rms) * w[e];
+        for (int e = 0; e < kN; ++e) v[e] = normed<T, kUnit>(v[e], inv_rms, w[e]);
         uint32_t yw[kWords];
         detail::pack<T>(v, yw);
         detail::store_words(out_row + j * kN, yw);
@@ -106,7 +116,7 @@ __global__ void rms_norm_vec_kernel(T* out, int64_t out_stride, const T* x, int6
 
 // Any hidden size, stride and alignment. Thread t owns elements t, t + blockDim,
 // ... in both passes, so the fused op reads back only what it wrote itself.
-template <typename T, bool kFused>
+template <typename T, bool kFused, bool kUnit>
 __global__ void rms_norm_scalar_kernel(T* out, int64_t out_stride, const T* x, int64_t x_stride,
                                        T* residual, int64_t residual_stride, const T* weight,
                                        int64_t rows, int hidden, float eps) {
@@ -128,14 +138,14 @@ __global__ void rms_norm_scalar_kernel(T* out, int64_t out_stride, const T* x, i
     T* out_row = out + row * out_stride;
     for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
       const float v = kFused ? to_float(r_row[j]) : to_float(x_row[j]);
-      out_row[j] = from_float<T>(round_to<T>(v * inv_rms) * to_float(weight[j]));
+      out_row[j] = from_float<T>(normed<T, kUnit>(v, inv_rms, to_float(weight[j])));
     }
   }
 }
 
 int round_up_warp(int64_t n) { return static_cast<int>(std::max<int64_t>(32, (n + 31) / 32 * 32)); }
 
-template <typename T, bool kFused>
+template <typename T, bool kFused, bool kUnit>
 cudaError_t launch(T* out, int64_t out_stride, const T* x, int64_t x_stride, T* residual,
                    int64_t residual_stride, const T* weight, int64_t rows, int64_t hidden, float eps,
                    cudaStream_t stream) {
@@ -152,17 +162,17 @@ cudaError_t launch(T* out, int64_t out_stride, const T* x, int64_t x_stride, T* 
   const dim3 grid(static_cast<unsigned>(std::min(rows, kMaxGrid)));
   if (vec_ok && num_vecs <= 32 * kVecsPerThread) {
     const dim3 warp_grid(static_cast<unsigned>(std::min(detail::ceil_div(rows, kWarpsPerBlock), kMaxGrid)));
-    rms_norm_vec_kernel<T, kFused, true><<<warp_grid, 32 * kWarpsPerBlock, 0, stream>>>(
+    rms_norm_vec_kernel<T, kFused, true, kUnit><<<warp_grid, 32 * kWarpsPerBlock, 0, stream>>>(
         out, out_stride, x, x_stride, residual, residual_stride, weight, rows,
         static_cast<int>(hidden), eps);
   } else if (vec_ok) {
     const int threads = round_up_warp(detail::ceil_div(num_vecs, kVecsPerThread));
-    rms_norm_vec_kernel<T, kFused, false><<<grid, threads, 0, stream>>>(
+    rms_norm_vec_kernel<T, kFused, false, kUnit><<<grid, threads, 0, stream>>>(
         out, out_stride, x, x_stride, residual, residual_stride, weight, rows,
         static_cast<int>(hidden), eps);
   } else {
     const int threads = std::min(kScalarThreads, round_up_warp(hidden));
-    rms_norm_scalar_kernel<T, kFused><<<grid, threads, 0, stream>>>(
+    rms_norm_scalar_kernel<T, kFused, kUnit><<<grid, threads, 0, stream>>>(
         out, out_stride, x, x_stride, residual, residual_stride, weight, rows,
         static_cast<int>(hidden), eps);
   }
@@ -174,9 +184,12 @@ cudaError_t launch(T* out, int64_t out_stride, const T* x, int64_t x_stride, T* 
 cudaError_t rms_norm(const RmsNormParams& p, cudaStream_t stream) {
   return detail::dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    return launch<T, false>(static_cast<T*>(p.out), p.out_row_stride, static_cast<const T*>(p.x),
-                            p.x_row_stride, nullptr, 0, static_cast<const T*>(p.weight), p.rows,
-                            p.hidden, p.eps, stream);
+    auto run = [&](auto unit) {
+      return launch<T, false, decltype(unit)::value>(
+          static_cast<T*>(p.out), p.out_row_stride, static_cast<const T*>(p.x), p.x_row_stride, nullptr, 0,
+          static_cast<const T*>(p.weight), p.rows, p.hidden, p.eps, stream);
+    };
+    return p.unit_offset ? run(std::true_type{}) : run(std::false_type{});
   });
 }
 
@@ -184,9 +197,12 @@ cudaError_t fused_add_rms_norm(const FusedAddRmsNormParams& p, cudaStream_t stre
   return detail::dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     T* x = static_cast<T*>(p.x);
-    return launch<T, true>(x, p.x_row_stride, x, p.x_row_stride, static_cast<T*>(p.residual),
-                           p.residual_row_stride, static_cast<const T*>(p.weight), p.rows,
-                           p.hidden, p.eps, stream);
+    auto run = [&](auto unit) {
+      return launch<T, true, decltype(unit)::value>(
+          x, p.x_row_stride, x, p.x_row_stride, static_cast<T*>(p.residual), p.residual_row_stride,
+          static_cast<const T*>(p.weight), p.rows, p.hidden, p.eps, stream);
+    };
+    return p.unit_offset ? run(std::true_type{}) : run(std::false_type{});
   });
 }
 

@@ -1,4 +1,4 @@
-// Rotary embedding and per-head RMSNorm + rotary (Qwen3) on the GPU; maths in
+// Rotary embedding and per-head RMSNorm + rotary (Qwen3, Gemma) on the GPU; maths in
 // include/stagewise/rope.h.
 //
 // One warp per (token, head) item, q heads first then k heads; a grid-stride
@@ -25,15 +25,23 @@ constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
 constexpr int64_t kMaxGrid = int64_t{1} << 16;
 
+// What a head is normalised with before rope: nothing (rope), norm.h's RMSNorm
+// (Qwen3) or Gemma's unit-offset one, y = T(x * inv_rms * (1 + w)).
+enum class Norm { kNone, kPlain, kUnitOffset };
+
 // The normalised value of norm.h, widened back to float for the rotation.
-template <typename T, bool kNorm>
+template <typename T, Norm kNorm>
 __device__ __forceinline__ float prepare(T x, const T* weight, int j, float inv_rms) {
-  if constexpr (kNorm) return round_to<T>(round_to<T>(to_float(x) * inv_rms) * to_float(weight[j]));
+  if constexpr (kNorm == Norm::kPlain) {
+    return round_to<T>(round_to<T>(to_float(x) * inv_rms) * to_float(weight[j]));
+  } else if constexpr (kNorm == Norm::kUnitOffset) {
+    return round_to<T>(__fmul_rn(__fmul_rn(to_float(x), inv_rms), __fadd_rn(1.f, to_float(weight[j]))));
+  }
   return to_float(x);
 }
 
 // T: q/k dtype; C: cos_sin_cache dtype (float or T).
-template <typename T, typename C, bool kNorm>
+template <typename T, typename C, Norm kNorm>
 __global__ void rope_kernel(RopeParams p) {
   const int lane = threadIdx.x & 31;
   const int64_t heads = p.num_q_heads + p.num_k_heads;
@@ -54,7 +62,7 @@ __global__ void rope_kernel(RopeParams p) {
     const T* weight = static_cast<const T*>(is_q ? p.q_weight : p.k_weight);
 
     float inv_rms = 1.f;
-    if constexpr (kNorm) {
+    if constexpr (kNorm != Norm::kNone) {
       float sum_sq = 0.f;
       for (int j = lane; j < head_dim; j += 32) {
         const float v = to_float(x[j]);
@@ -76,21 +84,21 @@ __global__ void rope_kernel(RopeParams p) {
       x[i1] = from_float<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
       x[i2] = from_float<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
     }
-    if constexpr (kNorm) {
+    if constexpr (kNorm != Norm::kNone) {
       // Features past rotary_dim are normalised but not rotated.
       for (int j = 2 * half + lane; j < head_dim; j += 32) {
-        x[j] = from_float<T>(prepare<T, true>(x[j], weight, j, inv_rms));
+        x[j] = from_float<T>(prepare<T, kNorm>(x[j], weight, j, inv_rms));
       }
     }
   }
 }
 
-template <bool kNorm>
+template <Norm kNorm>
 cudaError_t launch(const RopeParams& p, cudaStream_t stream) {
   const int64_t num_items = p.num_tokens * (p.num_q_heads + p.num_k_heads);
   if (num_items <= 0 || p.head_dim <= 0) return cudaSuccess;
   if (p.head_dim > (int64_t{1} << 30) || p.rotary_dim > p.head_dim || p.rotary_dim % 2 != 0 ||
-      (kNorm && (p.q_weight == nullptr || p.k_weight == nullptr))) {
+      (kNorm != Norm::kNone && (p.q_weight == nullptr || p.k_weight == nullptr))) {
     return cudaErrorInvalidValue;
   }
   const dim3 grid(static_cast<unsigned>(std::min(detail::ceil_div(num_items, kWarpsPerBlock), kMaxGrid)));
@@ -109,8 +117,10 @@ cudaError_t launch(const RopeParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t rope(const RopeParams& p, cudaStream_t stream) { return launch<false>(p, stream); }
+cudaError_t rope(const RopeParams& p, cudaStream_t stream) { return launch<Norm::kNone>(p, stream); }
 
-cudaError_t qk_norm_rope(const RopeParams& p, cudaStream_t stream) { return launch<true>(p, stream); }
+cudaError_t qk_norm_rope(const RopeParams& p, cudaStream_t stream) {
+  return p.unit_offset ? launch<Norm::kUnitOffset>(p, stream) : launch<Norm::kPlain>(p, stream);
+}
 
 }  // namespace stagewise::cuda

@@ -3,6 +3,9 @@
 // Rounding contract (matches HF transformers' LlamaRMSNorm and the references
 // in stagewise.ops.reference): statistics in float32;
 //   y = T(T(x * rsqrt(mean(x^2) + eps)) * w)     with T the storage dtype.
+// With unit_offset (Gemma's RMSNorm, whose weights are stored as w - 1) the
+// scale is 1 + w, added in float32, and the product is rounded once:
+//   y = T((x * rsqrt(mean(x^2) + eps)) * (1 + float(w))).
 // fused_add_rms_norm first rounds the sum into the residual: r = T(r + x).
 #pragma once
 #include "stagewise/common.h"
@@ -19,6 +22,7 @@ struct RmsNormParams {
   int64_t rows;
   int64_t hidden;
   float eps;
+  bool unit_offset;        // scale by 1 + w, rounding once (see above)
 };
 
 struct FusedAddRmsNormParams {
@@ -31,6 +35,7 @@ struct FusedAddRmsNormParams {
   int64_t rows;
   int64_t hidden;
   float eps;
+  bool unit_offset;
 };
 
 namespace cpu {

@@ -7,7 +7,8 @@
 //   x1' = x1 * cos_i - x2 * sin_i ;  x2' = x2 * cos_i + x1 * sin_i    (float32 maths)
 // Features at and after rotary_dim are left as they are.
 // qk_norm_rope first applies per-head RMSNorm with the rounding of norm.h
-// (y = T(T(x * inv_rms) * w)), then rotates y in float32 and rounds once.
+// (y = T(T(x * inv_rms) * w), or with unit_offset Gemma's y = T(x * inv_rms *
+// (1 + w))), then rotates y in float32 and rounds once.
 // A position outside [0, max_position) is an error on CPU; the CUDA kernel
 // leaves such a token untouched (it cannot raise without a host sync).
 #pragma once
@@ -37,6 +38,7 @@ struct RopeParams {
   int64_t rotary_dim;      // even, <= head_dim
   bool is_neox;
   float eps;               // qk_norm_rope only
+  bool unit_offset;        // qk_norm_rope only: Gemma's (1 + w) norm (norm.h)
 };
 
 namespace cpu {

@@ -134,3 +134,55 @@ def test_rounding_contract_is_exact(device, dtype, hidden):
     assert_close(out, expected, **tol)
     assert_close(x, expected_x, **tol)
     torch.testing.assert_close(residual, expected_residual, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 17, 200])
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unit_offset(device, dtype, hidden, rows):
+    # Gemma's norm: times 1 + w, rounded once; the plain and the fused op, strided rows.
+    x = _rows(rows, hidden, dtype, device, "mixed")
+    residual = _rows(rows, hidden, dtype, device, "mixed", second=True)
+    weight = torch.randn(hidden, dtype=dtype, device=device)
+    expected = reference.rms_norm(x, weight, EPS, unit_offset=True)
+    expected_x, expected_residual = reference.fused_add_rms_norm(x.clone(), residual.clone(), weight, EPS, True)
+
+    out = ops.rms_norm(x, weight, EPS, unit_offset=True, out=poison_(torch.empty_like(x)))
+    ops.fused_add_rms_norm(x, residual, weight, EPS, unit_offset=True)
+
+    assert_close(out, expected)
+    torch.testing.assert_close(residual, expected_residual, rtol=0, atol=0)
+    assert_close(x, expected_x)
+
+
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unit_offset_rounding_is_exact(device, dtype, hidden):
+    # As test_rounding_contract_is_exact, for y = T(x * inv_rms * (1 + w)): a kernel that rounds
+    # the normed value first (Llama's contract), or adds 1 to w in dtype, is off here and there.
+    x = torch.randint(-8, 9, (64, hidden), device=device).to(dtype)
+    residual = torch.randint(-8, 9, (64, hidden), device=device).to(dtype)
+    weight = (torch.randn(hidden, device=device) * 0.1).to(dtype)
+    expected = reference.rms_norm(x, weight, EPS, unit_offset=True)
+    expected_x, expected_residual = reference.fused_add_rms_norm(x.clone(), residual.clone(), weight, EPS, True)
+
+    out = ops.rms_norm(x, weight, EPS, unit_offset=True)
+    ops.fused_add_rms_norm(x, residual, weight, EPS, unit_offset=True)
+
+    tol = dict(rtol=0, atol=0) if device == "cpu" else {}
+    assert_close(out, expected, **tol)
+    assert_close(x, expected_x, **tol)
+    torch.testing.assert_close(residual, expected_residual, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unit_offset_reference_is_gemmas(dtype):
+    # The reference is transformers' Gemma3RMSNorm, bit for bit (the contract the kernels follow).
+    gemma = pytest.importorskip("transformers.models.gemma3.modeling_gemma3")
+    x = torch.randn(9, 769).to(dtype)
+    norm = gemma.Gemma3RMSNorm(769, eps=EPS).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(769) * 0.5)
+        expected = norm(x)
+    torch.testing.assert_close(reference.rms_norm(x, norm.weight.detach(), EPS, unit_offset=True), expected,
+                               rtol=0, atol=0)

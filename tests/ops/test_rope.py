@@ -110,6 +110,24 @@ def test_qk_norm_rope(device, dtype, is_neox, dims, cache_dtype, tokens, positio
     assert_close(k, expected_k)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "strided_heads"])
+@pytest.mark.parametrize("dims", DIMS)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_unit_offset(device, dtype, is_neox, dims, layout):
+    # Gemma's per-head norm (times 1 + w, rounded once) before the rotation.
+    q, k, positions, cache = _inputs(17, dims, dtype, "float32", torch.int64, layout, device)
+    q_weight = torch.randn(dims[0], dtype=dtype, device=device)
+    k_weight = torch.randn(dims[0], dtype=dtype, device=device)
+    expected_q, expected_k = reference.qk_norm_rope(q.clone(), k.clone(), q_weight, k_weight, positions, cache, EPS,
+                                                    is_neox, unit_offset=True)
+
+    ops.qk_norm_rope(q, k, q_weight, k_weight, positions, cache, EPS, is_neox, unit_offset=True)
+
+    assert_close(q, expected_q)
+    assert_close(k, expected_k)
+
+
 # On x86-64 the kernel's ISA copies have no FMA, so like the reference it rounds
 # x1 * cos, x2 * sin and their difference separately; where FMA is the default
 # (aarch64, CUDA) the compiler may fuse them, one float32 rounding fewer.

@@ -52,17 +52,21 @@ def cpu_isa_supported() -> str:
 _ops = torch.ops.stagewise
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm over the last dim of ``x [..., hidden]`` with ``weight [hidden]``."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x [..., hidden]`` with ``weight [hidden]``: the normalised x
+    rounded to x's dtype, then times ``weight`` (Llama's); with ``unit_offset`` times ``1 + weight``
+    in float32, rounded once (Gemma's, whose checkpoints store the weight less one)."""
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _ops.rms_norm(out, x, weight, eps)
+    _ops.rms_norm(out, x, weight, eps, unit_offset)
     return out
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    """In place: ``residual += x; x = rms_norm(residual)``."""
-    _ops.fused_add_rms_norm(x, residual, weight, eps)
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                       unit_offset: bool = False) -> None:
+    """In place: ``residual += x; x = rms_norm(residual)`` (``unit_offset``: as :func:`rms_norm`)."""
+    _ops.fused_add_rms_norm(x, residual, weight, eps, unit_offset)
 
 
 def rope(
@@ -95,9 +99,12 @@ def qk_norm_rope(
     cos_sin_cache: torch.Tensor,
     eps: float,
     is_neox: bool,
+    *,
+    unit_offset: bool = False,
 ) -> None:
-    """In place per-head RMSNorm of q and k (weights ``[D]``) followed by :func:`rope`."""
-    _ops.qk_norm_rope(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox)
+    """In place per-head RMSNorm of q and k (weights ``[D]``; ``unit_offset``: Gemma's, as
+    :func:`rms_norm`) followed by :func:`rope`."""
+    _ops.qk_norm_rope(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox, unit_offset)
 
 
 def reshape_and_cache(

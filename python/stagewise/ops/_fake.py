@@ -43,12 +43,12 @@ def _fake(op: str, ref: str) -> Callable:
 
 
 @_fake("rms_norm", ref="x")
-def _rms_norm(out, x, weight, eps):
+def _rms_norm(out, x, weight, eps, unit_offset=False):
     return None
 
 
 @_fake("fused_add_rms_norm", ref="x")
-def _fused_add_rms_norm(x, residual, weight, eps):
+def _fused_add_rms_norm(x, residual, weight, eps, unit_offset=False):
     return None
 
 
@@ -58,7 +58,7 @@ def _rope(q, k, positions, cos_sin_cache, is_neox):
 
 
 @_fake("qk_norm_rope", ref="q")
-def _qk_norm_rope(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox):
+def _qk_norm_rope(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox, unit_offset=False):
     return None
 
 

@@ -11,16 +11,20 @@ from __future__ import annotations
 import torch
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """Llama's rounding (the normalised x to x's dtype, then times the weight); with
+    ``unit_offset`` Gemma's (times ``1 + weight`` in float32, rounded once)."""
     xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (normed.float() * weight.float()).to(x.dtype)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return (normed.to(x.dtype).float() * weight.float()).to(x.dtype)
 
 
-def fused_add_rms_norm(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(x, residual, weight, eps, unit_offset=False) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (new x, new residual) for ``residual += x; x = rms_norm(residual)``."""
     new_residual = (residual.float() + x.float()).to(residual.dtype)
-    return rms_norm(new_residual, weight, eps), new_residual
+    return rms_norm(new_residual, weight, eps, unit_offset), new_residual
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
@@ -48,9 +52,10 @@ def rope(q, k, positions, cos_sin_cache, is_neox) -> tuple[torch.Tensor, torch.T
     return outs[0], outs[1]
 
 
-def qk_norm_rope(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox):
+def qk_norm_rope(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox, unit_offset=False):
     """Per-head RMSNorm of q and k, then rope; returns new (q, k)."""
-    return rope(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), positions, cos_sin_cache, is_neox)
+    return rope(rms_norm(q, q_weight, eps, unit_offset), rms_norm(k, k_weight, eps, unit_offset), positions,
+                cos_sin_cache, is_neox)
 
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> tuple[torch.Tensor, torch.Tensor]:
