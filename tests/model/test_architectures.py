@@ -89,7 +89,7 @@ SIZES = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_h
              intermediate_size=48)
 EXTRA = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
          "falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
-         "mistral": dict(sliding_window=None)}  # its class's 4096-token window: attention refuses windows
+         "mistral": dict(sliding_window=None)}  # its class's 4096-token window: the C++ loop applies none
 TEXT_TYPES = sorted(t for t, a in architectures.MODEL_TYPES.items() if t not in a.multimodal)
 
 

@@ -41,6 +41,9 @@ MODELS = {
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
         **SMALL, num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=True,
         rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    # A 4-token window, shorter than most prompts and generations: Mistral's sliding mask.
+    "mistral-window": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
+        **SMALL, num_key_value_heads=2, intermediate_size=96, sliding_window=4)),
     "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         **SMALL, num_key_value_heads=2, head_dim=32, intermediate_size=96)),
     "qwen3-moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(

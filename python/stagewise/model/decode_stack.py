@@ -46,6 +46,8 @@ def _misfit(layer: torch.nn.Module, activation: str) -> str | None:
         return "linears other than Linear (qkv, gate_up) and RowParallelLinear (o, down)"
     if attn.o.all_reduce is not None or mlp.down.all_reduce is not None:
         return "row-parallel linears that all-reduce (a tensor-parallel rank's layer)"
+    if attn.window is not None:
+        return f"attention over a sliding window of {attn.window} tokens (it attends over every cached token)"
     return None
 
 

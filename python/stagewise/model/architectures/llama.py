@@ -105,7 +105,7 @@ def attention(config: ModelConfig, layer: int, p: str, w: Weights, stage: StageB
     norms = {}
     if config.qk_norm:
         norms = {n: w(f"{a}{n}.weight") for n in QK_NORMS}
-    return Attention(config, layer, qkv, o, stage.rotary, **norms, groups=groups)
+    return Attention(config, layer, qkv, o, stage.rotary, **norms, groups=groups, window=config.sliding_window)
 
 
 def dense_mlp(config: ModelConfig, layer: int, p: str, w: Weights, groups: StageGroups) -> nn.Module:

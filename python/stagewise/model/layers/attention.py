@@ -12,6 +12,12 @@ Under tensor parallelism a rank runs its own query heads and KV heads (the loade
 rows of q, k and v) against its own cache, and the output projection's partial sums are reduced
 by its :class:`RowParallelLinear`.
 
+A layer with a sliding ``window`` (Mistral's, Gemma's sliding layers) lets the query at position
+``q`` see the keys ``k`` with ``q - window < k <= q``, as transformers' sliding mask does: in
+prefill through the SDPA mask (a later chunk gathers only the cached tokens its window reaches),
+in decode through :func:`stagewise.ops.decode_attention`'s ``window``. The cache still holds every
+token of the request.
+
 Under context parallelism (``groups.cp_size > 1``) each rank stores a share of every request's
 cached sequence and attention is :func:`~stagewise.model.layers.context_parallel.cp_attention`.
 """
@@ -37,15 +43,20 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, layer: int, qkv: Linear, o: RowParallelLinear, rotary: Rotary,
                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, *,
-                 groups: StageGroups = StageGroups()) -> None:
+                 groups: StageGroups = StageGroups(), window: int | None = None) -> None:
         """``qkv``: this rank's ``[q; k; v]`` rows, ``[(Hq + 2 * Hk) * D, hidden]`` with ``Hq`` and
         ``Hk`` the rank's query and KV heads; ``o``: its ``[hidden, Hq * D]`` block; ``groups``: the
         stage's rank groups (context parallel shards the cached sequence over ``groups.dcp`` and
-        ``groups.pcp``)."""
+        ``groups.pcp``); ``window``: the keys a query sees at most (None, or one reaching every
+        position: all before it)."""
         super().__init__()
-        if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
-            raise ValueError(f"Attention: sliding_window={config.sliding_window} is not supported "
-                             f"(only full attention over max_position_embeddings={config.max_position_embeddings})")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"Attention: layer {layer} window must be an int >= 1 or None, got {window!r}")
+        self.window = window if window is not None and window < config.max_position_embeddings else None
+        if self.window is not None and groups.cp_size > 1:
+            raise ValueError(f"Attention: layer {layer} has a sliding window of {self.window} tokens, which context "
+                             f"parallel attention does not apply (cp_size={groups.cp_size}); run this model "
+                             "without dcp/pcp")
         self.layer = layer
         tp_size = groups.tp.size
         self.num_heads = config.num_heads // tp_size
@@ -81,25 +92,37 @@ class Attention(nn.Module):
         for i, ((start, n), ctx) in enumerate(zip(batch.prefill_spans(), batch.context_lens)):
             # [1, H, n, D] views; enable_gqa lets the Hq / Hk query heads share a KV head.
             qs, ks, vs = (a[start : start + n].transpose(0, 1).unsqueeze(0) for a in (q, k, v))
+            first = 0 if self.window is None else max(0, ctx - self.window + 1)  # the oldest key any query sees
+            if first < ctx:  # a later chunk: the cached tokens it sees first, then the chunk
+                ks, vs = (torch.cat([cached_tokens(c, meta.block_tables[i], ctx, first).transpose(0, 1).unsqueeze(0),
+                                     a], 2) for c, a in ((k_cache, ks), (v_cache, vs)))
             mask = None
-            if ctx:  # a later chunk: the cached tokens first, then the chunk; query j sees keys <= ctx + j
-                ks, vs = (torch.cat([cached_tokens(c, meta.block_tables[i], ctx).transpose(0, 1).unsqueeze(0), a], 2)
-                          for c, a in ((k_cache, ks), (v_cache, vs)))
-                mask = torch.arange(ctx + n, device=x.device) <= torch.arange(ctx, ctx + n, device=x.device)[:, None]
+            if ctx or (self.window is not None and n > self.window):
+                mask = _mask(first, ctx, n, self.window, x.device)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=self.scale,
                                                enable_gqa=hq != hk)
             out[start : start + n] = o[0].transpose(0, 1)
         p, r = batch.num_prefill_tokens, batch.num_prefills
         if p < t:
             ops.decode_attention(q[p:], k_cache, v_cache, meta.block_tables[r:], meta.seq_lens[r:], self.scale,
-                                 k_new=k[p:], v_new=v[p:], out=out[p:])
+                                 k_new=k[p:], v_new=v[p:], out=out[p:], window=self.window)
         ops.reshape_and_cache(k, v, kv[0], kv[1], meta.slot_mapping)
         return self.o(out.view(t, hq * d))
 
 
-def cached_tokens(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
-    """The first ``n`` tokens a request holds in one layer's ``cache [num_blocks, block_size, Hk, D]``,
-    in position order, from its ``block_table [max_blocks_per_seq]``: ``[n, Hk, D]``."""
+def _mask(first: int, ctx: int, n: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """``[n, keys]`` bool: the keys at positions ``first .. ctx + n - 1`` that the chunk's queries at
+    ``ctx .. ctx + n - 1`` see: ``q - window < k <= q`` (no lower bound without a window)."""
+    keys = torch.arange(first, ctx + n, device=device)
+    queries = torch.arange(ctx, ctx + n, device=device)[:, None]
+    mask = keys <= queries
+    return mask if window is None else mask & (keys > queries - window)
+
+
+def cached_tokens(cache: torch.Tensor, block_table: torch.Tensor, n: int, first: int = 0) -> torch.Tensor:
+    """The tokens at positions ``first .. n - 1`` a request holds in one layer's ``cache [num_blocks,
+    block_size, Hk, D]``, in position order, from its ``block_table [max_blocks_per_seq]``:
+    ``[n - first, Hk, D]``."""
     block_size = cache.size(1)
-    t = torch.arange(n, device=cache.device)
+    t = torch.arange(first, n, device=cache.device)
     return cache[block_table.long()[t // block_size], t % block_size]
