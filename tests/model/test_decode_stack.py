@@ -121,6 +121,10 @@ def test_a_layer_the_stack_cannot_run_is_an_error():
         build_decode_stack(layers, cfg.activation)
     with pytest.raises(ValueError, match=r"layer 0 of the stage: activation 'gelu_fast'"):
         build_decode_stack(layers, "gelu_fast")
+    layers[1].post_norm = stage.layers[0].post_norm
+    layers[0].attn.unit_offset_qk_norm = True
+    with pytest.raises(ValueError, match=r"layer 0 of the stage: norms that scale by 1 \+ w \(unit_offset"):
+        build_decode_stack(layers, cfg.activation)
 
 
 def test_stack_refuses_a_cache_of_other_layers():

@@ -48,6 +48,8 @@ def _misfit(layer: torch.nn.Module, activation: str) -> str | None:
         return "row-parallel linears that all-reduce (a tensor-parallel rank's layer)"
     if attn.window is not None:
         return f"attention over a sliding window of {attn.window} tokens (it attends over every cached token)"
+    if layer.input_norm.unit_offset or layer.post_norm.unit_offset or attn.unit_offset_qk_norm:
+        return "norms that scale by 1 + w (unit_offset; it runs Llama's)"
     return None
 
 

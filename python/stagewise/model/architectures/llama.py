@@ -25,6 +25,7 @@ from stagewise.model.layers.decoder import DecoderLayer
 from stagewise.model.layers.linear import Linear, RowParallelLinear, tp_all_reduce
 from stagewise.model.layers.mlp import GatedMLP
 from stagewise.model.layers.norm import RMSNorm
+from stagewise.model.layers.rotary import Rotary
 from stagewise.model.rows import TensorShape, linear_rows, norm_rows
 from stagewise.model.weights import Weights
 
@@ -96,8 +97,11 @@ def final_norm_tensors(config: ModelConfig, name: str) -> list[TensorShape]:
 
 # ---- wiring ---------------------------------------------------------------------------------------
 
-def attention(config: ModelConfig, layer: int, p: str, w: Weights, stage: StageBuild) -> Attention:
-    """The ``self_attn`` block; with ``config.qk_norm`` also its ``q_norm``/``k_norm`` (Qwen3)."""
+def attention(config: ModelConfig, layer: int, p: str, w: Weights, stage: StageBuild, rotary: Rotary | None = None,
+              **options: Any) -> Attention:
+    """The ``self_attn`` block; with ``config.qk_norm`` also its ``q_norm``/``k_norm`` (Qwen3). It
+    rotates with ``rotary`` (None: the stage's table) and attends over ``config.sliding_window``
+    (Mistral's); ``options``: :class:`Attention`'s keywords (``window``, ``scale``, ...) that differ."""
     groups = stage.groups
     a = p + ATTN
     qkv = Linear.fused([w(f"{a}{n}.weight") for n in QKV], [w.get(f"{a}{n}.bias") for n in QKV])
@@ -105,7 +109,9 @@ def attention(config: ModelConfig, layer: int, p: str, w: Weights, stage: StageB
     norms = {}
     if config.qk_norm:
         norms = {n: w(f"{a}{n}.weight") for n in QK_NORMS}
-    return Attention(config, layer, qkv, o, stage.rotary, **norms, groups=groups, window=config.sliding_window)
+    options = {"window": config.sliding_window, **options}
+    return Attention(config, layer, qkv, o, stage.rotary if rotary is None else rotary, **norms, groups=groups,
+                     **options)
 
 
 def dense_mlp(config: ModelConfig, layer: int, p: str, w: Weights, groups: StageGroups) -> nn.Module:

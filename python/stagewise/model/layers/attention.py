@@ -43,12 +43,14 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, layer: int, qkv: Linear, o: RowParallelLinear, rotary: Rotary,
                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, *,
-                 groups: StageGroups = StageGroups(), window: int | None = None) -> None:
+                 groups: StageGroups = StageGroups(), window: int | None = None, scale: float | None = None,
+                 unit_offset_qk_norm: bool = False) -> None:
         """``qkv``: this rank's ``[q; k; v]`` rows, ``[(Hq + 2 * Hk) * D, hidden]`` with ``Hq`` and
         ``Hk`` the rank's query and KV heads; ``o``: its ``[hidden, Hq * D]`` block; ``groups``: the
         stage's rank groups (context parallel shards the cached sequence over ``groups.dcp`` and
         ``groups.pcp``); ``window``: the keys a query sees at most (None, or one reaching every
-        position: all before it)."""
+        position: all before it); ``scale``: the scores' (None: ``head_dim ** -0.5``);
+        ``unit_offset_qk_norm``: the q/k norms scale by ``1 + w`` (Gemma's)."""
         super().__init__()
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"Attention: layer {layer} window must be an int >= 1 or None, got {window!r}")
@@ -67,7 +69,8 @@ class Attention(nn.Module):
             raise ValueError(f"Attention: layer {layer} qkv weight has {qkv.weight.shape[0]} rows, expected "
                              f"{rows} for {self.num_heads} query and {self.num_kv_heads} KV heads of {self.head_dim} "
                              f"(tp_size={tp_size})")
-        self.scale = config.head_dim**-0.5
+        self.scale = config.head_dim**-0.5 if scale is None else scale
+        self.unit_offset_qk_norm = unit_offset_qk_norm
         self.qkv, self.o, self.rotary = qkv, o, rotary
         self.groups = groups
         if groups.cp_size > 1:
@@ -84,7 +87,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).split([hq * d, hk * d, hk * d], dim=-1)
         q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
         rows = None if batch.mrope_positions is None else self.rotary.rows(batch.mrope_positions)
-        self.rotary(q, k, batch.positions, self.q_norm, self.k_norm, rows)
+        self.rotary(q, k, batch.positions, self.q_norm, self.k_norm, rows, unit_offset=self.unit_offset_qk_norm)
         if self.groups.cp_size > 1:
             return self.o(cp_attention(q, k, v, batch, meta, kv, self.scale, self.groups).view(t, hq * d))
         out = torch.empty((t, hq, d), dtype=x.dtype, device=x.device)

@@ -10,20 +10,21 @@ from stagewise import ops
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dim via the stagewise ops, optionally adding the residual first."""
+    """RMSNorm over the last dim via the stagewise ops, optionally adding the residual first; with
+    ``unit_offset`` Gemma's, which scales by ``1 + weight`` (:func:`stagewise.ops.rms_norm`)."""
 
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+    def __init__(self, weight: torch.Tensor, eps: float, *, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.eps = eps
+        self.eps, self.unit_offset = eps, unit_offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual is None``: returns ``(norm(x), x)``. Otherwise in place ``residual += x`` and
         returns ``(norm(residual), residual)``; both tensors are overwritten."""
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps), x
-        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset), x
+        ops.fused_add_rms_norm(x, residual, self.weight, self.eps, unit_offset=self.unit_offset)
         return x, residual
 
 

@@ -94,16 +94,17 @@ class Rotary(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None) -> None:
+                rows: torch.Tensor | None = None, *, unit_offset: bool = False) -> None:
         """``q [T, Hq, D]``, ``k [T, Hk, D]`` rotated in place at ``positions [T]``, or by ``rows
-        [T, rotary_dim]`` (from :meth:`rows`) when given; ``q_norm/k_norm [D]`` or None."""
+        [T, rotary_dim]`` (from :meth:`rows`) when given; ``q_norm/k_norm [D]`` or None, scaling by
+        ``1 + w`` with ``unit_offset`` (Gemma's)."""
         table = self.cos_sin_cache
         if rows is not None:
             table, positions = rows, torch.arange(rows.size(0), device=rows.device)
         if q_norm is None:
             ops.rope(q, k, positions, table, self.is_neox)
         else:
-            ops.qk_norm_rope(q, k, q_norm, k_norm, positions, table, self.eps, self.is_neox)
+            ops.qk_norm_rope(q, k, q_norm, k_norm, positions, table, self.eps, self.is_neox, unit_offset=unit_offset)
 
 
 def _llama3(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
