@@ -252,6 +252,7 @@ _EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
 _GIVEN = {
     "llama": _TEXT, "mistral": _TEXT, "qwen2": _TEXT, "qwen3": _TEXT, "qwen3_moe": {**_TEXT, **_EXPERTS},
     "falcon": dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
+    "gemma3_text": {**_TEXT, "num_hidden_layers": 7},  # past one sliding_window_pattern (6)
     "qwen3_vl": dict(text_config={**_TEXT, "hidden_size": 3584}, vision_config={}),
     "qwen3_vl_moe": dict(text_config={**_TEXT, **_EXPERTS, "hidden_size": 3584}, vision_config={}),
 }

@@ -49,6 +49,13 @@ MODELS = {
     "qwen3-moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         **SMALL, num_key_value_heads=2, head_dim=16, intermediate_size=96, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
+    # Gemma 3: sliding and full layers with their own rope bases (linear scaling on the full ones),
+    # a 4-token window, a score scale other than head_dim's.
+    "gemma3": lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **SMALL, num_key_value_heads=2, head_dim=16, intermediate_size=96, sliding_window=4,
+        query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=100.0),
+                         "full_attention": dict(rope_type="linear", rope_theta=1e4, factor=2.0)})),
     "falcon-7b": lambda: transformers.FalconForCausalLM(transformers.FalconConfig(
         **SMALL, new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=True,
         ffn_hidden_size=80)),

@@ -10,7 +10,7 @@ finds it here: by ``ModelConfig.architecture`` (:func:`of`, :func:`get`), by an 
 
 from __future__ import annotations
 
-from stagewise.model.architectures import falcon, llama, qwen2, qwen3, qwen3_moe
+from stagewise.model.architectures import falcon, gemma3, llama, qwen2, qwen3, qwen3_moe
 from stagewise.model.architectures.base import Architecture, own_fields
 from stagewise.model.config import ModelConfig
 
@@ -20,6 +20,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     qwen3.ARCHITECTURE,
     qwen3_moe.ARCHITECTURE,
     falcon.ARCHITECTURE,
+    gemma3.ARCHITECTURE,
 )
 
 
