@@ -19,7 +19,7 @@ from stagewise.model.architectures import gemma3  # noqa: E402
 from stagewise.model.hf_config import parse_hf_config  # noqa: E402
 from stagewise.model.loader import load_stage_weights, open_checkpoint  # noqa: E402
 from stagewise.parallel.plan import StagePlan  # noqa: E402
-from stagewise.planner import compute, memory  # noqa: E402
+from stagewise.planner import compute, estimate, memory  # noqa: E402
 
 from helpers.gguf_files import TOKENS  # noqa: E402
 from helpers.tp_ranks import JOINS, NUM_STEPS, load_stages, prompts, run_steps, run_world, step_requests  # noqa: E402
@@ -233,6 +233,24 @@ def test_the_planner_counts_the_window_of_sliding_layers_only(cases):
     prefill = {o.layer: o for o in compute.stage_ops(cfg, stage, rows=1, new_tokens=10, context=0)
                if o.name == "attention"}
     assert prefill[0].flops == per_pair * (1 + 2 + 3 * 8) and prefill[1].flops == per_pair * 55
+    # Its four norms: two more than a pre-norm layer's, after attention and after the MLP.
+    names = [o.name for o in ops if o.layer == 0]
+    assert names.index("o_proj") < names.index("attn_out_norm") and names[-1] == "mlp_out_norm"
     # KV: every layer holds every token, as the cache does (it frees no block behind a window).
     per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 2
     assert memory.kv_bytes(cfg, cfg.num_layers, tokens=40) == cfg.num_layers * per_token * 40
+
+
+def test_the_planner_times_the_python_layer_loop_of_windowed_models(cases):
+    """As StageModel.python_loop_reason: a window (Mistral's, Gemma's) keeps the C++ loop off."""
+    from stagewise.model import shapes
+
+    from test_models import make_model
+
+    gemma = open_checkpoint(cases["safetensors"]["checkpoint"]).config
+    _, mistral = make_model("mistral-window")
+    one = shapes.Sharding()
+    assert estimate.runs_python_loop(gemma, one) and estimate.runs_python_loop(mistral, one)
+    assert not estimate.runs_python_loop(mistral.replace(sliding_window=None), one)
+    assert not estimate.runs_python_loop(mistral.replace(sliding_window=mistral.max_position_embeddings), one)
+    assert estimate.runs_python_loop(mistral.replace(sliding_window=None), shapes.Sharding(tp=2))

@@ -156,6 +156,8 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
             ops.append(Op("partials_pcp_all_gather", "comm", 0, cp * part, layer, "tp", pcp,
                           collective="all_gather"))
     ops.append(linear_op("o_proj", prec, tokens=T, n_in=hq * d, n_out=h, layer=layer))
+    if work.post_norms:
+        ops.append(Op("attn_out_norm", "vec", 4 * T * h, 2 * T * h * a + h * w, layer))
     if tp > 1:
         ops.append(Op("attn_all_reduce", "comm", 0, T * h * a, layer, "tp", tp, collective="all_reduce"))
     ops.append(Op("post_attn_norm", "vec", 5 * T * h, 3 * T * h * a + h * w, layer))
@@ -179,6 +181,8 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
         ops.append(linear_op("down_proj", prec, tokens=T, n_in=inter, n_out=h, layer=layer))
     if tp > 1:
         ops.append(Op("mlp_all_reduce", "comm", 0, T * h * a, layer, "tp", tp, collective="all_reduce"))
+    if work.post_norms:
+        ops.append(Op("mlp_out_norm", "vec", 4 * T * h, 2 * T * h * a + h * w, layer))
     return ops
 
 

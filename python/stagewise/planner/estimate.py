@@ -197,15 +197,23 @@ def group_rows(batch: int, m: int) -> list[int]:
     return [base + (g < extra) for g in range(m)]
 
 
+def runs_python_loop(config: ModelConfig, sharding: shapes.Sharding) -> bool:
+    """Whether the stages run the Python layer loop: the ranks of a TP/CP stage, the layers the C++
+    loop does not take, and a model with sliding-window layers (the stage states why, in
+    ``StageModel.python_loop_reason``)."""
+    entry = architectures.of(config)
+    windowed = any((entry.layer_work(config, i).window or config.max_position_embeddings)
+                   < config.max_position_embeddings for i in range(config.num_layers))
+    return sharding.tp * sharding.pcp * sharding.dcp > 1 or entry.decode_stack is not None or windowed
+
+
 def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: compute.Precision,
            sharding: shapes.Sharding, *, batch: int, m: int, new_tokens: int, context: int,
            image_tokens: int = 0) -> PhaseEstimate:
     groups = group_rows(batch, m)
     rows = max(groups)
     cache: dict[int, tuple[list[float], list[dict[str, float]]]] = {}
-    # The ranks of a TP/CP stage, and the layers the C++ loop does not take, run the Python layer loop.
-    python_loop = (sharding.tp * sharding.pcp * sharding.dcp > 1
-                   or architectures.of(config).decode_stack is not None)
+    python_loop = runs_python_loop(config, sharding)
 
     def stage_base(r: int) -> tuple[list[float], list[dict[str, float]]]:
         if r not in cache:

@@ -147,6 +147,8 @@ class LayerWork:
     """gated (gate and up, an activation, down), plain (up, an activation, down) or experts."""
     window: int | None = None
     """Keys a query attends to at most (sliding window); None: every one before it."""
+    post_norms: bool = False
+    """The outputs of attention and of the MLP are normed too (Gemma's four norms a layer)."""
 
     def __post_init__(self) -> None:
         if self.mlp not in MLPS:

@@ -184,7 +184,7 @@ ARCHITECTURE = Architecture(
     layer_tensors=layer_tensors, final_norm_tensors=llama.final_norm_tensors,
     build_layer=build_layer, build_final_norm=build_final_norm,
     embedding_scale=lambda config: config.hidden_size**0.5,
-    layer_work=lambda config, layer: LayerWork("gated", window(config, layer)),
+    layer_work=lambda config, layer: LayerWork("gated", window(config, layer), post_norms=True),
     decode_stack="its layers norm the outputs of attention and the MLP too, with Gemma's (1 + w) norms, and its "
                  "sliding layers attend over a window with a rope table of their own",
     gguf=GGUFNames(architectures=("gemma3",), model_type="gemma3_text", layer_tensors=GGUF_LAYER_NAMES,
