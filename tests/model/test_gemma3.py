@@ -245,7 +245,7 @@ def test_the_planner_times_the_python_layer_loop_of_windowed_models(cases):
     """As StageModel.python_loop_reason: a window (Mistral's, Gemma's) keeps the C++ loop off."""
     from stagewise.model import shapes
 
-    from test_models import make_model
+    from helpers.hf_models import make_model
 
     gemma = open_checkpoint(cases["safetensors"]["checkpoint"]).config
     _, mistral = make_model("mistral-window")

@@ -15,7 +15,7 @@ from stagewise.model.stage import StageModel
 
 transformers = pytest.importorskip("transformers")
 
-from test_models import BLOCK_SIZE, make_model  # noqa: E402
+from helpers.hf_models import BLOCK_SIZE, make_model  # noqa: E402
 
 WINDOWED = ["mistral-window", "gemma3"]
 CHUNKS = [(20,), (6, 7, 7), (1, 3, 16), (9, 1, 1, 9), (4, 4, 4, 4, 4)]
