@@ -1,5 +1,5 @@
-"""A pipeline stage rank: the IO around a :class:`~stagewise.pipeline.head.Head` (stage 0) or a
-:class:`~stagewise.pipeline.worker.Worker` (later stages), in a process of its own
+"""A pipeline stage rank: the IO around a :class:`~stagewise.pipeline.roles.Head` (stage 0) or a
+:class:`~stagewise.pipeline.roles.Worker` (later stages), in a process of its own
 (``stagewise stage``) or a thread of a Ray actor (:mod:`stagewise.launch.ray_cluster`).
 
 Life of a stage:
