@@ -51,7 +51,29 @@ def test_a_measured_split_is_run_and_compared_with_its_prediction(tmp_path, monk
 
 @pytest.mark.parametrize(("extra", "message"), [
     (["--partition", "measured", "--batch", "4"], "--partition measured predicts batch 1"),
-    (["--stage-threads", "2,1"], "--stage-threads applies to --partition measured")])
+    (["--stage-threads", "2,1"], "--stage-threads applies to --partition measured"),
+    (["--remeasure"], "--remeasure applies to --partition measured")])
 def test_options_it_refuses(tmp_path, capsys, extra, message):
     assert plan_validate.main([MODEL, "--tiny", "--out", str(tmp_path), *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [[], ["--remeasure"]])
+def test_remeasure_reaches_the_split(tmp_path, monkeypatch, flag):
+    """--remeasure asks the measured split to measure each node again (the split itself is tested
+    with the launcher: tests/launch/test_measured.py)."""
+    from stagewise.launch import measured
+
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def split(*args, remeasure=False, **kw):
+        asked.append(remeasure)
+        raise Stop
+
+    monkeypatch.setattr(measured, "measured_split", split)
+    with pytest.raises(Stop):
+        plan_validate.main([MODEL, "--tiny", "--partition", "measured", "--stages", "2", "--out", str(tmp_path), *flag])
+    assert asked == [bool(flag)]

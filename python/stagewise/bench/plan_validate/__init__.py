@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                         "layers split by it) against the run on that split, at batch 1 (bench/plan_validate/split.py)")
     p.add_argument("--stage-threads", default=None, metavar="T,T,...",
                    help="with --partition measured: each stage's torch threads, dealt in turn (default --threads)")
+    p.add_argument("--remeasure", action="store_true",
+                   help="with --partition measured: measure each node again rather than read its cached profile")
     p.add_argument("--device-profile", default=None,
                    help="profile JSON (default: measure this machine now, in this process, just before the runs: "
                         "on a shared machine a stored profile may describe other conditions)")
@@ -108,8 +110,9 @@ def _run(argv: list[str]) -> int:
         from stagewise.bench.plan_validate import split
 
         return split.run(args, ckpt, info, model_name, log)
-    if args.stage_threads is not None:
-        raise ValueError("--stage-threads applies to --partition measured")
+    for given, flag in ((args.stage_threads is not None, "--stage-threads"), (args.remeasure, "--remeasure")):
+        if given:
+            raise ValueError(f"{flag} applies to --partition measured")
     from stagewise.bench.plan_validate import compare
 
     return compare.run(args, ckpt, info, model_name, model_note, layouts, skipped, log)

@@ -57,7 +57,7 @@ def measured_cell(args, checkpoint, stages: int, log) -> list[dict]:
                               "max_model_len": max_len, "transport": args.transport or "auto",
                               "stages": [{"threads": t} for t in threads]}, checkpoint.config.num_layers)
     placed, split = measured_split(plan, checkpoint, lambda p, **kw: start_stages(p, "local", **kw),
-                                   log=lambda line: log(f"  {line}"))
+                                   log=lambda line: log(f"  {line}"), remeasure=args.remeasure)
     procs, placed, addresses = start_stages(placed, "local")
     try:
         pipe = Pipeline.attach(placed, addresses=addresses, processes=procs)
