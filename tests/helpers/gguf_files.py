@@ -7,6 +7,8 @@ import transformers
 import gguf
 from gguf import GGMLQuantizationType as Q
 
+from stagewise.model.loader import load_stage_weights, open_checkpoint
+
 HF_TO_GGUF = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -86,13 +88,7 @@ def write_gguf(path, arch="llama", tied=False, types=TYPES, intermediate=96, per
     w.add_key_length(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(50000.0)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TOKENS)
-    w.add_token_types([3, 3] + [1] * 257)
-    w.add_token_merges(["h i"])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
+    add_tokenizer(w)
     w.add_add_bos_token(True)
     w.add_chat_template("{{ messages[0]['content'] }}")
     for name, tensor in state.items():
@@ -102,17 +98,47 @@ def write_gguf(path, arch="llama", tied=False, types=TYPES, intermediate=96, per
             data = permute(data, 4, 4)
         if arch == "llama" and g.endswith("attn_k.weight"):
             data = permute(data, 4, 2)
-        kind = types.get(g, Q.F32)
-        if kind == Q.F16:
-            w.add_tensor(g, data.astype(np.float16))
-        elif kind == Q.I32:
-            w.add_tensor(g, data.astype(np.int32))
-        elif kind == Q.Q8_0:
-            w.add_tensor(g, gguf.quants.quantize(data, Q.Q8_0), raw_dtype=Q.Q8_0)
-        else:
-            w.add_tensor(g, data)
+        add_tensor(w, g, data, types.get(g, Q.F32))
+    finish(w)
+    return state
+
+
+def add_tokenizer(w: "gguf.GGUFWriter") -> None:
+    """The tests' byte-level BPE tokenizer: :data:`TOKENS`, one merge, bos 0 and eos 1."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(TOKENS)
+    w.add_token_types([3, 3] + [1] * 257)
+    w.add_token_merges(["h i"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+
+
+def add_tensor(w: "gguf.GGUFWriter", name: str, data: np.ndarray, kind: Q) -> None:
+    """``data`` (float32) stored as ``kind``: F32, F16, I32 or Q8_0 blocks."""
+    if kind == Q.F16:
+        w.add_tensor(name, data.astype(np.float16))
+    elif kind == Q.I32:
+        w.add_tensor(name, data.astype(np.int32))
+    elif kind == Q.Q8_0:
+        w.add_tensor(name, gguf.quants.quantize(data, Q.Q8_0), raw_dtype=Q.Q8_0)
+    else:
+        w.add_tensor(name, data)
+
+
+def finish(w: "gguf.GGUFWriter") -> None:
+    """Writes the header, the metadata and the tensors, and closes the file."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return state
+
+
+def gguf_as_hf(path):
+    """transformers' model of the GGUF file's config, with the file's exact (dequantised) weights."""
+    ckpt = open_checkpoint(path)
+    keys = dict(ckpt.hf_config)
+    config = transformers.AutoConfig.for_model(keys.pop("model_type"), **keys)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    hf.load_state_dict(load_stage_weights(ckpt, 0, ckpt.config.num_layers, quantized=False), strict=True)
+    return hf

@@ -195,3 +195,26 @@ def _wait(procs: list[subprocess.Popen], out: Path, deadline: float) -> None:
 
 if __name__ == "__main__":
     _rank_main(sys.argv[1])
+
+
+def hf_step_logits(hf, ps, tokens):
+    """Per step, transformers' logits in the step's row order (each request's whole sequence at once)."""
+    with torch.no_grad():
+        per_request = [hf(torch.tensor([p + t[:-1]])).logits[0, len(p) - 1:] for p, t in zip(ps, tokens)]
+    steps = []
+    for step in range(NUM_STEPS):
+        rows = [r for group in step_requests(step) for r in group]
+        steps.append(torch.stack([per_request[r][step - JOINS[r]] for r in rows]))
+    return steps
+
+
+def check_steps(case: dict, logits: dict, name: str, tol: dict) -> None:
+    """Rank 0's logits of each step (``logits["{name}/{step}"]``) are the single process's and
+    transformers' (``case["logits"]``, ``case["hf"]``) within ``tol``, and greedy picks exactly the
+    single process's tokens."""
+    for step in range(NUM_STEPS):
+        got = logits[f"{name}/{step}"]
+        torch.testing.assert_close(got, case["logits"][step], **tol, msg=lambda m: f"step {step} vs one process: {m}")
+        torch.testing.assert_close(got, case["hf"][step], **tol, msg=lambda m: f"step {step} vs transformers: {m}")
+        rows = [r for group in step_requests(step) for r in group]
+        assert got.argmax(-1).tolist() == [case["tokens"][r][step - JOINS[r]] for r in rows], step

@@ -7,7 +7,6 @@ layers with a window shorter than the sequences and a rope base of their own."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -21,8 +20,9 @@ from stagewise.model.loader import load_stage_weights, open_checkpoint  # noqa: 
 from stagewise.parallel.plan import StagePlan  # noqa: E402
 from stagewise.planner import compute, estimate, memory  # noqa: E402
 
-from helpers.gguf_files import TOKENS  # noqa: E402
-from helpers.tp_ranks import JOINS, NUM_STEPS, load_stages, prompts, run_steps, run_world, step_requests  # noqa: E402
+from helpers.gguf_files import TOKENS, add_tensor, add_tokenizer, finish, gguf_as_hf  # noqa: E402
+from helpers.tp_ranks import (NUM_STEPS, check_steps, hf_step_logits, load_stages, prompts, run_steps,  # noqa: E402
+                              run_world)
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 SIZES = dict(vocab_size=len(TOKENS), hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -76,47 +76,14 @@ def write_gemma3_gguf(path, hf) -> None:
     w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     w.add_rope_scaling_factor(cfg.rope_parameters["full_attention"]["factor"])
     w.add_sliding_window(cfg.sliding_window)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TOKENS)
-    w.add_token_types([3, 3] + [1] * 257)
-    w.add_token_merges(["h i"])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
+    add_tokenizer(w)
     for name, tensor in hf.state_dict().items():
         if name == "lm_head.weight":
             continue
         g = _gguf_name(name)
         data = (tensor + 1 if name.endswith("norm.weight") else tensor).numpy()
-        kind = GGUF_TYPES.get(g, Q.F32)
-        if kind == Q.F16:
-            w.add_tensor(g, data.astype(np.float16))
-        elif kind == Q.Q8_0:
-            w.add_tensor(g, gguf.quants.quantize(data, Q.Q8_0), raw_dtype=Q.Q8_0)
-        else:
-            w.add_tensor(g, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def _gguf_as_hf(path):
-    """transformers' model of the GGUF file's config, with the file's exact (dequantised) weights."""
-    ckpt = open_checkpoint(path)
-    keys = dict(ckpt.hf_config)
-    config = transformers.AutoConfig.for_model(keys.pop("model_type"), **keys)
-    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-    hf.load_state_dict(load_stage_weights(ckpt, 0, ckpt.config.num_layers, quantized=False), strict=True)
-    return hf
-
-
-def _hf_logits(hf, ps, tokens):
-    """Per step, transformers' logits in the step's row order (each request's whole sequence at once)."""
-    with torch.no_grad():
-        per_request = [hf(torch.tensor([p + t[:-1]])).logits[0, len(p) - 1:] for p, t in zip(ps, tokens)]
-    return [torch.stack([per_request[r][step - JOINS[r]] for group in step_requests(step) for r in group])
-            for step in range(NUM_STEPS)]
+        add_tensor(w, g, data, GGUF_TYPES.get(g, Q.F32))
+    finish(w)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +95,7 @@ def cases(tmp_path_factory):
         folder = tmp_path_factory.mktemp(f"gemma3-{name}")
         if name == "gguf":
             write_gemma3_gguf(folder / "m.gguf", _hf_model(**GGUF_MODEL))
-            checkpoint, hf = folder / "m.gguf", _gguf_as_hf(folder / "m.gguf")
+            checkpoint, hf = folder / "m.gguf", gguf_as_hf(folder / "m.gguf")
         else:
             hf = _hf_model(**SAFETENSORS)
             hf.save_pretrained(folder)
@@ -136,7 +103,7 @@ def cases(tmp_path_factory):
         case = dict(name=name, checkpoint=str(checkpoint), cuts=[1] if name == "gguf" else [])
         ps = prompts(SIZES["vocab_size"])
         logits, tokens = run_steps(load_stages(case), ps)
-        out[name] = dict(case, prompts=ps, tokens=tokens, logits=logits, hf=_hf_logits(hf, ps, tokens), model=hf)
+        out[name] = dict(case, prompts=ps, tokens=tokens, logits=logits, hf=hf_step_logits(hf, ps, tokens), model=hf)
     return out
 
 
@@ -177,12 +144,7 @@ def test_one_process_matches_transformers(cases, name):
 @pytest.mark.parametrize("name", ["safetensors", "gguf"])
 def test_tp2_matches_one_process_and_transformers(cases, tp2, name):
     case, (logits, counts) = cases[name], tp2
-    for step in range(NUM_STEPS):
-        got = logits[f"{name}/{step}"]
-        torch.testing.assert_close(got, case["logits"][step], **TOL, msg=lambda m: f"step {step} vs one process: {m}")
-        torch.testing.assert_close(got, case["hf"][step], **TOL, msg=lambda m: f"step {step} vs transformers: {m}")
-        rows = [r for group in step_requests(step) for r in group]
-        assert got.argmax(-1).tolist() == [case["tokens"][r][step - JOINS[r]] for r in rows], step
+    check_steps(case, logits, name, TOL)
     assert counts[1][name]["none"] == [True] * NUM_STEPS
 
 

@@ -20,11 +20,12 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from stagewise.model.collectives import StageGroups  # noqa: E402
 from stagewise.model.hf_config import parse_hf_config  # noqa: E402
-from stagewise.model.loader import load_stage_weights, open_checkpoint  # noqa: E402
+from stagewise.model.loader import open_checkpoint  # noqa: E402
 from stagewise.model.stage import StageModel, load_stage  # noqa: E402
 
-from helpers.gguf_files import write_gguf  # noqa: E402
-from helpers.tp_ranks import JOINS, NUM_STEPS, WorldFailed, load_stages, prompts, run_steps, run_world, step_requests  # noqa: E402,E501
+from helpers.gguf_files import gguf_as_hf, write_gguf  # noqa: E402
+from helpers.tp_ranks import (JOINS, NUM_STEPS, WorldFailed, check_steps, hf_step_logits, load_stages, prompts,  # noqa: E402
+                              run_steps, run_world)
 
 TOL = dict(rtol=1e-4, atol=1e-4)  # float32; the ranks' partial sums add in another order than one matmul
 # vocab 97 is odd: the last vocab-parallel rank holds padding rows at tp 2 and 4.
@@ -77,27 +78,6 @@ def _hf_model(name):
     return hf
 
 
-def _gguf_as_hf(path):
-    """transformers' model of the GGUF file's config, with the file's exact (dequantised) weights."""
-    ckpt = open_checkpoint(path)
-    keys = dict(ckpt.hf_config)
-    config = transformers.AutoConfig.for_model(keys.pop("model_type"), **keys)
-    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-    hf.load_state_dict(load_stage_weights(ckpt, 0, ckpt.config.num_layers, quantized=False), strict=True)
-    return hf
-
-
-def _hf_logits(hf, ps, tokens):
-    """Per step, transformers' logits in the step's row order (each request's whole sequence at once)."""
-    with torch.no_grad():
-        per_request = [hf(torch.tensor([p + t[:-1]])).logits[0, len(p) - 1:] for p, t in zip(ps, tokens)]
-    steps = []
-    for step in range(NUM_STEPS):
-        rows = [r for group in step_requests(step) for r in group]
-        steps.append(torch.stack([per_request[r][step - JOINS[r]] for r in rows]))
-    return steps
-
-
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     """name -> case: its checkpoint on disk, prompts, the single process's logits and greedy tokens,
@@ -108,7 +88,7 @@ def cases(tmp_path_factory):
         if name in GGUF:
             write_gguf(folder / "m.gguf", GGUF[name], types=GGUF_TYPES, intermediate=128,
                        perturbed=name == "gguf-qwen2")
-            checkpoint, hf = folder / "m.gguf", _gguf_as_hf(folder / "m.gguf")
+            checkpoint, hf = folder / "m.gguf", gguf_as_hf(folder / "m.gguf")
         else:
             hf = _hf_model(name)
             hf.save_pretrained(folder)
@@ -116,7 +96,7 @@ def cases(tmp_path_factory):
         case = dict(name=name, checkpoint=str(checkpoint), cuts=CUTS.get(name, []))
         ps = prompts(open_checkpoint(checkpoint).config.vocab_size)
         logits, tokens = run_steps(load_stages(case), ps)
-        out[name] = dict(case, prompts=ps, tokens=tokens, logits=logits, hf=_hf_logits(hf, ps, tokens))
+        out[name] = dict(case, prompts=ps, tokens=tokens, logits=logits, hf=hf_step_logits(hf, ps, tokens))
     return out
 
 
@@ -136,13 +116,7 @@ PARAMS = [(tp, name) for tp, names in WORLDS.items() for name in names]
 @pytest.mark.parametrize("tp,name", PARAMS)
 def test_rank0_logits_match_one_process_and_transformers(cases, worlds, tp, name):
     case, (logits, counts) = cases[name], worlds[tp]
-    for step in range(NUM_STEPS):
-        got = logits[f"{name}/{step}"]
-        torch.testing.assert_close(got, case["logits"][step], **TOL, msg=lambda m: f"step {step} vs one process: {m}")
-        torch.testing.assert_close(got, case["hf"][step], **TOL, msg=lambda m: f"step {step} vs transformers: {m}")
-        # Greedy: rank 0 samples exactly the tokens the single process does.
-        rows = [r for group in step_requests(step) for r in group]
-        assert got.argmax(-1).tolist() == [case["tokens"][r][step - JOINS[r]] for r in rows], step
+    check_steps(case, logits, name, TOL)
     assert counts[0][name]["none"] == [False] * NUM_STEPS
     for rank in range(1, tp):  # the other ranks' last stage returns None
         assert counts[rank][name]["none"] == [True] * NUM_STEPS
