@@ -49,7 +49,7 @@ class StageModel(nn.Module):
         device = next((p.device for p in self.parameters()), torch.device("cpu"))
         # Decode steps and prompt steps from position 0 run the layer loop in C++ where it can:
         # same ops, same bits (see _fresh_prompts). Where it cannot, python_loop_reason says why.
-        self.python_loop_reason = _python_loop_reason(config, device, groups, layers)
+        self.python_loop_reason = _python_loop_reason(config, device, groups, range(start_layer, end_layer))
         self.decode_stack = None
         if self.python_loop_reason is None:
             self.decode_stack = build_decode_stack(layers, config.activation)
@@ -208,7 +208,7 @@ def load_stage(checkpoint: Checkpoint | str | Path, start_layer: int, end_layer:
 
 
 def _python_loop_reason(config: ModelConfig, device: torch.device, groups: StageGroups,
-                        layers: list[nn.Module]) -> str | None:
+                        layers: range) -> str | None:
     """Why a stage's decode steps cannot run the C++ layer loop (None: they can)."""
     if device.type != "cpu":
         return f"the C++ layer loop runs on the CPU, this stage on {device}"
@@ -219,7 +219,7 @@ def _python_loop_reason(config: ModelConfig, device: torch.device, groups: Stage
     reason = architectures.of(config).decode_stack
     if reason is not None:
         return f"{config.architecture}: {reason}"
-    windowed = [layer.attn.layer for layer in layers if getattr(layer.attn, "window", None) is not None]
+    windowed = architectures.windowed_layers(config, layers)
     if windowed:
         return f"the C++ layer loop attends over every cached token, and layers {windowed} have a sliding window"
     return None

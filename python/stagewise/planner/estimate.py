@@ -201,10 +201,8 @@ def runs_python_loop(config: ModelConfig, sharding: shapes.Sharding) -> bool:
     """Whether the stages run the Python layer loop: the ranks of a TP/CP stage, the layers the C++
     loop does not take, and a model with sliding-window layers (the stage states why, in
     ``StageModel.python_loop_reason``)."""
-    entry = architectures.of(config)
-    windowed = any((entry.layer_work(config, i).window or config.max_position_embeddings)
-                   < config.max_position_embeddings for i in range(config.num_layers))
-    return sharding.tp * sharding.pcp * sharding.dcp > 1 or entry.decode_stack is not None or windowed
+    return (sharding.tp * sharding.pcp * sharding.dcp > 1 or architectures.of(config).decode_stack is not None
+            or bool(architectures.windowed_layers(config)))
 
 
 def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: compute.Precision,

@@ -66,3 +66,12 @@ def for_gguf(name: object) -> Architecture:
         raise ValueError(f"gguf: general.architecture {name!r} is not supported; expected one of "
                          f"{sorted(GGUF_ARCHITECTURES)}")
     return GGUF_ARCHITECTURES[name]
+
+
+def windowed_layers(config: ModelConfig, layers: range | None = None) -> list[int]:
+    """The layers (of ``layers``, default every one) that attend over a sliding window shorter than
+    the model's positions: what the attention layer applies, the C++ layer loop cannot run, and the
+    planner prices (from each layer's :class:`~stagewise.model.architectures.base.LayerWork`)."""
+    entry = of(config)
+    return [i for i in (range(config.num_layers) if layers is None else layers)
+            if (w := entry.layer_work(config, i).window) is not None and w < config.max_position_embeddings]
