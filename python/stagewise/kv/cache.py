@@ -1,12 +1,18 @@
-"""The paged K/V tensors of one stage's layer range ``[layer_start, layer_end)``."""
+"""The paged K/V tensors of one stage's layer range ``[layer_start, layer_end)``.
+
+The layers with the same attention window form a group (:mod:`stagewise.kv.window`): each group has
+its own tensor, block pool and block table, so a sliding-window group can hold fewer blocks than a
+full-attention one."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from stagewise import ops
+from stagewise.kv.window import pool_blocks
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -31,6 +37,8 @@ class KVCacheSpec:
     block_size: int
     """Token slots per block."""
     dtype: torch.dtype
+    windows: tuple[int | None, ...] = ()
+    """The attention window of each layer of the range (None: full attention); empty: all None."""
 
     def __post_init__(self) -> None:
         for name, low in (("layer_start", 0), ("num_kv_heads", 1), ("head_dim", 1), ("block_size", 1)):
@@ -43,15 +51,39 @@ class KVCacheSpec:
             )
         if self.dtype not in _DTYPES:
             raise ValueError(f"KVCacheSpec: dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.windows and (len(self.windows) != self.num_layers or any(
+                w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in self.windows)):
+            raise ValueError(f"KVCacheSpec: windows must be empty or one int >= 1 or None per layer "
+                             f"({self.num_layers}), got {self.windows!r}")
 
     @property
     def num_layers(self) -> int:
         return self.layer_end - self.layer_start
 
-    def bytes_per_block(self) -> int:
-        """K and V of one block in every layer: 2 * layers * block_size * Hk * D * dtype size."""
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        """The window of each layer group, in the order of the groups' first layers."""
+        return tuple(dict.fromkeys(self.windows or (None,)))
+
+    def group_of(self, layer: int) -> tuple[int, int]:
+        """``(group, index within the group)`` of global layer ``layer``."""
+        if not self.layer_start <= layer < self.layer_end:
+            raise ValueError(f"KVCacheSpec: layer {layer} is outside this stage's range "
+                             f"[{self.layer_start}, {self.layer_end})")
+        if not self.windows:
+            return 0, layer - self.layer_start
+        w = self.windows[layer - self.layer_start]
+        return self.group_windows.index(w), self.windows[: layer - self.layer_start].count(w)
+
+    def group_num_layers(self, group: int) -> int:
+        return self.num_layers if not self.windows else self.windows.count(self.group_windows[group])
+
+    def bytes_per_block(self, group: int | None = None) -> int:
+        """K and V of one block in every layer of ``group`` (None: of every layer):
+        2 * layers * block_size * Hk * D * dtype size."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        layers = self.num_layers if group is None else self.group_num_layers(group)
+        return 2 * layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def num_blocks_for_bytes(self, kv_cache_bytes: int) -> int:
         """The most blocks that fit in ``kv_cache_bytes``; ValueError if not even one."""
@@ -73,18 +105,19 @@ class KVCacheSpec:
 class KVCache:
     """K and V caches ``[num_blocks, block_size, Hk, D]`` for each layer of the range.
 
-    Storage is one tensor ``[num_layers, 2, num_blocks, block_size, Hk, D]``: a
+    Storage is one tensor per layer group ``[group layers, 2, num_blocks, block_size, Hk, D]``: a
     single allocation is exactly :meth:`KVCacheSpec.bytes_per_block` x num_blocks
     (no per-layer rounding or fragmentation), and each layer's K and V are
     contiguous views of it, as the cache ops require. Give exactly one of
-    ``num_blocks``, ``kv_cache_bytes`` or ``max_num_tokens``.
+    ``num_blocks`` (one for every group, or one per group), ``kv_cache_bytes`` or
+    ``max_num_tokens`` (every group alike).
     """
 
     def __init__(
         self,
         spec: KVCacheSpec,
         *,
-        num_blocks: int | None = None,
+        num_blocks: int | Sequence[int] | None = None,
         kv_cache_bytes: int | None = None,
         max_num_tokens: int | None = None,
         device: torch.device | str = "cpu",
@@ -97,32 +130,48 @@ class KVCache:
             num_blocks = spec.num_blocks_for_bytes(kv_cache_bytes)
         elif max_num_tokens is not None:
             num_blocks = spec.num_blocks_for_tokens(max_num_tokens)
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
-            raise ValueError(f"KVCache: num_blocks must be an int >= 1, got {num_blocks!r}")
+        groups = len(spec.group_windows)
+        sizes = [num_blocks] * groups if isinstance(num_blocks, int) else list(num_blocks)
+        if len(sizes) != groups or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
+            raise ValueError(f"KVCache: num_blocks must be an int >= 1 or one per layer group ({groups}), "
+                             f"got {num_blocks!r}")
         self.spec = spec
-        self.num_blocks = num_blocks
+        self.group_blocks = tuple(sizes)
+        """Blocks of each layer group's pool."""
         # Not zeroed: no kernel reads a slot no request has written (decode attention stops at each
         # sequence's length on the CPU and skips masked slots on the GPU; prefills attend over their
         # own K/V), so the pool costs no start-up time and its pages are touched only as they fill.
         # tests/model/test_decode_stack.py runs steps and whole generations on a NaN-filled pool.
-        self.storage = torch.empty(
-            (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
+        self.storages = [torch.empty(
+            (spec.group_num_layers(g), 2, n, spec.block_size, spec.num_kv_heads, spec.head_dim),
             dtype=spec.dtype,
             device=device,
-        )
+        ) for g, n in enumerate(sizes)]
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the first group's pool (of the only one without sliding-window layers)."""
+        return self.group_blocks[0]
+
+    @property
+    def storage(self) -> torch.Tensor:
+        """The one tensor of a cache whose layers form one group."""
+        if len(self.storages) != 1:
+            raise ValueError(f"KVCache.storage: the layers form {len(self.storages)} groups (windows "
+                             f"{list(self.spec.group_windows)}), each with its own tensor; see storages")
+        return self.storages[0]
 
     @property
     def nbytes(self) -> int:
-        return self.storage.numel() * self.storage.element_size()
+        return sum(t.numel() * t.element_size() for t in self.storages)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_cache, v_cache)`` of global layer ``i``, each ``[num_blocks, block_size, Hk, D]``."""
-        if not self.spec.layer_start <= i < self.spec.layer_end:
-            raise ValueError(
-                f"KVCache.layer: layer {i} is outside this stage's range "
-                f"[{self.spec.layer_start}, {self.spec.layer_end})"
-            )
-        kv = self.storage[i - self.spec.layer_start]
+        try:
+            group, j = self.spec.group_of(i)
+        except ValueError as err:
+            raise ValueError(f"KVCache.layer: {str(err).removeprefix('KVCacheSpec: ')}") from None
+        kv = self.storages[group][j]
         return kv[0], kv[1]
 
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -131,25 +180,62 @@ class KVCache:
         ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
+def group_blocks(spec: KVCacheSpec, full_blocks: int, *, max_num_seqs: int | None,
+                 max_model_len: int) -> list[int]:
+    """Blocks of each layer group's pool beside ``full_blocks`` blocks of full attention
+    (:func:`stagewise.kv.window.pool_blocks`)."""
+    return [pool_blocks(w, full_blocks=full_blocks, block_size=spec.block_size, max_num_seqs=max_num_seqs,
+                        max_model_len=max_model_len) for w in spec.group_windows]
+
+
+def cache_bytes(spec: KVCacheSpec, full_blocks: int, *, max_num_seqs: int | None, max_model_len: int) -> int:
+    """Bytes of the cache of ``full_blocks`` blocks of full attention, every group included."""
+    sizes = group_blocks(spec, full_blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    return sum(n * spec.bytes_per_block(g) for g, n in enumerate(sizes))
+
+
+def _blocks_in(spec: KVCacheSpec, nbytes: int, *, max_num_seqs: int, max_model_len: int) -> int:
+    """The most full-attention blocks whose cache, every group included, fits ``nbytes`` (0: none).
+    Without a full-attention group the cache stops growing once every window pool holds every row."""
+    def size(f: int) -> int:
+        return cache_bytes(spec, f, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+
+    hi = nbytes // min(spec.bytes_per_block(g) for g in range(len(spec.group_windows))) + 1
+    if None not in spec.group_windows:
+        hi = min(hi, max_num_seqs * -(-max_model_len // spec.block_size))
+    lo = 0
+    while lo < hi:  # the largest f in [0, hi] with size(f) <= nbytes (size grows with f)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if size(mid) <= nbytes else (lo, mid - 1)
+    return lo
+
+
 def num_cache_blocks(spec: KVCacheSpec, device: torch.device | str, *, max_num_seqs: int, max_model_len: int,
                      kv_cache_bytes: int | None = None, max_num_tokens: int | None = None,
                      cp_world_size: int = 1) -> int:
-    """Blocks of a stage's cache: from ``kv_cache_bytes`` or ``max_num_tokens`` when one is given
-    (not both), else every row at full length, capped by :data:`DEFAULT_KV_FRACTION` of the free
-    memory (and :data:`DEFAULT_CPU_KV_BYTES` on CPU), but room for one full row. Under context
-    parallelism a rank stores ``ceil(max_model_len / cp_world_size)`` tokens of a full row (and
+    """Blocks of a stage's full-attention pool (the other groups' follow, :func:`group_blocks`): from
+    ``kv_cache_bytes`` (every group's blocks within it) or ``max_num_tokens`` when one is given (not
+    both), else every row at full length, capped by :data:`DEFAULT_KV_FRACTION` of the free memory
+    (and :data:`DEFAULT_CPU_KV_BYTES` on CPU), but room for one full row. Under context parallelism
+    a rank stores ``ceil(max_model_len / cp_world_size)`` tokens of a full row (and
     ``1 / cp_world_size`` of ``max_num_tokens``)."""
     if kv_cache_bytes is not None and max_num_tokens is not None:
         raise ValueError("KV cache: give at most one of kv_cache_bytes and max_num_tokens, got both")
     if not isinstance(cp_world_size, int) or cp_world_size < 1:
         raise ValueError(f"KV cache: cp_world_size must be an int >= 1, got {cp_world_size!r}")
+    rows = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len)
     if kv_cache_bytes is not None:
-        return spec.num_blocks_for_bytes(kv_cache_bytes)
+        blocks = _blocks_in(spec, kv_cache_bytes, **rows)
+        if blocks < 1:
+            need = cache_bytes(spec, 1, **rows)
+            raise ValueError(f"KVCacheSpec: kv_cache_bytes={kv_cache_bytes} holds no block; one block of layers "
+                             f"[{spec.layer_start}, {spec.layer_end}) needs {need} bytes")
+        return blocks
     if max_num_tokens is not None:
         return spec.num_blocks_for_tokens(-(-max_num_tokens // cp_world_size))
     device = torch.device(device)
     row = -(-max_model_len // cp_world_size)  # tokens of one full row on this rank
-    want = max_num_seqs * row
+    want = spec.num_blocks_for_tokens(max_num_seqs * row)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         cap_bytes = int(free * DEFAULT_KV_FRACTION["cuda"])
@@ -158,5 +244,5 @@ def num_cache_blocks(spec: KVCacheSpec, device: torch.device | str, *, max_num_s
 
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         cap_bytes = min(int(free * DEFAULT_KV_FRACTION["cpu"]), DEFAULT_CPU_KV_BYTES)
-    cap = cap_bytes // (spec.bytes_per_block() // spec.block_size)
-    return spec.num_blocks_for_tokens(max(min(want, cap), min(want, row), spec.block_size))
+    cap = _blocks_in(spec, cap_bytes, **rows)
+    return max(min(want, cap), spec.num_blocks_for_tokens(row), 1)

@@ -12,6 +12,12 @@ Context parallelism (the layout is spelled out in ``include/stagewise/cache.h``)
 local block of ``block_size`` slots. Every rank keeps the same token counts and
 its own block ids; only :func:`stagewise.ops.slot_mapping` knows which positions
 a rank stores.
+
+Sliding window (``window=W``, the manager of a stage's layers with that window): a request keeps
+only the blocks its next queries can reach. A step stores only the positions a later query sees,
+:meth:`~KVCacheManager.trim` gives back the blocks wholly before the window after each step, and
+the block table holds :data:`PAD_BLOCK_ID` where a block was given back (or never taken); the
+attention ops never read those entries. The rule and its bounds are :mod:`stagewise.kv.window`'s.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class KVCacheManager:
         cp_world_size: int = 1,
         cp_rank: int = 0,
         interleave_size: int = 1,
+        window: int | None = None,
     ) -> None:
         for name, value, low in (
             ("block_size", block_size, 1),
@@ -54,6 +61,11 @@ class KVCacheManager:
                 raise ValueError(f"KVCacheManager: {name} must be an int >= {low}, got {value!r}")
         if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_world_size:
             raise ValueError(f"KVCacheManager: cp_rank must be in [0, cp_world_size={cp_world_size}), got {cp_rank!r}")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"KVCacheManager: window must be an int >= 1 or None, got {window!r}")
+        if window is not None and cp_world_size > 1:
+            raise ValueError(f"KVCacheManager: a sliding window ({window}) cannot be sharded over "
+                             f"cp_world_size={cp_world_size} context-parallel ranks")
         if block_size % interleave_size:
             raise ValueError(
                 f"KVCacheManager: interleave_size must divide block_size={block_size}, got {interleave_size}"
@@ -63,6 +75,7 @@ class KVCacheManager:
         self.cp_world_size = cp_world_size
         self.cp_rank = cp_rank
         self.interleave_size = interleave_size
+        self.window = window
         self.pool = BlockPool(num_blocks)
         self._blocks: dict[Hashable, list[int]] = {}
         self._num_tokens: dict[Hashable, int] = {}
@@ -98,8 +111,9 @@ class KVCacheManager:
 
     def can_admit(self, num_tokens: int) -> bool:
         """Whether :meth:`add` of a ``num_tokens`` prompt would succeed now."""
-        need = self.blocks_for(num_tokens)
-        return 0 <= num_tokens and need <= self.max_blocks_per_seq and need <= self.pool.num_free
+        width = self.blocks_for(num_tokens)
+        need = width - self.stored_from(0, num_tokens) // self.tokens_per_block
+        return 0 <= num_tokens and width <= self.max_blocks_per_seq and need <= self.pool.num_free
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -115,7 +129,7 @@ class KVCacheManager:
                 f"got {num_prompt_tokens!r}"
             )
         self._check_capacity("add", request_id, num_prompt_tokens)
-        self._blocks[request_id] = self.pool.allocate(self.blocks_for(num_prompt_tokens))
+        self._blocks[request_id] = self._grown([], 0, num_prompt_tokens)
         self._num_tokens[request_id] = num_prompt_tokens
 
     def append(self, request_id: Hashable, n: int = 1) -> None:
@@ -125,14 +139,48 @@ class KVCacheManager:
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"KVCacheManager.append: n for request {request_id!r} must be an int >= 0, got {n!r}")
         self._check_capacity("append", request_id, have + n)
-        blocks = self._blocks[request_id]
-        blocks.extend(self.pool.allocate(self.blocks_for(have + n) - len(blocks)))
+        self.trim(request_id)
+        self._blocks[request_id] = self._grown(self._blocks[request_id], have, have + n)
         self._num_tokens[request_id] = have + n
+
+    def _grown(self, blocks: list[int], have: int, total: int) -> list[int]:
+        """``blocks`` with the blocks of the positions ``[have, total)`` stores taken from the pool
+        (all at once, or :class:`OutOfKVBlocks` with none taken)."""
+        first = self.stored_from(have, total)
+        per = self.tokens_per_block
+        grown = blocks + [PAD_BLOCK_ID] * (self.blocks_for(total) - len(blocks))
+        stored = range(first // per, self.blocks_for(total)) if first < total else range(0)
+        missing = [j for j in stored if grown[j] == PAD_BLOCK_ID]
+        for j, block in zip(missing, self.pool.allocate(len(missing))):
+            grown[j] = block
+        return grown
+
+    def stored_from(self, have: int, total: int) -> int:
+        """The first position a step that brings ``[have, total)`` stores: ``have``, or with a window
+        the first one a later query sees (``total - window + 1``) when that is later."""
+        return have if self.window is None else max(have, total - self.window + 1)
+
+    def kept_from(self, request_id: Hashable) -> int:
+        """The first position the request still holds between steps (0 without a window)."""
+        n = self.num_tokens(request_id)
+        return 0 if self.window is None else max(0, n - self.window + 1)
+
+    def trim(self, request_id: Hashable) -> int:
+        """Give back the blocks wholly before the window of the request's next query; returns how
+        many. Nothing to give back without a window."""
+        if self.window is None:
+            return 0
+        blocks = self._blocks[request_id]
+        gone = [j for j in range(self.kept_from(request_id) // self.tokens_per_block) if blocks[j] != PAD_BLOCK_ID]
+        self.pool.free([blocks[j] for j in gone])
+        for j in gone:
+            blocks[j] = PAD_BLOCK_ID
+        return len(gone)
 
     def free(self, request_id: Hashable) -> None:
         """Release every block of a finished, cancelled or aborted request."""
         self.num_tokens(request_id)  # raises for an unknown id
-        self.pool.free(self._blocks.pop(request_id))
+        self.pool.free([b for b in self._blocks.pop(request_id) if b != PAD_BLOCK_ID])
         del self._num_tokens[request_id]
 
     def _check_capacity(self, op: str, request_id: Hashable, total: int) -> None:
@@ -162,6 +210,7 @@ class KVCacheManager:
             raise ValueError(f"KVCacheManager: unknown request {request_id!r}") from None
 
     def block_ids(self, request_id: Hashable) -> list[int]:
+        """The request's block-table entries (:data:`PAD_BLOCK_ID` where a window gave one back)."""
         self.num_tokens(request_id)
         return list(self._blocks[request_id])
 
@@ -205,6 +254,8 @@ class KVCacheManager:
         rows: dict[Hashable, int] = {}
         seq_index: list[int] = []
         positions: list[int] = []
+        stored: list[int] = []  # with a window: the tokens it stores (the others map to -1)
+        offset = 0
         for request_id, first, count in spans:
             have = self.num_tokens(request_id)
             if first < 0 or count < 0 or first + count > have:
@@ -213,8 +264,13 @@ class KVCacheManager:
                     f"{request_id!r} are outside its {have} allocated tokens (append first)"
                 )
             row = rows.setdefault(request_id, len(rows))
-            seq_index.extend([row] * count)
-            positions.extend(range(first, first + count))
+            start = first
+            if self.window is not None:
+                start = self.stored_from(first, have)
+                stored.extend(range(offset + start - first, offset + count))
+            seq_index.extend([row] * (first + count - start))
+            positions.extend(range(start, first + count))
+            offset += count
         if block_tables is None:
             block_tables = self.block_tables(list(rows), device)
         elif block_tables.size(0) != len(rows):
@@ -222,7 +278,7 @@ class KVCacheManager:
                 f"KVCacheManager.slot_mapping: block_tables has {block_tables.size(0)} rows, "
                 f"the spans name {len(rows)} requests"
             )
-        return ops.slot_mapping(
+        slots = ops.slot_mapping(
             block_tables,
             torch.tensor(seq_index, dtype=torch.int32, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device),
@@ -231,3 +287,8 @@ class KVCacheManager:
             self.cp_rank,
             self.interleave_size,
         )
+        if self.window is None:
+            return slots
+        out = torch.full((offset,), -1, dtype=torch.int64, device=device)
+        out[torch.tensor(stored, dtype=torch.int64, device=device)] = slots
+        return out
