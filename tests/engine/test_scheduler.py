@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from stagewise.engine.scheduler import GroupedScheduler, Scheduler, SeqState
-from stagewise.kv import KVCacheManager
+from stagewise.kv.budget import GroupPool, KVBudget
 
 
 def scheduler(budget: int, rows: int = 4) -> Scheduler:
-    manager = KVCacheManager(block_size=4, num_blocks=32, max_blocks_per_seq=8)
-    return Scheduler(manager, max_num_seqs=rows, max_model_len=32, max_prefill_tokens=budget)
+    blocks = KVBudget([GroupPool(window=None, num_blocks=32)], block_size=4, max_blocks_per_seq=8)
+    return Scheduler(blocks, max_num_seqs=rows, max_model_len=32, max_prefill_tokens=budget)
 
 
 def run_step(s: Scheduler) -> tuple[list[tuple[str, int, int]], list[str], list[str]]:
@@ -33,7 +33,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_decodes():
     assert run_step(s) == ([("b", 2, 5)], ["a"], ["a"])              # b first: c waits for budget
     assert run_step(s) == ([("b", 7, 5)], ["a"], ["b", "a"])         # b's last chunk samples
     assert run_step(s) == ([("c", 0, 4)], ["a", "b"], ["c", "a", "b"])
-    assert s.manager.num_tokens("b") == 12 + 1                        # blocks for the whole prompt at once
+    assert s.budget.num_tokens("b") == 12 + 1                        # blocks for the whole prompt at once
 
 
 def test_a_step_budget_lowers_the_prompt_tokens_and_the_requests_started():
@@ -77,5 +77,5 @@ def test_a_budget_below_one_token_is_refused_naming_the_option(budget):
     with pytest.raises(ValueError, match=f"max_prefill_tokens must be an int >= 1, got {budget!r}"):
         scheduler(budget=budget)
     with pytest.raises(ValueError, match="max_prefill_tokens"):
-        GroupedScheduler(scheduler(1).manager, num_groups=2, max_num_seqs=2, max_model_len=32,
+        GroupedScheduler(scheduler(1).budget, num_groups=2, max_num_seqs=2, max_model_len=32,
                          max_prefill_tokens=budget)

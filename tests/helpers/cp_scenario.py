@@ -127,6 +127,6 @@ def run(case: dict, layers: list[Attention], groups: StageGroups = StageGroups()
         usage.append([manager.num_used_blocks, manager.num_stored_tokens(), live])
     kv = {}
     for rid in manager.request_ids():
-        kv[f"{rid}/k"], kv[f"{rid}/v"] = read_kv(manager, cache, rid, manager.num_local_tokens(rid))
+        kv[f"{rid}/k"], kv[f"{rid}/v"] = read_kv([manager], cache, rid, manager.num_local_tokens(rid))
     return outputs, usage, kv
 

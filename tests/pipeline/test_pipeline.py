@@ -1,6 +1,6 @@
 """The pipeline with stages as OS processes over TCP, against the single-process engine: greedy
-and seeded-sampling tokens identical for tiny random Qwen3, Falcon and Qwen3-MoE models at
-S = 2 and 3 and every partition policy, and for the real SmolLM2 at S = 2, 3 and 5; many
+and seeded-sampling tokens identical for tiny random Qwen3, Falcon, Qwen3-MoE and Gemma 3 models
+at S = 2 and 3 and every partition policy, and for the real SmolLM2 at S = 2, 3 and 5; many
 concurrent requests with cancellations; per-stage stats and the Chrome trace."""
 
 from __future__ import annotations
@@ -29,6 +29,12 @@ MODELS = {
     "qwen3-moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         **SMALL, num_key_value_heads=2, head_dim=16, intermediate_size=96, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
+    # Sliding layers around a full one, a window shorter than the sequences: every stage gives
+    # back the blocks that leave the window (stage 0 and 2 hold sliding layers only).
+    "gemma3": lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **SMALL, num_key_value_heads=2, head_dim=16, intermediate_size=96, sliding_window=3,
+        query_pre_attn_scalar=16, layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                               "sliding_attention", "sliding_attention"])),
 }
 NEW = 6
 
@@ -73,7 +79,8 @@ def tiny(tiny_models):
 # Each architecture at S = 2 and 3; the policies and transports (tcp, shm, torch/gloo; auto = shm here)
 # spread over them.
 CASES = [("qwen3", 2, "even", "tcp"), ("qwen3", 3, "0-1,1-4,4-5", "auto"), ("falcon-40b", 2, "ceil", "shm"),
-         ("falcon-40b", 3, "balanced", "tcp"), ("qwen3-moe", 2, "balanced", "torch"), ("qwen3-moe", 3, "even", "shm")]
+         ("falcon-40b", 3, "balanced", "tcp"), ("qwen3-moe", 2, "balanced", "torch"), ("qwen3-moe", 3, "even", "shm"),
+         ("gemma3", 3, "0-1,1-4,4-5", "auto")]
 
 
 @pytest.mark.parametrize(("arch", "stages", "partition", "transport"), CASES)

@@ -27,8 +27,10 @@ from stagewise.engine.pacing import TpotPacer
 from stagewise.engine.requests import RequestOutput, Requests
 from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.engine.scheduler import GroupedScheduler, ScheduledStep, SchedulerStatus
-from stagewise.kv import KVCacheManager
+from stagewise.kv.budget import GroupPool, KVBudget
 from stagewise.kv.cache import num_cache_blocks
+from stagewise.kv.window import pool_blocks
+from stagewise.model import architectures
 from stagewise.model.batch import StepBatch
 from stagewise.model.stage import StageModel
 
@@ -62,13 +64,17 @@ class Engine:
         cfg = executor.model.config
         self.executor, self.config = executor, cfg
         self.max_model_len = executor.max_model_len
-        # The scheduler's own block accounting: it admits what every stage's cache can hold.
-        # Every rank allocates the same block ids (context parallel ranks: one per virtual block).
+        # The scheduler counts the blocks of every layer group of the model (not only of stage 0's
+        # layers), with the pool sizes every stage derives from the same full-attention count.
         theirs = executor.manager
-        manager = KVCacheManager(block_size=executor.block_size, num_blocks=executor.num_blocks,
-                                 max_blocks_per_seq=theirs.max_blocks_per_seq, cp_world_size=theirs.cp_world_size,
-                                 interleave_size=theirs.interleave_size)
-        self.scheduler = GroupedScheduler(manager, num_groups=num_groups, max_num_seqs=max_num_seqs,
+        windows = sorted(set(architectures.layer_windows(cfg)), key=lambda w: (w is not None, w or 0))
+        pools = [GroupPool(window=w, num_blocks=pool_blocks(w, full_blocks=executor.num_blocks,
+                                                            block_size=executor.block_size,
+                                                            max_num_seqs=executor.max_num_seqs,
+                                                            max_model_len=self.max_model_len)) for w in windows]
+        budget = KVBudget(pools, block_size=executor.block_size, max_blocks_per_seq=theirs.max_blocks_per_seq,
+                          cp_world_size=theirs.cp_world_size)
+        self.scheduler = GroupedScheduler(budget, num_groups=num_groups, max_num_seqs=max_num_seqs,
                                           max_model_len=self.max_model_len, max_prefill_tokens=max_prefill_tokens)
         self.requests = Requests(vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids,
                                  max_model_len=self.max_model_len)
@@ -96,7 +102,7 @@ class Engine:
         blocks = num_cache_blocks(spec, device, max_num_seqs=max_num_seqs, max_model_len=length,
                                   kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens)
         executor = Executor(model, num_blocks=blocks, block_size=block_size, max_model_len=max_model_len,
-                            device=device)
+                            device=device, max_num_seqs=max_num_seqs)
         return cls(executor, max_num_seqs=max_num_seqs, num_groups=num_groups, max_prefill_tokens=max_prefill_tokens,
                    tpot_target_s=tpot_target_s)
 

@@ -4,8 +4,11 @@ stage) hands it a :class:`~stagewise.model.batch.StepBatch`.
 
 KV lifecycle: the executor allocates a request's blocks when a step first brings it (the first
 chunk of its prompt), slots for each later chunk and each decode row, and frees them when told the
-request ended; no stage asks another for KV. Every stage of a pipeline runs the same block size
-and block count, so allocations that stage 0's scheduler admitted cannot fail on a later stage.
+request ended; no stage asks another for KV. The stage's layers with one attention window share a
+pool (:mod:`stagewise.kv.window`): a sliding-window group gives back the blocks that fall out of
+its window after every step. Every stage of a pipeline runs the same block size and pool sizes
+(each group's derived from one count of full-attention blocks, ``num_blocks``), so allocations
+that stage 0's scheduler admitted cannot fail on a later stage.
 
 A request's KV on this rank can also leave and join as a
 :class:`~stagewise.engine.handoff.KVHandoff` (its K/V in position order and, on the last stage, its
@@ -25,6 +28,7 @@ from stagewise.engine.handoff import KVHandoff, KVShard, read_kv, split_handoff,
 from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.engine.sampling import History, Sampler, make_generator, token_logprobs
 from stagewise.kv import KVCache, KVCacheManager
+from stagewise.kv.cache import group_blocks
 from stagewise.model.batch import KVMetadata, StepBatch, split_for_pcp
 from stagewise.model.loader.sharding import kv_heads_of_rank
 from stagewise.model.stage import StageModel
@@ -72,7 +76,9 @@ class Executor:
     On the last stage the leader alone receives the logits and samples."""
 
     def __init__(self, model: StageModel, *, num_blocks: int, block_size: int, max_model_len: int | None = None,
-                 device: torch.device | str = "cpu", interleave_size: int = 1) -> None:
+                 device: torch.device | str = "cpu", interleave_size: int = 1, max_num_seqs: int | None = None) -> None:
+        """``num_blocks``: the full-attention pool's blocks; a sliding-window group's pool holds
+        ``max_num_seqs`` rows' worth at most (None: as many blocks as the full pool)."""
         cfg = model.config
         max_model_len = cfg.max_position_embeddings if max_model_len is None else max_model_len
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
@@ -84,14 +90,18 @@ class Executor:
         self.model, self.device = model, torch.device(device)
         self.max_model_len, self.block_size = max_model_len, block_size
         spec = model.kv_cache_spec(block_size, model_dtype(model))
-        self.kv_cache = KVCache(spec, num_blocks=num_blocks, device=self.device)
+        self.max_num_seqs, self.num_blocks = max_num_seqs, num_blocks
+        sizes = group_blocks(spec, num_blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+        self.kv_cache = KVCache(spec, num_blocks=sizes, device=self.device)
         groups = model.groups
         # With context parallelism a block-table entry covers block_size * cp positions (a virtual
         # block), of which this rank stores its share: every rank allocates the same block ids.
-        self.manager = KVCacheManager(block_size=block_size, num_blocks=num_blocks,
-                                      max_blocks_per_seq=-(-max_model_len // (block_size * groups.cp_size)),
-                                      cp_world_size=groups.cp_size, cp_rank=groups.cp_rank,
-                                      interleave_size=interleave_size)
+        self.managers = [KVCacheManager(block_size=block_size, num_blocks=n,
+                                        max_blocks_per_seq=-(-max_model_len // (block_size * groups.cp_size)),
+                                        cp_world_size=groups.cp_size, cp_rank=groups.cp_rank,
+                                        interleave_size=interleave_size, window=w)
+                         for w, n in zip(spec.group_windows, sizes)]
+        """One per layer group of the cache, in its order."""
         self.leads = groups.tp.rank == 0 and groups.pcp.rank == 0
         """Whether this rank drives the stage (and, on the last stage, samples)."""
         self.mirror: Mirror | None = None
@@ -107,8 +117,9 @@ class Executor:
         return self.model.is_last
 
     @property
-    def num_blocks(self) -> int:
-        return self.kv_cache.num_blocks
+    def manager(self) -> KVCacheManager:
+        """The first layer group's manager: every group holds the same requests and token counts."""
+        return self.managers[0]
 
     def __contains__(self, request_id: Hashable) -> bool:
         """Whether this rank holds KV of ``request_id``."""
@@ -132,15 +143,17 @@ class Executor:
                 if i < batch.num_prefills and ctx == 0:
                     if rid in self.manager:
                         raise ValueError(f"request {rid!r} starts a prefill but already has KV here")
-                    self.manager.add(rid, n)
                     added.append(rid)
+                    for m in self.managers:
+                        m.add(rid, n)
                 else:
                     have = self.manager.num_tokens(rid) if rid in self.manager else None
                     if have != ctx:
                         what = "continues its prefill" if i < batch.num_prefills else "decodes"
                         raise ValueError(f"request {rid!r} {what} at position {ctx} but this stage holds "
                                          f"{have} of its tokens")
-                    self.manager.append(rid, n)
+                    for m in self.managers:
+                        m.append(rid, n)
             if self.is_last and self.leads:
                 for rid in added:
                     new = (sampling or {}).get(rid)
@@ -151,15 +164,19 @@ class Executor:
                                                     history=History(new.prompt_ids) if params.penalised else None)
             pcp = self.model.groups.pcp
             split = split_for_pcp(batch, pcp.rank, pcp.size) if pcp.size > 1 else None
-            meta = KVMetadata.build(batch, self.manager, self.device, pcp=split)
+            metas = [KVMetadata.build(batch, m, self.device, pcp=split) for m in self.managers]
             if self.mirror is not None:
                 self.mirror.run(batch)
             try:
-                out = self.model(batch, self.kv_cache, meta)
+                out = self.model(batch, self.kv_cache, metas)
             except Exception as err:
                 if self.model.groups.size > 1:
                     raise RanksOutOfStep(f"{type(err).__name__}: {err}") from err
                 raise
+            for m in self.managers:
+                if m.window is not None:
+                    for rid in batch.request_ids:
+                        m.trim(rid)
             if not self.is_last or not self.leads:
                 return out
             return self._sample(out, [self._sampling[rid] for rid in batch.sampled_ids()])
@@ -187,8 +204,9 @@ class Executor:
         if self.mirror is not None and request_ids:
             self.mirror.free(request_ids)
         for rid in request_ids:
-            if rid in self.manager:
-                self.manager.free(rid)
+            for m in self.managers:
+                if rid in m:
+                    m.free(rid)
             self._sampling.pop(rid, None)
 
     # ---- KV handoff -------------------------------------------------------------------
@@ -210,7 +228,7 @@ class Executor:
         if request_id not in self.manager:
             raise ValueError(f"export_request: this stage holds no KV for request {request_id!r}")
         spec = self.kv_cache.spec
-        k, v = read_kv(self.manager, self.kv_cache, request_id, self.manager.num_local_tokens(request_id))
+        k, v = read_kv(self.managers, self.kv_cache, request_id, self.manager.num_local_tokens(request_id))
         entry = self._sampling.get(request_id)
         history = None
         if entry is not None and entry.history is not None:
@@ -246,9 +264,10 @@ class Executor:
             raise ValueError(f"import_request: request {rid} reaches the last stage without sampling parameters")
         if rid in self.manager:
             raise ValueError(f"import_request: request {rid} already has KV on this stage")
-        self.manager.add(rid, handoff.num_tokens)
         try:
-            write_kv(self.manager, self.kv_cache, rid, handoff.k, handoff.v)
+            for m in self.managers:
+                m.add(rid, handoff.num_tokens)
+            write_kv(self.managers, self.kv_cache, rid, handoff.k, handoff.v)
             if samples:
                 params = handoff.sampling
                 generator = make_generator(params, self.device)
@@ -259,7 +278,9 @@ class Executor:
                     history = History(*(handoff.history or ([], [])))
                 self._sampling[rid] = _Sampling(params=params, generator=generator, history=history)
         except Exception:
-            self.manager.free(rid)
+            for m in self.managers:
+                if rid in m:
+                    m.free(rid)
             raise
 
 

@@ -65,7 +65,8 @@ class KVHandoff:
     num_tokens: int
     """The request's tokens in the cache (of which a share holds those of its positions)."""
     k: torch.Tensor
-    """``[num_layers, tokens held, Hk held, D]`` in the cache dtype, in position order."""
+    """``[num_layers, tokens held, Hk held, D]`` in the cache dtype, in position order (a
+    sliding-window layer: zeros before the positions its window still reaches)."""
     v: torch.Tensor
     shard: KVShard | None = None
     """Which share of the KV this is; None: the whole of it (every KV head, every position)."""
@@ -90,24 +91,49 @@ class KVHandoff:
                              f"{tuple(self.v.shape)} differ")
 
 
-def read_kv(manager: KVCacheManager, cache: KVCache, request_id, num_held: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``num_held`` local slots of a request's blocks: ``k, v [layers, num_held, Hk, D]``."""
-    storage = cache.storage
-    blocks = torch.tensor(manager.block_ids(request_id), dtype=torch.int64, device=storage.device)
-    # storage [L, 2, num_blocks, block, Hk, D] -> the request's blocks -> [L, 2, slots, Hk, D]
-    kv = storage.index_select(2, blocks).flatten(2, 3)[:, :, :num_held]
-    return kv[:, 0].contiguous().cpu(), kv[:, 1].contiguous().cpu()
+def _group_layers(cache: KVCache, group: int) -> list[int]:
+    """The stage-local indices of the layers of ``group``, in order."""
+    spec = cache.spec
+    return [i for i in range(spec.num_layers) if spec.group_of(spec.layer_start + i)[0] == group]
 
 
-def write_kv(manager: KVCacheManager, cache: KVCache, request_id, k: torch.Tensor, v: torch.Tensor) -> None:
-    """The inverse of :func:`read_kv`: ``k, v`` into the first local slots of the request's blocks."""
-    spec, storage = cache.spec, cache.storage
-    blocks = torch.tensor(manager.block_ids(request_id), dtype=torch.int64, device=storage.device)
-    padded = torch.zeros((spec.num_layers, len(blocks) * spec.block_size, spec.num_kv_heads, spec.head_dim),
-                         dtype=spec.dtype, device=storage.device)
-    for j, t in enumerate((k, v)):
-        padded[:, :t.size(1)] = t.to(storage.device)
-        storage[:, j].index_copy_(1, blocks, padded.unflatten(1, (len(blocks), spec.block_size)))
+def read_kv(managers: Sequence[KVCacheManager], cache: KVCache, request_id,
+            num_held: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``num_held`` local slots of a request in every layer: ``k, v [layers, num_held, Hk, D]``
+    (one manager per layer group of ``cache``). A sliding-window layer holds the positions its window
+    still reaches; the earlier ones, which it gave back and no query reads, are zeros."""
+    spec = cache.spec
+    k, v = (torch.zeros((spec.num_layers, num_held, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
+            for _ in range(2))
+    for group, (manager, storage) in enumerate(zip(managers, cache.storages)):
+        kept = manager.kept_from(request_id)
+        base = kept // spec.block_size * spec.block_size
+        blocks = torch.tensor(manager.block_ids(request_id)[kept // spec.block_size:], dtype=torch.int64,
+                              device=storage.device)
+        # storage [Lg, 2, num_blocks, block, Hk, D] -> the request's blocks -> [Lg, 2, slots, Hk, D]
+        kv = storage.index_select(2, blocks).flatten(2, 3)[:, :, kept - base:num_held - base].cpu()
+        layers = _group_layers(cache, group)
+        k[layers, kept:num_held], v[layers, kept:num_held] = kv[:, 0], kv[:, 1]
+    return k, v
+
+
+def write_kv(managers: Sequence[KVCacheManager], cache: KVCache, request_id, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """The inverse of :func:`read_kv`: ``k, v`` into the request's blocks (a sliding-window layer
+    takes the positions its window reaches)."""
+    spec = cache.spec
+    held = k.size(1)
+    for group, (manager, storage) in enumerate(zip(managers, cache.storages)):
+        kept = manager.kept_from(request_id)
+        base = kept // spec.block_size * spec.block_size
+        blocks = torch.tensor(manager.block_ids(request_id)[kept // spec.block_size:], dtype=torch.int64,
+                              device=storage.device)
+        layers = _group_layers(cache, group)
+        padded = torch.zeros((len(layers), len(blocks) * spec.block_size, spec.num_kv_heads, spec.head_dim),
+                             dtype=spec.dtype, device=storage.device)
+        for j, t in enumerate((k, v)):
+            padded[:, kept - base:held - base] = t[layers, kept:held].to(storage.device)
+            storage[:, j].index_copy_(1, blocks, padded.unflatten(1, (len(blocks), spec.block_size)))
 
 
 def split_handoff(whole: KVHandoff, shard: KVShard) -> KVHandoff:

@@ -9,8 +9,9 @@ rows keep decoding in the same steps; only the chunk that ends a prompt samples 
 token. Every step is one :class:`~stagewise.model.batch.StepBatch`: the prefill
 chunks first, then the decodes of the running rows.
 
-KV lifecycle: blocks for the whole prompt when a request joins, one slot
-per fed token (a block whenever a boundary is crossed), all freed at once when the
+KV lifecycle, as counted by a :class:`~stagewise.kv.budget.KVBudget` for every layer group of the
+model: blocks for the whole prompt when a request joins (a sliding-window group: at most its cap),
+one slot per fed token (a block whenever a boundary is crossed), all freed at once when the
 request finishes, is cancelled or fails. Running requests take their decode slot
 before new requests are admitted, so a request in flight is never starved by a
 newcomer; when the pool is still short, that one request fails with finish_reason
@@ -23,7 +24,8 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from stagewise.kv import KVCacheManager, OutOfKVBlocks
+from stagewise.kv import OutOfKVBlocks
+from stagewise.kv.budget import KVBudget
 
 
 @dataclass(kw_only=True, slots=True)
@@ -104,9 +106,9 @@ class SchedulerStatus:
 
 
 class Scheduler:
-    """FIFO admission into a fixed number of rows, KV blocks from one :class:`KVCacheManager`."""
+    """FIFO admission into a fixed number of rows, KV blocks counted by one :class:`KVBudget`."""
 
-    def __init__(self, manager: KVCacheManager, *, max_num_seqs: int, max_model_len: int,
+    def __init__(self, budget: KVBudget, *, max_num_seqs: int, max_model_len: int,
                  max_prefill_tokens: int = 8192, pool_busy_elsewhere: Callable[[], bool] | None = None) -> None:
         """``pool_busy_elsewhere`` tells whether others hold blocks of the same pool (microbatch
         groups of a pipeline): a prompt that does not fit then waits instead of failing."""
@@ -114,10 +116,10 @@ class Scheduler:
                             ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Scheduler: {name} must be an int >= 1, got {value!r}")
-        if manager.max_model_len < max_model_len:
-            raise ValueError(f"Scheduler: the KV manager holds at most {manager.max_model_len} tokens per request, "
+        if budget.max_model_len < max_model_len:
+            raise ValueError(f"Scheduler: the KV budget holds at most {budget.max_model_len} tokens per request, "
                              f"less than max_model_len={max_model_len}")
-        self.manager = manager
+        self.budget = budget
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_prefill_tokens = max_prefill_tokens
@@ -137,10 +139,9 @@ class Scheduler:
         if n >= self.max_model_len:
             raise ValueError(f"prompt of request {seq.request_id!r} has {n} tokens: too long for max_model_len="
                              f"{self.max_model_len} (prompt + generated tokens), which leaves no room to generate")
-        need, total = self.manager.blocks_for(n), self.manager.pool.num_blocks
-        if need > total:
-            raise ValueError(f"prompt of request {seq.request_id!r} has {n} tokens and needs {need} KV blocks, "
-                             f"more than the {total} blocks of the whole KV cache")
+        never = self.budget.fits_at_all(n)
+        if never is not None:
+            raise ValueError(f"prompt of request {seq.request_id!r} has {n} tokens and {never}")
         self.waiting.append(seq)
 
     def finish(self, request_id: Hashable) -> SeqState | None:
@@ -153,8 +154,8 @@ class Scheduler:
         seq = self.running.pop(request_id, None)
         if seq is None:
             return None
-        if request_id in self.manager:
-            self.manager.free(request_id)
+        if request_id in self.budget:
+            self.budget.free(request_id)
         self._free_rows.append(seq.row)
         seq.row = None
         return seq
@@ -164,7 +165,7 @@ class Scheduler:
 
     def status(self) -> SchedulerStatus:
         return SchedulerStatus(waiting=len(self.waiting), running=len(self.running), max_num_seqs=self.max_num_seqs,
-                               free_blocks=self.manager.num_free_blocks, total_blocks=self.manager.pool.num_blocks)
+                               free_blocks=self.budget.num_free_blocks, total_blocks=self.budget.num_blocks)
 
     # ---- one step ------------------------------------------------------------
 
@@ -178,7 +179,7 @@ class Scheduler:
             if not seq.output_ids:
                 continue  # cannot happen after a completed step; guards a step that raised
             try:
-                self.manager.append(seq.request_id, 1)
+                self.budget.append(seq.request_id, 1)
             except OutOfKVBlocks as err:
                 step.failed.append((seq, f"out of KV cache blocks: request {seq.request_id!r} at "
                                          f"{seq.num_cached} tokens needs another block ({err})"))
@@ -194,7 +195,7 @@ class Scheduler:
             seq = self.waiting[0]
             n = len(seq.prompt_ids)
             try:
-                self.manager.add(seq.request_id, n)
+                self.budget.add(seq.request_id, n)
             except OutOfKVBlocks as err:
                 if self.running or step.prefills or self._busy_elsewhere():
                     break  # blocks come back when running requests end: wait in the queue
@@ -225,7 +226,7 @@ class GroupedScheduler:
     there; each group is scheduled on its own, so up to ``num_groups`` steps can be in flight.
     The ``max_num_seqs`` rows are dealt out to the groups as evenly as possible."""
 
-    def __init__(self, manager: KVCacheManager, *, num_groups: int, max_num_seqs: int, max_model_len: int,
+    def __init__(self, budget: KVBudget, *, num_groups: int, max_num_seqs: int, max_model_len: int,
                  max_prefill_tokens: int = 8192) -> None:
         if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
             raise ValueError(f"GroupedScheduler: num_groups must be an int >= 1, got {num_groups!r}")
@@ -233,11 +234,11 @@ class GroupedScheduler:
             raise ValueError(f"GroupedScheduler: max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
         num_groups = min(num_groups, max_num_seqs)
         base, extra = divmod(max_num_seqs, num_groups)
-        self.manager = manager
+        self.budget = budget
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.groups: list[Scheduler] = []
         for g in range(num_groups):
-            self.groups.append(Scheduler(manager, max_num_seqs=base + (g < extra), max_model_len=max_model_len,
+            self.groups.append(Scheduler(budget, max_num_seqs=base + (g < extra), max_model_len=max_model_len,
                                          max_prefill_tokens=max_prefill_tokens,
                                          pool_busy_elsewhere=lambda g=g: self._busy_besides(g)))
         self._owner: dict[Hashable, int] = {}
@@ -276,4 +277,4 @@ class GroupedScheduler:
     def status(self) -> SchedulerStatus:
         return SchedulerStatus(waiting=sum(len(s.waiting) for s in self.groups),
                                running=sum(len(s.running) for s in self.groups), max_num_seqs=self.max_num_seqs,
-                               free_blocks=self.manager.num_free_blocks, total_blocks=self.manager.pool.num_blocks)
+                               free_blocks=self.budget.num_free_blocks, total_blocks=self.budget.num_blocks)

@@ -9,7 +9,7 @@ attention and one after the MLP (see docs/model.md, "Tensor parallelism")."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -119,12 +119,12 @@ class StageModel(nn.Module):
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """The shape of the KV cache this stage's layers write (this TP rank's KV heads)."""
-        return KVCacheSpec(layer_start=self.start_layer, layer_end=self.end_layer,
-                           num_kv_heads=kv_heads_per_rank(self.config, self.groups.tp.size),
-                           head_dim=self.config.head_dim, block_size=block_size, dtype=dtype)
+        return cache_spec(self.config, self.start_layer, self.end_layer, tp_size=self.groups.tp.size,
+                          block_size=block_size, dtype=dtype)
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, kv_cache: KVCache, meta: KVMetadata) -> torch.Tensor | None:
+    def forward(self, batch: StepBatch, kv_cache: KVCache,
+                meta: KVMetadata | Sequence[KVMetadata]) -> torch.Tensor | None:
         """Hidden states ``[T, hidden]`` for the next stage, or on the last stage logits:
         ``[R, vocab]`` at each request's last token, ``[T, vocab]`` with ``batch.all_logits``.
 
@@ -132,10 +132,19 @@ class StageModel(nn.Module):
         logits are gathered to TP rank 0 only (where sampling runs): the last stage's other TP
         ranks return None. A prefill-context-parallel rank (``meta.pcp``, its share of ``batch``)
         runs its rows through the layers, and the stage's output rows are gathered back into
-        ``batch``'s order on every rank of the PCP group."""
-        if kv_cache.spec.layer_start != self.start_layer or kv_cache.spec.layer_end != self.end_layer:
-            raise ValueError(f"StageModel.forward: kv_cache holds layers [{kv_cache.spec.layer_start}, "
-                             f"{kv_cache.spec.layer_end}), expected [{self.start_layer}, {self.end_layer})")
+        ``batch``'s order on every rank of the PCP group.
+
+        ``meta``: one per layer group of ``kv_cache`` (:mod:`stagewise.kv.window`), or one for every
+        group, when the blocks of a manager without a window index each group's pool alike."""
+        spec = kv_cache.spec
+        if spec.layer_start != self.start_layer or spec.layer_end != self.end_layer:
+            raise ValueError(f"StageModel.forward: kv_cache holds layers [{spec.layer_start}, "
+                             f"{spec.layer_end}), expected [{self.start_layer}, {self.end_layer})")
+        metas = [meta] if isinstance(meta, KVMetadata) else list(meta)
+        if len(metas) not in (1, len(spec.group_windows)):
+            raise ValueError(f"StageModel.forward: {len(metas)} KV metadata for a cache of "
+                             f"{len(spec.group_windows)} layer groups; give one per group, or one for all")
+        meta = metas[0]
         full, split = batch, meta.pcp
         if split is not None:
             batch = split.batch
@@ -166,7 +175,8 @@ class StageModel(nn.Module):
         else:
             levels = 0 if batch.deepstack is None else batch.deepstack.size(0)
             for i, layer in enumerate(self.layers):
-                x, residual = layer(x, residual, batch, meta, kv_cache.layer(self.start_layer + i))
+                layer_meta = metas[spec.group_of(self.start_layer + i)[0]] if len(metas) > 1 else meta
+                x, residual = layer(x, residual, batch, layer_meta, kv_cache.layer(self.start_layer + i))
                 if i < levels:  # DeepStack: this level's features join the image tokens' hidden states
                     x = x if residual is None else x + residual
                     x.index_add_(0, batch.visual_rows, batch.deepstack[i].to(x.dtype))
@@ -183,6 +193,16 @@ class StageModel(nn.Module):
             x, residual = x[rows], None if residual is None else residual[rows]
         x, _ = self.final_norm(x, residual)
         return self.lm_head(x)
+
+
+def cache_spec(config: ModelConfig, start_layer: int, end_layer: int, *, tp_size: int, block_size: int,
+               dtype: torch.dtype) -> KVCacheSpec:
+    """The KV cache of layers ``[start_layer, end_layer)`` on one of ``tp_size`` tensor-parallel ranks,
+    its sliding-window layers in groups of their own."""
+    windows = architectures.layer_windows(config, range(start_layer, end_layer))
+    return KVCacheSpec(layer_start=start_layer, layer_end=end_layer, num_kv_heads=kv_heads_per_rank(config, tp_size),
+                       head_dim=config.head_dim, block_size=block_size, dtype=dtype,
+                       windows=tuple(windows) if any(w is not None for w in windows) else ())
 
 
 def load_stage(checkpoint: Checkpoint | str | Path, start_layer: int, end_layer: int, *,

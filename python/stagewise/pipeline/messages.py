@@ -192,9 +192,10 @@ class Stats:
     """The leader's time handing steps to the stage's other ranks, inside ``busy_s``."""
     fanout_bytes: int = 0
     kv_blocks: int = 0
-    """KV blocks each rank of the stage allocated."""
+    """Full-attention KV blocks each rank of the stage allocated (its sliding-window pools beside)."""
     kv_block_bytes: int = 0
-    """Bytes of one of those blocks on one rank."""
+    """Bytes of the rank's whole cache per one of those blocks: ``kv_blocks x kv_block_bytes`` is
+    its cache's size, sliding-window pools included."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -169,7 +169,8 @@ class StageProcess:
         setup names, then steps until the driver, a neighbour or an error ends it."""
         executor = self.executor = Executor(model, num_blocks=setup.num_blocks, block_size=self.plan.block_size,
                                             max_model_len=max_model_len, device=device,
-                                            interleave_size=self.plan.interleave_size)
+                                            interleave_size=self.plan.interleave_size,
+                                            max_num_seqs=self.plan.max_num_seqs)
         self.stats.reset()  # and the collectives' counters (its world's outlive a rejoin): from here
         self._comm_base = stage_setup.comm_counters(executor)
         if self.rank > 0:
@@ -249,7 +250,7 @@ class StageProcess:
         report.ranks = self.ranks.size
         if self.executor is not None:
             report.kv_blocks = self.executor.num_blocks
-            report.kv_block_bytes = self.executor.kv_cache.spec.bytes_per_block()
+            report.kv_block_bytes = self.executor.kv_cache.nbytes // self.executor.num_blocks
         return report
 
     def tell_driver(self, msg: messages.Message) -> None:

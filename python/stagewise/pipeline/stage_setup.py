@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from stagewise.kv.cache import KVCacheSpec, num_cache_blocks
-from stagewise.model.rows import kv_heads_per_rank
+from stagewise.kv.cache import num_cache_blocks
+from stagewise.model.stage import cache_spec
 from stagewise.parallel.runplan import RunPlan
 from stagewise.pipeline.messages import Setup
 from stagewise.transport import registry
@@ -52,13 +52,12 @@ def checked(setup, hop: str) -> Setup:
 
 def kv_capacity(plan: RunPlan, index: int, cfg, dtype: torch.dtype, device: torch.device,
                 max_model_len: int) -> int:
-    """How many KV blocks stage ``index``'s rank can hold on ``device`` (a context-parallel rank
-    stores 1/cp of each request's tokens)."""
+    """How many full-attention KV blocks stage ``index``'s rank can hold on ``device``, its
+    sliding-window pools beside them (a context-parallel rank stores 1/cp of each request's tokens)."""
     spec = plan.stages[index]
     ranks = plan.stage_ranks()[index]
-    cache = KVCacheSpec(layer_start=spec.start_layer, layer_end=spec.end_layer,
-                        num_kv_heads=kv_heads_per_rank(cfg, spec.tp), head_dim=cfg.head_dim,
-                        block_size=plan.block_size, dtype=dtype)
+    cache = cache_spec(cfg, spec.start_layer, spec.end_layer, tp_size=spec.tp, block_size=plan.block_size,
+                       dtype=dtype)
     return num_cache_blocks(cache, device, max_num_seqs=plan.max_num_seqs, max_model_len=max_model_len,
                             kv_cache_bytes=plan.kv_cache_bytes, max_num_tokens=plan.max_num_tokens,
                             cp_world_size=ranks.pcp * ranks.dcp)

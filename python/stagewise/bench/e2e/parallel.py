@@ -156,8 +156,7 @@ def run(args, log=print) -> int:
 
 
 def _kv_bytes(pipe) -> float:
-    executor = pipe._backend.engine.executor
-    return executor.num_blocks * executor.kv_cache.spec.bytes_per_block()
+    return pipe._backend.engine.executor.kv_cache.nbytes
 
 
 def format_table(rows: list[dict]) -> str:

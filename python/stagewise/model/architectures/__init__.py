@@ -68,10 +68,21 @@ def for_gguf(name: object) -> Architecture:
     return GGUF_ARCHITECTURES[name]
 
 
-def windowed_layers(config: ModelConfig, layers: range | None = None) -> list[int]:
-    """The layers (of ``layers``, default every one) that attend over a sliding window shorter than
-    the model's positions: what the attention layer applies, the C++ layer loop cannot run, and the
-    planner prices (from each layer's :class:`~stagewise.model.architectures.base.LayerWork`)."""
+def layer_windows(config: ModelConfig, layers: range | None = None) -> list[int | None]:
+    """The attention window of each layer (of ``layers``, default every one): the keys its queries
+    see at most, or None for full attention (also a window that reaches every position). What the
+    attention layer applies, the KV cache trims to, the C++ layer loop cannot run and the planner
+    prices (from each layer's :class:`~stagewise.model.architectures.base.LayerWork`)."""
     entry = of(config)
-    return [i for i in (range(config.num_layers) if layers is None else layers)
-            if (w := entry.layer_work(config, i).window) is not None and w < config.max_position_embeddings]
+    out: list[int | None] = []
+    for i in range(config.num_layers) if layers is None else layers:
+        w = entry.layer_work(config, i).window
+        out.append(w if w is not None and w < config.max_position_embeddings else None)
+    return out
+
+
+def windowed_layers(config: ModelConfig, layers: range | None = None) -> list[int]:
+    """The layers (of ``layers``, default every one) that attend over a sliding window (see
+    :func:`layer_windows`)."""
+    layers = range(config.num_layers) if layers is None else layers
+    return [i for i, w in zip(layers, layer_windows(config, layers)) if w is not None]

@@ -15,8 +15,10 @@ by its :class:`RowParallelLinear`.
 A layer with a sliding ``window`` (Mistral's, Gemma's sliding layers) lets the query at position
 ``q`` see the keys ``k`` with ``q - window < k <= q``, as transformers' sliding mask does: in
 prefill through the SDPA mask (a later chunk gathers only the cached tokens its window reaches),
-in decode through :func:`stagewise.ops.decode_attention`'s ``window``. The cache still holds every
-token of the request.
+in decode through :func:`stagewise.ops.decode_attention`'s ``window``. Its cache (a pool of its
+own, :mod:`stagewise.kv.window`) holds only the tokens the window still reaches: a step stores
+the positions a later query sees (the slot mapping skips the others), and the blocks before the
+window are given back after each step.
 
 Under context parallelism (``groups.cp_size > 1``) each rank stores a share of every request's
 cached sequence and attention is :func:`~stagewise.model.layers.context_parallel.cp_attention`.
