@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
+from stagewise.model import shapes  # noqa: E402
 from stagewise.model.architectures import gemma3  # noqa: E402
 from stagewise.model.hf_config import parse_hf_config  # noqa: E402
 from stagewise.model.loader import load_stage_weights, open_checkpoint  # noqa: E402
@@ -198,15 +199,17 @@ def test_the_planner_counts_the_window_of_sliding_layers_only(cases):
     # Its four norms: two more than a pre-norm layer's, after attention and after the MLP.
     names = [o.name for o in ops if o.layer == 0]
     assert names.index("o_proj") < names.index("attn_out_norm") and names[-1] == "mlp_out_norm"
-    # KV: every layer holds every token, as the cache does (it frees no block behind a window).
+    # KV: a sliding layer keeps its window's tokens, as the cache does (it gives the others' blocks back).
     per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    assert memory.kv_bytes(cfg, cfg.num_layers, tokens=40) == cfg.num_layers * per_token * 40
+    assert memory.kv_bytes(cfg, range(cfg.num_layers), tokens=40) == per_token * (3 + 40 + 3)
+    assert memory.kv_bytes(cfg, range(1, 3), tokens=2, batch=5) == per_token * 5 * (2 + 2)
+    with pytest.raises(ValueError, match=r"layers \[0, 2\] attend over a sliding window, which context parallel "
+                                         r"\(pcp=1, dcp=2\) does not shard"):
+        memory.check_layout(cfg, shapes.Sharding(tp=2, dcp=2))
 
 
 def test_the_planner_times_the_python_layer_loop_of_windowed_models(cases):
     """As StageModel.python_loop_reason: a window (Mistral's, Gemma's) keeps the C++ loop off."""
-    from stagewise.model import shapes
-
     from helpers.hf_models import make_model
 
     gemma = open_checkpoint(cases["safetensors"]["checkpoint"]).config

@@ -61,10 +61,10 @@ def test_rough_tables_reproduced_by_the_cli(capsys):
 def test_kv_formula_and_json():
     # 2 (K+V) * 4 heads * 128 * 2 bytes = 2048 bytes per layer and token; 47 layers at 262144 tokens.
     config = parse_config_file(QWEN3_VL)
-    assert kv_bytes(config, 47, tokens=262_144) == 2048 * 47 * 262_144
-    assert kv_bytes(config, 47, tokens=262_144, batch=3, kv_bytes_per_elem=1) == 2048 // 2 * 47 * 262_144 * 3
-    with pytest.raises(ValueError, match="tokens and batch must be >= 0"):
-        kv_bytes(config, 4, tokens=-1)
+    assert kv_bytes(config, range(47), tokens=262_144) == 2048 * 47 * 262_144
+    assert kv_bytes(config, range(47), tokens=262_144, batch=3, kv_bytes_per_elem=1) == 2048 // 2 * 47 * 262_144 * 3
+    with pytest.raises(ValueError, match="tokens must be >= 0"):
+        kv_bytes(config, range(4), tokens=-1)
 
 
 def test_memory_json_schema(capsys):

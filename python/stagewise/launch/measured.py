@@ -48,6 +48,7 @@ def split_layers(config, profiles, *, prec, dtype: str = "float32", context: int
     :class:`~stagewise.planner.profiles.DeviceProfile` each, in stage order)."""
     from stagewise.model import shapes
     from stagewise.planner.compute import framework_time, layer_ops, op_time, stage_ops
+    from stagewise.planner.memory import kv_tokens as kv_tokens_of
 
     n, s_count = config.num_layers, len(profiles)
 
@@ -64,9 +65,9 @@ def split_layers(config, profiles, *, prec, dtype: str = "float32", context: int
     fixed = ([framework_time(profiles[0], "engine", 0)] if s_count == 1 else
              [framework_time(profiles[0], "head", 0) + framework_time(profiles[0], "tokens", 0)]
              + [framework_time(p, "middle", 0) for p in profiles[1:-1]] + [framework_time(profiles[-1], "last", 0)])
-    kv = shapes.kv_bytes_per_token_layer(config, prec.kv) * kv_tokens
+    per_token = shapes.kv_bytes_per_token_layer(config, prec.kv)
     layer_bytes = [shapes.count(config, shapes.layer_tensors(config, layer)) * prec.weight_bytes(1, prec.weight_quant)
-                   + kv for layer in range(n)]
+                   + per_token * kv_tokens_of(config, range(layer, layer + 1), tokens=kv_tokens) for layer in range(n)]
     first_bytes = shapes.count(config, shapes.embedding_tensors(config) + shapes.vision_tensors(config)) \
         * prec.weight_bytes(1, prec.embed_quant)
     last_bytes = shapes.count(config, shapes.final_norm_tensors(config) + shapes.lm_head_tensors(config)) \

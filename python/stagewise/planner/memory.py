@@ -8,10 +8,12 @@ Two weight estimates per stage:
   plus embedding and vision tower on stage 0, final norm and LM head on the last stage.
 
 KV cache: only the stage's own layers,
-``2 * L_s * kv_heads * head_dim * bytes * batch * ceil(T / (pcp * dcp))`` per rank: ``kv_heads``
-those of one TP rank (:func:`~stagewise.model.rows.kv_heads_per_rank`), and context parallel
-spreads every sequence over the ``pcp * dcp`` ranks that share a KV head (the interleaved
-mapping), each storing ``ceil(T / (pcp * dcp))`` of its tokens. DCP reuses the TP ranks that hold
+``2 * kv_heads * head_dim * bytes * batch * sum over its layers of the tokens each keeps`` per rank:
+``kv_heads`` those of one TP rank (:func:`~stagewise.model.rows.kv_heads_per_rank`); a full-attention
+layer keeps ``ceil(T / (pcp * dcp))`` tokens, context parallel spreading every sequence over the
+``pcp * dcp`` ranks that share a KV head (the interleaved mapping); a sliding-window layer keeps
+``min(T, window)``, the tokens its window reaches (the runtime gives the others' blocks back,
+:mod:`stagewise.kv.window`), and cannot be context parallel. DCP reuses the TP ranks that hold
 copies of one KV head, so ``dcp`` must divide ``max(1, tp // num_kv_heads)``
 (:func:`check_layout`). Weights do not depend on ``pcp`` or ``dcp``. A rank must hold its stage's
 weights and KV: the largest stage is what a layout needs per rank.
@@ -22,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
-from stagewise.model import shapes
+from stagewise.model import architectures, shapes
 from stagewise.model.config import ModelConfig
 from stagewise.parallel.plan import StagePlan
 
@@ -61,21 +63,34 @@ def check_layout(config: ModelConfig, sharding: shapes.Sharding) -> None:
     (:func:`~stagewise.model.shapes.check_sharding`) and, with context parallel, a ``dcp`` that
     does not divide the ranks holding each KV head (the message names the valid sizes)."""
     shapes.check_sharding(config, sharding)
+    if sharding.pcp * sharding.dcp > 1 and (windowed := architectures.windowed_layers(config)):
+        raise ValueError(f"layers {windowed[:8]}{' ...' if len(windowed) > 8 else ''} attend over a sliding window, "
+                         f"which context parallel (pcp={sharding.pcp}, dcp={sharding.dcp}) does not shard")
     if sharding.dcp > 1:
         problems = shapes.parallel_problems(config, sharding.tp, sharding.dcp)
         if problems:
             raise ValueError("; ".join(problems))
 
 
-def kv_bytes(config: ModelConfig, num_layers: int, *, tokens: int, batch: int = 1, kv_bytes_per_elem: int = 2,
-             tp: int = 1, cp: int = 1) -> int:
-    """KV cache of ``num_layers`` layers for ``batch`` sequences of ``tokens`` tokens on one TP rank,
-    each sequence spread over ``cp = pcp * dcp`` context-parallel ranks (``ceil(tokens / cp)`` each)."""
-    if tokens < 0 or batch < 0:
-        raise ValueError(f"kv_bytes: tokens and batch must be >= 0, got {tokens}, {batch}")
+def kv_tokens(config: ModelConfig, layers: range, *, tokens: int, cp: int = 1) -> int:
+    """Tokens of one sequence of ``tokens`` that ``layers`` keep in all, on one of ``cp = pcp * dcp``
+    context-parallel ranks: ``ceil(tokens / cp)`` a full-attention layer, ``min(tokens, window)`` a
+    sliding-window one."""
+    if tokens < 0:
+        raise ValueError(f"kv_bytes: tokens must be >= 0, got {tokens}")
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"kv_bytes: cp must be an int >= 1, got {cp!r}")
-    return num_layers * shapes.kv_bytes_per_token_layer(config, kv_bytes_per_elem, tp) * batch * -(-tokens // cp)
+    return sum(-(-tokens // cp) if w is None else min(tokens, w) for w in architectures.layer_windows(config, layers))
+
+
+def kv_bytes(config: ModelConfig, layers: range, *, tokens: int, batch: int = 1, kv_bytes_per_elem: int = 2,
+             tp: int = 1, cp: int = 1) -> int:
+    """KV cache of ``layers`` for ``batch`` sequences of ``tokens`` tokens on one TP rank, each
+    sequence spread over ``cp = pcp * dcp`` context-parallel ranks (:func:`kv_tokens`)."""
+    if batch < 0:
+        raise ValueError(f"kv_bytes: batch must be >= 0, got {batch}")
+    per_token = shapes.kv_bytes_per_token_layer(config, kv_bytes_per_elem, tp)
+    return per_token * batch * kv_tokens(config, layers, tokens=tokens, cp=cp)
 
 
 def stage_memory(config: ModelConfig, plan: StagePlan, *, tokens: int, batch: int = 1, weight_bytes: int = 2,
@@ -95,7 +110,7 @@ def stage_memory(config: ModelConfig, plan: StagePlan, *, tokens: int, batch: in
         out.append(StageMemory(
             stage=info.stage_id, start_layer=info.start_layer, end_layer=info.end_layer, num_layers=info.num_layers,
             weight_bytes_rough=rough, weight_bytes_exact=shapes.count(config, tensors, sharding) * weight_bytes,
-            kv_bytes=kv_bytes(config, info.num_layers, tokens=tokens, batch=batch,
+            kv_bytes=kv_bytes(config, range(info.start_layer, info.end_layer), tokens=tokens, batch=batch,
                               kv_bytes_per_elem=kv_bytes_per_elem, tp=sharding.tp,
                               cp=sharding.pcp * sharding.dcp),
             owns=owns))
