@@ -13,6 +13,24 @@ class OutOfKVBlocks(RuntimeError):
         self.free = free
 
 
+class BlockGeometry:
+    """What a block-table entry covers, for a class with ``block_size``, ``max_blocks_per_seq`` and
+    ``cp_world_size`` attributes."""
+
+    block_size: int
+    max_blocks_per_seq: int
+    cp_world_size: int
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Positions one block-table entry covers: ``block_size * cp_world_size``."""
+        return self.block_size * self.cp_world_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.max_blocks_per_seq * self.tokens_per_block
+
+
 class BlockPool:
     """Hands out block ids; each id is either free or held by exactly one owner."""
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from stagewise.kv.block_pool import OutOfKVBlocks
+from stagewise.kv.block_pool import BlockGeometry, OutOfKVBlocks
 from stagewise.kv.window import reservation
 
 
@@ -29,7 +29,7 @@ class GroupPool:
     num_blocks: int
 
 
-class KVBudget:
+class KVBudget(BlockGeometry):
     """Per request and per group, the blocks a request may hold; admission needs room in every group."""
 
     def __init__(self, pools: Sequence[GroupPool], *, block_size: int, max_blocks_per_seq: int,
@@ -44,14 +44,6 @@ class KVBudget:
         self.block_size, self.max_blocks_per_seq, self.cp_world_size = block_size, max_blocks_per_seq, cp_world_size
         self._used = [0] * len(self.pools)
         self._held: dict[Hashable, tuple[int, list[int]]] = {}  # request -> (tokens, blocks per group)
-
-    @property
-    def tokens_per_block(self) -> int:
-        return self.block_size * self.cp_world_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self.max_blocks_per_seq * self.tokens_per_block
 
     @property
     def num_blocks(self) -> int:

@@ -27,7 +27,7 @@ from collections.abc import Hashable, Iterable, Sequence
 import torch
 
 from stagewise import ops
-from stagewise.kv.block_pool import BlockPool
+from stagewise.kv.block_pool import BlockGeometry, BlockPool
 
 # Block-table entries past a request's blocks. decode_attention reads only the
 # entries a sequence's length covers, and slot_mapping raises (CPU) or writes
@@ -36,7 +36,7 @@ from stagewise.kv.block_pool import BlockPool
 PAD_BLOCK_ID = -1
 
 
-class KVCacheManager:
+class KVCacheManager(BlockGeometry):
     """Block ids and token counts of every live request on one stage (one CP rank)."""
 
     def __init__(
@@ -81,15 +81,6 @@ class KVCacheManager:
         self._num_tokens: dict[Hashable, int] = {}
 
     # ---- sizes ---------------------------------------------------------------
-
-    @property
-    def tokens_per_block(self) -> int:
-        """Positions one block-table entry covers: ``block_size * cp_world_size``."""
-        return self.block_size * self.cp_world_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self.max_blocks_per_seq * self.tokens_per_block
 
     @property
     def num_free_blocks(self) -> int:
