@@ -35,7 +35,11 @@ def test_bench_e2e_stages_writes_results(tiny, tmp_path, capsys):
     assert set(rows) == {(1, 1), (1, 4), (2, 1), (2, 8)}
     assert rows[(2, 1)]["tokens_equal_s1"] is True
     assert len(rows[(2, 8)]["busy_pct"]) == 2 and all(0 < b <= 100 for b in rows[(2, 8)]["busy_pct"])
-    assert "overhead %" in capsys.readouterr().out
+    timeline = rows[(2, 1)]["timeline_us"]
+    assert list(timeline)[:3] == ["stage 0 compute", "stage 0 compute -> send", "stage 0 send"]
+    assert timeline["stage 1 compute"] > 0 and timeline["hop 1 -> 0"] > 0
+    out = capsys.readouterr().out
+    assert "overhead %" in out and "| hop 0 -> 1 |" in out
 
 
 def test_bench_e2e_launcher_ray_writes_results_beside_local(tiny, tmp_path, capsys):

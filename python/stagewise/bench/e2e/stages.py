@@ -9,7 +9,9 @@ so a noisy machine slows them alike):
   the stage's wall time during the call; target: every stage >= 80 % busy).
 
 Greedy tokens of every S are compared with S = 1 (they must be identical). Every stage runs
-one torch thread, the single process as well.
+one torch thread, the single process as well. For S > 1 the batch-1 runs also say where a decode
+token's time goes (:mod:`stagewise.pipeline.timeline`, from the stages' own spans): each stage's
+compute, and each hop's encoding, sending, waking and decoding.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ def run(args, log=print) -> int:
     from stagewise.api import Pipeline
     from stagewise.bench import report
     from stagewise.bench.e2e.prompts import make_prompts
+    from stagewise.pipeline.timeline import format_segments, median_timeline, token_segments
 
     try:
         counts = [int(s) for s in str(args.stages).split(",") if s.strip()]
@@ -53,6 +56,7 @@ def run(args, log=print) -> int:
         for s in counts:
             cases[f"c{s}"] = make_prompts(ckpt, 4 * s, args.prompt_len)
         samples: dict[tuple[int, str], list[dict]] = {}
+        timelines: dict[int, list] = {}
         tokens: dict[tuple[int, str], list[list[int]]] = {}
         for s, pipe in pipes.items():  # warm-up
             pipe.generate(prompt_token_ids=cases["b1"], max_new_tokens=2, ignore_eos=True)
@@ -73,6 +77,8 @@ def run(args, log=print) -> int:
                     st["tpot_s"] = st["decode_s"] / steps if steps else 0.0
                     samples.setdefault((s, case), []).append(st)
                     tokens[(s, case)] = [c.token_ids for c in out]
+                    if s > 1 and case == "b1":
+                        timelines.setdefault(s, []).append(token_segments(pipe.stage_stats(trace=True)))
                     log(f"  run {rep + 1}/{repeats} S={s} {case}: {st['decode_tokens_per_s']:.1f} tok/s, "
                         f"TPOT {1e3 * st['tpot_s']:.1f} ms")
     finally:
@@ -101,6 +107,12 @@ def run(args, log=print) -> int:
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens)
     table = format_table(rows)
     print(table)
+    segments = format_segments({s: median_timeline(t) for s, t in timelines.items()}, 1e3 * rows[0]["tpot_ms"])
+    print(segments)
+    for s, t in timelines.items():
+        median = median_timeline(t)
+        rows[[r["stages"] for r in rows].index(s)].update(timeline_us=dict(median.segments),
+                                                          timeline_cycle_us=median.cycle_us)
     report.write_results(args.out, f"{info['device']}-e2e-stages", {"machine": info, "rows": rows}, [
         "# stagewise pipeline end to end: SmolLM2 decode by stage count", "",
         f"Machine: {info['device_name']} ({info['device']}), {info['cpu_count']} CPUs; 1 torch thread per stage "
@@ -112,7 +124,9 @@ def run(args, log=print) -> int:
         "(a prefill-only call of the same prompts taken off), with S x 4 concurrent requests the target is "
         ">= 80 %. S > 2 stage processes share this machine's 2 cores. "
         "tokens = S1: greedy tokens identical to the single process.", "",
-        table, ""], log)
+        table, "", "Where a batch-1 decode token's time goes (median over the tokens of a run, then over the runs; "
+        "the segments are consecutive and add up to the cycle, see stagewise/pipeline/timeline.py):", "",
+        segments, ""], log)
     return 0
 
 
