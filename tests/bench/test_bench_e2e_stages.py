@@ -37,7 +37,9 @@ def test_bench_e2e_stages_writes_results(tiny, tmp_path, capsys):
     assert len(rows[(2, 8)]["busy_pct"]) == 2 and all(0 < b <= 100 for b in rows[(2, 8)]["busy_pct"])
     timeline = rows[(2, 1)]["timeline_us"]
     assert list(timeline)[:3] == ["stage 0 compute", "stage 0 compute -> send", "stage 0 send"]
-    assert timeline["stage 1 compute"] > 0 and timeline["hop 1 -> 0"] > 0
+    # A hop may be negative (the receiver had the frame before the sender's call returned).
+    assert timeline["stage 1 compute"] > 0 and {"hop 0 -> 1", "hop 1 -> 0"} <= set(timeline)
+    assert rows[(2, 1)]["timeline_cycle_us"] > timeline["stage 0 compute"] + timeline["stage 1 compute"]
     out = capsys.readouterr().out
     assert "overhead %" in out and "| hop 0 -> 1 |" in out
 
