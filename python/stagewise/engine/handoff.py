@@ -93,8 +93,7 @@ class KVHandoff:
 
 def _group_layers(cache: KVCache, group: int) -> list[int]:
     """The stage-local indices of the layers of ``group``, in order."""
-    spec = cache.spec
-    return [i for i in range(spec.num_layers) if spec.group_of(spec.layer_start + i)[0] == group]
+    return [i for i, g in enumerate(cache.layer_group) if g == group]
 
 
 def read_kv(managers: Sequence[KVCacheManager], cache: KVCache, request_id,

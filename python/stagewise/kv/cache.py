@@ -147,6 +147,11 @@ class KVCache:
             dtype=spec.dtype,
             device=device,
         ) for g, n in enumerate(sizes)]
+        where = [spec.group_of(i) for i in range(spec.layer_start, spec.layer_end)]
+        self.layer_group = tuple(g for g, _ in where)
+        """The group of each layer of the range (stage-local index)."""
+        # Each layer's (K, V) views, made once rather than on every step's every layer.
+        self._views = [(self.storages[g][j][0], self.storages[g][j][1]) for g, j in where]
 
     @property
     def num_blocks(self) -> int:
@@ -167,12 +172,10 @@ class KVCache:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_cache, v_cache)`` of global layer ``i``, each ``[num_blocks, block_size, Hk, D]``."""
-        try:
-            group, j = self.spec.group_of(i)
-        except ValueError as err:
-            raise ValueError(f"KVCache.layer: {str(err).removeprefix('KVCacheSpec: ')}") from None
-        kv = self.storages[group][j]
-        return kv[0], kv[1]
+        if not self.spec.layer_start <= i < self.spec.layer_end:
+            raise ValueError(f"KVCache.layer: layer {i} is outside this stage's range "
+                             f"[{self.spec.layer_start}, {self.spec.layer_end})")
+        return self._views[i - self.spec.layer_start]
 
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store ``k, v [T, Hk, D]`` of layer ``i`` at ``slot_mapping [T]`` (-1 = skip)."""

@@ -175,7 +175,7 @@ class StageModel(nn.Module):
         else:
             levels = 0 if batch.deepstack is None else batch.deepstack.size(0)
             for i, layer in enumerate(self.layers):
-                layer_meta = metas[spec.group_of(self.start_layer + i)[0]] if len(metas) > 1 else meta
+                layer_meta = metas[kv_cache.layer_group[i]] if len(metas) > 1 else meta
                 x, residual = layer(x, residual, batch, layer_meta, kv_cache.layer(self.start_layer + i))
                 if i < levels:  # DeepStack: this level's features join the image tokens' hidden states
                     x = x if residual is None else x + residual

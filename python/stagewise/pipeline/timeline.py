@@ -115,8 +115,7 @@ def _first(spans: list[tuple[float, float]] | None, t: float, *, end: bool = Fal
     """The first span starting (``end``: ending) at or after ``t``."""
     if not spans:
         return None
-    keys = [s[1] if end else s[0] for s in spans]
-    i = bisect.bisect_left(keys, t)
+    i = bisect.bisect_left(spans, t, key=(lambda s: s[1]) if end else (lambda s: s[0]))
     return spans[i] if i < len(spans) else None
 
 
