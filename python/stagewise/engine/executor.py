@@ -27,9 +27,10 @@ import torch
 from stagewise.engine.handoff import KVHandoff, KVShard, read_kv, split_handoff, write_kv
 from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.engine.sampling import History, Sampler, make_generator, token_logprobs
+from stagewise.engine.step_meta import StepMetadata
 from stagewise.kv import KVCache, KVCacheManager
 from stagewise.kv.cache import group_blocks
-from stagewise.model.batch import KVMetadata, StepBatch, split_for_pcp
+from stagewise.model.batch import StepBatch, split_for_pcp
 from stagewise.model.loader.sharding import kv_heads_of_rank
 from stagewise.model.stage import StageModel
 
@@ -102,6 +103,7 @@ class Executor:
                                         interleave_size=interleave_size, window=w)
                          for w, n in zip(spec.group_windows, sizes)]
         """One per layer group of the cache, in its order."""
+        self._metadata = [StepMetadata(m, self.device) for m in self.managers]
         self.leads = groups.tp.rank == 0 and groups.pcp.rank == 0
         """Whether this rank drives the stage (and, on the last stage, samples)."""
         self.mirror: Mirror | None = None
@@ -164,7 +166,7 @@ class Executor:
                                                     history=History(new.prompt_ids) if params.penalised else None)
             pcp = self.model.groups.pcp
             split = split_for_pcp(batch, pcp.rank, pcp.size) if pcp.size > 1 else None
-            metas = [KVMetadata.build(batch, m, self.device, pcp=split) for m in self.managers]
+            metas = [m.build(batch, split) for m in self._metadata]
             if self.mirror is not None:
                 self.mirror.run(batch)
             try:
@@ -208,6 +210,8 @@ class Executor:
                 if rid in m:
                     m.free(rid)
             self._sampling.pop(rid, None)
+        for m in self._metadata:
+            m.forget(request_ids)
 
     # ---- KV handoff -------------------------------------------------------------------
 
