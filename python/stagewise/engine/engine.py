@@ -27,6 +27,7 @@ from stagewise.engine.pacing import TpotPacer
 from stagewise.engine.requests import RequestOutput, Requests
 from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.engine.scheduler import GroupedScheduler, ScheduledStep, SchedulerStatus
+from stagewise.int_tensors import int_tensor
 from stagewise.kv.budget import GroupPool, KVBudget
 from stagewise.kv.cache import num_cache_blocks
 from stagewise.kv.window import pool_blocks
@@ -257,9 +258,9 @@ class Engine:
             vision = self._vision.get(seq.request_id)
             tokens.append(seq.output_ids[-1]), positions.append(pos + (0 if vision is None else vision.delta))
         device = self.executor.device
-        positions = torch.tensor(positions, dtype=torch.int64, device=device)
+        positions = int_tensor(positions, device=device)
         return StepBatch(request_ids=ids, num_prefills=len(scheduled.prefills), query_lens=lens, context_lens=ctx,
-                         positions=positions, token_ids=torch.tensor(tokens, dtype=torch.int64, device=device),
+                         positions=positions, token_ids=int_tensor(tokens, device=device),
                          last_chunk=last, **self._image_fields(scheduled, positions))
 
     def _image_fields(self, scheduled: ScheduledStep, positions: torch.Tensor) -> dict[str, torch.Tensor]:

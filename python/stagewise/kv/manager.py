@@ -27,6 +27,7 @@ from collections.abc import Hashable, Iterable, Sequence
 import torch
 
 from stagewise import ops
+from stagewise.int_tensors import int_tensor
 from stagewise.kv.block_pool import BlockGeometry, BlockPool
 
 # Block-table entries past a request's blocks. decode_attention reads only the
@@ -228,7 +229,7 @@ class KVCacheManager(BlockGeometry):
         table = torch.full((len(request_ids), self.max_blocks_per_seq), PAD_BLOCK_ID, dtype=torch.int32)
         for row, request_id in enumerate(request_ids):
             ids = self.block_ids(request_id)
-            table[row, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+            table[row, : len(ids)] = int_tensor(ids, torch.int32)
         return table.to(device)
 
     def slot_mapping(
@@ -271,8 +272,8 @@ class KVCacheManager(BlockGeometry):
             )
         slots = ops.slot_mapping(
             block_tables,
-            torch.tensor(seq_index, dtype=torch.int32, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
+            int_tensor(seq_index, torch.int32, device),
+            int_tensor(positions, device=device),
             self.block_size,
             self.cp_world_size,
             self.cp_rank,

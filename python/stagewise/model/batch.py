@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stagewise.int_tensors import int_tensor
 from stagewise.kv import KVCacheManager
 
 
@@ -74,27 +75,29 @@ class StepBatch:
     receiving stage's ``i``-th decoder layer (its first layer: level 0)."""
 
     def __post_init__(self) -> None:
-        self.request_ids, self.query_lens = tuple(self.request_ids), tuple(self.query_lens)
-        self.context_lens = tuple(self.context_lens)
-        r = len(self.request_ids)
-        self.last_chunk = (True,) * r if self.last_chunk is None else tuple(bool(x) for x in self.last_chunk)
-        if len(set(self.request_ids)) != r:
-            raise _fail("StepBatch", "request_ids", self.request_ids, "distinct ids")
+        # Every stage makes one of these per step: the checks are written to cost little at batch 1.
+        ids = self.request_ids = tuple(self.request_ids)
+        q = self.query_lens = tuple(self.query_lens)
+        c = self.context_lens = tuple(self.context_lens)
+        r = len(ids)
+        self.last_chunk = (True,) * r if self.last_chunk is None else tuple(map(bool, self.last_chunk))
+        if r > 1 and len(set(ids)) != r:
+            raise _fail("StepBatch", "request_ids", ids, "distinct ids")
         for name in ("query_lens", "context_lens", "last_chunk"):
             if len(getattr(self, name)) != r:
                 raise _fail("StepBatch", name, getattr(self, name), f"{r} entries (one per request)")
         if not 0 <= self.num_prefills <= r:
             raise _fail("StepBatch", "num_prefills", self.num_prefills, f"an int in [0, {r}]")
         p = self.num_prefills
-        if any(n < 1 for n in self.query_lens[:p]) or any(c < 0 for c in self.context_lens[:p]):
-            raise _fail("StepBatch", "query_lens/context_lens", (self.query_lens[:p], self.context_lens[:p]),
+        if p and (min(q[:p]) < 1 or min(c[:p]) < 0):
+            raise _fail("StepBatch", "query_lens/context_lens", (q[:p], c[:p]),
                         "prefill chunks of >= 1 token with context_lens >= 0")
-        if any(n != 1 for n in self.query_lens[p:]) or any(c < 0 for c in self.context_lens[p:]):
-            raise _fail("StepBatch", "query_lens/context_lens", (self.query_lens[p:], self.context_lens[p:]),
+        if p < r and (q[p:].count(1) != r - p or min(c[p:]) < 0):
+            raise _fail("StepBatch", "query_lens/context_lens", (q[p:], c[p:]),
                         "decodes of exactly 1 token with context_lens >= 0")
         if not all(self.last_chunk[p:]):
             raise _fail("StepBatch", "last_chunk", self.last_chunk, "True for every decode row")
-        t = self.num_tokens
+        t = sum(q)
         if self.positions.shape != (t,):
             raise _fail("StepBatch", "positions", tuple(self.positions.shape), f"shape ({t},)")
         if (self.token_ids is None) == (self.hidden_states is None):
@@ -186,9 +189,24 @@ class StepBatch:
         deepstack = None if self.deepstack is None else self.deepstack[layers:]
         if deepstack is not None and deepstack.size(0) == 0:
             deepstack = None
-        return dataclasses.replace(self, token_ids=None, hidden_states=hidden_states, residual=residual,
-                                   pixel_values=None, image_grid_thw=None, image_embeds=None, deepstack=deepstack,
-                                   visual_rows=None if deepstack is None else self.visual_rows)
+        t = self.num_tokens
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2 or hidden_states.size(0) != t:
+            raise _fail("StepBatch.for_next_stage", "hidden_states", getattr(hidden_states, "shape", hidden_states),
+                        f"a tensor of shape ({t}, hidden)")
+        if residual is not None and residual.shape != hidden_states.shape:
+            raise _fail("StepBatch.for_next_stage", "residual", tuple(residual.shape), "the shape of hidden_states")
+        # A copy of the fields checked when this batch was made (once per stage and token, so
+        # not through dataclasses.replace, which checks them all again).
+        out = object.__new__(StepBatch)
+        for name in _FIELDS:
+            setattr(out, name, getattr(self, name))
+        out.token_ids, out.hidden_states, out.residual = None, hidden_states, residual
+        out.pixel_values = out.image_grid_thw = out.image_embeds = None
+        out.deepstack, out.visual_rows = deepstack, None if deepstack is None else self.visual_rows
+        return out
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(StepBatch))
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -375,6 +393,6 @@ class KVMetadata:
         return cls(
             slot_mapping=manager.slot_mapping(spans, device, block_tables=shared),
             block_tables=block_tables,
-            seq_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=device),
+            seq_lens=int_tensor(batch.context_lens, torch.int32, device),
             cp_world_size=manager.cp_world_size, cp_rank=manager.cp_rank, pcp=pcp, **cp,
         )

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from stagewise.int_tensors import int_tensor
 from stagewise.kv import KVCache, KVCacheSpec
 from stagewise.model import architectures
 from stagewise.model.architectures.base import StageBuild
@@ -188,8 +189,9 @@ class StageModel(nn.Module):
             # Sending x + residual rather than both halves the bytes; the next layer's norm sees
             # the same sum, rounded the same way, as fused_add_rms_norm would form.
             return x if residual is None else x + residual
-        if not batch.all_logits:
-            rows = torch.tensor(batch.last_token_rows(), dtype=torch.int64, device=x.device)
+        rows = batch.last_token_rows()
+        if not batch.all_logits and len(rows) < x.size(0):  # else every row is sampled: x as it is
+            rows = int_tensor(rows, device=x.device)
             x, residual = x[rows], None if residual is None else residual[rows]
         x, _ = self.final_norm(x, residual)
         return self.lm_head(x)

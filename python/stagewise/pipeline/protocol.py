@@ -34,10 +34,12 @@ import torch
 from stagewise.engine.executor import Sampled
 from stagewise.engine.handoff import KVHandoff, KVShard
 from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
+from stagewise.int_tensors import int_tensor
 from stagewise.model.batch import StepBatch
 from stagewise.transport.frame import Frame, Row, RowFlags, StepKind
 
 STEP_KINDS = (StepKind.PREFILL, StepKind.DECODE, StepKind.MIXED)
+_PREFILL, _LAST_CHUNK = int(RowFlags.PREFILL), int(RowFlags.LAST_PREFILL_CHUNK)
 
 
 class ProtocolError(ValueError):
@@ -100,7 +102,7 @@ def to_frame(msg: Message, *, stage_from: int, stage_to: int) -> Frame:
                      stage_to=stage_to, token_index=max(r.first_position + r.num_tokens - 1 for r in rows),
                      rows=rows, tensors=tensors)
     if isinstance(msg, Tokens):
-        tensors = {"token_ids": torch.tensor(msg.tokens, dtype=torch.int64)}
+        tensors = {"token_ids": int_tensor(msg.tokens)}
         if msg.logprobs is not None:
             tensors["logprobs"] = _json_bytes([None if lp is None else [lp.token, lp.logprob, lp.top]
                                                for lp in msg.logprobs])
@@ -124,9 +126,13 @@ def _vision_tensors(b: StepBatch, rows: list[Row]) -> dict[str, torch.Tensor]:
         raise ValueError("pipeline.protocol: a step still holding pixel_values cannot be sent; stage 0 "
                          "encodes its images first (StageModel.encode_images)")
     out = {}
-    implied = torch.cat([torch.arange(r.first_position, r.first_position + r.num_tokens) for r in rows])
-    if not torch.equal(b.positions.cpu(), implied):
-        out["positions"] = b.positions
+    given, at = b.positions.tolist(), 0  # one call: a decode step's every tensor op costs (cold caches)
+    for r in rows:
+        n = r.num_tokens
+        if given[at : at + n] != list(range(r.first_position, r.first_position + n)):
+            out["positions"] = b.positions
+            break
+        at += n
     for name in ("mrope_positions", "visual_rows", "image_embeds", "deepstack"):
         value = getattr(b, name)
         if value is not None:
@@ -206,32 +212,32 @@ def _step(frame: Frame, stage: StageShape) -> Step:
     sampling = frame.tensors.get("sampling")
     if sampling is not None and (sampling.dtype != torch.uint8 or sampling.dim() != 1):
         raise ProtocolError(f"tensors['sampling']: expected uint8 bytes, got {sampling.dtype} {tuple(sampling.shape)}")
-    positions, num_prefills, seen_decode = [], 0, False
+    positions, last_chunk, num_prefills, seen_decode = [], [], 0, False
     for i, r in enumerate(rows):
-        prefill = bool(r.flags & RowFlags.PREFILL)
-        if r.num_tokens < 1 or (not prefill and r.num_tokens != 1):
-            raise ProtocolError(f"rows[{i}]: {r.num_tokens} tokens from position {r.first_position} "
-                                f"(prefill={prefill})")
-        if not prefill and r.flags & RowFlags.LAST_PREFILL_CHUNK:
+        flags, first, n = int(r.flags), r.first_position, r.num_tokens  # int: no IntFlag arithmetic per row
+        prefill = bool(flags & _PREFILL)
+        if n < 1 or (not prefill and n != 1):
+            raise ProtocolError(f"rows[{i}]: {n} tokens from position {first} (prefill={prefill})")
+        if not prefill and flags & _LAST_CHUNK:
             raise ProtocolError(f"rows[{i}]: LAST_PREFILL_CHUNK on a decode row")
         if prefill and seen_decode:
             raise ProtocolError(f"rows[{i}]: prefill rows must come before decode rows")
-        if r.first_position + r.num_tokens > stage.max_model_len:
-            raise ProtocolError(f"rows[{i}]: position {r.first_position + r.num_tokens} beyond max_model_len "
-                                f"{stage.max_model_len}")
+        if first + n > stage.max_model_len:
+            raise ProtocolError(f"rows[{i}]: position {first + n} beyond max_model_len {stage.max_model_len}")
         seen_decode |= not prefill
         num_prefills += prefill
-        positions.extend(range(r.first_position, r.first_position + r.num_tokens))
+        last_chunk.append(not prefill or bool(flags & _LAST_CHUNK))
+        if n == 1:
+            positions.append(first)
+        else:
+            positions.extend(range(first, first + n))
     device = stage.device
-    extra = _vision_extras(frame.tensors, tokens, stage)
+    extra = _vision_extras(frame.tensors, tokens, stage) if len(frame.tensors) > 1 + (sampling is not None) else {}
     given = extra.pop("positions", None)
     batch = StepBatch(request_ids=[r.request_id for r in rows], num_prefills=num_prefills,
-                      query_lens=[r.num_tokens for r in rows],
-                      context_lens=[r.first_position for r in rows],
-                      last_chunk=[not r.flags & RowFlags.PREFILL or bool(r.flags & RowFlags.LAST_PREFILL_CHUNK)
-                                  for r in rows],
-                      positions=given if given is not None else torch.tensor(positions, dtype=torch.int64,
-                                                                             device=device),
+                      query_lens=[r.num_tokens for r in rows], context_lens=[r.first_position for r in rows],
+                      last_chunk=last_chunk,
+                      positions=given if given is not None else int_tensor(positions, device=device),
                       token_ids=None if token_ids is None else token_ids.to(device),
                       hidden_states=None if hidden is None else hidden.to(device), **extra)
     return Step(step_id=frame.step_id, group=frame.microbatch, batch=batch, sampling=sampling)

@@ -83,6 +83,7 @@ class Head:
     def __init__(self, engine: Engine, *, stats: StageStats | None = None) -> None:
         self.engine = engine
         self.alone = engine.executor.is_last
+        self._num_layers = len(engine.executor.model.layers)
         self.stats = stats if stats is not None else StageStats()
         self._events = Events()
         self._last_status: tuple | None = None
@@ -125,8 +126,7 @@ class Head:
             elif launched is not None:
                 self.stats.computed(start, end, launched.batch.num_tokens, group)
                 step = Step(step_id=launched.step_id, group=group,
-                            batch=launched.batch.for_next_stage(launched.output,
-                                                                layers=len(self.engine.executor.model.layers)),
+                            batch=launched.batch.for_next_stage(launched.output, layers=self._num_layers),
                             sampling=protocol.encode_sampling(launched.sampling))
                 yield protocol.to_frame(step, stage_from=0, stage_to=1)
         yield from self._frees()
@@ -197,6 +197,7 @@ class Worker:
                                 dtype=model_dtype(executor.model), max_model_len=executor.max_model_len,
                                 device=executor.device)
         self._out = Route.FEEDBACK if self.is_last else Route.DOWNSTREAM
+        self._num_layers = len(executor.model.layers)
 
     def handle(self, frame: Frame) -> list[tuple[Route, Frame]]:
         """The frames to send for one received frame (ProtocolError when it does not fit)."""
@@ -229,7 +230,7 @@ class Worker:
         self.stats.computed(start, time.perf_counter(), batch.num_tokens, step.group)
         if self.is_last:
             return self._to_next(protocol.tokens_message(step.step_id, step.group, batch.sampled_ids(), out))
-        next_batch = batch.for_next_stage(out, layers=len(executor.model.layers))
+        next_batch = batch.for_next_stage(out, layers=self._num_layers)
         return self._to_next(Step(step_id=step.step_id, group=step.group, batch=next_batch, sampling=step.sampling))
 
     def _to_next(self, msg: protocol.Message) -> Frame:
