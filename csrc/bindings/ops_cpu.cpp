@@ -143,8 +143,10 @@ void ring_init(at::Tensor& ring, int64_t slot_bytes, int64_t num_slots, bool ext
 void ring_attach(at::Tensor& ring) { cpu::ring_attach(ring_header("ring_attach", ring)); }
 
 // [slot_bytes, num_slots, slot_stride, data_offset, flags, head, tail, closed, user_offset,
-//  creator_pid, attacher_pid]; user_offset: where the header's kRingUserBytes opaque bytes
-// start; attacher_pid: 0 until the peer attached.
+//  creator_pid, attacher_pid, wait_ns[0], wait_ns[1], waiting]; user_offset: where the header's
+// kRingUserBytes opaque bytes start; attacher_pid: 0 until the peer attached; wait_ns: how long
+// the consumer waited for its last two messages that kept it waiting (0: not known), which pace
+// its waits; waiting: 1 while a wait of the consumer's is under way.
 std::vector<int64_t> ring_info(const at::Tensor& ring) {
   const RingHeader* h = ring_header("ring_info", ring);
   const int64_t user_offset = reinterpret_cast<const uint8_t*>(h->user) - reinterpret_cast<const uint8_t*>(h);
@@ -152,7 +154,7 @@ std::vector<int64_t> ring_info(const at::Tensor& ring) {
           static_cast<int64_t>(h->slot_stride), static_cast<int64_t>(h->data_offset),
           static_cast<int64_t>(h->flags), static_cast<int64_t>(h->head.load()),
           static_cast<int64_t>(h->tail.load()), static_cast<int64_t>(h->closed.load()), user_offset,
-          h->creator_pid, h->attacher_pid.load()};
+          h->creator_pid, h->attacher_pid.load(), h->wait_ns[0], h->wait_ns[1], h->wait_start_ns != 0};
 }
 
 int64_t ring_reserve(at::Tensor& ring, int64_t timeout_us) {

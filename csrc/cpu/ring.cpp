@@ -65,42 +65,58 @@ bool peer_gone(const RingHeader* h) {
   return kill(peer, 0) != 0 && errno == ESRCH;
 }
 
-// Waits until ready() or the ring is closed (or its peer gone), at most
-// timeout_us (< 0: forever). Returns 1 when ready, kRingClosed or kRingTimedOut.
-// `ready` is checked first, so a consumer drains the committed messages of a
-// closed ring (ring_reserve checks `closed` itself).
+int64_t to_ns(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
+// When a waiter spins: [from, until) on its clock (from == until: no spin);
+// paced: the consumer's window around a message that is due.
+struct SpinWindow {
+  Clock::time_point from, until;
+  bool paced = false;
+};
+
+// The consumer's window around its next message, from how long it waited for
+// the last ones (see ring.h); `fallback` (a spin from `start`) when that is not
+// known yet or the message is already overdue by more than the margin.
+SpinWindow paced_window(RingHeader* h, Clock::time_point start, SpinWindow fallback) {
+  const int64_t now = to_ns(start);
+  if (h->wait_start_ns == 0) h->wait_start_ns = now;  // the ring was found empty: a wait begins
+  const int64_t expected = std::min(h->wait_ns[0], h->wait_ns[1]);
+  if (expected <= 0) return fallback;
+  const int64_t margin = std::clamp(expected / 8, kRingPaceMinNs, kRingPaceMaxNs);
+  const int64_t due = h->wait_start_ns + expected;
+  if (now >= due + margin) return fallback;
+  const auto at = [&](int64_t ns) { return start + std::chrono::nanoseconds(ns - now); };
+  return {at(std::max(now, due - margin)), at(std::max(due + margin, to_ns(fallback.until))), true};
+}
+
+// The consumer got message `tail`: how long it waited for it, when it did.
+void record_arrival(RingHeader* h, uint64_t tail) {
+  if (h->arrival_counted == tail + 1) return;  // acquired again before its release
+  h->arrival_counted = tail + 1;
+  if (h->wait_start_ns == 0) return;  // it was there at once: nothing learnt
+  h->wait_ns[1] = h->wait_ns[0];
+  h->wait_ns[0] = to_ns(Clock::now()) - h->wait_start_ns;
+  h->wait_start_ns = 0;
+}
+
+// Sleeps on the futex until ready(), closed or `until` (max(): no end),
+// waking every kLivenessCheckNs to look at the peer. Returns 1 when ready,
+// kRingClosed, or 0 once `until` passed.
 template <typename Ready>
-int64_t wait_for(RingHeader* h, std::atomic<uint32_t>* seq, std::atomic<uint32_t>* sleeping,
-                 int64_t timeout_us, Ready ready) {
-  if (ready()) return 1;
-  if (h->closed.load(std::memory_order_acquire)) return ready() ? 1 : kRingClosed;
-  if (timeout_us == 0) return kRingTimedOut;
-  const auto start = Clock::now();
-  const auto deadline = timeout_us < 0 ? Clock::time_point::max()
-                                       : start + std::chrono::microseconds(timeout_us);
-  const auto spin_end = start + std::chrono::nanoseconds(h->spin_ns);
-  for (int i = 0;; ++i) {
-    if (ready()) return 1;
-    if (h->closed.load(std::memory_order_acquire)) return ready() ? 1 : kRingClosed;
-    if (i < kPauseSpins) {
-      cpu_relax();
-      continue;
-    }
-    if (Clock::now() >= spin_end) break;
-    // Yield rather than burn: when the peer waits for a CPU (more runnable
-    // processes than cores), it may be the one queued behind this spinner.
-    sched_yield();
-  }
+int64_t sleep_until(RingHeader* h, std::atomic<uint32_t>* seq, std::atomic<uint32_t>* sleeping,
+                    Clock::time_point until, Ready ready) {
   for (;;) {
     const auto now = Clock::now();
-    if (now >= deadline) return kRingTimedOut;
+    if (now >= until) return 0;
     sleeping->fetch_add(1, std::memory_order_seq_cst);
     const uint32_t expected = seq->load(std::memory_order_seq_cst);
     const bool wake_now = ready() || h->closed.load(std::memory_order_seq_cst);
     if (!wake_now) {
       int64_t ns = kLivenessCheckNs;
-      if (deadline != Clock::time_point::max()) {
-        ns = std::min<int64_t>(ns, std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now).count());
+      if (until != Clock::time_point::max()) {
+        ns = std::min<int64_t>(ns, std::chrono::duration_cast<std::chrono::nanoseconds>(until - now).count());
       }
       futex_wait(seq, expected, std::max<int64_t>(ns, 1));
     }
@@ -112,6 +128,47 @@ int64_t wait_for(RingHeader* h, std::atomic<uint32_t>* seq, std::atomic<uint32_t
       return ready() ? 1 : kRingClosed;
     }
   }
+}
+
+// Waits until ready() or the ring is closed (or its peer gone), at most
+// timeout_us (< 0: forever). Returns 1 when ready, kRingClosed or kRingTimedOut.
+// `ready` is checked first, so a consumer drains the committed messages of a
+// closed ring (ring_reserve checks `closed` itself). The waiter sleeps, spins
+// over its window (`paced`: the consumer's, else spin_ns from now), then sleeps.
+// With return_when_due it returns kRingDue when it slept until its paced window
+// began, and when its timeout ends inside that window (the message still due).
+template <typename Ready>
+int64_t wait_for(RingHeader* h, std::atomic<uint32_t>* seq, std::atomic<uint32_t>* sleeping,
+                 int64_t timeout_us, Ready ready, bool paced, bool return_when_due = false) {
+  if (ready()) return 1;
+  if (h->closed.load(std::memory_order_acquire)) return ready() ? 1 : kRingClosed;
+  if (timeout_us == 0) return kRingTimedOut;
+  const auto start = Clock::now();
+  const auto deadline = timeout_us < 0 ? Clock::time_point::max()
+                                       : start + std::chrono::microseconds(timeout_us);
+  SpinWindow spin{start, start + std::chrono::nanoseconds(h->spin_ns)};
+  if (paced) spin = paced_window(h, start, spin);
+  if (spin.from > start) {  // the message is not due yet
+    const int64_t r = sleep_until(h, seq, sleeping, std::min(spin.from, deadline), ready);
+    if (r != 0) return r;
+    if (return_when_due && spin.from <= deadline) return kRingDue;
+  }
+  for (int i = 0;; ++i) {
+    if (ready()) return 1;
+    if (h->closed.load(std::memory_order_acquire)) return ready() ? 1 : kRingClosed;
+    if (i < kPauseSpins) {
+      cpu_relax();
+      continue;
+    }
+    const auto now = Clock::now();
+    if (now >= spin.until) break;
+    if (now >= deadline) return return_when_due && spin.paced ? kRingDue : kRingTimedOut;  // still due
+    // Yield rather than burn: when the peer waits for a CPU (more runnable
+    // processes than cores), it may be the one queued behind this spinner.
+    sched_yield();
+  }
+  const int64_t r = sleep_until(h, seq, sleeping, deadline, ready);
+  return r != 0 ? r : kRingTimedOut;
 }
 
 }  // namespace
@@ -194,7 +251,7 @@ int64_t ring_reserve(RingHeader* h, int64_t timeout_us) {
   // Closed first: a reader that went away will never free a slot.
   if (h->closed.load(std::memory_order_acquire)) return kRingClosed;
   auto has_space = [&] { return head - h->tail.load(std::memory_order_acquire) < n; };
-  const int64_t r = wait_for(h, &h->space_seq, &h->producer_sleeping, timeout_us, has_space);
+  const int64_t r = wait_for(h, &h->space_seq, &h->producer_sleeping, timeout_us, has_space, false);
   if (r != 1) return r;
   if (h->closed.load(std::memory_order_acquire)) return kRingClosed;
   return static_cast<int64_t>(head % n);
@@ -211,11 +268,13 @@ RingStatus ring_commit(RingHeader* h, int64_t slot, uint64_t nbytes) {
   return RingStatus::kOk;
 }
 
-int64_t ring_acquire(RingHeader* h, int64_t timeout_us, uint64_t* nbytes) {
+int64_t ring_acquire(RingHeader* h, int64_t timeout_us, uint64_t* nbytes, bool return_when_due) {
   const uint64_t tail = h->tail.load(std::memory_order_relaxed);  // ours
   auto has_data = [&] { return h->head.load(std::memory_order_acquire) != tail; };
-  const int64_t r = wait_for(h, &h->data_seq, &h->consumer_sleeping, timeout_us, has_data);
+  const int64_t r =
+      wait_for(h, &h->data_seq, &h->consumer_sleeping, timeout_us, has_data, true, return_when_due);
   if (r != 1) return r;
+  record_arrival(h, tail);
   const int64_t slot = static_cast<int64_t>(tail % h->num_slots);
   // Clamped: the producer's process is not trusted to stay inside the slot.
   const uint64_t size = ring_nbytes_table(h)[slot];

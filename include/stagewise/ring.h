@@ -17,6 +17,21 @@
 // spin_ns, then sleeps on a futex word (data_seq / space_seq) that the other
 // side bumps and wakes only when someone sleeps there.
 //
+// The consumer also paces its waits by the rhythm of its messages (a pipeline
+// stage in steady decode waits about as long for each step: the stages before
+// it computing theirs). Its wait for a message is expected to last as long as
+// the shorter of its last two waits that ended with one, counted from the first
+// acquire that found the ring empty (over any number of timed-out calls): it
+// sleeps until a margin before that, spins (yielding its CPU) until a margin
+// after, then sleeps again. The margin is an eighth of the expected wait, within
+// [kRingPaceMinNs, kRingPaceMaxNs]: at most 4 ms of spinning per message, and a
+// message that comes early still wakes the sleeper. Waking a process that sleeps
+// costs ~100-200 us on a virtual machine's idle vCPU, a spinning one a few; that
+// is what the spin buys. With return_when_due, ring_acquire returns kRingDue
+// when the spin window begins after a sleep, and when a short timeout ends the
+// spin inside it, so that the consumer can keep its caches warm for the message
+// (run the code that will read it) while it is due.
+//
 // Either side may close the ring (closed = 1): the consumer still drains the
 // messages already committed, then sees kRingClosed; the producer sees it at
 // once. A waiter also treats a peer process that no longer exists as closed.
@@ -30,10 +45,12 @@
 namespace stagewise {
 
 inline constexpr uint64_t kRingMagic = 0x31474e4952575321ull;  // "!SWRING1" little-endian
-inline constexpr uint32_t kRingVersion = 1;
+inline constexpr uint32_t kRingVersion = 2;
 inline constexpr uint64_t kRingDataAlign = 4096;  // slot 0 starts on a page
 inline constexpr uint64_t kRingSlotAlign = 64;    // slot stride: whole cache lines
 inline constexpr uint32_t kRingUserBytes = 128;   // opaque bytes for the transport (an IPC handle)
+inline constexpr int64_t kRingPaceMinNs = 50'000;     // the consumer's spin margin, at least
+inline constexpr int64_t kRingPaceMaxNs = 2'000'000;  // and at most
 
 // Flags of RingHeader::flags.
 inline constexpr uint32_t kRingExternalSlots = 1;  // the segment holds no slot bytes
@@ -41,6 +58,9 @@ inline constexpr uint32_t kRingExternalSlots = 1;  // the segment holds no slot 
 // Results of ring_reserve / ring_acquire besides a slot index (>= 0).
 inline constexpr int64_t kRingTimedOut = -1;
 inline constexpr int64_t kRingClosed = -2;
+// ring_acquire with return_when_due: the message is due and has not come (the
+// consumer's pacing, below): the caller may make ready for it, then call again.
+inline constexpr int64_t kRingDue = -3;
 
 // Results of the checks of ring_commit / ring_release.
 enum class RingStatus : int32_t {
@@ -72,6 +92,10 @@ struct alignas(64) RingHeader {
   std::atomic<uint32_t> space_seq;         // futex word the producer sleeps on
   alignas(64) std::atomic<uint32_t> producer_sleeping;
   alignas(64) std::atomic<uint32_t> closed;
+  // The consumer's alone (its process's steady clock), for pacing its waits.
+  alignas(64) int64_t wait_start_ns;  // when it began waiting for the next message (0: not waiting)
+  int64_t wait_ns[2];                 // how long it waited for the last two that kept it waiting
+  uint64_t arrival_counted;           // tail + 1 of the message last counted (acquire is idempotent)
 };
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "the ring needs lock-free 64-bit atomics");
@@ -113,8 +137,9 @@ int64_t ring_reserve(RingHeader* h, int64_t timeout_us);
 RingStatus ring_commit(RingHeader* h, int64_t slot, uint64_t nbytes);
 
 // Consumer: waits up to timeout_us for a message; returns its slot (and its
-// size in *nbytes), kRingTimedOut or kRingClosed (closed and drained).
-int64_t ring_acquire(RingHeader* h, int64_t timeout_us, uint64_t* nbytes);
+// size in *nbytes), kRingTimedOut or kRingClosed (closed and drained); with
+// return_when_due, kRingDue while the message is due (see above).
+int64_t ring_acquire(RingHeader* h, int64_t timeout_us, uint64_t* nbytes, bool return_when_due = false);
 // Consumer: gives the acquired slot back to the producer.
 RingStatus ring_release(RingHeader* h, int64_t slot);
 

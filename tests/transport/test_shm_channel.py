@@ -5,6 +5,7 @@ without reordering, and a closed peer reported as ChannelClosed."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -102,3 +103,38 @@ def test_open_link_sets_up_either_end(transport, kind):
 def test_unknown_link_transports_are_refused():
     with pytest.raises(ValueError, match="one of \\('tcp', 'shm', 'cuda-ipc'\\), got 'torch'"):
         open_link("torch", hello=Hello(fingerprint="fp", stage_from=0, stage_to=1), host="127.0.0.1", port=1)
+
+
+def test_the_receiver_warms_its_path_on_the_last_frame_when_the_next_is_due(pair):
+    # Frames every 50 ms: once the receiver knows that rhythm, each wait sleeps until the next
+    # frame is due and then runs `warm` on a copy of the last small frame (not on a large one);
+    # a warm that fails is dropped, the frames still come.
+    sender, receiver = pair
+    warmed: list[tuple[int, float]] = []
+    receiver.warm = lambda frame: warmed.append((frame.step_id, time.perf_counter()))
+    sizes = [1] * 6 + [300, 1, 1]  # 300 rows: 77 KB, over the size kept for warming
+    sent: list[float] = []
+
+    def produce():
+        for i, n in enumerate(sizes):
+            time.sleep(0.05)
+            sent.append(time.perf_counter())
+            sender.send(_frame(i, n))
+
+    t = threading.Thread(target=produce)
+    t.start()
+    got, received = [], []
+    for _ in sizes:
+        got.append(receiver.recv(timeout=30).step_id)
+        received.append(time.perf_counter())
+    t.join()
+    assert got == list(range(len(sizes)))
+    assert warmed and 6 not in [i for i, _ in warmed]  # the large frame was not kept
+    for i, at in warmed:  # a frame already received, while the next one was awaited (not yet sent)
+        k = next(k for k, r in enumerate(received) if r > at)
+        assert i < k and at < sent[k] + 0.02, (i, k)
+    receiver.warm = lambda frame: 1 / 0
+    for i in range(3):
+        time.sleep(0.05)
+        sender.send(_frame(100 + i, 1))
+        assert receiver.recv(timeout=30).step_id == 100 + i

@@ -311,7 +311,7 @@ def test_a_blocked_wait_releases_the_gil_and_uses_no_cpu(path):
     ring = torch.zeros(ops.ring_bytes(256, 4, False), dtype=torch.uint8)
     ops.ring_init(ring, 256, 4, False, 50)
     if path == "direct":
-        wait = lambda: _C.ring_acquire(ring.data_ptr(), ring.numel(), 3_000_000)  # noqa: E731
+        wait = lambda: _C.ring_acquire(ring.data_ptr(), ring.numel(), 3_000_000, 0)  # noqa: E731
     else:
         wait = lambda: ops.ring_acquire(ring, 3_000_000)  # noqa: E731
     got = []
@@ -329,6 +329,39 @@ def test_a_blocked_wait_releases_the_gil_and_uses_no_cpu(path):
     assert cpu < 0.1, f"a waiting reader used {cpu:.3f} CPU s in 0.5 s"
 
 
+def test_the_reader_paces_its_waits_and_an_early_message_still_wakes_it(pair):
+    # Messages every 60 ms: the reader learns to expect a ~60 ms wait, sleeps through most of it
+    # and spins near its end (include/stagewise/ring.h). One that then comes after 5 ms must wake
+    # it at once, not when the spin would begin (~50 ms).
+    writer, reader = pair
+    assert reader.pacing == (None, False)
+    sent: list[float] = []
+
+    def write(gaps):
+        for gap in gaps:
+            time.sleep(gap)
+            sent.append(time.perf_counter())  # before the send: the reader may get it at once
+            writer.send(b"x")
+
+    thread = threading.Thread(target=write, args=([0.06] * 5,))
+    thread.start()
+    for _ in range(5):
+        reader.recv(timeout=5)
+    thread.join()
+    expected, waiting = reader.pacing
+    assert expected is not None and 0.02 < expected < 0.5 and not waiting
+    writer.send(b"y")  # there at once: nothing learnt, no wait under way
+    reader.recv(timeout=1)
+    assert reader.pacing == (expected, False)
+    thread = threading.Thread(target=write, args=([0.005],))
+    thread.start()
+    reader.recv(timeout=5)
+    late = time.perf_counter() - sent[-1]
+    thread.join()
+    assert late < 0.02, f"a message that came before the reader's spin reached it {late * 1e3:.1f} ms late"
+    assert ops.ring_info(writer._segment.tensor)[11:13] == ops.ring_info(reader._segment.tensor)[11:13]
+
+
 # ---- the torch ops on a plain tensor -------------------------------------------------
 
 
@@ -338,7 +371,8 @@ def test_torch_ops_on_a_plain_tensor():
     ring = torch.zeros(size, dtype=torch.uint8)
     ops.ring_init(ring, 100, 3, False, 0)
     info = ops.ring_info(ring)
-    slot_bytes, num_slots, stride, offset, flags, head, tail, closed, user_offset, creator, attacher = info
+    slot_bytes, num_slots, stride, offset, flags, head, tail, closed, user_offset, creator, attacher, *pacing = info
+    assert pacing == [0, 0, 0]  # nothing waited for yet
     assert (slot_bytes, num_slots, stride, flags, head, tail, closed) == (100, 3, 128, 0, 0, 0, 0)
     assert (creator, attacher) == (os.getpid(), 0)
     ops.ring_attach(ring)

@@ -320,6 +320,8 @@ class StageProcess:
     def _serve_head(self, head: Head) -> None:
         """Requests and cancellations from the driver; every idle group's step through stage 0's
         layers, sent on; the sampled tokens that come back; events and status to the driver."""
+        if self.links.feedback is not None:  # warmed while the tokens are due (Channel.warm)
+            self.links.feedback.warm = lambda frame: protocol.from_frame(frame, None)
         while True:
             for msg in self._driver_messages():
                 head.on_message(msg)
@@ -345,6 +347,7 @@ class StageProcess:
 
     def _serve_worker(self, worker: Worker) -> None:
         routes = {Route.DOWNSTREAM: self.links.downstream, Route.FEEDBACK: self.links.feedback}
+        self.links.upstream.warm = lambda frame: protocol.from_frame(frame, worker.shape)  # see Channel.warm
         while True:
             self._driver_messages()
             frame = self._recv(self.links.upstream, timeout=0.05)
@@ -361,8 +364,7 @@ class StageProcess:
     def _send(self, channel: Channel, frame: Frame) -> None:
         start, before = time.perf_counter(), channel.stats.bytes_sent
         channel.send(frame)
-        end = time.perf_counter()
-        self.stats.send_s += end - start
+        self.stats.send_s += (end := time.perf_counter()) - start
         self.stats.bytes_sent += channel.stats.bytes_sent - before
         self.stats.event("send", start, end, frame.microbatch)
 

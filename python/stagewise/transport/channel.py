@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from stagewise.transport.frame import Frame
@@ -33,6 +34,10 @@ class Channel(abc.ABC):
     """The peer's hello (its stage indices, role, fingerprint)."""
     peer_name: str = "the peer"
     """The peer in messages: its address or rank and, after the hello, its stage indices."""
+    warm: Callable[[Frame], object] | None = None
+    """The receiver's own handling of a frame, run on a copy of the last small frame received
+    when the next one is due, so that its code and data are in the caches when it comes (a link
+    that paces its waits calls it: the shm ring; others never). It must change nothing."""
 
     def __init__(self) -> None:
         self.stats = ChannelStats()

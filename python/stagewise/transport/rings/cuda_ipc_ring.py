@@ -244,12 +244,12 @@ class CudaIpcRing(HostRing):
 
     # ---- reader ----------------------------------------------------------------
 
-    def acquire(self, timeout: float | None = None) -> torch.Tensor:
+    def acquire(self, timeout: float | None = None, on_due=None) -> torch.Tensor:
         """Wait (host) for the next message; the current stream waits (GPU) for its bytes. Returns them
-        as a CUDA uint8 tensor view of the slot."""
+        as a CUDA uint8 tensor view of the slot. ``on_due``: as for ShmRing."""
         if self._acquired is not None:
             raise RuntimeError(f"stagewise.CudaIpcRing.acquire: ring {self.name!r} already has an acquired message")
-        slot, nbytes = self._wait("acquire", self._acquire_fn, timeout)
+        slot, nbytes = self._acquire_slot(timeout, on_due)
         _ops.cuda_ring_wait(self._buf, self._ready, (self._received + 1) & 0xFFFFFFFF)
         self._acquired = slot
         return self._slots[slot][:nbytes]

@@ -7,7 +7,9 @@ the slots themselves. One process writes, the other reads; messages are byte str
 ``slot_bytes`` long, delivered in order.
 
 Waiting: a full ring makes the writer wait (back-pressure), an empty one the reader; both spin for
-``spin_us`` then sleep on a futex, so an idle stage uses no CPU. ``timeout=None`` waits forever
+``spin_us`` then sleep on a futex, so an idle stage uses no CPU. The reader also paces its waits
+by how long it waited for the last messages: it sleeps until shortly before the next is due and
+spins from then (``include/stagewise/ring.h``), and may run ``on_due`` meanwhile. ``timeout=None`` waits forever
 (Ctrl-C still interrupts within ~0.1 s); a timeout raises :class:`TimeoutError`. Either side's
 ``close()`` ends the ring for the other: the reader first gets the messages already committed,
 then :class:`RingClosedError`; a peer process that dies without closing is noticed by a waiter
@@ -34,7 +36,11 @@ from stagewise.transport.rings.segment import Segment, check_name, create_segmen
 RING_OPS = ("ring_bytes", "ring_init", "ring_attach", "ring_info", "ring_reserve", "ring_commit",
             "ring_acquire", "ring_release", "ring_close")  # fmt: skip
 
-TIMED_OUT, CLOSED = -1, -2  # results of the ring ops besides a slot index (kRingTimedOut, kRingClosed)
+TIMED_OUT, CLOSED, DUE = -1, -2, -3  # results of the ring ops besides a slot index (kRingTimedOut, ...)
+DUE_EVERY_US = 300
+"""While a message is due, a reader with ``on_due`` runs it this often: a stage's caches, warmed
+once, are cold again within a millisecond or two of its neighbour's step (measured: a small
+frame's decode takes ~100 us after one warming at the window's start, ~40 us warmed this often)."""
 _WAIT_CHUNK_US = 100_000  # a long wait returns to Python this often (signals, Ctrl-C)
 
 _ops = torch.ops.stagewise
@@ -65,13 +71,33 @@ class HostRing:
 
     def _bind(self, reserve, commit, acquire, release, *ring) -> None:
         self._reserve_fn, self._commit_fn = partial(reserve, *ring), partial(commit, *ring)
-        self._acquire_fn, self._release_fn = partial(acquire, *ring), partial(release, *ring)
+        self._acquire_due_fn, self._release_fn = partial(acquire, *ring), partial(release, *ring)
+        self._acquire_fn = lambda timeout_us: acquire(*ring, timeout_us, 0)  # noqa: E731
 
     def use_torch_ops(self) -> None:
         """Go through the torch ops (the dispatcher) instead of the extension's direct functions;
         same C++ underneath, about 5 us more a call: for tests of the ops and the benchmark that
-        prices the dispatcher."""
-        self._bind(_ops.ring_reserve, _ops.ring_commit, _ops.ring_acquire, _ops.ring_release, self._segment.tensor)
+        prices the dispatcher. (The op has no ``return_when_due``: ``on_due`` is not called.)"""
+        self._bind(_ops.ring_reserve, _ops.ring_commit, lambda ring, timeout_us, _due: _ops.ring_acquire(ring, timeout_us),
+                   _ops.ring_release, self._segment.tensor)
+
+    def _acquire_slot(self, timeout: float | None, on_due) -> tuple[int, int]:
+        """(slot, nbytes) of the next message; ``on_due()`` is called when the wait slept until the
+        message was due (the consumer's pacing, ``include/stagewise/ring.h``), then every
+        :data:`DUE_EVERY_US` of spinning while it stays due: the moments to warm the caches for it."""
+        if on_due is None:
+            return self._wait("acquire", self._acquire_fn, timeout)
+        due = [False]
+
+        def acquire(timeout_us: int):
+            result = self._acquire_due_fn(min(timeout_us, DUE_EVERY_US) if due[0] else timeout_us, 1)
+            if result[0] != DUE:
+                return result
+            due[0] = True
+            on_due()
+            return TIMED_OUT, 0  # _wait calls again, unless the deadline passed
+
+        return self._wait("acquire", acquire, timeout)
 
     @staticmethod
     def unique_name(prefix: str = "stagewise") -> str:
@@ -115,6 +141,14 @@ class HostRing:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    @property
+    def pacing(self) -> tuple[float | None, bool]:
+        """The consumer's pacing (``include/stagewise/ring.h``): the wait it expects for its next
+        message, in seconds (None until two messages kept it waiting), and whether it is waiting."""
+        info = _ops.ring_info(self._segment.tensor)
+        expected = min(info[11], info[12])
+        return (expected / 1e9 if expected > 0 else None), bool(info[13])
 
     @property
     def closed(self) -> bool:

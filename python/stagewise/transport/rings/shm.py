@@ -7,7 +7,9 @@ with one copy (:func:`~stagewise.transport.codec.prepare_frame`) and are decoded
 receiver's tensors are **views of the slot**, valid until its next ``recv`` (the slot is released
 then). A frame larger than a slot goes over the TCP channel, announced by a marker in the ring so
 that order is kept. The TCP channel stays open beside the ring: the reverse direction uses it,
-and its EOF, like the ring's own check, tells that the peer is gone.
+and its EOF, like the ring's own check, tells that the peer is gone. With ``warm`` set, the
+receiver runs its handling of the last small frame again when the next is due
+(:attr:`~stagewise.transport.channel.Channel.warm`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from stagewise.transport.rings.host_ring import RingClosedError
 from stagewise.transport.rings.link import RingLink
 from stagewise.transport.rings.shm_ring import ShmRing
 
+WARM_BYTES = 64 << 10
+"""Frames up to this size are kept (copied) for warming the receiving path; a decode step's is a
+few KB, a prompt's larger and not worth the copy."""
 BIG_FRAME = b"SWBIG"
 """A ring message saying: the next frame comes over the TCP channel (it did not fit a slot)."""
 
@@ -38,6 +43,7 @@ class ShmChannel(RingLink):
         super().__init__(tcp, ring, sending=sending)
         self.checksum, self.verify_checksum, self.max_payload_bytes = checksum, verify_checksum, max_payload_bytes
         self._pending = None  # a slot acquired by poll(), not yet returned by recv()
+        self._last: bytearray | None = None  # the last small frame's bytes, for warm()
 
     # ---- setup ---------------------------------------------------------------------
 
@@ -117,6 +123,8 @@ class ShmChannel(RingLink):
                 self.stats.bad_frames += 1
                 self._release()
                 raise
+            if self.warm is not None and len(view) <= WARM_BYTES:
+                self._last = bytearray(view)
         self.stats.frames_received += 1
         self.stats.bytes_received += frame.payload_bytes
         return frame
@@ -127,15 +135,27 @@ class ShmChannel(RingLink):
             view, self._pending = self._pending, None
             return view
         self._release()  # the previous frame's tensors end here
+        on_due = None if self.warm is None or self._last is None else self._warm
         while True:
             try:
-                view = self.ring.acquire(None if deadline is None else max(0.0, deadline - time.perf_counter()))
+                view = self.ring.acquire(None if deadline is None else max(0.0, deadline - time.perf_counter()),
+                                         on_due=on_due)
             except RingClosedError as err:
                 raise ChannelClosed(f"stagewise.transport: {self.peer_name} closed or died ({err})") from None
             if len(view) == 0:  # a slot the sender gave back empty
                 self.ring.release()
                 continue
             return view
+
+    def _warm(self) -> None:
+        """The next frame is due: run the receiving path on the last one's bytes (decode, then the
+        owner's ``warm``), which a stage's step left cold in the caches. A frame the owner refuses
+        is not warmed again."""
+        try:
+            self.warm(decode_frame(memoryview(self._last), verify_checksum=self.verify_checksum,
+                                   max_payload_bytes=self.max_payload_bytes, copy=False))
+        except Exception:  # noqa: BLE001 - the frame itself was refused when it came; warming is optional
+            self._last = None
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         """True when a frame is ready. On the receiving end this ends the previous frame's

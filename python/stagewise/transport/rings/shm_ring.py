@@ -93,11 +93,12 @@ class ShmRing(HostRing):
 
     # ---- reader ----------------------------------------------------------------
 
-    def acquire(self, timeout: float | None = None) -> memoryview:
-        """Wait for the next message and return a read-only view of it (valid until :meth:`release`)."""
+    def acquire(self, timeout: float | None = None, on_due=None) -> memoryview:
+        """Wait for the next message and return a read-only view of it (valid until :meth:`release`).
+        ``on_due()``: called while the message is due and has not come (see HostRing)."""
         if self._acquired is not None:
             raise RuntimeError(f"stagewise.ShmRing.acquire: ring {self.name!r} already has an acquired message")
-        slot, nbytes = self._wait("acquire", self._acquire_fn, timeout)
+        slot, nbytes = self._acquire_slot(timeout, on_due)
         view = self._readonly_slots[slot][:nbytes]
         self._acquired = (slot, view)
         return view
