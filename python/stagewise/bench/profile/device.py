@@ -8,9 +8,9 @@ node profile measures too (:mod:`stagewise.measure`) and those only this suite m
 - transports: latency (half a 64-byte round trip) and bandwidth (one 16 MiB message one way)
   per transport in :data:`TRANSPORTS`; each entry is one function, so a new transport (shared
   memory ring, torch.distributed) adds one row. On a CPU, ``tcp`` and ``shm`` are the pipeline's
-  own links (:func:`stagewise.bench.profile.runtime.measure_link`: real channels between two
-  processes, frames as the stages send them), and the PP link is the one the pipeline picks by
-  default on one host (shm);
+  own links as a stage's step crosses them (:func:`stagewise.bench.profile.hop.measure_hop`:
+  protocol, codec and waking included, caches cold), and the PP link is the one the pipeline
+  picks by default on one host (shm);
 - CPU only, the TP link (``links["tp"]``, also taken for ``ep``): all-reduces and all-gathers of
   float32 tensors (2 KiB - 1 MiB) in the TP group of a stage of two rank processes on this host,
   joined as the runtime joins it, fitted to the planner's ring formulas
@@ -143,11 +143,12 @@ def measure_profile(device: str, *, quick: bool = False, log=print) -> dict:
     if not is_cuda:
         from stagewise.bench.profile import framework
         from stagewise.bench.profile import runtime as rt
+        from stagewise.bench.profile.hop import measure_hop
         from stagewise.measure import primitives
 
         for name in ("tcp", "shm"):  # the pipeline's links replace the plain-socket figure
             try:
-                transports[name] = rt.measure_link(name)
+                transports[name] = measure_hop(name)
                 log(f"  pipeline link {name}: latency {transports[name]['latency_s'] * 1e6:.1f} us, "
                     f"bandwidth {transports[name]['bandwidth'] / 1e9:.2f} GB/s")
             except OSError as err:

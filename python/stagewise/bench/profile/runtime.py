@@ -3,12 +3,8 @@ profile`; the primitives a node profile measures too are :mod:`stagewise.measure
 Each is measured apart from any end-to-end run (the planner's validation compares against those;
 nothing here looks at them):
 
-- ``links``: one-way latency and bandwidth of the real pipeline transports
-  (``stagewise.transport`` tcp and shm channels, checksum on as the pipeline runs them) between
-  two processes: frames of a float32 hidden tensor carry their send time (CLOCK_MONOTONIC,
-  shared by the processes of a host), the receiver takes the difference after decoding; paced
-  so that no frame queues. Latency = the small frame's time minus its bytes at the fitted
-  bandwidth; bandwidth from the slope between the small and the large frame.
+- the pipeline's links are measured apart, as a stage's step crosses them
+  (:mod:`stagewise.bench.profile.hop`);
 - the TP link is measured apart (:mod:`stagewise.bench.profile.tp`).
 - ``concurrency``: seconds of one pass of the Q4_1 decode over 64 MiB of weights (beyond the
   caches) at the pace 1, 2, ... single-thread processes keep when they run it at once (spawned,
@@ -32,8 +28,6 @@ import torch
 
 from stagewise.measure.primitives import QUANT_SHAPE, random_blocks
 
-LINK_SIZES = (2304, 1 << 20)  # bytes of the hidden tensor: a SmolLM2-sized decode row, and 1 MiB
-LINK_FRAMES = 60
 
 
 class StepWork:
@@ -139,62 +133,3 @@ def background_load(seconds: float = 1.0, samples: int = 50) -> float:
             return 0.0
         time.sleep(seconds / samples)
     return statistics.mean(values)
-
-
-# ---- pipeline links -------------------------------------------------------------------------
-
-def _link_peer(kind: str, port: int, conn) -> None:
-    """The receiving end: reports one-way times (receive time minus the frame's send stamp)."""
-    torch.set_num_threads(1)
-    from stagewise.transport import Hello, tcp
-    from stagewise.transport.rings import upgrade_accepted
-
-    hello = Hello(fingerprint="bench/profile", stage_from=0, stage_to=1)
-    ch = tcp.connect("127.0.0.1", port, hello=hello, timeout=60)
-    ch = upgrade_accepted(ch)  # continues on the transport the other end names
-    times: dict[int, list[float]] = {}
-    while True:
-        f = ch.recv(timeout=60)
-        now = time.perf_counter()
-        ctl = f.control or {}
-        if ctl.get("stop"):
-            break
-        times.setdefault(int(ctl["n"]), []).append(now - float(ctl["t"]))
-    conn.send({n: statistics.median(v[3:]) for n, v in times.items()})
-    ch.close()
-
-
-def measure_link(kind: str) -> dict:
-    """One-way time of frames of :data:`LINK_SIZES` bytes over the pipeline's ``kind`` link."""
-    from stagewise.transport import Frame, Hello, StepKind, tcp
-    from stagewise.transport.rings import upgrade_dialled
-
-    hello = Hello(fingerprint="bench/profile", stage_from=0, stage_to=1)
-    lis = tcp.listen(hello=hello)
-    parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=_link_peer, args=(kind, lis.address[1], child), daemon=True)
-    proc.start()
-    try:
-        ch = upgrade_dialled(lis.accept(120), kind)
-        lis.close()
-        for n in LINK_SIZES:
-            hidden = torch.randn(n // 4 // 64, 64)
-            for _ in range(LINK_FRAMES + 3):
-                ch.send(Frame(step_kind=StepKind.DECODE, tensors={"hidden": hidden},
-                              control={"n": n, "t": time.perf_counter()}))
-                time.sleep(0.002 + n / 2e9)
-        ch.send(Frame(step_kind=StepKind.CONTROL, control={"stop": True}))
-        got = parent.recv() if parent.poll(60) else None
-        ch.close()
-    finally:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
-    if got is None:
-        raise OSError(f"bench profile: the {kind} link peer reported nothing")
-    small, big = LINK_SIZES
-    t_small, t_big = got[small], got[big]
-    bandwidth = (big - small) / max(t_big - t_small, 1e-9)
-    latency = max(t_small - small / bandwidth, 0.0)
-    return {"latency_s": latency, "bandwidth": bandwidth, "one_way_s": {str(k): v for k, v in got.items()},
-            "what": f"stagewise.transport {kind} link between two processes, checksum on, one-way by timestamps"}
