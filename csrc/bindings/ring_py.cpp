@@ -69,7 +69,7 @@ PyObject* py_ring_commit(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
-// ring_acquire(addr, size, timeout_us, return_when_due) -> (slot | -1 | -2 | -3 due, nbytes)
+// ring_acquire(addr, size, timeout_us, due_mode) -> (slot | -1 | -2 | -3 due, nbytes)
 PyObject* py_ring_acquire(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   int64_t a[4];
   if (!parse_i64(args, nargs, 4, "ring_acquire", a)) return nullptr;
@@ -80,7 +80,7 @@ PyObject* py_ring_acquire(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (a[2] == 0) {
     slot = cpu::ring_acquire(h, 0, &nbytes);
   } else {
-    Py_BEGIN_ALLOW_THREADS slot = cpu::ring_acquire(h, a[2], &nbytes, a[3] != 0);
+    Py_BEGIN_ALLOW_THREADS slot = cpu::ring_acquire(h, a[2], &nbytes, static_cast<int>(a[3]));
     Py_END_ALLOW_THREADS
   }
   return Py_BuildValue("(LK)", static_cast<long long>(slot), static_cast<unsigned long long>(nbytes));
@@ -106,7 +106,7 @@ PyMethodDef methods[] = {
     {"ring_commit", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_ring_commit)),
      METH_FASTCALL, "ring_commit(addr, size, slot, nbytes)"},
     {"ring_acquire", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_ring_acquire)),
-     METH_FASTCALL, "ring_acquire(addr, size, timeout_us, return_when_due) -> (slot or -1/-2/-3, nbytes)"},
+     METH_FASTCALL, "ring_acquire(addr, size, timeout_us, due_mode) -> (slot or -1/-2/-3, nbytes)"},
     {"ring_release", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_ring_release)),
      METH_FASTCALL, "ring_release(addr, size, slot)"},
     {nullptr, nullptr, 0, nullptr},

@@ -135,11 +135,12 @@ int64_t sleep_until(RingHeader* h, std::atomic<uint32_t>* seq, std::atomic<uint3
 // `ready` is checked first, so a consumer drains the committed messages of a
 // closed ring (ring_reserve checks `closed` itself). The waiter sleeps, spins
 // over its window (`paced`: the consumer's, else spin_ns from now), then sleeps.
-// With return_when_due it returns kRingDue when it slept until its paced window
-// began, and when its timeout ends inside that window (the message still due).
+// With a due_mode it returns kRingDue when it slept until its paced window
+// began, and when its timeout ends inside that window (the message still due);
+// with kDueAtOnce also at once when called inside the window.
 template <typename Ready>
 int64_t wait_for(RingHeader* h, std::atomic<uint32_t>* seq, std::atomic<uint32_t>* sleeping,
-                 int64_t timeout_us, Ready ready, bool paced, bool return_when_due = false) {
+                 int64_t timeout_us, Ready ready, bool paced, int due_mode = 0) {
   if (ready()) return 1;
   if (h->closed.load(std::memory_order_acquire)) return ready() ? 1 : kRingClosed;
   if (timeout_us == 0) return kRingTimedOut;
@@ -148,10 +149,11 @@ int64_t wait_for(RingHeader* h, std::atomic<uint32_t>* seq, std::atomic<uint32_t
                                        : start + std::chrono::microseconds(timeout_us);
   SpinWindow spin{start, start + std::chrono::nanoseconds(h->spin_ns)};
   if (paced) spin = paced_window(h, start, spin);
+  if (due_mode == kDueAtOnce && spin.paced && spin.from <= start) return kRingDue;  // due already
   if (spin.from > start) {  // the message is not due yet
     const int64_t r = sleep_until(h, seq, sleeping, std::min(spin.from, deadline), ready);
     if (r != 0) return r;
-    if (return_when_due && spin.from <= deadline) return kRingDue;
+    if (due_mode != 0 && spin.from <= deadline) return kRingDue;
   }
   for (int i = 0;; ++i) {
     if (ready()) return 1;
@@ -162,7 +164,7 @@ int64_t wait_for(RingHeader* h, std::atomic<uint32_t>* seq, std::atomic<uint32_t
     }
     const auto now = Clock::now();
     if (now >= spin.until) break;
-    if (now >= deadline) return return_when_due && spin.paced ? kRingDue : kRingTimedOut;  // still due
+    if (now >= deadline) return due_mode != 0 && spin.paced && now >= spin.from ? kRingDue : kRingTimedOut;
     // Yield rather than burn: when the peer waits for a CPU (more runnable
     // processes than cores), it may be the one queued behind this spinner.
     sched_yield();
@@ -268,11 +270,11 @@ RingStatus ring_commit(RingHeader* h, int64_t slot, uint64_t nbytes) {
   return RingStatus::kOk;
 }
 
-int64_t ring_acquire(RingHeader* h, int64_t timeout_us, uint64_t* nbytes, bool return_when_due) {
+int64_t ring_acquire(RingHeader* h, int64_t timeout_us, uint64_t* nbytes, int due_mode) {
   const uint64_t tail = h->tail.load(std::memory_order_relaxed);  // ours
   auto has_data = [&] { return h->head.load(std::memory_order_acquire) != tail; };
   const int64_t r =
-      wait_for(h, &h->data_seq, &h->consumer_sleeping, timeout_us, has_data, true, return_when_due);
+      wait_for(h, &h->data_seq, &h->consumer_sleeping, timeout_us, has_data, true, due_mode);
   if (r != 1) return r;
   record_arrival(h, tail);
   const int64_t slot = static_cast<int64_t>(tail % h->num_slots);

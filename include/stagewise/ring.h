@@ -27,9 +27,9 @@
 // [kRingPaceMinNs, kRingPaceMaxNs]: at most 4 ms of spinning per message, and a
 // message that comes early still wakes the sleeper. Waking a process that sleeps
 // costs ~100-200 us on a virtual machine's idle vCPU, a spinning one a few; that
-// is what the spin buys. With return_when_due, ring_acquire returns kRingDue
-// when the spin window begins after a sleep, and when a short timeout ends the
-// spin inside it, so that the consumer can keep its caches warm for the message
+// is what the spin buys. With a due mode, ring_acquire returns kRingDue when
+// the spin window begins (or has begun) and when a short timeout ends the spin
+// inside it, so that the consumer can keep its caches warm for the message
 // (run the code that will read it) while it is due.
 //
 // Either side may close the ring (closed = 1): the consumer still drains the
@@ -58,9 +58,14 @@ inline constexpr uint32_t kRingExternalSlots = 1;  // the segment holds no slot 
 // Results of ring_reserve / ring_acquire besides a slot index (>= 0).
 inline constexpr int64_t kRingTimedOut = -1;
 inline constexpr int64_t kRingClosed = -2;
-// ring_acquire with return_when_due: the message is due and has not come (the
+// ring_acquire with a due mode: the message is due and has not come (the
 // consumer's pacing, below): the caller may make ready for it, then call again.
 inline constexpr int64_t kRingDue = -3;
+// ring_acquire's due modes: kDueAtOnce returns kRingDue when the wait slept
+// until the message was due, or at once if it already is; kDueAfter spins in
+// the window for the timeout first (the call after a kRingDue).
+inline constexpr int kDueAtOnce = 1;
+inline constexpr int kDueAfter = 2;
 
 // Results of the checks of ring_commit / ring_release.
 enum class RingStatus : int32_t {
@@ -137,9 +142,9 @@ int64_t ring_reserve(RingHeader* h, int64_t timeout_us);
 RingStatus ring_commit(RingHeader* h, int64_t slot, uint64_t nbytes);
 
 // Consumer: waits up to timeout_us for a message; returns its slot (and its
-// size in *nbytes), kRingTimedOut or kRingClosed (closed and drained); with
-// return_when_due, kRingDue while the message is due (see above).
-int64_t ring_acquire(RingHeader* h, int64_t timeout_us, uint64_t* nbytes, bool return_when_due = false);
+// size in *nbytes), kRingTimedOut or kRingClosed (closed and drained); with a
+// due_mode (kDueAtOnce, kDueAfter), kRingDue while the message is due (above).
+int64_t ring_acquire(RingHeader* h, int64_t timeout_us, uint64_t* nbytes, int due_mode = 0);
 // Consumer: gives the acquired slot back to the producer.
 RingStatus ring_release(RingHeader* h, int64_t slot);
 

@@ -362,6 +362,35 @@ def test_the_reader_paces_its_waits_and_an_early_message_still_wakes_it(pair):
     assert ops.ring_info(writer._segment.tensor)[11:13] == ops.ring_info(reader._segment.tensor)[11:13]
 
 
+def test_on_due_runs_while_the_message_is_due_and_not_before(pair):
+    # Messages every 60 ms teach the reader its rhythm; the next one comes 5 ms late, inside the
+    # spin window (an eighth of 60 ms either side): on_due runs from the window's start, every
+    # DUE_EVERY_US while the reader spins, and never before the window nor after the message.
+    writer, reader = pair
+    sent: list[float] = []
+
+    def write(gaps):
+        for gap in gaps:
+            time.sleep(gap)
+            sent.append(time.perf_counter())
+            writer.send(b"x")
+
+    thread = threading.Thread(target=write, args=([0.06] * 5 + [0.065],))
+    thread.start()
+    calls: list[float] = []
+    for i in range(6):
+        start = time.perf_counter()
+        reader.acquire(timeout=5, on_due=lambda: calls.append(time.perf_counter()))
+        got = time.perf_counter()
+        reader.release()
+        if i < 5:
+            calls.clear()
+    thread.join()
+    assert len(calls) >= 5, f"on_due ran {len(calls)} times while the message was due"
+    assert start + 0.045 < calls[0] and calls[-1] < got
+    assert all(b - a < 0.005 for a, b in zip(calls, calls[1:]))  # every DUE_EVERY_US, give or take
+
+
 # ---- the torch ops on a plain tensor -------------------------------------------------
 
 

@@ -9,8 +9,8 @@ the slots themselves. One process writes, the other reads; messages are byte str
 Waiting: a full ring makes the writer wait (back-pressure), an empty one the reader; both spin for
 ``spin_us`` then sleep on a futex, so an idle stage uses no CPU. The reader also paces its waits
 by how long it waited for the last messages: it sleeps until shortly before the next is due and
-spins from then (``include/stagewise/ring.h``), and may run ``on_due`` meanwhile. ``timeout=None`` waits forever
-(Ctrl-C still interrupts within ~0.1 s); a timeout raises :class:`TimeoutError`. Either side's
+spins from then (``include/stagewise/ring.h``), and may run ``on_due`` meanwhile. ``timeout=None``
+waits forever (Ctrl-C still interrupts within ~0.1 s); a timeout raises :class:`TimeoutError`. Either side's
 ``close()`` ends the ring for the other: the reader first gets the messages already committed,
 then :class:`RingClosedError`; a peer process that dies without closing is noticed by a waiter
 within ~20 ms.
@@ -37,6 +37,7 @@ RING_OPS = ("ring_bytes", "ring_init", "ring_attach", "ring_info", "ring_reserve
             "ring_acquire", "ring_release", "ring_close")  # fmt: skip
 
 TIMED_OUT, CLOSED, DUE = -1, -2, -3  # results of the ring ops besides a slot index (kRingTimedOut, ...)
+DUE_AT_ONCE, DUE_AFTER = 1, 2  # ring_acquire's due modes (kDueAtOnce, kDueAfter)
 DUE_EVERY_US = 300
 """While a message is due, a reader with ``on_due`` runs it this often: a stage's caches, warmed
 once, are cold again within a millisecond or two of its neighbour's step (measured: a small
@@ -77,9 +78,10 @@ class HostRing:
     def use_torch_ops(self) -> None:
         """Go through the torch ops (the dispatcher) instead of the extension's direct functions;
         same C++ underneath, about 5 us more a call: for tests of the ops and the benchmark that
-        prices the dispatcher. (The op has no ``return_when_due``: ``on_due`` is not called.)"""
-        self._bind(_ops.ring_reserve, _ops.ring_commit, lambda ring, timeout_us, _due: _ops.ring_acquire(ring, timeout_us),
-                   _ops.ring_release, self._segment.tensor)
+        prices the dispatcher. (The op has no due mode: ``on_due`` is not called.)"""
+        self._bind(_ops.ring_reserve, _ops.ring_commit,
+                   lambda ring, timeout_us, _due_mode: _ops.ring_acquire(ring, timeout_us), _ops.ring_release,
+                   self._segment.tensor)
 
     def _acquire_slot(self, timeout: float | None, on_due) -> tuple[int, int]:
         """(slot, nbytes) of the next message; ``on_due()`` is called when the wait slept until the
@@ -90,10 +92,13 @@ class HostRing:
         due = [False]
 
         def acquire(timeout_us: int):
-            result = self._acquire_due_fn(min(timeout_us, DUE_EVERY_US) if due[0] else timeout_us, 1)
-            if result[0] != DUE:
+            if due[0]:  # spin a while, then say whether it is still due
+                result = self._acquire_due_fn(min(timeout_us, DUE_EVERY_US), DUE_AFTER)
+            else:
+                result = self._acquire_due_fn(timeout_us, DUE_AT_ONCE)
+            due[0] = result[0] == DUE  # else a message, or its window passed: wait on as usual
+            if not due[0]:
                 return result
-            due[0] = True
             on_due()
             return TIMED_OUT, 0  # _wait calls again, unless the deadline passed
 
