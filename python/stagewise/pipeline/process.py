@@ -320,8 +320,8 @@ class StageProcess:
     def _serve_head(self, head: Head) -> None:
         """Requests and cancellations from the driver; every idle group's step through stage 0's
         layers, sent on; the sampled tokens that come back; events and status to the driver."""
-        if self.links.feedback is not None:  # warmed while the tokens are due (Channel.warm)
-            self.links.feedback.warm = lambda frame: protocol.from_frame(frame, None)
+        if self.links.feedback is not None:
+            self.links.feedback.warm = head.read
         while True:
             for msg in self._driver_messages():
                 head.on_message(msg)
@@ -340,14 +340,14 @@ class StageProcess:
             if frame is None:
                 continue
             try:
-                for out in head.on_feedback(protocol.from_frame(frame, None)):
+                for out in head.on_feedback(head.read(frame)):
                     self._send(self.links.downstream, out)
             except ValueError as err:  # a ProtocolError, or tokens of a step not in flight
                 self._reject(f"(feedback step {frame.step_id}): {err}")
 
     def _serve_worker(self, worker: Worker) -> None:
         routes = {Route.DOWNSTREAM: self.links.downstream, Route.FEEDBACK: self.links.feedback}
-        self.links.upstream.warm = lambda frame: protocol.from_frame(frame, worker.shape)  # see Channel.warm
+        self.links.upstream.warm = worker.read
         while True:
             self._driver_messages()
             frame = self._recv(self.links.upstream, timeout=0.05)

@@ -131,6 +131,12 @@ class Head:
                 yield protocol.to_frame(step, stage_from=0, stage_to=1)
         yield from self._frees()
 
+    @staticmethod
+    def read(frame: Frame) -> protocol.Message:
+        """The message of a frame on the feedback link (ProtocolError when it does not fit); pure,
+        so also what the link runs to warm its path while the tokens are due (Channel.warm)."""
+        return protocol.from_frame(frame, None)
+
     def on_feedback(self, msg: Tokens | StepFailed) -> list[Frame]:
         """The last stage's answer to a step; returns frames for stage 1 (frees)."""
         if isinstance(msg, Tokens):
@@ -199,9 +205,14 @@ class Worker:
         self._out = Route.FEEDBACK if self.is_last else Route.DOWNSTREAM
         self._num_layers = len(executor.model.layers)
 
+    def read(self, frame: Frame) -> protocol.Message:
+        """The message of a frame from the previous stage (ProtocolError when it does not fit); pure,
+        so also what the upstream link runs to warm its path while a step is due (Channel.warm)."""
+        return protocol.from_frame(frame, self.shape)
+
     def handle(self, frame: Frame) -> list[tuple[Route, Frame]]:
         """The frames to send for one received frame (ProtocolError when it does not fit)."""
-        msg = protocol.from_frame(frame, self.shape)
+        msg = self.read(frame)
         if isinstance(msg, Free):
             self.executor.free(msg.request_ids)
             return [] if self.is_last else [(Route.DOWNSTREAM, self._to_next(msg))]
