@@ -26,7 +26,7 @@ import torch
 from stagewise.engine.params import sampling_keywords
 from stagewise.frontend.image_processing import expand_prompts, prepare_prompt_images
 from stagewise.frontend.local import LocalBackend
-from stagewise.frontend.prompts import encode_prompts, render_chat
+from stagewise.frontend.prompts import check_lengths, encode_prompts, render_chat
 from stagewise.frontend.run import Completion, Run, sampling_per_prompt
 from stagewise.frontend.text import TextStreams
 from stagewise.model.loader import Checkpoint, open_checkpoint, resolve_device, resolve_dtype
@@ -45,7 +45,7 @@ class Pipeline:
                  device: str = "cpu", dtype: str = "auto",
                  max_num_seqs: int = 32, max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                  max_num_tokens: int | None = None, max_prefill_tokens: int = 8192, tpot_target_ms: float | None = None,
-                 load_progress: Callable[[int, int, int], None] | None = None,
+                 prefix_cache: bool = True, load_progress: Callable[[int, int, int], None] | None = None,
                  quantized: bool | None = None, linear_precision: str = "exact", max_restarts: int = 0,
                  rejoin: bool = True, max_image_pixels: int | None = None, **parallel_options: Any) -> None:
         """``load_progress(done, total, nbytes)`` follows the weight reading (see
@@ -65,6 +65,8 @@ class Pipeline:
         chunks over several steps (chunked prefill), other requests decoding in the same steps.
         ``tpot_target_ms``: a time per output token the running requests keep while new prompts
         start; those wait or run in chunks (:mod:`stagewise.engine.pacing`). None: they start at once.
+        ``prefix_cache``: a prompt whose beginning earlier requests computed starts after their KV
+        blocks, on every stage (:mod:`stagewise.engine.prefix_cache`); False: from its first token.
 
         ``max_image_pixels``: larger input images are refused (default: 2 ** 28 pixels).
 
@@ -91,7 +93,7 @@ class Pipeline:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Pipeline: {name} must be an int >= 1, got {value!r}")
-        for problem in option_problems({"tpot_target_ms": tpot_target_ms}):
+        for problem in option_problems({"tpot_target_ms": tpot_target_ms, "prefix_cache": prefix_cache}):
             raise ValueError(f"Pipeline: {problem}")
         dev = resolve_device(device, here=launch_options.get("launcher") != "ray")  # Ray's nodes have the GPUs
         if linear_precision == "int8" and dev.type != "cpu":
@@ -106,7 +108,8 @@ class Pipeline:
                                 dev.type, dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
                                 tp=tp, dcp=dcp, pcp=pcp, launch=launch_options, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
-                                tpot_target_ms=tpot_target_ms, kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens, quantized=quantized,
+                                tpot_target_ms=tpot_target_ms, prefix_cache=prefix_cache, kv_cache_bytes=kv_cache_bytes,
+                                max_num_tokens=max_num_tokens, quantized=quantized,
                                 linear_precision=linear_precision, **pipeline_options)
             self._restart = Restart(plan, self._new_driver, launcher=launch_options,
                                     auth_token=pipeline_options.get("auth_token"), rejoin=max_restarts > 0 and rejoin,
@@ -123,7 +126,8 @@ class Pipeline:
             engine = Engine.for_model(stage, device=dev, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
                                       max_num_tokens=max_num_tokens, max_prefill_tokens=max_prefill_tokens,
-                                      tpot_target_s=None if tpot_target_ms is None else tpot_target_ms / 1e3)
+                                      prefix_cache=prefix_cache, tpot_target_s=None if tpot_target_ms is None
+                                      else tpot_target_ms / 1e3)
             self._backend = LocalBackend(engine)
         self.load_s = time.perf_counter() - start
 
@@ -345,16 +349,17 @@ class Pipeline:
         return out
 
     def status(self) -> dict[str, int]:
-        """The scheduler's status: ``waiting`` (queue depth), ``running`` (active user rows),
-        ``max_num_seqs``, ``free_blocks`` and ``total_blocks`` of the KV pool. With stages, the
-        latest report of stage 0 (every stage mirrors its pool)."""
+        """``waiting`` (queue depth), ``running`` (active user rows), ``max_num_seqs``, and of the KV
+        pool ``free_blocks`` (``cached_blocks`` of them the prefix cache keeps), ``total_blocks`` and
+        ``evicted_blocks``; with stages, stage 0's latest report (every stage mirrors its pool)."""
         if self._backend is None:
             raise ValueError("Pipeline.status: the pipeline is closed")
-        if self.driver is not None:
-            return dict(self.driver.status)
-        st = self._backend.engine.status()
-        return {"waiting": st.waiting, "running": st.running, "max_num_seqs": st.max_num_seqs,
-                "free_blocks": st.free_blocks, "total_blocks": st.total_blocks}
+        return dict(self.driver.status) if self.driver is not None else \
+            dataclasses.asdict(self._backend.engine.status())
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix: later requests compute theirs again (running ones go on)."""
+        self._backend.reset_prefix_cache()
 
     def write_trace(self, path) -> None:
         """The stages' timeline of the last generate() call as a Chrome trace (Perfetto): one
@@ -382,13 +387,7 @@ class Pipeline:
     def check_lengths(self, encoded: list[list[int]], params: list) -> None:
         """Every prompt whose tokens plus max_new_tokens exceed max_model_len, named at once
         (an error rather than a silent clamp: the caller asked for tokens the model cannot hold)."""
-        length = self.max_model_len
-        over = [f"prompt {i} has {len(ids)} tokens + max_new_tokens {p.max_new_tokens} = "
-                f"{len(ids) + p.max_new_tokens}" for i, (ids, p) in enumerate(zip(encoded, params))
-                if ids and len(ids) + p.max_new_tokens > length]
-        if over:
-            raise ValueError(f"Pipeline.generate: more tokens than the model length {length} allows: "
-                             + "; ".join(over[:8]) + (f"; and {len(over) - 8} more" if len(over) > 8 else ""))
+        check_lengths(encoded, params, self.max_model_len)
 
     def _encode(self, prompts, prompt_token_ids, chat: bool, image_counts: list[int] | None = None) -> list[list[int]]:
         return encode_prompts(self.tokenizer, prompts, prompt_token_ids, chat=chat, render=self.render_chat,

@@ -16,7 +16,7 @@ from stagewise.engine.handoff import KVHandoff, KVShard, merge_handoffs, split_h
 from stagewise.engine.params import SamplingParams
 from stagewise.model.collectives import StageGroups
 from stagewise.model.stage import load_stage
-from stagewise.pipeline import protocol
+from stagewise.pipeline import handoff_frames
 from stagewise.pipeline.protocol import ProtocolError
 from stagewise.transport import decode_frame, encode_frame
 
@@ -72,7 +72,7 @@ def test_the_shares_of_every_rank_merge_back_into_the_whole(layout):
     assert torch.equal(merged.k, whole.k) and torch.equal(merged.v, whole.v)
     assert merged.sampling == whole.sampling
     # through the wire codec, as a KV_HANDOFF frame each
-    frames = [protocol.handoff_from_frame(decode_frame(encode_frame(protocol.handoff_frame(s, stage=2))))
+    frames = [handoff_frames.handoff_from_frame(decode_frame(encode_frame(handoff_frames.handoff_frame(s, stage=2))))
               for s in shares]
     assert [f.shard for f in frames] == [s.shard for s in shares]
     assert torch.equal(merge_handoffs(frames).k, whole.k)
@@ -95,14 +95,14 @@ def test_a_missing_or_foreign_share_is_named():
                   shard=shares[0].shard)
     with pytest.raises(ValueError, match="kv_heads .* within the model's 2"):
         KVShard(kv_heads=(1, 3), num_kv_heads=2)
-    frame = protocol.handoff_frame(shares[0], stage=1)
+    frame = handoff_frames.handoff_frame(shares[0], stage=1)
     frame.control["shard"]["cp_rank"] = 5
     with pytest.raises(ProtocolError, match=r"control\['shard'\]: KVShard: cp_rank 5 of cp_world_size 2"):
-        protocol.handoff_from_frame(frame)
-    frame = protocol.handoff_frame(shares[0], stage=1)
+        handoff_frames.handoff_from_frame(frame)
+    frame = handoff_frames.handoff_frame(shares[0], stage=1)
     frame.token_index = 52  # the share holds the positions of 53 tokens
     with pytest.raises(ProtocolError, match="tensors 'k'/'v'"):
-        protocol.handoff_from_frame(frame)
+        handoff_frames.handoff_from_frame(frame)
 
 
 class _Sized:

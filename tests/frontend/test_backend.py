@@ -17,7 +17,7 @@ METHODS = [name for name, member in vars(Backend).items() if inspect.isfunction(
 
 
 def test_the_protocol_names_what_a_run_calls():
-    assert sorted(METHODS) == ["abort", "add", "cancel", "close", "poll", "take_tokens"]
+    assert sorted(METHODS) == ["abort", "add", "cancel", "close", "poll", "reset_prefix_cache", "take_tokens"]
 
 
 @pytest.mark.parametrize("backend", [LocalBackend, PipelineDriver, Recovering])

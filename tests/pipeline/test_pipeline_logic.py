@@ -21,7 +21,7 @@ from stagewise.engine.executor import Executor
 from stagewise.engine.params import SamplingParams
 from stagewise.model.stage import load_stage
 from stagewise.parallel import StagePlan
-from stagewise.pipeline import protocol
+from stagewise.pipeline import handoff_frames, protocol
 from stagewise.pipeline.messages import Add, Cancel
 from stagewise.pipeline.protocol import ProtocolError, Step, StepFailed
 from stagewise.pipeline.roles import Head, Route, Worker
@@ -77,8 +77,20 @@ def requests(n: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
     return out
 
 
-def run_engine(folder, reqs) -> dict[int, tuple[list[int], str]]:
-    engine = Engine(executor(folder, 0, 5), max_num_seqs=MAX_NUM_SEQS)
+def shared_prefix_requests(n: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
+    """:func:`requests` whose prompts begin with one of three prefixes (up to 4 blocks), some of them
+    the whole prompt of an earlier request: prefix-cache hits of every length."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 101) for _ in range(k)] for k in (5, 9, 16)]
+    out = []
+    for i, (prompt, params) in enumerate(requests(n, seed)):
+        base = prefixes[i % 3] if i % 4 else prefixes[(i + 1) % 3] + prompt[:3]
+        out.append((base + prompt[: rng.randint(0, 5)] if i % 5 else list(base), params))
+    return out
+
+
+def run_engine(folder, reqs, prefix_cache: bool = True, engine: Engine | None = None) -> dict[int, tuple[list[int], str]]:
+    engine = engine or Engine(executor(folder, 0, 5), max_num_seqs=MAX_NUM_SEQS, prefix_cache=prefix_cache)
     for rid, (prompt, params) in enumerate(reqs):
         engine.add_request(rid, prompt, params)
     results = {}
@@ -89,19 +101,30 @@ def run_engine(folder, reqs) -> dict[int, tuple[list[int], str]]:
     return results
 
 
+def make_stages(folder, ranges, **engine_options) -> tuple[Head, list[Worker]]:
+    n = len(ranges)
+    head = Head(Engine(executor(folder, *ranges[0]), max_num_seqs=MAX_NUM_SEQS, num_groups=n, **engine_options))
+    return head, [Worker(executor(folder, a, b), index=i, num_stages=n) for i, (a, b) in enumerate(ranges[1:], 1)]
+
+
+def pool_state(pool) -> tuple:
+    """The order a pool hands blocks out in: its free stack, then its cached blocks (eviction order)."""
+    return tuple(pool._free), tuple(pool._cached), tuple(pool._refs)
+
+
 def wire(frame):
     """A frame as the next process sees it: encoded, checksummed and decoded by the codec."""
     return decode_frame(encode_frame(frame))
 
 
 def run_pipeline(folder, reqs, ranges, cancel_at: dict[int, int], seed: int, max_prefill_tokens: int = 8192,
-                 tpot_target_s: float | None = None):
+                 tpot_target_s: float | None = None, stages: tuple[Head, list[Worker]] | None = None):
     """Stage i's inbox holds the frames sent to it (0: the feedback link); each round delivers the
-    oldest frame of a random non-empty inbox."""
+    oldest frame of a random non-empty inbox. At the end every stage's block pool must be in the
+    same state as stage 0's (prefix caching names block ids that must mean the same everywhere)."""
     n = len(ranges)
-    head = Head(Engine(executor(folder, *ranges[0]), max_num_seqs=MAX_NUM_SEQS, num_groups=n,
-                       max_prefill_tokens=max_prefill_tokens, tpot_target_s=tpot_target_s))
-    workers = [Worker(executor(folder, a, b), index=i, num_stages=n) for i, (a, b) in enumerate(ranges[1:], 1)]
+    head, workers = stages or make_stages(folder, ranges, max_prefill_tokens=max_prefill_tokens,
+                                          tpot_target_s=tpot_target_s)
     inbox = [collections.deque() for _ in range(n)]
     for rid, (prompt, params) in enumerate(reqs):
         head.on_message(Add(request_id=rid, prompt_ids=prompt, params=params))
@@ -130,8 +153,11 @@ def run_pipeline(folder, reqs, ranges, cancel_at: dict[int, int], seed: int, max
     for r in events.done if events else []:
         results[r.request_id] = (r.token_ids, r.finish_reason)
     # Every stage forgot every request: KV blocks back in the pool, no sampling state left.
+    pools = {}
     for ex in [head.engine.executor] + [w.executor for w in workers]:
         assert all(m.num_used_blocks == 0 for m in ex.managers) and not ex.requests
+        for m in ex.managers:  # each pool of a window (full attention: None) as stage 0's of that window
+            assert pool_state(m.pool) == pools.setdefault(m.window, pool_state(m.pool)), m.window
     status = head.engine.status()
     assert status.free_blocks == status.total_blocks
     return results
@@ -261,13 +287,69 @@ def test_kv_handoff_moves_a_request_between_two_stage_instances(folder):
         tokens += out
         engine.complete(0, step.step_id, [0], out)
         if len(tokens) == 4:  # move mid-generation
-            frame = wire(protocol.handoff_frame(first.export_request(0), stage=1))
+            frame = wire(handoff_frames.handoff_frame(first.export_request(0), stage=1))
             first.free([0])
-            second.import_request(protocol.handoff_from_frame(frame))
+            second.import_request(handoff_frames.handoff_from_frame(frame))
             stage = second
     assert tokens == expected
     with pytest.raises(ValueError, match="holds layers"):
-        executor(folder, 1, 5, num_blocks=8).import_request(protocol.handoff_from_frame(frame))
+        executor(folder, 1, 5, num_blocks=8).import_request(handoff_frames.handoff_from_frame(frame))
     with pytest.raises(ProtocolError, match="expected a KV_HANDOFF frame"):
-        protocol.handoff_from_frame(wire(protocol.to_frame(protocol.Free(request_ids=[1]), stage_from=0, stage_to=1)))
+        handoff_frames.handoff_from_frame(wire(protocol.to_frame(protocol.Free(request_ids=[1]), stage_from=0, stage_to=1)))
 
+
+# ---- prefix caching ----------------------------------------------------------------------------
+
+def test_shared_prefixes_are_computed_once_and_change_no_token(folder):
+    """Prompts that begin with the same blocks (some the whole prompt of an earlier request), in
+    one process and over 2 and 3 stages with cancellations, chunks of 3 tokens (hits in the middle
+    of chunked prompts) and a TPOT target: every token is the uncached engine's, and later requests
+    start after cached blocks (a model with a sliding window caches nothing)."""
+    reqs = shared_prefix_requests(18, seed=12)
+    expected = run_engine(folder, reqs, prefix_cache=False)
+    engine = Engine(executor(folder, 0, 5), max_num_seqs=MAX_NUM_SEQS)
+    assert run_engine(folder, reqs, engine=engine) == expected
+    windowed = engine.prefix is None
+    assert windowed or engine.prefix.stats.hit_tokens >= 8 * BLOCK
+    for ranges, options, cancel in (([(0, 2), (2, 5)], {}, {3: 9}),
+                                    ([(0, 1), (1, 4), (4, 5)], dict(max_prefill_tokens=3), {5: 12}),
+                                    ([(0, 3), (3, 4), (4, 5)], dict(tpot_target_s=1e-6), {})):
+        head, workers = make_stages(folder, ranges, **options)
+        got = run_pipeline(folder, reqs, ranges, cancel, seed=len(ranges), stages=(head, workers))
+        assert_runs_equal(got, expected, len(reqs))
+        assert windowed or head.engine.prefix.stats.hit_tokens >= 4 * BLOCK
+
+
+def test_a_step_failed_on_one_stage_resets_every_pool_before_the_next_hit(folder):
+    """A step that fails on stage 2 (after stage 0 and 1 ran it) leaves the pools out of step: no
+    hit until no request holds KV, then every stage's pools reset together, and a second wave of
+    requests hits the blocks the reset pools cache anew, with the uncached engine's tokens."""
+    ranges = [(0, 2), (2, 4), (4, 5)]
+    head, workers = make_stages(folder, ranges)
+    model = workers[1].executor.model
+    forward, calls = model.forward, []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("injected failure")
+        return forward(*args, **kwargs)
+
+    model.forward = failing_once
+    resets = []
+    for ex in [head.engine.executor] + [w.executor for w in workers]:
+        ex.reset_kv = lambda reset=ex.reset_kv: (resets.append(1), reset())
+    first, second = shared_prefix_requests(12, seed=21), shared_prefix_requests(8, seed=22)
+    got = run_pipeline(folder, first, ranges, {}, seed=1, stages=(head, workers))
+    failed = {rid for rid, (_, reason) in got.items() if reason == "error"}
+    expected = run_engine(folder, first, prefix_cache=False)
+    assert failed and all(got[rid] == expected[rid] for rid in got if rid not in failed)
+    if not resets:  # no moment without a running request until the end: the reset goes out now
+        list(map(wire, head.launch()))
+        for worker in workers:
+            worker.handle(wire(protocol.to_frame(protocol.ResetKV(), stage_from=0, stage_to=worker.index)))
+    assert len(resets) == 3 and not head.engine.kv_reset_due
+    hits = 0 if head.engine.prefix is None else head.engine.prefix.stats.hit_tokens
+    got = run_pipeline(folder, second, ranges, {}, seed=2, stages=(head, workers))
+    assert got == run_engine(folder, second, prefix_cache=False)
+    assert head.engine.prefix is None or head.engine.prefix.stats.hit_tokens > hits

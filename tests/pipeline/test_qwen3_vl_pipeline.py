@@ -242,3 +242,27 @@ def test_stages_started_apart_take_images_through_attach(dense, tmp_path):
         assert run.returncode == 0, log
     finally:
         StageProcesses([run]).stop(grace_s=0.1)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_cached_prefix_with_an_image_is_reused_only_for_the_same_image(request, stages):
+    """Text, an image, then text, over blocks of 16 tokens. The same prompt and image again starts
+    after every block but the last token's; the same text with another image only after the blocks
+    before the image's first token (an image's placeholders are the same tokens for any image of
+    its size: its content is part of a block's identity). Tokens and logprobs are transformers'."""
+    folder, _, _ = request.getfixturevalue("dense")
+    hf = build("dense")  # the same seed as the saved model
+    ids = [30 + i for i in range(20)] + [START, IMAGE, END] + [60 + i for i in range(20)]
+    first, other = _image(37, 29, 0), _image(37, 29, 5)
+    runs = [first, first, other]
+    with stagewise.Pipeline(str(folder), stages=stages, max_model_len=128) as pipe:
+        got = [pipe.generate(prompt_token_ids=[ids], images=[[im]], max_new_tokens=NEW, ignore_eos=True,
+                             logprobs=3)[0] for im in runs]
+    expanded = got[0].prompt_token_ids
+    n, before_image = len(expanded), expanded.index(IMAGE) // 16 * 16
+    assert before_image == 16 and n > 48
+    assert [c.cached_tokens for c in got] == [0, (n - 1) // 16 * 16, before_image]
+    for c, im in zip(got, runs):
+        tokens, logprobs = hf_greedy(hf, folder, ids, [im], NEW)
+        assert c.token_ids == tokens
+        assert_logprobs_close(c, logprobs, atol=1e-4)

@@ -71,7 +71,7 @@ def tiny_models(tmp_path_factory):
                     p.add_(torch.randn_like(p) * 0.1)
             folder = tmp_path_factory.mktemp(name)
             hf.save_pretrained(folder)
-            prompts = _prompts(5, seed=1)
+            prompts = _prompts(5, seed=1, longest=70)  # some over a 32-position block (dcp or pcp 2)
             with stagewise.Pipeline(str(folder), max_model_len=128, max_num_seqs=8) as single:
                 greedy = single.generate(prompt_token_ids=prompts, max_new_tokens=NEW, ignore_eos=True, logprobs=0)
                 sampled = single.generate(prompt_token_ids=prompts, max_new_tokens=NEW, ignore_eos=True, **SAMPLED)
@@ -83,6 +83,8 @@ def tiny_models(tmp_path_factory):
 
 
 def _check_against_single(pipe, tiny) -> None:
+    """The single process's tokens and logprobs; the second call's prompts start after the blocks
+    the first call left cached (a block: 16 positions on each context-parallel rank), on every rank."""
     folder, prompts, greedy, sampled, logprobs = tiny
     outs = pipe.generate(prompt_token_ids=prompts, max_new_tokens=NEW, ignore_eos=True, logprobs=0)
     assert [c.token_ids for c in outs] == greedy
@@ -91,6 +93,8 @@ def _check_against_single(pipe, tiny) -> None:
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, (got, want)
     outs = pipe.generate(prompt_token_ids=prompts, max_new_tokens=NEW, ignore_eos=True, **SAMPLED)
     assert [c.token_ids for c in outs] == sampled
+    block = 16 * pipe.plan.dcp * pipe.plan.pcp
+    assert [c.cached_tokens for c in outs] == [(len(p) - 1) // block * block for p in prompts]
 
 
 def _cancel_some_then_check(pipe, tiny) -> None:

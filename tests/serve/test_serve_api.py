@@ -52,8 +52,12 @@ def test_chat_greedy_is_the_pipelines_answer(client, pipe):
     assert choice["message"] == {"role": "assistant", "content": want.text}
     assert "Paris" in want.text
     assert choice["finish_reason"] == {"stop": "stop", "length": "length"}[want.finish_reason]
-    assert body["usage"] == {"prompt_tokens": len(want.prompt_token_ids), "completion_tokens": len(want.token_ids),
-                             "total_tokens": len(want.prompt_token_ids) + len(want.token_ids)}
+    # The same prompt ran just before: its full blocks (16 tokens each) but the last token's come
+    # from the prefix cache.
+    n = len(want.prompt_token_ids)
+    assert body["usage"] == {"prompt_tokens": n, "completion_tokens": len(want.token_ids),
+                             "total_tokens": n + len(want.token_ids),
+                             "prompt_tokens_details": {"cached_tokens": (n - 1) // 16 * 16}}
 
 
 def test_completion_logprobs_are_the_pipelines(client, pipe):
@@ -234,6 +238,29 @@ def test_metrics_count_what_was_served(client):
     for name in ("stagewise_time_to_first_token_seconds_count", "stagewise_e2e_request_latency_seconds_count",
                  "stagewise_kv_blocks_free", "stagewise_requests_running"):
         assert name in text
+
+
+def test_a_repeated_prompt_is_cached_until_the_cache_is_reset(pipe):
+    """A prompt sent twice: the second answer's usage counts its cached tokens, and so do the
+    metrics; after POST /v1/reset_prefix_cache (behind the API key) nothing is found cached."""
+    prompt = "The history of the city begins with a small market by the river, " * 4
+
+    def value(page: str, name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines() if line.startswith(name))
+
+    key = {"Authorization": "Bearer sekrit"}
+    with TestClient(build_app(pipe, model_name=MODEL, api_key="sekrit")) as c:
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+        cached = [c.post("/v1/completions", json=body, headers=key).json()["usage"]["prompt_tokens_details"]
+                  ["cached_tokens"] for _ in range(2)]
+        page = c.get("/metrics").text
+        assert c.post("/v1/reset_prefix_cache").status_code == 401
+        assert c.post("/v1/reset_prefix_cache", headers=key).json() == {"status": "ok"}
+        after = c.post("/v1/completions", json=body, headers=key).json()["usage"]
+    n = after["prompt_tokens"]
+    assert cached[1] == (n - 1) // 16 * 16 > 0 and after["prompt_tokens_details"]["cached_tokens"] == 0
+    assert value(page, "stagewise_prefix_cache_hit_tokens_total") >= cached[1]
+    assert value(page, "stagewise_prefix_cache_blocks") >= n // 16
 
 
 def test_api_key(pipe):

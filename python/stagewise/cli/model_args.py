@@ -35,6 +35,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_restarts: int = 0, 
                         help="a time per output token, in milliseconds, that running requests keep while new "
                              "prompts start: those wait, or run in chunks, for what the running ones can spare "
                              "(default: none, prompts start as soon as they fit)")
+    parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                        help="compute every prompt from its first token (default: a prompt's beginning that "
+                             "earlier requests computed reuses their KV, on every stage)")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
                         help="most tokens (prompt + generated) per request; default: the model's")
     pp = parser.add_argument_group("pipeline (stages as processes)")
@@ -117,6 +120,9 @@ def model_problems(args: argparse.Namespace) -> list[str]:
     if args.plan and args.max_prefill_tokens != 8192:
         problems.append("--max-prefill-tokens is the scheduler's of stage 0; with --plan give max_prefill_tokens "
                         "in the plan")
+    if args.plan and not args.prefix_cache:
+        problems.append("--no-prefix-cache is the scheduler's of stage 0; with --plan give prefix_cache: false in "
+                        "the plan")
     if args.plan and args.tpot_target is not None:
         problems.append("--tpot-target is the scheduler's of stage 0; with --plan give tpot_target_ms in the plan")
     if (why := tpot_target_problem(args.tpot_target, "--tpot-target")) is not None:
@@ -238,7 +244,7 @@ def _load(args: argparse.Namespace, prog: str):
                             device=args.device, dtype=args.dtype,
                             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                             max_prefill_tokens=args.max_prefill_tokens, tpot_target_ms=args.tpot_target,
-                            load_progress=bar,
+                            prefix_cache=args.prefix_cache, load_progress=bar,
                             linear_precision=args.linear_precision, **options)
         finally:  # before any message, so that the bar's line is finished first
             if bar is not None:

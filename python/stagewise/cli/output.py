@@ -53,7 +53,7 @@ def completion_json(c, *, index: int | None = None, line: int | None = None) -> 
     out: dict[str, Any] = {} if index is None else {"index": index}
     if line is not None:
         out["line"] = line
-    out.update(text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason)
+    out.update(text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason, cached_tokens=c.cached_tokens)
     if c.error:
         out["error"] = c.error
     if c.logprobs is not None:

@@ -15,6 +15,7 @@ ends is listed by :meth:`Engine.take_freed` when other stages hold its KV.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import torch
 from stagewise.engine.executor import Executor, RanksOutOfStep, Sampled, model_dtype
 from stagewise.engine.images import ImageInputs, VisionRequest, prepare_images
 from stagewise.engine.pacing import TpotPacer
+from stagewise.engine.prefix_cache import PrefixCaching
 from stagewise.engine.requests import RequestOutput, Requests
 from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.engine.scheduler import GroupedScheduler, ScheduledStep, SchedulerStatus
@@ -56,10 +58,12 @@ class Engine:
     """Generates for many requests at once; the executor holds stage 0's layers (or all)."""
 
     def __init__(self, executor: Executor, *, max_num_seqs: int = 32, num_groups: int = 1,
-                 max_prefill_tokens: int = 8192, tpot_target_s: float | None = None) -> None:
+                 max_prefill_tokens: int = 8192, tpot_target_s: float | None = None, prefix_cache: bool = True) -> None:
         """``tpot_target_s``: a time per output token the running requests keep while new prompts
         are prefilled beside them (:mod:`stagewise.engine.pacing`); None: prompts run as soon as
-        rows, blocks and ``max_prefill_tokens`` allow."""
+        rows, blocks and ``max_prefill_tokens`` allow. ``prefix_cache``: reuse the KV of prompt
+        beginnings already computed (:mod:`stagewise.engine.prefix_cache`; not for a model with a
+        sliding window)."""
         if not executor.is_first:
             raise ValueError("Engine: the executor must hold the model's first layer (stage 0)")
         cfg = executor.model.config
@@ -75,23 +79,29 @@ class Engine:
                                                             max_model_len=self.max_model_len)) for w in windows]
         budget = KVBudget(pools, block_size=executor.block_size, max_blocks_per_seq=theirs.max_blocks_per_seq,
                           cp_world_size=theirs.cp_world_size)
+        self._vision: dict[Hashable, VisionRequest] = {}
+        """Requests with images: their images, 3-D rope positions and rope delta."""
+        self.prefix = PrefixCaching(theirs, self._vision.get) if prefix_cache and windows == [None] else None
+        """Stage 0's prefix cache; None when off."""
+        self.kv_reset_due = False
+        """A step failed on some stages (or ranks) only: their pools reset when no request holds KV."""
         self.scheduler = GroupedScheduler(budget, num_groups=num_groups, max_num_seqs=max_num_seqs,
-                                          max_model_len=self.max_model_len, max_prefill_tokens=max_prefill_tokens)
+                                          max_model_len=self.max_model_len, max_prefill_tokens=max_prefill_tokens,
+                                          cached=None if self.prefix is None else self.prefix.lookup)
         self.requests = Requests(vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids,
                                  max_model_len=self.max_model_len)
         self.inflight: dict[int, tuple[int, ScheduledStep]] = {}
         """group -> (step_id, its scheduled step), while the step is in the pipeline."""
         self._next_step_id = 0
         self._freed: list[Hashable] = []
-        self._vision: dict[Hashable, VisionRequest] = {}
-        """Requests with images: their images, 3-D rope positions and rope delta."""
         self.pacer = None if tpot_target_s is None else TpotPacer(tpot_target_s)
 
     @classmethod
     def for_model(cls, model: StageModel, *, device: torch.device | str = "cpu",
                   max_num_seqs: int = 32, max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                   max_num_tokens: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE, num_groups: int = 1,
-                  max_prefill_tokens: int = 8192, tpot_target_s: float | None = None) -> Engine:
+                  max_prefill_tokens: int = 8192, tpot_target_s: float | None = None,
+                  prefix_cache: bool = True) -> Engine:
         """An engine over ``model`` with a KV cache sized by ``kv_cache_bytes`` or
         ``max_num_tokens`` (at most one; default: see :func:`stagewise.kv.cache.num_cache_blocks`)."""
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -105,7 +115,7 @@ class Engine:
         executor = Executor(model, num_blocks=blocks, block_size=block_size, max_model_len=max_model_len,
                             device=device, max_num_seqs=max_num_seqs)
         return cls(executor, max_num_seqs=max_num_seqs, num_groups=num_groups, max_prefill_tokens=max_prefill_tokens,
-                   tpot_target_s=tpot_target_s)
+                   tpot_target_s=tpot_target_s, prefix_cache=prefix_cache)
 
     @property
     def num_groups(self) -> int:
@@ -147,7 +157,16 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def status(self) -> SchedulerStatus:
-        return self.scheduler.status()
+        st = self.scheduler.status()
+        if self.prefix is None:
+            return st
+        return dataclasses.replace(st, cached_blocks=self.executor.manager.pool.num_cached,
+                                   evicted_blocks=self.prefix.stats.evicted_blocks)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (the blocks stay in the pool until taken); how many blocks
+        were named. Requests running on go on."""
+        return 0 if self.prefix is None else self.prefix.reset()
 
     def take_freed(self) -> list[Hashable]:
         """Requests that ended since the last call: every later stage must free their KV."""
@@ -166,6 +185,7 @@ class Engine:
         request), when the executor holds every layer; returns the requests that ended."""
         if not self.executor.is_last:
             raise ValueError("Engine.step: the executor holds stage 0 only; run launch() and complete()")
+        self.reset_kv_if_due()
         done: list[RequestOutput] = []
         for group in self.idle_groups_with_work():
             launched, ended = self.launch(group)
@@ -190,7 +210,7 @@ class Engine:
         if scheduled.empty:
             return None, done
         sampling = {c.seq.request_id: SamplingRequest.of(self.requests.params(c.seq.request_id), c.seq.prompt_ids)
-                    for c in scheduled.prefills if c.start == 0}
+                    for c in scheduled.prefills if c.first}
         try:
             batch = self._batch(scheduled)
             output = self.executor.run(batch, sampling)
@@ -198,6 +218,7 @@ class Engine:
             raise  # the stage itself is broken: not one step's failure
         except Exception as err:  # noqa: BLE001 - a failed step ends its requests, not the engine
             message = f"stage 0 step failed: {type(err).__name__}: {err}"
+            self._out_of_step()
             return None, done + [self._end(s.request_id, "error", message) for s in scheduled.seqs]
         step_id, self._next_step_id = self._next_step_id, self._next_step_id + 1
         self.inflight[group] = (step_id, scheduled)
@@ -215,6 +236,13 @@ class Engine:
         if list(request_ids) != expected:
             raise ValueError(f"Engine.complete: step {step_id} carries requests {list(request_ids)[:8]}, "
                              f"expected {expected[:8]}")
+        if self.prefix is not None:  # the step's KV is written on every stage: its full blocks can be found
+            for chunk in scheduled.prefills:
+                if chunk.seq.request_id in self.requests:
+                    self.prefix.written(chunk.seq, chunk.start + chunk.length)
+            for seq in scheduled.decodes:
+                if seq.request_id in self.requests:
+                    self.prefix.written(seq, len(seq.prompt_ids) + len(seq.output_ids))
         ended = self.requests.record(seqs, tokens, logprobs)
         if self.pacer is not None:
             self.pacer.ended(group, time.perf_counter())
@@ -225,7 +253,25 @@ class Engine:
         scheduled = self._take(group, step_id)
         if self.pacer is not None:
             self.pacer.ended(group, None)
+        self._out_of_step()
         return [self._end(s.request_id, "error", message) for s in scheduled.seqs if s.request_id in self.requests]
+
+    def _out_of_step(self) -> None:
+        self.kv_reset_due = True
+        if self.prefix is not None:
+            self.prefix.out_of_step()
+
+    def reset_kv_if_due(self) -> bool:
+        """After a step failed on some stages only, once no request holds KV and no step is in
+        flight: every pool of this stage (and its other ranks) as new. True when it reset, and the
+        later stages must too (``ResetKV``, after the frees of :meth:`take_freed`)."""
+        if not self.kv_reset_due or self.inflight or any(g.running for g in self.scheduler.groups):
+            return False
+        self.executor.reset_kv()
+        self.kv_reset_due = False
+        if self.prefix is not None:
+            self.prefix.resumed()
+        return True
 
     def _budget(self, group: int, now: float) -> tuple[int | None, int | None]:
         """The prompt tokens and new requests the pacer allows the next step (None: no limit)."""
@@ -259,9 +305,13 @@ class Engine:
             tokens.append(seq.output_ids[-1]), positions.append(pos + (0 if vision is None else vision.delta))
         device = self.executor.device
         positions = int_tensor(positions, device=device)
+        hits = None
+        if any(c.first and c.seq.prefix_blocks for c in scheduled.prefills):
+            hits = tuple(c.seq.prefix_blocks if c.first else () for c in scheduled.prefills)
+            hits += ((),) * len(scheduled.decodes)
         return StepBatch(request_ids=ids, num_prefills=len(scheduled.prefills), query_lens=lens, context_lens=ctx,
-                         positions=positions, token_ids=int_tensor(tokens, device=device),
-                         last_chunk=last, **self._image_fields(scheduled, positions))
+                         positions=positions, token_ids=int_tensor(tokens, device=device), last_chunk=last,
+                         prefix_blocks=hits, **self._image_fields(scheduled, positions))
 
     def _image_fields(self, scheduled: ScheduledStep, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """When a prefill chunk of the step belongs to a prompt with images: every row's 3-D
@@ -278,13 +328,14 @@ class Engine:
             if vision is not None:
                 start, n = chunk.start, chunk.length
                 mrope[:, offset:offset + n] = vision.positions[:, start:start + n].to(device)
-                if vision.features is None:
+                if vision.features is None and bool((vision.token_index >= start).any()):  # (not all cached)
                     vision.features = self.executor.model.image_features(vision.images.pixel_values.to(device),
                                                                          vision.images.image_grid_thw.to(device))
-                at, e, d = vision.chunk_features(start, n)
-                rows.append(at.to(device) + offset)
-                embeds.append(e)
-                deepstack.append(d)
+                if vision.features is not None:
+                    at, e, d = vision.chunk_features(start, n)
+                    rows.append(at.to(device) + offset)
+                    embeds.append(e)
+                    deepstack.append(d)
                 if chunk.last:
                     vision.features = None
             offset += chunk.length
@@ -300,6 +351,8 @@ class Engine:
         through :meth:`take_freed`, on the other stages."""
         out = self.requests.finish(request_id, reason, error)
         self._vision.pop(request_id, None)
+        if self.prefix is not None:
+            self.prefix.forget(request_id)
         self.scheduler.finish(request_id)
         self.executor.free([request_id])
         if not self.executor.is_last:

@@ -68,6 +68,8 @@ class Mirror(Protocol):
 
     def free(self, request_ids: Sequence[Hashable]) -> None: ...
 
+    def reset_kv(self) -> None: ...
+
 
 class Executor:
     """One rank's share of a model and of its KV cache.
@@ -139,15 +141,22 @@ class Executor:
         ``sampling`` describes the requests that start in this step (the last stage's leader keeps
         it until the request is freed). On an error the step's new requests are forgotten, and the
         exception propagates."""
-        added = []
+        added, pinned, hits = [], {}, batch.prefix_blocks
         try:
+            if hits is not None:  # every shared block held before the step takes any (taking may evict)
+                for i, blocks in enumerate(hits):
+                    if blocks:
+                        pinned[i] = self._pin(batch.request_ids[i], batch.context_lens[i], blocks)
             for i, (rid, ctx, n) in enumerate(zip(batch.request_ids, batch.context_lens, batch.query_lens)):
-                if i < batch.num_prefills and ctx == 0:
+                if i < batch.num_prefills and (ctx == 0 or i in pinned):
                     if rid in self.manager:
                         raise ValueError(f"request {rid!r} starts a prefill but already has KV here")
                     added.append(rid)
+                    holds = pinned.get(i, [])
                     for m in self.managers:
-                        m.add(rid, n)
+                        m.add(rid, ctx + n, prefix=hits[i] if holds else ())
+                        if holds:
+                            holds.remove(m)  # the request holds them now
                 else:
                     have = self.manager.num_tokens(rid) if rid in self.manager else None
                     if have != ctx:
@@ -183,8 +192,26 @@ class Executor:
                 return out
             return self._sample(out, [self._sampling[rid] for rid in batch.sampled_ids()])
         except Exception:
+            for i, holds in pinned.items():
+                for m in holds:
+                    m.unshare(hits[i])
             self.free(added)
             raise
+
+    def _pin(self, rid: Hashable, ctx: int, blocks: tuple[int, ...]) -> list[KVCacheManager]:
+        """Hold a starting request's cached prefix in every group; returns the managers holding it."""
+        if ctx != len(blocks) * self.manager.tokens_per_block:
+            raise ValueError(f"request {rid!r} starts after {len(blocks)} cached blocks, at position {ctx}")
+        holds = []
+        try:
+            for m in self.managers:
+                m.share(blocks)
+                holds.append(m)
+        except Exception:
+            for m in holds:
+                m.unshare(blocks)
+            raise
+        return holds
 
     def _sample(self, logits: torch.Tensor, entries: list[_Sampling]) -> Sampled:
         if not entries:  # only chunks that more of their prompts follow
@@ -199,6 +226,14 @@ class Executor:
                 if e.history is not None:
                     e.history.append(token)
         return Sampled(tokens=tokens, logprobs=logprobs)
+
+    def reset_kv(self) -> None:
+        """Every block free, no cached ones, as in a new executor (no request may hold KV): what
+        puts the stages' pools back in step after a step failed on some of them."""
+        if self.mirror is not None:
+            self.mirror.reset_kv()
+        for m in self.managers:
+            m.reset()
 
     def free(self, request_ids: Sequence[Hashable]) -> None:
         """Forget requests that ended (unknown ids are ignored: a request may end before it

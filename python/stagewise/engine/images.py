@@ -57,6 +57,10 @@ class VisionRequest:
     """Its images, for the vision tower."""
     token_index: torch.Tensor
     """``[N]`` int64: the prompt indices of its image placeholder tokens, in order."""
+    tokens_per_image: tuple[int, ...]
+    """Placeholder tokens of each image (one run each, in order)."""
+    digests: tuple[tuple[int, int, bytes], ...] | None = None
+    """Per image, once prefix caching asked: its tokens' span ``[start, end)`` and its content hash."""
     features: tuple[torch.Tensor, torch.Tensor] | None = None
     """The vision tower's output while the prompt is being prefilled: the image tokens' embeddings
     ``[N, hidden]`` and DeepStack features ``[levels, N, hidden]``; None before and after."""
@@ -106,4 +110,5 @@ def prepare_images(config: ModelConfig, request_id: Hashable, prompt_ids: list[i
     if images is None or images.num_images == 0:
         return None  # text only: every axis at the token's index, as without M-RoPE
     index = (torch.tensor(prompt_ids, dtype=torch.int64) == v.image_token_id).nonzero().flatten()
-    return VisionRequest(positions=positions, delta=delta, images=images, token_index=index)
+    return VisionRequest(positions=positions, delta=delta, images=images, token_index=index,
+                         tokens_per_image=tuple(merged_tokens(images.image_grid_thw, v.spatial_merge_size)))

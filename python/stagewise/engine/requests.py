@@ -40,6 +40,8 @@ class RequestOutput:
     first_token_s: float | None = None
     """time.perf_counter() when its first token was sampled (None: it produced none)."""
     finish_s: float = 0.0
+    cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache (not computed again)."""
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
@@ -149,4 +151,5 @@ class Requests:
         seq = req.seq
         return RequestOutput(request_id=request_id, prompt_ids=seq.prompt_ids, token_ids=list(seq.output_ids),
                              finish_reason=reason, error=error, logprobs=req.logprobs, arrival_s=req.arrival_s,
-                             first_token_s=req.first_token_s, finish_s=time.perf_counter())
+                             first_token_s=req.first_token_s, finish_s=time.perf_counter(),
+                             cached_tokens=seq.cached_tokens)

@@ -41,6 +41,10 @@ class SeqState:
     num_prefilled: int = 0
     """Prompt tokens scheduled into steps so far (chunked prefill); the prompt is prefilled when
     this reaches ``len(prompt_ids)``."""
+    cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache when it was admitted: its first chunk starts there."""
+    prefix_blocks: tuple[int, ...] = ()
+    """The cached blocks holding them, which its first step shares."""
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -65,6 +69,11 @@ class PrefillChunk:
     def last(self) -> bool:
         """Whether the chunk ends the prompt (its request samples a token after it)."""
         return self.start + self.length == len(self.seq.prompt_ids)
+
+    @property
+    def first(self) -> bool:
+        """Whether the chunk starts the request (after its cached prefix, if any)."""
+        return self.start == self.seq.cached_tokens
 
 
 @dataclass(kw_only=True, slots=True)
@@ -103,15 +112,22 @@ class SchedulerStatus:
     max_num_seqs: int
     free_blocks: int
     total_blocks: int
+    cached_blocks: int = 0
+    """Of the free blocks, those whose KV the prefix cache keeps (stage 0's pool)."""
+    evicted_blocks: int = 0
+    """Cached blocks taken back for new KV since the engine started."""
 
 
 class Scheduler:
     """FIFO admission into a fixed number of rows, KV blocks counted by one :class:`KVBudget`."""
 
     def __init__(self, budget: KVBudget, *, max_num_seqs: int, max_model_len: int,
-                 max_prefill_tokens: int = 8192, pool_busy_elsewhere: Callable[[], bool] | None = None) -> None:
+                 max_prefill_tokens: int = 8192, pool_busy_elsewhere: Callable[[], bool] | None = None,
+                 cached: Callable[[SeqState], int] | None = None) -> None:
         """``pool_busy_elsewhere`` tells whether others hold blocks of the same pool (microbatch
-        groups of a pipeline): a prompt that does not fit then waits instead of failing."""
+        groups of a pipeline): a prompt that does not fit then waits instead of failing.
+        ``cached``: how many of an admitted request's prompt tokens are in the prefix cache
+        (:mod:`stagewise.engine.prefix_cache`); its prefill starts after them."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                             ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -127,6 +143,7 @@ class Scheduler:
         self.running: dict[Hashable, SeqState] = {}  # in admission order
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._busy_elsewhere = pool_busy_elsewhere or (lambda: False)
+        self._cached = cached
 
     # ---- requests ------------------------------------------------------------
 
@@ -207,6 +224,8 @@ class Scheduler:
             admit -= 1
             seq.row = self._free_rows.pop()
             self.running[seq.request_id] = seq
+            if self._cached is not None:
+                seq.num_prefilled = self._cached(seq)
             budget -= self._chunk(step, seq, budget)
         return step
 
@@ -227,7 +246,7 @@ class GroupedScheduler:
     The ``max_num_seqs`` rows are dealt out to the groups as evenly as possible."""
 
     def __init__(self, budget: KVBudget, *, num_groups: int, max_num_seqs: int, max_model_len: int,
-                 max_prefill_tokens: int = 8192) -> None:
+                 max_prefill_tokens: int = 8192, cached: Callable[[SeqState], int] | None = None) -> None:
         if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
             raise ValueError(f"GroupedScheduler: num_groups must be an int >= 1, got {num_groups!r}")
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -240,7 +259,7 @@ class GroupedScheduler:
         for g in range(num_groups):
             self.groups.append(Scheduler(budget, max_num_seqs=base + (g < extra), max_model_len=max_model_len,
                                          max_prefill_tokens=max_prefill_tokens,
-                                         pool_busy_elsewhere=lambda g=g: self._busy_besides(g)))
+                                         pool_busy_elsewhere=lambda g=g: self._busy_besides(g), cached=cached))
         self._owner: dict[Hashable, int] = {}
 
     def _busy_besides(self, group: int) -> bool:

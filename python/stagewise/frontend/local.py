@@ -42,5 +42,8 @@ class LocalBackend:
     def take_tokens(self) -> list[tuple[int, int, TokenLogprobs | None]]:
         return self.engine.take_tokens()
 
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
     def close(self) -> None:
         self.engine = None

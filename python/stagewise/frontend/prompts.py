@@ -89,3 +89,13 @@ def expand_image_placeholders(ids: list[int], tokens_per_image: Sequence[int], *
         out += [image_token_id] * want
         i, image = i + run, image + 1
     return out
+
+
+def check_lengths(encoded: list[list[int]], params: list, length: int) -> None:
+    """ValueError naming every prompt whose tokens plus max_new_tokens exceed ``length``."""
+    over = [f"prompt {i} has {len(ids)} tokens + max_new_tokens {p.max_new_tokens} = "
+            f"{len(ids) + p.max_new_tokens}" for i, (ids, p) in enumerate(zip(encoded, params))
+            if ids and len(ids) + p.max_new_tokens > length]
+    if over:
+        raise ValueError(f"Pipeline.generate: more tokens than the model length {length} allows: "
+                         + "; ".join(over[:8]) + (f"; and {len(over) - 8} more" if len(over) > 8 else ""))

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from stagewise.engine.params import SAMPLING_FIELDS, SamplingParams, TokenLogprobs, unknown_field
 from stagewise.engine.requests import FINISH_REASONS, RequestOutput
-from stagewise.frontend.text import TextStreams
+from stagewise.frontend.text import Closed, TextStreams
 
 if TYPE_CHECKING:
     from stagewise.engine.images import ImageInputs
@@ -46,6 +46,9 @@ class Backend(Protocol):
     def take_tokens(self) -> list[tuple[int, int, TokenLogprobs | None]]:
         """(request id, token, its logprobs or None) of every token since the last call, in order."""
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (stage 0's index; requests running go on)."""
+
     def close(self) -> None:
         """Let go of what it holds (the engine, or the stage processes); it takes nothing more."""
 
@@ -66,6 +69,8 @@ class Completion:
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
     """With ``logprobs=K``: one entry per generated token."""
+    cached_tokens: int = 0
+    """Prompt tokens whose KV the prefix cache held (not computed again)."""
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
@@ -123,6 +128,8 @@ class Run:
         call returns when none is left, so that nothing of it is left on the backend."""
         self._quiet: set[int] = set()
         """Requests whose consumer raised: no more text is handed to it."""
+        self._stopping: dict[int, Closed] = {}
+        """Requests a stop string ended, until the backend reports them (with their cached tokens)."""
 
     def add(self, request_id: int, index: int, prompt_ids: list[int], params: SamplingParams,
             images: ImageInputs | None = None) -> None:
@@ -164,7 +171,10 @@ class Run:
                 self._token(rid, token, lp)
         for out in outputs:
             self._pending.discard(out.request_id)
-            if out.request_id in self.streams:  # else: the cancel of one a stop string ended
+            closed = self._stopping.pop(out.request_id, None)
+            if closed is not None:  # a stop string ended it: its text and tokens up to there
+                self._done(out.request_id, closed, closed.tokens, None, out.cached_tokens)
+            elif out.request_id in self.streams:
                 self._finish(out.request_id, out.finish_reason, out)
 
     def logprobs(self, request_id: int) -> list[TokenLogprobs | None]:
@@ -200,7 +210,7 @@ class Run:
         delta, stopped = self.streams.feed(rid, token)
         self._hand_out(rid, delta)
         if stopped:
-            self._finish(rid, "stop", None)
+            self._stopping[rid] = self._close(rid, "stop")
             self.backend.cancel(rid)
 
     def _hand_out(self, rid: int, text: str) -> None:
@@ -212,18 +222,23 @@ class Run:
             self._quiet.add(rid)
             self.backend.abort(rid, f"{type(err).__name__}: {err}")
 
-    def _finish(self, rid: int, reason: str, out: RequestOutput | None) -> None:
+    def _finish(self, rid: int, reason: str, out: RequestOutput) -> None:
+        self._done(rid, self._close(rid, reason), out.token_ids, out.error, out.cached_tokens)
+
+    def _close(self, rid: int, reason: str) -> Closed:
         closed = self.streams.close(rid, reason)
         self._hand_out(rid, closed.tail)
-        tokens = closed.tokens if out is None else out.token_ids
+        return closed
+
+    def _done(self, rid: int, closed: Closed, tokens: list[int], error: str | None, cached: int) -> None:
         logprobs = self._logprobs.get(rid)
         self._ended[rid] = (len(tokens), self._first.get(rid))
         self._complete(self._index[rid], self._prompts[rid], tokens, closed.text, closed.finish_reason,
-                       None if out is None else out.error, None if logprobs is None else logprobs[: len(tokens)])
+                       error, None if logprobs is None else logprobs[: len(tokens)], cached)
 
-    def _complete(self, index: int, prompt_ids, tokens, text, reason, error, logprobs) -> None:
+    def _complete(self, index: int, prompt_ids, tokens, text, reason, error, logprobs, cached: int = 0) -> None:
         result = Completion(text=text, token_ids=list(tokens), finish_reason=reason, error=error,
-                            prompt_token_ids=list(prompt_ids), logprobs=logprobs)
+                            prompt_token_ids=list(prompt_ids), logprobs=logprobs, cached_tokens=cached)
         self.results[index] = result
         if self.on_done is not None:
             self.on_done(index, result)

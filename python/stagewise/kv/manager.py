@@ -109,10 +109,13 @@ class KVCacheManager(BlockGeometry):
 
     # ---- lifecycle -----------------------------------------------------------
 
-    def add(self, request_id: Hashable, num_prompt_tokens: int) -> None:
-        """Register a new request with blocks for its prompt. Raises ValueError for a
-        known id or a prompt over ``max_model_len``, :class:`OutOfKVBlocks` when the
-        pool is short; on error nothing changes."""
+    def add(self, request_id: Hashable, num_prompt_tokens: int, prefix: Sequence[int] = ()) -> None:
+        """Register a new request with blocks for its first ``num_prompt_tokens`` positions.
+        ``prefix``: cached blocks it starts with (a prefix-cache hit: its first ``len(prefix)``
+        blocks, already held for it through :meth:`share`); the rest are taken from the pool.
+        Raises ValueError for a known id, a prompt over ``max_model_len`` or a prefix longer than
+        the prompt, :class:`OutOfKVBlocks` when the pool is short; on error nothing changes (the
+        prefix's holds stay the caller's)."""
         if request_id in self._num_tokens:
             raise ValueError(f"KVCacheManager.add: request {request_id!r} is already registered")
         if not isinstance(num_prompt_tokens, int) or num_prompt_tokens < 0:
@@ -120,9 +123,20 @@ class KVCacheManager(BlockGeometry):
                 f"KVCacheManager.add: num_prompt_tokens of request {request_id!r} must be an int >= 0, "
                 f"got {num_prompt_tokens!r}"
             )
+        if len(prefix) * self.tokens_per_block > num_prompt_tokens or (prefix and self.window is not None):
+            raise ValueError(f"KVCacheManager.add: request {request_id!r} cannot start with {len(prefix)} cached "
+                             f"blocks ({num_prompt_tokens} tokens, window {self.window})")
         self._check_capacity("add", request_id, num_prompt_tokens)
-        self._blocks[request_id] = self._grown([], 0, num_prompt_tokens)
+        self._blocks[request_id] = self._grown(list(prefix), len(prefix) * self.tokens_per_block, num_prompt_tokens)
         self._num_tokens[request_id] = num_prompt_tokens
+
+    def share(self, blocks: Sequence[int]) -> None:
+        """Hold cached (or held) blocks for a request that :meth:`add` will start with them."""
+        self.pool.share(list(blocks))
+
+    def unshare(self, blocks: Sequence[int]) -> None:
+        """Give back the holds of :meth:`share` when the request did not start after all."""
+        self.pool.free(list(blocks), cache=True)
 
     def append(self, request_id: Hashable, n: int = 1) -> None:
         """Grow a request by ``n`` slots, taking a block whenever a boundary is crossed.
@@ -170,10 +184,20 @@ class KVCacheManager(BlockGeometry):
         return len(gone)
 
     def free(self, request_id: Hashable) -> None:
-        """Release every block of a finished, cancelled or aborted request."""
-        self.num_tokens(request_id)  # raises for an unknown id
-        self.pool.free([b for b in self._blocks.pop(request_id) if b != PAD_BLOCK_ID])
+        """Release every block of a finished, cancelled or aborted request. Its full blocks (every
+        position written) stay cached in the pool for a later request with the same prefix; its
+        last, partial one is free at once."""
+        full = self.num_tokens(request_id) // self.tokens_per_block  # raises for an unknown id
+        blocks = self._blocks.pop(request_id)
         del self._num_tokens[request_id]
+        self.pool.free([b for b in blocks[:full] if b != PAD_BLOCK_ID], cache=True)
+        self.pool.free([b for b in blocks[full:] if b != PAD_BLOCK_ID])
+
+    def reset(self) -> None:
+        """Forget every cached block: the pool as new (only when no request is live)."""
+        if self._num_tokens:
+            raise ValueError(f"KVCacheManager.reset: {len(self._num_tokens)} requests still hold KV blocks")
+        self.pool.reset()
 
     def _check_capacity(self, op: str, request_id: Hashable, total: int) -> None:
         if self.blocks_for(total) > self.max_blocks_per_seq:

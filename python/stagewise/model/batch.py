@@ -4,10 +4,9 @@ A step's tokens are flattened request by request into ``T`` rows: first the
 ``num_prefills`` prefill requests, each with its prompt or a chunk of it (chunked
 prefill: a chunk after the first attends over the tokens already cached), then the
 decode requests with one token each. :class:`StepBatch` is what crosses a stage
-boundary (request ids, lengths, positions and the tokens or hidden states);
-:class:`KVMetadata` is stage-local, because every stage owns its own block pool
-and so its own block ids, and is built by each stage from its
-:class:`~stagewise.kv.KVCacheManager`.
+boundary (request ids, lengths, positions, the tokens or hidden states, and the cached blocks a
+request starts with); :class:`KVMetadata` is built by each stage from its own
+:class:`~stagewise.kv.KVCacheManager`, whose block ids agree with every other stage's.
 """
 
 from __future__ import annotations
@@ -73,6 +72,9 @@ class StepBatch:
     deepstack: torch.Tensor | None = None
     """``[levels, N, hidden]``: DeepStack features at ``visual_rows``; level ``i`` is added after the
     receiving stage's ``i``-th decoder layer (its first layer: level 0)."""
+    prefix_blocks: tuple[tuple[int, ...], ...] | None = None
+    """Per request, the cached blocks a request that starts in this step shares: a prefix-cache hit
+    (:mod:`stagewise.kv.prefix`), its prefill starting after them; ``()`` for the others. None: no hit."""
 
     def __post_init__(self) -> None:
         # Every stage makes one of these per step: the checks are written to cost little at batch 1.
@@ -112,6 +114,9 @@ class StepBatch:
         if residual is not None and (hidden is None or residual.shape != hidden.shape):
             raise _fail("StepBatch", "residual", tuple(self.residual.shape), "the shape of hidden_states")
         self._check_vision(t)
+        hits = self.prefix_blocks
+        if hits is not None and (len(hits) != r or any(h and (i >= p or not c[i]) for i, h in enumerate(hits))):
+            raise _fail("StepBatch", "prefix_blocks", hits, f"{r} tuples, empty but on prefills after a cached prefix")
 
     def _check_vision(self, t: int) -> None:
         if self.mrope_positions is not None and self.mrope_positions.shape != (3, t):
@@ -265,7 +270,7 @@ def split_for_pcp(batch: StepBatch, rank: int, size: int) -> PcpSplit:
                          "(StageModel.encode_images) before the step is split")
     spans = batch.prefill_spans()
     p, t = batch.num_prefill_tokens, batch.num_tokens
-    per_rank: list[list[int]] = []
+    per_rank: list[list[int]] = []  # rows, and tokens per prefill, of each rank
     lens: list[list[int]] = []
     for r in range(size):
         rows, counts = [], []
@@ -301,7 +306,7 @@ def split_for_pcp(batch: StepBatch, rank: int, size: int) -> PcpSplit:
         context_lens=tuple(batch.context_lens[j] for j in keep), last_chunk=tuple(batch.last_chunk[j] for j in keep),
         positions=batch.positions[rows], token_ids=take(batch.token_ids),
         mrope_positions=None if batch.mrope_positions is None else batch.mrope_positions[:, rows],
-        hidden_states=take(batch.hidden_states), residual=take(batch.residual))
+        hidden_states=take(batch.hidden_states), residual=take(batch.residual), prefix_blocks=None)
     as_index = (lambda xs: torch.tensor(xs, dtype=torch.int64, device=device))
     if batch.visual_rows is not None:  # this rank's image tokens: their rows here, their features
         visual = {row: i for i, row in enumerate(batch.visual_rows.tolist())}
@@ -382,17 +387,13 @@ class KVMetadata:
             rows = batch.cached_rows()
             first = [0, *itertools.accumulate(batch.query_lens)]
             requests = [bisect.bisect_right(first, row) - 1 for row in rows]
-            cp_rows = torch.tensor(rows, dtype=torch.int64, device=device)
-            cp["cp_rows"] = cp_rows
+            cp["cp_rows"] = torch.tensor(rows, dtype=torch.int64, device=device)
             cp["cp_block_tables"] = block_tables[torch.tensor(requests, dtype=torch.int64, device=device)]
             # A row's place in its request's sequence (not ``positions``: a decode row of a request with
             # images carries its rope position there, shifted by the request's rope delta).
             seq = [batch.context_lens[j] + row - first[j] for row, j in zip(rows, requests)]
             lens = manager.num_local_positions(torch.tensor(seq, dtype=torch.int64, device=device) + 1)
             cp["cp_local_lens"] = lens.to(torch.int32)
-        return cls(
-            slot_mapping=manager.slot_mapping(spans, device, block_tables=shared),
-            block_tables=block_tables,
-            seq_lens=int_tensor(batch.context_lens, torch.int32, device),
-            cp_world_size=manager.cp_world_size, cp_rank=manager.cp_rank, pcp=pcp, **cp,
-        )
+        return cls(slot_mapping=manager.slot_mapping(spans, device, block_tables=shared), block_tables=block_tables,
+                   seq_lens=int_tensor(batch.context_lens, torch.int32, device),
+                   cp_world_size=manager.cp_world_size, cp_rank=manager.cp_rank, pcp=pcp, **cp)

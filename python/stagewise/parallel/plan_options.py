@@ -12,7 +12,7 @@ LAUNCHERS = ("local", "ray")
 """Where a plan's processes start: here (or by hand, or over ssh), or as actors on a Ray cluster."""
 PLACEMENTS = ("spread", "pack", "strict_spread")
 """How a Ray launch places the stages (Ray's SPREAD, PACK and STRICT_SPREAD placement groups)."""
-OPTION_KEYS = ("dtype", "transport", "checksum", "max_num_seqs", "max_prefill_tokens", "tpot_target_ms",
+OPTION_KEYS = ("dtype", "transport", "checksum", "max_num_seqs", "max_prefill_tokens", "tpot_target_ms", "prefix_cache",
                "max_model_len", "kv_cache_bytes", "max_num_tokens", "block_size", "quantized", "linear_precision",
                "pcp", "dcp", "interleave_size", "launcher", "placement", "tls", "sampling")
 
@@ -36,8 +36,9 @@ def option_problems(options: dict[str, Any]) -> list[str]:
         problems.append(problem("dtype", get("dtype"), "auto, float32, bfloat16 or float16"))
     if get("transport", "auto") not in TRANSPORTS:
         problems.append(problem("transport", get("transport"), f"one of {TRANSPORTS}"))
-    if not isinstance(get("checksum", True), bool):
-        problems.append(problem("checksum", get("checksum"), "true or false"))
+    for name in ("checksum", "prefix_cache"):
+        if not isinstance(get(name, True), bool):
+            problems.append(problem(name, get(name), "true or false"))
     if get("quantized") is not None and not isinstance(get("quantized"), bool):
         problems.append(problem("quantized", get("quantized"), "true, false or null"))
     if get("launcher", "local") not in LAUNCHERS:

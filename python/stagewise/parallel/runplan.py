@@ -9,6 +9,7 @@ A run plan is a YAML (or JSON) file::
     max_num_seqs: 32
     max_prefill_tokens: 8192     # prompt tokens per step: a longer prompt is prefilled in chunks
     tpot_target_ms: 20           # optional: new prompts wait, or run in chunks, so that streams keep this pace
+    prefix_cache: true           # a prompt's beginning that earlier requests computed reuses their KV
     max_model_len: 2048          # optional
     kv_cache_bytes: 268435456    # optional, per stage
     tp: 1                        # tensor-parallel ranks per stage (a stage may give its own)
@@ -119,6 +120,9 @@ class RunPlan:
     tpot_target_ms: float | None = None
     """A time per output token the running requests keep while new prompts start (stage 0's
     scheduler, :mod:`stagewise.engine.pacing`); None: prompts start as soon as they fit."""
+    prefix_cache: bool = True
+    """Stage 0's scheduler starts a request after the cached KV blocks of its prompt's beginning
+    (:mod:`stagewise.engine.prefix_cache`); False: every prompt from its first token."""
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
     max_num_tokens: int | None = None

@@ -11,6 +11,7 @@ end with ``finish_reason="error"`` naming the stage, and every stage process is 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ from stagewise.parallel.groups import store_host, world_ranks
 from stagewise.parallel.runplan import RunPlan
 from stagewise.pipeline import links, messages
 from stagewise.pipeline.messages import (
-    Add, Cancel, Connected, Events, Fatal, GetStats, Ready, Result, Setup, Shutdown, Stats, Status,
+    Add, Cancel, Connected, Events, Fatal, GetStats, Ready, ResetPrefixCache, Result, Setup, Shutdown, Stats, Status,
 )  # fmt: skip
 from stagewise.pipeline.faults import Fault, PipelineBroken, StageProcesses
 from stagewise.pipeline.protocol import ProtocolError
@@ -218,6 +219,11 @@ class PipelineDriver:
         if not self.broken and request_id in self._requests:
             self._send(0, Cancel(request_id=request_id))
 
+    def reset_prefix_cache(self) -> None:
+        """Stage 0 forgets every cached prefix (see :meth:`Engine.reset_prefix_cache`)."""
+        if not self.broken:
+            self._send(0, ResetPrefixCache())
+
     def abort(self, request_id: int, error: str) -> None:
         """Cancel a request that is to end with finish_reason 'error' and ``error``."""
         req = self._requests.get(request_id)
@@ -290,7 +296,8 @@ class PipelineDriver:
             reason, error = "error", req.error
         return RequestOutput(request_id=result.request_id, prompt_ids=req.prompt_ids, token_ids=result.token_ids,
                              finish_reason=reason, error=error, logprobs=req.logprobs, arrival_s=req.arrival_s,
-                             first_token_s=req.first_token_s, finish_s=time.perf_counter())
+                             first_token_s=req.first_token_s, finish_s=time.perf_counter(),
+                             cached_tokens=result.cached_tokens)
 
     def _check_health(self, now: float) -> None:
         for i in range(len(self.members)):
@@ -369,8 +376,7 @@ class PipelineDriver:
 
 
 def _status_dict(msg: Status) -> dict:
-    return {"waiting": msg.waiting, "running": msg.running, "max_num_seqs": msg.max_num_seqs,
-            "free_blocks": msg.free_blocks, "total_blocks": msg.total_blocks}
+    return dataclasses.asdict(msg)
 
 
 def dial_control(address: tuple[str, int], options: links.LinkOptions, *, peer: int, timeout: float, name: str,

@@ -5,8 +5,9 @@ Only the leader (stage rank 0) speaks the pipeline protocol: it receives each st
 previous stage (or schedules it, on stage 0), and sends the result on. Before it runs a step it
 sends the same :class:`~stagewise.pipeline.protocol.Step` frame (the rows, and the stage's input:
 token ids on stage 0, the previous stage's hidden states elsewhere) to each other rank over a
-channel of its own (shared memory on one host, TCP across hosts), and each request it frees as
-a :class:`~stagewise.pipeline.protocol.Free`. The other ranks' outputs are the same hidden
+channel of its own (shared memory on one host, TCP across hosts), each request it frees as
+a :class:`~stagewise.pipeline.protocol.Free`, and a reset of its KV pools as a
+:class:`~stagewise.pipeline.protocol.ResetKV`. The other ranks' outputs are the same hidden
 states as the leader's (after the all-reduce) or, on the last stage, nothing: the logits are
 gathered to the leader, which alone samples.
 
@@ -22,7 +23,7 @@ from collections.abc import Callable, Hashable, Sequence
 from stagewise.engine.executor import Executor
 from stagewise.model.batch import StepBatch
 from stagewise.pipeline import protocol
-from stagewise.pipeline.protocol import Free, StageShape, Step
+from stagewise.pipeline.protocol import Free, ResetKV, StageShape, Step
 from stagewise.transport.channel import Channel
 
 
@@ -51,6 +52,9 @@ class Fanout:
     def free(self, request_ids: Sequence[Hashable]) -> None:
         self._send(Free(request_ids=[int(r) for r in request_ids]))
 
+    def reset_kv(self) -> None:
+        self._send(ResetKV())
+
     def close(self) -> None:
         for channel in self.channels:
             channel.close()
@@ -71,5 +75,8 @@ def serve_follower(executor: Executor, channel: Channel, shape: StageShape,
             executor.run(msg.batch)
         elif isinstance(msg, Free):
             executor.free(msg.request_ids)
+        elif isinstance(msg, ResetKV):
+            executor.reset_kv()
         else:
-            raise protocol.ProtocolError(f"the stage's leader sent a {type(msg).__name__}; expected steps and frees")
+            raise protocol.ProtocolError(f"the stage's leader sent a {type(msg).__name__}; expected steps, frees "
+                                         "and resets")

@@ -5,7 +5,7 @@ the driver answers every stage with :class:`Setup` (the block count they all use
 stage's address, the transport); each stage reports :class:`Connected` once its links are open.
 In a stage of several ranks every rank is a process with its own control link: each says
 Ready, gets Setup (the leader also the addresses of the others) and reports Connected.
-Serving: the driver sends :class:`Add` and :class:`Cancel` to stage 0, which answers with
+Serving: the driver sends :class:`Add`, :class:`Cancel` and :class:`ResetPrefixCache` to stage 0, which answers with
 :class:`Events` (each new token, finished requests) and :class:`Status`; every stage
 sends a :class:`Heartbeat` twice a second, :class:`Stats` when asked (:class:`GetStats`) and
 :class:`Fatal` before it dies of an error. :class:`Shutdown` stops a stage.
@@ -43,6 +43,7 @@ class Op(str, enum.Enum):
     GET_STATS = "get_stats"
     STATS = "stats"
     SHUTDOWN = "shutdown"
+    RESET_PREFIX_CACHE = "reset_prefix_cache"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -122,6 +123,8 @@ class Result:
     token_ids: list[int]
     finish_reason: str
     error: str | None = None
+    cached_tokens: int = 0
+    """Prompt tokens the prefix cache held."""
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
@@ -156,6 +159,16 @@ class Status:
     max_num_seqs: int
     free_blocks: int
     total_blocks: int
+    cached_blocks: int = 0
+    """Of the free blocks, those the prefix cache keeps."""
+    evicted_blocks: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class ResetPrefixCache:
+    """Stage 0 forgets every cached prefix (requests running go on)."""
+
+    OP = Op.RESET_PREFIX_CACHE
 
 
 @dataclass(kw_only=True, slots=True)
@@ -204,7 +217,7 @@ class Shutdown:
 
 
 Message = (Ready | Setup | Connected | Heartbeat | Fatal | Add | Cancel | Events | Status | GetStats | Stats
-           | Shutdown)
+           | Shutdown | ResetPrefixCache)
 _BY_OP: dict[str, type] = {cls.OP.value: cls for cls in typing.get_args(Message)}
 
 

@@ -196,7 +196,7 @@ class StageProcess:
         self.tell_driver(Connected(stage=self.index))
         if self.index == 0:
             engine = Engine(executor, max_num_seqs=self.plan.max_num_seqs, num_groups=setup.microbatches,
-                            max_prefill_tokens=self.plan.max_prefill_tokens,
+                            max_prefill_tokens=self.plan.max_prefill_tokens, prefix_cache=self.plan.prefix_cache,
                             tpot_target_s=None if self.plan.tpot_target_ms is None else self.plan.tpot_target_ms / 1e3)
             self._serve_head(Head(engine, stats=self.stats))
         else:
@@ -282,7 +282,7 @@ class StageProcess:
         except Exception:  # noqa: BLE001 - the driver notices the exit anyway
             pass
 
-    def _driver_messages(self) -> list[Add | Cancel]:
+    def _driver_messages(self) -> list[Add | Cancel | messages.ResetPrefixCache]:
         """The driver's messages waiting now; answers stats requests, raises _Shutdown."""
         out = []
         while self.control.poll(0):
@@ -298,7 +298,7 @@ class StageProcess:
                 if msg.reset:
                     self.stats.reset()
                     self._comm_base = stage_setup.comm_counters(self.executor)
-            elif isinstance(msg, (Add, Cancel)):
+            elif isinstance(msg, (Add, Cancel, messages.ResetPrefixCache)):
                 out.append(msg)
         return out
 

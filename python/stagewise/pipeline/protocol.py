@@ -8,10 +8,15 @@ Along the chain (stage i -> i + 1):
   sampling parameters as an opaque tensor: only the stage that samples decodes it, the stages
   in between forward it untouched;
 - :class:`Free`: requests that ended on stage 0; every stage frees their KV;
+- :class:`ResetKV`: every stage's block pools back to new (when no request holds KV), which puts
+  them in step again after a step failed on some stages only (prefix caching names block ids that
+  must mean the same on every stage);
 - :class:`StepFailed`: a stage could not run a step; its requests end with the message.
 
 A prefill row carries its chunk's first position (0 for a prompt's first chunk) and, on the chunk
-that ends its prompt, ``LAST_PREFILL_CHUNK``.
+that ends its prompt, ``LAST_PREFILL_CHUNK``. A step in which requests start after a cached prefix
+carries their shared blocks (``StepBatch.prefix_blocks``) as tensors ``prefix_counts`` (per row)
+and ``prefix_blocks`` (the ids, row after row).
 
 Back from the last stage to stage 0: :class:`Tokens` (one sampled token per request of a step
 that ends its prompt or decodes; none for a chunk more of its prompt follows)
@@ -19,7 +24,7 @@ or :class:`StepFailed`. Every decode failure raises :class:`ProtocolError` namin
 the receiving stage logs it and serves on.
 
 A :class:`~stagewise.engine.handoff.KVHandoff` (one request's KV on one stage, or a rank's share
-of it) travels as a ``KV_HANDOFF`` frame: :func:`handoff_frame` and :func:`handoff_from_frame`.
+of it) travels as a ``KV_HANDOFF`` frame: :mod:`stagewise.pipeline.handoff_frames`.
 """
 
 from __future__ import annotations
@@ -32,7 +37,6 @@ from dataclasses import dataclass
 import torch
 
 from stagewise.engine.executor import Sampled
-from stagewise.engine.handoff import KVHandoff, KVShard
 from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.int_tensors import int_tensor
 from stagewise.model.batch import StepBatch
@@ -73,13 +77,18 @@ class Free:
 
 
 @dataclass(kw_only=True, slots=True)
+class ResetKV:
+    pass
+
+
+@dataclass(kw_only=True, slots=True)
 class StepFailed:
     step_id: int
     group: int
     message: str
 
 
-Message = Step | Tokens | Free | StepFailed
+Message = Step | Tokens | Free | ResetKV | StepFailed
 
 
 # ---- encoding ------------------------------------------------------------------------------
@@ -98,6 +107,9 @@ def to_frame(msg: Message, *, stage_from: int, stage_to: int) -> Frame:
         tensors.update(_vision_tensors(b, rows))
         if msg.sampling is not None:
             tensors["sampling"] = msg.sampling
+        if b.prefix_blocks is not None:
+            tensors["prefix_counts"] = int_tensor([len(h) for h in b.prefix_blocks])
+            tensors["prefix_blocks"] = int_tensor([block for h in b.prefix_blocks for block in h])
         return Frame(step_kind=kind, step_id=msg.step_id, microbatch=msg.group, stage_from=stage_from,
                      stage_to=stage_to, token_index=max(r.first_position + r.num_tokens - 1 for r in rows),
                      rows=rows, tensors=tensors)
@@ -111,6 +123,8 @@ def to_frame(msg: Message, *, stage_from: int, stage_to: int) -> Frame:
     if isinstance(msg, Free):
         return Frame(step_kind=StepKind.CONTROL, stage_from=stage_from, stage_to=stage_to,
                      rows=[Row(int(r), 0, 0, RowFlags.FINISHED) for r in msg.request_ids], control={"op": "free"})
+    if isinstance(msg, ResetKV):
+        return Frame(step_kind=StepKind.CONTROL, stage_from=stage_from, stage_to=stage_to, control={"op": "reset_kv"})
     if isinstance(msg, StepFailed):
         return Frame(step_kind=StepKind.CONTROL, step_id=msg.step_id, microbatch=msg.group, stage_from=stage_from,
                      stage_to=stage_to, control={"op": "step_failed", "message": msg.message})
@@ -167,12 +181,14 @@ def from_frame(frame: Frame, stage: StageShape | None) -> Message:
         op = (frame.control or {}).get("op")
         if op == "free":
             return Free(request_ids=[r.request_id for r in frame.rows])
+        if op == "reset_kv":
+            return ResetKV()
         if op == "step_failed":
             message = (frame.control or {}).get("message")
             if not isinstance(message, str):
                 raise ProtocolError(f"step_failed: message must be a string, got {message!r}")
             return StepFailed(step_id=frame.step_id, group=frame.microbatch, message=message)
-        raise ProtocolError(f"control op {op!r} is not a pipeline message (expected 'free' or 'step_failed')")
+        raise ProtocolError(f"control op {op!r} is not a pipeline message (expected 'free', 'reset_kv' or 'step_failed')")
     if kind == StepKind.TOKENS:
         ids = frame.tensors.get("token_ids")
         rids = [r.request_id for r in frame.rows]
@@ -232,15 +248,32 @@ def _step(frame: Frame, stage: StageShape) -> Step:
         else:
             positions.extend(range(first, first + n))
     device = stage.device
-    extra = _vision_extras(frame.tensors, tokens, stage) if len(frame.tensors) > 1 + (sampling is not None) else {}
+    hits = _prefix_blocks(frame.tensors, len(rows)) if "prefix_counts" in frame.tensors else None
+    known = 1 + (sampling is not None) + 2 * (hits is not None)
+    extra = _vision_extras(frame.tensors, tokens, stage) if len(frame.tensors) > known else {}
     given = extra.pop("positions", None)
     batch = StepBatch(request_ids=[r.request_id for r in rows], num_prefills=num_prefills,
                       query_lens=[r.num_tokens for r in rows], context_lens=[r.first_position for r in rows],
                       last_chunk=last_chunk,
                       positions=given if given is not None else int_tensor(positions, device=device),
                       token_ids=None if token_ids is None else token_ids.to(device),
-                      hidden_states=None if hidden is None else hidden.to(device), **extra)
+                      hidden_states=None if hidden is None else hidden.to(device), prefix_blocks=hits, **extra)
     return Step(step_id=frame.step_id, group=frame.microbatch, batch=batch, sampling=sampling)
+
+
+def _prefix_blocks(tensors: Mapping[str, torch.Tensor], num_rows: int) -> tuple[tuple[int, ...], ...]:
+    """A step's ``prefix_counts`` and ``prefix_blocks`` back as :attr:`StepBatch.prefix_blocks`."""
+    counts, ids = tensors["prefix_counts"], tensors.get("prefix_blocks")
+    if counts.dtype != torch.int64 or tuple(counts.shape) != (num_rows,) or ids is None or ids.dtype != torch.int64 \
+            or ids.dim() != 1 or int(counts.sum()) != ids.numel() or (num_rows and int(counts.min()) < 0):
+        raise ProtocolError(f"tensors['prefix_counts'/'prefix_blocks']: expected int64 counts for {num_rows} rows and "
+                            f"as many int64 ids as they add up to, got {counts.tolist()!r:.80} and "
+                            f"{None if ids is None else tuple(ids.shape)}")
+    flat, out, at = ids.tolist(), [], 0
+    for n in counts.tolist():
+        out.append(tuple(flat[at:at + n]))
+        at += n
+    return tuple(out)
 
 
 def _vision_extras(tensors: Mapping[str, torch.Tensor], tokens: int, stage: StageShape) -> dict[str, torch.Tensor]:
@@ -329,57 +362,3 @@ def _from_json_bytes(data: torch.Tensor, name: str):
         return json.loads(bytes(data.cpu().numpy()).decode())
     except (UnicodeDecodeError, ValueError) as err:
         raise ProtocolError(f"tensors[{name!r}]: not UTF-8 JSON ({err})") from None
-
-
-# ---- KV handoff ----------------------------------------------------------------------------
-
-def handoff_frame(handoff: KVHandoff, *, stage: int) -> Frame:
-    """The frame of one request's KV on ``stage`` (or one rank's share of it): tensors ``k`` and
-    ``v`` (and the generator's state on the last stage), the layer range, the share and the
-    sampling parameters in ``control``; the request in ``request_id`` and its cached tokens in
-    ``token_index``."""
-    tensors = {"k": handoff.k, "v": handoff.v}
-    if handoff.generator_state is not None:
-        tensors["generator_state"] = handoff.generator_state
-    control = {"layers": list(handoff.layers)}
-    if handoff.shard is not None:
-        control["shard"] = {**dataclasses.asdict(handoff.shard), "kv_heads": list(handoff.shard.kv_heads)}
-    if handoff.sampling is not None:
-        control["sampling"] = dataclasses.asdict(handoff.sampling)
-    if handoff.history is not None:
-        control["history"] = [list(handoff.history[0]), list(handoff.history[1])]
-    return Frame(step_kind=StepKind.KV_HANDOFF, request_id=int(handoff.request_id), stage_from=stage, stage_to=stage,
-                 token_index=handoff.num_tokens, tensors=tensors, control=control)
-
-
-def handoff_from_frame(frame: Frame) -> KVHandoff:
-    """A KV handoff back from its frame; ProtocolError when the frame is not one."""
-    if frame.step_kind != StepKind.KV_HANDOFF:
-        raise ProtocolError(f"expected a KV_HANDOFF frame, got {frame.step_kind!r}")
-    control = frame.control or {}
-    layers = control.get("layers")
-    if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) for x in layers)):
-        raise ProtocolError(f"control['layers']: expected [start, end], got {layers!r}")
-    shard = control.get("shard")
-    try:
-        shard = None if shard is None else KVShard(**{**shard, "kv_heads": tuple(shard["kv_heads"])})
-    except (TypeError, ValueError, KeyError) as err:
-        raise ProtocolError(f"control['shard']: {err}") from None
-    sampling = control.get("sampling")
-    try:
-        params = None if sampling is None else SamplingParams(**sampling)
-    except (TypeError, ValueError) as err:
-        raise ProtocolError(f"control['sampling']: {err}") from None
-    history = control.get("history")
-    if history is not None and not (isinstance(history, list) and len(history) == 2
-                                    and all(isinstance(h, list) for h in history)):
-        raise ProtocolError(f"control['history']: expected [prompt tokens, generated tokens], got {history!r:.80}")
-    k, v = frame.tensors.get("k"), frame.tensors.get("v")
-    if k is None or v is None:
-        raise ProtocolError(f"tensors 'k'/'v': a KV_HANDOFF frame carries both, got {sorted(frame.tensors)}")
-    try:
-        return KVHandoff(request_id=frame.request_id, layers=(layers[0], layers[1]), num_tokens=frame.token_index,
-                         k=k, v=v, shard=shard, sampling=params, generator_state=frame.tensors.get("generator_state"),
-                         history=None if history is None else (history[0], history[1]))
-    except ValueError as err:
-        raise ProtocolError(f"tensors 'k'/'v': {err}") from None

@@ -110,6 +110,9 @@ class Recovering:
     def abort(self, request_id: int, error: str) -> None:
         self.driver.abort(request_id, error)
 
+    def reset_prefix_cache(self) -> None:
+        self.driver.reset_prefix_cache()
+
     def take_tokens(self) -> list[tuple[int, int, TokenLogprobs | None]]:
         out, self._tokens = self._tokens, []
         return out

@@ -27,8 +27,8 @@ from stagewise.engine.engine import Engine
 from stagewise.engine.executor import Executor, RanksOutOfStep, model_dtype
 from stagewise.engine.requests import RequestOutput
 from stagewise.pipeline import protocol
-from stagewise.pipeline.messages import Add, Cancel, Events, NewToken, Result, Stats, Status
-from stagewise.pipeline.protocol import Free, ProtocolError, StageShape, Step, StepFailed, Tokens
+from stagewise.pipeline.messages import Add, Cancel, Events, NewToken, ResetPrefixCache, Result, Stats, Status
+from stagewise.pipeline.protocol import Free, ProtocolError, ResetKV, StageShape, Step, StepFailed, Tokens
 from stagewise.transport.frame import Frame
 
 MAX_TRACE_EVENTS = 200_000
@@ -93,8 +93,9 @@ class Head:
         """A step is in flight or a request waits to run."""
         return bool(self.engine.inflight) or self.engine.has_unfinished()
 
-    def on_message(self, msg: Add | Cancel) -> None:
-        """A request to add or cancel; problems become that request's error result."""
+    def on_message(self, msg: Add | Cancel | ResetPrefixCache) -> None:
+        """A request to add or cancel (problems become that request's error result), or a reset of
+        the prefix cache."""
         if isinstance(msg, Add):
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.images)
@@ -105,13 +106,19 @@ class Head:
             out = self.engine.cancel(msg.request_id)
             if out is not None:
                 self._finished([out])
+        elif isinstance(msg, ResetPrefixCache):
+            self.engine.reset_prefix_cache()
         else:
-            raise TypeError(f"Head.on_message: expected Add or Cancel, got {type(msg).__name__}")
+            raise TypeError(f"Head.on_message: expected Add, Cancel or ResetPrefixCache, got {type(msg).__name__}")
 
     def launch(self) -> Iterator[Frame]:
         """Every idle group with work: schedule it, run stage 0's layers. Yields the frames for
         stage 1 in order, each group's as soon as it is computed (stage 1 starts on it while the
-        next group computes here): frees before the steps that may reuse the freed blocks."""
+        next group computes here): frees before the steps that may reuse the freed blocks, and a
+        reset of every stage's KV pools, when one is due, before any step."""
+        if self.engine.reset_kv_if_due() and not self.alone:
+            yield from self._frees()
+            yield protocol.to_frame(ResetKV(), stage_from=0, stage_to=1)
         for group in self.engine.idle_groups_with_work():
             start = time.perf_counter()
             launched, done = self.engine.launch(group)
@@ -159,17 +166,19 @@ class Head:
     def take_status(self) -> Status | None:
         """Queue depth, active rows and free KV blocks, when they changed since the last call."""
         st = self.engine.status()
-        key = (st.waiting, st.running, st.free_blocks)
+        key = (st.waiting, st.running, st.free_blocks, st.cached_blocks, st.evicted_blocks)
         if key == self._last_status:
             return None
         self._last_status = key
         return Status(waiting=st.waiting, running=st.running, max_num_seqs=st.max_num_seqs,
-                      free_blocks=st.free_blocks, total_blocks=st.total_blocks)
+                      free_blocks=st.free_blocks, total_blocks=st.total_blocks, cached_blocks=st.cached_blocks,
+                      evicted_blocks=st.evicted_blocks)
 
     def _finished(self, outs: list[RequestOutput]) -> None:
         for out in outs:
             self._events.done.append(Result(request_id=int(out.request_id), token_ids=out.token_ids,
-                                            finish_reason=out.finish_reason, error=out.error))
+                                            finish_reason=out.finish_reason, error=out.error,
+                                            cached_tokens=out.cached_tokens))
 
     def _frees(self) -> list[Frame]:
         freed = self.engine.take_freed()
@@ -213,8 +222,11 @@ class Worker:
     def handle(self, frame: Frame) -> list[tuple[Route, Frame]]:
         """The frames to send for one received frame (ProtocolError when it does not fit)."""
         msg = self.read(frame)
-        if isinstance(msg, Free):
-            self.executor.free(msg.request_ids)
+        if isinstance(msg, Free | ResetKV):
+            if isinstance(msg, Free):
+                self.executor.free(msg.request_ids)
+            else:
+                self.executor.reset_kv()
             return [] if self.is_last else [(Route.DOWNSTREAM, self._to_next(msg))]
         if isinstance(msg, StepFailed):
             return [(self._out, self._to_next(msg))]
@@ -224,8 +236,9 @@ class Worker:
 
     def _run(self, step: Step) -> Frame:
         batch, executor = step.batch, self.executor
+        hits = batch.prefix_blocks or ()
         unknown = [r for i, r in enumerate(batch.request_ids)
-                   if (i >= batch.num_prefills or batch.context_lens[i]) and r not in executor]
+                   if (i >= batch.num_prefills or batch.context_lens[i]) and not (hits and hits[i]) and r not in executor]
         if unknown:
             raise ProtocolError(f"(step {step.step_id}): unknown request ids {unknown[:4]} in rows that continue "
                                 "a request (decodes, later prefill chunks)")

@@ -175,6 +175,14 @@ def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting:
             {"id": model_name, "object": "model", "created": started, "owned_by": "stagewise",
              "max_model_len": pipe.max_model_len}]})
 
+    async def reset_prefix_cache(request: Request) -> Response:
+        """Every cached prompt prefix forgotten (vLLM's admin call of the same name): later requests
+        compute theirs again; running ones go on."""
+        if not authorised(request):
+            return unauthorised()
+        state["loop"].reset_prefix_cache()
+        return JSONResponse({"status": "ok"})
+
     async def health(request: Request) -> Response:
         loop = state["loop"]
         status, why = ("starting", "the server is starting") if loop is None else loop.health()
@@ -193,6 +201,7 @@ def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting:
     routes = [Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics_text, methods=["GET"])]
     app = Starlette(routes=routes, lifespan=lifespan)
@@ -308,7 +317,8 @@ async def _events(loop: ServeLoop, rid: int, stream: _Stream, req, name: str, mo
             finish = openai.FINISH[result.finish_reason]
             yield _sse(openai.body(req, name, model, _choice(req, "", [], piece, finish, offset, first), None, True))
             if req.include_usage:
-                yield _sse(openai.body(req, name, model, {}, openai.usage(prompt_len, len(result.token_ids)), True))
+                yield _sse(openai.body(req, name, model, {}, openai.usage(prompt_len, len(result.token_ids),
+                                                                           result.cached_tokens), True))
             yield b"data: [DONE]\n\n"
             return
     finally:
@@ -342,5 +352,5 @@ async def _whole(request: Request, loop: ServeLoop, rid: int, stream: _Stream, r
     else:
         choice = {"index": 0, "text": result.text, "finish_reason": finish,
                   "logprobs": openai.completion_logprobs(lps, piece) if req.logprobs is not None else None}
-    use = openai.usage(len(result.prompt_token_ids), len(result.token_ids))
+    use = openai.usage(len(result.prompt_token_ids), len(result.token_ids), result.cached_tokens)
     return JSONResponse(openai.body(req, name, model, choice, use))

@@ -117,6 +117,10 @@ class ServeLoop:
         """End a request whose client went away; its KV is freed on every stage."""
         self._commands.put(("cancel", rid))
 
+    def reset_prefix_cache(self) -> None:
+        """Stage 0 forgets every cached prefix (after the requests already handed to the loop)."""
+        self._commands.put(("reset_prefix_cache",))
+
     def stage_stats(self, timeout: float = 5.0) -> list[dict] | None:
         """Each stage's counters since it started (None for one process, or when they did not
         come within ``timeout``)."""
@@ -180,6 +184,8 @@ class ServeLoop:
                 self._done(rid, _failed(str(err), ids))
         elif kind == "cancel":
             self._run.cancel(cmd[1])
+        elif kind == "reset_prefix_cache":
+            self.pipe.reset_prefix_cache()
         elif kind == "stats":
             try:
                 cmd[1].put(self.pipe.stage_stats())

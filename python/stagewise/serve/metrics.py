@@ -33,6 +33,8 @@ class ServerMetrics:
                                 registry=r)
         self.prompt_tokens = Counter("stagewise_prompt_tokens", "Prompt tokens of the requests that ended", names,
                                      registry=r)
+        self.cached_tokens = Counter("stagewise_prefix_cache_hit_tokens", "Of the prompt tokens, those whose KV the "
+                                     "prefix cache held (stagewise_prompt_tokens are the queries)", names, registry=r)
         self.generation_tokens = Counter("stagewise_generation_tokens", "Tokens generated", names, registry=r)
         self.ttft = Histogram("stagewise_time_to_first_token_seconds", "Request received to its first token",
                               names, buckets=LATENCY_BUCKETS, registry=r)
@@ -43,6 +45,11 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.kv_used = Gauge("stagewise_kv_blocks_used", "KV cache blocks in use on each stage", names + ["stage"],
                              registry=r)
+        self.kv_cached = Gauge("stagewise_prefix_cache_blocks", "Of the free KV blocks, those whose KV the prefix "
+                               "cache keeps for later requests", names, registry=r)
+        self.evicted = Counter("stagewise_prefix_cache_evictions", "Cached KV blocks taken back for new KV",
+                               names, registry=r)
+        self._evicted_seen = 0
         self.kv_free = Gauge("stagewise_kv_blocks_free", "Free KV cache blocks on each stage", names + ["stage"],
                              registry=r)
         self.busy = Gauge("stagewise_stage_busy_fraction", "Share of a stage's time spent computing since it "
@@ -60,6 +67,7 @@ class ServerMetrics:
         m = self.labels
         self.finished.labels(**m, finish_reason=result.finish_reason).inc()
         self.prompt_tokens.labels(**m).inc(len(result.prompt_token_ids))
+        self.cached_tokens.labels(**m).inc(result.cached_tokens)
         n = len(result.token_ids)
         self.generation_tokens.labels(**m).inc(n)
         self.e2e.labels(**m).observe(timings["e2e_s"])
@@ -80,6 +88,11 @@ class ServerMetrics:
         self.running.labels(**m).set(status.get("running", 0))
         self.waiting.labels(**m).set(status.get("waiting", 0))
         total, free = status.get("total_blocks", 0), status.get("free_blocks", 0)
+        self.kv_cached.labels(**m).set(status.get("cached_blocks", 0))
+        evicted = status.get("evicted_blocks", 0)  # stage 0's count: a new pipeline counts from 0 again
+        if evicted > self._evicted_seen:
+            self.evicted.labels(**m).inc(evicted - self._evicted_seen)
+        self._evicted_seen = evicted
         for i in range(num_stages):
             self.kv_used.labels(**m, stage=str(i)).set(total - free)
             self.kv_free.labels(**m, stage=str(i)).set(free)

@@ -250,9 +250,11 @@ def parse_chat(body: Any, served: str, render, default_max: int, *, vision: bool
 FINISH = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens the prefix cache held."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_logprobs(entries: list[TokenLogprobs | None], piece, offset: int = 0) -> dict:
