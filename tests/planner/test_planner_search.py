@@ -304,3 +304,24 @@ def test_image_tokens_add_the_vision_tower_to_the_prefill_of_stage_0():
     assert image.ttft_s > text.ttft_s and image.tpot_steady_s == text.tpot_steady_s
     with pytest.raises(ValueError, match="image_tokens"):
         Workload(input_length=10, output_length=1, image_tokens=11)
+
+
+def test_a_prefix_share_prices_the_prefill_of_the_uncached_tokens_over_the_whole_prompt():
+    """A prompt whose first 1,536 of 2,048 tokens are cached: its prefill computes 512 new tokens
+    attending over the 1,536 cached ones (cheaper than the whole prompt, dearer than 512 alone);
+    decode, memory and the KV per sequence do not change. The share is checked and reported."""
+    from stagewise.planner.models import resolve_model
+
+    config, layout, profile = resolve_model("qwen3-4b")[0], ParallelConfig(world_size=1), load_profile("h100-sxm")
+    whole, cached = (estimate_layout(config, layout, Workload(input_length=2048, output_length=64, prefix_share=s),
+                                     profile) for s in (0.0, 0.75))
+    alone = estimate_layout(config, layout, Workload(input_length=512, output_length=64), profile)
+    assert alone.ttft_s < cached.ttft_s < whole.ttft_s and cached.ttft_s < 0.5 * whole.ttft_s
+    assert cached.tpot_s == pytest.approx(whole.tpot_s, rel=0.05)
+    assert cached.memory_per_rank == whole.memory_per_rank and cached.kv_bytes_per_rank == whole.kv_bytes_per_rank
+    assert Workload(input_length=10, output_length=1, prefix_share=1.0).cached_tokens == 9
+    with pytest.raises(ValueError, match="prefix_share must be a number in"):
+        Workload(input_length=10, output_length=1, prefix_share=1.5)
+    with pytest.raises(ValueError, match="'prefix_share' must be a number in"):
+        parse_serving({"parallel_config": {"world_size": 1}, "prefix_share": -0.1})
+    assert parse_serving({"parallel_config": {"world_size": 1}, "prefix_share": 0.5}).prefix_share == 0.5

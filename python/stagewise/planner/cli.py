@@ -70,6 +70,10 @@ def _search_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-tokens", type=int, default=0, metavar="N",
                    help="a vision model: one image of N merged tokens in each prompt (part of --input-length), "
                         "whose vision tower the prefill runs on stage 0 (default 0: text only)")
+    p.add_argument("--prefix-share", type=float, default=None, metavar="F",
+                   help="the share of each prompt found in the prefix cache (0-1: a shared system prompt, a "
+                        "resent conversation), whose KV the prefill reuses instead of computing (default: the "
+                        "serving YAML's, else 0)")
     _workload_args(p)
     p.add_argument("--partition", default="even", help=f"{PARTITIONS}; or ranges '0-10,10-22,...' for one PP size "
                                                       "(default even)")
@@ -127,6 +131,9 @@ def _workload(args: argparse.Namespace, config: ModelConfig, input_length: int, 
                         ("--batch", args.batch)):
         if value < 1:
             raise PlanError(f"{name} must be a positive integer, got {value}")
+    share = getattr(args, "prefix_share", None) or 0.0
+    if not 0 <= share <= 1:
+        raise PlanError(f"--prefix-share must be in [0, 1], got {share}")
     image_tokens = getattr(args, "image_tokens", 0)
     if not 0 <= image_tokens <= input_length:
         raise PlanError(f"--image-tokens must be in [0, --input-length {input_length}], got {image_tokens}")
@@ -136,7 +143,8 @@ def _workload(args: argparse.Namespace, config: ModelConfig, input_length: int, 
     return Workload(input_length=input_length, output_length=output_length, batch=args.batch,
                     microbatches=args.microbatches, weight_dtype=wd, kv_dtype=args.kv_dtype or wd,
                     memory_fraction=args.memory_fraction, weight_quant=(args.weight_quant or "").lower(),
-                    embed_quant=(args.embed_quant or "").lower(), image_tokens=getattr(args, "image_tokens", 0))
+                    embed_quant=(args.embed_quant or "").lower(), image_tokens=getattr(args, "image_tokens", 0),
+                    prefix_share=share)
 
 
 def _profile(args: argparse.Namespace):
@@ -201,6 +209,8 @@ def run_search(argv: list[str]) -> int:
             args.model = serving.model
         args.input_length = args.input_length or serving.input_length
         args.output_length = args.output_length or serving.output_length
+        if args.prefix_share is None:
+            args.prefix_share = serving.prefix_share
         if serving.batch is not None and args.batch == 1:
             args.batch = serving.batch
         if serving.device_profile and args.device_profile == "h100-sxm":

@@ -62,6 +62,16 @@ class Workload:
     image_tokens: int = 0
     """Of each prompt's ``input_length`` tokens, this many are one image's (a vision model: the
     prefill runs its vision tower on stage 0 over ``image_tokens * merge ** 2`` patches)."""
+    prefix_share: float = 0.0
+    """Of each prompt, the share found in the prefix cache (its first tokens, image first): the
+    prefill computes the rest over the whole prompt's context. The KV of a sequence still counts
+    whole: a request holds its cached blocks, and the cached blocks nobody holds take no capacity
+    (they are evicted when it is needed)."""
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens a request finds cached; at least the last is always computed."""
+        return min(int(self.prefix_share * self.input_length), self.input_length - 1)
 
     def __post_init__(self) -> None:
         for name in ("input_length", "output_length", "batch"):
@@ -72,6 +82,9 @@ class Workload:
                 or not 0 <= self.image_tokens <= self.input_length:
             raise ValueError(f"workload: image_tokens must be an int in [0, input_length={self.input_length}], "
                              f"got {self.image_tokens!r}")
+        if isinstance(self.prefix_share, bool) or not isinstance(self.prefix_share, (int, float)) \
+                or not 0 <= self.prefix_share <= 1:
+            raise ValueError(f"workload: prefix_share must be a number in [0, 1], got {self.prefix_share!r}")
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ValueError(f"workload: microbatches must be an int >= 1, got {self.microbatches!r}")
         object.__setattr__(self, "weight_dtype", dtype_name(self.weight_dtype))
@@ -311,8 +324,10 @@ def estimate_layout(config: ModelConfig, layout: ParallelConfig, workload: Workl
     need = max(per_stage)
     m = workload.microbatches or min(workload.batch, layout.pp)
     m = min(m, workload.batch)
+    cached = workload.cached_tokens  # the vision tower runs while any of the image is left to compute
     prefill = _phase(config, plan, profile, prec, sharding, batch=workload.batch, m=m,
-                     new_tokens=workload.input_length, context=0, image_tokens=workload.image_tokens)
+                     new_tokens=workload.input_length - cached, context=cached,
+                     image_tokens=workload.image_tokens if workload.image_tokens > cached else 0)
     decode = _phase(config, plan, profile, prec, sharding, batch=workload.batch, m=m, new_tokens=1,
                     context=workload.input_length + workload.output_length // 2)
     # The first token exists once the last stage sampled it and stage 0 took it back; the decode

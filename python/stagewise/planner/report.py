@@ -19,7 +19,8 @@ def confidence(est, workload, profile, config, validation: Validation | None) ->
                                  input_length=workload.input_length, output_length=workload.output_length,
                                  architecture=config.architecture, profile_name=profile.name,
                                  profile_kind=profile.kind, weight_quant=workload.weight_quant,
-                                 embed_quant=workload.embed_quant, weight_dtype=workload.weight_dtype)
+                                 embed_quant=workload.embed_quant, weight_dtype=workload.weight_dtype,
+                                 prefix_share=workload.prefix_share)
 
 
 def _shared(reasons: list[tuple[str, ...]]) -> list[str]:
@@ -34,7 +35,9 @@ def format_search(results, rejected, *, name, config, workload, profile, validat
     conf = [confidence(r, workload, profile, config, validation) for r in shown]
     shared = _shared([c.not_validated_because for c in conf])
     lines = [f"model {name} ({config.architecture}, {config.num_layers} layers), {num_devices} x {profile.name}, "
-             f"input {workload.input_length}, output {workload.output_length}, batch {workload.batch} per replica, "
+             f"input {workload.input_length}"
+             + (f" ({workload.prefix_share:.0%} found in the prefix cache)" if workload.prefix_share else "")
+             + f", output {workload.output_length}, batch {workload.batch} per replica, "
              f"weights {workload.weight_dtype}, KV {workload.kv_dtype}",
              validation.describe() if validation else "no validation on record: no prediction has been checked"]
     if shared:
@@ -83,7 +86,8 @@ def search_json(results, rejected, *, name, config, workload, profile, validatio
             "workload": {"input_length": workload.input_length, "output_length": workload.output_length,
                          "batch": workload.batch, "microbatches": workload.microbatches,
                          "weight_dtype": workload.weight_dtype, "kv_dtype": workload.kv_dtype,
-                         "weight_quant": workload.weight_quant or None, "embed_quant": workload.embed_quant or None},
+                         "weight_quant": workload.weight_quant or None, "embed_quant": workload.embed_quant or None,
+                         "prefix_share": workload.prefix_share},
             "validation": validation.describe() if validation else None,
             "layouts": layouts,
             "rejected": [{"tp": r.tp, "pp": r.pp, "pcp": r.pcp, "dcp": r.dcp, "ep": r.ep, "moe_dp": r.moe_dp,

@@ -4,6 +4,7 @@
     input_length: 2048         # optional
     output_length: 512         # optional
     batch: 8                   # optional, sequences per replica
+    prefix_share: 0.5          # optional: the share of each prompt found in the prefix cache
     device_profile: h100-sxm   # optional
     parallel_config:
       world_size: 8
@@ -28,7 +29,7 @@ from typing import Any
 from stagewise.parallel.ranks import ParallelConfig
 
 PARALLEL_KEYS = ("world_size", "tp_size", "pp_size", "dp_size", "ep_size", "moe_dp_size", "pcp_size", "dcp_size")
-TOP_KEYS = ("model", "input_length", "output_length", "batch", "device_profile", "parallel_config")
+TOP_KEYS = ("model", "input_length", "output_length", "batch", "device_profile", "parallel_config", "prefix_share")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,7 @@ class ServingConfig:
     output_length: int | None = None
     batch: int | None = None
     device_profile: str | None = None
+    prefix_share: float | None = None
 
 
 def _int(where: str, d: dict, key: str, default: Any = None) -> Any:
@@ -84,9 +86,12 @@ def parse_serving(data: Any, where: str = "serving config") -> ServingConfig:
     profile = data.get("device_profile")
     if profile is not None and not isinstance(profile, str):
         raise ValueError(f"{where}: field 'device_profile' must be a string, got {profile!r}")
+    share = data.get("prefix_share")
+    if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1):
+        raise ValueError(f"{where}: field 'prefix_share' must be a number in [0, 1], got {share!r}")
     return ServingConfig(parallel=parallel, model=model, input_length=_int(where, data, "input_length"),
                          output_length=_int(where, data, "output_length"), batch=_int(where, data, "batch"),
-                         device_profile=profile)
+                         device_profile=profile, prefix_share=share)
 
 
 def load_serving_yaml(path: str | Path) -> ServingConfig:

@@ -220,7 +220,7 @@ class Validation:
     def confidence(self, *, tp: int, pp: int, batch: int, input_length: int, output_length: int,
                    architecture: str, profile_name: str, profile_kind: str, weight_quant: str = "",
                    embed_quant: str = "", weight_dtype: str | None = None, pcp: int = 1,
-                   dcp: int = 1) -> Confidence:
+                   dcp: int = 1, prefix_share: float = 0.0) -> Confidence:
         """The band of one prediction when the validation covers its case, else why it does not."""
         r, why = self.data.get("range", {}), []
         for name, value, key in (("PP", pp, "stages"), ("TP", tp, "tp"), ("PCP", pcp, "pcp"), ("DCP", dcp, "dcp"),
@@ -243,6 +243,8 @@ class Validation:
                 weight_dtype is not None and v_dtype is not None and weight_dtype != v_dtype):
             why.append(f"{_weights(weight_quant, embed_quant, weight_dtype)} not validated "
                        f"(only {_weights(v_weight, v_embed, v_dtype)})")
+        if prefix_share:  # validation runs compute every prompt whole
+            why.append(f"a prefix-cache share of {prefix_share:.0%} not validated (only whole prompts)")
         if why:
             return Confidence(None, not_validated_because=tuple(why))
         measured = [row for row in self.data.get("rows", []) if row.get("stages") == pp and row.get("batch") == batch
