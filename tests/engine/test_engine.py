@@ -97,6 +97,35 @@ def test_batched_greedy_equals_transformers(checkpoint, path):
         assert streamed.get(i, "") == c.text
 
 
+def test_prompts_after_a_cached_prefix_give_the_uncached_tokens_and_logprobs(checkpoint):
+    """Prompts behind a 36-token beginning that an earlier call left cached start after its 2
+    blocks (a whole repeated prompt too, but for its last token): greedy tokens are transformers',
+    logprobs the uncached run's within 1e-5, seeded samples the same; the pool's status shows
+    the cached blocks, and a reset of the cache leaves none to find."""
+    folder, hf = checkpoint
+    shared = random_prompts((36,), seed=4)[0]
+    prompts = [shared + tail for tail in random_prompts((5, 1, 9), seed=5)] + [shared]
+    runs = {}
+    for cache in (False, True):
+        with stagewise.Pipeline(str(folder), max_num_seqs=4, prefix_cache=cache) as pipe:
+            pipe.generate(prompt_token_ids=[shared], max_new_tokens=2)
+            greedy = pipe.generate(prompt_token_ids=prompts, max_new_tokens=NEW, logprobs=3)
+            sampled = pipe.generate(prompt_token_ids=prompts, max_new_tokens=NEW, temperature=0.9, seed=3)
+            status = pipe.status()
+            pipe.reset_prefix_cache()
+            after = pipe.generate(prompt_token_ids=prompts[:1], max_new_tokens=1)
+        runs[cache] = greedy, sampled, status, after
+    (plain, plain_sampled, _, _), (cached, cached_sampled, status, after) = runs[False], runs[True]
+    assert [c.cached_tokens for c in cached] == [32] * 4 and [c.cached_tokens for c in plain] == [0] * 4
+    assert status["cached_blocks"] >= 2 and after[0].cached_tokens == 0
+    for p, a, b in zip(prompts, plain, cached):
+        assert a.token_ids == b.token_ids == reference(hf, p)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert abs(x.logprob - y.logprob) < 1e-5 and [t for t, _ in x.top] == [t for t, _ in y.top]
+            assert max(abs(u - v) for (_, u), (_, v) in zip(x.top, y.top)) < 1e-5
+    assert [c.token_ids for c in plain_sampled] == [c.token_ids for c in cached_sampled]
+
+
 def test_chunked_prefill_equals_the_whole_prompt_prefill(checkpoint):
     """Prompts prefilled in chunks of 1 token, an odd size and the block size (16), crossing KV
     blocks, while the other rows decode: the tokens of one-step prefill (which are transformers':

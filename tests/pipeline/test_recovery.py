@@ -68,6 +68,26 @@ def test_only_the_lost_stage_starts_again(reference, stages, lost, sig):
     assert gone(new)
 
 
+def test_a_stage_lost_under_a_shared_prefix_load_gives_the_undisturbed_answers():
+    """Prompts behind one shared beginning, which an earlier request left cached; stage 1 is killed
+    mid-generation, and the repaired pipeline (every pool new: no block of the old cache is
+    named) resumes them with the uncached single process's tokens, then caches the prefix anew."""
+    shared = "You are a careful assistant. Answer in one short sentence, and never repeat the question. "
+    prompts = [shared + p for p in PROMPTS]
+    with Pipeline("smollm2-135m", prefix_cache=False) as single:
+        want = [c.token_ids for c in single.generate(prompts, max_new_tokens=NEW, ignore_eos=True)]
+    with Pipeline("smollm2-135m", stages=2, max_restarts=1) as pipe:
+        pipe.generate([shared + "Hello"], max_new_tokens=2, ignore_eos=True)
+        pids = list(pipe.driver.processes.pids)
+        out = pipe.generate(prompts, max_new_tokens=NEW, ignore_eos=True,
+                            on_text=fail_stage_midway(pids[1], signal.SIGKILL, after=20))
+        # (Resumed on the new pipeline, each prompt with its tokens so far computed again: the
+        # cached_tokens reported are the new pipeline's.)
+        assert pipe.restarts == 1 and [c.token_ids for c in out] == want
+        again = pipe.generate(prompts, max_new_tokens=NEW, ignore_eos=True)
+        assert [c.token_ids for c in again] == want and all(c.cached_tokens >= 16 for c in again)
+
+
 def test_a_stage_lost_between_requests_is_repaired_before_the_next(reference):
     """Stage 0 killed, then stage 1 stopped (hung), while nothing runs: the next generate repairs
     the pipeline first (the next request's send fails; the stats call finds the silent stage)."""
