@@ -3,8 +3,9 @@ sampler. The executor never schedules; whoever drives it (the single-process eng
 stage) hands it a :class:`~stagewise.model.batch.StepBatch`.
 
 KV lifecycle: the executor allocates a request's blocks when a step first brings it (the first
-chunk of its prompt), slots for each later chunk and each decode row, and frees them when told the
-request ended; no stage asks another for KV. The stage's layers with one attention window share a
+chunk of its prompt, or its first chunk after a cached prefix, whose blocks the step names:
+``StepBatch.prefix_blocks``), slots for each later chunk and each decode row, and frees them when
+told the request ended (its full blocks stay cached in the pool); no stage asks another for KV. The stage's layers with one attention window share a
 pool (:mod:`stagewise.kv.window`): a sliding-window group gives back the blocks that fall out of
 its window after every step. Every stage of a pipeline runs the same block size and pool sizes
 (each group's derived from one count of full-attention blocks, ``num_blocks``), so allocations
@@ -152,11 +153,11 @@ class Executor:
                     if rid in self.manager:
                         raise ValueError(f"request {rid!r} starts a prefill but already has KV here")
                     added.append(rid)
-                    holds = pinned.get(i, [])
+                    shared = hits[i] if i in pinned else ()
                     for m in self.managers:
-                        m.add(rid, ctx + n, prefix=hits[i] if holds else ())
-                        if holds:
-                            holds.remove(m)  # the request holds them now
+                        m.add(rid, ctx + n, prefix=shared)
+                        if shared:
+                            pinned[i].remove(m)  # the request holds them now
                 else:
                     have = self.manager.num_tokens(rid) if rid in self.manager else None
                     if have != ctx:

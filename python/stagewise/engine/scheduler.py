@@ -12,7 +12,9 @@ chunks first, then the decodes of the running rows.
 KV lifecycle, as counted by a :class:`~stagewise.kv.budget.KVBudget` for every layer group of the
 model: blocks for the whole prompt when a request joins (a sliding-window group: at most its cap),
 one slot per fed token (a block whenever a boundary is crossed), all freed at once when the
-request finishes, is cancelled or fails. Running requests take their decode slot
+request finishes, is cancelled or fails. With prefix caching a request is admitted as a whole
+prompt (its reservation counts the cached blocks too, so a hit never runs the pool short), and its
+first chunk starts after the tokens found cached. Running requests take their decode slot
 before new requests are admitted, so a request in flight is never starved by a
 newcomer; when the pool is still short, that one request fails with finish_reason
 "error" and its blocks go back to the pool for the others.
