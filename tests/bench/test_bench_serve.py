@@ -1,9 +1,11 @@
 """`stagewise bench serve`: its load (Poisson arrivals at the asked rate, log-normal lengths within
-their bounds, prompts of at least the drawn tokens, the same from the same seed) and a tiny run
-against `stagewise serve` alone."""
+their bounds, prompts of at least the drawn tokens, the same from the same seed), the workloads
+with shared prefixes, and tiny runs against `stagewise serve` alone, with its prefix cache and
+without."""
 
 from __future__ import annotations
 
+import collections
 import json
 import random
 import statistics
@@ -12,7 +14,7 @@ import types
 import pytest
 
 from stagewise.bench.serve.compare import _budget_compare, _target
-from stagewise.bench.serve.load import OUTPUT, PROMPT, workload
+from stagewise.bench.serve.workloads import OUTPUT, PROMPT, TINY, Sizes, num_requests, workload
 from stagewise.cli import main
 
 
@@ -21,32 +23,57 @@ def words(text: str) -> int:
 
 
 def test_the_load_is_poisson_at_the_rate_with_bounded_lengths():
-    reqs = workload(400, 4.0, words, seed=3)
+    reqs = workload("sharegpt", 400, 4.0, words, seed=3)
     gaps = [b.arrival_s - a.arrival_s for a, b in zip(reqs, reqs[1:])]
     assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.15)
     assert statistics.stdev(gaps) == pytest.approx(statistics.mean(gaps), rel=0.2)  # exponential: sd = mean
     assert all(PROMPT.lo <= r.prompt_tokens for r in reqs) and all(OUTPUT.lo <= r.max_tokens <= OUTPUT.hi for r in reqs)
     assert all(words(r.prompt) == r.prompt_tokens for r in reqs)
     assert statistics.median(r.max_tokens for r in reqs) == pytest.approx(OUTPUT.median, rel=0.2)
-    assert workload(50, 4.0, words, seed=3) == reqs[:50]
-    assert workload(50, 4.0, words, seed=4) != reqs[:50]
+    assert workload("sharegpt", 50, 4.0, words, seed=3) == reqs[:50]
+    assert workload("sharegpt", 50, 4.0, words, seed=4) != reqs[:50]
     shape = random.Random(0)
     assert PROMPT.draw(shape) != PROMPT.draw(shape)
 
 
-@pytest.mark.parametrize("stages", [1, 2])
-def test_a_tiny_run_against_stagewise_serve(tmp_path, stages):
-    """Ours as it starts by default, then with a TPOT target given; as one process and as a pipeline."""
+def test_shared_prefix_workloads():
+    """A system prompt before every question; 8 (tiny: 2) questions per document; conversations
+    whose later turns follow the first: n requests in all, a conversation's turns counted."""
+    sizes = Sizes()
+    reqs = workload("system-prompt", 20, 2.0, words, seed=1, sizes=sizes)
+    system = reqs[0].prompt.split("\n\n")[0]
+    assert words(system) >= sizes.system and all(r.prompt.startswith(system + "\n\n") for r in reqs)
+    assert len({r.prompt for r in reqs}) == 20 and all(words(r.prompt) == r.prompt_tokens for r in reqs)
+    reqs = workload("documents", 20, 2.0, words, seed=1, sizes=sizes)
+    docs = collections.Counter(r.prompt.split("\n\n")[0] for r in reqs)
+    assert len(docs) == 3 and sorted(docs.values()) == [4, 8, 8] and all(words(d) >= 2000 for d in docs)
+    reqs = workload("multi-turn", 10, 2.0, words, seed=1, sizes=sizes)
+    assert [len(r.turns) for r in reqs] == [3, 3, 1] and num_requests(reqs) == 10
+    assert num_requests(workload("multi-turn", 5, 2.0, words, seed=1, sizes=TINY)) == 5
+    with pytest.raises(ValueError, match="--workload takes one of sharegpt"):
+        workload("chat", 5, 2.0, words)
+
+
+@pytest.mark.parametrize(("stages", "kind"), [(1, "sharegpt"), (2, "multi-turn"), (1, "system-prompt")])
+def test_a_tiny_run_against_stagewise_serve(tmp_path, stages, kind):
+    """Ours as it starts by default, without its prefix cache, then with a TPOT target given; as one
+    process and as a pipeline. The shared system prompt's blocks are found cached."""
     assert main(["bench", "serve", "--tiny", "--server-baseline", "none", "--rates", "4", "--linear-precision", "int8",
-                 "--tpot-target", "50", "--stages", str(stages), "--out", str(tmp_path)]) == 0
+                 "--tpot-target", "50", "--stages", str(stages), "--workload", kind, "--out", str(tmp_path)]) == 0
     [result] = tmp_path.glob("*-serve.json")
     data = json.loads(result.read_text())
     name = "stagewise int8" + ("" if stages == 1 else f", {stages} stages")
-    assert list(data["rows"]) == [name, f"{name}, TPOT target 50 ms"] and data["machine"]["stages"] == stages
+    assert list(data["rows"]) == [name, f"{name}, no prefix cache", f"{name}, TPOT target 50 ms"]
+    assert data["machine"]["stages"] == stages and data["machine"]["workload"] == kind
     for [row] in data["rows"].values():
         assert row["completed"] == 4 and row["failed"] == 0 and row["tok_per_s"] > 0
         assert row["ttft_p50_s"] > 0 and row["tpot_p50_s"] > 0
-    assert f"{name}, TPOT target 50 ms" in result.with_suffix(".md").read_text()
+    [off] = data["rows"][f"{name}, no prefix cache"]
+    assert off["cache_hit_rate"] == 0
+    if kind == "system-prompt":
+        assert data["rows"][name][0]["cache_hit_rate"] > 0.3
+    text = result.with_suffix(".md").read_text()
+    assert f"{name}, TPOT target 50 ms" in text and "against itself without the prefix cache" in text
 
 
 def row(rate: float, req_per_s: float, tpot_p99_s: float) -> dict:

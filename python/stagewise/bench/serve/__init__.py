@@ -1,6 +1,7 @@
-"""``stagewise bench serve``: ``stagewise serve`` against llama.cpp's OpenAI server on the same GGUF
-and cores, each under the same Poisson load of ShareGPT-like requests
-(:mod:`~stagewise.bench.serve.load`) at each rate, compared at equal p99 TPOT
+"""``stagewise bench serve``: ``stagewise serve`` (with its prefix cache and without) against
+llama.cpp's OpenAI server on the same GGUF and cores, each under the same Poisson load of a
+workload's requests (:mod:`~stagewise.bench.serve.workloads`: ShareGPT-like, a shared system prompt,
+multi-turn chats, questions about documents) at each rate, compared at equal p99 TPOT
 (:mod:`~stagewise.bench.serve.compare`)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from stagewise.bench.options import add_common
+from stagewise.bench.serve.workloads import WORKLOADS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rates", default=None, metavar="0.5,1,2,4",
                         help="offered loads, requests per second (default 0.5,1,2,4)")
     parser.add_argument("--requests", type=int, default=None, metavar="N",
-                        help="requests per rate (default 40; --tiny: 4)")
+                        help="requests per rate (a conversation's every turn counted; default 40; --tiny: 4)")
+    parser.add_argument("--workload", default="sharegpt", choices=WORKLOADS,
+                        help="sharegpt (default: independent requests of log-normal lengths), system-prompt (a "
+                             "1,024-token system prompt before short questions), multi-turn (chats of 4 turns that "
+                             "resend the conversation), documents (8 questions about each 2,000-token document)")
+    parser.add_argument("--prefix-cache", default="on,off", metavar="on,off",
+                        help="ours with its prefix cache (on) and, as it starts without any TPOT target, without "
+                             "it (off; serve --no-prefix-cache); default on,off")
     parser.add_argument("--server-baseline", dest="baseline_server", default="llama.cpp", choices=["llama.cpp", "none"],
                         help="the server run beside stagewise serve (default llama.cpp: llama-cpp-python's "
                              "llama_cpp.server, an optional dependency)")

@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 
 from stagewise.bench import report
-from stagewise.bench.serve.load import OUTPUT, PROMPT, Shape, run_load, workload
+from stagewise.bench.serve.load import run_load
+from stagewise.bench.serve.workloads import OUTPUT, PROMPT, TINY, Shape, Sizes, num_requests, workload
 from stagewise.parallel.plan_options import tpot_target_problem
 
 RATES = "0.5,1,2,4"
@@ -89,7 +90,7 @@ class Server:
 
 
 def _ours(model: str, threads: int | None, env: dict, precision: str, target_ms: float | None,
-          stages: int = 1) -> Server:
+          stages: int = 1, prefix_cache: bool = True) -> Server:
     """``threads`` None: the server's own choice (on the CPU one core fewer than the machine has,
     which its HTTP loop keeps); ``stages`` > 1: a pipeline of that many stage processes."""
     port = _free_port()
@@ -98,15 +99,21 @@ def _ours(model: str, threads: int | None, env: dict, precision: str, target_ms:
     argv += ([] if threads is None else ["--threads", str(threads)])
     argv += ([] if stages == 1 else ["--stages", str(stages)])
     argv += ([] if target_ms is None else ["--tpot-target", f"{target_ms:g}"])
+    argv += ([] if prefix_cache else ["--no-prefix-cache"])
     return Server("stagewise", argv, "/health", {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"})
 
 
-def _name(precision: str, target_ms: float | None, stages: int = 1) -> str:
+def _name(precision: str, target_ms: float | None, stages: int = 1, prefix_cache: bool = True) -> str:
     return (f"stagewise {precision}" + ("" if stages == 1 else f", {stages} stages")
-            + ("" if target_ms is None else f", TPOT target {target_ms:g} ms"))
+            + ("" if target_ms is None else f", TPOT target {target_ms:g} ms")
+            + ("" if prefix_cache else ", no prefix cache"))
 
 
-def _llama_cpp(gguf: Path, threads: int, env: dict, install: bool, log) -> Server:
+def _llama_cpp(gguf: Path, threads: int, env: dict, install: bool, log, prompt_cache: bool = False) -> Server:
+    """llama-cpp-python's server: one request at a time, each reusing the KV of the longest prefix
+    it shares with the prompt before it; with ``prompt_cache`` (the shared-prefix workloads) also
+    its RAM cache of evaluated prompts' states (``--cache``, 2 GiB), which finds a prefix any
+    earlier prompt left."""
     from stagewise.bench import llama_cpp
 
     lib = llama_cpp.find_or_install(install, log=log)
@@ -119,6 +126,7 @@ def _llama_cpp(gguf: Path, threads: int, env: dict, install: bool, log) -> Serve
     argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(threads),
             "--n_threads_batch", str(threads), "--n_ctx", "4096", "--host", "127.0.0.1", "--port", str(port),
             "--interrupt_requests", "False"]  # queue concurrent requests (its default ends the running one)
+    argv += ["--cache", "True"] if prompt_cache else []
     server = Server("llama.cpp", argv, "/v1/models", env)
     server.version = getattr(lib, "__version__", "unknown")
     return server
@@ -181,8 +189,13 @@ def run(args, log=print) -> int:
     except ValueError:
         log(f"stagewise bench: serve --stages takes one number of stages >= 1, got {args.stages!r}")
         return 2
+    caches = [c.strip() for c in args.prefix_cache.split(",") if c.strip()]
+    if not caches or any(c not in ("on", "off") for c in caches):
+        log(f"stagewise bench: --prefix-cache takes on and/or off, got {args.prefix_cache!r}")
+        return 2
     n = args.requests or (4 if args.tiny else 40)
     shapes = (Shape(12, 0.3, 4, 24), Shape(4, 0.3, 2, 8)) if args.tiny else (PROMPT, OUTPUT)
+    sizes = TINY if args.tiny else Sizes()
     from stagewise.launch.local import usable_cores
 
     cores = usable_cores()
@@ -199,35 +212,41 @@ def run(args, log=print) -> int:
     info = report.machine_info("cpu")
     info.update(model=str(ckpt.path), threads=threads, cores=cores,
                 stagewise_threads=args.threads or "its default (cores - 1 on the CPU: one core for the HTTP loop)",
-                requests_per_rate=n, rates=rates, stages=stages,
+                requests_per_rate=n, rates=rates, stages=stages, workload=args.workload,
                 prompt_median=shapes[0].median, output_median=shapes[1].median)
 
     def measure(name: str, server: Server, model: str, extra: dict) -> None:
         info[f"{name}_ready_s"] = round(server.ready_s, 2)
         try:
-            asyncio.run(run_load(server.url, model, workload(2, 1.0, tokenize, seed=99), 1.0, extra))  # warm-up
+            warm = workload("sharegpt", 2, 1.0, tokenize, seed=99)
+            asyncio.run(run_load(server.url, model, warm, 1.0, extra))
             for i, rate in enumerate(rates):
-                requests = workload(n, rate, tokenize, seed=i, prompt=shapes[0], output=shapes[1])
+                requests = workload(args.workload, n, rate, tokenize, seed=i, prompt=shapes[0], output=shapes[1],
+                                    sizes=sizes)
                 row = asyncio.run(run_load(server.url, model, requests, rate, extra)).summary()
-                row["prompt_tokens_mean"] = sum(r.prompt_tokens for r in requests) / n
-                row["max_tokens_mean"] = sum(r.max_tokens for r in requests) / n
+                row["requests"] = num_requests(requests)
+                row["prompt_tokens_mean"] = sum(r.prompt_tokens for r in requests) / len(requests)
+                row["max_tokens_mean"] = sum(r.max_tokens for r in requests) / len(requests)
                 rows.setdefault(name, []).append(row)
                 log(f"  {name} at {rate:g} req/s: {row['req_per_s']:.2f} req/s, {row['tok_per_s']:.1f} tok/s, "
                     f"TTFT p50/p99 {_ms(row['ttft_p50_s'])}/{_ms(row['ttft_p99_s'])} ms, TPOT p50/p99 "
-                    f"{_ms(row['tpot_p50_s'])}/{_ms(row['tpot_p99_s'])} ms, {row['failed']} failed")
+                    f"{_ms(row['tpot_p50_s'])}/{_ms(row['tpot_p99_s'])} ms, prefix-cache hits "
+                    f"{_pct(row['cache_hit_rate'])}, {row['failed']} failed")
         finally:
             server.stop()
 
     if baselines:  # first: its budget sets ours' target
-        server = _llama_cpp(ckpt.path, threads, env, args.install_baseline, log)
+        server = _llama_cpp(ckpt.path, threads, env, args.install_baseline, log, args.workload != "sharegpt")
         info["llama_cpp_python"] = server.version
         measure("llama.cpp", server, str(ckpt.path), {"logit_bias": {str(t): -100.0 for t in ckpt.config.eos_token_ids}})
     target = _target(args, rows)
     info["tpot_target_ms"], info["tpot_target_auto"] = target, args.tpot_target == "auto"
-    runs = [(precisions[0], None)] + ([(p, target) for p in precisions] if target is not None else [])
-    for precision, target_ms in runs:
-        measure(_name(precision, target_ms, stages), _ours(args.model, args.threads, env, precision, target_ms, stages),
-                args.model, {"ignore_eos": True})
+    runs = [(precisions[0], None, cache == "on") for cache in caches]
+    runs += [(p, target, caches[0] == "on") for p in precisions] if target is not None else []
+    for precision, target_ms, cache in runs:
+        measure(_name(precision, target_ms, stages, cache),
+                _ours(args.model, args.threads, env, precision, target_ms, stages, cache), args.model,
+                {"ignore_eos": True})
     compare = _budget_compare(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -238,8 +257,41 @@ def run(args, log=print) -> int:
     return 0 if all(r["failed"] == 0 for rs in rows.values() for r in rs) else 1
 
 
+WORKLOAD_LINES = {
+    "sharegpt": "log-normal prompt (median {prompt_median:g} tokens) and output (median {output_median:g}) lengths",
+    "system-prompt": "one system prompt of 1,024 tokens before each short question",
+    "multi-turn": "chats of 4 turns, each resending the conversation with the answers so far",
+    "documents": "8 questions about each 2,000-token document, mixed",
+}
+"""What each workload is, for the report (``--tiny`` makes every size smaller)."""
+
+
+def _cache_lines(rows: dict[str, list[dict]]) -> list[str]:
+    """Each run with the prefix cache against the same run without it, rate by rate: TTFT p50 and
+    requests per second, the ratio of the two."""
+    out = []
+    for name, rs in rows.items():
+        off = rows.get(f"{name}, no prefix cache")
+        if not off:
+            continue
+        out += ["", f"{name} against itself without the prefix cache (cache off / on TTFT p50, on / off req/s):", ""]
+        for on_row, off_row in zip(rs, off):
+            ttft = (off_row["ttft_p50_s"] / on_row["ttft_p50_s"]) if on_row["ttft_p50_s"] and off_row["ttft_p50_s"] \
+                else None
+            rps = on_row["req_per_s"] / off_row["req_per_s"] if off_row["req_per_s"] else None
+            out.append(f"- at {on_row['rate']:g} req/s: TTFT p50 {_ms(on_row['ttft_p50_s'])} vs "
+                       f"{_ms(off_row['ttft_p50_s'])} ms (" + ("-" if ttft is None else f"**{ttft:.1f}x** lower")
+                       + f"), {on_row['req_per_s']:.2f} vs {off_row['req_per_s']:.2f} req/s ("
+                       + ("-" if rps is None else f"**{rps:.2f}x**") + ")")
+    return out
+
+
 def _ms(v) -> str:
     return "-" if v is None else f"{1e3 * v:.0f}"
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.0f} %"
 
 
 def _markdown(path: Path, info: dict, rows: dict[str, list[dict]], compare: dict | None) -> None:
@@ -250,20 +302,24 @@ def _markdown(path: Path, info: dict, rows: dict[str, list[dict]], compare: dict
              f"torch {info['torch']}; the whole machine per server, one after the other: llama.cpp "
              f"{info['threads']} threads, stagewise {info['stagewise_threads']}  ",
              f"Date (UTC): {info['date_utc']}; commit {info['git_commit']}  ",
-             f"Model: {info['model']}; {info['requests_per_rate']} streamed completions per rate, Poisson arrivals, "
-             f"log-normal prompt (median {info['prompt_median']:g} tokens) and output (median {info['output_median']:g}) "
-             "lengths, every requested token generated  ",
-             f"llama-cpp-python: {info.get('llama_cpp_python', '-')}; ready after: {ready}  ",
+             f"Model: {info['model']}; {info['requests_per_rate']} streamed completions per rate, Poisson arrivals; "
+             f"workload {info['workload']} (" + WORKLOAD_LINES[info["workload"]].format(**info) + "); every requested "
+             "token generated  ",
+             f"llama-cpp-python: {info.get('llama_cpp_python', '-')} (its server reuses the previous prompt's common "
+             "prefix" + ("; with its RAM prompt cache" if info["workload"] != "sharegpt" else "") + f"); ready after: "
+             f"{ready}  ",
              "stagewise's TPOT target (`serve --tpot-target`): " + ("none" if target is None else f"{target:g} ms"
              + (f" ({HEADROOM:g} of llama.cpp's budget below)" if info.get("tpot_target_auto") else "")) + "; linear precisions: exact "
              "(float32 on the exact dequantised weights) and int8 (activations quantised to int8 per block of 32, "
              "as llama.cpp's CPU path does)", "",
              "| server | offered req/s | served req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
-             "TPOT p99 ms | failed |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "TPOT p99 ms | prefix-cache hits | failed |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rs in rows.items():
         for r in rs:
             lines.append(f"| {name} | {r['rate']:g} | {r['req_per_s']:.2f} | {r['tok_per_s']:.1f} | {_ms(r['ttft_p50_s'])} "
-                         f"| {_ms(r['ttft_p99_s'])} | {_ms(r['tpot_p50_s'])} | {_ms(r['tpot_p99_s'])} | {r['failed']} |")
+                         f"| {_ms(r['ttft_p99_s'])} | {_ms(r['tpot_p50_s'])} | {_ms(r['tpot_p99_s'])} "
+                         f"| {_pct(r.get('cache_hit_rate'))} | {r['failed']} |")
+    lines += _cache_lines(rows)
     if compare:
         lines += ["", f"At equal p99 TPOT (the budget: llama.cpp's p99 TPOT at its best rate, "
                       f"{_ms(compare['tpot_p99_budget_s'])} ms), llama.cpp serves {compare['llama_cpp_req_per_s']:.2f} "
