@@ -320,6 +320,27 @@ def test_shared_prefixes_are_computed_once_and_change_no_token(folder):
         assert windowed or head.engine.prefix.stats.hit_tokens >= 4 * BLOCK
 
 
+def test_no_step_writes_into_a_block_that_another_request_holds(folder):
+    """Every slot a step writes lies in a block that only the writing request holds: a shared
+    (cached) block is never written, on any stage, while others read it."""
+    ranges = [(0, 2), (2, 5)]
+    head, workers = make_stages(folder, ranges, max_prefill_tokens=5)
+    written = []
+    for ex in [head.engine.executor] + [w.executor for w in workers]:
+        for meta in ex._metadata:
+            def build(batch, pcp=None, build=meta.build, manager=meta.manager):
+                out = build(batch, pcp)
+                blocks = {int(s) // manager.block_size for s in out.slot_mapping.tolist() if s >= 0}
+                written.append(max((manager.pool.refs(b) for b in blocks), default=1))
+                return out
+            meta.build = build
+    reqs = shared_prefix_requests(14, seed=31)
+    assert_runs_equal(run_pipeline(folder, reqs, ranges, {2: 6}, seed=5, stages=(head, workers)),
+                      run_engine(folder, reqs, prefix_cache=False), len(reqs))
+    assert written and max(written) == 1
+    assert head.engine.prefix is None or head.engine.prefix.stats.hit_tokens > 0
+
+
 def test_a_step_failed_on_one_stage_resets_every_pool_before_the_next_hit(folder):
     """A step that fails on stage 2 (after stage 0 and 1 ran it) leaves the pools out of step: no
     hit until no request holds KV, then every stage's pools reset together, and a second wave of
