@@ -54,7 +54,7 @@ def test_shared_prefix_workloads():
         workload("chat", 5, 2.0, words)
 
 
-@pytest.mark.parametrize(("stages", "kind"), [(1, "sharegpt"), (2, "multi-turn"), (1, "system-prompt")])
+@pytest.mark.parametrize(("stages", "kind"), [(2, "multi-turn"), (1, "system-prompt")])
 def test_a_tiny_run_against_stagewise_serve(tmp_path, stages, kind):
     """Ours as it starts by default, without its prefix cache, then with a TPOT target given; as one
     process and as a pipeline. The shared system prompt's blocks are found cached."""
