@@ -40,6 +40,9 @@ from stagewise.bench.serve.workloads import OUTPUT, PROMPT, TINY, Shape, Sizes, 
 from stagewise.parallel.plan_options import tpot_target_problem
 
 RATES = "0.5,1,2,4"
+PROMPT_CACHE = ("multi-turn", "documents")
+"""Workloads whose shared prefixes the previous prompt does not hold: llama.cpp gets its RAM prompt
+cache there (on the system-prompt workload it served 0.51 req/s with it, 0.78 without)."""
 HEADROOM = 0.8
 """Ours' TPOT target with ``--tpot-target auto``: this share of llama.cpp's measured budget."""
 
@@ -111,9 +114,9 @@ def _name(precision: str, target_ms: float | None, stages: int = 1, prefix_cache
 
 def _llama_cpp(gguf: Path, threads: int, env: dict, install: bool, log, prompt_cache: bool = False) -> Server:
     """llama-cpp-python's server: one request at a time, each reusing the KV of the longest prefix
-    it shares with the prompt before it; with ``prompt_cache`` (the shared-prefix workloads) also
-    its RAM cache of evaluated prompts' states (``--cache``, 2 GiB), which finds a prefix any
-    earlier prompt left."""
+    it shares with the prompt before it; with ``prompt_cache`` (:data:`PROMPT_CACHE`) also its RAM
+    cache of evaluated prompts' states (``--cache``, 2 GiB), which finds a prefix any earlier prompt
+    left."""
     from stagewise.bench import llama_cpp
 
     lib = llama_cpp.find_or_install(install, log=log)
@@ -236,7 +239,7 @@ def run(args, log=print) -> int:
             server.stop()
 
     if baselines:  # first: its budget sets ours' target
-        server = _llama_cpp(ckpt.path, threads, env, args.install_baseline, log, args.workload != "sharegpt")
+        server = _llama_cpp(ckpt.path, threads, env, args.install_baseline, log, args.workload in PROMPT_CACHE)
         info["llama_cpp_python"] = server.version
         measure("llama.cpp", server, str(ckpt.path), {"logit_bias": {str(t): -100.0 for t in ckpt.config.eos_token_ids}})
     target = _target(args, rows)
@@ -306,7 +309,7 @@ def _markdown(path: Path, info: dict, rows: dict[str, list[dict]], compare: dict
              f"workload {info['workload']} (" + WORKLOAD_LINES[info["workload"]].format(**info) + "); every requested "
              "token generated  ",
              f"llama-cpp-python: {info.get('llama_cpp_python', '-')} (its server reuses the previous prompt's common "
-             "prefix" + ("; with its RAM prompt cache" if info["workload"] != "sharegpt" else "") + f"); ready after: "
+             "prefix" + ("; with its RAM prompt cache" if info["workload"] in PROMPT_CACHE else "") + f"); ready after: "
              f"{ready}  ",
              "stagewise's TPOT target (`serve --tpot-target`): " + ("none" if target is None else f"{target:g} ms"
              + (f" ({HEADROOM:g} of llama.cpp's budget below)" if info.get("tpot_target_auto") else "")) + "; linear precisions: exact "
