@@ -82,15 +82,14 @@ class PrefixCaching:
         return n
 
     def out_of_step(self) -> None:
-        """Some stages ran a step the others did not: no block may be named until the pools reset."""
+        """Some stages ran a step the others did not: no block may be named until the pools reset
+        (:meth:`resumed`); nothing is registered meanwhile."""
         self.paused = True
-        self.index.clear()
-        self._named.clear()
+        self.reset()
 
     def resumed(self) -> None:
         """Every stage's pools were reset (:meth:`Executor.reset_kv`): lookups go on."""
         self.paused = False
-        self.index.clear()
 
     def _identities(self, seq: SeqState, tokens: list[int]) -> list[bytes]:
         known = self._hashes.setdefault(seq.request_id, [])
