@@ -87,7 +87,7 @@ def test_the_comparison_at_equal_p99_tpot_and_the_target_it_gives():
             "stagewise slow": [row(1, 1.0, 0.050)]}
     compare = _budget_compare(rows)
     assert compare["tpot_p99_budget_s"] == 0.021 and compare["llama_cpp_req_per_s"] == 0.8
-    ours = compare["stagewise"]
+    ours = compare["servers"]
     assert ours["stagewise exact"] == {"req_per_s": 1.0, "rate": 1, "ratio": pytest.approx(1.25)}
     assert ours["stagewise int8, TPOT target 16.8 ms"]["ratio"] == pytest.approx(1.9 / 0.8)
     assert ours["stagewise slow"] == {"req_per_s": 0.0, "rate": None, "ratio": 0.0}
@@ -104,6 +104,8 @@ def test_the_comparison_at_equal_p99_tpot_and_the_target_it_gives():
     (["--tpot-target", "fast"], "--tpot-target takes auto, none or milliseconds > 0"),
     (["--stages", "1,2"], "serve --stages takes one number of stages >= 1, got '1,2'"),
     (["--stages", "0"], "serve --stages takes one number of stages >= 1, got '0'"),
+    (["--server-baseline", "sglang"], "--server-baseline takes llama.cpp, vllm (both: llama.cpp,vllm) or none"),
+    (["--server-baseline", "vllm", "--vllm-python", "/nonexistent/python"], "cannot import vllm"),
 ])
 def test_bad_serve_options_are_named(argv, message, capsys):
     assert main(["bench", "serve", "--tiny", "--server-baseline", "none", *argv]) == 2

@@ -1,6 +1,6 @@
 """``stagewise bench serve``: ``stagewise serve`` (with its prefix cache and without) against
-llama.cpp's OpenAI server on the same GGUF and cores, each under the same Poisson load of a
-workload's requests (:mod:`~stagewise.bench.serve.workloads`: ShareGPT-like, a shared system prompt,
+llama.cpp's OpenAI server (and vLLM's CPU server) on the same GGUF and cores, each under the same
+Poisson load of a workload's requests (:mod:`~stagewise.bench.serve.workloads`: ShareGPT-like, a shared system prompt,
 multi-turn chats, questions about documents) at each rate, compared at equal p99 TPOT
 (:mod:`~stagewise.bench.serve.compare`)."""
 
@@ -30,9 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache", default="on,off", metavar="on,off",
                         help="ours with its prefix cache (on) and, as it starts without any TPOT target, without "
                              "it (off; serve --no-prefix-cache); default on,off")
-    parser.add_argument("--server-baseline", dest="baseline_server", default="llama.cpp", choices=["llama.cpp", "none"],
-                        help="the server run beside stagewise serve (default llama.cpp: llama-cpp-python's "
-                             "llama_cpp.server, an optional dependency)")
+    parser.add_argument("--server-baseline", dest="baseline_server", default="llama.cpp", metavar="llama.cpp,vllm",
+                        help="the servers run beside stagewise serve: llama.cpp (default: llama-cpp-python's "
+                             "llama_cpp.server, an optional dependency), vllm (vLLM's CPU backend, in its own "
+                             "environment: --vllm-python), both, or none")
+    parser.add_argument("--vllm-python", default=None, metavar="PATH",
+                        help="the python of the environment vLLM's CPU build is installed in (default: "
+                             "$STAGEWISE_VLLM_PYTHON)")
     parser.add_argument("--install-baseline", action="store_true",
                         help="pip install llama-cpp-python (a native source build) when it is missing")
     parser.add_argument("--tpot-target", default="auto", metavar="auto|none|MS",

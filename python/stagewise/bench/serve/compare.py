@@ -1,7 +1,8 @@
 """`stagewise bench serve`: `stagewise serve` and llama.cpp's OpenAI server (llama-cpp-python's
 ``llama_cpp.server``, an optional dependency of the benchmark only) on the same GGUF and cores,
-each under the same Poisson load at each ``--rates`` (see :mod:`stagewise.bench.serve.load`), one
-after the other on this machine.
+and with ``--server-baseline llama.cpp,vllm`` vLLM's CPU server too (:mod:`stagewise.bench.vllm_cpu`,
+in an environment of its own), each under the same Poisson load at each ``--rates`` (see
+:mod:`stagewise.bench.serve.load`), one after the other on this machine.
 
 Threads: with ``--threads N`` both servers compute with N threads; without it llama.cpp runs with
 as many threads as the machine has cores and ours makes its own choice (on the CPU one core fewer,
@@ -136,8 +137,8 @@ def _llama_cpp(gguf: Path, threads: int, env: dict, install: bool, log, prompt_c
 
 
 def _budget_compare(rows: dict[str, list[dict]]) -> dict | None:
-    """llama.cpp's budget (its p99 TPOT at its best rate) and, for each run of ours, its best
-    requests per second within it."""
+    """llama.cpp's budget (its p99 TPOT at its best rate) and, for each other server's run (ours,
+    vLLM), its best requests per second within it."""
     base = [r for r in rows.get("llama.cpp", []) if r["tpot_p99_s"] is not None]
     if not base:
         return None
@@ -151,7 +152,7 @@ def _budget_compare(rows: dict[str, list[dict]]) -> dict | None:
             ours[name] = {"req_per_s": top["req_per_s"] if top else 0.0, "rate": top["rate"] if top else None,
                           "ratio": top["req_per_s"] / best["req_per_s"] if top and best["req_per_s"] else 0.0}
     return {"tpot_p99_budget_s": budget, "llama_cpp_req_per_s": best["req_per_s"], "llama_cpp_rate": best["rate"],
-            "stagewise": ours}
+            "servers": ours}
 
 
 def _target(args, rows: dict[str, list[dict]]) -> float | None:
@@ -206,10 +207,22 @@ def run(args, log=print) -> int:
     ckpt = open_checkpoint(args.model)
     tok = ckpt.tokenizer()
     tokenize = (lambda text: len(tok.encode(text).ids))
-    baselines = [] if args.baseline_server == "none" else ["llama.cpp"]
-    if baselines and ckpt.path.suffix != ".gguf":
-        log(f"stagewise bench: the llama.cpp server needs a GGUF model, got {str(ckpt.path)!r}")
+    baselines = [b.strip() for b in args.baseline_server.split(",") if b.strip() and b.strip() != "none"]
+    if any(b not in ("llama.cpp", "vllm") for b in baselines):
+        log(f"stagewise bench: --server-baseline takes llama.cpp, vllm (both: llama.cpp,vllm) or none, "
+            f"got {args.baseline_server!r}")
         return 2
+    if baselines and ckpt.path.suffix != ".gguf":
+        log(f"stagewise bench: the baseline servers need a GGUF model, got {str(ckpt.path)!r}")
+        return 2
+    if "vllm" in baselines:
+        from stagewise.bench import vllm_cpu
+
+        try:
+            vllm_python = vllm_cpu.find_python(args.vllm_python)
+        except ValueError as err:
+            log(f"stagewise {err}")
+            return 2
     env = dict(os.environ)
     rows: dict[str, list[dict]] = {}
     info = report.machine_info("cpu")
@@ -238,10 +251,15 @@ def run(args, log=print) -> int:
         finally:
             server.stop()
 
-    if baselines:  # first: its budget sets ours' target
+    if "llama.cpp" in baselines:  # first: its budget sets ours' target
         server = _llama_cpp(ckpt.path, threads, env, args.install_baseline, log, args.workload in PROMPT_CACHE)
         info["llama_cpp_python"] = server.version
         measure("llama.cpp", server, str(ckpt.path), {"logit_bias": {str(t): -100.0 for t in ckpt.config.eos_token_ids}})
+    if "vllm" in baselines:
+        folder = vllm_cpu.hf_folder(ckpt.path, log=log)
+        argv, extra_env = vllm_cpu.server_argv(vllm_python, folder, args.model, _free_port(), threads)
+        info["vllm"] = vllm_cpu.version(vllm_python)
+        measure("vLLM", Server("vLLM", argv, "/health", {**env, **extra_env}), args.model, {"ignore_eos": True})
     target = _target(args, rows)
     info["tpot_target_ms"], info["tpot_target_auto"] = target, args.tpot_target == "auto"
     runs = [(precisions[0], None, cache == "on") for cache in caches]
@@ -300,7 +318,8 @@ def _pct(v) -> str:
 def _markdown(path: Path, info: dict, rows: dict[str, list[dict]], compare: dict | None) -> None:
     ready = ", ".join(f"{name} {info[f'{name}_ready_s']} s" for name in rows if f"{name}_ready_s" in info)
     target = info.get("tpot_target_ms")
-    lines = ["# `stagewise serve` against llama.cpp's OpenAI server", "",
+    lines = ["# `stagewise serve` against " + ("llama.cpp's and vLLM's OpenAI servers" if "vllm" in info
+                                              else "llama.cpp's OpenAI server"), "",
              f"Machine: {info['device_name']} ({info['device']}), {info['cpu_count']} CPUs, {report.isa_line(info)}; "
              f"torch {info['torch']}; the whole machine per server, one after the other: llama.cpp "
              f"{info['threads']} threads, stagewise {info['stagewise_threads']}  ",
@@ -308,9 +327,11 @@ def _markdown(path: Path, info: dict, rows: dict[str, list[dict]], compare: dict
              f"Model: {info['model']}; {info['requests_per_rate']} streamed completions per rate, Poisson arrivals; "
              f"workload {info['workload']} (" + WORKLOAD_LINES[info["workload"]].format(**info) + "); every requested "
              "token generated  ",
-             f"llama-cpp-python: {info.get('llama_cpp_python', '-')} (its server reuses the previous prompt's common "
-             "prefix" + ("; with its RAM prompt cache" if info["workload"] in PROMPT_CACHE else "") + f"); ready after: "
-             f"{ready}  ",
+             "; ".join(([f"llama-cpp-python {info['llama_cpp_python']} (its server reuses the previous prompt's "
+                         "common prefix" + ("; with its RAM prompt cache" if info["workload"] in PROMPT_CACHE else "")
+                         + ")"] if "llama_cpp_python" in info else [])
+                       + ([f"vLLM {info['vllm']} (CPU backend, float32, automatic prefix caching)"] if "vllm" in info
+                          else []) + [f"ready after: {ready}  "]),
              "stagewise's TPOT target (`serve --tpot-target`): " + ("none" if target is None else f"{target:g} ms"
              + (f" ({HEADROOM:g} of llama.cpp's budget below)" if info.get("tpot_target_auto") else "")) + "; linear precisions: exact "
              "(float32 on the exact dequantised weights) and int8 (activations quantised to int8 per block of 32, "
@@ -326,8 +347,8 @@ def _markdown(path: Path, info: dict, rows: dict[str, list[dict]], compare: dict
     if compare:
         lines += ["", f"At equal p99 TPOT (the budget: llama.cpp's p99 TPOT at its best rate, "
                       f"{_ms(compare['tpot_p99_budget_s'])} ms), llama.cpp serves {compare['llama_cpp_req_per_s']:.2f} "
-                      "req/s; each run of stagewise its best within the budget:", ""]
-        for name, c in compare["stagewise"].items():
+                      "req/s; each other server its best within the budget:", ""]
+        for name, c in compare["servers"].items():
             at = f"{c['req_per_s']:.2f} req/s (at {c['rate']:g} offered)" if c["rate"] is not None else \
                 "no rate measured here"
             lines.append(f"- {name}: {at}: **{c['ratio']:.2f}x**")
