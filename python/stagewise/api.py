@@ -28,7 +28,7 @@ from stagewise.frontend.image_processing import expand_prompts, prepare_prompt_i
 from stagewise.frontend.local import LocalBackend
 from stagewise.frontend.prompts import check_lengths, encode_prompts, render_chat
 from stagewise.frontend.run import Completion, Run, sampling_per_prompt
-from stagewise.frontend.text import TextStreams
+from stagewise.frontend.text import TextStreams, request_problem
 from stagewise.model.loader import Checkpoint, open_checkpoint, resolve_device, resolve_dtype
 from stagewise.model.quant import check_precision
 from stagewise.parallel.plan_options import option_problems
@@ -276,8 +276,8 @@ class Pipeline:
                              f"got {len(images)}")
         failed.update(expand_prompts(encoded, prepared, self.config.vision_config, failed))
         params = sampling_per_prompt(sampling, len(encoded), overrides)  # every value checked before anything runs
-        if any(p.stop for p in params) and self.tokenizer is None:
-            raise ValueError("Pipeline.generate: stop strings need a tokenizer; this checkpoint has none")
+        if (why := next(filter(None, (request_problem(p, self.checkpoint, self.tokenizer) for p in params)), None)):
+            raise ValueError(f"Pipeline.generate: {why}")
         self.check_lengths(encoded, params)
         if self.driver is not None:
             from stagewise.pipeline.faults import PipelineBroken
@@ -393,6 +393,6 @@ class Pipeline:
         return encode_prompts(self.tokenizer, prompts, prompt_token_ids, chat=chat, render=self.render_chat,
                               image_counts=image_counts or None)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The checkpoint's chat template applied to ``messages``, with the assistant turn opened."""
-        return render_chat(self.checkpoint, self.tokenizer, messages)
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> str:
+        """The checkpoint's chat template applied to ``messages`` (and ``tools``), the assistant turn opened."""
+        return render_chat(self.checkpoint, self.tokenizer, messages, tools)

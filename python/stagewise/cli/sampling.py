@@ -8,6 +8,7 @@ field's default (:func:`sampling_args`)."""
 from __future__ import annotations
 
 import argparse
+import json
 import typing
 from typing import Any
 
@@ -21,14 +22,35 @@ def _token_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def _form(name: str, hint: Any) -> dict[str, Any]:
-    """The argparse form of a field of type ``hint``."""
+def _file(kind: str):
+    """An argparse type that reads the named file: its text, or its JSON object."""
+    def read(path: str):
+        try:
+            text = open(path, encoding="utf-8").read()
+        except OSError as err:
+            raise argparse.ArgumentTypeError(f"cannot read {path!r}: {err.strerror}") from None
+        if kind == "text":
+            return text
+        try:
+            return json.loads(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{path!r} is not valid JSON: {err}") from None
+    read.__name__ = f"{kind} file"
+    return read
+
+
+def _form(name: str, hint: Any, file: bool = False) -> dict[str, Any]:
+    """The argparse form of a field of type ``hint`` (``file``: the flag names a file holding it)."""
+    if file:
+        return {"type": _file("json" if hint == (dict | None) else "text")}
     if hint is bool:
         return {"action": "store_true"}
     if hint is float:
         return {"type": float}
     if hint in (int, int | None):
         return {"type": int}
+    if hint == (str | None):
+        return {"type": str}
     if hint == list[str]:
         return {"action": "append"}
     if hint == list[int]:
@@ -44,7 +66,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     for row in SURFACES:
         opt, default = options()[row.field], fallback[row.field]
         said = "" if default is None or default is False or default == [] else f" (default: {default})"
-        form = _form(row.field, hints[row.field])
+        form = _form(row.field, hints[row.field], opt.file)
         if opt.metavar is not None:
             form["metavar"] = opt.metavar
         group.add_argument(row.flag, dest=row.field, default=None, help=opt.help + said, **form)

@@ -124,12 +124,14 @@ class Engine:
     # ---- requests ------------------------------------------------------------
 
     def add_request(self, request_id: Hashable, prompt_ids: list[int], params: SamplingParams,
-                    images: ImageInputs | None = None) -> None:
+                    images: ImageInputs | None = None, resumed: int = 0) -> None:
         """Queue a request, with the ``images`` its prompt's image placeholders stand for. ValueError,
         with nothing queued, for a known id, an empty prompt, ids outside the vocabulary, a prompt
         the cache can never hold, or images that do not fit the model or the prompt. (Stop strings
-        are the front end's; the engine ignores ``params.stop``.)"""
-        seq = self.requests.add(request_id, prompt_ids, params)
+        are the front end's; the engine ignores ``params.stop``.) ``resumed``: how many of the
+        prompt's last tokens the request generated before a restart (its penalties and its
+        constraint count them as output)."""
+        seq = self.requests.add(request_id, prompt_ids, params, resumed)
         try:
             vision = prepare_images(self.config, request_id, list(prompt_ids), images)
             self.scheduler.add(seq)
@@ -209,7 +211,8 @@ class Engine:
         done = [self._end(seq.request_id, "error", message) for seq, message in scheduled.failed]
         if scheduled.empty:
             return None, done
-        sampling = {c.seq.request_id: SamplingRequest.of(self.requests.params(c.seq.request_id), c.seq.prompt_ids)
+        sampling = {c.seq.request_id: SamplingRequest.of(self.requests.params(c.seq.request_id), c.seq.prompt_ids,
+                                                         self.requests.resumed(c.seq.request_id))
                     for c in scheduled.prefills if c.first}
         try:
             batch = self._batch(scheduled)

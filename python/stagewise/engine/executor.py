@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from stagewise.engine.constraints import Constraint, Vocabulary, apply_masks, vocabulary
 from stagewise.engine.handoff import KVHandoff, KVShard, read_kv, split_handoff, write_kv
 from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.engine.sampling import History, Sampler, make_generator, token_logprobs
@@ -32,6 +33,7 @@ from stagewise.engine.step_meta import StepMetadata
 from stagewise.kv import KVCache, KVCacheManager
 from stagewise.kv.cache import group_blocks
 from stagewise.model.batch import StepBatch, split_for_pcp
+from stagewise.model.loader import open_checkpoint
 from stagewise.model.loader.sharding import kv_heads_of_rank
 from stagewise.model.stage import StageModel
 
@@ -53,6 +55,8 @@ class _Sampling:
     generator: torch.Generator | None
     history: History | None
     """The tokens it has seen, when a penalty needs them."""
+    constraint: Constraint | None = None
+    """Its structured-output constraint's state, when it has one."""
 
 
 class RanksOutOfStep(RuntimeError):
@@ -172,8 +176,10 @@ class Executor:
                     if new is None:
                         raise ValueError(f"request {rid!r} has no sampling parameters on the last stage")
                     params = new.params
-                    self._sampling[rid] = _Sampling(params=params, generator=make_generator(params, self.device),
-                                                    history=History(new.prompt_ids) if params.penalised else None)
+                    self._sampling[rid] = _Sampling(
+                        params=params, generator=make_generator(params, self.device),
+                        history=History(new.prompt_ids, new.output_ids) if params.penalised else None,
+                        constraint=self._constraint(rid, params, new.output_ids))
             pcp = self.model.groups.pcp
             split = split_for_pcp(batch, pcp.rank, pcp.size) if pcp.size > 1 else None
             metas = [m.build(batch, split) for m in self._metadata]
@@ -218,15 +224,32 @@ class Executor:
         if not entries:  # only chunks that more of their prompts follow
             return Sampled(tokens=torch.zeros(0, dtype=torch.int64, device=logits.device))
         params = [e.params for e in entries]
-        tokens = self.sampler.sample(logits, params, [e.generator for e in entries], [e.history for e in entries])
+        constraints = [e.constraint for e in entries]
+        allowed = logits if not any(constraints) else apply_masks(logits, constraints, self._vocabulary())
+        tokens = self.sampler.sample(allowed, params, [e.generator for e in entries], [e.history for e in entries])
         logprobs = None
         if any(p.logprobs is not None for p in params):
             logprobs = token_logprobs(logits, tokens, [p.logprobs for p in params])
-        if any(e.history is not None for e in entries):
+        if any(e.history is not None or e.constraint is not None for e in entries):
             for e, token in zip(entries, tokens.tolist()):
                 if e.history is not None:
                     e.history.append(token)
+                if e.constraint is not None:
+                    e.constraint.consume([token])
         return Sampled(tokens=tokens, logprobs=logprobs)
+
+    def _vocabulary(self) -> Vocabulary:
+        """The model's tokenizer as the constraints see it (read from its checkpoint when first
+        needed)."""
+        source, cfg = self.model.tokenizer_source, self.model.config
+        if source is None:
+            raise ValueError("structured output needs the model's tokenizer; this stage was built without its "
+                             "checkpoint")
+        return vocabulary(("checkpoint", str(source)), lambda: open_checkpoint(source).tokenizer(), cfg.vocab_size,
+                          cfg.eos_token_ids)
+
+    def _constraint(self, rid: Hashable, params: SamplingParams, output_ids=()) -> Constraint | None:
+        return Constraint(self._vocabulary().grammars, params, rid, output_ids) if params.constrained else None
 
     def reset_kv(self) -> None:
         """Every block free, no cached ones, as in a new executor (no request may hold KV): what
@@ -271,8 +294,11 @@ class Executor:
         k, v = read_kv(self.managers, self.kv_cache, request_id, self.manager.num_local_tokens(request_id))
         entry = self._sampling.get(request_id)
         history = None
-        if entry is not None and entry.history is not None:
-            history = (sorted(entry.history.prompt), list(entry.history.output.elements()))
+        if entry is not None and (entry.history is not None or entry.constraint is not None):
+            prompt = sorted(entry.history.prompt) if entry.history is not None else []
+            output = list(entry.constraint.tokens) if entry.constraint is not None \
+                else list(entry.history.output.elements())
+            history = (prompt, output)
         return KVHandoff(request_id=request_id, layers=(spec.layer_start, spec.layer_end),
                          num_tokens=self.manager.num_tokens(request_id), k=k, v=v,
                          shard=self.shard(), sampling=None if entry is None else entry.params,
@@ -313,10 +339,10 @@ class Executor:
                 generator = make_generator(params, self.device)
                 if generator is not None and handoff.generator_state is not None:
                     generator.set_state(handoff.generator_state)
-                history = None
-                if params.penalised:
-                    history = History(*(handoff.history or ([], [])))
-                self._sampling[rid] = _Sampling(params=params, generator=generator, history=history)
+                prompt, output = handoff.history or ([], [])
+                self._sampling[rid] = _Sampling(params=params, generator=generator,
+                                                history=History(prompt, output) if params.penalised else None,
+                                                constraint=self._constraint(rid, params, output))
         except Exception:
             for m in self.managers:
                 if rid in m:

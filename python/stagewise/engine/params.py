@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,8 @@ class Option:
     request gives sets the value)."""
     convert: Callable[[Any], Any] | None = None
     """What the dataclass keeps of a value its check took (a tuple as a list)."""
+    file: bool = False
+    """The command line's flag names a file that holds the value (JSON for a dict field)."""
 
 
 def option(default: Any = dataclasses.MISSING, *, factory: Callable[[], Any] | None = None, **spec: Any):
@@ -137,12 +139,47 @@ class SamplingParams:
     """Return each generated token's log-probability and the ``logprobs`` most likely tokens'
     (0 .. 20; None: none). From the model's float32 logits, before penalties and temperature."""
 
+    json_schema: dict | None = option(
+        None, check=lambda v: v is None or isinstance(v, dict) or isinstance(v, str) and _json_object(v) is not None,
+        expected="None or a JSON schema (an object, or its JSON text)", metavar="FILE", file=True,
+        help="the output is JSON matching this schema (a file holding it)", openai=("guided_json",),
+        convert=lambda v: _json_object(v) if isinstance(v, str) else v)
+    """The output is JSON that this schema validates (``{"type": "object"}``: any JSON object).
+    At most one of ``json_schema``, ``regex``, ``grammar`` and ``choice``; see
+    :mod:`stagewise.engine.constraints`."""
+    regex: str | None = option(None, check=lambda v: v is None or isinstance(v, str) and bool(v),
+                               expected="None or a non-empty regular expression", metavar="RE",
+                               help="the output matches this regular expression", openai=("guided_regex",))
+    """The output matches this regular expression (Rust regex syntax, anchored at both ends)."""
+    grammar: str | None = option(
+        None, check=lambda v: v is None or isinstance(v, str) and bool(v.strip()),
+        expected="None or a grammar's text (Lark or GBNF)", metavar="FILE", file=True,
+        help="the output follows this grammar: Lark (llguidance's) or GBNF (llama.cpp's); a file holding it",
+        openai=("guided_grammar",))
+    """The output follows this context-free grammar: Lark as llguidance reads it (``start: ...``),
+    or GBNF, llama.cpp's (``root ::= ...``)."""
+    choice: list[str] = option(
+        factory=list, check=lambda v: isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v),
+        expected="a list of non-empty strings", metavar="TEXT", help="the output is one of these strings (repeatable)",
+        openai=("guided_choice",), convert=list)
+    """The output is exactly one of these strings (empty: no such constraint)."""
+
     def __post_init__(self) -> None:
         for name, check in _CHECKS:
             if not check(getattr(self, name)):
                 raise ValueError(f"SamplingParams.{name} {value_problem(name, getattr(self, name))}")
         for name, convert in _CONVERTS:
             setattr(self, name, convert(getattr(self, name)))
+        given = [name for name in CONSTRAINTS if getattr(self, name)]
+        if len(given) > 1:
+            raise ValueError(f"SamplingParams: at most one of {', '.join(CONSTRAINTS)} may be given, got "
+                             f"{' and '.join(given)}")
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a constraint holds the output to a schema, regex, grammar or choice."""
+        return (self.json_schema is not None or self.regex is not None or self.grammar is not None
+                or bool(self.choice))
 
     @property
     def greedy(self) -> bool:
@@ -152,6 +189,20 @@ class SamplingParams:
     def penalised(self) -> bool:
         """Whether its tokens so far change its logits (a penalty is on)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+CONSTRAINTS = ("json_schema", "regex", "grammar", "choice")
+"""The fields that constrain the output; at most one per request."""
+
+
+def _json_object(text: str) -> dict | None:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 _OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in dataclasses.fields(SamplingParams)}
@@ -236,10 +287,17 @@ class SamplingRequest:
     params: SamplingParams
     prompt_ids: tuple[int, ...] = ()
     """The prompt, when a repetition penalty needs it (else empty)."""
+    output_ids: tuple[int, ...] = ()
+    """Tokens the request generated before a restart (the end of its resumed prompt), when a
+    penalty or a constraint needs them: its history's output, its constraint's progress."""
 
     @classmethod
-    def of(cls, params: SamplingParams, prompt_ids: Iterable[int]) -> SamplingRequest:
-        return cls(params, tuple(prompt_ids) if params.repetition_penalty != 1.0 else ())
+    def of(cls, params: SamplingParams, prompt_ids: Sequence[int], resumed: int = 0) -> SamplingRequest:
+        """``resumed``: how many of ``prompt_ids``' last tokens the request generated before."""
+        output = tuple(prompt_ids[len(prompt_ids) - resumed:]) if resumed and (params.penalised or params.constrained) \
+            else ()
+        prompt = tuple(prompt_ids[: len(prompt_ids) - resumed]) if params.repetition_penalty != 1.0 else ()
+        return cls(params, prompt, output)
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,7 @@ class _Request:
     logprobs: list[TokenLogprobs] | None
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
+    resumed: int = 0
 
 
 def prompt_problem(prompt_ids: Sequence[int], vocab_size: int) -> str | None:
@@ -85,9 +86,11 @@ class Requests:
     def __len__(self) -> int:
         return len(self._live)
 
-    def add(self, request_id: Hashable, prompt_ids: Sequence[int], params: SamplingParams) -> SeqState:
+    def add(self, request_id: Hashable, prompt_ids: Sequence[int], params: SamplingParams,
+            resumed: int = 0) -> SeqState:
         """Check and register a request; returns the state the scheduler tracks. ValueError, with
-        nothing registered, for a known id, an empty prompt or ids outside the vocabulary."""
+        nothing registered, for a known id, an empty prompt or ids outside the vocabulary.
+        ``resumed``: how many of the prompt's last tokens it generated before a restart."""
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -99,8 +102,12 @@ class Requests:
         seq = SeqState(request_id=request_id, prompt_ids=ids)
         eos = () if params.ignore_eos else self.eos_token_ids
         self._live[request_id] = _Request(seq=seq, params=params, stop_ids=frozenset((*params.stop_token_ids, *eos)),
-                                          logprobs=[] if params.logprobs is not None else None)
+                                          logprobs=[] if params.logprobs is not None else None,
+                                          resumed=min(max(int(resumed), 0), len(ids) - 1))
         return seq
+
+    def resumed(self, request_id: Hashable) -> int:
+        return self._live[request_id].resumed
 
     def discard(self, request_id: Hashable) -> None:
         """Forget a request that never ran (the scheduler refused it)."""

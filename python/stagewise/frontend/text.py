@@ -20,7 +20,22 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from stagewise.frontend.detokenize import IncrementalDetokenizer, StopChecker
+from stagewise.engine import constraints
 from stagewise.engine.params import SamplingParams
+
+
+def request_problem(params: SamplingParams, checkpoint, tokenizer) -> str | None:
+    """What keeps a request from running that the front end tells before it is added: stop
+    strings or a constraint without a tokenizer, a constraint that does not compile (None: it
+    can run). ``checkpoint``'s tokenizer is ``tokenizer`` (None: it has none)."""
+    if params.stop and tokenizer is None:
+        return "stop strings need a tokenizer; this checkpoint has none"
+    if not params.constrained:
+        return None
+    cfg = checkpoint.config
+    vocab = None if tokenizer is None else constraints.vocabulary(
+        ("checkpoint", str(checkpoint.path)), lambda: tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+    return constraints.problem(params, vocab)
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,15 +54,19 @@ class StageModel(nn.Module):
         self.decode_stack = None
         if self.python_loop_reason is None:
             self.decode_stack = build_decode_stack(layers, config.activation)
+        self.tokenizer_source: Path | None = None
+        """The checkpoint whose tokenizer the last stage's structured-output constraints read
+        (None: the stage was built from tensors alone)."""
 
     @classmethod
     def from_weights(cls, config: ModelConfig, start_layer: int, end_layer: int,
                      weights: Mapping[str, torch.Tensor | QuantizedWeight],
                      dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                     groups: StageGroups = StageGroups()) -> StageModel:
+                     groups: StageGroups = StageGroups(), tokenizer_source: Path | None = None) -> StageModel:
         """Build from this rank's HF-named tensors, as :func:`~stagewise.model.loader.load_stage_weights`
         returns them (only this stage's are read; others may be absent): the shard of TP rank
-        ``groups.tp.rank`` of ``groups.tp.size``, whose collectives the layers call."""
+        ``groups.tp.rank`` of ``groups.tp.size``, whose collectives the layers call.
+        ``tokenizer_source``: the checkpoint they came from (:attr:`tokenizer_source`)."""
         if not 0 <= start_layer < end_layer <= config.num_layers:
             raise ValueError(f"StageModel: layer range [{start_layer}, {end_layer}) must be non-empty and within "
                              f"[0, num_layers={config.num_layers})")
@@ -84,7 +88,9 @@ class StageModel(nn.Module):
             # Tied on a stage that also embeds: one tensor (this rank's vocab rows) for both.
             tied_here = config.tie_word_embeddings and embedding is not None
             lm_head = LMHead(embedding.weight if tied_here else w(LM_HEAD), config.vocab_size, groups.tp)
-        return cls(config, start_layer, end_layer, layers, embedding, final_norm, lm_head, groups, vision)
+        model = cls(config, start_layer, end_layer, layers, embedding, final_norm, lm_head, groups, vision)
+        model.tokenizer_source = tokenizer_source
+        return model
 
     @property
     def is_first(self) -> bool:
@@ -226,7 +232,7 @@ def load_stage(checkpoint: Checkpoint | str | Path, start_layer: int, end_layer:
                                  dtype=torch_dtype, quantized=quantized, linear_precision=linear_precision,
                                  progress=progress)
     return StageModel.from_weights(cfg, start_layer, end_layer, weights, dtype=torch_dtype, device=device,
-                                   groups=groups)
+                                   groups=groups, tokenizer_source=ckpt.path)
 
 
 def _python_loop_reason(config: ModelConfig, device: torch.device, groups: StageGroups,

@@ -210,10 +210,10 @@ class PipelineDriver:
 
     # ---- requests -----------------------------------------------------------------
 
-    def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams, images=None) -> None:
-        """Send a request (with its :class:`~stagewise.engine.images.ImageInputs`, if any) to stage 0."""
+    def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams, images=None, resumed: int = 0) -> None:
+        """Send a request (with its images, if any; ``resumed``: see :meth:`Engine.add_request`) to stage 0."""
         self._requests[request_id] = _Request(list(prompt_ids), logprobs=[] if params.logprobs is not None else None)
-        self._send(0, Add(request_id=request_id, prompt_ids=list(prompt_ids), params=params, images=images))
+        self._send(0, Add(request_id=request_id, prompt_ids=list(prompt_ids), params=params, images=images, resumed=resumed))
 
     def cancel(self, request_id: int) -> None:
         if not self.broken and request_id in self._requests:

@@ -107,6 +107,8 @@ class Add:
     params: SamplingParams
     images: ImageInputs | None = None
     """The request's images: the frame's tensors ``pixel_values`` and ``image_grid_thw``, not JSON."""
+    resumed: int = 0
+    """How many of the prompt's last tokens the request generated before a restart."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -304,6 +306,10 @@ def _value(value, hint, where: str):
     if hint in (int, str, bool):
         if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
             raise ProtocolError(f"{where}: expected {hint.__name__}, got {value!r:.80}")
+        return value
+    if hint is dict or origin is dict:  # a JSON object the dataclass checks itself (a JSON schema)
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected an object, got {value!r:.80}")
         return value
     if hint is typing.Any:
         return value

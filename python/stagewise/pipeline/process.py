@@ -120,12 +120,12 @@ class StageProcess:
                                                 hops[self.index])
                     if model is None:
                         from stagewise.model.stage import StageModel  # after listening: the driver connects meanwhile
-
                         if spans_run(hops):  # the run's one world cannot take a new member: no rejoin
                             self.rejoin_s = 0.0
                         groups = join_stage_groups(self.plan, self.index, self.rank, setup.store, hops)
                         model = StageModel.from_weights(cfg, self.spec.start_layer, self.spec.end_layer, weights,
-                                                        dtype=dtype, device=device, groups=groups)
+                                                        dtype=dtype, device=device, groups=groups,
+                                                        tokenizer_source=checkpoint.path)
                         del weights
                         startup_gc.settle()  # start-up is over (a no-op unless the command paused it)
                     self._serve(model, setup, acceptor, max_model_len, device)  # ends by raising

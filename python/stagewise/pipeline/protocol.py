@@ -310,8 +310,8 @@ def encode_sampling(requests: Mapping[int, SamplingRequest]) -> torch.Tensor | N
     """What the last stage needs of a step's new requests, as uint8 bytes (UTF-8 JSON), or None."""
     if not requests:
         return None
-    return _json_bytes({str(int(rid)): {"params": dataclasses.asdict(r.params), "prompt_ids": list(r.prompt_ids)}
-                        for rid, r in requests.items()})
+    return _json_bytes({str(int(rid)): {"params": dataclasses.asdict(r.params), "prompt_ids": list(r.prompt_ids),
+                                        "output_ids": list(r.output_ids)} for rid, r in requests.items()})
 
 
 def decode_sampling(data: torch.Tensor | None) -> dict[int, SamplingRequest]:
@@ -324,10 +324,12 @@ def decode_sampling(data: torch.Tensor | None) -> dict[int, SamplingRequest]:
     out = {}
     for key, entry in table.items():
         try:
-            prompt = entry.get("prompt_ids", [])
-            if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
-                raise ValueError(f"prompt_ids must be a list of ints, got {prompt!r:.80}")
-            out[int(key)] = SamplingRequest(SamplingParams(**entry["params"]), tuple(prompt))
+            ids = {name: entry.get(name, []) for name in ("prompt_ids", "output_ids")}
+            for name, value in ids.items():
+                if not isinstance(value, list) or not all(isinstance(t, int) for t in value):
+                    raise ValueError(f"{name} must be a list of ints, got {value!r:.80}")
+            out[int(key)] = SamplingRequest(SamplingParams(**entry["params"]), tuple(ids["prompt_ids"]),
+                                            tuple(ids["output_ids"]))
         except (TypeError, ValueError, KeyError, AttributeError) as err:
             raise ProtocolError(f"tensors['sampling'][{key!r}]: {err}") from None
     return out

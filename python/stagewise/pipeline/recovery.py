@@ -188,7 +188,7 @@ class Recovering:
                 continue
             req.carried = len(req.tokens)
             self.driver.add(rid, req.prompt_ids + req.tokens, dataclasses.replace(req.params, max_new_tokens=left),
-                            req.images)
+                            req.images, resumed=len(req.tokens))
         return ended
 
     def _finished(self, rid: int, reason: str, error: str | None = None) -> RequestOutput:

@@ -98,7 +98,7 @@ class Head:
         the prefix cache."""
         if isinstance(msg, Add):
             try:
-                self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.images)
+                self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.images, resumed=msg.resumed)
             except (ValueError, TypeError) as err:
                 self._events.done.append(Result(request_id=msg.request_id, token_ids=[], finish_reason="error",
                                                 error=str(err)))

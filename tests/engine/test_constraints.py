@@ -1,0 +1,121 @@
+"""Structured-output constraints on their own (SmolLM2's real tokenizer): the mask applied to the
+logits is llguidance's bitmask, bit for bit; rows without a constraint are not touched; a
+constraint advances, completes (then only EOS follows), rolls back and is rebuilt from its tokens;
+what cannot be compiled is named."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("llguidance")
+
+from stagewise.engine.constraints import Constraint, apply_masks, grammar_text, problem, vocabulary  # noqa: E402
+from stagewise.engine.params import SamplingParams  # noqa: E402
+from stagewise.model.loader import open_checkpoint  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+                                           "score": {"type": "number"}},
+          "required": ["name", "tags", "score"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    ckpt = open_checkpoint("smollm2-135m")
+    cfg = ckpt.config
+    return vocabulary(("test", str(ckpt.path)), ckpt.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return open_checkpoint("smollm2-135m").tokenizer()
+
+
+def allowed_reference(matcher, n_vocab: int) -> torch.Tensor:
+    """The tokens llguidance allows, read from the bitmask it returns as bytes (not the pointer
+    the runtime fills)."""
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    return torch.from_numpy(bits[:n_vocab].astype(bool))
+
+
+def test_the_mask_is_llguidances_bitmask_and_free_rows_are_untouched(vocab, tokenizer):
+    params = SamplingParams(json_schema=SCHEMA)
+    c = Constraint(vocab.grammars, params, "r")
+    c.consume(tokenizer.encode('{"name": "Al').ids)
+    logits = torch.randn(3, vocab.n_vocab)
+    out = apply_masks(logits, [None, c, None], vocab)
+    want = allowed_reference(c.matcher.deep_copy(), vocab.n_vocab)
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    assert torch.equal(torch.isfinite(out[1]), want) and 0 < int(want.sum()) < vocab.n_vocab
+    assert torch.equal(out[1][want], logits[1][want])
+    assert apply_masks(logits, [None, None, None], vocab) is logits  # nothing constrained: no copy
+
+
+def test_a_constraint_completes_then_only_eos_follows(vocab, tokenizer):
+    c = Constraint(vocab.grammars, SamplingParams(choice=["yes", "no"]), "r")
+    allowed = torch.isfinite(apply_masks(torch.zeros(1, vocab.n_vocab), [c], vocab)[0])
+    firsts = {tokenizer.decode([t]) for t in allowed.nonzero().flatten().tolist()}
+    assert firsts and all("yes".startswith(f) or "no".startswith(f) for f in firsts)
+    c.consume(tokenizer.encode("no").ids)
+    eos = list(vocab.eos_token_ids)
+    after = torch.isfinite(apply_masks(torch.zeros(1, vocab.n_vocab), [c], vocab)[0])
+    assert after.nonzero().flatten().tolist() == eos
+    c.consume(eos * 3)  # ignore_eos goes on with EOS: nothing breaks
+    assert c.tokens[-3:] == eos * 3
+    with pytest.raises(ValueError, match="breaks its constraint"):
+        Constraint(vocab.grammars, SamplingParams(choice=["yes", "no"]), "r2").consume(tokenizer.encode("maybe").ids)
+
+
+def test_rollback_and_rebuild_give_the_same_state(vocab, tokenizer):
+    text = tokenizer.encode('{"name": "Bo", "tags": ["a"], "score": 1.5}').ids
+    params = SamplingParams(json_schema=SCHEMA)
+    whole = Constraint(vocab.grammars, params, "r")
+    whole.consume(text)
+    whole.consume(list(vocab.eos_token_ids))
+    whole.rollback(5)
+    again = Constraint(vocab.grammars, params, "r", output_ids=text[:-4])  # what a resumed request rebuilds
+    assert whole.tokens == again.tokens == text[:-4]
+    logits = torch.zeros(2, vocab.n_vocab)
+    masked = apply_masks(logits, [whole, again], vocab)
+    assert torch.equal(masked[0], masked[1])
+    with pytest.raises(ValueError, match="cannot roll its constraint back"):
+        whole.rollback(len(text))
+
+
+@pytest.mark.parametrize("fields", [
+    {"json_schema": SCHEMA}, {"regex": r"\d{3}-[a-z]+"}, {"choice": ["red", "green"]},
+    {"grammar": 'root ::= "a" ("b" | "c")*'}, {"grammar": 'start: "x" NUMBER\n%import common.NUMBER'},
+])
+def test_every_kind_compiles_once_and_is_cached(vocab, fields):
+    params = SamplingParams(**fields)
+    assert params.constrained and problem(params, vocab) is None
+    text = grammar_text(params)
+    assert text in vocab.grammars._compiled
+    first = vocab.grammars.compile(params)
+    assert first is not vocab.grammars._compiled[text]  # each request its own copy
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"json_schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}, "/nope"),
+    ({"regex": "a(b"}, "unclosed group"),
+    ({"grammar": "root ::= ("}, "cannot be compiled"),
+])
+def test_what_cannot_be_compiled_is_named(vocab, fields, message):
+    why = problem(SamplingParams(**fields), vocab)
+    assert why is not None and message in why and why.startswith("the constraint cannot be compiled")
+    assert "needs the model's tokenizer" in problem(SamplingParams(**fields), None)
+
+
+def test_the_sampling_fields_check_their_values():
+    assert SamplingParams(json_schema=json.dumps(SCHEMA)).json_schema == SCHEMA
+    assert not SamplingParams().constrained and SamplingParams(choice=("a",)).choice == ["a"]
+    for fields, message in [({"json_schema": "[1]"}, "json_schema must be None or a JSON schema"),
+                            ({"regex": ""}, "regex must be None or a non-empty regular expression"),
+                            ({"choice": ["a", ""]}, "choice must be a list of non-empty strings"),
+                            ({"regex": "a", "choice": ["b"]}, "at most one of json_schema, regex, grammar, choice")]:
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**fields)

@@ -1,0 +1,130 @@
+"""Structured output through `Pipeline.generate` on the real SmolLM2: each kind of constraint gives
+output that holds (a pydantic model validates the JSON), a constraint that does not bind leaves
+the tokens and logprobs of the free run, free requests beside constrained ones are untouched, a
+resumed request's constraint goes on from the tokens it had, a pipeline of 2 stages gives the
+tokens of one process, and a constraint that cannot run is refused before anything runs."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import pytest
+
+pytest.importorskip("llguidance")
+pydantic = pytest.importorskip("pydantic")
+
+from stagewise.api import Pipeline  # noqa: E402
+from stagewise.engine.params import SamplingParams  # noqa: E402
+
+
+class Address(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")  # additionalProperties: false
+
+    city: str = pydantic.Field(max_length=16)
+    zip: str = pydantic.Field(pattern=r"^\d{5}$")
+
+
+class Person(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")  # additionalProperties: false
+
+    name: str = pydantic.Field(max_length=16)
+    age: int = pydantic.Field(ge=0, le=120)
+    role: Literal["admin", "user", "guest"]
+    scores: list[int] = pydantic.Field(max_length=3)
+    address: Address
+
+
+PROMPTS = ["Describe a person who lives in Paris as JSON.", "Invent a user of a website, as JSON.",
+           "Give me a JSON record for a guest named Ann."]
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = Pipeline("smollm2-135m", max_num_seqs=8)
+    yield p
+    p.close()
+
+
+def test_json_schema_regex_choice_and_grammars_hold(pipe):
+    outs = pipe.generate(PROMPTS, chat=True, max_new_tokens=120, json_schema=Person.model_json_schema())
+    for out in outs:
+        assert out.finish_reason == "stop", out
+        Person.model_validate_json(out.text)
+    [date] = pipe.generate(["When was the moon landing?"], chat=True, regex=r"\d{4}-\d{2}-\d{2}", max_new_tokens=16)
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", date.text), date.text
+    [pick] = pipe.generate(["Is fire hot?"], chat=True, choice=["yes", "no", "maybe"], max_new_tokens=8)
+    assert pick.text in ("yes", "no", "maybe")
+    gbnf = 'root ::= "The answer is " ("one" | "two") "."'
+    lark = 'start: "Count: " DIGIT ("," DIGIT)*\n%import common.DIGIT'
+    [a, b] = pipe.generate(["Pick a number."] * 2, chat=True, max_new_tokens=20,
+                           overrides=[{"grammar": gbnf}, {"grammar": lark}])
+    assert a.text in ("The answer is one.", "The answer is two."), a.text
+    assert re.fullmatch(r"Count: \d(,\d)*", b.text), b.text
+
+
+def test_a_constraint_that_does_not_bind_changes_nothing(pipe):
+    """The free greedy answer, then the same prompt held to a regex that answer already matches:
+    the same tokens and logprobs; free prompts beside a constrained one get their own tokens."""
+    [free] = pipe.generate(["What is the capital of France?"], chat=True, max_new_tokens=24, logprobs=2)
+    assert free.finish_reason == "stop"
+    [held] = pipe.generate(["What is the capital of France?"], chat=True, max_new_tokens=24, logprobs=2,
+                           regex=re.escape(free.text) + r"( and more)?")
+    assert held.token_ids == free.token_ids and held.text == free.text
+    for a, b in zip(held.logprobs, free.logprobs):
+        assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-5
+    alone = pipe.generate(["Name a colour.", "Say hello."], chat=True, max_new_tokens=12)
+    mixed = pipe.generate(["Name a colour.", "Is ice cold?", "Say hello."], chat=True, max_new_tokens=12,
+                          overrides=[None, {"choice": ["yes", "no"]}, None])
+    assert [m.token_ids for m in (mixed[0], mixed[2])] == [a.token_ids for a in alone]
+    assert mixed[1].text in ("yes", "no")
+
+
+def test_a_resumed_request_goes_on_from_the_tokens_it_had(pipe):
+    """What a restart does: the request comes back with its tokens so far at the end of its prompt
+    (``resumed``), and its constraint is rebuilt from them: the rest equals the undisturbed run."""
+    engine = pipe._backend.engine
+    prompt = pipe._encode(["Describe a person as JSON."], None, True)[0]
+    params = SamplingParams(max_new_tokens=60, json_schema=Person.model_json_schema(), presence_penalty=0.5)
+    whole = run(engine, 1, prompt, params)
+    assert len(whole) > 12
+    cut = 9
+    rest = run(engine, 2, prompt + whole[:cut], SamplingParams(**{**_fields(params), "max_new_tokens": 60 - cut}),
+               resumed=cut)
+    assert whole[:cut] + rest == whole
+
+
+def run(engine, rid, prompt, params, resumed=0) -> list[int]:
+    engine.add_request(rid, list(prompt), params, resumed=resumed)
+    while True:
+        for out in engine.step():
+            if out.request_id == rid:
+                assert out.finish_reason in ("stop", "length"), out
+                return out.token_ids
+
+
+def _fields(params: SamplingParams) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+
+
+def test_two_stages_give_the_tokens_of_one_process(pipe):
+    schema = Person.model_json_schema()
+    want = pipe.generate(PROMPTS[:2], chat=True, max_new_tokens=80, json_schema=schema)
+    with Pipeline("smollm2-135m", stages=2) as two:
+        got = two.generate(PROMPTS[:2], chat=True, max_new_tokens=80, json_schema=schema)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"json_schema": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}}, "/missing"),
+    ({"regex": "(unclosed"}, "unclosed group"),
+    ({"grammar": "root ::= (("}, "cannot be compiled"),
+    ({"regex": "a", "choice": ["b"]}, "at most one of"),
+])
+def test_a_constraint_that_cannot_run_is_refused_before_anything_runs(pipe, fields, message):
+    before = pipe.status()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        pipe.generate(["Hi"], max_new_tokens=4, **fields)
+    assert pipe.status() == before
