@@ -148,8 +148,13 @@ def test_bad_completion_requests_get_400(client, body, param):
     ({"messages": QUESTION, "max_completion_tokens": -1}, "max_completion_tokens"),
     ({"messages": QUESTION, "max_completion_tokens": 10**6}, "max_completion_tokens"),
     ({"messages": QUESTION, "temprature": 0}, "temprature"),
-    ({"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"messages": QUESTION, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools"),
+    ({"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "any"},
+     "tool_choice"),
+    ({"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"messages": QUESTION, "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": QUESTION, "guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
 ])
 def test_bad_chat_requests_get_400(client, body, param):
     r = client.post("/v1/chat/completions", json=body)
@@ -163,7 +168,9 @@ def test_unknown_fields_are_named(client):
     r = client.post("/v1/chat/completions", json={"messages": QUESTION, "temprature": 0})
     assert r.json()["error"]["message"] == "Unrecognized request argument supplied: temprature"
     r = client.post("/v1/chat/completions", json={"messages": QUESTION, "tools": [{"type": "function"}]})
-    assert r.json()["error"]["message"] == "'tools' is not supported by this server"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0]"
+    r = client.post("/v1/chat/completions", json={"messages": QUESTION, "functions": [{"name": "f"}]})
+    assert r.json()["error"]["message"] == "'functions' is not supported by this server"
 
 
 def test_fields_that_ask_for_nothing_more_are_taken(client):

@@ -40,8 +40,9 @@ def encode_prompts(tokenizer, prompts: str | Sequence[str] | None,
     return [tokenizer.encode(t, add_special_tokens=not chat).ids for t in texts]
 
 
-def render_chat(checkpoint, tokenizer, messages: list[dict[str, str]]) -> str:
-    """``checkpoint``'s chat template applied to ``messages``, with the assistant turn opened."""
+def render_chat(checkpoint, tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> str:
+    """``checkpoint``'s chat template applied to ``messages`` (and OpenAI-style ``tools``, for a
+    template that takes them), with the assistant turn opened."""
     template = checkpoint.chat_template
     if not template:
         raise ValueError(f"Pipeline: checkpoint {str(checkpoint.path)!r} has no chat template; use chat=False")
@@ -58,7 +59,8 @@ def render_chat(checkpoint, tokenizer, messages: list[dict[str, str]]) -> str:
                            ("eos_token", config.eos_token_ids[0] if config.eos_token_ids else None)):
         if token_id is not None:
             special[name] = tokenizer.id_to_token(token_id) or ""
-    return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special)
+    extra = {} if tools is None else {"tools": tools}
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special, **extra)
 
 
 def expand_image_placeholders(ids: list[int], tokens_per_image: Sequence[int], *, image_token_id: int,

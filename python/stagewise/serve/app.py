@@ -35,10 +35,12 @@ from starlette.routing import Route
 
 from stagewise.engine.requests import prompt_problem
 from stagewise.frontend.run import Completion
+from stagewise.frontend.text import request_problem
 from stagewise.serve import openai
 from stagewise.serve.loop import Busy, ServeLoop, Sink, Unavailable
 from stagewise.serve.media import MediaLimits, read_image_url
 from stagewise.serve.metrics import ServerMetrics
+from stagewise.serve.tools import ToolStream
 
 RETRY_AFTER_S = 1
 
@@ -78,13 +80,13 @@ def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting:
     def piece(token: int) -> str:
         return pipe.tokenizer.decode([token]) if pipe.tokenizer is not None else str(token)
 
-    def render(messages):
+    def render(messages, tools=None):
         from jinja2 import TemplateError
 
         if pipe.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer")
         try:
-            return pipe.render_chat(messages)
+            return pipe.render_chat(messages, tools)
         except TemplateError as err:
             raise ValueError(str(err)) from None
 
@@ -116,7 +118,8 @@ def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting:
             raise openai.ApiError(f"the request body is not valid JSON: {err}") from None
         if chat:
             req = openai.parse_chat(body, model_name, render, default_max_tokens,
-                                    vision=pipe.image_processor is not None)
+                                    vision=pipe.image_processor is not None,
+                                    template=getattr(pipe.checkpoint, "chat_template", None))
         else:
             req = openai.parse_completion(body, model_name, default_max_tokens)
         ids = req.prompt_ids if req.prompt_ids is not None else _encode(pipe, req.prompt, req.chat)
@@ -268,8 +271,8 @@ def _check_prompt(pipe, ids: list[int], req: openai.ApiRequest) -> None:
     problem = prompt_problem(ids, pipe.config.vocab_size)
     if problem:
         raise openai.ApiError(problem, param="messages" if req.chat and not ids else "prompt")
-    if req.params.stop and pipe.tokenizer is None:
-        raise openai.ApiError("stop strings need a tokenizer; this checkpoint has none", param="stop")
+    if (why := request_problem(req.params, pipe.checkpoint, pipe.tokenizer)) is not None:
+        raise openai.ApiError(why, param="stop" if req.params.stop and pipe.tokenizer is None else None)
     try:
         pipe.check_lengths([ids], [req.params])
     except ValueError as err:
@@ -301,10 +304,12 @@ def _sse(obj) -> bytes:
 async def _events(loop: ServeLoop, rid: int, stream: _Stream, req, name: str, model: str, piece, prompt_len: int):
     done = False
     offset, first = 0, True
+    calls = ToolStream(req.tools) if req.tools is not None else None
     try:
         while True:
             kind, a, b = await stream.queue.get()
             if kind == "text":
+                a = a if calls is None else calls.feed(a)
                 if not a and not b:
                     continue
                 yield _sse(openai.body(req, name, model, _choice(req, a, b, piece, None, offset, first), None, True))
@@ -315,6 +320,12 @@ async def _events(loop: ServeLoop, rid: int, stream: _Stream, req, name: str, mo
             if result.finish_reason == "error":
                 yield _sse({"error": {"message": result.error, "type": "server_error", "param": None, "code": None}})
             finish = openai.FINISH[result.finish_reason]
+            tail, found = calls.finish() if calls is not None and result.finish_reason != "error" else ("", [])
+            if tail or found:
+                chunk = _choice(req, tail, [], piece, None, offset, first)
+                chunk["delta"].update({"tool_calls": [{"index": i, **c} for i, c in enumerate(found)]} if found else {})
+                yield _sse(openai.body(req, name, model, chunk, None, True))
+                first, finish = False, "tool_calls" if found and finish == "stop" else finish
             yield _sse(openai.body(req, name, model, _choice(req, "", [], piece, finish, offset, first), None, True))
             if req.include_usage:
                 yield _sse(openai.body(req, name, model, {}, openai.usage(prompt_len, len(result.token_ids),
@@ -346,9 +357,11 @@ async def _whole(request: Request, loop: ServeLoop, rid: int, stream: _Stream, r
         return _error(openai.ApiError(f"the request failed: {result.error}", status=500, type="server_error"))
     finish = openai.FINISH[result.finish_reason]
     if req.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+        content, calls = (result.text, []) if req.tools is None else req.tools.parse(result.text)
+        message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        choice = {"index": 0, "message": message,
                   "logprobs": openai.chat_logprobs(lps, piece) if req.logprobs is not None else None,
-                  "finish_reason": finish}
+                  "finish_reason": "tool_calls" if calls and finish == "stop" else finish}
     else:
         choice = {"index": 0, "text": result.text, "finish_reason": finish,
                   "logprobs": openai.completion_logprobs(lps, piece) if req.logprobs is not None else None}

@@ -9,11 +9,13 @@ Every problem is an :class:`ApiError` naming the field (``param``), which the se
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from stagewise.engine.params import SURFACES, SamplingParams, TokenLogprobs, value_problem
+from stagewise.serve import tools
+from stagewise.engine.params import CONSTRAINTS, SURFACES, SamplingParams, TokenLogprobs, value_problem
 
 MAX_REQUEST_BYTES = 32 << 20
 """The default limit on a request's body (``serve --max-request-bytes``): a data: URL of one image
@@ -27,16 +29,17 @@ MAX_TOP_LOGPROBS = 20
 # misspelt field or a feature this server lacks would otherwise give an answer the client did not
 # ask for, with nothing to say so.
 _SAMPLING_FIELDS = frozenset(name for row in SURFACES for name in row.openai)
-_COMMON_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options"}
+_COMMON_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "response_format", "structured_outputs"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
-CHAT_FIELDS = _COMMON_FIELDS | {name for row in SURFACES for name in row.openai_chat} | {"messages"}
+CHAT_FIELDS = _COMMON_FIELDS | {name for row in SURFACES for name in row.openai_chat} | {
+    "messages", "tools", "tool_choice", "parallel_tool_calls"}
 OPENAI_DEFAULTS = {"temperature": 1.0}
 """Where OpenAI's API documents another default than the option's own (its clients expect
 sampling); ``max_tokens`` defaults to the server's ``--default-max-tokens``."""
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
 """OpenAI's fields that change nothing in an answer of this server (accepted, not used)."""
-UNSUPPORTED_FIELDS = {"tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
-                      "response_format": {"type": "text"}, "logit_bias": {}, "suffix": "", "audio": None,
+UNSUPPORTED_FIELDS = {"functions": [], "function_call": "none",
+                      "logit_bias": {}, "suffix": "", "audio": None,
                       "modalities": ["text"], "prediction": None, "reasoning_effort": None,
                       "web_search_options": None}
 """OpenAI's fields this server does not implement, each with the value that asks for nothing
@@ -73,6 +76,8 @@ class ApiRequest:
     """The URL of each image of a chat, in order, with the part that gave it (``messages[i].content[j]``)."""
     max_tokens_param: str = "max_tokens"
     """The field that set max_tokens (a chat's ``max_completion_tokens``), named in its errors."""
+    tools: tools.ToolCalling | None = None
+    """A chat's tools and how it may call them (None: it has none)."""
 
 
 def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
@@ -116,6 +121,11 @@ def _sampling(body: dict, chat: bool, default_max: int, logprobs: int | None) ->
             if body.get(name) is not None:
                 values[row.field], sent[row.field] = body[name], name
     values["logprobs"] = logprobs  # (its fields' shape differs by endpoint: read by the endpoint)
+    for name, (value, param) in _structured(body).items():
+        values[name], sent[name] = value, param
+    if sum(bool(values.get(name)) for name in CONSTRAINTS) > 1:
+        given = ", ".join(sent.get(name, name) for name in CONSTRAINTS if values.get(name))
+        raise ApiError(f"at most one output constraint may be given, got {given}", param=given.split(", ")[-1])
     if values.get("top_k") == -1:  # vLLM's spelling of "off"
         values["top_k"] = 0
     stop = values.get("stop")
@@ -129,6 +139,39 @@ def _sampling(body: dict, chat: bool, default_max: int, logprobs: int | None) ->
             param = sent.get(field, field)
             raise ApiError(f"{param} {why}", param=param)
     return SamplingParams(**values), sent.get("max_new_tokens", "max_tokens")
+
+
+STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+"""vLLM's ``structured_outputs`` keys and the sampling field each sets."""
+
+
+def _structured(body: dict) -> dict[str, tuple[Any, str]]:
+    """The output constraint of OpenAI's ``response_format`` or vLLM's ``structured_outputs``:
+    sampling field -> (value, the request field that gave it)."""
+    out = {}
+    fmt = _get(body, "response_format", (dict,))
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            out["json_schema"] = ({"type": "object"}, "response_format")
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ApiError("response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}",
+                               param="response_format")
+            out["json_schema"] = (schema, "response_format")
+        elif kind != "text":
+            raise ApiError(f"response_format 'type' must be text, json_object or json_schema, got {kind!r}",
+                           param="response_format")
+    given = _get(body, "structured_outputs", (dict,))
+    for key, value in (given or {}).items():
+        if key not in STRUCTURED_OUTPUTS:
+            raise ApiError(f"structured_outputs takes {', '.join(STRUCTURED_OUTPUTS)}, got {key!r}",
+                           param="structured_outputs")
+        if value is not None:
+            out[STRUCTURED_OUTPUTS[key]] = (value, f"structured_outputs.{key}")
+    return out
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:
@@ -185,6 +228,14 @@ def chat_messages(body: dict) -> tuple[list[dict[str, Any]], list[tuple[str, str
             raise ApiError(f"{where} must be an object whose 'role' is system, developer, user, assistant or tool",
                            param=where)
         content = m.get("content")
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        if calls is not None and (not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                for c in calls)):
+            raise ApiError(f"{where}.tool_calls must be a list of {{'id': ..., 'type': 'function', 'function': "
+                           f"{{'name': ..., 'arguments': ...}}}}", param=f"{where}.tool_calls")
+        if content is None and calls:
+            content = ""
         if isinstance(content, list):
             parts = [_content_part(part, f"{where}.content[{j}]", m["role"], images) for j, part in enumerate(content)]
             if all(p["type"] == "text" for p in parts):
@@ -194,7 +245,11 @@ def chat_messages(body: dict) -> tuple[list[dict[str, Any]], list[tuple[str, str
         elif not isinstance(content, str):
             raise ApiError(f"{where}.content must be a string or a list of text and image_url parts",
                            param=f"{where}.content")
-        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+        message = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if m.get(key) is not None:
+                message[key] = m[key]
+        out.append(message)
     return out, images
 
 
@@ -217,13 +272,19 @@ def _content_part(part: Any, where: str, role: str, images: list[tuple[str, str]
                    f"{{'type': 'image_url', 'image_url': {{'url': ...}}}}", param=where)
 
 
-def parse_chat(body: Any, served: str, render, default_max: int, *, vision: bool = False) -> ApiRequest:
-    """A `/v1/chat/completions` body; ``render(messages)`` applies the chat template; ``vision``:
-    whether the model takes images."""
+def parse_chat(body: Any, served: str, render, default_max: int, *, vision: bool = False,
+               template: str | None = None) -> ApiRequest:
+    """A `/v1/chat/completions` body; ``render(messages, tools)`` applies the chat template
+    (``template``, whose tool-call format :mod:`~stagewise.serve.tools` reads); ``vision``: whether
+    the model takes images."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     _check_fields(body, CHAT_FIELDS)
     _check_model(body, served)
+    try:
+        calling = tools.parse_tools(body, template)
+    except tools.ToolError as err:
+        raise ApiError(str(err), param=err.param) from None
     messages, images = chat_messages(body)
     if images and not vision:
         where = images[0][0]
@@ -237,12 +298,17 @@ def parse_chat(body: Any, served: str, render, default_max: int, *, vision: bool
     logprobs = (top or 0) if want else None
     stream, usage = _stream_options(body)
     params, max_name = _sampling(body, True, default_max, logprobs)
+    if calling is not None and (schema := calling.schema()) is not None:
+        if params.constrained:
+            raise ApiError("tool_choice required or a named function constrains the output already; drop the "
+                           "response_format or structured_outputs", param="tool_choice")
+        params = dataclasses.replace(params, json_schema=schema)
     try:
-        prompt = render(messages)
+        prompt = render(tools.template_messages(messages, calling), None if calling is None else calling.template_tools())
     except (ValueError, KeyError, TypeError) as err:
         raise ApiError(f"the chat template cannot render these messages: {err}", param="messages") from None
     return ApiRequest(chat=True, prompt=prompt, params=params, stream=stream, include_usage=usage, logprobs=logprobs,
-                      images=images, max_tokens_param=max_name)
+                      images=images, max_tokens_param=max_name, tools=calling)
 
 
 # ---- responses ---------------------------------------------------------------------------------
