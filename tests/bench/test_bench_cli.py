@@ -12,7 +12,7 @@ import pytest
 
 from stagewise.bench.cli import SUITES, main, parser
 
-OWN = {"kernels": "--ops", "e2e": "--batch-sizes", "shm": "--spin-us", "serve": "--rates"}
+OWN = {"kernels": "--ops", "e2e": "--prompt-len", "shm": "--spin-us", "serve": "--rates", "structured": "--tokens"}
 """An option only that suite has (transport and profile have none that no other has)."""
 
 

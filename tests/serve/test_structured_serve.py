@@ -144,9 +144,9 @@ def test_guided_regex_and_choice_and_structured_outputs(served):
     out = api.chat.completions.create(model="smollm2-135m", messages=ask, max_tokens=8,
                                       extra_body={"structured_outputs": {"choice": ["morning", "night"]}})
     assert out.choices[0].message.content in ("morning", "night")
-    out = api.chat.completions.create(model="smollm2-135m", messages=ask, max_tokens=60,
+    out = api.chat.completions.create(model="smollm2-135m", messages=ask, max_tokens=120, temperature=0,
                                       response_format={"type": "json_object"})
-    assert isinstance(json.loads(out.choices[0].message.content), dict)
+    assert out.choices[0].finish_reason == "stop" and isinstance(json.loads(out.choices[0].message.content), dict)
 
 
 def test_a_schema_that_cannot_be_compiled_gets_400(served):
