@@ -117,6 +117,11 @@ class Grammars:
     def compile(self, params: SamplingParams):
         """A fresh ``llguidance.LLMatcher`` of the request's constraint at its start. ValueError
         naming what the engine refused."""
+        return self.template(params).deep_copy()
+
+    def template(self, params: SamplingParams):
+        """The cached compiled constraint (compiled now when not yet): never advanced, only
+        copied. ValueError naming what the engine refused."""
         import llguidance
 
         try:
@@ -127,7 +132,7 @@ class Grammars:
             template = self._compiled.get(text)
             if template is not None:
                 self._compiled.move_to_end(text)
-                return template.deep_copy()
+                return template
         matcher = llguidance.LLMatcher(self.vocab.ll, text, log_level=0)  # drops the GIL while it compiles
         if matcher.is_error():
             raise ValueError(f"the constraint cannot be compiled: {matcher.get_error()}")
@@ -135,7 +140,7 @@ class Grammars:
             self._compiled[text] = matcher
             while len(self._compiled) > GRAMMAR_CACHE:
                 self._compiled.popitem(last=False)
-        return matcher.deep_copy()
+        return matcher
 
 
 def problem(params: SamplingParams, vocab: Vocabulary | None) -> str | None:
@@ -147,7 +152,7 @@ def problem(params: SamplingParams, vocab: Vocabulary | None) -> str | None:
         return "structured output (json_schema, regex, grammar, choice) needs the model's tokenizer; this " \
                "checkpoint has none"
     try:
-        vocab.grammars.compile(params)
+        vocab.grammars.template(params)
     except ValueError as err:
         return str(err)
     return None

@@ -116,6 +116,7 @@ class Executor:
         self.mirror: Mirror | None = None
         self.sampler = Sampler()
         self._sampling: dict[Hashable, _Sampling] = {}
+        self._vocab: Vocabulary | None = None
 
     @property
     def is_first(self) -> bool:
@@ -240,13 +241,15 @@ class Executor:
 
     def _vocabulary(self) -> Vocabulary:
         """The model's tokenizer as the constraints see it (read from its checkpoint when first
-        needed)."""
-        source, cfg = self.model.tokenizer_source, self.model.config
-        if source is None:
-            raise ValueError("structured output needs the model's tokenizer; this stage was built without its "
-                             "checkpoint")
-        return vocabulary(("checkpoint", str(source)), lambda: open_checkpoint(source).tokenizer(), cfg.vocab_size,
-                          cfg.eos_token_ids)
+        needed, then kept)."""
+        if self._vocab is None:
+            source, cfg = self.model.tokenizer_source, self.model.config
+            if source is None:
+                raise ValueError("structured output needs the model's tokenizer; this stage was built without its "
+                                 "checkpoint")
+            self._vocab = vocabulary(("checkpoint", str(source)), lambda: open_checkpoint(source).tokenizer(),
+                                     cfg.vocab_size, cfg.eos_token_ids)
+        return self._vocab
 
     def _constraint(self, rid: Hashable, params: SamplingParams, output_ids=()) -> Constraint | None:
         return Constraint(self._vocabulary().grammars, params, rid, output_ids) if params.constrained else None

@@ -140,10 +140,10 @@ class SamplingParams:
     (0 .. 20; None: none). From the model's float32 logits, before penalties and temperature."""
 
     json_schema: dict | None = option(
-        None, check=lambda v: v is None or isinstance(v, dict) or isinstance(v, str) and _json_object(v) is not None,
+        None, check=lambda v: v is None or isinstance(v, dict) or isinstance(v, str) and json_object(v) is not None,
         expected="None or a JSON schema (an object, or its JSON text)", metavar="FILE", file=True,
         help="the output is JSON matching this schema (a file holding it)", openai=("guided_json",),
-        convert=lambda v: _json_object(v) if isinstance(v, str) else v)
+        convert=lambda v: json_object(v) if isinstance(v, str) else v)
     """The output is JSON that this schema validates (``{"type": "object"}``: any JSON object).
     At most one of ``json_schema``, ``regex``, ``grammar`` and ``choice``; see
     :mod:`stagewise.engine.constraints`."""
@@ -195,7 +195,8 @@ CONSTRAINTS = ("json_schema", "regex", "grammar", "choice")
 """The fields that constrain the output; at most one per request."""
 
 
-def _json_object(text: str) -> dict | None:
+def json_object(text: str) -> dict | None:
+    """The JSON object ``text`` holds, or None (not JSON, or JSON but no object)."""
     import json
 
     try:

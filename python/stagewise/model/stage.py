@@ -40,7 +40,8 @@ class StageModel(nn.Module):
 
     def __init__(self, config: ModelConfig, start_layer: int, end_layer: int, layers: list[nn.Module],
                  embedding: VocabEmbedding | None, final_norm: nn.Module | None, lm_head: LMHead | None,
-                 groups: StageGroups = StageGroups(), vision: VisionTower | None = None) -> None:
+                 groups: StageGroups = StageGroups(), vision: VisionTower | None = None,
+                 tokenizer_source: Path | None = None) -> None:
         super().__init__()
         self.config, self.start_layer, self.end_layer = config, start_layer, end_layer
         self.groups = groups
@@ -54,7 +55,7 @@ class StageModel(nn.Module):
         self.decode_stack = None
         if self.python_loop_reason is None:
             self.decode_stack = build_decode_stack(layers, config.activation)
-        self.tokenizer_source: Path | None = None
+        self.tokenizer_source = tokenizer_source
         """The checkpoint whose tokenizer the last stage's structured-output constraints read
         (None: the stage was built from tensors alone)."""
 
@@ -88,9 +89,8 @@ class StageModel(nn.Module):
             # Tied on a stage that also embeds: one tensor (this rank's vocab rows) for both.
             tied_here = config.tie_word_embeddings and embedding is not None
             lm_head = LMHead(embedding.weight if tied_here else w(LM_HEAD), config.vocab_size, groups.tp)
-        model = cls(config, start_layer, end_layer, layers, embedding, final_norm, lm_head, groups, vision)
-        model.tokenizer_source = tokenizer_source
-        return model
+        return cls(config, start_layer, end_layer, layers, embedding, final_norm, lm_head, groups, vision,
+                   tokenizer_source)
 
     @property
     def is_first(self) -> bool:

@@ -33,6 +33,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from stagewise.engine.params import json_object
+
 FAMILIES = ("hermes", "llama3", "generic")
 
 
@@ -205,7 +207,7 @@ def _parse_auto(text: str, family: str, names: set[str]) -> tuple[str | None, li
     if family == "hermes":
         rest = text
         for found in _HERMES.finditer(text):
-            obj = _json(found.group(1))
+            obj = json_object(found.group(1))
             if obj is None or obj.get("name") not in names:
                 return text, []
             calls.append(_call(obj["name"], obj.get("arguments", {})))
@@ -215,19 +217,11 @@ def _parse_auto(text: str, family: str, names: set[str]) -> tuple[str | None, li
     if not body.startswith("{"):
         return text, []
     for part in body.split(";") if family == "llama3" else [body]:
-        obj = _json(part)
+        obj = json_object(part)
         if obj is None or obj.get("name") not in names:
             return text, []
         calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
     return None, calls
-
-
-def _json(text: str) -> dict | None:
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return None
-    return obj if isinstance(obj, dict) else None
 
 
 class ToolStream:
