@@ -68,6 +68,10 @@ void merge_attn_states(at::Tensor& out, at::Tensor& lse, const at::Tensor& out_a
   cpu::merge_attn_states(make_merge_attn_states_params(out, lse, out_a, lse_a, out_b, lse_b));
 }
 
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  cpu::apply_token_bitmask(make_token_bitmask_params(logits, bitmask, rows));
+}
+
 // The GEMV kernel for the few float32 rows of a decode step; more rows, and float16 or bfloat16,
 // through at::addmm (a BLAS GEMM, as F.linear): the one place that chooses between them.
 void dense_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
@@ -193,6 +197,7 @@ TORCH_LIBRARY_IMPL(stagewise, CPU, m) {
   m.impl("slot_mapping", &slot_mapping);
   m.impl("decode_attention", &decode_attention);
   m.impl("merge_attn_states", &merge_attn_states);
+  m.impl("apply_token_bitmask", &apply_token_bitmask);
   m.impl("dense_linear", &dense_linear);
   m.impl("quant_linear", &quant_linear);
   m.impl("quant_linear_int8", &quant_linear_int8);

@@ -105,6 +105,11 @@ void merge_attn_states(at::Tensor& out, at::Tensor& lse, const at::Tensor& out_a
   STAGEWISE_CUDA_CALL("merge_attn_states", out_a, cuda::merge_attn_states(p, stream_));
 }
 
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  auto p = make_token_bitmask_params(logits, bitmask, rows);
+  STAGEWISE_CUDA_CALL("apply_token_bitmask", logits, cuda::apply_token_bitmask(p, stream_));
+}
+
 void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,
                   const std::optional<at::Tensor>& bias) {
   auto p = make_quant_linear_params(out, x, qweight, qtype, bias);
@@ -208,6 +213,7 @@ TORCH_LIBRARY_IMPL(stagewise, CUDA, m) {
   m.impl("slot_mapping", &slot_mapping);
   m.impl("decode_attention", &decode_attention);
   m.impl("merge_attn_states", &merge_attn_states);
+  m.impl("apply_token_bitmask", &apply_token_bitmask);
   m.impl("quant_linear", &quant_linear);
   m.impl("quant_linear_int8", &quant_linear_int8);
   m.impl("cuda_ring_wait", &cuda_ring_wait);

@@ -446,6 +446,32 @@ DecodeAttentionParams make_decode_attention_params(
   return p;
 }
 
+TokenBitmaskParams make_token_bitmask_params(at::Tensor& logits, const at::Tensor& bitmask,
+                                             const at::Tensor& rows) {
+  const char* op = "apply_token_bitmask";
+  TokenBitmaskParams p{};
+  p.dtype = float_dtype(op, "logits", logits);
+  check_dim(op, "logits", logits, 2, "[batch, vocab]");
+  check_last_contiguous(op, "logits", logits);
+  check_dtype_is(op, "bitmask", bitmask, at::kInt, "32 tokens to a word");
+  check_dim(op, "bitmask", bitmask, 2, "[num_rows, num_words]");
+  check_contiguous(op, "bitmask", bitmask);
+  check_same_device(op, "bitmask", bitmask, "logits", logits);
+  p.rows_type = index_dtype(op, "rows", rows);
+  check_index_vector(op, "rows", rows, bitmask.size(0), "[num_rows]", "num_rows, as in bitmask", logits, "logits");
+  TORCH_CHECK_VALUE(bitmask.size(0) == 0 || bitmask.size(1) >= 1, "stagewise.apply_token_bitmask: argument "
+                    "'bitmask' must have at least one word a row, got shape ", shape_of(bitmask));
+  p.logits = logits.data_ptr();
+  p.logits_row_stride = logits.stride(0);
+  p.bitmask = bitmask.data_ptr<int32_t>();
+  p.rows = rows.data_ptr();
+  p.batch = logits.size(0);
+  p.vocab = logits.size(1);
+  p.num_rows = bitmask.size(0);
+  p.num_words = bitmask.size(1);
+  return p;
+}
+
 MergeAttnStatesParams make_merge_attn_states_params(at::Tensor& out, at::Tensor& lse,
                                                     const at::Tensor& out_a,
                                                     const at::Tensor& lse_a,

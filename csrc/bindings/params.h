@@ -13,6 +13,7 @@
 #include "stagewise/norm.h"
 #include "stagewise/quant.h"
 #include "stagewise/rope.h"
+#include "stagewise/sampling.h"
 
 namespace stagewise::glue {
 
@@ -50,6 +51,10 @@ inline int64_t max_context(const DecodeAttentionParams& p) {
   const int64_t capacity = p.max_blocks_per_seq * p.block_size;
   return p.window > 0 && p.window < capacity ? p.window : capacity;
 }
+// logits: [batch, vocab] float, last dim contiguous (written in place); bitmask: [num_rows,
+// num_words] int32 contiguous; rows: [num_rows] int32/int64, contiguous.
+TokenBitmaskParams make_token_bitmask_params(at::Tensor& logits, const at::Tensor& bitmask,
+                                             const at::Tensor& rows);
 MergeAttnStatesParams make_merge_attn_states_params(at::Tensor& out, at::Tensor& lse,
                                                     const at::Tensor& out_a,
                                                     const at::Tensor& lse_a,

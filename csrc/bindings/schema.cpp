@@ -34,6 +34,7 @@ TORCH_LIBRARY(stagewise, m) {
   m.def(
       "merge_attn_states(Tensor(a!) out, Tensor(b!) lse, Tensor out_a, Tensor lse_a, "
       "Tensor out_b, Tensor lse_b) -> ()");
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("dense_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor qweight, int qtype, Tensor? bias) -> ()");
   m.def("quant_linear_int8(Tensor(a!) out, Tensor x, Tensor qweight, int qtype, Tensor? bias) -> ()");

@@ -99,6 +99,12 @@ def _merge_attn_states(dev):
     return (torch.empty_like(out_a), torch.empty_like(lse_a), out_a, lse_a, out_b, lse_b)
 
 
+def _apply_token_bitmask(dev):
+    logits = strided(torch.randn(T, 70, device=dev))  # 70 tokens: a last word half used
+    bitmask = torch.randint(-2**31, 2**31, (3, 3), dtype=torch.int64).to(torch.int32).to(dev)
+    return (logits, bitmask, torch.tensor([4, 0, 2], device=dev))
+
+
 def _dense_linear(dev):
     x = strided(torch.randn(T, 20, device=dev))  # rows with a stride
     return (torch.empty(T, 6, device=dev), x, torch.randn(6, 20, device=dev), torch.randn(6, device=dev))
@@ -133,6 +139,7 @@ OPCHECK_CASES = [
     pytest.param("decode_attention", lambda dev: _decode_attention(dev, True), id="decode_attention-k_new"),
     pytest.param("decode_attention", lambda dev: _decode_attention(dev, True, 3), id="decode_attention-window"),
     pytest.param("merge_attn_states", _merge_attn_states, id="merge_attn_states"),
+    pytest.param("apply_token_bitmask", _apply_token_bitmask, id="apply_token_bitmask"),
     pytest.param("dense_linear", _dense_linear, id="dense_linear"),
     pytest.param("quant_linear", _quant_linear, id="quant_linear"),
     pytest.param("quant_linear_int8", _quant_linear_int8, id="quant_linear_int8"),

@@ -30,6 +30,7 @@ __all__ = [
     "slot_mapping",
     "decode_attention",
     "merge_attn_states",
+    "apply_token_bitmask",
     "dense_linear",
     "quant_linear",
     "quant_linear_int8",
@@ -175,6 +176,14 @@ def decode_attention(
     _ops.decode_attention(out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits or 0,
                           window or 0)
     return out, lse
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: row ``rows[r]`` of ``logits [batch, vocab]`` keeps the tokens whose bit is set in
+    ``bitmask[r]`` (int32 ``[num_rows, num_words]``, 32 tokens to a word, bit ``j % 32`` of word
+    ``j // 32``: llguidance's and xgrammar's layout); the others, and tokens past the mask's
+    words, become -inf. ``rows``: int32/int64 ``[num_rows]``; other rows are not touched."""
+    _ops.apply_token_bitmask(logits, bitmask, rows)
 
 
 def merge_attn_states(

@@ -84,6 +84,11 @@ def _merge_attn_states(out, lse, out_a, lse_a, out_b, lse_b):
     return None
 
 
+@_fake("apply_token_bitmask", ref="logits")
+def _apply_token_bitmask(logits, bitmask, rows):
+    return None
+
+
 @_fake("dense_linear", ref="x")
 def _dense_linear(out, x, weight, bias):
     return None

@@ -135,6 +135,20 @@ def merge_attn_states(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.T
     return out.to(out_a.dtype), lse
 
 
+def apply_token_bitmask(logits, bitmask, rows) -> torch.Tensor:
+    """``logits`` with row ``rows[r]``'s tokens whose bit of ``bitmask[r]`` is clear at -inf."""
+    out = logits.clone()
+    vocab = logits.size(1)
+    for r, row in enumerate(rows.tolist()):
+        words = bitmask[r].to(torch.int64) & 0xFFFFFFFF
+        bits = (words.unsqueeze(1) >> torch.arange(32, device=words.device)) & 1  # [num_words, 32]
+        allowed = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+        n = min(vocab, bits.numel())
+        allowed[:n] = bits.flatten()[:n].bool()
+        out[row] = out[row].masked_fill(~allowed, float("-inf"))
+    return out
+
+
 def dense_linear(x, weight, bias=None) -> torch.Tensor:
     """``x @ weight.T + bias`` (the kernel sums in float32 in its own order)."""
     return torch.nn.functional.linear(x, weight, bias)
