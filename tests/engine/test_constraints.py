@@ -44,7 +44,7 @@ def allowed_reference(matcher, n_vocab: int) -> torch.Tensor:
 
 def test_the_mask_is_llguidances_bitmask_and_free_rows_are_untouched(vocab, tokenizer):
     params = SamplingParams(json_schema=SCHEMA)
-    c = Constraint(vocab.grammars, params, "r")
+    c = Constraint(vocab, params, "r")
     c.consume(tokenizer.encode('{"name": "Al').ids)
     logits = torch.randn(3, vocab.n_vocab)
     out = apply_masks(logits, [None, c, None], vocab)
@@ -56,7 +56,7 @@ def test_the_mask_is_llguidances_bitmask_and_free_rows_are_untouched(vocab, toke
 
 
 def test_a_constraint_completes_then_only_eos_follows(vocab, tokenizer):
-    c = Constraint(vocab.grammars, SamplingParams(choice=["yes", "no"]), "r")
+    c = Constraint(vocab, SamplingParams(choice=["yes", "no"]), "r")
     allowed = torch.isfinite(apply_masks(torch.zeros(1, vocab.n_vocab), [c], vocab)[0])
     firsts = {tokenizer.decode([t]) for t in allowed.nonzero().flatten().tolist()}
     assert firsts and all("yes".startswith(f) or "no".startswith(f) for f in firsts)
@@ -67,23 +67,56 @@ def test_a_constraint_completes_then_only_eos_follows(vocab, tokenizer):
     c.consume(eos * 3)  # ignore_eos goes on with EOS: nothing breaks
     assert c.tokens[-3:] == eos * 3
     with pytest.raises(ValueError, match="breaks its constraint"):
-        Constraint(vocab.grammars, SamplingParams(choice=["yes", "no"]), "r2").consume(tokenizer.encode("maybe").ids)
+        Constraint(vocab, SamplingParams(choice=["yes", "no"]), "r2").consume(tokenizer.encode("maybe").ids)
 
 
 def test_rollback_and_rebuild_give_the_same_state(vocab, tokenizer):
     text = tokenizer.encode('{"name": "Bo", "tags": ["a"], "score": 1.5}').ids
     params = SamplingParams(json_schema=SCHEMA)
-    whole = Constraint(vocab.grammars, params, "r")
+    whole = Constraint(vocab, params, "r")
     whole.consume(text)
     whole.consume(list(vocab.eos_token_ids))
     whole.rollback(5)
-    again = Constraint(vocab.grammars, params, "r", output_ids=text[:-4])  # what a resumed request rebuilds
+    again = Constraint(vocab, params, "r", output_ids=text[:-4])  # what a resumed request rebuilds
     assert whole.tokens == again.tokens == text[:-4]
     logits = torch.zeros(2, vocab.n_vocab)
     masked = apply_masks(logits, [whole, again], vocab)
     assert torch.equal(masked[0], masked[1])
     with pytest.raises(ValueError, match="cannot roll its constraint back"):
         whole.rollback(len(text))
+
+
+def masked_rows(c: Constraint, vocab) -> bool:
+    return not torch.isfinite(apply_masks(torch.zeros(1, vocab.n_vocab), [c], vocab)[0]).all()
+
+
+def test_constraint_after_leaves_the_thinking_free_then_holds(vocab, tokenizer):
+    params = SamplingParams(choice=["yes", "no"], constraint_after="</think>")
+    c = Constraint(vocab, params, "r")
+    thinking = tokenizer.encode("<think>\nyes? maybe </thi").ids
+    c.consume(thinking)  # "maybe" would break the choice: nothing holds yet
+    assert not c.active and not masked_rows(c, vocab)
+    end = tokenizer.encode("nk>").ids  # the text completes across tokens
+    c.consume(end)
+    assert c.active and masked_rows(c, vocab)
+    free = Constraint(vocab, SamplingParams(choice=["yes", "no"]), "f")
+    assert torch.equal(apply_masks(torch.zeros(1, vocab.n_vocab), [c], vocab),
+                       apply_masks(torch.zeros(1, vocab.n_vocab), [free], vocab))  # the choice from its start
+    with pytest.raises(ValueError, match="breaks its constraint"):
+        Constraint(vocab, params, "b", output_ids=thinking + end).consume(tokenizer.encode("maybe").ids)
+    answer = tokenizer.encode("no").ids
+    c.consume(answer)
+    # Rolled back into the thinking: free again; forward again: the same state as a rebuild.
+    c.rollback(len(answer) + len(end))
+    assert not c.active and not masked_rows(c, vocab) and c.tokens == thinking
+    c.consume(end + answer)
+    rebuilt = Constraint(vocab, params, "r2", output_ids=thinking + end + answer)
+    assert c.active and rebuilt.active and c.tokens == rebuilt.tokens
+    both = apply_masks(torch.zeros(2, vocab.n_vocab), [c, rebuilt], vocab)
+    assert torch.equal(both[0], both[1]) and both[0].isfinite().nonzero().flatten().tolist() == \
+        list(vocab.eos_token_ids)
+    with pytest.raises(ValueError, match="constraint_after needs a constraint"):
+        SamplingParams(constraint_after="</think>")
 
 
 @pytest.mark.parametrize("fields", [

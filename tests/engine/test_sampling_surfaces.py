@@ -19,17 +19,18 @@ COMMON = {"max_new_tokens": 7, "temperature": 0.5, "top_k": 3, "top_p": 0.9, "mi
           "stop": ["##", "END"], "stop_token_ids": [4, 9], "ignore_eos": True, "logprobs": 2}
 CONSTRAINED = {"json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}, "regex": "[a-z]+",
                "grammar": 'root ::= "x"', "choice": ["yes", "no"]}
+WITH_CONSTRAINT = {"constraint_after": "</think>"}
 """A value other than the default for every field; at most one constraint a request: each test
-takes the others' values with each constraint in turn."""
+takes the others' values with each constraint in turn (and the fields that need one)."""
 
 
 @pytest.fixture(params=list(CONSTRAINTS))
 def examples(request) -> dict:
-    return {**COMMON, request.param: CONSTRAINED[request.param]}
+    return {**COMMON, **WITH_CONSTRAINT, request.param: CONSTRAINED[request.param]}
 
 
 def test_every_field_has_an_example_other_than_its_default(examples):
-    assert set(COMMON) | set(CONSTRAINED) == set(SAMPLING_FIELDS), "give the new field an example here"
+    assert set(COMMON) | set(CONSTRAINED) | set(WITH_CONSTRAINT) == set(SAMPLING_FIELDS), "give the new field an example here"
     given = SamplingParams(**examples)
     assert all(getattr(given, name) != default for name, default in defaults().items() if name in examples)
 
@@ -116,7 +117,7 @@ def test_both_openai_endpoints_take_every_field(chat, examples):
     body = _openai_body(chat, examples)
     if chat:
         req = openai.parse_chat({**body, "messages": [{"role": "user", "content": "hi"}]}, "m",
-                                lambda messages, tools: "hi", 16)
+                                lambda messages, tools, template_kwargs: "hi", 16)
     else:
         req = openai.parse_completion({**body, "prompt": "hi"}, "m", 16)
     assert {name: getattr(req.params, name) for name in examples} == examples

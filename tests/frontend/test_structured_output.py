@@ -80,6 +80,23 @@ def test_a_constraint_that_does_not_bind_changes_nothing(pipe):
     assert mixed[1].text in ("yes", "no")
 
 
+def test_constraint_after_leaves_the_output_free_until_its_text(pipe):
+    """A text from the free greedy answer stands for a reasoning model's ``</think>``: up to the
+    token that completes it, the held run's tokens are the free run's; after it, the choice holds
+    (the free answer goes on with something else). A resumed request past the text goes on held."""
+    [free] = pipe.generate(["Tell me about Paris."], chat=True, max_new_tokens=16)
+    tokenizer = pipe.tokenizer
+    ids = free.token_ids
+    k = next(k for k in range(3, len(ids)) if tokenizer.decode(ids[:k]).endswith(tokenizer.decode(ids[k - 2:k]))
+             and tokenizer.decode(ids[k - 2:k]).strip() and tokenizer.decode(ids[k - 2:k])
+             not in tokenizer.decode(ids[:k - 1]))
+    marker = tokenizer.decode(ids[k - 2:k])  # its first occurrence ends with token k - 1
+    [held] = pipe.generate(["Tell me about Paris."], chat=True, max_new_tokens=16, choice=["yes", "no"],
+                           constraint_after=marker)
+    assert held.token_ids[:k] == ids[:k] and held.finish_reason == "stop"
+    assert tokenizer.decode(held.token_ids[k:]) in ("yes", "no") and tokenizer.decode(ids[k:]) not in ("yes", "no")
+
+
 def test_a_resumed_request_goes_on_from_the_tokens_it_had(pipe):
     """What a restart does: the request comes back with its tokens so far at the end of its prompt
     (``resumed``), and its constraint is rebuilt from them: the rest equals the undisturbed run."""

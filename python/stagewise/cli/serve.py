@@ -8,12 +8,14 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from pathlib import Path
 
 from stagewise import startup_gc
 from stagewise.cli.model_args import add_model_arguments, config_checks, model_problems, open_pipeline
 from stagewise.cli.prompt_args import PromptBatch, report
 from stagewise.pipeline.lines import TIME_FORMAT, log_line
 from stagewise.serve.openai import MAX_REQUEST_BYTES
+from stagewise.serve.reasoning import PARSERS
 
 PROG = "stagewise serve"
 
@@ -53,6 +55,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, metavar="N",
                    help="largest request body, in bytes; a larger one gets 413 before it is read (default 32 MiB: "
                         "one image of the default --max-image-bytes fits as a data: URL)")
+    s.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="render chats with this Jinja template instead of the checkpoint's")
+    s.add_argument("--reasoning-parser", default=None, choices=sorted(PARSERS),
+                   help="a reasoning model's <think>...</think> goes to reasoning_content, and an output "
+                        "constraint holds after it")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -72,6 +79,11 @@ def server_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--max-image-bytes must be >= 1, got {args.max_image_bytes}")
     if args.max_request_bytes < 1:
         problems.append(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.chat_template is not None:
+        try:
+            Path(args.chat_template).read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            problems.append(f"--chat-template: cannot read {args.chat_template!r}: {err}")
     return problems
 
 
@@ -166,7 +178,9 @@ def serve(pipe, args: argparse.Namespace, sock: socket.socket, prog: str) -> int
     media = MediaLimits(max_bytes=args.max_image_bytes, timeout_s=args.image_fetch_timeout,
                         fetch=args.allow_image_fetch, max_images=args.max_images)
     app = build_app(pipe, model_name=name, api_key=key, max_waiting=args.max_waiting,
-                    default_max_tokens=args.default_max_tokens, media=media, max_request_bytes=args.max_request_bytes)
+                    default_max_tokens=args.default_max_tokens, media=media, max_request_bytes=args.max_request_bytes,
+                    chat_template=Path(args.chat_template).read_text() if args.chat_template else None,
+                    reasoning_parser=args.reasoning_parser)
     host, port = sock.getsockname()[:2]
     here = ""
     if pipe.plan is None:  # the model computes in this process

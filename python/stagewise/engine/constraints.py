@@ -10,7 +10,9 @@ decoding's rejections). xgrammar, the other engine the anchors use, needs torch,
 triton and a TVM runtime at run time; see docs/structured-output.md for the comparison.
 
 Where it runs: the last stage's leader, beside the sampler (:mod:`stagewise.engine.executor`):
-the constraint's state lives with the request there. The front end compiles the same constraint
+the constraint's state lives with the request there. A step's masks are computed on a thread of
+their own while the forward pass runs (:func:`masks_ahead`) and applied to the logits by the
+``apply_token_bitmask`` op, which reads the bits as they are. The front end compiles the same constraint
 once when a request arrives (:func:`problem`), so that a schema the engine cannot compile is an
 error before anything runs, never a failed step.
 
@@ -23,6 +25,7 @@ request starting from a copy.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 from collections import OrderedDict
@@ -160,22 +163,34 @@ def problem(params: SamplingParams, vocab: Vocabulary | None) -> str | None:
 
 class Constraint:
     """One request's constraint on the last stage: which tokens may come next, advanced by each
-    token it samples."""
+    token it samples. With ``constraint_after``, the tokens up to the one that completes that text
+    are free (a reasoning model's thinking): the constraint holds from the next token on."""
 
-    __slots__ = ("matcher", "request_id", "tokens", "_consumed")
+    __slots__ = ("matcher", "request_id", "tokens", "_consumed", "_vocab", "_after", "_tail", "_start")
 
-    def __init__(self, grammars: Grammars, params: SamplingParams, request_id: Hashable,
+    def __init__(self, vocab: Vocabulary, params: SamplingParams, request_id: Hashable,
                  output_ids: Sequence[int] = ()) -> None:
         """``output_ids``: tokens the request generated before (it resumes after a restart, or
         moves to another instance of the stage)."""
-        self.request_id = request_id
-        self.matcher = grammars.compile(params)
+        self.request_id, self._vocab = request_id, vocab
+        self.matcher = vocab.grammars.compile(params)
         self.tokens: list[int] = []
         """Every token it was given, in order (what rebuilds it elsewhere)."""
+        self._after = params.constraint_after.encode() if params.constraint_after else b""
+        self._start: int | None = None if self._after else 0
+        """Where in :attr:`tokens` the constrained output begins (None: the text it waits for has
+        not come yet)."""
+        self._tail = b""
+        """The output's last bytes while it waits, fewer than the text's."""
         self._consumed = 0
-        """How many of :attr:`tokens` the matcher took (those after it completed are EOS)."""
+        """How many of :attr:`tokens` the matcher took or skipped (those after it completed are EOS)."""
         if output_ids:
             self.consume(output_ids)
+
+    @property
+    def active(self) -> bool:
+        """Whether the constraint holds the next token."""
+        return self._start is not None
 
     def consume(self, tokens: Sequence[int]) -> None:
         """Advance past sampled tokens; ValueError when the constraint refuses one. Once the
@@ -183,12 +198,22 @@ class Constraint:
         go on with EOS until their length)."""
         for t in tokens:
             t = int(t)
-            if not self.matcher.is_stopped():
+            if self._start is None:
+                self._wait(t)
+            elif not self.matcher.is_stopped():
                 if not self.matcher.consume_token(t):
                     raise ValueError(f"request {self.request_id!r}: token {t} breaks its constraint: "
                                      f"{self.matcher.get_error()}")
                 self._consumed = len(self.tokens) + 1
             self.tokens.append(t)
+
+    def _wait(self, token: int) -> None:
+        seen = self._tail + self._vocab.ll.decode_bytes([token])
+        if self._after in seen:
+            self._start = self._consumed = len(self.tokens) + 1
+            self._tail = b""
+        else:
+            self._tail = seen[len(seen) - len(self._after) + 1:]
 
     def rollback(self, num_tokens: int) -> None:
         """Take back the last ``num_tokens`` consumed (rejected speculative tokens)."""
@@ -196,36 +221,78 @@ class Constraint:
             raise ValueError(f"request {self.request_id!r}: cannot roll its constraint back {num_tokens} tokens, "
                              f"it consumed {len(self.tokens)}")
         keep = len(self.tokens) - num_tokens
-        if self._consumed > keep:
-            if not self.matcher.rollback(self._consumed - keep):
+        if self._start is not None and self._consumed > max(keep, self._start):
+            if not self.matcher.rollback(self._consumed - max(keep, self._start)):
                 raise ValueError(f"request {self.request_id!r}: its constraint cannot roll back: "
                                  f"{self.matcher.get_error()}")
-            self._consumed = keep
+            self._consumed = max(keep, self._start)
+        if self._after and (self._start is None or keep < self._start):  # waits again, from the kept tokens
+            self._start, self._tail, self._consumed = None, b"", keep
+            for t in self.tokens[max(0, keep - len(self._after)):keep]:  # every token is at least one byte
+                self._wait(t)
         del self.tokens[keep:]
+
+
+class Masks:
+    """The computed bitmasks of a batch's constrained rows: ``bits[j]`` is row ``rows[j]``'s."""
+
+    __slots__ = ("rows", "bits")
+
+    def __init__(self, rows: list[int], bits) -> None:
+        self.rows, self.bits = rows, bits
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits [B, V]`` with the rows' disallowed tokens at -inf (a new tensor: the sampler's
+        log-probabilities are read from the given one). The op reads the bits as they are (no
+        unpacked copy): about a memset of each row's refused part."""
+        import torch
+
+        from stagewise import ops
+
+        out = logits.clone()
+        ops.apply_token_bitmask(out, torch.from_numpy(self.bits).to(logits.device),
+                                torch.tensor(self.rows, device=logits.device))
+        return out
+
+
+def compute_masks(constraints: Sequence[Constraint | None], vocab: Vocabulary) -> Masks | None:
+    """The bitmasks of the rows whose constraint holds their next token (None: no such row). Rows
+    without a constraint, or whose constraint waits for its ``constraint_after`` text, are not
+    read."""
+    import numpy as np
+
+    rows = [i for i, c in enumerate(constraints) if c is not None and c.active]
+    if not rows:
+        return None
+    words = vocab.mask_words
+    bits = np.empty((len(rows), words), dtype=np.int32)
+    for j, i in enumerate(rows):  # one row after the other: llguidance's threads lost to torch's on 2 cores
+        c = constraints[i]
+        c.matcher.unsafe_compute_mask_ptr(bits.ctypes.data + j * words * 4, words * 4)
+        if c.matcher.is_error():
+            raise ValueError(f"request {c.request_id!r}: its constraint failed: {c.matcher.get_error()}")
+    return Masks(rows, bits)
+
+
+_MASK_THREAD: list[concurrent.futures.ThreadPoolExecutor] = []
+_MASK_THREAD_LOCK = threading.Lock()
+
+
+def masks_ahead(constraints: Sequence[Constraint | None], vocab: Vocabulary) -> concurrent.futures.Future | None:
+    """:func:`compute_masks` started on this process's mask thread, so that it runs while the
+    forward pass computes the logits (llguidance releases the GIL, as torch's kernels do): the
+    sampler then waits only for what is left. None when no row is constrained. The rows'
+    constraints must not advance until the result is taken."""
+    if not any(c is not None and c.active for c in constraints):
+        return None
+    with _MASK_THREAD_LOCK:
+        if not _MASK_THREAD:  # one idle thread per process that uses constraints, joined at exit
+            _MASK_THREAD.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="constraint-masks"))
+    return _MASK_THREAD[0].submit(compute_masks, list(constraints), vocab)
 
 
 def apply_masks(logits: torch.Tensor, constraints: Sequence[Constraint | None], vocab: Vocabulary) -> torch.Tensor:
     """``logits [B, V]`` with every constrained row's disallowed tokens at -inf (a new tensor; the
-    given one, untouched, when no row is constrained). Rows without a constraint are not read."""
-    import numpy as np
-    import torch
-
-    rows = [i for i, c in enumerate(constraints) if c is not None]
-    if not rows:
-        return logits
-    words = vocab.mask_words
-    masks = np.empty((len(rows), words), dtype=np.int32)
-    for j, i in enumerate(rows):  # one row after the other: llguidance's threads lost to torch's on 2 cores
-        c = constraints[i]
-        c.matcher.unsafe_compute_mask_ptr(masks.ctypes.data + j * words * 4, words * 4)
-        if c.matcher.is_error():
-            raise ValueError(f"request {c.request_id!r}: its constraint failed: {c.matcher.get_error()}")
-    # Bit j of a row's word w is token 32 w + j: the little-endian bytes' bits in order.
-    allowed = torch.from_numpy(np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")
-                               .view(np.bool_)[:, : logits.size(1)]).to(logits.device)
-    if len(rows) == logits.size(0):
-        return torch.where(allowed, logits, float("-inf"))
-    out = logits.clone()
-    idx = torch.tensor(rows, device=logits.device)
-    out.index_copy_(0, idx, torch.where(allowed, logits.index_select(0, idx), float("-inf")))
-    return out
+    given one, untouched, when no row is constrained): :func:`compute_masks`, applied."""
+    masks = compute_masks(constraints, vocab)
+    return logits if masks is None else masks.apply(logits)

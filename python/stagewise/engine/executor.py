@@ -19,13 +19,14 @@ stage continues it exactly.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from stagewise.engine.constraints import Constraint, Vocabulary, apply_masks, vocabulary
+from stagewise.engine.constraints import Constraint, Vocabulary, masks_ahead, vocabulary
 from stagewise.engine.handoff import KVHandoff, KVShard, read_kv, split_handoff, write_kv
 from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.engine.sampling import History, Sampler, make_generator, token_logprobs
@@ -147,7 +148,7 @@ class Executor:
         ``sampling`` describes the requests that start in this step (the last stage's leader keeps
         it until the request is freed). On an error the step's new requests are forgotten, and the
         exception propagates."""
-        added, pinned, hits = [], {}, batch.prefix_blocks
+        added, pinned, hits, ahead = [], {}, batch.prefix_blocks, None
         try:
             if hits is not None:  # every shared block held before the step takes any (taking may evict)
                 for i, blocks in enumerate(hits):
@@ -186,6 +187,9 @@ class Executor:
             metas = [m.build(batch, split) for m in self._metadata]
             if self.mirror is not None:
                 self.mirror.run(batch)
+            entries = [self._sampling[rid] for rid in batch.sampled_ids()] if self.is_last and self.leads else []
+            if any(e.constraint is not None for e in entries):  # the masks computed while the forward runs
+                ahead = masks_ahead([e.constraint for e in entries], self._vocabulary())
             try:
                 out = self.model(batch, self.kv_cache, metas)
             except Exception as err:
@@ -198,8 +202,10 @@ class Executor:
                         m.trim(rid)
             if not self.is_last or not self.leads:
                 return out
-            return self._sample(out, [self._sampling[rid] for rid in batch.sampled_ids()])
+            return self._sample(out, entries, ahead)
         except Exception:
+            if ahead is not None:  # its rows' constraints are not read any more once this returns
+                concurrent.futures.wait([ahead])
             for i, holds in pinned.items():
                 for m in holds:
                     m.unshare(hits[i])
@@ -221,12 +227,14 @@ class Executor:
             raise
         return holds
 
-    def _sample(self, logits: torch.Tensor, entries: list[_Sampling]) -> Sampled:
+    def _sample(self, logits: torch.Tensor, entries: list[_Sampling],
+                ahead: concurrent.futures.Future | None) -> Sampled:
+        """``ahead``: the constrained rows' masks being computed (:func:`masks_ahead`)."""
         if not entries:  # only chunks that more of their prompts follow
             return Sampled(tokens=torch.zeros(0, dtype=torch.int64, device=logits.device))
         params = [e.params for e in entries]
-        constraints = [e.constraint for e in entries]
-        allowed = logits if not any(constraints) else apply_masks(logits, constraints, self._vocabulary())
+        masks = ahead.result() if ahead is not None else None
+        allowed = logits if masks is None else masks.apply(logits)
         tokens = self.sampler.sample(allowed, params, [e.generator for e in entries], [e.history for e in entries])
         logprobs = None
         if any(p.logprobs is not None for p in params):
@@ -252,7 +260,7 @@ class Executor:
         return self._vocab
 
     def _constraint(self, rid: Hashable, params: SamplingParams, output_ids=()) -> Constraint | None:
-        return Constraint(self._vocabulary().grammars, params, rid, output_ids) if params.constrained else None
+        return Constraint(self._vocabulary(), params, rid, output_ids) if params.constrained else None
 
     def reset_kv(self) -> None:
         """Every block free, no cached ones, as in a new executor (no request may hold KV): what

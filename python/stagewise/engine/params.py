@@ -163,6 +163,12 @@ class SamplingParams:
         expected="a list of non-empty strings", metavar="TEXT", help="the output is one of these strings (repeatable)",
         openai=("guided_choice",), convert=list)
     """The output is exactly one of these strings (empty: no such constraint)."""
+    constraint_after: str | None = option(
+        None, check=lambda v: v is None or isinstance(v, str) and bool(v), expected="None or a non-empty string",
+        metavar="TEXT", help="the constraint holds only after the output's first TEXT (a reasoning model's </think>)")
+    """The constraint holds from the token that completes this text's first occurrence in the
+    output on (a reasoning model's ``</think>``: it thinks freely, then answers in the schema);
+    None: from the first token. Only with a constraint."""
 
     def __post_init__(self) -> None:
         for name, check in _CHECKS:
@@ -174,6 +180,8 @@ class SamplingParams:
         if len(given) > 1:
             raise ValueError(f"SamplingParams: at most one of {', '.join(CONSTRAINTS)} may be given, got "
                              f"{' and '.join(given)}")
+        if self.constraint_after is not None and not given:
+            raise ValueError(f"SamplingParams.constraint_after needs a constraint ({', '.join(CONSTRAINTS)})")
 
     @property
     def constrained(self) -> bool:

@@ -4,7 +4,7 @@ template, or ids as given."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
@@ -40,10 +40,12 @@ def encode_prompts(tokenizer, prompts: str | Sequence[str] | None,
     return [tokenizer.encode(t, add_special_tokens=not chat).ids for t in texts]
 
 
-def render_chat(checkpoint, tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> str:
-    """``checkpoint``'s chat template applied to ``messages`` (and OpenAI-style ``tools``, for a
-    template that takes them), with the assistant turn opened."""
-    template = checkpoint.chat_template
+def render_chat(checkpoint, tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None = None, *,
+                template: str | None = None, template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """``checkpoint``'s chat template (or ``template``) applied to ``messages`` (and OpenAI-style
+    ``tools``, for a template that takes them), with the assistant turn opened; ``template_kwargs``:
+    more variables for it (Qwen3's ``enable_thinking``)."""
+    template = template or checkpoint.chat_template
     if not template:
         raise ValueError(f"Pipeline: checkpoint {str(checkpoint.path)!r} has no chat template; use chat=False")
     from jinja2.exceptions import TemplateError
@@ -60,7 +62,11 @@ def render_chat(checkpoint, tokenizer, messages: list[dict[str, Any]], tools: li
         if token_id is not None:
             special[name] = tokenizer.id_to_token(token_id) or ""
     extra = {} if tools is None else {"tools": tools}
-    return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special, **extra)
+    given = dict(template_kwargs or {})
+    clash = sorted(set(given) & ({"messages", "add_generation_prompt", "tools"} | set(special)))
+    if clash:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}: the server sets them")
+    return env.from_string(template).render(**given, messages=messages, add_generation_prompt=True, **special, **extra)
 
 
 def expand_image_placeholders(ids: list[int], tokens_per_image: Sequence[int], *, image_token_id: int,

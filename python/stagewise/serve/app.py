@@ -34,12 +34,14 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from stagewise.engine.requests import prompt_problem
+from stagewise.frontend.prompts import render_chat
 from stagewise.frontend.run import Completion
 from stagewise.frontend.text import request_problem
 from stagewise.serve import openai
 from stagewise.serve.loop import Busy, ServeLoop, Sink, Unavailable
 from stagewise.serve.media import MediaLimits, read_image_url
 from stagewise.serve.metrics import ServerMetrics
+from stagewise.serve.reasoning import ReasoningStream, split
 from stagewise.serve.tools import ToolStream
 
 RETRY_AFTER_S = 1
@@ -64,10 +66,12 @@ class _Stream:
 
 def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting: int = 64,
               default_max_tokens: int = 256, media: MediaLimits | None = None,
-              max_request_bytes: int = openai.MAX_REQUEST_BYTES) -> Starlette:
+              max_request_bytes: int = openai.MAX_REQUEST_BYTES, chat_template: str | None = None,
+              reasoning_parser: str | None = None) -> Starlette:
     """The server's app over ``pipe`` (which the caller keeps and closes after the app stopped);
     ``media``: how a chat's image URLs are read (default :class:`MediaLimits`); a request body over
-    ``max_request_bytes`` is refused (413)."""
+    ``max_request_bytes`` is refused (413); ``chat_template``: the template chats are rendered with
+    (default: the checkpoint's); ``reasoning_parser``: see :mod:`stagewise.serve.reasoning`."""
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"build_app: max_request_bytes must be a positive integer, got {max_request_bytes!r}")
     media = media or MediaLimits()
@@ -80,13 +84,16 @@ def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting:
     def piece(token: int) -> str:
         return pipe.tokenizer.decode([token]) if pipe.tokenizer is not None else str(token)
 
-    def render(messages, tools=None):
+    template = chat_template or getattr(pipe.checkpoint, "chat_template", None)
+
+    def render(messages, tools=None, template_kwargs=None):
         from jinja2 import TemplateError
 
         if pipe.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer")
         try:
-            return pipe.render_chat(messages, tools)
+            return render_chat(pipe.checkpoint, pipe.tokenizer, messages, tools, template=template,
+                               template_kwargs=template_kwargs)
         except TemplateError as err:
             raise ValueError(str(err)) from None
 
@@ -118,8 +125,8 @@ def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting:
             raise openai.ApiError(f"the request body is not valid JSON: {err}") from None
         if chat:
             req = openai.parse_chat(body, model_name, render, default_max_tokens,
-                                    vision=pipe.image_processor is not None,
-                                    template=getattr(pipe.checkpoint, "chat_template", None))
+                                    vision=pipe.image_processor is not None, template=template,
+                                    reasoning_parser=reasoning_parser)
         else:
             req = openai.parse_completion(body, model_name, default_max_tokens)
         ids = req.prompt_ids if req.prompt_ids is not None else _encode(pipe, req.prompt, req.chat)
@@ -284,9 +291,13 @@ def _check_prompt(pipe, ids: list[int], req: openai.ApiRequest) -> None:
 
 
 def _choice(req: openai.ApiRequest, text: str, lps, piece, finish: str | None, offset: int = 0,
-            first: bool = False) -> dict:
+            first: bool = False, reasoning: str = "") -> dict:
     if req.chat:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        delta = {"role": "assistant"} if first else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if text or not reasoning:
+            delta["content"] = text
         choice = {"index": 0, "delta": delta}
         if req.logprobs is not None:
             choice["logprobs"] = openai.chat_logprobs(lps, piece)
@@ -305,14 +316,16 @@ async def _events(loop: ServeLoop, rid: int, stream: _Stream, req, name: str, mo
     done = False
     offset, first = 0, True
     calls = ToolStream(req.tools) if req.tools is not None else None
+    think = ReasoningStream(req.reasoning) if req.reasoning is not None else None
     try:
         while True:
             kind, a, b = await stream.queue.get()
             if kind == "text":
+                r, a = think.feed(a) if think is not None else ("", a)
                 a = a if calls is None else calls.feed(a)
-                if not a and not b:
+                if not a and not r and not b:
                     continue
-                yield _sse(openai.body(req, name, model, _choice(req, a, b, piece, None, offset, first), None, True))
+                yield _sse(openai.body(req, name, model, _choice(req, a, b, piece, None, offset, first, r), None, True))
                 offset, first = offset + len(a), False
                 continue
             done = True
@@ -320,9 +333,14 @@ async def _events(loop: ServeLoop, rid: int, stream: _Stream, req, name: str, mo
             if result.finish_reason == "error":
                 yield _sse({"error": {"message": result.error, "type": "server_error", "param": None, "code": None}})
             finish = openai.FINISH[result.finish_reason]
-            tail, found = calls.finish() if calls is not None and result.finish_reason != "error" else ("", [])
-            if tail or found:
-                chunk = _choice(req, tail, [], piece, None, offset, first)
+            r, tail = think.finish() if think is not None else ("", "")
+            found = []
+            if calls is not None and result.finish_reason != "error":
+                tail = calls.feed(tail)
+                more, found = calls.finish()
+                tail += more
+            if tail or found or r:
+                chunk = _choice(req, tail, [], piece, None, offset, first, r)
                 chunk["delta"].update({"tool_calls": [{"index": i, **c} for i, c in enumerate(found)]} if found else {})
                 yield _sse(openai.body(req, name, model, chunk, None, True))
                 first, finish = False, "tool_calls" if found and finish == "stop" else finish
@@ -357,8 +375,10 @@ async def _whole(request: Request, loop: ServeLoop, rid: int, stream: _Stream, r
         return _error(openai.ApiError(f"the request failed: {result.error}", status=500, type="server_error"))
     finish = openai.FINISH[result.finish_reason]
     if req.chat:
-        content, calls = (result.text, []) if req.tools is None else req.tools.parse(result.text)
-        message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        thinking, text = (None, result.text) if req.reasoning is None else split(req.reasoning, result.text)
+        content, calls = (text, []) if req.tools is None else req.tools.parse(text)
+        message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {}),
+                   **({"reasoning_content": thinking} if req.reasoning is not None else {})}
         choice = {"index": 0, "message": message,
                   "logprobs": openai.chat_logprobs(lps, piece) if req.logprobs is not None else None,
                   "finish_reason": "tool_calls" if calls and finish == "stop" else finish}

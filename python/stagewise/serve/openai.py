@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stagewise.serve import tools
+from stagewise.serve.reasoning import Reasoning, reasoning_for
 from stagewise.engine.params import CONSTRAINTS, SURFACES, SamplingParams, TokenLogprobs, value_problem
 
 MAX_REQUEST_BYTES = 32 << 20
@@ -32,7 +33,7 @@ _SAMPLING_FIELDS = frozenset(name for row in SURFACES for name in row.openai)
 _COMMON_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "response_format", "structured_outputs"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
 CHAT_FIELDS = _COMMON_FIELDS | {name for row in SURFACES for name in row.openai_chat} | {
-    "messages", "tools", "tool_choice", "parallel_tool_calls"}
+    "messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}
 OPENAI_DEFAULTS = {"temperature": 1.0}
 """Where OpenAI's API documents another default than the option's own (its clients expect
 sampling); ``max_tokens`` defaults to the server's ``--default-max-tokens``."""
@@ -78,6 +79,8 @@ class ApiRequest:
     """The field that set max_tokens (a chat's ``max_completion_tokens``), named in its errors."""
     tools: tools.ToolCalling | None = None
     """A chat's tools and how it may call them (None: it has none)."""
+    reasoning: Reasoning | None = None
+    """Where a chat's thinking is, with the server's ``--reasoning-parser`` (None: no parser)."""
 
 
 def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
@@ -273,10 +276,10 @@ def _content_part(part: Any, where: str, role: str, images: list[tuple[str, str]
 
 
 def parse_chat(body: Any, served: str, render, default_max: int, *, vision: bool = False,
-               template: str | None = None) -> ApiRequest:
-    """A `/v1/chat/completions` body; ``render(messages, tools)`` applies the chat template
-    (``template``, whose tool-call format :mod:`~stagewise.serve.tools` reads); ``vision``: whether
-    the model takes images."""
+               template: str | None = None, reasoning_parser: str | None = None) -> ApiRequest:
+    """A `/v1/chat/completions` body; ``render(messages, tools, template_kwargs)`` applies the chat
+    template (``template``, whose tool-call format :mod:`~stagewise.serve.tools` reads); ``vision``:
+    whether the model takes images; ``reasoning_parser``: :mod:`~stagewise.serve.reasoning`'s."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     _check_fields(body, CHAT_FIELDS)
@@ -303,12 +306,18 @@ def parse_chat(body: Any, served: str, render, default_max: int, *, vision: bool
             raise ApiError("tool_choice required or a named function constrains the output already; drop the "
                            "response_format or structured_outputs", param="tool_choice")
         params = dataclasses.replace(params, json_schema=schema)
+    extra = _get(body, "chat_template_kwargs", (dict,), {})
     try:
-        prompt = render(tools.template_messages(messages, calling), None if calling is None else calling.template_tools())
+        prompt = render(tools.template_messages(messages, calling), None if calling is None else calling.template_tools(),
+                        extra)
     except (ValueError, KeyError, TypeError) as err:
-        raise ApiError(f"the chat template cannot render these messages: {err}", param="messages") from None
+        raise ApiError(f"the chat template cannot render these messages: {err}",
+                       param="chat_template_kwargs" if "chat_template_kwargs" in str(err) else "messages") from None
+    reasoning = None if reasoning_parser is None else reasoning_for(reasoning_parser, prompt)
+    if reasoning is not None and params.constrained and params.constraint_after is None:
+        params = dataclasses.replace(params, constraint_after=reasoning.constraint_after)
     return ApiRequest(chat=True, prompt=prompt, params=params, stream=stream, include_usage=usage, logprobs=logprobs,
-                      images=images, max_tokens_param=max_name, tools=calling)
+                      images=images, max_tokens_param=max_name, tools=calling, reasoning=reasoning)
 
 
 # ---- responses ---------------------------------------------------------------------------------
