@@ -97,6 +97,32 @@ def test_constraint_after_leaves_the_output_free_until_its_text(pipe):
     assert tokenizer.decode(held.token_ids[k:]) in ("yes", "no") and tokenizer.decode(ids[k:]) not in ("yes", "no")
 
 
+def test_masks_computed_beside_the_forward_or_after_it_give_the_same_tokens(pipe, monkeypatch):
+    """With a core torch leaves free the masks are computed while the forward runs; without, after
+    it: the same tokens either way (and the first way is taken when it should be)."""
+    import torch
+
+    import stagewise.engine.executor as executor
+    from stagewise.launch.local import usable_cores
+
+    if usable_cores() < 2:
+        pytest.skip("needs 2 cores: one for torch, one for the masks")
+    calls = []
+    real = executor.masks_ahead
+    monkeypatch.setattr(executor, "masks_ahead", lambda *a: calls.append(1) or real(*a))
+    before = torch.get_num_threads()
+    outs = {}
+    try:
+        for threads in (1, usable_cores()):
+            torch.set_num_threads(threads)
+            calls.clear()
+            outs[threads] = pipe.generate(PROMPTS[:2], chat=True, max_new_tokens=40, json_schema=Person.model_json_schema())
+            assert bool(calls) == (threads < usable_cores())
+    finally:
+        torch.set_num_threads(before)
+    assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[usable_cores()]]
+
+
 def test_a_resumed_request_goes_on_from_the_tokens_it_had(pipe):
     """What a restart does: the request comes back with its tokens so far at the end of its prompt
     (``resumed``), and its constraint is rebuilt from them: the rest equals the undisturbed run."""

@@ -241,17 +241,18 @@ class Masks:
     def __init__(self, rows: list[int], bits) -> None:
         self.rows, self.bits = rows, bits
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits [B, V]`` with the rows' disallowed tokens at -inf (a new tensor: the sampler's
-        log-probabilities are read from the given one). The op reads the bits as they are (no
-        unpacked copy): about a memset of each row's refused part."""
+    def apply(self, logits: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+        """``logits [B, V]`` with the rows' disallowed tokens at -inf: a new tensor, or with
+        ``in_place`` the given one (when nothing reads the unmasked logits after: the sampler's
+        log-probabilities do). The op reads the bits as they are (no unpacked copy): about a
+        memset of each row's refused part."""
         import torch
 
         from stagewise import ops
 
-        out = logits.clone()
+        out = logits if in_place else logits.clone()
         ops.apply_token_bitmask(out, torch.from_numpy(self.bits).to(logits.device),
-                                torch.tensor(self.rows, device=logits.device))
+                                torch.tensor(self.rows, dtype=torch.int64).to(logits.device))
         return out
 
 

@@ -36,7 +36,7 @@ from starlette.routing import Route
 from stagewise.engine.requests import prompt_problem
 from stagewise.frontend.prompts import render_chat
 from stagewise.frontend.run import Completion
-from stagewise.frontend.text import request_problem
+from stagewise.frontend.text import request_problem, warm_constraints
 from stagewise.serve import openai
 from stagewise.serve.loop import Busy, ServeLoop, Sink, Unavailable
 from stagewise.serve.media import MediaLimits, read_image_url
@@ -100,6 +100,8 @@ def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting:
     @asynccontextmanager
     async def lifespan(app):
         state["loop"] = ServeLoop(pipe, max_waiting=max_waiting, observe=metrics.observe)
+        # The constraints' vocabulary, built while the server waits for its first request.
+        asyncio.get_running_loop().run_in_executor(None, warm_constraints, pipe.checkpoint, pipe.tokenizer)
         try:
             yield
         finally:
