@@ -126,6 +126,20 @@ def test_prompts_after_a_cached_prefix_give_the_uncached_tokens_and_logprobs(che
     assert [c.token_ids for c in plain_sampled] == [c.token_ids for c in cached_sampled]
 
 
+def test_prompts_that_arrive_together_wait_for_the_first_ones_prefill(checkpoint):
+    """Prompts behind a 36-token beginning nothing has cached yet, sent together: the first computes
+    it, the others wait for that step and start after its 2 blocks (without the wait, each would
+    compute it again beside the first); the tokens are transformers'."""
+    folder, hf = checkpoint
+    shared = random_prompts((36,), seed=6)[0]
+    prompts = [shared + tail for tail in random_prompts((5, 1, 9), seed=7)]
+    with stagewise.Pipeline(str(folder), max_num_seqs=4) as pipe:
+        outs = pipe.generate(prompt_token_ids=prompts, max_new_tokens=NEW)
+    assert [o.cached_tokens for o in outs] == [0, 32, 32]
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == reference(hf, p)
+
+
 def test_chunked_prefill_equals_the_whole_prompt_prefill(checkpoint):
     """Prompts prefilled in chunks of 1 token, an odd size and the block size (16), crossing KV
     blocks, while the other rows decode: the tokens of one-step prefill (which are transformers':

@@ -87,7 +87,7 @@ class Engine:
         """A step failed on some stages (or ranks) only: their pools reset when no request holds KV."""
         self.scheduler = GroupedScheduler(budget, num_groups=num_groups, max_num_seqs=max_num_seqs,
                                           max_model_len=self.max_model_len, max_prefill_tokens=max_prefill_tokens,
-                                          cached=None if self.prefix is None else self.prefix.lookup)
+                                          prefix=self.prefix)
         self.requests = Requests(vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids,
                                  max_model_len=self.max_model_len)
         self.inflight: dict[int, tuple[int, ScheduledStep]] = {}

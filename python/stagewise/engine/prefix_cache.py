@@ -6,6 +6,9 @@ identities and the index; :class:`~stagewise.kv.block_pool.BlockPool` keeps the 
   its last token, which is always computed for its logits) are looked up by identity; the hit's
   blocks go with the request's first step (``StepBatch.prefix_blocks``), which starts at the first
   uncached position on every stage.
+- **Waiting for a prefill in flight**: the queue's head waits while an admitted request computes
+  the block it would find next (:meth:`PrefixCaching.waits`); admitted after that step, it finds
+  it, instead of computing it again beside the other.
 - **Registration**, when a step's tokens come back (its KV is then written on every stage): each
   request's blocks that the step filled are named by their identities, prompt and generated
   tokens alike, so a chat that resends its conversation finds its previous answer too.
@@ -42,6 +45,8 @@ class PrefixCaching:
         self._hashes: dict[Hashable, list[bytes]] = {}
         self._named: dict[Hashable, int] = {}
         """Per live request: blocks already registered."""
+        self._queued: dict[Hashable, list[bytes]] = {}
+        """The prompt identities of a request that :meth:`waits` held back, until it is admitted."""
 
     @property
     def stats(self) -> PrefixStats:
@@ -53,11 +58,30 @@ class PrefixCaching:
 
     def lookup(self, seq: SeqState) -> int:
         """The prompt tokens of a request being admitted that are cached; its ``prefix_blocks`` set."""
+        self._queued.pop(seq.request_id, None)
         n = len(seq.prompt_ids)
         blocks = [] if self.paused else self.index.lookup(self._identities(seq, seq.prompt_ids), n)
         seq.prefix_blocks = tuple(blocks)
         seq.cached_tokens = len(blocks) * self.tokens_per_block
         return seq.cached_tokens
+
+    def waits(self, seq: SeqState) -> bool:
+        """Whether a queued request should wait before it is admitted: the first block it would
+        compute (after the cached chain) is one that an admitted request is computing now (its
+        identity is among that request's blocks not yet registered). The step that computes it
+        registers it, and the request then finds it instead of computing it again."""
+        if self.paused or not self._hashes:
+            return False
+        mine = self._queued.get(seq.request_id)
+        if mine is None:
+            vision = self._vision(seq.request_id)
+            mine = self._queued[seq.request_id] = block_hashes(
+                seq.prompt_ids, self.tokens_per_block, [], None if vision is None else image_bytes(vision))
+        hit = len(self.index.chain(mine, len(seq.prompt_ids)))
+        if hit >= min(len(mine), (len(seq.prompt_ids) - 1) // self.tokens_per_block):
+            return False  # nothing more it could find
+        want = mine[hit]
+        return any(want in hashes[self._named.get(rid, 0):] for rid, hashes in self._hashes.items())
 
     def written(self, seq: SeqState, end: int) -> None:
         """The KV of the request's positions ``[0, end)`` is written on every stage."""
@@ -73,6 +97,7 @@ class PrefixCaching:
         """The request ended (its blocks stay in the pool, cached, for as long as it keeps them)."""
         self._hashes.pop(request_id, None)
         self._named.pop(request_id, None)
+        self._queued.pop(request_id, None)
 
     def reset(self) -> int:
         """Forget every entry (an admin's reset); returns how many blocks were named."""

@@ -14,7 +14,9 @@ model: blocks for the whole prompt when a request joins (a sliding-window group:
 one slot per fed token (a block whenever a boundary is crossed), all freed at once when the
 request finishes, is cancelled or fails. With prefix caching a request is admitted as a whole
 prompt (its reservation counts the cached blocks too, so a hit never runs the pool short), and its
-first chunk starts after the tokens found cached. Running requests take their decode slot
+first chunk starts after the tokens found cached; the queue's head waits while a prefill in flight
+computes the blocks it would find next (questions about a document that arrive during its first
+prefill then compute only their own tokens). Running requests take their decode slot
 before new requests are admitted, so a request in flight is never starved by a
 newcomer; when the pool is still short, that one request fails with finish_reason
 "error" and its blocks go back to the pool for the others.
@@ -25,6 +27,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from stagewise.kv import OutOfKVBlocks
 from stagewise.kv.budget import KVBudget
@@ -120,16 +123,27 @@ class SchedulerStatus:
     """Cached blocks taken back for new KV since the engine started."""
 
 
+class PrefixLookup(Protocol):
+    """What the scheduler asks the prefix cache (:class:`~stagewise.engine.prefix_cache.PrefixCaching`)."""
+
+    def lookup(self, seq: SeqState) -> int:
+        """The prompt tokens of a request being admitted that are cached."""
+
+    def waits(self, seq: SeqState) -> bool:
+        """Whether the queue's head should wait for a prefill in flight."""
+
+
 class Scheduler:
     """FIFO admission into a fixed number of rows, KV blocks counted by one :class:`KVBudget`."""
 
     def __init__(self, budget: KVBudget, *, max_num_seqs: int, max_model_len: int,
                  max_prefill_tokens: int = 8192, pool_busy_elsewhere: Callable[[], bool] | None = None,
-                 cached: Callable[[SeqState], int] | None = None) -> None:
+                 prefix: PrefixLookup | None = None) -> None:
         """``pool_busy_elsewhere`` tells whether others hold blocks of the same pool (microbatch
         groups of a pipeline): a prompt that does not fit then waits instead of failing.
-        ``cached``: how many of an admitted request's prompt tokens are in the prefix cache
-        (:mod:`stagewise.engine.prefix_cache`); its prefill starts after them."""
+        ``prefix``: the prefix cache (:mod:`stagewise.engine.prefix_cache`): an admitted request's
+        prefill starts after its cached tokens, and the queue's head waits while a prefill in
+        flight computes the blocks it would find."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                             ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -145,7 +159,7 @@ class Scheduler:
         self.running: dict[Hashable, SeqState] = {}  # in admission order
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._busy_elsewhere = pool_busy_elsewhere or (lambda: False)
-        self._cached = cached
+        self._prefix = prefix
 
     # ---- requests ------------------------------------------------------------
 
@@ -212,6 +226,8 @@ class Scheduler:
         admit = len(self._free_rows) if new_rows is None else min(new_rows, len(self._free_rows))
         while self.waiting and admit > 0 and budget > 0:
             seq = self.waiting[0]
+            if self._prefix is not None and self._prefix.waits(seq):
+                break  # admitted after the step that computes its next blocks: then it finds them
             n = len(seq.prompt_ids)
             try:
                 self.budget.add(seq.request_id, n)
@@ -226,8 +242,8 @@ class Scheduler:
             admit -= 1
             seq.row = self._free_rows.pop()
             self.running[seq.request_id] = seq
-            if self._cached is not None:
-                seq.num_prefilled = self._cached(seq)
+            if self._prefix is not None:
+                seq.num_prefilled = self._prefix.lookup(seq)
             budget -= self._chunk(step, seq, budget)
         return step
 
@@ -248,7 +264,7 @@ class GroupedScheduler:
     The ``max_num_seqs`` rows are dealt out to the groups as evenly as possible."""
 
     def __init__(self, budget: KVBudget, *, num_groups: int, max_num_seqs: int, max_model_len: int,
-                 max_prefill_tokens: int = 8192, cached: Callable[[SeqState], int] | None = None) -> None:
+                 max_prefill_tokens: int = 8192, prefix: PrefixLookup | None = None) -> None:
         if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
             raise ValueError(f"GroupedScheduler: num_groups must be an int >= 1, got {num_groups!r}")
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -261,7 +277,7 @@ class GroupedScheduler:
         for g in range(num_groups):
             self.groups.append(Scheduler(budget, max_num_seqs=base + (g < extra), max_model_len=max_model_len,
                                          max_prefill_tokens=max_prefill_tokens,
-                                         pool_busy_elsewhere=lambda g=g: self._busy_besides(g), cached=cached))
+                                         pool_busy_elsewhere=lambda g=g: self._busy_besides(g), prefix=prefix))
         self._owner: dict[Hashable, int] = {}
 
     def _busy_besides(self, group: int) -> bool:

@@ -72,6 +72,13 @@ class PrefixIndex:
     def lookup(self, hashes: Sequence[bytes], num_tokens: int) -> list[int]:
         """The blocks of the longest cached chain of ``hashes`` that leaves at least the last of
         ``num_tokens`` prompt tokens to compute (its logits are needed)."""
+        found = self.chain(hashes, num_tokens)
+        self.stats.queried_tokens += num_tokens
+        self.stats.hit_tokens += len(found) * self.tokens_per_block
+        return found
+
+    def chain(self, hashes: Sequence[bytes], num_tokens: int) -> list[int]:
+        """:meth:`lookup`'s blocks, not counted in the statistics (a probe)."""
         limit = min(len(hashes), (num_tokens - 1) // self.tokens_per_block)
         found = []
         for h in hashes[:limit]:
@@ -79,8 +86,6 @@ class PrefixIndex:
             if block is None:
                 break
             found.append(block)
-        self.stats.queried_tokens += num_tokens
-        self.stats.hit_tokens += len(found) * self.tokens_per_block
         return found
 
     def register(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
