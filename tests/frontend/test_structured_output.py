@@ -116,7 +116,8 @@ def test_masks_computed_beside_the_forward_or_after_it_give_the_same_tokens(pipe
         for threads in (1, usable_cores()):
             torch.set_num_threads(threads)
             calls.clear()
-            outs[threads] = pipe.generate(PROMPTS[:2], chat=True, max_new_tokens=40, json_schema=Person.model_json_schema())
+            outs[threads] = pipe.generate(PROMPTS[:2], chat=True, max_new_tokens=40,
+                                          json_schema=Person.model_json_schema())
             assert bool(calls) == (threads < usable_cores())
     finally:
         torch.set_num_threads(before)

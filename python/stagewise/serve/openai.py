@@ -308,8 +308,8 @@ def parse_chat(body: Any, served: str, render, default_max: int, *, vision: bool
         params = dataclasses.replace(params, json_schema=schema)
     extra = _get(body, "chat_template_kwargs", (dict,), {})
     try:
-        prompt = render(tools.template_messages(messages, calling), None if calling is None else calling.template_tools(),
-                        extra)
+        shown = None if calling is None else calling.template_tools()
+        prompt = render(tools.template_messages(messages, calling), shown, extra)
     except (ValueError, KeyError, TypeError) as err:
         raise ApiError(f"the chat template cannot render these messages: {err}",
                        param="chat_template_kwargs" if "chat_template_kwargs" in str(err) else "messages") from None

@@ -120,7 +120,8 @@ def run_servers(args, servers: list[str], n: int, max_tokens: int, info: dict, l
             argv, extra_env = vllm_cpu.server_argv(python, vllm_cpu.hf_folder(ckpt.path, log=log), args.model,
                                                    _free_port(), threads)
             argv += ["--structured-outputs-config", '{"backend": "xgrammar"}']
-            server, model, free = Server("vLLM", argv, "/health", {**env, **extra_env}), args.model, {"ignore_eos": True}
+            server = Server("vLLM", argv, "/health", {**env, **extra_env})
+            model, free = args.model, {"ignore_eos": True}
             info["vllm"] = vllm_cpu.version(python)
         try:
             row = measure_server(name, server.url, model, n, max_tokens, free)
