@@ -43,8 +43,6 @@ void bitmask_rows(const TokenBitmaskParams& p, int64_t begin, int64_t end) {
   const int64_t covered = std::min(p.vocab, p.num_words * 32);
   for (int64_t r = begin; r < end; ++r) {
     const int64_t row = load_index(p.rows, p.rows_type, r);
-    TORCH_CHECK_VALUE(row >= 0 && row < p.batch, "stagewise.apply_token_bitmask: rows[", r, "] = ", row,
-                      " is not a row of logits (batch ", p.batch, ")");
     S* out = static_cast<S*>(p.logits) + row * p.logits_row_stride;
     const uint32_t* words = reinterpret_cast<const uint32_t*>(p.bitmask + r * p.num_words);
     int64_t j0 = 0;
@@ -65,6 +63,12 @@ void bitmask_rows(const TokenBitmaskParams& p, int64_t begin, int64_t end) {
 }  // namespace
 
 void apply_token_bitmask(const TokenBitmaskParams& p) {
+  // Every row index checked before any is written: a refused call changes nothing.
+  for (int64_t r = 0; r < p.num_rows; ++r) {
+    const int64_t row = load_index(p.rows, p.rows_type, r);
+    TORCH_CHECK_VALUE(row >= 0 && row < p.batch, "stagewise.apply_token_bitmask: rows[", r, "] = ", row,
+                      " is not a row of logits (batch ", p.batch, ")");
+  }
   if (p.num_rows == 0 || p.vocab == 0) return;
   dispatch_dtype(p.dtype, [&](auto tag) {
     // A row is ~vocab / 32 words: rows are the tasks.

@@ -111,6 +111,11 @@ def _merge_attn_states(dev):
     )
 
 
+def _apply_token_bitmask(dev):
+    return dict(logits=_f(T, 70, device=dev), bitmask=torch.zeros(2, 3, dtype=torch.int32, device=dev),
+                rows=_i(0, 2, device=dev))
+
+
 def _dense_linear(dev):
     return dict(out=_f(T, 6, device=dev), x=_f(T, 20, device=dev), weight=_f(6, 20, device=dev), bias=_f(6, device=dev))
 
@@ -139,6 +144,7 @@ VALID = {
     "slot_mapping": _slot_mapping,
     "decode_attention": _decode_attention,
     "merge_attn_states": _merge_attn_states,
+    "apply_token_bitmask": _apply_token_bitmask,
     "dense_linear": _dense_linear,
     "quant_linear": _quant_linear,
     "quant_linear_int8": _quant_linear_int8,
@@ -155,6 +161,7 @@ DEVICE_REF = {
     "slot_mapping": "block_tables",
     "decode_attention": "q",
     "merge_attn_states": "out_a",
+    "apply_token_bitmask": "logits",
     "dense_linear": "x",
     "quant_linear": "x",
     "quant_linear_int8": "x",
@@ -572,6 +579,23 @@ CASES = [
     _case("quant_linear_int8", ValueError, "argument 'bias' dim 0 (out_features) must be 7, got 6",
           ("shape", "out", (T, 7))),
     _case("quant_linear_int8", ValueError, "argument 'x' must have a contiguous last dim (stride 1)", ("last_dim", "x")),
+    # apply_token_bitmask(logits, bitmask, rows)
+    _case("apply_token_bitmask", TypeError, "argument 'logits' must be float32, float16 or bfloat16, got int32",
+          ("dtype", "logits", torch.int32)),
+    _case("apply_token_bitmask", TypeError, "argument 'bitmask' must be int32 (32 tokens to a word), got int64",
+          ("dtype", "bitmask", torch.int64)),
+    _case("apply_token_bitmask", TypeError, "argument 'rows' must be int32 or int64, got float32",
+          ("dtype", "rows", torch.float32)),
+    _case("apply_token_bitmask", ValueError, "argument 'logits' must have 2 dims [batch, vocab], got 1 dims with "
+          "shape [210]", ("shape", "logits", (T * 70,))),
+    _case("apply_token_bitmask", ValueError, "argument 'bitmask' must have 2 dims [num_rows, num_words], got 1 dims "
+          "with shape [2]", ("shape", "bitmask", (2,))),
+    _case("apply_token_bitmask", ValueError, "argument 'rows' dim 0 (num_rows, as in bitmask) must be 2, got 3",
+          ("shape", "rows", (3,))),
+    _case("apply_token_bitmask", ValueError, "argument 'logits' must have a contiguous last dim (stride 1)",
+          ("last_dim", "logits")),
+    _case("apply_token_bitmask", ValueError, "argument 'bitmask' must be contiguous", ("rows", "bitmask")),
+    _case("apply_token_bitmask", ValueError, "rows[1] = 3 is not a row of logits (batch 3)", ("set", "rows", torch.tensor([0, 3]))),
     # quant_pack_int8(qweight, qtype)
     _case("quant_pack_int8", TypeError, "argument 'qweight' must be uint8 (the raw GGUF blocks), got int8",
           ("dtype", "qweight", torch.int8)),

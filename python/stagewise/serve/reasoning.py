@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PARSERS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}
-"""``--reasoning-parser`` names and the tags of their thinking (both: the same rules, above)."""
+PARSERS = ("deepseek_r1", "qwen3")
+"""``--reasoning-parser`` names (vLLM's): both mark thinking with :data:`TAGS`, by the rules above."""
+TAGS = ("<think>", "</think>")
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,9 @@ class Reasoning:
 
 def reasoning_for(parser: str, prompt: str) -> Reasoning:
     """The :class:`Reasoning` of a chat whose rendered prompt is ``prompt``."""
-    start, end = PARSERS[parser]
+    if parser not in PARSERS:
+        raise ValueError(f"reasoning parser {parser!r} is not known; expected one of {', '.join(PARSERS)}")
+    start, end = TAGS
     tail = prompt.rstrip()
     return Reasoning(start, end, opened=tail.endswith(start), closed=tail.endswith(end))
 
