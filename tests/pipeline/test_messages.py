@@ -4,6 +4,8 @@ field, never half-read."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -146,3 +148,30 @@ def test_steps_that_do_not_fit_the_stage_are_refused():
 def _fields(frame: Frame) -> dict:
     return {k: getattr(frame, k) for k in ("step_kind", "step_id", "microbatch", "stage_from", "stage_to",
                                            "token_index", "rows", "tensors", "control")}
+
+
+def test_a_stage_reads_a_driver_message_that_arrives_in_parts():
+    """A large Add (a prompt with images) can reach a stage's control link over several reads. The
+    stage keeps what has come and reads the rest on a later pass: it neither fails nor drops it."""
+    from stagewise.pipeline.process import StageProcess
+    from stagewise.transport import Hello, encode_frame, tcp
+
+    hello = Hello(fingerprint="plan", stage_from=None, stage_to=0, role="driver")
+    add = messages.Add(request_id=9, prompt_ids=list(range(50_000)), params=PARAMS)
+    body = encode_frame(messages.to_frame(add))
+    record = tcp.RECORD.pack(tcp.RECORD_MARKER, len(body)) + body
+    stage = StageProcess.__new__(StageProcess)  # only its control link: no model, no process
+    with tcp.listen(hello=hello) as lis:
+        accept = threading.Thread(target=lambda: setattr(stage, "control", lis.accept(5)))
+        accept.start()
+        driver = tcp.connect(*lis.address, hello=hello, timeout=5)
+        accept.join()
+    try:
+        driver._sock.sendall(record[: len(record) // 2])  # half a record, as a slow network delivers it
+        assert stage.control.poll(5)
+        assert stage._driver_messages() == []
+        driver._sock.sendall(record[len(record) // 2:])
+        assert stage.control.poll(5) and stage._driver_messages() == [add]
+    finally:
+        driver.close()
+        stage.control.close()

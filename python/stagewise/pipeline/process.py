@@ -61,19 +61,17 @@ class StageProcess:
         self.rank = rank
         self.listen_address = parse_address(listen or self.spec.rank_listen(rank))
         self.auth_token, self.driver_timeout_s, self.rejoin_s = auth_token, driver_timeout_s, rejoin_s
-        self._beat = threading.Event()
-        self.stats = StageStats()
+        self._beat, self.stats = threading.Event(), StageStats()
         self.control: Channel | None = None
         self.links = links.DataLinks()
         self._send_lock, self._stop = threading.Lock(), threading.Event()
-        self.fingerprint, self.listener = "", None
+        self.fingerprint, self.listener, self.acceptor = "", None, None
         self._store = None  # the store of this process's torch.distributed world, when it hosts it
         self.executor: Executor | None = None
         self._comm_base = stage_setup.comm_counters(None)
         self.on_listening = None
         """Called with this object once the listener is bound (torchrun publishes the address)."""
         self.announce = print_listening
-        self.acceptor: links.Acceptor | None = None
 
     # ---- start-up ------------------------------------------------------------------
 
@@ -288,6 +286,8 @@ class StageProcess:
         while self.control.poll(0):
             try:
                 msg = messages.from_frame(self.control.recv(timeout=0))
+            except TimeoutError:  # a frame still arriving (an Add with images): the rest next time
+                break
             except ProtocolError as err:
                 self._reject(f"from the driver: {err}")
                 continue
