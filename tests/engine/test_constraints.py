@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("llguidance")
 
-from stagewise.engine.constraints import Constraint, apply_masks, grammar_text, problem, vocabulary  # noqa: E402
+from stagewise.engine.constraints import Constraint, compute_masks, grammar_text, problem, vocabulary  # noqa: E402
 from stagewise.engine.params import SamplingParams  # noqa: E402
 from stagewise.model.loader import open_checkpoint  # noqa: E402
 
@@ -33,6 +33,13 @@ def vocab():
 @pytest.fixture(scope="module")
 def tokenizer():
     return open_checkpoint("smollm2-135m").tokenizer()
+
+
+def apply_masks(logits: torch.Tensor, constraints, vocab) -> torch.Tensor:
+    """``logits`` with every constrained row's disallowed tokens at -inf (a new tensor; the given
+    one when no row is constrained), as the executor applies the masks it computed."""
+    masks = compute_masks(constraints, vocab)
+    return logits if masks is None else masks.apply(logits)
 
 
 def allowed_reference(matcher, n_vocab: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ request starting from a copy.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -275,8 +276,11 @@ def compute_masks(constraints: Sequence[Constraint | None], vocab: Vocabulary) -
     return Masks(rows, bits)
 
 
-_MASK_THREAD: list[concurrent.futures.ThreadPoolExecutor] = []
-_MASK_THREAD_LOCK = threading.Lock()
+@functools.cache
+def _mask_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """One idle thread per process that uses constraints (its worker starts with the first mask
+    and is joined at exit)."""
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="constraint-masks")
 
 
 def masks_ahead(constraints: Sequence[Constraint | None], vocab: Vocabulary) -> concurrent.futures.Future | None:
@@ -286,14 +290,4 @@ def masks_ahead(constraints: Sequence[Constraint | None], vocab: Vocabulary) -> 
     constraints must not advance until the result is taken."""
     if not any(c is not None and c.active for c in constraints):
         return None
-    with _MASK_THREAD_LOCK:
-        if not _MASK_THREAD:  # one idle thread per process that uses constraints, joined at exit
-            _MASK_THREAD.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="constraint-masks"))
-    return _MASK_THREAD[0].submit(compute_masks, list(constraints), vocab)
-
-
-def apply_masks(logits: torch.Tensor, constraints: Sequence[Constraint | None], vocab: Vocabulary) -> torch.Tensor:
-    """``logits [B, V]`` with every constrained row's disallowed tokens at -inf (a new tensor; the
-    given one, untouched, when no row is constrained): :func:`compute_masks`, applied."""
-    masks = compute_masks(constraints, vocab)
-    return logits if masks is None else masks.apply(logits)
+    return _mask_thread().submit(compute_masks, list(constraints), vocab)

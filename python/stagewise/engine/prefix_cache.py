@@ -24,6 +24,7 @@ window moves; a hit would need the window's blocks, not the prefix's).
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Callable, Hashable
 
 from stagewise.engine.images import VisionRequest
@@ -47,6 +48,9 @@ class PrefixCaching:
         """Per live request: blocks already registered."""
         self._queued: dict[Hashable, list[bytes]] = {}
         """The prompt identities of a request that :meth:`waits` held back, until it is admitted."""
+        self._pending: Counter[bytes] = Counter()
+        """The identities of live requests' blocks not yet registered (each request's ``_hashes``
+        past its ``_named``), counted: what :meth:`waits` looks for."""
 
     @property
     def stats(self) -> PrefixStats:
@@ -80,8 +84,7 @@ class PrefixCaching:
         hit = len(self.index.chain(mine, len(seq.prompt_ids)))
         if hit >= min(len(mine), (len(seq.prompt_ids) - 1) // self.tokens_per_block):
             return False  # nothing more it could find
-        want = mine[hit]
-        return any(want in hashes[self._named.get(rid, 0):] for rid, hashes in self._hashes.items())
+        return mine[hit] in self._pending
 
     def written(self, seq: SeqState, end: int) -> None:
         """The KV of the request's positions ``[0, end)`` is written on every stage."""
@@ -92,11 +95,12 @@ class PrefixCaching:
         hashes = self._identities(seq, tokens[:end])
         self.index.register(self.manager.block_ids(seq.request_id)[named:full], hashes[named:full])
         self._named[seq.request_id] = full
+        self._registered(hashes[named:full])
 
     def forget(self, request_id: Hashable) -> None:
         """The request ended (its blocks stay in the pool, cached, for as long as it keeps them)."""
-        self._hashes.pop(request_id, None)
-        self._named.pop(request_id, None)
+        hashes, named = self._hashes.pop(request_id, []), self._named.pop(request_id, 0)
+        self._registered(hashes[named:])
         self._queued.pop(request_id, None)
 
     def reset(self) -> int:
@@ -104,6 +108,7 @@ class PrefixCaching:
         n = len(self.index)
         self.index.clear()
         self._named.clear()
+        self._pending = Counter(h for hashes in self._hashes.values() for h in hashes)
         return n
 
     def out_of_step(self) -> None:
@@ -118,8 +123,18 @@ class PrefixCaching:
 
     def _identities(self, seq: SeqState, tokens: list[int]) -> list[bytes]:
         known = self._hashes.setdefault(seq.request_id, [])
-        vision = self._vision(seq.request_id)
-        return block_hashes(tokens, self.tokens_per_block, known, None if vision is None else image_bytes(vision))
+        vision, before = self._vision(seq.request_id), len(known)
+        block_hashes(tokens, self.tokens_per_block, known, None if vision is None else image_bytes(vision))
+        self._pending.update(known[before:])
+        return known
+
+    def _registered(self, identities: list[bytes]) -> None:
+        """Take blocks off :attr:`_pending` (registered, or their request ended)."""
+        for h in identities:
+            if (left := self._pending[h] - 1) > 0:
+                self._pending[h] = left
+            else:
+                self._pending.pop(h, None)
 
 
 def image_bytes(vision: VisionRequest) -> Callable[[int, int], bytes]:
