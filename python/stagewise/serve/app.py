@@ -42,7 +42,7 @@ from stagewise.serve.loop import Busy, ServeLoop, Sink, Unavailable
 from stagewise.serve.media import MediaLimits, read_image_url
 from stagewise.serve.metrics import ServerMetrics
 from stagewise.serve.reasoning import ReasoningStream, split
-from stagewise.serve.tools import ToolStream
+from stagewise.serve.tool_stream import ToolStream
 
 RETRY_AFTER_S = 1
 
@@ -293,13 +293,15 @@ def _check_prompt(pipe, ids: list[int], req: openai.ApiRequest) -> None:
 
 
 def _choice(req: openai.ApiRequest, text: str, lps, piece, finish: str | None, offset: int = 0,
-            first: bool = False, reasoning: str = "") -> dict:
+            first: bool = False, reasoning: str = "", calls: list | None = None) -> dict:
     if req.chat:
         delta = {"role": "assistant"} if first else {}
         if reasoning:
             delta["reasoning_content"] = reasoning
-        if text or not reasoning:
+        if text or not (reasoning or calls):
             delta["content"] = text
+        if calls:
+            delta["tool_calls"] = calls
         choice = {"index": 0, "delta": delta}
         if req.logprobs is not None:
             choice["logprobs"] = openai.chat_logprobs(lps, piece)
@@ -324,10 +326,11 @@ async def _events(loop: ServeLoop, rid: int, stream: _Stream, req, name: str, mo
             kind, a, b = await stream.queue.get()
             if kind == "text":
                 r, a = think.feed(a) if think is not None else ("", a)
-                a = a if calls is None else calls.feed(a)
-                if not a and not r and not b:
+                a, found = (a, []) if calls is None else calls.feed(a)
+                if not a and not r and not b and not found:
                     continue
-                yield _sse(openai.body(req, name, model, _choice(req, a, b, piece, None, offset, first, r), None, True))
+                yield _sse(openai.body(req, name, model, _choice(req, a, b, piece, None, offset, first, r, found),
+                                       None, True))
                 offset, first = offset + len(a), False
                 continue
             done = True
@@ -338,14 +341,14 @@ async def _events(loop: ServeLoop, rid: int, stream: _Stream, req, name: str, mo
             r, tail = think.finish() if think is not None else ("", "")
             found = []
             if calls is not None and result.finish_reason != "error":
-                tail = calls.feed(tail)
-                more, found = calls.finish()
-                tail += more
+                tail, found = calls.feed(tail)
+                more, rest = calls.finish()
+                tail, found = tail + more, found + rest
+                finish = "tool_calls" if (calls.called or found) and finish == "stop" else finish
             if tail or found or r:
-                chunk = _choice(req, tail, [], piece, None, offset, first, r)
-                chunk["delta"].update({"tool_calls": [{"index": i, **c} for i, c in enumerate(found)]} if found else {})
-                yield _sse(openai.body(req, name, model, chunk, None, True))
-                first, finish = False, "tool_calls" if found and finish == "stop" else finish
+                yield _sse(openai.body(req, name, model, _choice(req, tail, [], piece, None, offset, first, r, found),
+                                       None, True))
+                first = False
             yield _sse(openai.body(req, name, model, _choice(req, "", [], piece, finish, offset, first), None, True))
             if req.include_usage:
                 yield _sse(openai.body(req, name, model, {}, openai.usage(prompt_len, len(result.token_ids),

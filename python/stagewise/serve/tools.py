@@ -20,9 +20,11 @@
 
 - ``"none"``: the tools are not shown to the model and nothing is parsed.
 
-A parsed call goes out as OpenAI's ``tool_calls`` (streamed as ``delta.tool_calls``, the call
-whole in one chunk once the output ends) with ``finish_reason: "tool_calls"``; text outside the
-calls is the message's ``content``.
+A parsed call goes out as OpenAI's ``tool_calls`` with ``finish_reason: "tool_calls"``; text
+outside the calls is the message's ``content``. A call's ``arguments`` is the text the model
+wrote for them (a value written as a JSON string: that string), so a streamed answer
+(:mod:`stagewise.serve.tool_stream`, which finds calls as they are written with
+:class:`CallScanner`) sends the same text in pieces.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from stagewise.engine.params import json_object
@@ -90,13 +92,15 @@ class ToolCalling:
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
         """The output's content (None when it is only calls) and its calls, OpenAI's shape."""
         if self.choice == "named":
-            return None, [_call(self.named, text)]
+            return None, [_call(self.named, text.strip())]
         if self.choice == "required":
             try:
                 items = json.loads(text)
             except ValueError:
                 return text, []  # cut off by max_tokens: no valid call
-            return None, [_call(i["name"], i["arguments"]) for i in items]
+            raws = scan_calls(text, 2)
+            return None, [_call(i["name"], i["arguments"], raws[k].arguments if k < len(raws) else None)
+                          for k, i in enumerate(items)]
         if self.choice == "none":
             return text, []
         return _parse_auto(text, self.family, {t["name"] for t in self.tools})
@@ -193,9 +197,24 @@ def _as_object(arguments: Any) -> Any:
     return arguments
 
 
-def _call(name: str, arguments: Any) -> dict:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": {"name": name, "arguments": text}}
+def call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+def _call(name: str, arguments: Any, written: str | None = None) -> dict:
+    """OpenAI's call; its arguments are the text the model ``written`` when that text holds them."""
+    if written is not None and (written == arguments if isinstance(arguments, str) else _holds(written, arguments)):
+        text = written
+    else:
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": text}}
+
+
+def _holds(text: str, value: Any) -> bool:
+    try:
+        return json.loads(text) == value
+    except ValueError:
+        return False
 
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -210,7 +229,7 @@ def _parse_auto(text: str, family: str, names: set[str]) -> tuple[str | None, li
             obj = json_object(found.group(1))
             if obj is None or obj.get("name") not in names:
                 return text, []
-            calls.append(_call(obj["name"], obj.get("arguments", {})))
+            calls.append(_call(obj["name"], obj.get("arguments", {}), _written(found.group(1))))
             rest = rest.replace(found.group(0), "", 1)
         return (rest.strip() or None) if calls else text, calls
     body = text.strip().removeprefix("<|python_tag|>").strip()
@@ -220,49 +239,134 @@ def _parse_auto(text: str, family: str, names: set[str]) -> tuple[str | None, li
         obj = json_object(part)
         if obj is None or obj.get("name") not in names:
             return text, []
-        calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
+        calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {})), _written(part)))
     return None, calls
 
 
-class ToolStream:
-    """A streamed answer with tools: text goes out as it comes until it may be a call (the family's
-    marker begins); from there it is held until the end, when :meth:`finish` parses it."""
+def _written(text: str) -> str | None:
+    found = scan_calls(text, 1)
+    return found[0].arguments if len(found) == 1 else None
 
-    def __init__(self, calling: ToolCalling) -> None:
-        self.calling, self.text, self.sent = calling, "", 0
-        self.holding = calling.choice in ("required", "named")
 
-    def feed(self, delta: str) -> str:
-        """What of the output so far may go out now."""
-        self.text += delta
-        if self.calling.choice == "none":
-            return self._release(len(self.text))
-        if self.holding:
-            return ""
-        marker = "<tool_call>" if self.calling.family == "hermes" else None
-        if marker is None:  # a call is the whole output: hold while it may begin with one
-            head = self.text.lstrip()
-            if head[:1] in ("{", "<") or not head:
-                self.holding = bool(head)
-                return ""
-            return self._release(len(self.text))
-        at = self.text.find(marker, self.sent)
-        if at >= 0:
-            self.holding = True
-            return self._release(at)
-        keep = next((k for k in range(min(len(marker) - 1, len(self.text) - self.sent), 0, -1)
-                     if self.text.endswith(marker[:k])), 0)  # a marker's beginning stays until it is told
-        return self._release(len(self.text) - keep)
+def scan_calls(text: str, depth: int) -> list[FoundCall]:
+    """The calls of a whole text (:class:`CallScanner`) that have a name."""
+    scanner = CallScanner(depth)
+    scanner.feed(text)
+    return [c for c in scanner.calls if c.name is not None]
 
-    def _release(self, end: int) -> str:
-        out, self.sent = self.text[self.sent:end], max(self.sent, end)
-        return out
 
-    def finish(self) -> tuple[str, list[dict]]:
-        """The content not yet sent and the calls, once the output ended."""
-        if self.calling.choice == "none":
-            return self._release(len(self.text)), []
-        content, calls = self.calling.parse(self.text[self.sent:] if self.sent else self.text)
-        if not calls:
-            return self._release(len(self.text)), []
-        return content or "", calls
+ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+@dataclass
+class FoundCall:
+    """A call object :class:`CallScanner` has read (all or part of)."""
+
+    name: str | None = None
+    """Its ``"name"`` once the string is whole (None before, or if it is not a string)."""
+    raw: list[str] = field(default_factory=list)
+    """The characters of its arguments' value, as written."""
+    started: bool = False
+    quoted: bool = False
+    """The arguments are written as a JSON string (the call's arguments are that string's text)."""
+    done: bool = False
+
+    @property
+    def arguments(self) -> str | None:
+        """The arguments' text once the value is whole (None before, or if it is not valid)."""
+        if not self.done:
+            return None
+        text = "".join(self.raw).strip()
+        if not self.quoted:
+            return text
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        return value if isinstance(value, str) else None
+
+    def ready(self) -> str:
+        """The arguments' text that may go out now: always a beginning of :attr:`arguments`."""
+        if self.done:
+            return self.arguments or ""
+        return "" if self.quoted else "".join(self.raw).rstrip()
+
+
+class CallScanner:
+    """The calls in JSON text as it arrives, one character after the other. A call is an object
+    ``depth`` levels down (1: top-level objects, with any text between them skipped, as a
+    ``<tool_call>`` marker; 2: the objects of a top-level array) with a string ``"name"`` and an
+    ``"arguments"`` (or ``"parameters"``) value, read as written."""
+
+    def __init__(self, depth: int) -> None:
+        self.calls: list[FoundCall] = []
+        self._at, self._depth, self._object = depth, 0, False
+        self._in_str = self._esc = self._arg_start = False
+        self._expect = "key"  # at the calls' depth: key, keystr, colon, value, after
+        self._key: str | None = None
+        self._buf: list[str] | None = None  # a key or a name being read
+        self._args: FoundCall | None = None  # the call whose arguments are being read
+
+    def feed(self, text: str) -> None:
+        for ch in text:
+            if self._in_str:
+                self._string_char(ch)
+                continue
+            if self._arg_start:
+                if ch.isspace():
+                    continue
+                self._arg_start, self._args = False, self.calls[-1]
+                self._args.quoted = ch == '"'
+            d = self._depth
+            if self._args is not None:
+                if d == self._at and ch in ",}]":
+                    self._args.done, self._args = True, None
+                else:
+                    self._args.raw.append(ch)
+            if d == self._at and self._object and self._expect == "value" and not ch.isspace():
+                self._expect = "after"
+                if ch == '"' and self._key == "name":
+                    self._buf = []
+            if ch == '"':
+                if d:  # between top-level values, text is skipped
+                    self._in_str = True
+                    if d == self._at and self._object and self._expect == "key":
+                        self._buf, self._expect = [], "keystr"
+            elif ch in "{[":
+                self._depth += 1
+                if self._depth == self._at:
+                    self._object, self._expect = ch == "{", "key"
+                    if self._object:
+                        self.calls.append(FoundCall())
+            elif ch in "}]":
+                self._depth = max(0, d - 1)
+            elif d == self._at and self._object:
+                if ch == ":" and self._expect == "colon":
+                    self._expect = "value"
+                    if self._key in ARGUMENT_KEYS and not self.calls[-1].started:
+                        self.calls[-1].started = self._arg_start = True
+                elif ch == ",":
+                    self._expect = "key"
+
+    def _string_char(self, ch: str) -> None:
+        if self._buf is not None:
+            self._buf.append(ch)
+        if self._args is not None:
+            self._args.raw.append(ch)
+        if self._esc:
+            self._esc = False
+        elif ch == "\\":
+            self._esc = True
+        elif ch == '"':
+            self._in_str = False
+            if self._buf is None:
+                return
+            try:
+                value = json.loads('"' + "".join(self._buf))
+            except ValueError:
+                value = None
+            self._buf = None
+            if self._expect == "keystr":
+                self._key, self._expect = value, "colon"
+            elif isinstance(value, str):
+                self.calls[-1].name = value
