@@ -1,11 +1,14 @@
 """Fixtures every test gets: the device parameter (:data:`helpers.kernels.DEVICES`), per-test
-seeding; and, at the end of a run, the list of documentation examples that did not run.
+seeding; and, at the end of a run, the list of documentation examples that did not run. A run
+started in the background of a shell inherits Ctrl-C ignored, and so would the processes the
+Ctrl-C tests start: the default handler is put back first.
 
 Shared helpers live in the ``helpers`` package beside this file (``from helpers.kernels import
 assert_close``); pytest puts this folder on ``sys.path`` because this file is here."""
 
 from __future__ import annotations
 
+import signal
 import zlib
 
 import pytest
@@ -13,6 +16,9 @@ import torch
 
 import stagewise.ops  # noqa: F401  (registers torch.ops.stagewise)
 from helpers.kernels import DEVICES
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(params=DEVICES)
