@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from stagewise.engine.constraints import Constraint, Vocabulary, compute_masks, masks_ahead, vocabulary
+from stagewise.engine.constraints import Constraint, MaskBuffer, Vocabulary, compute_masks, masks_ahead, vocabulary
 from stagewise.engine.handoff import KVHandoff, KVShard, read_kv, split_handoff, write_kv
 from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.engine.sampling import History, Sampler, make_generator, token_logprobs
@@ -118,6 +118,7 @@ class Executor:
         self.sampler = Sampler()
         self._sampling: dict[Hashable, _Sampling] = {}
         self._vocab: Vocabulary | None = None
+        self._mask_buffer: MaskBuffer | None = None
 
     @property
     def is_first(self) -> bool:
@@ -189,7 +190,7 @@ class Executor:
                 self.mirror.run(batch)
             entries = [self._sampling[rid] for rid in batch.sampled_ids()] if self.is_last and self.leads else []
             if any(e.constraint is not None for e in entries) and self._spare_core():
-                ahead = masks_ahead([e.constraint for e in entries], self._vocabulary())
+                ahead = masks_ahead([e.constraint for e in entries], self._vocabulary(), self._masks())
             try:
                 out = self.model(batch, self.kv_cache, metas)
             except Exception as err:
@@ -236,7 +237,7 @@ class Executor:
         if ahead is not None:
             masks = ahead.result()
         else:
-            masks = compute_masks([e.constraint for e in entries], self._vocabulary()) \
+            masks = compute_masks([e.constraint for e in entries], self._vocabulary(), self._masks()) \
                 if any(e.constraint is not None for e in entries) else None
         wants_logprobs = any(p.logprobs is not None for p in params)  # they are read from the unmasked logits
         allowed = logits if masks is None else masks.apply(logits, in_place=not wants_logprobs)
@@ -272,6 +273,11 @@ class Executor:
             self._vocab = vocabulary(("checkpoint", str(source)), lambda: open_checkpoint(source).tokenizer(),
                                      cfg.vocab_size, cfg.eos_token_ids)
         return self._vocab
+
+    def _masks(self) -> MaskBuffer:
+        if self._mask_buffer is None:
+            self._mask_buffer = MaskBuffer(self._vocabulary().mask_words)
+        return self._mask_buffer
 
     def _constraint(self, rid: Hashable, params: SamplingParams, output_ids=()) -> Constraint | None:
         return Constraint(self._vocabulary(), params, rid, output_ids) if params.constrained else None
