@@ -25,6 +25,8 @@ def test_a_tiny_run(tmp_path):
     assert ll["coverage"]["$ref / $defs"] and not ll["coverage"]["uniqueItems"]
     assert [r["batch"] for r in data["decode"]] == [1, 2]
     assert all(r["tpot_free_s"] > 0 and r["tpot_json_schema_s"] > 0 for r in data["decode"])
+    # The steps' own time on masks: some, and less than the whole constrained step.
+    assert all(0 < r["constraint_step_s"] < r["tpot_json_schema_s"] for r in data["decode"])
     [ours] = data["servers"]
     assert ours["server"] == "stagewise" and ours["valid"] == ours["requests"] == 2
     assert ours["tpot_free_s"] > 0 and ours["tpot_held_s"] > 0 and ours["first_held_ttft_s"] > 0

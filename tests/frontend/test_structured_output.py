@@ -156,9 +156,16 @@ def _fields(params: SamplingParams) -> dict:
 def test_two_stages_give_the_tokens_of_one_process(pipe):
     schema = Person.model_json_schema()
     want = pipe.generate(PROMPTS[:2], chat=True, max_new_tokens=80, json_schema=schema)
+    assert 0 < pipe.last_stats["constraint_s"] < pipe.last_stats["wall_s"]
     with Pipeline("smollm2-135m", stages=2) as two:
         got = two.generate(PROMPTS[:2], chat=True, max_new_tokens=80, json_schema=schema)
+        first, last = two.last_stats["stages"]  # the last stage holds the constraints, inside its busy time
+        assert first["constraint_s"] == 0 and 0 < last["constraint_s"] < last["busy_s"]
+        two.generate(PROMPTS[:1], max_new_tokens=4)
+        assert two.last_stats["stages"][1]["constraint_s"] == 0  # counted afresh each call: none held
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    pipe.generate(PROMPTS[:1], max_new_tokens=4)
+    assert pipe.last_stats["constraint_s"] == 0
 
 
 @pytest.mark.parametrize("fields, message", [

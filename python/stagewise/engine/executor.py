@@ -20,6 +20,7 @@ stage continues it exactly.
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -119,6 +120,9 @@ class Executor:
         self._sampling: dict[Hashable, _Sampling] = {}
         self._vocab: Vocabulary | None = None
         self._mask_buffer: MaskBuffer | None = None
+        self.constraint_s = 0.0
+        """Seconds this rank's steps spent on structured output: waiting for or computing the
+        masks, applying them, advancing the constraints (the last stage's leader)."""
 
     @property
     def is_first(self) -> bool:
@@ -234,23 +238,29 @@ class Executor:
         if not entries:  # only chunks that more of their prompts follow
             return Sampled(tokens=torch.zeros(0, dtype=torch.int64, device=logits.device))
         params = [e.params for e in entries]
+        held = any(e.constraint is not None for e in entries)
+        start = time.perf_counter() if held else 0.0
         if ahead is not None:
             masks = ahead.result()
         else:
-            masks = compute_masks([e.constraint for e in entries], self._vocabulary(), self._masks()) \
-                if any(e.constraint is not None for e in entries) else None
+            masks = compute_masks([e.constraint for e in entries], self._vocabulary(), self._masks()) if held else None
         wants_logprobs = any(p.logprobs is not None for p in params)  # they are read from the unmasked logits
         allowed = logits if masks is None else masks.apply(logits, in_place=not wants_logprobs)
+        if held:
+            self.constraint_s += time.perf_counter() - start
         tokens = self.sampler.sample(allowed, params, [e.generator for e in entries], [e.history for e in entries])
         logprobs = None
         if wants_logprobs:
             logprobs = token_logprobs(logits, tokens, [p.logprobs for p in params])
-        if any(e.history is not None or e.constraint is not None for e in entries):
+        if held or any(e.history is not None for e in entries):
+            start = time.perf_counter()
             for e, token in zip(entries, tokens.tolist()):
                 if e.history is not None:
                     e.history.append(token)
                 if e.constraint is not None:
                     e.constraint.consume([token])
+            if held:
+                self.constraint_s += time.perf_counter() - start
         return Sampled(tokens=tokens, logprobs=logprobs)
 
     def _spare_core(self) -> bool:

@@ -39,6 +39,11 @@ class LocalBackend:
         ended, self._ended = self._ended, []
         return ended + self.engine.step()
 
+    @property
+    def constraint_s(self) -> float:
+        """Seconds the engine's steps spent on structured output (the executor's count)."""
+        return self.engine.executor.constraint_s
+
     def take_tokens(self) -> list[tuple[int, int, TokenLogprobs | None]]:
         return self.engine.take_tokens()
 

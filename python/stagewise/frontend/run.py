@@ -115,6 +115,9 @@ class Run:
                  on_done: Callable[[int, Completion], None] | None = None) -> None:
         self.backend, self.streams, self.on_text, self.on_done = backend, streams, on_text, on_done
         self.start = time.perf_counter()
+        self._held_from = getattr(backend, "constraint_s", None)
+        """The engine's structured-output seconds at the start, when it runs in this process (a
+        pipeline's stages report theirs: ``Pipeline.stage_stats``)."""
         self.results: dict[int, Completion] = {}
         """prompt index -> its result."""
         self._index: dict[int, int] = {}
@@ -251,15 +254,19 @@ class Run:
                 pass
 
     def stats(self) -> dict[str, Any]:
-        """Timings of the call; decode time runs from the first token to the end."""
+        """Timings of the call; decode time runs from the first token to the end. With the engine
+        in this process, also ``constraint_s``: its steps' time on structured output."""
         end = time.perf_counter()
         firsts = [f for _, f in self._ended.values() if f is not None]
         first = min(firsts, default=end)
         decode_tokens = sum(max(n - 1, 0) for n, _ in self._ended.values())
         decode_s = end - first
         prefill = sum(len(self._prompts[rid]) for rid, (_, f) in self._ended.items() if f is not None)
-        return {"wall_s": end - self.start, "prefill_tokens": prefill, "decode_tokens": decode_tokens,
-                "ttft_s": first - self.start,
-                "mean_ttft_s": sum(f - self.start for f in firsts) / len(firsts) if firsts else 0.0,
-                "decode_s": decode_s,
-                "decode_tokens_per_s": decode_tokens / decode_s if decode_tokens and decode_s > 0 else 0.0}
+        out = {"wall_s": end - self.start, "prefill_tokens": prefill, "decode_tokens": decode_tokens,
+               "ttft_s": first - self.start,
+               "mean_ttft_s": sum(f - self.start for f in firsts) / len(firsts) if firsts else 0.0,
+               "decode_s": decode_s,
+               "decode_tokens_per_s": decode_tokens / decode_s if decode_tokens and decode_s > 0 else 0.0}
+        if self._held_from is not None:  # inside the steps: masks, applying them, advancing constraints
+            out["constraint_s"] = self.backend.constraint_s - self._held_from
+        return out

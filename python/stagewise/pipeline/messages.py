@@ -206,6 +206,9 @@ class Stats:
     fanout_s: float = 0.0
     """The leader's time handing steps to the stage's other ranks, inside ``busy_s``."""
     fanout_bytes: int = 0
+    constraint_s: float = 0.0
+    """The leader's time on structured output (masks, applying them, advancing the constraints),
+    inside ``busy_s``: the last stage's."""
     kv_blocks: int = 0
     """Full-attention KV blocks each rank of the stage allocated (its sliding-window pools beside)."""
     kv_block_bytes: int = 0

@@ -68,7 +68,7 @@ class StageProcess:
         self.fingerprint, self.listener, self.acceptor = "", None, None
         self._store = None  # the store of this process's torch.distributed world, when it hosts it
         self.executor: Executor | None = None
-        self._comm_base = stage_setup.comm_counters(None)
+        self._counters_base = stage_setup.step_counters(None)
         self.on_listening = None
         """Called with this object once the listener is bound (torchrun publishes the address)."""
         self.announce = print_listening
@@ -170,7 +170,7 @@ class StageProcess:
                                             interleave_size=self.plan.interleave_size,
                                             max_num_seqs=self.plan.max_num_seqs)
         self.stats.reset()  # and the collectives' counters (its world's outlive a rejoin): from here
-        self._comm_base = stage_setup.comm_counters(executor)
+        self._counters_base = stage_setup.step_counters(executor)
         if self.rank > 0:
             self._serve_follower(executor, acceptor, max_model_len, device)
             raise _Shutdown()
@@ -242,9 +242,9 @@ class StageProcess:
 
     def _stats_report(self, trace: bool) -> messages.Stats:
         report = self.stats.report(self.index, (self.spec.start_layer, self.spec.end_layer), trace=trace)
-        now = stage_setup.comm_counters(self.executor)
-        (report.collective_s, report.collective_bytes, report.collective_calls, report.fanout_s,
-         report.fanout_bytes) = (a - b for a, b in zip(now, self._comm_base))
+        now = stage_setup.step_counters(self.executor)
+        (report.collective_s, report.collective_bytes, report.collective_calls, report.fanout_s, report.fanout_bytes,
+         report.constraint_s) = (a - b for a, b in zip(now, self._counters_base))
         report.ranks = self.ranks.size
         if self.executor is not None:
             report.kv_blocks = self.executor.num_blocks
@@ -297,7 +297,7 @@ class StageProcess:
                 self.tell_driver(self._stats_report(msg.trace))
                 if msg.reset:
                     self.stats.reset()
-                    self._comm_base = stage_setup.comm_counters(self.executor)
+                    self._counters_base = stage_setup.step_counters(self.executor)
             elif isinstance(msg, (Add, Cancel, messages.ResetPrefixCache)):
                 out.append(msg)
         return out

@@ -77,14 +77,14 @@ def ring_size(plan: RunPlan, index: int, hidden_size: int, dtype: torch.dtype, m
     return min(max(need, 1 << 20), 32 << 20), 2 * s + 2
 
 
-def comm_counters(executor) -> tuple[float, int, int, float, int]:
-    """(collective seconds, bytes, calls, fan-out seconds, bytes) of a stage rank's ``executor``
-    so far (zeros before it has one)."""
+def step_counters(executor) -> tuple[float, int, int, float, int, float]:
+    """(collective seconds, bytes, calls, fan-out seconds, bytes, constraint seconds) of a stage
+    rank's ``executor`` so far (zeros before it has one)."""
     if executor is None:
-        return (0.0, 0, 0, 0.0, 0)
+        return (0.0, 0, 0, 0.0, 0, 0.0)
     g = executor.model.groups
     groups = list({id(x): x for x in (g.tp, g.dcp, g.pcp)}.values())
     mirror = executor.mirror
     return (sum(getattr(x, "seconds", 0.0) for x in groups), sum(getattr(x, "bytes", 0) for x in groups),
             sum(getattr(x, "calls", 0) for x in groups), getattr(mirror, "seconds", 0.0),
-            getattr(mirror, "bytes", 0))
+            getattr(mirror, "bytes", 0), executor.constraint_s)
