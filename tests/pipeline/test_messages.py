@@ -175,3 +175,42 @@ def test_a_stage_reads_a_driver_message_that_arrives_in_parts():
     finally:
         driver.close()
         stage.control.close()
+
+
+def test_an_add_stage_0_cannot_read_ends_its_request_with_the_error():
+    """A driver of another version (or a corrupted frame) sends an Add this stage refuses: the
+    request ends with an error naming the field, so the driver does not wait for it forever; a
+    refused frame that names no request is only counted."""
+    from stagewise.pipeline.process import StageProcess
+    from stagewise.pipeline.roles import Head, StageStats
+    from stagewise.transport import Hello, tcp
+
+    bad = messages.to_frame(messages.Add(request_id=41, prompt_ids=[1, 2], params=PARAMS))
+    bad.control["params"]["top_k"] = "many"
+    anonymous = messages.to_frame(messages.Cancel(request_id=3))
+    anonymous.control.pop("request_id")
+    hello = Hello(fingerprint="plan", stage_from=None, stage_to=0, role="driver")
+    stage = StageProcess.__new__(StageProcess)
+    stage.stats, stage.index = StageStats(), 0
+    with tcp.listen(hello=hello) as lis:
+        accept = threading.Thread(target=lambda: setattr(stage, "control", lis.accept(5)))
+        accept.start()
+        driver = tcp.connect(*lis.address, hello=hello, timeout=5)
+        accept.join()
+    try:
+        driver.send(bad)
+        driver.send(anonymous)
+        assert stage.control.poll(5)
+        got = []
+        while len(got) < 1 or stage.control.poll(0.2):
+            got += stage._driver_messages()
+        [ended] = got
+        assert (ended.request_id, ended.finish_reason) == (41, "error") and "top_k" in ended.error
+        assert stage.stats.rejected_frames == 2
+        head = Head.__new__(Head)
+        head._events = messages.Events()  # a head without an engine: only its events
+        head.on_message(ended)
+        assert head._events.done == [ended]
+    finally:
+        driver.close()
+        stage.control.close()

@@ -254,6 +254,17 @@ def from_frame(frame: Frame) -> Message:
     return msg
 
 
+def refused_request(frame: Frame, err: ProtocolError) -> Result | None:
+    """The error result of the request an Add that :func:`from_frame` refused names (None when
+    the frame names none): the request ends with ``err`` instead of never."""
+    body = frame.control
+    rid = body.get("request_id") if isinstance(body, dict) and body.get("op") == Op.ADD.value else None
+    if isinstance(rid, bool) or not isinstance(rid, int):
+        return None
+    return Result(request_id=rid, token_ids=[], finish_reason="error",
+                  error=f"stage 0 could not read the request: {err}")
+
+
 def _plain(value):
     """A message field as JSON: dataclasses as objects, tuples as lists."""
     if dataclasses.is_dataclass(value):

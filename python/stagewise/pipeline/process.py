@@ -28,7 +28,6 @@ import time
 import torch
 
 from stagewise import startup_gc
-from stagewise.engine.engine import Engine
 from stagewise.engine.executor import Executor, model_dtype
 from stagewise.parallel.groups import host_world_store, join_stage_groups, spans_run
 from stagewise.parallel.runplan import RunPlan, parse_address
@@ -193,10 +192,7 @@ class StageProcess:
             self.links.fanout = executor.mirror
         self.tell_driver(Connected(stage=self.index))
         if self.index == 0:
-            engine = Engine(executor, max_num_seqs=self.plan.max_num_seqs, num_groups=setup.microbatches,
-                            max_prefill_tokens=self.plan.max_prefill_tokens, prefix_cache=self.plan.prefix_cache,
-                            tpot_target_s=None if self.plan.tpot_target_ms is None else self.plan.tpot_target_ms / 1e3)
-            self._serve_head(Head(engine, stats=self.stats))
+            self._serve_head(Head(stage_setup.head_engine(executor, self.plan, setup), stats=self.stats))
         else:
             self._serve_worker(Worker(executor, index=self.index, num_stages=self.plan.num_stages, stats=self.stats))
 
@@ -280,16 +276,20 @@ class StageProcess:
         except Exception:  # noqa: BLE001 - the driver notices the exit anyway
             pass
 
-    def _driver_messages(self) -> list[Add | Cancel | messages.ResetPrefixCache]:
+    def _driver_messages(self) -> list[Add | Cancel | messages.ResetPrefixCache | messages.Result]:
         """The driver's messages waiting now; answers stats requests, raises _Shutdown."""
         out = []
         while self.control.poll(0):
             try:
-                msg = messages.from_frame(self.control.recv(timeout=0))
+                frame = self.control.recv(timeout=0)
             except TimeoutError:  # a frame still arriving (an Add with images): the rest next time
                 break
+            try:
+                msg = messages.from_frame(frame)
             except ProtocolError as err:
                 self._reject(f"from the driver: {err}")
+                if (ended := messages.refused_request(frame, err)) is not None:
+                    out.append(ended)  # its request ends with the error: the driver does not wait for it
                 continue
             if isinstance(msg, Shutdown):
                 raise _Shutdown()

@@ -93,10 +93,12 @@ class Head:
         """A step is in flight or a request waits to run."""
         return bool(self.engine.inflight) or self.engine.has_unfinished()
 
-    def on_message(self, msg: Add | Cancel | ResetPrefixCache) -> None:
-        """A request to add or cancel (problems become that request's error result), or a reset of
-        the prefix cache."""
-        if isinstance(msg, Add):
+    def on_message(self, msg: Add | Cancel | ResetPrefixCache | Result) -> None:
+        """A request to add or cancel (problems become that request's error result), a reset of
+        the prefix cache, or the result of a request that could not be read (it ends so)."""
+        if isinstance(msg, Result):
+            self._events.done.append(msg)
+        elif isinstance(msg, Add):
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.images, resumed=msg.resumed)
             except (ValueError, TypeError) as err:
@@ -109,7 +111,8 @@ class Head:
         elif isinstance(msg, ResetPrefixCache):
             self.engine.reset_prefix_cache()
         else:
-            raise TypeError(f"Head.on_message: expected Add, Cancel or ResetPrefixCache, got {type(msg).__name__}")
+            raise TypeError(f"Head.on_message: expected Add, Cancel, ResetPrefixCache or Result, got "
+                            f"{type(msg).__name__}")
 
     def launch(self) -> Iterator[Frame]:
         """Every idle group with work: schedule it, run stage 0's layers. Yields the frames for

@@ -77,6 +77,16 @@ def ring_size(plan: RunPlan, index: int, hidden_size: int, dtype: torch.dtype, m
     return min(max(need, 1 << 20), 32 << 20), 2 * s + 2
 
 
+def head_engine(executor, plan: RunPlan, setup: Setup):
+    """Stage 0's :class:`~stagewise.engine.engine.Engine` over its ``executor``, as the plan and
+    the driver's setup say."""
+    from stagewise.engine.engine import Engine
+
+    return Engine(executor, max_num_seqs=plan.max_num_seqs, num_groups=setup.microbatches,
+                  max_prefill_tokens=plan.max_prefill_tokens, prefix_cache=plan.prefix_cache,
+                  tpot_target_s=None if plan.tpot_target_ms is None else plan.tpot_target_ms / 1e3)
+
+
 def step_counters(executor) -> tuple[float, int, int, float, int, float]:
     """(collective seconds, bytes, calls, fan-out seconds, bytes, constraint seconds) of a stage
     rank's ``executor`` so far (zeros before it has one)."""
