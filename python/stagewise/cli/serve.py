@@ -96,17 +96,23 @@ def listen(args: argparse.Namespace, prog: str) -> socket.socket | None:
         return None
 
 
-def serving_threads(args: argparse.Namespace) -> int | None:
-    """``--threads``, or for a model in the server's own CPU process (and no OMP_NUM_THREADS) one
-    core fewer than the process may use: the HTTP loop writes every token out between the steps,
-    and a torch thread it preempts holds up every kernel's other threads (on 2 cores, 2 threads
-    gave 18.6 ms a streamed token where 1 gave 12.2)."""
+def serving_threads(args: argparse.Namespace) -> tuple[int | None, tuple[int, int] | None]:
+    """The server's torch threads, and its steps' ``(one-token, larger)`` threads when they differ
+    (:meth:`~stagewise.frontend.local.LocalBackend.set_step_threads`). ``--threads`` as given; for a
+    model in the server's own CPU process (and no OMP_NUM_THREADS), every core the process may use
+    for a step of several tokens and one fewer for a step of one (a lone stream's decode). The HTTP
+    loop writes every token out between the steps, and a torch thread it preempts holds up every
+    kernel's other threads: on 2 cores a lone stream's token took 18.6 ms on 2 threads, 12.2 on 1.
+    A step of several rows, or a prompt's chunk, gains more from the core than it loses: the
+    system-prompt workload at 2 requests a second on 2 cores had a TPOT p50 of 168 ms with every
+    step on one thread, 33 ms with the steps of 2 tokens or more on both."""
     if args.threads is not None or args.plan or args.stages * args.tp * args.pcp > 1 or args.device != "cpu" \
             or "OMP_NUM_THREADS" in os.environ:
-        return args.threads
+        return args.threads, None
     from stagewise.launch.local import usable_cores
 
-    return max(1, usable_cores() - 1)
+    cores = usable_cores()
+    return max(1, cores - 1), ((cores - 1, cores) if cores > 1 else None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         sock = listen(args, PROG)
         if sock is None:
             return 2
-        args.threads = serving_threads(args)
+        args.threads, args.step_threads = serving_threads(args)
         try:
             pipe = open_pipeline(args, PROG)
         except BaseException:
@@ -180,7 +186,7 @@ def serve(pipe, args: argparse.Namespace, sock: socket.socket, prog: str) -> int
     app = build_app(pipe, model_name=name, api_key=key, max_waiting=args.max_waiting,
                     default_max_tokens=args.default_max_tokens, media=media, max_request_bytes=args.max_request_bytes,
                     chat_template=Path(args.chat_template).read_text() if args.chat_template else None,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser, step_threads=getattr(args, "step_threads", None))
     host, port = sock.getsockname()[:2]
     here = ""
     if pipe.plan is None:  # the model computes in this process

@@ -118,11 +118,11 @@ class Executor:
         self.mirror: Mirror | None = None
         self.sampler = Sampler()
         self._sampling: dict[Hashable, _Sampling] = {}
-        self._vocab: Vocabulary | None = None
-        self._mask_buffer: MaskBuffer | None = None
+        self._vocab, self._mask_buffer = None, None  # the tokenizer as constraints see it, and their masks' memory
+        self.threads_by_tokens: tuple[int, int] | None = None
+        """(torch threads for a step of one token, for a larger step), or None: the process's."""
         self.constraint_s = 0.0
-        """Seconds this rank's steps spent on structured output: waiting for or computing the
-        masks, applying them, advancing the constraints (the last stage's leader)."""
+        """Seconds of this rank's steps on structured output: masks, applying them, advancing them."""
 
     @property
     def is_first(self) -> bool:
@@ -154,6 +154,9 @@ class Executor:
         it until the request is freed). On an error the step's new requests are forgotten, and the
         exception propagates."""
         added, pinned, hits, ahead = [], {}, batch.prefix_blocks, None
+        if self.threads_by_tokens is not None and \
+                (want := self.threads_by_tokens[batch.num_tokens > 1]) != torch.get_num_threads():
+            torch.set_num_threads(want)
         try:
             if hits is not None:  # every shared block held before the step takes any (taking may evict)
                 for i, blocks in enumerate(hits):

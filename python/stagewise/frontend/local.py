@@ -44,6 +44,11 @@ class LocalBackend:
         """Seconds the engine's steps spent on structured output (the executor's count)."""
         return self.engine.executor.constraint_s
 
+    def set_step_threads(self, one_token: int, more: int) -> None:
+        """Run a step of one token (a lone request's decode) on ``one_token`` torch threads and a
+        larger step on ``more``, instead of the process's setting."""
+        self.engine.executor.threads_by_tokens = (one_token, more)
+
     def take_tokens(self) -> list[tuple[int, int, TokenLogprobs | None]]:
         return self.engine.take_tokens()
 

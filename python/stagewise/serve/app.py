@@ -67,11 +67,12 @@ class _Stream:
 def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting: int = 64,
               default_max_tokens: int = 256, media: MediaLimits | None = None,
               max_request_bytes: int = openai.MAX_REQUEST_BYTES, chat_template: str | None = None,
-              reasoning_parser: str | None = None) -> Starlette:
+              reasoning_parser: str | None = None, step_threads: tuple[int, int] | None = None) -> Starlette:
     """The server's app over ``pipe`` (which the caller keeps and closes after the app stopped);
     ``media``: how a chat's image URLs are read (default :class:`MediaLimits`); a request body over
     ``max_request_bytes`` is refused (413); ``chat_template``: the template chats are rendered with
-    (default: the checkpoint's); ``reasoning_parser``: see :mod:`stagewise.serve.reasoning`."""
+    (default: the checkpoint's); ``reasoning_parser``: see :mod:`stagewise.serve.reasoning`;
+    ``step_threads``: see :class:`~stagewise.serve.loop.ServeLoop`."""
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"build_app: max_request_bytes must be a positive integer, got {max_request_bytes!r}")
     media = media or MediaLimits()
@@ -99,7 +100,7 @@ def build_app(pipe, *, model_name: str, api_key: str | None = None, max_waiting:
 
     @asynccontextmanager
     async def lifespan(app):
-        state["loop"] = ServeLoop(pipe, max_waiting=max_waiting, observe=metrics.observe)
+        state["loop"] = ServeLoop(pipe, max_waiting=max_waiting, observe=metrics.observe, step_threads=step_threads)
         # The constraints' vocabulary, built while the server waits for its first request.
         asyncio.get_running_loop().run_in_executor(None, warm_constraints, pipe.checkpoint, pipe.tokenizer)
         try:

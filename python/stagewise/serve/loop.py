@@ -48,10 +48,12 @@ class Sink:
 
 class ServeLoop:
     """Owns the pipeline's request traffic from its own thread; every other method may be called
-    from any thread. ``observe(completion, timings)`` (metrics) is called for each ended request."""
+    from any thread. ``observe(completion, timings)`` (metrics) is called for each ended request.
+    ``step_threads``: a model in this process runs a step of one token on the first number of torch
+    threads and a larger step on the second (:func:`stagewise.cli.serve.serving_threads`)."""
 
     def __init__(self, pipe, *, max_waiting: int, observe: Callable[[Completion, dict], None] | None = None,
-                 status_every_s: float = 0.25) -> None:
+                 status_every_s: float = 0.25, step_threads: tuple[int, int] | None = None) -> None:
         if max_waiting < 0:
             raise ValueError(f"ServeLoop: max_waiting must be >= 0, got {max_waiting}")
         self.pipe, self.observe = pipe, observe
@@ -69,6 +71,8 @@ class ServeLoop:
         self._stages = pipe.driver is not None
         """Whether there are stage processes to watch (in one process, an idle engine has nothing to do)."""
         self._run = pipe.open_run(on_text=self._text, on_done=self._done)
+        if step_threads is not None and pipe.driver is None:
+            self._run.backend.set_step_threads(*step_threads)
         self._thread = threading.Thread(target=self._main, name="stagewise-serve-loop", daemon=True)
         self._thread.start()
 
