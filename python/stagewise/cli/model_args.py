@@ -26,8 +26,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_restarts: int = 0, 
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="torch CPU threads of each process that computes: the model's own process, or each "
                              "stage rank (default: OMP_NUM_THREADS, else the cores; stage ranks share them out"
-                             + ("; the model in the server's own process: one core fewer, which the HTTP loop "
-                                "keeps)" if server else ")"))
+                             + ("; the model in the server's own process: every core for a step of several "
+                                "tokens, one fewer for a step of one, between which the HTTP loop writes "
+                                "the token)" if server else ")"))
     parser.add_argument("--max-prefill-tokens", type=int, default=8192, metavar="N",
                         help="prompt tokens per step (default 8192): a longer prompt is prefilled in chunks of N "
                              "while other requests decode (chunked prefill)")

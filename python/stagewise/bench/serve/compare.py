@@ -5,8 +5,9 @@ in an environment of its own), each under the same Poisson load at each ``--rate
 :mod:`stagewise.bench.serve.load`), one after the other on this machine.
 
 Threads: with ``--threads N`` both servers compute with N threads; without it llama.cpp runs with
-as many threads as the machine has cores and ours makes its own choice (on the CPU one core fewer,
-which its HTTP loop keeps: each server has the whole machine).
+as many threads as the machine has cores and ours makes its own choice (on the CPU every core for a
+step of several tokens, one fewer for a lone stream's decode, which leaves its HTTP loop a core:
+each server has the whole machine).
 
 Both generate every requested token: ours is asked for ``ignore_eos``, llama.cpp gets a logit
 bias of -100 on the EOS ids. Comparison at equal p99 TPOT: the TPOT budget is llama.cpp's p99 TPOT
@@ -95,8 +96,8 @@ class Server:
 
 def _ours(model: str, threads: int | None, env: dict, precision: str, target_ms: float | None,
           stages: int = 1, prefix_cache: bool = True) -> Server:
-    """``threads`` None: the server's own choice (on the CPU one core fewer than the machine has,
-    which its HTTP loop keeps); ``stages`` > 1: a pipeline of that many stage processes."""
+    """``threads`` None: the server's own choice (on the CPU every core, one fewer for a step of one
+    token); ``stages`` > 1: a pipeline of that many stage processes."""
     port = _free_port()
     argv = [sys.executable, "-m", "stagewise.cli", "serve", model, "--port", str(port), "--max-num-seqs", "32",
             "--max-waiting", "1024", "--log-level", "warning", "--linear-precision", precision]
@@ -227,7 +228,7 @@ def run(args, log=print) -> int:
     rows: dict[str, list[dict]] = {}
     info = report.machine_info("cpu")
     info.update(model=str(ckpt.path), threads=threads, cores=cores,
-                stagewise_threads=args.threads or "its default (cores - 1 on the CPU: one core for the HTTP loop)",
+                stagewise_threads=args.threads or "its default (on the CPU every core, one fewer for a step of one token)",
                 requests_per_rate=n, rates=rates, stages=stages, workload=args.workload,
                 prompt_median=shapes[0].median, output_median=shapes[1].median)
 
