@@ -4,6 +4,7 @@ field, never half-read."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -150,45 +151,14 @@ def _fields(frame: Frame) -> dict:
                                            "token_index", "rows", "tensors", "control")}
 
 
-def test_a_stage_reads_a_driver_message_that_arrives_in_parts():
-    """A large Add (a prompt with images) can reach a stage's control link over several reads. The
-    stage keeps what has come and reads the rest on a later pass: it neither fails nor drops it."""
+@contextlib.contextmanager
+def stage_and_driver():
+    """A stage 0 of only its control link (no model, no process; its stats counted) and the
+    driver's end of that link, over TCP on loopback."""
     from stagewise.pipeline.process import StageProcess
-    from stagewise.transport import Hello, encode_frame, tcp
-
-    hello = Hello(fingerprint="plan", stage_from=None, stage_to=0, role="driver")
-    add = messages.Add(request_id=9, prompt_ids=list(range(50_000)), params=PARAMS)
-    body = encode_frame(messages.to_frame(add))
-    record = tcp.RECORD.pack(tcp.RECORD_MARKER, len(body)) + body
-    stage = StageProcess.__new__(StageProcess)  # only its control link: no model, no process
-    with tcp.listen(hello=hello) as lis:
-        accept = threading.Thread(target=lambda: setattr(stage, "control", lis.accept(5)))
-        accept.start()
-        driver = tcp.connect(*lis.address, hello=hello, timeout=5)
-        accept.join()
-    try:
-        driver._sock.sendall(record[: len(record) // 2])  # half a record, as a slow network delivers it
-        assert stage.control.poll(5)
-        assert stage._driver_messages() == []
-        driver._sock.sendall(record[len(record) // 2:])
-        assert stage.control.poll(5) and stage._driver_messages() == [add]
-    finally:
-        driver.close()
-        stage.control.close()
-
-
-def test_an_add_stage_0_cannot_read_ends_its_request_with_the_error():
-    """A driver of another version (or a corrupted frame) sends an Add this stage refuses: the
-    request ends with an error naming the field, so the driver does not wait for it forever; a
-    refused frame that names no request is only counted."""
-    from stagewise.pipeline.process import StageProcess
-    from stagewise.pipeline.roles import Head, StageStats
+    from stagewise.pipeline.roles import StageStats
     from stagewise.transport import Hello, tcp
 
-    bad = messages.to_frame(messages.Add(request_id=41, prompt_ids=[1, 2], params=PARAMS))
-    bad.control["params"]["top_k"] = "many"
-    anonymous = messages.to_frame(messages.Cancel(request_id=3))
-    anonymous.control.pop("request_id")
     hello = Hello(fingerprint="plan", stage_from=None, stage_to=0, role="driver")
     stage = StageProcess.__new__(StageProcess)
     stage.stats, stage.index = StageStats(), 0
@@ -198,6 +168,39 @@ def test_an_add_stage_0_cannot_read_ends_its_request_with_the_error():
         driver = tcp.connect(*lis.address, hello=hello, timeout=5)
         accept.join()
     try:
+        yield stage, driver
+    finally:
+        driver.close()
+        stage.control.close()
+
+
+def test_a_stage_reads_a_driver_message_that_arrives_in_parts():
+    """A large Add (a prompt with images) can reach a stage's control link over several reads. The
+    stage keeps what has come and reads the rest on a later pass: it neither fails nor drops it."""
+    from stagewise.transport import encode_frame, tcp
+
+    add = messages.Add(request_id=9, prompt_ids=list(range(50_000)), params=PARAMS)
+    body = encode_frame(messages.to_frame(add))
+    record = tcp.RECORD.pack(tcp.RECORD_MARKER, len(body)) + body
+    with stage_and_driver() as (stage, driver):
+        driver._sock.sendall(record[: len(record) // 2])  # half a record, as a slow network delivers it
+        assert stage.control.poll(5)
+        assert stage._driver_messages() == []
+        driver._sock.sendall(record[len(record) // 2:])
+        assert stage.control.poll(5) and stage._driver_messages() == [add]
+
+
+def test_an_add_stage_0_cannot_read_ends_its_request_with_the_error():
+    """A driver of another version (or a corrupted frame) sends an Add this stage refuses: the
+    request ends with an error naming the field, so the driver does not wait for it forever; a
+    refused frame that names no request is only counted."""
+    from stagewise.pipeline.roles import Head
+
+    bad = messages.to_frame(messages.Add(request_id=41, prompt_ids=[1, 2], params=PARAMS))
+    bad.control["params"]["top_k"] = "many"
+    anonymous = messages.to_frame(messages.Cancel(request_id=3))
+    anonymous.control.pop("request_id")
+    with stage_and_driver() as (stage, driver):
         driver.send(bad)
         driver.send(anonymous)
         assert stage.control.poll(5)
@@ -207,10 +210,7 @@ def test_an_add_stage_0_cannot_read_ends_its_request_with_the_error():
         [ended] = got
         assert (ended.request_id, ended.finish_reason) == (41, "error") and "top_k" in ended.error
         assert stage.stats.rejected_frames == 2
-        head = Head.__new__(Head)
-        head._events = messages.Events()  # a head without an engine: only its events
-        head.on_message(ended)
-        assert head._events.done == [ended]
-    finally:
-        driver.close()
-        stage.control.close()
+    head = Head.__new__(Head)
+    head._events = messages.Events()  # a head without an engine: only its events
+    head.on_message(ended)
+    assert head._events.done == [ended]
