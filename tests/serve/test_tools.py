@@ -59,11 +59,12 @@ def stream(calling: ToolCalling, pieces: list[str]) -> tuple[str, list[dict], di
             call["arguments"] += d["function"].get("arguments", "")
             early[d["index"]] = early.get(d["index"], 0) + (before_end and bool(d["function"].get("arguments")))
 
-    for p in pieces:
+    for p in pieces[:-1]:
         text, items = s.feed(p)
         content += text
         take(items, True)
-    text, items = s.finish()
+    text, items = s.end(pieces[-1])  # the last text and the end in one chunk: each call in it once
+    assert len({d["index"] for d in items}) == len(items)
     take(items, False)
     assert s.called == bool(calls) or not s.called
     return content + text, [calls[i] for i in sorted(calls)], early
@@ -81,7 +82,7 @@ def test_calls_whole_and_streamed(case):
         assert [(c["name"], c["arguments"]) for c in got] == \
             [(c["function"]["name"], c["function"]["arguments"]) for c in whole], cut
         assert all(c["id"] and c["id"].startswith("call_") for c in got)
-    _, got, early = stream(calling, list(text))
+    _, got, early = stream(calling, [*text, ""])
     assert [(c["name"], c["arguments"]) for c in got] == [(c["function"]["name"], c["function"]["arguments"])
                                                            for c in whole]
     for i in range(len(want)):
@@ -96,5 +97,5 @@ def test_a_call_cut_off_keeps_what_was_written():
     nothing is sent twice or taken back as content."""
     calling = CASES["required"][0]
     text = '[{"name": "get_weather", "arguments": {"city": "Os'
-    content, [call], early = stream(calling, list(text))
+    content, [call], early = stream(calling, [*text, ""])
     assert content == "" and call["name"] == "get_weather" and call["arguments"] == '{"city": "Os'

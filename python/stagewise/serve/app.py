@@ -342,9 +342,7 @@ async def _events(loop: ServeLoop, rid: int, stream: _Stream, req, name: str, mo
             r, tail = think.finish() if think is not None else ("", "")
             found = []
             if calls is not None and result.finish_reason != "error":
-                tail, found = calls.feed(tail)
-                more, rest = calls.finish()
-                tail, found = tail + more, found + rest
+                tail, found = calls.end(tail)
                 finish = "tool_calls" if (calls.called or found) and finish == "stop" else finish
             if tail or found or r:
                 yield _sse(openai.body(req, name, model, _choice(req, tail, [], piece, None, offset, first, r, found),

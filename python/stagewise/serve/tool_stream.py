@@ -53,6 +53,19 @@ class ToolStream:
                 items.append({"index": k, "function": {"arguments": final[len(sent):]}})
         return (content or "") if calls else "", items
 
+    def end(self, delta: str) -> tuple[str, list[dict]]:
+        """:meth:`feed` of the output's last text, then :meth:`finish`: one chunk's content and
+        items, a call's pieces merged into one item."""
+        content, items = self.feed(delta)
+        more, rest = self.finish()
+        merged: dict[int, dict] = {}
+        for item in items + rest:
+            if item["index"] in merged:
+                merged[item["index"]]["function"]["arguments"] += item["function"].get("arguments", "")
+            else:
+                merged[item["index"]] = item
+        return content + more, list(merged.values())
+
     def _content(self) -> str:
         marker = "<tool_call>" if self.calling.family == "hermes" else None
         if marker is None:  # a call is the whole output: hold while it may begin with one
