@@ -40,8 +40,38 @@ def test_bench_e2e_stages_writes_results(tiny, tmp_path, capsys):
     # A hop may be negative (the receiver had the frame before the sender's call returned).
     assert timeline["stage 1 compute"] > 0 and {"hop 0 -> 1", "hop 1 -> 0"} <= set(timeline)
     assert rows[(2, 1)]["timeline_cycle_us"] > timeline["stage 0 compute"] + timeline["stage 1 compute"]
+    # The floor: the same layers in bare processes generate the same tokens, in one and in two.
+    assert rows[(2, 1)]["bare_tokens_equal"] is True
+    assert all(rows[(2, 1)][f"bare_{m}_ms"] > 0 for m in ("one", "sleep", "spin"))
     out = capsys.readouterr().out
-    assert "overhead %" in out and "| hop 0 -> 1 |" in out
+    assert "overhead %" in out and "| hop 0 -> 1 |" in out and "floor % (the better)" in out
+
+
+@pytest.mark.parametrize("parts", [[(0, 2), (2, 3)], [(0, 1), (1, 2), (2, 3)]])
+def test_bare_handoff_generates_the_pipelines_tokens_in_every_mode_and_leaves_no_process(tiny, parts):
+    from stagewise.api import Pipeline
+    from stagewise.bench.e2e.handoff import Handoff
+
+    prompt = [5, 17, 3, 60, 2]
+    with Pipeline(tiny, dtype="float32") as pipe:
+        want = pipe.generate(prompt_token_ids=[prompt], max_new_tokens=6, ignore_eos=True)[0].token_ids
+    bare = Handoff(tiny, parts, hidden=32, dtype="float32", quantized=None, precision="exact", max_len=32)
+    try:
+        for _ in range(2):  # a second run starts a new request in every part
+            for processes, spin in ((False, False), (True, False), (True, True)):
+                got = bare.run(prompt, 6, processes=processes, spin=spin)
+                assert got["tokens"] == want, (processes, spin)
+                assert 0 < got["median_s"] and 0 < got["mean_s"]
+    finally:
+        bare.close()
+    assert len(bare.procs) == len(parts) - 1 and all(p.poll() is not None for p in bare.procs)
+
+
+def test_bare_handoff_refuses_a_split_of_one_part(tiny):
+    from stagewise.bench.e2e.handoff import Handoff
+
+    with pytest.raises(ValueError, match="at least two parts"):
+        Handoff(tiny, [(0, 3)], hidden=32, dtype="float32", quantized=None, precision="exact", max_len=32)
 
 
 def test_bench_e2e_launcher_ray_writes_results_beside_local(tiny, tmp_path, capsys):
