@@ -147,3 +147,19 @@ def test_e2e_with_an_image_on_a_vision_model(tmp_path):
     assert (row["image"], row["image_tokens"], row["prompt_len"]) == ("40x24", 15, 5 + 15 + 2)  # 6 x 10 patches
     assert row["baselines"]["transformers"]["rows_matching"] == 2
     assert main(["e2e", "--model", str(folder), "--image", "big", "--tiny", "--out", str(out)]) == 2
+
+
+@pytest.mark.parametrize("flags, on, off", [
+    ("fpu avx avx2 fma f16c bmi2 avx512f avx512_vnni avx512_bf16 amx_tile amx_int8 amx_bf16",
+     ["AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16"], ["AVX512_VBMI", "AVX_VNNI"]),
+    ("fpu avx avx2 fma f16c bmi2", ["AVX", "AVX2", "FMA"], ["AVX512", "AVX512_VNNI"]),
+])
+def test_llama_cpp_build_takes_the_cpus_isa_and_never_amx(flags, on, off):
+    from stagewise.bench.llama_cpp import build_args
+
+    args = build_args(f"processor\t: 0\nflags\t\t: {flags}\n").split()
+    assert "-DGGML_NATIVE=OFF" in args and "-DLLAMA_CURL=OFF" in args
+    assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(args)
+    assert all(f"-DGGML_{n}=ON" in args for n in on) and all(f"-DGGML_{n}=OFF" in args for n in off)
+    # A CPU whose flags name none of them (not x86, or no /proc/cpuinfo): a native build.
+    assert build_args("processor\t: 0\nFeatures\t: fp asimd\n") == "-DGGML_NATIVE=ON -DLLAMA_CURL=OFF"

@@ -18,23 +18,45 @@ import time
 from pathlib import Path
 
 REQUIREMENT = "llama-cpp-python>=0.3.30"
-BUILD_ARGS = "-DGGML_NATIVE=ON -DLLAMA_CURL=OFF"
-"""CMake flags of the install: a native build (every ISA extension of this CPU), as a user who
-builds llama-cpp-python from PyPI for speed would."""
+GGML_ISA = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2", "avx_vnni": "AVX_VNNI",
+            "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI",
+            "avx512_bf16": "AVX512_BF16"}
+"""The CPU flags (``/proc/cpuinfo``) a build of ggml turns on, each its ``GGML_*`` option."""
 
 
-def find_or_install(install: bool, log=print):
+def build_args(cpuinfo: str | None = None) -> str:
+    """CMake flags of the install: ggml built for every ISA extension this CPU reports, as a user who
+    builds llama-cpp-python from PyPI for speed would, but never its AMX kernels (on machines that
+    report AMX they die with SIGILL) and so not ``GGML_NATIVE``, which would turn them on. Where the
+    CPU's flags cannot be read (not Linux x86), a native build."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    line = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "")
+    flags = set(line.partition(":")[2].split())
+    if not flags & set(GGML_ISA):
+        return "-DGGML_NATIVE=ON -DLLAMA_CURL=OFF"
+    isa = " ".join(f"-DGGML_{name}={'ON' if flag in flags else 'OFF'}" for flag, name in GGML_ISA.items())
+    return f"-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF {isa} -DLLAMA_CURL=OFF"
+
+
+def find_or_install(install: bool, log=print, suite: str = "e2e"):
     """The ``llama_cpp`` module; with ``install``, ``pip install`` it first when missing (a source
-    build from PyPI, several minutes). ImportError naming the command otherwise."""
+    build from PyPI, several minutes). ImportError naming the command otherwise (``suite``: the
+    benchmark that asks, for the message)."""
     try:
         return importlib.import_module("llama_cpp")
     except ImportError:
         if not install:
-            raise ImportError(f"bench e2e --baseline llama.cpp needs llama-cpp-python: "
-                              f'CMAKE_ARGS="{BUILD_ARGS}" pip install "{REQUIREMENT}" '
+            raise ImportError(f"bench {suite}'s llama.cpp baseline needs llama-cpp-python: "
+                              f'CMAKE_ARGS="{build_args()}" pip install "{REQUIREMENT}" '
                               f"(or pass --install-baseline)") from None
-    log(f"bench e2e: installing {REQUIREMENT} (CMAKE_ARGS={BUILD_ARGS}; a source build, several minutes)")
-    env = dict(os.environ, CMAKE_ARGS=BUILD_ARGS)
+    args = build_args()
+    log(f"bench {suite}: installing {REQUIREMENT} (CMAKE_ARGS={args}; a source build, several minutes)")
+    env = dict(os.environ, CMAKE_ARGS=args)
     subprocess.run([sys.executable, "-m", "pip", "install", REQUIREMENT], env=env, check=True)
     importlib.invalidate_caches()
     return importlib.import_module("llama_cpp")

@@ -121,7 +121,7 @@ def _llama_cpp(gguf: Path, threads: int, env: dict, install: bool, log, prompt_c
     left."""
     from stagewise.bench import llama_cpp
 
-    lib = llama_cpp.find_or_install(install, log=log)
+    lib = llama_cpp.find_or_install(install, log=log, suite="serve")
     try:
         import llama_cpp.server  # noqa: F401 - its extra: fastapi, sse-starlette, ...
     except ImportError as err:
