@@ -26,6 +26,11 @@ import time
 
 import torch
 
+from stagewise.engine.executor import Executor
+from stagewise.engine.params import SamplingParams, SamplingRequest
+from stagewise.model.batch import StepBatch
+from stagewise.model.stage import load_stage
+
 _HEAD = struct.Struct("<IQ?")  # bytes that follow, the step's first position, whether waits spin
 
 
@@ -35,9 +40,6 @@ class Part:
 
     def __init__(self, model: str, start: int, end: int, last: bool, *, dtype: str, quantized, precision: str,
                  max_len: int) -> None:
-        from stagewise.engine.executor import Executor
-        from stagewise.model.stage import load_stage
-
         stage = load_stage(model, start, end, dtype=dtype, quantized=quantized, linear_precision=precision)
         self.first, self.last, self.rid = start == 0, last, 0
         self.executor = Executor(stage, num_blocks=max_len // 16 + 2, block_size=16, max_model_len=max_len)
@@ -45,9 +47,6 @@ class Part:
     def step(self, position: int, x: torch.Tensor) -> torch.Tensor:
         """One step at ``position`` (0: the prompt ``x``; else one token): hidden states, or the
         last part's token as a 1-element int64 tensor. A prompt starts a new request."""
-        from stagewise.engine.params import SamplingParams, SamplingRequest
-        from stagewise.model.batch import StepBatch
-
         n = x.shape[0]
         if position == 0:
             self.executor.free([self.rid])
@@ -102,7 +101,7 @@ class Handoff:
                  precision: str, max_len: int) -> None:
         if len(ranges) < 2:
             raise ValueError(f"Handoff: a split of at least two parts is handed off, got {ranges}")
-        self.hidden, self.procs = hidden, []
+        self.procs: list[subprocess.Popen] = []
         spec = dict(dtype=dtype, quantized=quantized, precision=precision, max_len=max_len)
         last = len(ranges) - 1
         self.local = [Part(model, a, b, i == last, **spec) for i, (a, b) in enumerate(ranges)]
