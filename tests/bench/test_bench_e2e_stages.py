@@ -55,7 +55,7 @@ def test_bare_handoff_generates_the_pipelines_tokens_in_every_mode_and_leaves_no
     prompt = [5, 17, 3, 60, 2]
     with Pipeline(tiny, dtype="float32") as pipe:
         want = pipe.generate(prompt_token_ids=[prompt], max_new_tokens=6, ignore_eos=True)[0].token_ids
-    bare = Handoff(tiny, parts, hidden=32, dtype="float32", quantized=None, precision="exact", max_len=32)
+    bare = Handoff(tiny, parts, dtype="float32", quantized=None, precision="exact", max_len=32)
     try:
         for _ in range(2):  # a second run starts a new request in every part
             for processes, spin in ((False, False), (True, False), (True, True)):
@@ -71,7 +71,7 @@ def test_bare_handoff_refuses_a_split_of_one_part(tiny):
     from stagewise.bench.e2e.handoff import Handoff
 
     with pytest.raises(ValueError, match="at least two parts"):
-        Handoff(tiny, [(0, 3)], hidden=32, dtype="float32", quantized=None, precision="exact", max_len=32)
+        Handoff(tiny, [(0, 3)], dtype="float32", quantized=None, precision="exact", max_len=32)
 
 
 def test_bench_e2e_launcher_ray_writes_results_beside_local(tiny, tmp_path, capsys):

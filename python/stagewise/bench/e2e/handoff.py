@@ -42,6 +42,7 @@ class Part:
                  max_len: int) -> None:
         stage = load_stage(model, start, end, dtype=dtype, quantized=quantized, linear_precision=precision)
         self.first, self.last, self.rid = start == 0, last, 0
+        self.hidden = stage.config.hidden_size
         self.executor = Executor(stage, num_blocks=max_len // 16 + 2, block_size=16, max_model_len=max_len)
 
     def step(self, position: int, x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +98,7 @@ class Handoff:
     """The parts of one layer split, in one process and in as many processes (the first in this
     one). :meth:`run` times a greedy batch-1 generation through either."""
 
-    def __init__(self, model: str, ranges: list[tuple[int, int]], *, hidden: int, dtype: str, quantized,
+    def __init__(self, model: str, ranges: list[tuple[int, int]], *, dtype: str, quantized,
                  precision: str, max_len: int) -> None:
         if len(ranges) < 2:
             raise ValueError(f"Handoff: a split of at least two parts is handed off, got {ranges}")
@@ -109,7 +110,7 @@ class Handoff:
             upstream = subprocess.PIPE
             for i, (a, b) in enumerate(ranges[1:], 1):
                 argv = [sys.executable, "-m", "stagewise.bench.e2e.handoff", model, str(a), str(b), str(int(i == last)),
-                        dtype, str(quantized), precision, str(max_len), str(hidden)]
+                        dtype, str(quantized), precision, str(max_len)]
                 proc = subprocess.Popen(argv, stdin=upstream, stdout=subprocess.PIPE)
                 self.procs.append(proc)
                 upstream = proc.stdout
@@ -155,7 +156,7 @@ class Handoff:
 
 def _serve(argv: list[str]) -> None:
     """A later part's process: a step for every message on stdin, its output on stdout, until EOF."""
-    model, start, end, last, dtype, quantized, precision, max_len, hidden = argv
+    model, start, end, last, dtype, quantized, precision, max_len = argv
     torch.set_num_threads(1)
     part = Part(model, int(start), int(end), last == "1", dtype=dtype,
                 quantized=None if quantized == "None" else quantized == "True", precision=precision,
@@ -163,7 +164,7 @@ def _serve(argv: list[str]) -> None:
     spin = False  # how this process waits for a message: as the last one said
     while True:
         try:
-            position, spin, x = _read(sys.stdin.fileno(), spin, torch.float32, int(hidden))
+            position, spin, x = _read(sys.stdin.fileno(), spin, torch.float32, part.hidden)
         except EOFError:
             return
         _write(sys.stdout.fileno(), position, spin, part.step(position, x))

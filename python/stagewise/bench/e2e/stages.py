@@ -56,8 +56,7 @@ def run(args, log=print) -> int:
                                 max_num_tokens=most * max_len, **options)
         for s in counts[1:]:
             plan = pipes[s].driver.plan
-            bare[s] = Handoff(args.model, [(st.start_layer, st.end_layer) for st in plan.stages],
-                              hidden=pipes[1].checkpoint.config.hidden_size, dtype=plan.dtype,
+            bare[s] = Handoff(args.model, [(st.start_layer, st.end_layer) for st in plan.stages], dtype=plan.dtype,
                               quantized=plan.quantized, precision=plan.linear_precision, max_len=max_len)
         ckpt = pipes[1].checkpoint
         cases = {"b1": make_prompts(ckpt, 1, args.prompt_len)}
