@@ -45,7 +45,8 @@ class Pipeline:
                  device: str = "cpu", dtype: str = "auto",
                  max_num_seqs: int = 32, max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                  max_num_tokens: int | None = None, max_prefill_tokens: int = 8192, tpot_target_ms: float | None = None,
-                 prefix_cache: bool = True, load_progress: Callable[[int, int, int], None] | None = None,
+                 prefix_cache: bool = True, speculative: str | None = None, num_speculative_tokens: int = 3,
+                 load_progress: Callable[[int, int, int], None] | None = None,
                  quantized: bool | None = None, linear_precision: str = "exact", max_restarts: int = 0,
                  rejoin: bool = True, max_image_pixels: int | None = None, **parallel_options: Any) -> None:
         """``load_progress(done, total, nbytes)`` follows the weight reading (see
@@ -67,6 +68,10 @@ class Pipeline:
         start; those wait or run in chunks (:mod:`stagewise.engine.pacing`). None: they start at once.
         ``prefix_cache``: a prompt whose beginning earlier requests computed starts after their KV
         blocks, on every stage (:mod:`stagewise.engine.prefix_cache`); False: from its first token.
+        ``speculative``: ``"ngram"`` drafts up to ``num_speculative_tokens`` tokens per request and
+        step by prompt lookup, verified in one step through every stage; the tokens are those of
+        decoding without it (greedy) or distributed as them (sampling)
+        (:mod:`stagewise.engine.speculative`). None (default): one token per step.
 
         ``max_image_pixels``: larger input images are refused (default: 2 ** 28 pixels).
 
@@ -93,7 +98,8 @@ class Pipeline:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Pipeline: {name} must be an int >= 1, got {value!r}")
-        for problem in option_problems({"tpot_target_ms": tpot_target_ms, "prefix_cache": prefix_cache}):
+        for problem in option_problems({"tpot_target_ms": tpot_target_ms, "prefix_cache": prefix_cache,
+                                        "speculative": speculative, "num_speculative_tokens": num_speculative_tokens}):
             raise ValueError(f"Pipeline: {problem}")
         dev = resolve_device(device, here=launch_options.get("launcher") != "ray")  # Ray's nodes have the GPUs
         if linear_precision == "int8" and dev.type != "cpu":
@@ -108,7 +114,8 @@ class Pipeline:
                                 dev.type, dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
                                 tp=tp, dcp=dcp, pcp=pcp, launch=launch_options, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
-                                tpot_target_ms=tpot_target_ms, prefix_cache=prefix_cache, kv_cache_bytes=kv_cache_bytes,
+                                tpot_target_ms=tpot_target_ms, prefix_cache=prefix_cache, speculative=speculative,
+                                num_speculative_tokens=num_speculative_tokens, kv_cache_bytes=kv_cache_bytes,
                                 max_num_tokens=max_num_tokens, quantized=quantized,
                                 linear_precision=linear_precision, **pipeline_options)
             self._restart = Restart(plan, self._new_driver, launcher=launch_options,
@@ -118,17 +125,12 @@ class Pipeline:
             self.plan = self.driver.plan
             self._recover(max_restarts)
         else:
-            from stagewise.engine.engine import Engine
-            from stagewise.model.stage import load_stage
-
-            stage = load_stage(self.checkpoint, 0, self.config.num_layers, dtype=self.dtype, device=dev,
-                               quantized=quantized, linear_precision=linear_precision, progress=load_progress)
-            engine = Engine.for_model(stage, device=dev, max_num_seqs=max_num_seqs,
-                                      max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
-                                      max_num_tokens=max_num_tokens, max_prefill_tokens=max_prefill_tokens,
-                                      prefix_cache=prefix_cache, tpot_target_s=None if tpot_target_ms is None
-                                      else tpot_target_ms / 1e3)
-            self._backend = LocalBackend(engine)
+            self._backend = LocalBackend.load(
+                self.checkpoint, dtype=self.dtype, device=dev, quantized=quantized, linear_precision=linear_precision,
+                progress=load_progress, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens, max_prefill_tokens=max_prefill_tokens,
+                prefix_cache=prefix_cache, tpot_target_ms=tpot_target_ms, speculative=speculative,
+                num_speculative_tokens=num_speculative_tokens)
         self.load_s = time.perf_counter() - start
 
     def _open(self, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype) -> None:

@@ -13,7 +13,8 @@ import torch
 from stagewise.engine import step_meta
 from stagewise.engine.step_meta import StepMetadata
 from stagewise.kv import KVCacheManager
-from stagewise.model.batch import KVMetadata, StepBatch
+from stagewise.model.batch import StepBatch
+from stagewise.model.kv_metadata import KVMetadata
 
 BLOCK = 4
 

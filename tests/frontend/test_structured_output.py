@@ -102,14 +102,14 @@ def test_masks_computed_beside_the_forward_or_after_it_give_the_same_tokens(pipe
     it: the same tokens either way (and the first way is taken when it should be)."""
     import torch
 
-    import stagewise.engine.executor as executor
+    import stagewise.engine.step_sampling as step_sampling
     from stagewise.launch.local import usable_cores
 
     if usable_cores() < 2:
         pytest.skip("needs 2 cores: one for torch, one for the masks")
     calls = []
-    real = executor.masks_ahead
-    monkeypatch.setattr(executor, "masks_ahead", lambda *a: calls.append(1) or real(*a))
+    real = step_sampling.masks_ahead
+    monkeypatch.setattr(step_sampling, "masks_ahead", lambda *a: calls.append(1) or real(*a))
     before = torch.get_num_threads()
     outs = {}
     try:

@@ -13,7 +13,8 @@ import torch
 
 from stagewise.engine.handoff import read_kv
 from stagewise.kv import KVCache, KVCacheManager, KVCacheSpec
-from stagewise.model.batch import KVMetadata, StepBatch, split_for_pcp
+from stagewise.model.batch import StepBatch
+from stagewise.model.kv_metadata import KVMetadata, split_for_pcp
 from stagewise.model.collectives import StageGroups
 from stagewise.model.config import ModelConfig
 from stagewise.model.layers.attention import Attention

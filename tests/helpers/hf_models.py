@@ -74,6 +74,18 @@ def make_model(name: str):
     return hf, parse_hf_config(hf.config.to_dict())
 
 
+def save_random(factory, folder):
+    """A tiny random transformers model from ``factory``, every weight moved off its initial value,
+    saved to ``folder`` (``save_pretrained``); returns it."""
+    torch.manual_seed(0)
+    hf = factory().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(folder)
+    return hf
+
+
 def prompts(cfg: ModelConfig) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from stagewise.kv import KVCache, KVCacheManager
-from stagewise.model.batch import KVMetadata, StepBatch
+from stagewise.model.batch import StepBatch
+from stagewise.model.kv_metadata import KVMetadata
 from stagewise.model.collectives import StageGroups
 from stagewise.model.stage import StageModel, load_stage
 

@@ -259,7 +259,8 @@ def prefill_logits(hf, folder: Path, prompts: list[tuple[list[int], list]]):
     tower ran. Returns (ours, theirs, batch)."""
     from stagewise.engine.images import ImageInputs, prepare_images
     from stagewise.kv import KVCache, KVCacheManager
-    from stagewise.model.batch import KVMetadata, StepBatch
+    from stagewise.model.batch import StepBatch
+    from stagewise.model.kv_metadata import KVMetadata
     from stagewise.model.stage import load_stage
 
     stage = load_stage(folder, 0, hf.config.text_config.num_hidden_layers)

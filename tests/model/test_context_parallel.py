@@ -24,7 +24,8 @@ from helpers import cp_scenario
 from stagewise.engine.handoff import KVHandoff, KVShard, merge_handoffs, split_handoff
 from stagewise.kv import KVCacheManager, KVCacheSpec
 from stagewise.kv.cache import num_cache_blocks
-from stagewise.model.batch import KVMetadata, StepBatch, head_tail_ranges, split_for_pcp
+from stagewise.model.batch import StepBatch
+from stagewise.model.kv_metadata import KVMetadata, head_tail_ranges, split_for_pcp
 from stagewise.model.collectives import SINGLE, StageGroups
 from stagewise.model.layers.context_parallel import (_packed, check_groups, check_metadata, merge_partials,
                                                       valid_dcp_sizes)

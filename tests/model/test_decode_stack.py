@@ -3,7 +3,9 @@ layers it stands in for: the same ops in the same order, so decode steps and pro
 position 0 give the same bits — the
 logits, the hidden states a stage sends on, and every K/V it writes. Weights: dense (float32 and
 bfloat16, Llama with biases, Qwen3's q/k norms) and GGUF blocks (exact and int8), stages first,
-middle and last, with decode rows at different context lengths."""
+middle and last, with decode rows at different context lengths. A verifying step (speculative
+decoding: several rows of a request after its cache) runs other attention code than the Python
+layers' chunk path, so it is held to them within float32 rounding."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import torch
 from stagewise import ops
 from stagewise.measure.framework import tiny_config, tiny_weights
 from stagewise.kv import KVCache, KVCacheManager
-from stagewise.model.batch import KVMetadata, StepBatch
+from stagewise.model.batch import StepBatch
+from stagewise.model.kv_metadata import KVMetadata
 from stagewise.model.hf_config import parse_hf_config
 from stagewise.model.quant import QuantizedWeight
 from stagewise.model.stage import StageModel
@@ -92,6 +95,50 @@ def test_decode_stack_equals_python_layers(kind, part):
         assert torch.equal(a, b)
     assert torch.equal(fast[1].nan_to_num(), slow[1].nan_to_num())  # the same K/V, written in the same slots
     assert fast[0][-1].isfinite().all()
+
+
+def _verify_step(stage: StageModel, hidden_in: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts, then one step in which request 0 verifies 3 drafts, request 1 one, request 2
+    decodes; (that step's output, the cache)."""
+    cfg = stage.config
+    manager = KVCacheManager(block_size=BLOCK, num_blocks=32, max_blocks_per_seq=8)
+    cache = KVCache(stage.kv_cache_spec(BLOCK, torch.float32), num_blocks=32)
+    cache.storage.fill_(float("nan"))
+    g = torch.Generator().manual_seed(5)
+    lens = [len(p) for p in PROMPTS]
+    out = None
+    for prefill, query, drafts in ((True, lens, None), (False, [4, 2, 1], ((1, 2, 3), (4,), ()))):
+        n = sum(query)
+        positions = torch.cat([torch.arange(k) for k in lens]) if prefill else \
+            torch.cat([torch.arange(c, c + q) for c, q in zip(lens, query)])
+        inputs = (dict(hidden_states=torch.randn(n, cfg.hidden_size, generator=g)) if hidden_in
+                  else dict(token_ids=torch.randint(0, cfg.vocab_size, (n,), generator=g)))
+        batch = StepBatch(request_ids=[0, 1, 2], num_prefills=3 if prefill else 2, query_lens=query,
+                          context_lens=[0, 0, 0] if prefill else lens, positions=positions, draft_tokens=drafts,
+                          **inputs)
+        for rid, (c, q) in enumerate(zip(lens, query)):
+            manager.add(rid, c) if prefill else manager.append(rid, q)
+        out = stage(batch, cache, KVMetadata.build(batch, manager, "cpu"))
+    return out, cache.storage
+
+
+@pytest.mark.parametrize("part", ["whole", "last", "middle"])
+@pytest.mark.parametrize("kind", ["q4_1", "llama-bias", "qwen3"])
+def test_verifying_steps_through_the_stack_equal_the_python_layers(kind, part):
+    cfg, weights, dtype = _model(kind)
+    start, end = {"whole": (0, 3), "middle": (1, 2), "last": (1, 3)}[part]
+    stage = StageModel.from_weights(cfg, start, end, weights, dtype=dtype)
+    calls = []
+    real = stage.decode_stack
+    stage.decode_stack = type("Spy", (), {"__getattr__": lambda _, name: calls.append(name) or getattr(real, name)})()
+    fast = _verify_step(stage, hidden_in=start > 0)
+    assert calls == ["prefill", "verify"]
+    stage.decode_stack = None
+    slow = _verify_step(stage, hidden_in=start > 0)
+    if end == cfg.num_layers:
+        assert fast[0].shape == (4 + 2 + 1, cfg.vocab_size)  # logits at every verified position
+    torch.testing.assert_close(fast[0], slow[0], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(fast[1].nan_to_num(), slow[1].nan_to_num(), atol=2e-4, rtol=1e-4)
 
 
 def test_no_stack_where_the_architecture_says_why():

@@ -10,7 +10,8 @@ import torch
 
 from stagewise.kv import KVCache, KVCacheManager
 from stagewise.model import ModelConfig
-from stagewise.model.batch import KVMetadata, StepBatch
+from stagewise.model.batch import StepBatch
+from stagewise.model.kv_metadata import KVMetadata
 from stagewise.model.stage import StageModel
 
 transformers = pytest.importorskip("transformers")

@@ -14,7 +14,8 @@ import torch
 
 from stagewise.kv import KVCache, KVCacheManager, KVCacheSpec
 from stagewise.model import shapes
-from stagewise.model.batch import KVMetadata, StepBatch
+from stagewise.model.batch import StepBatch
+from stagewise.model.kv_metadata import KVMetadata
 from stagewise.model.collectives import StageGroups
 from stagewise.model.layers.linear import Linear, RowParallelLinear
 from stagewise.model.layers.rotary import Rotary

@@ -111,11 +111,28 @@ def test_prefill_chunks_carry_their_first_position_and_which_ends_its_prompt():
         protocol.from_frame(wire(frame), SHAPE)
 
 
+def test_a_step_carries_the_drafts_its_rows_verify():
+    batch = StepBatch(request_ids=[7, 8, 3], num_prefills=2, query_lens=[3, 4, 1], context_lens=[5, 9, 11],
+                      positions=torch.tensor([5, 6, 7, 9, 10, 11, 12, 11]), hidden_states=torch.randn(8, 8),
+                      draft_tokens=[(), (40, 41, 42), ()])
+    frame = wire(protocol.to_frame(protocol.Step(step_id=1, group=0, batch=batch), stage_from=0, stage_to=1))
+    got = protocol.from_frame(frame, SHAPE).batch
+    assert got.draft_tokens == ((), (40, 41, 42), ()) and got.logit_rows() == [2, 3, 4, 5, 6, 7]
+    frame.tensors["draft_counts"] = torch.tensor([0, 2, 0])
+    with pytest.raises(ProtocolError, match=r"draft_counts'/'draft_tokens'"):
+        protocol.from_frame(wire(frame), SHAPE)
+    frame.tensors["draft_counts"] = torch.tensor([0, 0, 3])
+    with pytest.raises(ValueError, match="StepBatch.draft_tokens"):  # drafts on a one-token decode row
+        protocol.from_frame(wire(frame), SHAPE)
+
+
 @pytest.mark.parametrize("msg", [
     protocol.Tokens(step_id=3, group=1, request_ids=[4, 5], tokens=[100, 2**40]),
     protocol.Tokens(step_id=5, group=1, request_ids=[], tokens=[]),  # a step of chunks that sample nothing
     protocol.Tokens(step_id=4, group=0, request_ids=[4, 5], tokens=[1, 2],
                     logprobs=[None, TokenLogprobs(token=2, logprob=-0.125, top=((2, -0.125), (9, -3.0)))]),
+    protocol.Tokens(step_id=6, group=0, request_ids=[4, 5, 6], tokens=[1, 2, 3, 4, 5, 6], counts=[1, 3, 2],
+                    logprobs=[None] * 5 + [TokenLogprobs(token=6, logprob=-0.5, top=())]),  # drafts accepted
     protocol.Free(request_ids=[1, 2, 3]),
     protocol.StepFailed(step_id=9, group=0, message="stage 2 step failed: x"),
 ], ids=lambda m: type(m).__name__)

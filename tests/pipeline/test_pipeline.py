@@ -14,9 +14,10 @@ import sys
 import tempfile
 
 import pytest
-import torch
 
 import stagewise
+
+from helpers.hf_models import save_random
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,13 +52,8 @@ def tiny_models(tmp_path_factory):
 
     def get(name: str):
         if name not in cache:
-            torch.manual_seed(0)
-            hf = MODELS[name]().eval()
-            with torch.no_grad():
-                for p in hf.parameters():
-                    p.add_(torch.randn_like(p) * 0.1)
             folder = tmp_path_factory.mktemp(name)
-            hf.save_pretrained(folder)
+            save_random(MODELS[name], folder)
             prompts = _prompts(7, seed=1)
             with stagewise.Pipeline(str(folder), max_model_len=64, max_num_seqs=8) as single:
                 greedy = [c.token_ids for c in single.generate(prompt_token_ids=prompts, max_new_tokens=NEW,

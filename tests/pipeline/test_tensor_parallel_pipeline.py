@@ -17,13 +17,14 @@ import sys
 import time
 
 import pytest
-import torch
 
 import stagewise
 from stagewise.launch.local import spawn_stages
 from stagewise.parallel.runplan import RunPlan
 
 from helpers.processes import alive, gone
+
+from helpers.hf_models import save_random
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,13 +65,8 @@ def tiny_models(tmp_path_factory):
 
     def get(name: str):
         if name not in cache:
-            torch.manual_seed(0)
-            hf = MODELS[name]().eval()
-            with torch.no_grad():
-                for p in hf.parameters():
-                    p.add_(torch.randn_like(p) * 0.1)
             folder = tmp_path_factory.mktemp(name)
-            hf.save_pretrained(folder)
+            save_random(MODELS[name], folder)
             prompts = _prompts(5, seed=1, longest=70)  # some over a 32-position block (dcp or pcp 2)
             with stagewise.Pipeline(str(folder), max_model_len=128, max_num_seqs=8) as single:
                 greedy = single.generate(prompt_token_ids=prompts, max_new_tokens=NEW, ignore_eos=True, logprobs=0)

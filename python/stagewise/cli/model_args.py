@@ -9,6 +9,7 @@ import os
 import sys
 
 from stagewise.cli.prompt_args import PromptBatch, config_problems, encode_texts
+from stagewise.engine.speculative import option_problems as speculative_problems
 from stagewise.parallel.plan_options import LAUNCHERS, PLACEMENTS, tpot_target_problem
 from stagewise.transport.registry import TRANSPORTS
 
@@ -39,6 +40,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_restarts: int = 0, 
     parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                         help="compute every prompt from its first token (default: a prompt's beginning that "
                              "earlier requests computed reuses their KV, on every stage)")
+    parser.add_argument("--speculative", default=None, metavar="METHOD",
+                        help="draft tokens and verify them in one step through every stage: ngram (prompt lookup: "
+                             "the continuation of the text's latest earlier match); the tokens are those of "
+                             "decoding without it, or distributed as them when sampling (default: none)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
+                        help="with --speculative: most draft tokens per request and step (default 3; fewer while "
+                             "drafts are rejected)")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
                         help="most tokens (prompt + generated) per request; default: the model's")
     pp = parser.add_argument_group("pipeline (stages as processes)")
@@ -128,6 +136,11 @@ def model_problems(args: argparse.Namespace) -> list[str]:
         problems.append("--tpot-target is the scheduler's of stage 0; with --plan give tpot_target_ms in the plan")
     if (why := tpot_target_problem(args.tpot_target, "--tpot-target")) is not None:
         problems.append(why)
+    if args.plan and (args.speculative is not None or args.num_speculative_tokens != 3):
+        problems.append("--speculative is the scheduler's of stage 0; with --plan give speculative and "
+                        "num_speculative_tokens in the plan")
+    problems += ["--" + p.replace("_", "-", 2) if p.startswith("num_") else "--" + p
+                 for p in speculative_problems(args.speculative, args.num_speculative_tokens)]
     if args.plan and args.threads is not None:
         problems.append("--threads is the stage processes'; with --plan give threads per stage in the plan")
     for name, value in (("--max-num-seqs", args.max_num_seqs), ("--max-prefill-tokens", args.max_prefill_tokens),
@@ -245,7 +258,8 @@ def _load(args: argparse.Namespace, prog: str):
                             device=args.device, dtype=args.dtype,
                             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                             max_prefill_tokens=args.max_prefill_tokens, tpot_target_ms=args.tpot_target,
-                            prefix_cache=args.prefix_cache, load_progress=bar,
+                            prefix_cache=args.prefix_cache, speculative=args.speculative,
+                            num_speculative_tokens=args.num_speculative_tokens, load_progress=bar,
                             linear_precision=args.linear_precision, **options)
         finally:  # before any message, so that the bar's line is finished first
             if bar is not None:

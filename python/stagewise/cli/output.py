@@ -54,6 +54,8 @@ def completion_json(c, *, index: int | None = None, line: int | None = None) -> 
     if line is not None:
         out["line"] = line
     out.update(text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason, cached_tokens=c.cached_tokens)
+    if c.draft_tokens:
+        out.update(draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens)
     if c.error:
         out["error"] = c.error
     if c.logprobs is not None:

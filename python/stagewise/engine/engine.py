@@ -22,13 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
-from stagewise.engine.executor import Executor, RanksOutOfStep, Sampled, model_dtype
+from stagewise.engine.executor import Executor, RanksOutOfStep, model_dtype
 from stagewise.engine.images import ImageInputs, VisionRequest, prepare_images
 from stagewise.engine.pacing import TpotPacer
 from stagewise.engine.prefix_cache import PrefixCaching
 from stagewise.engine.requests import RequestOutput, Requests
 from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.engine.scheduler import GroupedScheduler, ScheduledStep, SchedulerStatus
+from stagewise.engine.speculative import Speculation, SpeculativeConfig
+from stagewise.engine.step_sampling import Sampled
 from stagewise.int_tensors import int_tensor
 from stagewise.kv.budget import GroupPool, KVBudget
 from stagewise.kv.cache import num_cache_blocks
@@ -58,12 +60,14 @@ class Engine:
     """Generates for many requests at once; the executor holds stage 0's layers (or all)."""
 
     def __init__(self, executor: Executor, *, max_num_seqs: int = 32, num_groups: int = 1,
-                 max_prefill_tokens: int = 8192, tpot_target_s: float | None = None, prefix_cache: bool = True) -> None:
+                 max_prefill_tokens: int = 8192, tpot_target_s: float | None = None, prefix_cache: bool = True,
+                 speculative: SpeculativeConfig | None = None) -> None:
         """``tpot_target_s``: a time per output token the running requests keep while new prompts
         are prefilled beside them (:mod:`stagewise.engine.pacing`); None: prompts run as soon as
         rows, blocks and ``max_prefill_tokens`` allow. ``prefix_cache``: reuse the KV of prompt
         beginnings already computed (:mod:`stagewise.engine.prefix_cache`; not for a model with a
-        sliding window)."""
+        sliding window). ``speculative``: draft tokens and verify them in one step
+        (:mod:`stagewise.engine.speculative`; not for a model with a sliding window)."""
         if not executor.is_first:
             raise ValueError("Engine: the executor must hold the model's first layer (stage 0)")
         cfg = executor.model.config
@@ -83,6 +87,11 @@ class Engine:
         """Requests with images: their images, 3-D rope positions and rope delta."""
         self.prefix = PrefixCaching(theirs, self._vision.get) if prefix_cache and windows == [None] else None
         """Stage 0's prefix cache; None when off."""
+        if speculative is not None and windows != [None]:
+            raise ValueError(f"speculative decoding: {cfg.arch} has sliding-window layers, whose dropped KV blocks "
+                             "cannot be rolled back after rejected drafts; run it without --speculative")
+        self.speculation = None if speculative is None else Speculation(speculative, self.max_model_len)
+        """Stage 0's drafts and their acceptance; None when off."""
         self.kv_reset_due = False
         """A step failed on some stages (or ranks) only: their pools reset when no request holds KV."""
         self.scheduler = GroupedScheduler(budget, num_groups=num_groups, max_num_seqs=max_num_seqs,
@@ -101,7 +110,7 @@ class Engine:
                   max_num_seqs: int = 32, max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                   max_num_tokens: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE, num_groups: int = 1,
                   max_prefill_tokens: int = 8192, tpot_target_s: float | None = None,
-                  prefix_cache: bool = True) -> Engine:
+                  prefix_cache: bool = True, speculative: SpeculativeConfig | None = None) -> Engine:
         """An engine over ``model`` with a KV cache sized by ``kv_cache_bytes`` or
         ``max_num_tokens`` (at most one; default: see :func:`stagewise.kv.cache.num_cache_blocks`)."""
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -115,7 +124,7 @@ class Engine:
         executor = Executor(model, num_blocks=blocks, block_size=block_size, max_model_len=max_model_len,
                             device=device, max_num_seqs=max_num_seqs)
         return cls(executor, max_num_seqs=max_num_seqs, num_groups=num_groups, max_prefill_tokens=max_prefill_tokens,
-                   tpot_target_s=tpot_target_s, prefix_cache=prefix_cache)
+                   tpot_target_s=tpot_target_s, prefix_cache=prefix_cache, speculative=speculative)
 
     @property
     def num_groups(self) -> int:
@@ -195,7 +204,7 @@ class Engine:
             if launched is not None:
                 sampled = launched.output
                 done += self.complete(group, launched.step_id, launched.batch.sampled_ids(),
-                                      sampled.tokens.tolist(), sampled.logprobs)
+                                      sampled.tokens.tolist(), sampled.logprobs, sampled.counts)
         return done
 
     def idle_groups_with_work(self) -> list[int]:
@@ -207,6 +216,8 @@ class Engine:
         if group in self.inflight:
             raise ValueError(f"Engine.launch: group {group} already has step {self.inflight[group][0]} in flight")
         now = time.perf_counter()
+        if self.speculation is not None:
+            self.speculation.draft(self.scheduler.groups[group].running.values(), self.requests.params)
         scheduled = self.scheduler.schedule(group, *self._budget(group, now))
         done = [self._end(seq.request_id, "error", message) for seq, message in scheduled.failed]
         if scheduled.empty:
@@ -230,9 +241,12 @@ class Engine:
         return LaunchedStep(group=group, step_id=step_id, batch=batch, output=output, sampling=sampling), done
 
     def complete(self, group: int, step_id: int, request_ids, tokens: list[int],
-                 logprobs: list[TokenLogprobs | None] | None = None) -> list[RequestOutput]:
-        """The sampled tokens of a launched step (one per request that samples, in row order, with
-        their logprobs where asked); returns the requests that ended with them."""
+                 logprobs: list[TokenLogprobs | None] | None = None,
+                 counts: list[int] | None = None) -> list[RequestOutput]:
+        """The sampled tokens of a launched step (``counts[i]`` of them for each request that samples,
+        in row order, request after request; None: one each; with their logprobs where asked);
+        returns the requests that ended with them. A request that verified drafts keeps the KV of
+        the accepted ones: every stage drops the rest before its next step."""
         scheduled = self._take(group, step_id)
         seqs = scheduled.sampled
         expected = [s.request_id for s in seqs]
@@ -243,10 +257,21 @@ class Engine:
             for chunk in scheduled.prefills:
                 if chunk.seq.request_id in self.requests:
                     self.prefix.written(chunk.seq, chunk.start + chunk.length)
-            for seq in scheduled.decodes:
-                if seq.request_id in self.requests:
-                    self.prefix.written(seq, len(seq.prompt_ids) + len(seq.output_ids))
-        ended = self.requests.record(seqs, tokens, logprobs)
+        per_seq, per_lp, at = [], [], 0
+        for n in counts or [1] * len(seqs):
+            per_seq.append(tokens[at:at + n])
+            per_lp.append(None if logprobs is None else logprobs[at:at + n])
+            at += n
+        ended = self.requests.record(seqs, per_seq, per_lp)
+        first_decode = len(seqs) - len(scheduled.decodes)
+        for i, (seq, new) in enumerate(zip(seqs, per_seq)):
+            if seq.request_id not in self.requests:
+                continue
+            if seq.drafts:  # the rejected drafts' slots go back
+                self.speculation.verified(seq, len(new))
+                self.scheduler.budget.truncate(seq.request_id, seq.num_cached)
+            if self.prefix is not None and i >= first_decode:
+                self.prefix.written(seq, seq.num_cached)
         if self.pacer is not None:
             self.pacer.ended(group, time.perf_counter())
         return [self._end(rid, reason) for rid, reason in ended]
@@ -301,20 +326,26 @@ class Engine:
             ids.append(chunk.seq.request_id), lens.append(n), ctx.append(start), last.append(chunk.last)
             tokens += chunk.seq.prompt_ids[start : start + n]
             positions += range(start, start + n)
-        for seq in scheduled.decodes:
-            pos = seq.num_cached  # tokens cached before this step; the new slot is the next one
-            ids.append(seq.request_id), lens.append(1), ctx.append(pos), last.append(True)
+        for seq in scheduled.decodes:  # those with drafts first: they run as chunks
+            pos, n = seq.num_cached, 1 + len(seq.drafts)  # tokens cached before this step; its slots follow
+            ids.append(seq.request_id), lens.append(n), ctx.append(pos), last.append(True)
             vision = self._vision.get(seq.request_id)
-            tokens.append(seq.output_ids[-1]), positions.append(pos + (0 if vision is None else vision.delta))
+            tokens.append(seq.output_ids[-1]), tokens.extend(seq.drafts)
+            positions += range(pos, pos + n) if vision is None else range(pos + vision.delta, pos + vision.delta + n)
+        verifying = sum(1 for seq in scheduled.decodes if seq.drafts)
+        drafts = None
+        if verifying:
+            drafts = ((),) * len(scheduled.prefills) + tuple(seq.drafts for seq in scheduled.decodes)
         device = self.executor.device
         positions = int_tensor(positions, device=device)
         hits = None
         if any(c.first and c.seq.prefix_blocks for c in scheduled.prefills):
             hits = tuple(c.seq.prefix_blocks if c.first else () for c in scheduled.prefills)
             hits += ((),) * len(scheduled.decodes)
-        return StepBatch(request_ids=ids, num_prefills=len(scheduled.prefills), query_lens=lens, context_lens=ctx,
-                         positions=positions, token_ids=int_tensor(tokens, device=device), last_chunk=last,
-                         prefix_blocks=hits, **self._image_fields(scheduled, positions))
+        return StepBatch(request_ids=ids, num_prefills=len(scheduled.prefills) + verifying, query_lens=lens,
+                         context_lens=ctx, positions=positions, token_ids=int_tensor(tokens, device=device),
+                         last_chunk=last, prefix_blocks=hits, draft_tokens=drafts,
+                         **self._image_fields(scheduled, positions))
 
     def _image_fields(self, scheduled: ScheduledStep, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """When a prefill chunk of the step belongs to a prompt with images: every row's 3-D
@@ -356,6 +387,8 @@ class Engine:
         self._vision.pop(request_id, None)
         if self.prefix is not None:
             self.prefix.forget(request_id)
+        if self.speculation is not None:
+            self.speculation.forget(request_id)
         self.scheduler.finish(request_id)
         self.executor.free([request_id])
         if not self.executor.is_last:

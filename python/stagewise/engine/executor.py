@@ -20,45 +20,21 @@ stage continues it exactly.
 from __future__ import annotations
 
 import concurrent.futures
-import time
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from stagewise.engine.constraints import Constraint, MaskBuffer, Vocabulary, compute_masks, masks_ahead, vocabulary
 from stagewise.engine.handoff import KVHandoff, KVShard, read_kv, split_handoff, write_kv
-from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
-from stagewise.engine.sampling import History, Sampler, make_generator, token_logprobs
+from stagewise.engine.params import SamplingRequest
 from stagewise.engine.step_meta import StepMetadata
+from stagewise.engine.step_sampling import Sampled, StepSampler, checkpoint_vocabulary
 from stagewise.kv import KVCache, KVCacheManager
 from stagewise.kv.cache import group_blocks
-from stagewise.model.batch import StepBatch, split_for_pcp
-from stagewise.model.loader import open_checkpoint
+from stagewise.model.batch import StepBatch
+from stagewise.model.kv_metadata import split_for_pcp
 from stagewise.model.loader.sharding import kv_heads_of_rank
 from stagewise.model.stage import StageModel
-
-
-@dataclass(kw_only=True, slots=True)
-class Sampled:
-    """What the last stage returns for a step: one token per request, and the log-probabilities
-    of the requests that asked for them."""
-
-    tokens: torch.Tensor
-    """``int64 [R]``."""
-    logprobs: list[TokenLogprobs | None] | None = None
-    """One entry per request (None where not asked); None when no request asked."""
-
-
-@dataclass(kw_only=True, slots=True)
-class _Sampling:
-    params: SamplingParams
-    generator: torch.Generator | None
-    history: History | None
-    """The tokens it has seen, when a penalty needs them."""
-    constraint: Constraint | None = None
-    """Its structured-output constraint's state, when it has one."""
 
 
 class RanksOutOfStep(RuntimeError):
@@ -116,13 +92,12 @@ class Executor:
         self.leads = groups.tp.rank == 0 and groups.pcp.rank == 0
         """Whether this rank drives the stage (and, on the last stage, samples)."""
         self.mirror: Mirror | None = None
-        self.sampler = Sampler()
-        self._sampling: dict[Hashable, _Sampling] = {}
-        self._vocab, self._mask_buffer = None, None  # the tokenizer as constraints see it, and their masks' memory
+        self.sampling = StepSampler(self.device, checkpoint_vocabulary(model))
+        """The last stage's leader: each request's sampling state, and the sampling of its steps."""
+        self._drafted: dict[Hashable, int] = {}
+        """Drafts of each request's last step that verified some: the KV its next step may roll back."""
         self.threads_by_tokens: tuple[int, int] | None = None
         """(torch threads for a step of one token, for a larger step), or None: the process's."""
-        self.constraint_s = 0.0
-        """Seconds of this rank's steps on structured output: masks, applying them, advancing them."""
 
     @property
     def is_first(self) -> bool:
@@ -131,6 +106,11 @@ class Executor:
     @property
     def is_last(self) -> bool:
         return self.model.is_last
+
+    @property
+    def constraint_s(self) -> float:
+        """Seconds of this rank's steps on structured output: masks, applying them, advancing them."""
+        return self.sampling.constraint_s
 
     @property
     def manager(self) -> KVCacheManager:
@@ -144,7 +124,7 @@ class Executor:
     @property
     def requests(self) -> set[Hashable]:
         """Every request this rank keeps state of (KV or, on the last stage, sampling)."""
-        return {*self.manager.request_ids(), *self._sampling}
+        return {*self.manager.request_ids(), *self.sampling.requests}
 
     def run(self, batch: StepBatch,
             sampling: Mapping[Hashable, SamplingRequest] | None = None) -> torch.Tensor | Sampled | None:
@@ -174,30 +154,34 @@ class Executor:
                             pinned[i].remove(m)  # the request holds them now
                 else:
                     have = self.manager.num_tokens(rid) if rid in self.manager else None
-                    if have != ctx:
+                    if have != ctx and not (have is not None and 0 < have - ctx <= self._drafted.get(rid, 0)):
                         what = "continues its prefill" if i < batch.num_prefills else "decodes"
                         raise ValueError(f"request {rid!r} {what} at position {ctx} but this stage holds "
                                          f"{have} of its tokens")
                     for m in self.managers:
+                        if have != ctx:  # its previous step's rejected drafts
+                            m.truncate(rid, ctx)
                         m.append(rid, n)
+                    self._drafted.pop(rid, None)
+            if batch.draft_tokens is not None:
+                self._drafted.update((rid, len(d)) for rid, d in zip(batch.request_ids, batch.draft_tokens) if d)
             if self.is_last and self.leads:
                 for rid in added:
                     new = (sampling or {}).get(rid)
                     if new is None:
                         raise ValueError(f"request {rid!r} has no sampling parameters on the last stage")
-                    params = new.params
-                    self._sampling[rid] = _Sampling(
-                        params=params, generator=make_generator(params, self.device),
-                        history=History(new.prompt_ids, new.output_ids) if params.penalised else None,
-                        constraint=self._constraint(rid, params, new.output_ids))
+                    self.sampling.start(rid, new.params, new.prompt_ids, new.output_ids)
             pcp = self.model.groups.pcp
             split = split_for_pcp(batch, pcp.rank, pcp.size) if pcp.size > 1 else None
             metas = [m.build(batch, split) for m in self._metadata]
             if self.mirror is not None:
                 self.mirror.run(batch)
-            entries = [self._sampling[rid] for rid in batch.sampled_ids()] if self.is_last and self.leads else []
-            if any(e.constraint is not None for e in entries) and self._spare_core():
-                ahead = masks_ahead([e.constraint for e in entries], self._vocabulary(), self._masks())
+            entries, drafts = [], None
+            if self.is_last and self.leads:
+                entries = [self.sampling.requests[rid] for rid in batch.sampled_ids()]
+                if batch.draft_tokens is not None:
+                    drafts = [d for d, last in zip(batch.draft_tokens, batch.last_chunk) if last]
+                ahead = self.sampling.ahead([e for i, e in enumerate(entries) if drafts is None or not drafts[i]])
             try:
                 out = self.model(batch, self.kv_cache, metas)
             except Exception as err:
@@ -210,7 +194,7 @@ class Executor:
                         m.trim(rid)
             if not self.is_last or not self.leads:
                 return out
-            return self._sample(out, entries, ahead)
+            return self.sampling.sample(out, entries, ahead, drafts)
         except Exception:
             if ahead is not None:  # its rows' constraints are not read any more once this returns
                 concurrent.futures.wait([ahead])
@@ -235,66 +219,6 @@ class Executor:
             raise
         return holds
 
-    def _sample(self, logits: torch.Tensor, entries: list[_Sampling],
-                ahead: concurrent.futures.Future | None) -> Sampled:
-        """``ahead``: the constrained rows' masks being computed (:func:`masks_ahead`)."""
-        if not entries:  # only chunks that more of their prompts follow
-            return Sampled(tokens=torch.zeros(0, dtype=torch.int64, device=logits.device))
-        params = [e.params for e in entries]
-        held = any(e.constraint is not None for e in entries)
-        start = time.perf_counter() if held else 0.0
-        if ahead is not None:
-            masks = ahead.result()
-        else:
-            masks = compute_masks([e.constraint for e in entries], self._vocabulary(), self._masks()) if held else None
-        wants_logprobs = any(p.logprobs is not None for p in params)  # they are read from the unmasked logits
-        allowed = logits if masks is None else masks.apply(logits, in_place=not wants_logprobs)
-        if held:
-            self.constraint_s += time.perf_counter() - start
-        tokens = self.sampler.sample(allowed, params, [e.generator for e in entries], [e.history for e in entries])
-        logprobs = None
-        if wants_logprobs:
-            logprobs = token_logprobs(logits, tokens, [p.logprobs for p in params])
-        if held or any(e.history is not None for e in entries):
-            start = time.perf_counter()
-            for e, token in zip(entries, tokens.tolist()):
-                if e.history is not None:
-                    e.history.append(token)
-                if e.constraint is not None:
-                    e.constraint.consume([token])
-            if held:
-                self.constraint_s += time.perf_counter() - start
-        return Sampled(tokens=tokens, logprobs=logprobs)
-
-    def _spare_core(self) -> bool:
-        """Whether the masks can be computed while the forward runs: on a GPU, or when torch leaves
-        a core of this process free. Else a thread beside torch's would preempt one of them, and
-        every kernel waits for it (measured on 2 cores: +0.5 ms a batch-1 step, more than the
-        60-220 us of mask it hides)."""
-        from stagewise.launch.local import usable_cores
-
-        return self.device.type != "cpu" or torch.get_num_threads() < usable_cores()
-
-    def _vocabulary(self) -> Vocabulary:
-        """The model's tokenizer as the constraints see it (read from its checkpoint when first
-        needed, then kept)."""
-        if self._vocab is None:
-            source, cfg = self.model.tokenizer_source, self.model.config
-            if source is None:
-                raise ValueError("structured output needs the model's tokenizer; this stage was built without its "
-                                 "checkpoint")
-            self._vocab = vocabulary(("checkpoint", str(source)), lambda: open_checkpoint(source).tokenizer(),
-                                     cfg.vocab_size, cfg.eos_token_ids)
-        return self._vocab
-
-    def _masks(self) -> MaskBuffer:
-        if self._mask_buffer is None:
-            self._mask_buffer = MaskBuffer(self._vocabulary().mask_words)
-        return self._mask_buffer
-
-    def _constraint(self, rid: Hashable, params: SamplingParams, output_ids=()) -> Constraint | None:
-        return Constraint(self._vocabulary(), params, rid, output_ids) if params.constrained else None
-
     def reset_kv(self) -> None:
         """Every block free, no cached ones, as in a new executor (no request may hold KV): what
         puts the stages' pools back in step after a step failed on some of them."""
@@ -312,7 +236,8 @@ class Executor:
             for m in self.managers:
                 if rid in m:
                     m.free(rid)
-            self._sampling.pop(rid, None)
+            self.sampling.forget(rid)
+            self._drafted.pop(rid, None)
         for m in self._metadata:
             m.forget(request_ids)
 
@@ -336,7 +261,7 @@ class Executor:
             raise ValueError(f"export_request: this stage holds no KV for request {request_id!r}")
         spec = self.kv_cache.spec
         k, v = read_kv(self.managers, self.kv_cache, request_id, self.manager.num_local_tokens(request_id))
-        entry = self._sampling.get(request_id)
+        entry = self.sampling.requests.get(request_id)
         history = None
         if entry is not None and (entry.history is not None or entry.constraint is not None):
             prompt = sorted(entry.history.prompt) if entry.history is not None else []
@@ -379,14 +304,8 @@ class Executor:
                 m.add(rid, handoff.num_tokens)
             write_kv(self.managers, self.kv_cache, rid, handoff.k, handoff.v)
             if samples:
-                params = handoff.sampling
-                generator = make_generator(params, self.device)
-                if generator is not None and handoff.generator_state is not None:
-                    generator.set_state(handoff.generator_state)
                 prompt, output = handoff.history or ([], [])
-                self._sampling[rid] = _Sampling(params=params, generator=generator,
-                                                history=History(prompt, output) if params.penalised else None,
-                                                constraint=self._constraint(rid, params, output))
+                self.sampling.start(rid, handoff.sampling, prompt, output, handoff.generator_state)
         except Exception:
             for m in self.managers:
                 if rid in m:

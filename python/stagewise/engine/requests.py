@@ -42,6 +42,10 @@ class RequestOutput:
     finish_s: float = 0.0
     cached_tokens: int = 0
     """Prompt tokens found in the prefix cache (not computed again)."""
+    draft_tokens: int = 0
+    """Draft tokens proposed for it (speculative decoding)."""
+    accepted_tokens: int = 0
+    """Of them, those the last stage accepted."""
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
@@ -120,30 +124,35 @@ class Requests:
         """time.perf_counter() when a live request's first token was recorded (None: not yet)."""
         return self._live[request_id].first_token_s
 
-    def record(self, seqs: Iterable[SeqState], tokens: Iterable[int],
-               logprobs: Sequence[TokenLogprobs | None] | None = None) -> list[tuple[Hashable, str]]:
-        """Append each request's sampled token (one per seq, in order; ``logprobs`` beside them
-        where asked) and return ``(request_id, finish_reason)`` of those that end with it:
-        'stop' at a stop token, 'length' at ``max_new_tokens`` or the model's length. Requests
-        that ended meanwhile are skipped."""
+    def record(self, seqs: Iterable[SeqState], tokens: Iterable[Sequence[int]],
+               logprobs: Iterable[Sequence[TokenLogprobs | None]] | None = None) -> list[tuple[Hashable, str]]:
+        """Append each request's sampled tokens (a sequence per seq, in order: one, or the accepted
+        drafts and one more after a speculative step; ``logprobs`` beside them where asked) and
+        return ``(request_id, finish_reason)`` of those that end with them: 'stop' at a stop token,
+        'length' at ``max_new_tokens`` or the model's length; a request's tokens after the one
+        that ends it are dropped. Requests that ended meanwhile are skipped."""
         ended, now = [], time.perf_counter()
         seqs = list(seqs)
         logprobs = logprobs if logprobs is not None else [None] * len(seqs)
-        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
+        for seq, new, lps in zip(seqs, tokens, logprobs, strict=True):
             req = self._live.get(seq.request_id)
             if req is None:
                 continue
-            seq.output_ids.append(token)
             if req.first_token_s is None:
                 req.first_token_s = now
-            if req.logprobs is not None:
-                req.logprobs.append(lp)
-            self._tokens.append((seq.request_id, token, lp))
-            if token in req.stop_ids:
-                ended.append((seq.request_id, "stop"))
-            elif (len(seq.output_ids) >= req.params.max_new_tokens
-                  or len(seq.prompt_ids) + len(seq.output_ids) >= self.max_model_len):
-                ended.append((seq.request_id, "length"))  # max_model_len bounds prompt + generated tokens
+            for i, token in enumerate(new):
+                lp = None if lps is None else lps[i]
+                seq.output_ids.append(token)
+                if req.logprobs is not None:
+                    req.logprobs.append(lp)
+                self._tokens.append((seq.request_id, token, lp))
+                if token in req.stop_ids:
+                    ended.append((seq.request_id, "stop"))
+                    break
+                if (len(seq.output_ids) >= req.params.max_new_tokens
+                        or len(seq.prompt_ids) + len(seq.output_ids) >= self.max_model_len):
+                    ended.append((seq.request_id, "length"))  # max_model_len bounds prompt + generated tokens
+                    break
         return ended
 
     def take_tokens(self) -> list[tuple[Hashable, int, TokenLogprobs | None]]:
@@ -159,4 +168,5 @@ class Requests:
         return RequestOutput(request_id=request_id, prompt_ids=seq.prompt_ids, token_ids=list(seq.output_ids),
                              finish_reason=reason, error=error, logprobs=req.logprobs, arrival_s=req.arrival_s,
                              first_token_s=req.first_token_s, finish_s=time.perf_counter(),
-                             cached_tokens=seq.cached_tokens)
+                             cached_tokens=seq.cached_tokens, draft_tokens=seq.proposed,
+                             accepted_tokens=seq.accepted)

@@ -34,7 +34,7 @@ import torch
 
 from stagewise.engine.params import SamplingParams, TokenLogprobs
 
-__all__ = ["History", "Sampler", "apply_penalties", "make_generator", "token_logprobs"]
+__all__ = ["History", "Sampler", "apply_penalties", "inverse_cdf", "make_generator", "token_logprobs", "uniforms"]
 
 class History:
     """The tokens one request has seen, for its penalties: the prompt (repetition) and the
@@ -87,8 +87,8 @@ class Sampler:
         if rows:
             idx = torch.tensor(rows, device=logits.device)
             probs = self.filtered_probs(logits.index_select(0, idx), [params[i] for i in rows])
-            uniforms = _uniforms(len(rows), [generators[i] for i in rows], logits.device)
-            out.index_copy_(0, idx, _inverse_cdf(probs, uniforms))
+            draws = uniforms(len(rows), [generators[i] for i in rows], logits.device)
+            out.index_copy_(0, idx, inverse_cdf(probs, draws))
         return out
 
     @staticmethod
@@ -211,7 +211,7 @@ def _check_batch(logits: torch.Tensor, params: list, generators: list) -> None:
         )
 
 
-def _uniforms(n: int, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+def uniforms(n: int, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
     """One U[0, 1) per row: ``float64 [n]``; seeded rows each from their own generator."""
     u = torch.empty(n, dtype=torch.float64, device=device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
@@ -223,7 +223,7 @@ def _uniforms(n: int, generators: list[torch.Generator | None], device: torch.de
     return u
 
 
-def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Row-wise draw: ``probs [n, V]``, ``uniforms [n]`` -> ``LongTensor [n]``.
 
     Picks the first token whose cumulative mass exceeds u * total. A zero-probability

@@ -50,6 +50,13 @@ class SeqState:
     """Prompt tokens found in the prefix cache when it was admitted: its first chunk starts there."""
     prefix_blocks: tuple[int, ...] = ()
     """The cached blocks holding them, which its first step shares."""
+    drafts: tuple[int, ...] = ()
+    """Draft tokens its next decode step verifies (speculative decoding): the step feeds its last
+    token and these, and yields 1 to ``len(drafts) + 1`` tokens."""
+    proposed: int = 0
+    """Draft tokens its steps verified so far."""
+    accepted: int = 0
+    """Of them, those accepted."""
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -88,7 +95,8 @@ class ScheduledStep:
     prefills: list[PrefillChunk]
     """Prompt chunks that run this step (KV allocated for the whole prompt)."""
     decodes: list[SeqState]
-    """Running requests that feed their last generated token (slot allocated)."""
+    """Running requests that feed their last generated token (slot allocated), those that verify
+    drafts first (slots for them too)."""
     failed: list[tuple[SeqState, str]]
     """Requests that could not get KV blocks, with the reason; their blocks are already freed."""
 
@@ -208,17 +216,26 @@ class Scheduler:
         prompts of queued requests while rows and blocks allow. ``prefill_budget`` and ``new_rows``
         (see :mod:`stagewise.engine.pacing`) lower the prompt tokens and the requests started."""
         step = ScheduledStep(prefills=[], decodes=[], failed=[])
+        verifying: list[SeqState] = []
         for seq in list(self.running.values()):
             if not seq.output_ids:
                 continue  # cannot happen after a completed step; guards a step that raised
             try:
-                self.budget.append(seq.request_id, 1)
+                try:
+                    self.budget.append(seq.request_id, 1 + len(seq.drafts))
+                except OutOfKVBlocks:
+                    if not seq.drafts:
+                        raise
+                    seq.drafts = ()  # no room to speculate: decode one token
+                    self.budget.append(seq.request_id, 1)
             except OutOfKVBlocks as err:
                 step.failed.append((seq, f"out of KV cache blocks: request {seq.request_id!r} at "
                                          f"{seq.num_cached} tokens needs another block ({err})"))
                 self.finish(seq.request_id)
                 continue
-            step.decodes.append(seq)
+            (verifying if seq.drafts else step.decodes).append(seq)
+        if verifying:  # rows that verify drafts run as chunks, before the decodes
+            step.decodes[:0] = verifying
         budget = self.max_prefill_tokens if prefill_budget is None else min(prefill_budget, self.max_prefill_tokens)
         for seq in list(self.running.values()):
             if budget > 0 and seq.num_prefilled < len(seq.prompt_ids):

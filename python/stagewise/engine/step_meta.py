@@ -2,7 +2,7 @@
 
 In steady decode a group's next step holds the same requests, each one position further. Unless
 a request crosses into a new block, its block table stays the same and its slot is the next one
-of the same block, so the step's :class:`~stagewise.model.batch.KVMetadata` is the previous one
+of the same block, so the step's :class:`~stagewise.model.kv_metadata.KVMetadata` is the previous one
 with ``slot_mapping`` and ``seq_lens`` one higher: adding one in place instead of building the
 block tables, slot mapping and lengths from the manager, which every stage of a pipeline pays
 once per token (at batch 1 on a CPU ~250 us, most of it torch's dispatch running with the caches
@@ -21,7 +21,8 @@ from collections.abc import Hashable, Iterable
 import torch
 
 from stagewise.kv import KVCacheManager
-from stagewise.model.batch import KVMetadata, PcpSplit, StepBatch
+from stagewise.model.batch import StepBatch
+from stagewise.model.kv_metadata import KVMetadata, PcpSplit
 
 MAX_ENTRIES = 8
 """Decode batches remembered per manager: one per microbatch group in flight is what steady

@@ -3,7 +3,7 @@ stage processes (``Pipeline(..., stages=1)``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from stagewise.engine.params import SamplingParams, TokenLogprobs
 from stagewise.engine.requests import RequestOutput
@@ -20,6 +20,22 @@ class LocalBackend:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._ended: list[RequestOutput] = []
+
+    @classmethod
+    def load(cls, checkpoint, *, dtype, device, quantized: bool | None, linear_precision: str, progress,
+             tpot_target_ms: float | None, speculative: str | None, num_speculative_tokens: int,
+             **engine: Any) -> LocalBackend:
+        """Every layer of ``checkpoint`` loaded here under one engine (``engine``: the rest of
+        :meth:`Engine.for_model`'s options)."""
+        from stagewise.engine.engine import Engine
+        from stagewise.engine.speculative import SpeculativeConfig
+        from stagewise.model.stage import load_stage
+
+        stage = load_stage(checkpoint, 0, checkpoint.config.num_layers, dtype=dtype, device=device,
+                           quantized=quantized, linear_precision=linear_precision, progress=progress)
+        return cls(Engine.for_model(stage, device=device, tpot_target_s=None if tpot_target_ms is None
+                                    else tpot_target_ms / 1e3,
+                                    speculative=SpeculativeConfig.of(speculative, num_speculative_tokens), **engine))
 
     def add(self, request_id: int, prompt_ids: list[int], params: SamplingParams,
             images: ImageInputs | None = None) -> None:

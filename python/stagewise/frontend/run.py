@@ -71,6 +71,10 @@ class Completion:
     """With ``logprobs=K``: one entry per generated token."""
     cached_tokens: int = 0
     """Prompt tokens whose KV the prefix cache held (not computed again)."""
+    draft_tokens: int = 0
+    """Draft tokens proposed for it (speculative decoding)."""
+    accepted_tokens: int = 0
+    """Of them, those the last stage accepted."""
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
@@ -126,6 +130,8 @@ class Run:
         self._first: dict[int, float] = {}
         self._ended: dict[int, tuple[int, float | None]] = {}
         """request id -> (tokens, first token time) of the requests that ended."""
+        self._drafted = [0, 0]
+        """Draft tokens proposed for the requests that ended, and those accepted (speculative decoding)."""
         self._pending: set[int] = set()
         """Requests whose output the backend has not given yet (a stop string's cancel too): a
         call returns when none is left, so that nothing of it is left on the backend."""
@@ -176,7 +182,7 @@ class Run:
             self._pending.discard(out.request_id)
             closed = self._stopping.pop(out.request_id, None)
             if closed is not None:  # a stop string ended it: its text and tokens up to there
-                self._done(out.request_id, closed, closed.tokens, None, out.cached_tokens)
+                self._done(out.request_id, closed, closed.tokens, None, out)
             elif out.request_id in self.streams:
                 self._finish(out.request_id, out.finish_reason, out)
 
@@ -226,22 +232,27 @@ class Run:
             self.backend.abort(rid, f"{type(err).__name__}: {err}")
 
     def _finish(self, rid: int, reason: str, out: RequestOutput) -> None:
-        self._done(rid, self._close(rid, reason), out.token_ids, out.error, out.cached_tokens)
+        self._done(rid, self._close(rid, reason), out.token_ids, out.error, out)
 
     def _close(self, rid: int, reason: str) -> Closed:
         closed = self.streams.close(rid, reason)
         self._hand_out(rid, closed.tail)
         return closed
 
-    def _done(self, rid: int, closed: Closed, tokens: list[int], error: str | None, cached: int) -> None:
+    def _done(self, rid: int, closed: Closed, tokens: list[int], error: str | None, out: RequestOutput) -> None:
         logprobs = self._logprobs.get(rid)
         self._ended[rid] = (len(tokens), self._first.get(rid))
+        self._drafted[0] += out.draft_tokens
+        self._drafted[1] += min(out.accepted_tokens, max(len(tokens) - 1, 0))
         self._complete(self._index[rid], self._prompts[rid], tokens, closed.text, closed.finish_reason,
-                       error, None if logprobs is None else logprobs[: len(tokens)], cached)
+                       error, None if logprobs is None else logprobs[: len(tokens)], out)
 
-    def _complete(self, index: int, prompt_ids, tokens, text, reason, error, logprobs, cached: int = 0) -> None:
+    def _complete(self, index: int, prompt_ids, tokens, text, reason, error, logprobs,
+                  out: RequestOutput | None = None) -> None:
+        counts = {} if out is None else dict(cached_tokens=out.cached_tokens, draft_tokens=out.draft_tokens,
+                                             accepted_tokens=out.accepted_tokens)
         result = Completion(text=text, token_ids=list(tokens), finish_reason=reason, error=error,
-                            prompt_token_ids=list(prompt_ids), logprobs=logprobs, cached_tokens=cached)
+                            prompt_token_ids=list(prompt_ids), logprobs=logprobs, **counts)
         self.results[index] = result
         if self.on_done is not None:
             self.on_done(index, result)
@@ -267,6 +278,10 @@ class Run:
                "mean_ttft_s": sum(f - self.start for f in firsts) / len(firsts) if firsts else 0.0,
                "decode_s": decode_s,
                "decode_tokens_per_s": decode_tokens / decode_s if decode_tokens and decode_s > 0 else 0.0}
+        drafted, accepted = self._drafted
+        if drafted:  # speculative decoding: each decode step gave one token and the drafts it accepted
+            out.update(draft_tokens=drafted, accepted_tokens=accepted, acceptance=accepted / drafted,
+                       tokens_per_step=decode_tokens / max(decode_tokens - accepted, 1))
         if self._held_from is not None:  # inside the steps: masks, applying them, advancing constraints
             out["constraint_s"] = self.backend.constraint_s - self._held_from
         return out

@@ -89,6 +89,18 @@ class KVBudget(BlockGeometry):
         tokens, held = self._held[request_id]
         self._reserve(request_id, tokens + n, held, decoding=True)
 
+    def truncate(self, request_id: Hashable, n: int) -> None:
+        """Shrink a decoding request to ``n`` tokens (a speculative step's rejected drafts), as every
+        stage's :meth:`~stagewise.kv.KVCacheManager.truncate` does."""
+        tokens, held = self._held[request_id]
+        if not 0 <= n <= tokens:
+            raise ValueError(f"KVBudget.truncate: request {request_id!r} holds {tokens} tokens, cannot keep {n}")
+        want = self.need(n, decoding=True)
+        for g, m in enumerate(want):
+            want[g] = min(m, held[g])
+            self._used[g] -= held[g] - want[g]
+        self._held[request_id] = (n, want)
+
     def free(self, request_id: Hashable) -> None:
         _, held = self._held.pop(request_id)
         for g, n in enumerate(held):

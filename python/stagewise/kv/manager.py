@@ -149,6 +149,24 @@ class KVCacheManager(BlockGeometry):
         self._blocks[request_id] = self._grown(self._blocks[request_id], have, have + n)
         self._num_tokens[request_id] = have + n
 
+    def truncate(self, request_id: Hashable, n: int) -> None:
+        """Shrink a request to its first ``n`` positions: the KV of the later ones (draft tokens a
+        speculative step wrote and the last stage rejected) is dropped, and the blocks wholly past
+        ``n`` go back to the pool (not cached: they hold rejected tokens). Every stage and rank
+        truncates at the same step, so their pools stay the same. Not with a sliding window (its
+        trimmed front cannot come back)."""
+        have = self.num_tokens(request_id)
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= have:
+            raise ValueError(f"KVCacheManager.truncate: n for request {request_id!r} must be an int in [0, {have}], "
+                             f"got {n!r}")
+        if self.window is not None and n < have:
+            raise ValueError(f"KVCacheManager.truncate: request {request_id!r} holds a {self.window}-token window, "
+                             "which cannot be rolled back")
+        blocks, keep = self._blocks[request_id], self.blocks_for(n)
+        self.pool.free([b for b in blocks[keep:] if b != PAD_BLOCK_ID])
+        del blocks[keep:]
+        self._num_tokens[request_id] = n
+
     def _grown(self, blocks: list[int], have: int, total: int) -> list[int]:
         """``blocks`` with the blocks of the positions ``[have, total)`` stores taken from the pool
         (all at once, or :class:`OutOfKVBlocks` with none taken)."""

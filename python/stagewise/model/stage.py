@@ -19,7 +19,8 @@ from stagewise.int_tensors import int_tensor
 from stagewise.kv import KVCache, KVCacheSpec
 from stagewise.model import architectures
 from stagewise.model.architectures.base import StageBuild
-from stagewise.model.batch import KVMetadata, StepBatch
+from stagewise.model.batch import StepBatch
+from stagewise.model.kv_metadata import KVMetadata
 from stagewise.model.collectives import StageGroups
 from stagewise.model.config import ModelConfig
 from stagewise.model.decode_stack import build_decode_stack
@@ -133,7 +134,8 @@ class StageModel(nn.Module):
     def forward(self, batch: StepBatch, kv_cache: KVCache,
                 meta: KVMetadata | Sequence[KVMetadata]) -> torch.Tensor | None:
         """Hidden states ``[T, hidden]`` for the next stage, or on the last stage logits:
-        ``[R, vocab]`` at each request's last token, ``[T, vocab]`` with ``batch.all_logits``.
+        ``[R, vocab]`` at each request's last token (all of a row's tokens where it verifies drafts:
+        ``batch.logit_rows()``), ``[T, vocab]`` with ``batch.all_logits``.
 
         Every TP rank of the stage runs the same step; hidden states come out whole on each. The
         logits are gathered to TP rank 0 only (where sampling runs): the last stage's other TP
@@ -170,12 +172,19 @@ class StageModel(nn.Module):
         if batch.pixel_values is not None:
             raise ValueError("StageModel.forward: the step still holds pixel_values; run encode_images first")
         stack = self.decode_stack if batch.num_tokens > 0 and split is None else None
-        if stack is not None and (batch.num_prefills == 0 or _fresh_prompts(batch)):
+        verifying = stack is not None and _verifying(batch)
+        if stack is not None and (batch.num_prefills == 0 or verifying or _fresh_prompts(batch)):
             has_residual = residual is not None
             residual = residual if has_residual else torch.empty_like(x)
             if batch.num_prefills == 0:
                 stack.decode(x, residual, has_residual, batch.positions, meta.slot_mapping, meta.block_tables,
                              meta.seq_lens, kv_cache.storage)
+            elif verifying:  # each row of a request's drafts attends up to itself: the table and length per row
+                tables = meta.block_tables.repeat_interleave(int_tensor(batch.query_lens, device=x.device), dim=0)
+                lens = int_tensor([c + j for c, n in zip(batch.context_lens, batch.query_lens) for j in range(1, n + 1)],
+                                  torch.int32, x.device)
+                stack.verify(x, residual, has_residual, batch.positions, meta.slot_mapping, tables, lens,
+                             kv_cache.storage)
             else:
                 stack.prefill(x, residual, has_residual, batch.positions, meta.slot_mapping, list(batch.query_lens),
                               kv_cache.storage)
@@ -195,7 +204,7 @@ class StageModel(nn.Module):
             # Sending x + residual rather than both halves the bytes; the next layer's norm sees
             # the same sum, rounded the same way, as fused_add_rms_norm would form.
             return x if residual is None else x + residual
-        rows = batch.last_token_rows()
+        rows = batch.logit_rows()
         if not batch.all_logits and len(rows) < x.size(0):  # else every row is sampled: x as it is
             rows = int_tensor(rows, device=x.device)
             x, residual = x[rows], None if residual is None else residual[rows]
@@ -251,6 +260,14 @@ def _python_loop_reason(config: ModelConfig, device: torch.device, groups: Stage
     if windowed:
         return f"the C++ layer loop attends over every cached token, and layers {windowed} have a sliding window"
     return None
+
+
+def _verifying(batch: StepBatch) -> bool:
+    """Whether every prefill row of ``batch`` verifies drafts (the rest decode), without images: a
+    step the C++ layer loop runs as decode rows, several per request (``DecoderStack.verify``)."""
+    drafts = batch.draft_tokens
+    return (drafts is not None and all(drafts[:batch.num_prefills]) and batch.mrope_positions is None
+            and batch.visual_rows is None)
 
 
 def _fresh_prompts(batch: StepBatch) -> bool:

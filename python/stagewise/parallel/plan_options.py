@@ -13,6 +13,7 @@ LAUNCHERS = ("local", "ray")
 PLACEMENTS = ("spread", "pack", "strict_spread")
 """How a Ray launch places the stages (Ray's SPREAD, PACK and STRICT_SPREAD placement groups)."""
 OPTION_KEYS = ("dtype", "transport", "checksum", "max_num_seqs", "max_prefill_tokens", "tpot_target_ms", "prefix_cache",
+               "speculative", "num_speculative_tokens",
                "max_model_len", "kv_cache_bytes", "max_num_tokens", "block_size", "quantized", "linear_precision",
                "pcp", "dcp", "interleave_size", "launcher", "placement", "tls", "sampling")
 
@@ -64,6 +65,9 @@ def option_problems(options: dict[str, Any]) -> list[str]:
             problems.append(problem(name, value, "an int >= 1 or null"))
     if (why := tpot_target_problem(get("tpot_target_ms"), "tpot_target_ms")) is not None:
         problems.append(why)
+    from stagewise.engine.speculative import option_problems as speculative_problems
+
+    problems += speculative_problems(get("speculative"), get("num_speculative_tokens", 3))
     block, inter = get("block_size", 16), get("interleave_size", 1)
     if isinstance(block, int) and isinstance(inter, int) and inter >= 1 and block % inter:
         problems.append(f"interleave_size={inter} must divide block_size={block} (a context-parallel rank's "

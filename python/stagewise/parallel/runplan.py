@@ -10,6 +10,8 @@ A run plan is a YAML (or JSON) file::
     max_prefill_tokens: 8192     # prompt tokens per step: a longer prompt is prefilled in chunks
     tpot_target_ms: 20           # optional: new prompts wait, or run in chunks, so that streams keep this pace
     prefix_cache: true           # a prompt's beginning that earlier requests computed reuses their KV
+    speculative: ngram           # optional: draft tokens by prompt lookup, verified in one step
+    num_speculative_tokens: 3    # most drafts per request and step
     max_model_len: 2048          # optional
     kv_cache_bytes: 268435456    # optional, per stage
     tp: 1                        # tensor-parallel ranks per stage (a stage may give its own)
@@ -123,6 +125,10 @@ class RunPlan:
     prefix_cache: bool = True
     """Stage 0's scheduler starts a request after the cached KV blocks of its prompt's beginning
     (:mod:`stagewise.engine.prefix_cache`); False: every prompt from its first token."""
+    speculative: str | None = None
+    """Stage 0 drafts tokens (``ngram``: prompt lookup) that one step verifies on every stage
+    (:mod:`stagewise.engine.speculative`); None: one token per step."""
+    num_speculative_tokens: int = 3
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
     max_num_tokens: int | None = None

@@ -297,7 +297,8 @@ class PipelineDriver:
         return RequestOutput(request_id=result.request_id, prompt_ids=req.prompt_ids, token_ids=result.token_ids,
                              finish_reason=reason, error=error, logprobs=req.logprobs, arrival_s=req.arrival_s,
                              first_token_s=req.first_token_s, finish_s=time.perf_counter(),
-                             cached_tokens=result.cached_tokens)
+                             cached_tokens=result.cached_tokens, draft_tokens=result.draft_tokens,
+                             accepted_tokens=result.accepted_tokens)
 
     def _check_health(self, now: float) -> None:
         for i in range(len(self.members)):

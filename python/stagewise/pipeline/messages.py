@@ -127,6 +127,10 @@ class Result:
     error: str | None = None
     cached_tokens: int = 0
     """Prompt tokens the prefix cache held."""
+    draft_tokens: int = 0
+    """Draft tokens proposed for it (speculative decoding)."""
+    accepted_tokens: int = 0
+    """Of them, those the last stage accepted."""
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:

@@ -16,10 +16,13 @@ Along the chain (stage i -> i + 1):
 A prefill row carries its chunk's first position (0 for a prompt's first chunk) and, on the chunk
 that ends its prompt, ``LAST_PREFILL_CHUNK``. A step in which requests start after a cached prefix
 carries their shared blocks (``StepBatch.prefix_blocks``) as tensors ``prefix_counts`` (per row)
-and ``prefix_blocks`` (the ids, row after row).
+and ``prefix_blocks`` (the ids, row after row); a step whose rows verify speculative drafts carries
+them (``StepBatch.draft_tokens``) likewise as ``draft_counts`` and ``draft_tokens``, so that the last
+stage can accept them and every stage can roll their KV back with the request's next step.
 
-Back from the last stage to stage 0: :class:`Tokens` (one sampled token per request of a step
-that ends its prompt or decodes; none for a chunk more of its prompt follows)
+Back from the last stage to stage 0: :class:`Tokens` (the sampled tokens of each request of a step
+that ends its prompt or decodes: one, or with drafts verified 1 to ``k + 1``, a row's
+``num_tokens``; none for a chunk more of its prompt follows)
 or :class:`StepFailed`. Every decode failure raises :class:`ProtocolError` naming what is wrong;
 the receiving stage logs it and serves on.
 
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stagewise.engine.executor import Sampled
+from stagewise.engine.step_sampling import Sampled
 from stagewise.engine.params import SamplingParams, SamplingRequest, TokenLogprobs
 from stagewise.int_tensors import int_tensor
 from stagewise.model.batch import StepBatch
@@ -67,8 +70,11 @@ class Tokens:
     group: int
     request_ids: list[int]
     tokens: list[int]
+    """Every request's tokens, request after request."""
     logprobs: list[TokenLogprobs | None] | None = None
-    """One entry per request where some asked for logprobs (None: nobody did)."""
+    """One entry per token where some request asked for logprobs (None: nobody did)."""
+    counts: list[int] | None = None
+    """Tokens of each request; None: one each."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -110,6 +116,9 @@ def to_frame(msg: Message, *, stage_from: int, stage_to: int) -> Frame:
         if b.prefix_blocks is not None:
             tensors["prefix_counts"] = int_tensor([len(h) for h in b.prefix_blocks])
             tensors["prefix_blocks"] = int_tensor([block for h in b.prefix_blocks for block in h])
+        if b.draft_tokens is not None:
+            tensors["draft_counts"] = int_tensor([len(d) for d in b.draft_tokens])
+            tensors["draft_tokens"] = int_tensor([t for d in b.draft_tokens for t in d])
         return Frame(step_kind=kind, step_id=msg.step_id, microbatch=msg.group, stage_from=stage_from,
                      stage_to=stage_to, token_index=max(r.first_position + r.num_tokens - 1 for r in rows),
                      rows=rows, tensors=tensors)
@@ -119,7 +128,9 @@ def to_frame(msg: Message, *, stage_from: int, stage_to: int) -> Frame:
             tensors["logprobs"] = _json_bytes([None if lp is None else [lp.token, lp.logprob, lp.top]
                                                for lp in msg.logprobs])
         return Frame(step_kind=StepKind.TOKENS, step_id=msg.step_id, microbatch=msg.group, stage_from=stage_from,
-                     stage_to=stage_to, rows=[Row(int(r), 0, 1) for r in msg.request_ids], tensors=tensors)
+                     stage_to=stage_to, tensors=tensors,
+                     rows=[Row(int(r), 0, n) for r, n in zip(msg.request_ids, msg.counts or [1] * len(msg.request_ids),
+                                                             strict=True)])
     if isinstance(msg, Free):
         return Frame(step_kind=StepKind.CONTROL, stage_from=stage_from, stage_to=stage_to,
                      rows=[Row(int(r), 0, 0, RowFlags.FINISHED) for r in msg.request_ids], control={"op": "free"})
@@ -157,7 +168,7 @@ def _vision_tensors(b: StepBatch, rows: list[Row]) -> dict[str, torch.Tensor]:
 def tokens_message(step_id: int, group: int, request_ids: Sequence[int], sampled: Sampled) -> Tokens:
     """The last stage's answer to a step (its tokens on any device)."""
     return Tokens(step_id=step_id, group=group, request_ids=list(request_ids), tokens=sampled.tokens.tolist(),
-                  logprobs=sampled.logprobs)
+                  logprobs=sampled.logprobs, counts=sampled.counts)
 
 
 # ---- decoding ------------------------------------------------------------------------------
@@ -191,15 +202,18 @@ def from_frame(frame: Frame, stage: StageShape | None) -> Message:
         raise ProtocolError(f"control op {op!r} is not a pipeline message (expected 'free', 'reset_kv' or 'step_failed')")
     if kind == StepKind.TOKENS:
         ids = frame.tensors.get("token_ids")
-        rids = [r.request_id for r in frame.rows]
-        if ids is None or tuple(ids.shape) != (len(rids),) or ids.dtype != torch.int64:
-            raise ProtocolError(f"tensors['token_ids']: expected int64 of shape ({len(rids)},), got "
+        rids, counts = [r.request_id for r in frame.rows], [r.num_tokens for r in frame.rows]
+        n = sum(counts)
+        if counts and min(counts) < 1:
+            raise ProtocolError(f"rows: every request of a Tokens frame has at least one token, got {counts[:8]}")
+        if ids is None or tuple(ids.shape) != (n,) or ids.dtype != torch.int64:
+            raise ProtocolError(f"tensors['token_ids']: expected int64 of shape ({n},), got "
                                 f"{None if ids is None else (tuple(ids.shape), ids.dtype)}")
         logprobs = None
         if "logprobs" in frame.tensors:
-            logprobs = _logprobs(_from_json_bytes(frame.tensors["logprobs"], "logprobs"), len(rids))
+            logprobs = _logprobs(_from_json_bytes(frame.tensors["logprobs"], "logprobs"), n)
         return Tokens(step_id=frame.step_id, group=frame.microbatch, request_ids=rids, tokens=ids.tolist(),
-                      logprobs=logprobs)
+                      logprobs=logprobs, counts=None if n == len(rids) else counts)
     if kind in STEP_KINDS and stage is not None:
         return _step(frame, stage)
     raise ProtocolError(f"step_kind {kind!r} is not a pipeline message")
@@ -248,8 +262,9 @@ def _step(frame: Frame, stage: StageShape) -> Step:
         else:
             positions.extend(range(first, first + n))
     device = stage.device
-    hits = _prefix_blocks(frame.tensors, len(rows)) if "prefix_counts" in frame.tensors else None
-    known = 1 + (sampling is not None) + 2 * (hits is not None)
+    hits = _counted(frame.tensors, "prefix", len(rows)) if "prefix_counts" in frame.tensors else None
+    drafts = _counted(frame.tensors, "draft", len(rows)) if "draft_counts" in frame.tensors else None
+    known = 1 + (sampling is not None) + 2 * (hits is not None) + 2 * (drafts is not None)
     extra = _vision_extras(frame.tensors, tokens, stage) if len(frame.tensors) > known else {}
     given = extra.pop("positions", None)
     batch = StepBatch(request_ids=[r.request_id for r in rows], num_prefills=num_prefills,
@@ -257,16 +272,19 @@ def _step(frame: Frame, stage: StageShape) -> Step:
                       last_chunk=last_chunk,
                       positions=given if given is not None else int_tensor(positions, device=device),
                       token_ids=None if token_ids is None else token_ids.to(device),
-                      hidden_states=None if hidden is None else hidden.to(device), prefix_blocks=hits, **extra)
+                      hidden_states=None if hidden is None else hidden.to(device), prefix_blocks=hits,
+                      draft_tokens=drafts, **extra)
     return Step(step_id=frame.step_id, group=frame.microbatch, batch=batch, sampling=sampling)
 
 
-def _prefix_blocks(tensors: Mapping[str, torch.Tensor], num_rows: int) -> tuple[tuple[int, ...], ...]:
-    """A step's ``prefix_counts`` and ``prefix_blocks`` back as :attr:`StepBatch.prefix_blocks`."""
-    counts, ids = tensors["prefix_counts"], tensors.get("prefix_blocks")
+def _counted(tensors: Mapping[str, torch.Tensor], name: str, num_rows: int) -> tuple[tuple[int, ...], ...]:
+    """A step's ``prefix_counts`` and ``prefix_blocks`` back as :attr:`StepBatch.prefix_blocks`, or
+    its ``draft_counts`` and ``draft_tokens`` as :attr:`StepBatch.draft_tokens`."""
+    items = "blocks" if name == "prefix" else "tokens"
+    counts, ids = tensors[f"{name}_counts"], tensors.get(f"{name}_{items}")
     if counts.dtype != torch.int64 or tuple(counts.shape) != (num_rows,) or ids is None or ids.dtype != torch.int64 \
             or ids.dim() != 1 or int(counts.sum()) != ids.numel() or (num_rows and int(counts.min()) < 0):
-        raise ProtocolError(f"tensors['prefix_counts'/'prefix_blocks']: expected int64 counts for {num_rows} rows and "
+        raise ProtocolError(f"tensors['{name}_counts'/'{name}_{items}']: expected int64 counts for {num_rows} rows and "
                             f"as many int64 ids as they add up to, got {counts.tolist()!r:.80} and "
                             f"{None if ids is None else tuple(ids.shape)}")
     flat, out, at = ids.tolist(), [], 0

@@ -132,7 +132,7 @@ class Head:
                 self.stats.computed(start, end, launched.batch.num_tokens, group)
                 sampled = launched.output
                 self._finished(self.engine.complete(group, launched.step_id, launched.batch.sampled_ids(),
-                                                    sampled.tokens.tolist(), sampled.logprobs))
+                                                    sampled.tokens.tolist(), sampled.logprobs, sampled.counts))
             elif launched is not None:
                 self.stats.computed(start, end, launched.batch.num_tokens, group)
                 step = Step(step_id=launched.step_id, group=group,
@@ -150,7 +150,8 @@ class Head:
     def on_feedback(self, msg: Tokens | StepFailed) -> list[Frame]:
         """The last stage's answer to a step; returns frames for stage 1 (frees)."""
         if isinstance(msg, Tokens):
-            self._finished(self.engine.complete(msg.group, msg.step_id, msg.request_ids, msg.tokens, msg.logprobs))
+            self._finished(self.engine.complete(msg.group, msg.step_id, msg.request_ids, msg.tokens, msg.logprobs,
+                                                msg.counts))
         elif isinstance(msg, StepFailed):
             self._finished(self.engine.fail(msg.group, msg.step_id, msg.message))
         else:
@@ -181,7 +182,8 @@ class Head:
         for out in outs:
             self._events.done.append(Result(request_id=int(out.request_id), token_ids=out.token_ids,
                                             finish_reason=out.finish_reason, error=out.error,
-                                            cached_tokens=out.cached_tokens))
+                                            cached_tokens=out.cached_tokens, draft_tokens=out.draft_tokens,
+                                            accepted_tokens=out.accepted_tokens))
 
     def _frees(self) -> list[Frame]:
         freed = self.engine.take_freed()

@@ -81,10 +81,12 @@ def head_engine(executor, plan: RunPlan, setup: Setup):
     """Stage 0's :class:`~stagewise.engine.engine.Engine` over its ``executor``, as the plan and
     the driver's setup say."""
     from stagewise.engine.engine import Engine
+    from stagewise.engine.speculative import SpeculativeConfig
 
     return Engine(executor, max_num_seqs=plan.max_num_seqs, num_groups=setup.microbatches,
                   max_prefill_tokens=plan.max_prefill_tokens, prefix_cache=plan.prefix_cache,
-                  tpot_target_s=None if plan.tpot_target_ms is None else plan.tpot_target_ms / 1e3)
+                  tpot_target_s=None if plan.tpot_target_ms is None else plan.tpot_target_ms / 1e3,
+                  speculative=SpeculativeConfig.of(plan.speculative, plan.num_speculative_tokens))
 
 
 def step_counters(executor) -> tuple[float, int, int, float, int, float]:

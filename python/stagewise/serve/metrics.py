@@ -36,6 +36,10 @@ class ServerMetrics:
         self.cached_tokens = Counter("stagewise_prefix_cache_hit_tokens", "Of the prompt tokens, those whose KV the "
                                      "prefix cache held (stagewise_prompt_tokens are the queries)", names, registry=r)
         self.generation_tokens = Counter("stagewise_generation_tokens", "Tokens generated", names, registry=r)
+        self.draft_tokens = Counter("stagewise_spec_decode_draft_tokens", "Draft tokens proposed and verified "
+                                    "(speculative decoding)", names, registry=r)
+        self.accepted_tokens = Counter("stagewise_spec_decode_accepted_tokens", "Of the draft tokens, those "
+                                       "accepted", names, registry=r)
         self.ttft = Histogram("stagewise_time_to_first_token_seconds", "Request received to its first token",
                               names, buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("stagewise_time_per_output_token_seconds",
@@ -70,6 +74,9 @@ class ServerMetrics:
         self.cached_tokens.labels(**m).inc(result.cached_tokens)
         n = len(result.token_ids)
         self.generation_tokens.labels(**m).inc(n)
+        if result.draft_tokens:
+            self.draft_tokens.labels(**m).inc(result.draft_tokens)
+            self.accepted_tokens.labels(**m).inc(result.accepted_tokens)
         self.e2e.labels(**m).observe(timings["e2e_s"])
         if timings.get("ttft_s") is not None:
             self.ttft.labels(**m).observe(timings["ttft_s"])

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from stagewise.model.architectures.base import Architecture, HFKeys, LayerWork, StageBuild, own_fields
-from stagewise.model.batch import KVMetadata, StepBatch
+from stagewise.model.batch import StepBatch
+from stagewise.model.kv_metadata import KVMetadata
 from stagewise.model.config import ModelConfig
 from stagewise.model.layers.attention import Attention
 from stagewise.model.layers.linear import AllReduce, Linear, RowParallelLinear, tp_all_reduce

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from stagewise import ops
-from stagewise.model.batch import KVMetadata, StepBatch
+from stagewise.model.batch import StepBatch
+from stagewise.model.kv_metadata import KVMetadata
 from stagewise.model.collectives import StageGroups
 from stagewise.model.config import ModelConfig
 from stagewise.model.layers.context_parallel import check_groups, cp_attention

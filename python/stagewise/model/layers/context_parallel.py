@@ -10,7 +10,7 @@
 - **Prefill without PCP**: each rank has the whole prompt's K/V of its heads: causal attention as
   on one rank; the slot mapping stores only this rank's share.
 - **Prefill with PCP**: each rank runs a head-tail share of each prompt
-  (:func:`stagewise.model.batch.split_for_pcp`); per layer the prompt's K/V are all-gathered over
+  (:func:`stagewise.model.kv_metadata.split_for_pcp`); per layer the prompt's K/V are all-gathered over
   PCP (dropped after the layer), the local queries attend causally by true position, and the full
   K/V are stored with the interleaved mapping.
 - **Chunked prefill** (a chunk after a prompt's first, over a sharded cache): the chunk's K/V are
@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from stagewise import ops
-from stagewise.model.batch import KVMetadata, PcpSplit, StepBatch
+from stagewise.model.batch import StepBatch
+from stagewise.model.kv_metadata import KVMetadata, PcpSplit
 from stagewise.model.collectives import Collectives, StageGroups
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from stagewise.model.batch import KVMetadata, StepBatch
+from stagewise.model.batch import StepBatch
+from stagewise.model.kv_metadata import KVMetadata
 from stagewise.model.layers.attention import Attention
 from stagewise.model.layers.norm import RMSNorm
 
