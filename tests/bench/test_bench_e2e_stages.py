@@ -97,3 +97,17 @@ def test_bench_e2e_recovery_writes_the_delays_beside_a_whole_restart(tiny, tmp_p
     assert all(r["tokens_equal"] for r in rows.values()), rows
     assert rows["undisturbed"]["delay_s"] == 0 and rows["hung, stage rejoins"]["delay_s"] > 2.0  # the heartbeat
     assert "delay s" in capsys.readouterr().out
+
+
+def test_bench_e2e_speculative_writes_results(tiny, tmp_path, capsys):
+    code = main(["bench", "e2e", "--model", tiny, "--speculative", "ngram,draft", "--num-speculative-tokens", "2",
+                 "--stages", "1,2", "--new-tokens", "12", "--repeats", "1", "--tiny", "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads(next(tmp_path.glob("*-e2e-speculative.json")).read_text())
+    rows = {(r["task"], r["stages"], r["method"], r["k"]): r for r in data["rows"]}
+    assert set(rows) == {(t, s, m, k) for t in ("rewrite", "chat") for s in (1, 2)
+                         for m, k in ((None, None), ("ngram", 2), ("draft", 2))}
+    assert all(r["tokens_equal_no_drafts"] for r in rows.values())
+    # The model drafting for itself: most drafts accepted (its int8 linears round a little differently).
+    assert rows[("rewrite", 2, "draft", 2)]["acceptance"] > 0.5 and "speed-up" in capsys.readouterr().out
+    assert main(["bench", "e2e", "--model", tiny, "--speculative", "eagle"]) == 2

@@ -12,7 +12,8 @@ from stagewise.engine.engine import Engine
 from stagewise.engine.executor import Executor
 from stagewise.engine.params import SamplingParams
 from stagewise.engine.sampling import History, Sampler
-from stagewise.engine.speculative import AdaptiveK, NgramDrafter, SpeculativeConfig, option_problems
+from stagewise.engine.speculative import AdaptiveK, NgramDrafter, SpeculativeConfig
+from stagewise.parallel.plan_options import speculative_problems as option_problems
 from stagewise.engine.verify import verify
 from stagewise.model.stage import StageModel
 
@@ -22,18 +23,18 @@ scipy_stats = pytest.importorskip("scipy.stats")
 def test_ngram_drafter_proposes_what_followed_the_longest_latest_match():
     d = NgramDrafter(2, 3)
     # (1, 2, 3) occurred once, followed by 4 8 2; the shorter (2, 3) later, followed by 6: the longest wins.
-    assert d.propose("a", [1, 2, 3, 4, 8, 2, 3, 6, 1, 2, 3], 3) == (4, 8, 2)
+    assert d.lookup("a", [1, 2, 3, 4, 8, 2, 3, 6, 1, 2, 3], 3) == (4, 8, 2)
     # Only (2, 3) matches: its latest occurrence, and no more tokens than there are.
-    assert d.propose("b", [1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 2, 3], 3) == (5, 7, 2)
-    assert d.propose("c", [5, 2, 3, 9], 4) == ()  # (3, 9) never occurred before
+    assert d.lookup("b", [1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 2, 3], 3) == (5, 7, 2)
+    assert d.lookup("c", [5, 2, 3, 9], 4) == ()  # (3, 9) never occurred before
     tokens = [5, 6, 7, 1, 5, 6]
-    assert d.propose("d", tokens, 2) == (7, 1)
+    assert d.lookup("d", tokens, 2) == (7, 1)
     tokens += [7, 1, 5]  # the index grows with the tokens added since
-    assert d.propose("d", tokens, 2) == (6, 7)
+    assert d.lookup("d", tokens, 2) == (6, 7)
     tokens += [9, 9, 9]
-    assert d.propose("d", tokens, 3) == (9,)  # (9, 9) ended at the last token but one: 9 followed it
+    assert d.lookup("d", tokens, 3) == (9,)  # (9, 9) ended at the last token but one: 9 followed it
     d.forget("d")
-    assert d.propose("d", [1, 2], 3) == () and d.propose("d", [1, 2, 1, 2], 0) == ()
+    assert d.lookup("d", [1, 2], 3) == () and d.lookup("d", [1, 2, 1, 2], 0) == ()
 
 
 def test_adaptive_k_stops_drafting_while_drafts_are_rejected_and_probes_again():
@@ -55,7 +56,9 @@ def test_adaptive_k_stops_drafting_while_drafts_are_rejected_and_probes_again():
 
 def test_options_are_checked():
     assert option_problems("ngram", 3) == [] and option_problems(None, 1) == []
-    assert "speculative must be one of ngram" in option_problems("eagle", 3)[0]
+    assert option_problems("draft:/models/small.gguf", 2) == []
+    assert "speculative must be ngram or draft:PATH" in option_problems("eagle", 3)[0]
+    assert option_problems("draft:", 3) and SpeculativeConfig.of("draft:a:b").draft_model == "a:b"
     assert "num_speculative_tokens must be an int >= 1" in option_problems("ngram", 0)[0]
     with pytest.raises(ValueError, match="ngram_min"):
         SpeculativeConfig(ngram_min=5, ngram_max=2)

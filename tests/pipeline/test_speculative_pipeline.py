@@ -78,3 +78,27 @@ def test_seeded_sampling_over_two_stages_gives_tokens_of_the_right_count(models)
     for c in got:
         assert len(c.token_ids) == NEW == len(c.logprobs) and all(0 <= t < 101 for t in c.token_ids)
         assert [lp.token for lp in c.logprobs] == c.token_ids
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(stages=2)], ids=["one-process", "stages2"])
+def test_a_draft_model_in_stage_0_keeps_the_greedy_tokens(models, tmp_path, layout):
+    """The model drafting for itself (its int8 linears: most drafts accepted) and another model of
+    the same vocabulary (most rejected): the tokens are the single process's either way."""
+    folder, expected = models("llama-gqa")
+    other = tmp_path / "other"
+    save_random(MODELS["llama-mqa"], other)
+    for draft, most_accepted in ((folder, True), (other, False)):
+        with stagewise.Pipeline(str(folder), max_model_len=128, max_num_seqs=8, speculative=f"draft:{draft}",
+                                num_speculative_tokens=3, **layout) as pipe:
+            got = pipe.generate(prompt_token_ids=_prompts(), max_new_tokens=NEW, ignore_eos=True)
+            stats = pipe.last_stats
+        assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+        assert (stats["acceptance"] > 0.5) == most_accepted
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(models, tmp_path):
+    folder, _ = models("llama-gqa")
+    save_random(lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **{**SMALL, "vocab_size": 64}, num_attention_heads=4, num_key_value_heads=2)), tmp_path / "small")
+    with pytest.raises(ValueError, match="vocabulary of 64 tokens, the target 101"):
+        stagewise.Pipeline(str(folder), max_model_len=128, speculative=f"draft:{tmp_path / 'small'}")

@@ -9,8 +9,7 @@ import os
 import sys
 
 from stagewise.cli.prompt_args import PromptBatch, config_problems, encode_texts
-from stagewise.engine.speculative import option_problems as speculative_problems
-from stagewise.parallel.plan_options import LAUNCHERS, PLACEMENTS, tpot_target_problem
+from stagewise.parallel.plan_options import LAUNCHERS, PLACEMENTS, speculative_problems, tpot_target_problem
 from stagewise.transport.registry import TRANSPORTS
 
 

@@ -90,7 +90,9 @@ class Engine:
         if speculative is not None and windows != [None]:
             raise ValueError(f"speculative decoding: {cfg.arch} has sliding-window layers, whose dropped KV blocks "
                              "cannot be rolled back after rejected drafts; run it without --speculative")
-        self.speculation = None if speculative is None else Speculation(speculative, self.max_model_len)
+        self.speculation = None if speculative is None else Speculation(speculative, speculative.drafter(
+            device=executor.device, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+            vocab_size=cfg.vocab_size), self.max_model_len)
         """Stage 0's drafts and their acceptance; None when off."""
         self.kv_reset_due = False
         """A step failed on some stages (or ranks) only: their pools reset when no request holds KV."""

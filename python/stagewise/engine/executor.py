@@ -158,9 +158,9 @@ class Executor:
                         what = "continues its prefill" if i < batch.num_prefills else "decodes"
                         raise ValueError(f"request {rid!r} {what} at position {ctx} but this stage holds "
                                          f"{have} of its tokens")
+                    if have != ctx:  # its previous step's rejected drafts
+                        self.truncate(rid, ctx)
                     for m in self.managers:
-                        if have != ctx:  # its previous step's rejected drafts
-                            m.truncate(rid, ctx)
                         m.append(rid, n)
                     self._drafted.pop(rid, None)
             if batch.draft_tokens is not None:
@@ -218,6 +218,16 @@ class Executor:
                 m.unshare(blocks)
             raise
         return holds
+
+    def truncate(self, request_id: Hashable, n: int) -> None:
+        """Keep a request's first ``n`` positions only (:meth:`KVCacheManager.truncate`): what a
+        verifying step's rejected drafts leave (each rank of a stage truncates as it runs the step
+        after; a draft model's executor is told). Its remembered decode metadata goes too: the
+        blocks it named may be another's now."""
+        for m in self.managers:
+            m.truncate(request_id, n)
+        for m in self._metadata:
+            m.forget([request_id])
 
     def reset_kv(self) -> None:
         """Every block free, no cached ones, as in a new executor (no request may hold KV): what

@@ -25,12 +25,13 @@ it writes, by at most the drafts of the request's previous step. Stage 0's block
 holds KV the others rolled back, and prefix caching names only accepted positions' blocks.
 
 **Drafters.** :class:`NgramDrafter` (prompt lookup): the continuation of the longest earlier
-match of the sequence's last ``n`` tokens, in the prompt and the output so far. Whatever proposes
-implements :class:`Drafter`; :class:`AdaptiveK` lowers a request's ``k`` (down to 0, with
-occasional probes) while its drafts are rejected, so text the drafter cannot predict costs
-little. This module holds stage 0's side and needs no torch (the command line checks its
-options with it); the last stage's acceptance is :mod:`stagewise.engine.verify`. Not drafted: requests with a structured-output constraint, and models with a sliding
-window (a window's trimmed blocks cannot be rolled back).
+match of the sequence's last ``n`` tokens, in the prompt and the output so far; a draft model's
+greedy continuation (:mod:`stagewise.engine.draft_model`). Whatever proposes implements
+:class:`Drafter`; :class:`AdaptiveK` lowers a request's ``k`` (down to 0, with occasional probes)
+while its drafts are rejected, so text the drafter cannot predict costs little. This module holds
+stage 0's side; the last stage's acceptance is :mod:`stagewise.engine.verify`. Not drafted:
+requests with a structured-output constraint, and models with a sliding window (a window's
+trimmed blocks cannot be rolled back).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ from stagewise.engine.params import SamplingParams
 if TYPE_CHECKING:
     from stagewise.engine.scheduler import SeqState
 
-METHODS = ("ngram",)
-"""What ``--speculative`` takes."""
+METHODS = ("ngram", "draft")
+"""What ``--speculative`` takes: ``ngram``, or ``draft:PATH`` (a draft model)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +59,15 @@ class SpeculativeConfig:
     """Longest suffix the n-gram drafter matches."""
     ngram_min: int = 2
     """Shortest; a shorter suffix proposes nothing."""
+    draft_model: str | None = None
+    """``draft``: the draft model (a folder, a .gguf file or a built-in name) with the target's
+    vocabulary (:mod:`stagewise.engine.draft_model`)."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative: method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if (self.method == "draft") != bool(self.draft_model):
+            raise ValueError("speculative: a draft model is given with method 'draft' (draft:PATH), and only then")
         for name, low in (("num_tokens", 1), ("ngram_max", 1), ("ngram_min", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -69,33 +75,35 @@ class SpeculativeConfig:
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"speculative: ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
 
-    def drafter(self) -> Drafter:
+    def drafter(self, *, device, max_model_len: int, max_num_seqs: int, vocab_size: int) -> Drafter:
+        """The drafter, on stage 0's ``device`` for requests of up to ``max_model_len`` tokens of a
+        model of ``vocab_size`` tokens."""
+        if self.method == "draft":
+            from stagewise.engine.draft_model import DraftModel
+
+            return DraftModel(self.draft_model, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                              vocab_size=vocab_size)
         return NgramDrafter(self.ngram_min, self.ngram_max)
 
     @classmethod
     def of(cls, method: str | None, num_tokens: int = 3) -> SpeculativeConfig | None:
-        """The options of the API, the CLI and a run plan (``speculative``, ``num_speculative_tokens``)
-        as a config; None when ``method`` is None (no speculation)."""
-        return None if method is None else cls(method=method, num_tokens=num_tokens)
-
-
-def option_problems(method: object, num_tokens: object) -> list[str]:
-    """What is wrong with the ``speculative`` and ``num_speculative_tokens`` options (each named)."""
-    problems = []
-    if method is not None and method not in METHODS:
-        problems.append(f"speculative must be one of {', '.join(METHODS)} (or none), got {method!r}")
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-        problems.append(f"num_speculative_tokens must be an int >= 1, got {num_tokens!r}")
-    return problems
+        """The options of the API, the CLI and a run plan (``speculative``: ``ngram`` or
+        ``draft:PATH``; ``num_speculative_tokens``) as a config; None when ``method`` is None."""
+        if method is None:
+            return None
+        name, _, path = method.partition(":")
+        return cls(method=name, num_tokens=num_tokens, draft_model=path or None)
 
 
 class Drafter(Protocol):
-    """Proposes draft tokens for running requests. A drafter sees tokens only (the prompt and the
-    output so far); one that reads the target's hidden states (EAGLE, MTP heads) needs them passed
-    back from the last stage, which this interface leaves to a later field."""
+    """Proposes draft tokens for running requests, all of a step's at once (a draft model runs
+    them as one batch). A drafter sees tokens only (the prompt and the output so far); one that
+    reads the target's hidden states (EAGLE, MTP heads) needs them passed back from the last stage,
+    which this interface leaves to a later field."""
 
-    def propose(self, request_id: Hashable, tokens: Sequence[int], k: int) -> tuple[int, ...]:
-        """Up to ``k`` tokens likely to follow ``tokens`` (the request's prompt and output so far)."""
+    def propose(self, requests: Sequence[tuple[Hashable, Sequence[int], int]]) -> list[tuple[int, ...]]:
+        """For each ``(request_id, tokens, k)``: up to ``k`` tokens likely to follow ``tokens`` (the
+        request's prompt and output so far)."""
 
     def forget(self, request_id: Hashable) -> None:
         """The request ended: drop what was kept of it."""
@@ -111,7 +119,11 @@ class NgramDrafter:
         self.n_min, self.n_max = n_min, n_max
         self._index: dict[Hashable, tuple[list[dict[tuple[int, ...], int]], list[int]]] = {}
 
-    def propose(self, request_id: Hashable, tokens: Sequence[int], k: int) -> tuple[int, ...]:
+    def propose(self, requests: Sequence[tuple[Hashable, Sequence[int], int]]) -> list[tuple[int, ...]]:
+        return [self.lookup(rid, tokens, k) for rid, tokens, k in requests]
+
+    def lookup(self, request_id: Hashable, tokens: Sequence[int], k: int) -> tuple[int, ...]:
+        """One request's proposal."""
         if k < 1 or len(tokens) <= self.n_min:
             return ()
         tables, done = self._index.setdefault(request_id, ([{} for _ in range(self.n_max + 1)], [0]))
@@ -191,14 +203,15 @@ class Speculation:
     """Stage 0's side: the drafts of a group's running requests before their step, and how many of
     them the last stage accepted when its tokens come back."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        self.config, self.max_model_len = config, max_model_len
-        self.drafter, self.lengths = config.drafter(), AdaptiveK(config.num_tokens)
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter, max_model_len: int) -> None:
+        self.config, self.drafter, self.max_model_len = config, drafter, max_model_len
+        self.lengths = AdaptiveK(config.num_tokens)
         self.stats = SpeculativeStats()
 
     def draft(self, seqs: Iterable[SeqState], params: Callable[[Hashable], SamplingParams]) -> None:
         """Set ``drafts`` of each decoding request: never past its ``max_new_tokens`` or the model's
         length (a step yields at most ``drafts + 1`` tokens); none under a constraint."""
+        asked, wanted = [], []
         for seq in seqs:
             seq.drafts = ()
             if not seq.output_ids or seq.num_prefilled < len(seq.prompt_ids):
@@ -210,7 +223,11 @@ class Speculation:
             room = min(p.max_new_tokens - len(seq.output_ids), self.max_model_len - made) - 1
             k = min(self.lengths.next_k(seq.request_id), room)
             if k > 0:
-                seq.drafts = self.drafter.propose(seq.request_id, seq.prompt_ids + seq.output_ids, k)
+                asked.append(seq)
+                wanted.append((seq.request_id, seq.prompt_ids + seq.output_ids, k))
+        if asked:
+            for seq, drafts in zip(asked, self.drafter.propose(wanted)):
+                seq.drafts = tuple(drafts)
 
     def verified(self, seq: SeqState, tokens: int) -> None:
         """``tokens`` came back for ``seq``'s step (its drafts accepted: ``tokens - 1``)."""

@@ -29,6 +29,17 @@ def tpot_target_problem(value: Any, what: str) -> str | None:
     return problem(what, value, "a finite number of milliseconds > 0 (or none)")
 
 
+def speculative_problems(method: object, num_tokens: object) -> list[str]:
+    """What is wrong with the ``speculative`` and ``num_speculative_tokens`` options (each named)."""
+    problems = []
+    if method is not None and not (method == "ngram" or isinstance(method, str) and method.startswith("draft:")
+                                   and len(method) > len("draft:")):
+        problems.append(f"speculative must be ngram or draft:PATH (a draft model; or none), got {method!r}")
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        problems.append(f"num_speculative_tokens must be an int >= 1, got {num_tokens!r}")
+    return problems
+
+
 def option_problems(options: dict[str, Any]) -> list[str]:
     """Every problem of the plan's run options (absent ones keep their defaults)."""
     problems = []
@@ -65,8 +76,6 @@ def option_problems(options: dict[str, Any]) -> list[str]:
             problems.append(problem(name, value, "an int >= 1 or null"))
     if (why := tpot_target_problem(get("tpot_target_ms"), "tpot_target_ms")) is not None:
         problems.append(why)
-    from stagewise.engine.speculative import option_problems as speculative_problems
-
     problems += speculative_problems(get("speculative"), get("num_speculative_tokens", 3))
     block, inter = get("block_size", 16), get("interleave_size", 1)
     if isinstance(block, int) and isinstance(inter, int) and inter >= 1 and block % inter:

@@ -6,7 +6,9 @@
 - ``--stages 1,2,3`` (:mod:`~stagewise.bench.e2e.stages`): the pipeline's stage processes by count;
 - ``--tp 1,3 [--dcp ...]`` (:mod:`~stagewise.bench.e2e.parallel`): one stage over tensor-parallel ranks;
 - ``--launcher ray`` (:mod:`~stagewise.bench.e2e.launchers`): the Ray launcher beside the local one;
-- ``--recovery`` (:mod:`~stagewise.bench.e2e.recovery`): a stage killed or hung mid-generation.
+- ``--recovery`` (:mod:`~stagewise.bench.e2e.recovery`): a stage killed or hung mid-generation;
+- ``--speculative ngram`` (:mod:`~stagewise.bench.e2e.speculative`): decode with drafts against
+  without, on a rewriting task and an open one, beside llama.cpp's prompt lookup.
 
 Every mode's prompts are :mod:`~stagewise.bench.e2e.prompts`'.
 """
@@ -55,6 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     modes.add_argument("--recovery", action="store_true",
                        help="a pipeline of --stages S (default 2) whose last stage dies or hangs mid-generation: the "
                             "delay with only that stage started again, beside every stage started again")
+    modes.add_argument("--speculative", default=None, metavar="ngram,draft",
+                       help="decode with drafts (prompt lookup, a draft model) against without, on a rewriting task "
+                            "and an open chat "
+                            "task, at each --stages count (default 1); with --baseline llama.cpp beside its "
+                            "LlamaPromptLookupDecoding")
+    modes.add_argument("--num-speculative-tokens", default="3,5", metavar="3,5",
+                       help="--speculative: the draft lengths K to run, a row each (default 3,5)")
+    modes.add_argument("--draft-model", default=None, metavar="PATH",
+                       help="--speculative draft: the draft model (default: --model itself, its linears in the int8 "
+                            "mode)")
     modes.add_argument("--tp", default=None, metavar="1,3",
                        help="one stage split over these tensor-parallel sizes, beside tp=1 (batch 1 and the largest "
                             "batch size)")
@@ -78,7 +90,9 @@ def resolve_sizes(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, log) -> int:
     resolve_sizes(args)
-    if args.tp or args.dcp:
+    if args.speculative:
+        from stagewise.bench.e2e import speculative as mode
+    elif args.tp or args.dcp:
         from stagewise.bench.e2e import parallel as mode
     elif args.recovery:
         from stagewise.bench.e2e import recovery as mode
