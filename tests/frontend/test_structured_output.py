@@ -179,3 +179,20 @@ def test_a_constraint_that_cannot_run_is_refused_before_anything_runs(pipe, fiel
     with pytest.raises(ValueError, match=re.escape(message)):
         pipe.generate(["Hi"], max_new_tokens=4, **fields)
     assert pipe.status() == before
+
+
+@pytest.mark.parametrize("layout", [dict(speculative="ngram"), dict(speculative="ngram", stages=2),
+                                    dict(speculative="draft:smollm2-135m")], ids=["ngram", "ngram-stages2", "draft"])
+def test_drafts_under_a_constraint_keep_the_greedy_tokens(pipe, layout):
+    """Each verified position is masked with the constraint advanced through the drafts before it,
+    and the constraint is rolled back to what was accepted: the tokens of decoding without drafts,
+    and the JSON holds."""
+    kwargs = dict(chat=True, max_new_tokens=80, temperature=0.0, json_schema=Person.model_json_schema())
+    expected = pipe.generate(PROMPTS, **kwargs)
+    with Pipeline("smollm2-135m", max_num_seqs=8, num_speculative_tokens=4, **layout) as spec:
+        got = spec.generate(PROMPTS, **kwargs)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert sum(o.accepted_tokens for o in got) > 0 and sum(o.draft_tokens for o in got) > 0
+    for out in got:
+        if out.finish_reason == "stop":
+            Person.model_validate_json(out.text)

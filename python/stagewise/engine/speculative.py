@@ -29,9 +29,10 @@ match of the sequence's last ``n`` tokens, in the prompt and the output so far; 
 greedy continuation (:mod:`stagewise.engine.draft_model`). Whatever proposes implements
 :class:`Drafter`; :class:`AdaptiveK` lowers a request's ``k`` (down to 0, with occasional probes)
 while its drafts are rejected, so text the drafter cannot predict costs little. This module holds
-stage 0's side; the last stage's acceptance is :mod:`stagewise.engine.verify`. Not drafted:
-requests with a structured-output constraint, and models with a sliding window (a window's
-trimmed blocks cannot be rolled back).
+stage 0's side; the last stage's acceptance is :mod:`stagewise.engine.verify`. A request with
+structured output drafts too: the last stage masks each position with its constraint advanced
+through the drafts before it, and rolls the constraint back to what was accepted. Not drafted:
+models with a sliding window (a window's trimmed blocks cannot be rolled back).
 """
 
 from __future__ import annotations
@@ -210,15 +211,13 @@ class Speculation:
 
     def draft(self, seqs: Iterable[SeqState], params: Callable[[Hashable], SamplingParams]) -> None:
         """Set ``drafts`` of each decoding request: never past its ``max_new_tokens`` or the model's
-        length (a step yields at most ``drafts + 1`` tokens); none under a constraint."""
+        length (a step yields at most ``drafts + 1`` tokens)."""
         asked, wanted = [], []
         for seq in seqs:
             seq.drafts = ()
             if not seq.output_ids or seq.num_prefilled < len(seq.prompt_ids):
                 continue
             p = params(seq.request_id)
-            if p.constrained:
-                continue
             made = len(seq.prompt_ids) + len(seq.output_ids)
             room = min(p.max_new_tokens - len(seq.output_ids), self.max_model_len - made) - 1
             k = min(self.lengths.next_k(seq.request_id), room)

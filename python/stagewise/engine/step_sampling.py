@@ -90,12 +90,22 @@ class StepSampler:
         spec = [i for i, d in enumerate(drafts) if d]
         picked = [firsts[i] + j for i in spec for j in range(len(drafts[i]) + 1)]
         entries = [rows[i] for i in spec]
-        got = verify(logits[picked], [drafts[i] for i in spec], [e.params for e in entries],
-                     [e.generator for e in entries], [e.history for e in entries])
-        for e, tokens in zip(entries, got.tokens):
+        raw = logits[picked]
+        held, scores, consumed = any(e.constraint is not None for e in entries), raw, [0] * len(entries)
+        if held:
+            scores, consumed = self._mask_drafts(raw, entries, [drafts[i] for i in spec])
+        got = verify(scores, [drafts[i] for i in spec], [e.params for e in entries],
+                     [e.generator for e in entries], [e.history for e in entries], raw=raw)
+        start = time.perf_counter()
+        for n, (e, tokens) in enumerate(zip(entries, got.tokens)):
             if e.history is not None:
                 for t in tokens:
                     e.history.append(t)
+            if e.constraint is not None:  # back to the accepted drafts, then the last token
+                e.constraint.rollback(consumed[n] - (len(tokens) - 1))
+                e.constraint.consume(tokens[-1:])
+        if held:
+            self.constraint_s += time.perf_counter() - start
         tokens: list[list[int]] = [[]] * len(drafts)
         logprobs: list[list[TokenLogprobs | None]] = [[None]] * len(drafts)
         plain_tokens = [] if one is None else one.tokens.tolist()
@@ -109,6 +119,28 @@ class StepSampler:
         return Sampled(tokens=torch.tensor([t for each in tokens for t in each], dtype=torch.int64),
                        logprobs=flat_lp if any(lp is not None for lp in flat_lp) else None,
                        counts=[len(each) for each in tokens])
+
+    def _mask_drafts(self, logits: torch.Tensor, entries: list[RequestSampling],
+                     drafts: list[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
+        """The verified rows' logits with each constrained position's mask applied: the constraint
+        advanced through the drafts before it, up to the first draft it refuses (rejected for sure:
+        the positions after it are never read). Returns them and the drafts each constraint took."""
+        start, out, consumed, at = time.perf_counter(), logits.clone(), [], 0
+        for e, d in zip(entries, drafts):
+            took = 0
+            if e.constraint is not None:
+                for j in range(len(d) + 1):
+                    masks = compute_masks([e.constraint], self._vocabulary(), self._masks())
+                    if masks is not None:
+                        masks.apply(out[at + j:at + j + 1], in_place=True)
+                    if j == len(d) or not bool(torch.isfinite(out[at + j, d[j]])):
+                        break
+                    e.constraint.consume([d[j]])
+                    took += 1
+            consumed.append(took)
+            at += len(d) + 1
+        self.constraint_s += time.perf_counter() - start
+        return out, consumed
 
     def _sample(self, logits: torch.Tensor, entries: list[RequestSampling],
                 ahead: concurrent.futures.Future | None) -> Sampled:

@@ -23,10 +23,13 @@ class Verified:
 
 
 def verify(logits: torch.Tensor, drafts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None], histories: Sequence[History | None]) -> Verified:
+           generators: Sequence[torch.Generator | None], histories: Sequence[History | None],
+           raw: torch.Tensor | None = None) -> Verified:
     """Accept each request's drafts (see the module doc). ``logits [sum(len(d) + 1), V]``: the rows
-    of each request's positions, request after request; ``histories``: each request's tokens so
-    far, for its penalties (None where it has none)."""
+    of each request's positions, request after request (a structured-output mask applied where one
+    holds); ``histories``: each request's tokens so far, for its penalties (None where it has
+    none); ``raw``: the logits before any mask, which log-probabilities are read from (default:
+    ``logits``)."""
     spans, at = [], 0
     for d in drafts:
         spans.append((at, len(d) + 1))
@@ -73,7 +76,7 @@ def verify(logits: torch.Tensor, drafts: Sequence[Sequence[int]], params: Sequen
     if asking:
         rows = [spans[i][0] + j for i in asking for j in range(len(out_tokens[i]))]
         picked = torch.tensor([t for i in asking for t in out_tokens[i]], dtype=torch.long, device=logits.device)
-        flat = token_logprobs(logits[rows], picked, [params[i].logprobs for i in asking for _ in out_tokens[i]])
+        flat = token_logprobs((logits if raw is None else raw)[rows], picked, [params[i].logprobs for i in asking for _ in out_tokens[i]])
         for i in asking:
             logprobs[i], flat = flat[:len(out_tokens[i])], flat[len(out_tokens[i]):]
     return Verified(tokens=out_tokens, logprobs=logprobs)
