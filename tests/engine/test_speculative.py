@@ -237,3 +237,17 @@ def test_sliding_window_models_refuse_speculation():
     hf, cfg = make_model("mistral-window")
     with pytest.raises(ValueError, match="sliding-window"):
         Engine(_stage(cfg, hf.state_dict(), 0, cfg.num_layers), speculative=SpeculativeConfig())
+
+
+def test_drafts_beside_a_tpot_target_and_chunked_prompts_keep_the_tokens():
+    """With a TPOT target (the pacer counts each draft as a decode row) and prompts prefilled in
+    chunks of 4 beside the verifying rows: the tokens of decoding without drafts."""
+    hf, cfg = make_model("qwen3")
+    sd = hf.state_dict()
+    prompts = _prompts(cfg)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = _run(Engine(_stage(cfg, sd, 0, cfg.num_layers), max_num_seqs=4), prompts, params)
+    engine = Engine(_stage(cfg, sd, 0, cfg.num_layers), max_num_seqs=4, max_prefill_tokens=4, tpot_target_s=0.05,
+                    speculative=SpeculativeConfig(num_tokens=3))
+    got = _run(engine, prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain] and engine.speculation.stats.accepted > 0

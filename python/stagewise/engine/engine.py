@@ -239,7 +239,8 @@ class Engine:
         step_id, self._next_step_id = self._next_step_id, self._next_step_id + 1
         self.inflight[group] = (step_id, scheduled)
         if self.pacer is not None:
-            self.pacer.started(group, len(scheduled.seqs), sum(c.length for c in scheduled.prefills), now)
+            self.pacer.started(group, len(scheduled.seqs) + sum(len(s.drafts) for s in scheduled.decodes),
+                               sum(c.length for c in scheduled.prefills), now)
         return LaunchedStep(group=group, step_id=step_id, batch=batch, output=output, sampling=sampling), done
 
     def complete(self, group: int, step_id: int, request_ids, tokens: list[int],
@@ -309,8 +310,9 @@ class Engine:
             return None, None
         clocks = [(self.requests.first_token_s(s.request_id), len(s.output_ids))
                   for sched in self.scheduler.groups for s in sched.running.values() if s.output_ids]
-        own = self.scheduler.groups[group]  # a step's rows are its group's: the decode line's basis
-        budget = self.pacer.budget(group, clocks, len(own.running), len(own.waiting), now)
+        own = self.scheduler.groups[group]  # a step's rows are its group's: the decode line's basis, a draft a row
+        rows = len(own.running) + sum(len(s.drafts) for s in own.running.values())
+        budget = self.pacer.budget(group, clocks, rows, len(own.waiting), now)
         return (None, None) if budget is None else (budget.tokens, budget.rows)
 
     def _take(self, group: int, step_id: int) -> ScheduledStep:
