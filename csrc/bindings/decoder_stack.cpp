@@ -7,10 +7,10 @@
 // python/stagewise/model/decode_stack.py) and runs the very ops the Python layers run, through
 // the dispatcher from C++, in the same order with the same arguments: the results are the
 // same bits. It serves decode steps (every row one new token), prompt steps whose prompts all
-// start at position 0 (attention: torch's SDPA, causal, over each prompt's own tokens), and
-// verifying steps (speculative decoding: a request's last token and its drafts, several rows of one
-// request after its cache; see verify); later prompt chunks, mixed steps, images and context
-// parallelism take the Python layers.
+// start at position 0 (attention: torch's SDPA, causal, over each prompt's own tokens), and steps
+// of short runs of tokens after each request's cache (see extend: speculative decoding's verifying
+// rows, a draft model catching up); long prompt chunks after a cache, steps that mix them with
+// fresh prompts, images and context parallelism take the Python layers.
 //
 // One step, per layer (x [B, hidden] and residual [B, hidden], updated in place):
 //   residual += x; x = rms_norm(residual)        (the first layer of stage 0: residual = x)
@@ -102,23 +102,25 @@ class DecoderStack : public torch::CustomClassHolder {
         });
   }
 
-  // A verifying step: rows of requests whose new tokens follow their cache, several rows per
-  // request where it verifies drafts. block_tables [B, W] and seq_lens [B] are per row: the row's
-  // request's table, and the tokens the row attends to, itself included (its position + 1). Each
-  // layer writes the step's K/V into the cache first, then decode_attention reads every row's span
-  // of it, so a draft sees the tokens before it in the same step (the causal mask over the new
-  // ones); the write after attention, as for every step, stores the same values again.
-  void verify(at::Tensor x, at::Tensor residual, bool has_residual, at::Tensor positions, at::Tensor slot_mapping,
+  // A step of rows whose new tokens follow their request's cache, several rows per request where
+  // it brings several tokens (a row verifying speculative drafts, a draft model catching up).
+  // block_tables [B, W] and seq_lens [B] are per row: the row's request's table, and the tokens the
+  // row attends to, itself included (its position + 1). Each layer writes the step's K/V into the
+  // cache first, then decode_attention reads every row's span of it, so a token sees those before
+  // it in the same step (the causal mask over the new ones); the write after attention, as for
+  // every step, stores the same values again. Each row reads its request's cache once: meant for
+  // short runs of tokens (a long chunk is SDPA's work, in the Python layers).
+  void extend(at::Tensor x, at::Tensor residual, bool has_residual, at::Tensor positions, at::Tensor slot_mapping,
               at::Tensor block_tables, at::Tensor seq_lens, at::Tensor kv) {
     static auto attention = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                     const at::Tensor&, const at::Tensor&, double, const OptT&, const OptT&, int64_t,
                                     int64_t)>("stagewise::decode_attention");
     static auto cache = op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>(
         "stagewise::reshape_and_cache");
-    check(x, residual, kv, "verify");
+    check(x, residual, kv, "extend");
     TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == x.size(0) && seq_lens.dim() == 1 &&
                           seq_lens.size(0) == x.size(0),
-                      "DecoderStack.verify: block_tables and seq_lens need one row per row of x (", x.size(0),
+                      "DecoderStack.extend: block_tables and seq_lens need one row per row of x (", x.size(0),
                       "), got ", block_tables.sizes(), " and ", seq_lens.sizes());
     at::Tensor lse = at::empty({x.size(0), hq_}, x.options().dtype(at::kFloat));
     run(x, residual, has_residual, positions, slot_mapping, kv,
@@ -255,7 +257,7 @@ TORCH_LIBRARY_FRAGMENT(stagewise, m) {
       .def("set_linear", &DecoderStack::set_linear)
       .def("num_layers", &DecoderStack::num_layers)
       .def("decode", &DecoderStack::decode)
-      .def("verify", &DecoderStack::verify)
+      .def("extend", &DecoderStack::extend)
       .def("prefill", &DecoderStack::prefill);
 }
 

@@ -132,7 +132,7 @@ def test_verifying_steps_through_the_stack_equal_the_python_layers(kind, part):
     real = stage.decode_stack
     stage.decode_stack = type("Spy", (), {"__getattr__": lambda _, name: calls.append(name) or getattr(real, name)})()
     fast = _verify_step(stage, hidden_in=start > 0)
-    assert calls == ["prefill", "verify"]
+    assert calls == ["prefill", "extend"]
     stage.decode_stack = None
     slow = _verify_step(stage, hidden_in=start > 0)
     if end == cfg.num_layers:

@@ -172,18 +172,18 @@ class StageModel(nn.Module):
         if batch.pixel_values is not None:
             raise ValueError("StageModel.forward: the step still holds pixel_values; run encode_images first")
         stack = self.decode_stack if batch.num_tokens > 0 and split is None else None
-        verifying = stack is not None and _verifying(batch)
-        if stack is not None and (batch.num_prefills == 0 or verifying or _fresh_prompts(batch)):
+        extending = stack is not None and _short_chunks(batch)
+        if stack is not None and (batch.num_prefills == 0 or extending or _fresh_prompts(batch)):
             has_residual = residual is not None
             residual = residual if has_residual else torch.empty_like(x)
             if batch.num_prefills == 0:
                 stack.decode(x, residual, has_residual, batch.positions, meta.slot_mapping, meta.block_tables,
                              meta.seq_lens, kv_cache.storage)
-            elif verifying:  # each row of a request's drafts attends up to itself: the table and length per row
+            elif extending:  # each token attends up to itself: its request's table and its length per row
                 tables = meta.block_tables.repeat_interleave(int_tensor(batch.query_lens, device=x.device), dim=0)
                 lens = int_tensor([c + j for c, n in zip(batch.context_lens, batch.query_lens) for j in range(1, n + 1)],
                                   torch.int32, x.device)
-                stack.verify(x, residual, has_residual, batch.positions, meta.slot_mapping, tables, lens,
+                stack.extend(x, residual, has_residual, batch.positions, meta.slot_mapping, tables, lens,
                              kv_cache.storage)
             else:
                 stack.prefill(x, residual, has_residual, batch.positions, meta.slot_mapping, list(batch.query_lens),
@@ -262,12 +262,18 @@ def _python_loop_reason(config: ModelConfig, device: torch.device, groups: Stage
     return None
 
 
-def _verifying(batch: StepBatch) -> bool:
-    """Whether every prefill row of ``batch`` verifies drafts (the rest decode), without images: a
-    step the C++ layer loop runs as decode rows, several per request (``DecoderStack.verify``)."""
-    drafts = batch.draft_tokens
-    return (drafts is not None and all(drafts[:batch.num_prefills]) and batch.mrope_positions is None
-            and batch.visual_rows is None)
+SHORT_CHUNK = 16
+"""The most tokens of a chunk after a request's cache that the C++ layer loop runs as decode rows
+(``DecoderStack.extend``: each row reads the cache once; a longer chunk is SDPA's work)."""
+
+
+def _short_chunks(batch: StepBatch) -> bool:
+    """Whether every prefill row of ``batch`` is a short run of tokens after its request's cache (a
+    row verifying drafts, a draft model catching up; the other rows decode), without images: a
+    step the C++ layer loop runs as decode rows, several per request."""
+    p = batch.num_prefills
+    return (p > 0 and min(batch.context_lens[:p]) > 0 and max(batch.query_lens[:p]) <= SHORT_CHUNK
+            and batch.mrope_positions is None and batch.visual_rows is None)
 
 
 def _fresh_prompts(batch: StepBatch) -> bool:
