@@ -325,3 +325,23 @@ def test_a_prefix_share_prices_the_prefill_of_the_uncached_tokens_over_the_whole
     with pytest.raises(ValueError, match="'prefix_share' must be a number in"):
         parse_serving({"parallel_config": {"world_size": 1}, "prefix_share": -0.1})
     assert parse_serving({"parallel_config": {"world_size": 1}, "prefix_share": 0.5}).prefix_share == 0.5
+
+
+def test_speculative_decoding_prices_a_step_of_k_plus_one_tokens_per_row_and_its_expected_yield():
+    """K drafts at acceptance a: a decode step runs 1 + K tokens a row (dearer than one, far less
+    than 1 + K steps on a GPU where decode reads the weights once) and yields (1 - a^(K+1)) / (1 - a)
+    tokens; the TPOT is the step over that yield. The prefill does not change."""
+    from stagewise.planner.models import resolve_model
+
+    config, layout, profile = resolve_model("qwen3-4b")[0], ParallelConfig(world_size=1), load_profile("h100-sxm")
+    plain = estimate_layout(config, layout, Workload(input_length=512, output_length=64), profile)
+    w = Workload(input_length=512, output_length=64, speculative_tokens=3, acceptance=0.6)
+    spec = estimate_layout(config, layout, w, profile)
+    assert w.tokens_per_step == pytest.approx(1 + 0.6 + 0.36 + 0.216)
+    step, one = spec.decode.pipeline.latency_s, plain.decode.pipeline.latency_s
+    assert one < step < 1.5 * one and spec.decode.new_tokens == 4
+    assert spec.tpot_steady_s == pytest.approx(step / w.tokens_per_step) and spec.tpot_s < plain.tpot_s
+    assert spec.ttft_s == plain.ttft_s
+    assert Workload(input_length=8, output_length=8, speculative_tokens=2, acceptance=1.0).tokens_per_step == 3
+    with pytest.raises(ValueError, match="speculative_tokens must be an int >= 0"):
+        Workload(input_length=8, output_length=8, speculative_tokens=2, acceptance=1.5)

@@ -74,6 +74,12 @@ def _search_parser() -> argparse.ArgumentParser:
                    help="the share of each prompt found in the prefix cache (0-1: a shared system prompt, a "
                         "resent conversation), whose KV the prefill reuses instead of computing (default: the "
                         "serving YAML's, else 0)")
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="speculative decoding: K draft tokens per request and decode step, verified in one step "
+                        "(default 0: none)")
+    p.add_argument("--acceptance", type=float, default=0.7, metavar="A",
+                   help="with --speculative-tokens: the chance each draft is accepted (default 0.7; `stagewise "
+                        "generate --json` and the server's metrics report the measured one)")
     _workload_args(p)
     p.add_argument("--partition", default="even", help=f"{PARTITIONS}; or ranges '0-10,10-22,...' for one PP size "
                                                       "(default even)")
@@ -134,6 +140,9 @@ def _workload(args: argparse.Namespace, config: ModelConfig, input_length: int, 
     share = getattr(args, "prefix_share", None) or 0.0
     if not 0 <= share <= 1:
         raise PlanError(f"--prefix-share must be in [0, 1], got {share}")
+    drafts, acceptance = getattr(args, "speculative_tokens", 0), getattr(args, "acceptance", 0.7)
+    if drafts < 0 or not 0 <= acceptance <= 1:
+        raise PlanError(f"--speculative-tokens must be >= 0 and --acceptance in [0, 1], got {drafts} and {acceptance}")
     image_tokens = getattr(args, "image_tokens", 0)
     if not 0 <= image_tokens <= input_length:
         raise PlanError(f"--image-tokens must be in [0, --input-length {input_length}], got {image_tokens}")
@@ -144,7 +153,7 @@ def _workload(args: argparse.Namespace, config: ModelConfig, input_length: int, 
                     microbatches=args.microbatches, weight_dtype=wd, kv_dtype=args.kv_dtype or wd,
                     memory_fraction=args.memory_fraction, weight_quant=(args.weight_quant or "").lower(),
                     embed_quant=(args.embed_quant or "").lower(), image_tokens=getattr(args, "image_tokens", 0),
-                    prefix_share=share)
+                    prefix_share=share, speculative_tokens=drafts, acceptance=acceptance if drafts else 0.0)
 
 
 def _profile(args: argparse.Namespace):

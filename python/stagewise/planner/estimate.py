@@ -68,6 +68,19 @@ class Workload:
     whole: a request holds its cached blocks, and the cached blocks nobody holds take no capacity
     (they are evicted when it is needed)."""
 
+    speculative_tokens: int = 0
+    """Draft tokens per request and decode step (speculative decoding): a decode step runs
+    ``1 + speculative_tokens`` tokens per row."""
+    acceptance: float = 0.0
+    """The chance each draft is accepted (given the ones before it were): a step then yields
+    ``(1 - a ** (k + 1)) / (1 - a)`` tokens per row."""
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a decode step yields per row: 1, or with drafts 1 + the expected accepted ones."""
+        k, a = self.speculative_tokens, self.acceptance
+        return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
     @property
     def cached_tokens(self) -> int:
         """Prompt tokens a request finds cached; at least the last is always computed."""
@@ -85,6 +98,10 @@ class Workload:
         if isinstance(self.prefix_share, bool) or not isinstance(self.prefix_share, (int, float)) \
                 or not 0 <= self.prefix_share <= 1:
             raise ValueError(f"workload: prefix_share must be a number in [0, 1], got {self.prefix_share!r}")
+        if isinstance(self.speculative_tokens, bool) or not isinstance(self.speculative_tokens, int) \
+                or self.speculative_tokens < 0 or not 0 <= self.acceptance <= 1:
+            raise ValueError(f"workload: speculative_tokens must be an int >= 0 and acceptance a number in [0, 1], "
+                             f"got {self.speculative_tokens!r} and {self.acceptance!r}")
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ValueError(f"workload: microbatches must be an int >= 1, got {self.microbatches!r}")
         object.__setattr__(self, "weight_dtype", dtype_name(self.weight_dtype))
@@ -220,7 +237,9 @@ def runs_python_loop(config: ModelConfig, sharding: shapes.Sharding) -> bool:
 
 def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: compute.Precision,
            sharding: shapes.Sharding, *, batch: int, m: int, new_tokens: int, context: int,
-           image_tokens: int = 0) -> PhaseEstimate:
+           image_tokens: int = 0, decode: bool = False) -> PhaseEstimate:
+    """A prefill pass, or with ``decode`` the steady decode step of ``new_tokens`` per row (1, or a
+    row verifying drafts)."""
     groups = group_rows(batch, m)
     rows = max(groups)
     cache: dict[int, tuple[list[float], list[dict[str, float]]]] = {}
@@ -235,7 +254,7 @@ def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: c
                 sc = compute.stage_compute(ops, profile, prec.compute_dtype, role=compute.stage_role(info),
                                            num_layers=len(info.active_layer_indices),
                                            python_loop=python_loop,
-                                           cp=new_tokens == 1 and sharding.dcp * sharding.pcp > 1)
+                                           cp=decode and sharding.dcp * sharding.pcp > 1)
                 times.append(sc.time_s)
                 bounds.append(sc.by_bound)
             cache[r] = times, bounds
@@ -256,7 +275,7 @@ def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: c
         return [one_way(r)] * (plan.num_stages - 1) + [feedback_s(profile, plan.num_stages, r)]
 
     def run(slow: list[float]) -> PipelineRuntimeEstimate:
-        if new_tokens == 1:  # decode: the runtime's steady state, tokens going back to stage 0 each step
+        if decode:  # the runtime's steady state, tokens going back to stage 0 each step
             comp = [[stage_base(r)[0][i] * slow[i] for r in groups] for i in range(plan.num_stages)]
             return estimate_decode_groups(comp, hops(rows), events)
         comp = [t * k for t, k in zip(base, slow)]  # prefill: one fill-drain pass
@@ -277,7 +296,7 @@ def _phase(config: ModelConfig, plan: StagePlan, profile: DeviceProfile, prec: c
             slow = [0.5 * (a + b) for a, b in zip(slow, new)]
             est = run(slow)
     firsts: tuple[float, ...] = ()
-    if new_tokens > 1:
+    if not decode:
         # Each microbatch at its own size through the fill-drain pass; its first tokens are back on
         # stage 0 one feedback hop after it leaves the last stage.
         last = plan.num_stages - 1
@@ -328,13 +347,14 @@ def estimate_layout(config: ModelConfig, layout: ParallelConfig, workload: Workl
     prefill = _phase(config, plan, profile, prec, sharding, batch=workload.batch, m=m,
                      new_tokens=workload.input_length - cached, context=cached,
                      image_tokens=workload.image_tokens if workload.image_tokens > cached else 0)
-    decode = _phase(config, plan, profile, prec, sharding, batch=workload.batch, m=m, new_tokens=1,
-                    context=workload.input_length + workload.output_length // 2)
+    decode = _phase(config, plan, profile, prec, sharding, batch=workload.batch, m=m,
+                    new_tokens=1 + workload.speculative_tokens,
+                    context=workload.input_length + workload.output_length // 2, decode=True)
     # The first token exists once the last stage sampled it and stage 0 took it back; the decode
     # as measured from there also holds the rest of the prefill (the fill).
     ttft = prefill.first_tokens_s[0]
     fill = prefill.first_tokens_s[-1] - ttft
-    steady = decode.pipeline.latency_s
+    steady = decode.pipeline.latency_s / workload.tokens_per_step  # per token: a step yields that many
     tpot = steady + (fill / (workload.output_length - 1) if workload.output_length > 1 else 0.0)
     total = prefill.first_tokens_s[-1] + (workload.output_length - 1) * steady  # = ttft + (O - 1) * tpot
     notes = []

@@ -37,6 +37,8 @@ def format_search(results, rejected, *, name, config, workload, profile, validat
     lines = [f"model {name} ({config.architecture}, {config.num_layers} layers), {num_devices} x {profile.name}, "
              f"input {workload.input_length}"
              + (f" ({workload.prefix_share:.0%} found in the prefix cache)" if workload.prefix_share else "")
+             + (f", {workload.speculative_tokens} drafts a step at {workload.acceptance:.0%} acceptance "
+                f"({workload.tokens_per_step:.2f} tokens a step)" if workload.speculative_tokens else "")
              + f", output {workload.output_length}, batch {workload.batch} per replica, "
              f"weights {workload.weight_dtype}, KV {workload.kv_dtype}",
              validation.describe() if validation else "no validation on record: no prediction has been checked"]
@@ -87,7 +89,8 @@ def search_json(results, rejected, *, name, config, workload, profile, validatio
                          "batch": workload.batch, "microbatches": workload.microbatches,
                          "weight_dtype": workload.weight_dtype, "kv_dtype": workload.kv_dtype,
                          "weight_quant": workload.weight_quant or None, "embed_quant": workload.embed_quant or None,
-                         "prefix_share": workload.prefix_share},
+                         "prefix_share": workload.prefix_share,
+                         "speculative_tokens": workload.speculative_tokens, "acceptance": workload.acceptance},
             "validation": validation.describe() if validation else None,
             "layouts": layouts,
             "rejected": [{"tp": r.tp, "pp": r.pp, "pcp": r.pcp, "dcp": r.dcp, "ep": r.ep, "moe_dp": r.moe_dp,
