@@ -68,6 +68,19 @@ def test_only_the_lost_stage_starts_again(reference, stages, lost, sig):
     assert gone(new)
 
 
+@pytest.mark.parametrize("lost", [0, 1], ids=["head-killed", "last-killed"])
+def test_a_stage_killed_mid_speculation_resumes_exactly(reference, lost):
+    """Requests verifying drafts (some rejected, their KV rolled back on every stage) when a stage
+    is killed: resumed on the repaired pipeline, they end with the undisturbed single process's
+    tokens without drafts."""
+    with Pipeline("smollm2-135m", stages=2, max_restarts=1, speculative="ngram", num_speculative_tokens=4) as pipe:
+        pids = list(pipe.driver.processes.pids)
+        out = pipe.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True,
+                            on_text=fail_stage_midway(pids[lost], signal.SIGKILL, after=30))
+        assert sum(c.draft_tokens for c in out) > 0
+        check_resumed(pipe, out, reference)
+
+
 def test_a_stage_lost_under_a_shared_prefix_load_gives_the_undisturbed_answers():
     """Prompts behind one shared beginning, which an earlier request left cached; stage 1 is killed
     mid-generation, and the repaired pipeline (every pool new: no block of the old cache is

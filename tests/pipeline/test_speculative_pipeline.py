@@ -102,3 +102,20 @@ def test_a_draft_model_of_another_vocabulary_is_refused(models, tmp_path):
         **{**SMALL, "vocab_size": 64}, num_attention_heads=4, num_key_value_heads=2)), tmp_path / "small")
     with pytest.raises(ValueError, match="vocabulary of 64 tokens, the target 101"):
         stagewise.Pipeline(str(folder), max_model_len=128, speculative=f"draft:{tmp_path / 'small'}")
+
+
+def test_smollm2_with_drafts_gives_its_greedy_text_and_stops_where_it_did():
+    """The real SmolLM2: greedy tokens and text as without drafts, a stop string met inside a step's
+    accepted drafts ending the text where it ended without them."""
+    prompts = ["Count from 1 to 40, separated by commas.", "Repeat exactly: red, green, blue, red, green, blue."]
+    kwargs = dict(chat=True, max_new_tokens=80, temperature=0.0)
+    with stagewise.Pipeline("smollm2-135m") as single:
+        want = single.generate(prompts, **kwargs)
+        want_stop = single.generate(prompts, stop=["8901", "blue, red"], **kwargs)
+    with stagewise.Pipeline("smollm2-135m", speculative="ngram", num_speculative_tokens=5) as pipe:
+        got = pipe.generate(prompts, **kwargs)
+        got_stop = pipe.generate(prompts, stop=["8901", "blue, red"], **kwargs)
+    assert [(c.text, c.token_ids) for c in got] == [(c.text, c.token_ids) for c in want]
+    assert sum(c.accepted_tokens for c in got) > 10
+    assert [(c.text, c.finish_reason) for c in got_stop] == [(c.text, c.finish_reason) for c in want_stop]
+    assert all(c.finish_reason == "stop" for c in got_stop)
