@@ -16,7 +16,8 @@ from stagewise.engine.params import CONSTRAINTS, SAMPLING_FIELDS, SURFACES, Samp
 
 COMMON = {"max_new_tokens": 7, "temperature": 0.5, "top_k": 3, "top_p": 0.9, "min_p": 0.05,
           "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": -0.5, "seed": 11,
-          "stop": ["##", "END"], "stop_token_ids": [4, 9], "ignore_eos": True, "logprobs": 2}
+          "stop": ["##", "END"], "stop_token_ids": [4, 9], "ignore_eos": True, "logprobs": 2,
+          "max_draft_tokens": 2}
 CONSTRAINED = {"json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}, "regex": "[a-z]+",
                "grammar": 'root ::= "x"', "choice": ["yes", "no"]}
 WITH_CONSTRAINT = {"constraint_after": "</think>"}

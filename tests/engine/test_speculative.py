@@ -251,3 +251,18 @@ def test_drafts_beside_a_tpot_target_and_chunked_prompts_keep_the_tokens():
                     speculative=SpeculativeConfig(num_tokens=3))
     got = _run(engine, prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in plain] and engine.speculation.stats.accepted > 0
+
+
+def test_a_request_may_cap_its_drafts_or_take_none():
+    hf, cfg = make_model("llama-gqa-llama3")
+    sd = hf.state_dict()
+    prompts = _prompts(cfg)
+    engine = Engine(_stage(cfg, sd, 0, cfg.num_layers), max_num_seqs=4, speculative=SpeculativeConfig(num_tokens=5))
+    plain = _run(Engine(_stage(cfg, sd, 0, cfg.num_layers), max_num_seqs=4), prompts,
+                 SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True))
+    for cap in (0, 1):
+        got = _run(engine, prompts, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True,
+                                                   max_draft_tokens=cap))
+        assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+        steps = sum(len(o.token_ids) - 1 - o.accepted_tokens for o in got)  # decode steps
+        assert sum(o.draft_tokens for o in got) <= cap * steps and (cap == 0) == (sum(o.draft_tokens for o in got) == 0)

@@ -138,6 +138,13 @@ class SamplingParams:
              "JSON: with --json or --prompt-file", openai_chat=("top_logprobs",))
     """Return each generated token's log-probability and the ``logprobs`` most likely tokens'
     (0 .. 20; None: none). From the model's float32 logits, before penalties and temperature."""
+    max_draft_tokens: int | None = option(
+        None, check=lambda v: v is None or _is_int(v) and v >= 0, expected="None or an int >= 0", metavar="N",
+        help="with speculative decoding on: at most N draft tokens a step for this request (0: none; default: "
+             "--num-speculative-tokens)")
+    """With speculative decoding on (:mod:`stagewise.engine.speculative`), at most this many drafts
+    a step for this request (0: it decodes one token a step); None: the engine's length. Its tokens
+    are the same either way (greedy) or distributed the same (sampling)."""
 
     json_schema: dict | None = option(
         None, check=lambda v: v is None or isinstance(v, dict) or isinstance(v, str) and json_object(v) is not None,

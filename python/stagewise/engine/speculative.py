@@ -220,7 +220,8 @@ class Speculation:
             p = params(seq.request_id)
             made = len(seq.prompt_ids) + len(seq.output_ids)
             room = min(p.max_new_tokens - len(seq.output_ids), self.max_model_len - made) - 1
-            k = min(self.lengths.next_k(seq.request_id), room)
+            k = min(self.lengths.next_k(seq.request_id), room,
+                    room if p.max_draft_tokens is None else p.max_draft_tokens)
             if k > 0:
                 asked.append(seq)
                 wanted.append((seq.request_id, seq.prompt_ids + seq.output_ids, k))
