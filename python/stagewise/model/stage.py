@@ -172,19 +172,17 @@ class StageModel(nn.Module):
         if batch.pixel_values is not None:
             raise ValueError("StageModel.forward: the step still holds pixel_values; run encode_images first")
         stack = self.decode_stack if batch.num_tokens > 0 and split is None else None
-        extending = stack is not None and _short_chunks(batch)
+        extending = stack is not None and meta.token_seq_lens is not None and batch.mrope_positions is None \
+            and batch.visual_rows is None
         if stack is not None and (batch.num_prefills == 0 or extending or _fresh_prompts(batch)):
             has_residual = residual is not None
             residual = residual if has_residual else torch.empty_like(x)
             if batch.num_prefills == 0:
                 stack.decode(x, residual, has_residual, batch.positions, meta.slot_mapping, meta.block_tables,
                              meta.seq_lens, kv_cache.storage)
-            elif extending:  # each token attends up to itself: its request's table and its length per row
-                tables = meta.block_tables.repeat_interleave(int_tensor(batch.query_lens, device=x.device), dim=0)
-                lens = int_tensor([c + j for c, n in zip(batch.context_lens, batch.query_lens) for j in range(1, n + 1)],
-                                  torch.int32, x.device)
-                stack.extend(x, residual, has_residual, batch.positions, meta.slot_mapping, tables, lens,
-                             kv_cache.storage)
+            elif extending:  # every token a decode row: its request's table, its length up to itself
+                stack.extend(x, residual, has_residual, batch.positions, meta.slot_mapping, meta.token_block_tables,
+                             meta.token_seq_lens, kv_cache.storage)
             else:
                 stack.prefill(x, residual, has_residual, batch.positions, meta.slot_mapping, list(batch.query_lens),
                               kv_cache.storage)
@@ -260,20 +258,6 @@ def _python_loop_reason(config: ModelConfig, device: torch.device, groups: Stage
     if windowed:
         return f"the C++ layer loop attends over every cached token, and layers {windowed} have a sliding window"
     return None
-
-
-SHORT_CHUNK = 16
-"""The most tokens of a chunk after a request's cache that the C++ layer loop runs as decode rows
-(``DecoderStack.extend``: each row reads the cache once; a longer chunk is SDPA's work)."""
-
-
-def _short_chunks(batch: StepBatch) -> bool:
-    """Whether every prefill row of ``batch`` is a short run of tokens after its request's cache (a
-    row verifying drafts, a draft model catching up; the other rows decode), without images: a
-    step the C++ layer loop runs as decode rows, several per request."""
-    p = batch.num_prefills
-    return (p > 0 and min(batch.context_lens[:p]) > 0 and max(batch.query_lens[:p]) <= SHORT_CHUNK
-            and batch.mrope_positions is None and batch.visual_rows is None)
 
 
 def _fresh_prompts(batch: StepBatch) -> bool:

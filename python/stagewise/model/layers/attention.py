@@ -95,6 +95,14 @@ class Attention(nn.Module):
             return self.o(cp_attention(q, k, v, batch, meta, kv, self.scale, self.groups).view(t, hq * d))
         out = torch.empty((t, hq, d), dtype=x.dtype, device=x.device)
         k_cache, v_cache = kv
+        if meta.token_seq_lens is not None and self.window is None:
+            # Short runs after each cache (drafts being verified): every token a decode row over the
+            # cache, the step's K/V written first so that each sees those before it; the C++ layer loop
+            # (DecoderStack.extend) runs the same ops in this order.
+            ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            ops.decode_attention(q, k_cache, v_cache, meta.token_block_tables, meta.token_seq_lens, self.scale, out=out)
+            ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            return self.o(out.view(t, hq * d))
         for i, ((start, n), ctx) in enumerate(zip(batch.prefill_spans(), batch.context_lens)):
             # [1, H, n, D] views; enable_gqa lets the Hq / Hk query heads share a KV head.
             qs, ks, vs = (a[start : start + n].transpose(0, 1).unsqueeze(0) for a in (q, k, v))
