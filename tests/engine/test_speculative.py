@@ -266,3 +266,48 @@ def test_a_request_may_cap_its_drafts_or_take_none():
         assert [o.token_ids for o in got] == [o.token_ids for o in plain]
         steps = sum(len(o.token_ids) - 1 - o.accepted_tokens for o in got)  # decode steps
         assert sum(o.draft_tokens for o in got) <= cap * steps and (cap == 0) == (sum(o.draft_tokens for o in got) == 0)
+
+
+def test_a_tight_pool_never_fails_a_step_for_drafts():
+    """Pools too small for every request: the scheduler may end a request for want of blocks, as
+    without drafts, but a rejected draft's blocks count as held until every stage dropped them (the
+    request's next step, before it takes any), and drafts take only what every decode slot left: no
+    step fails inside a stage for blocks the scheduler thought free."""
+    hf, cfg = make_model("llama-gqa-llama3")
+    sd = hf.state_dict()
+    g = torch.Generator().manual_seed(1)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    for _ in range(6):
+        base = torch.randint(3, cfg.vocab_size, (4,), generator=g).tolist()
+        prompts = [base * 3, base[:3] * 4 + [7], torch.randint(3, cfg.vocab_size, (5,), generator=g).tolist(),
+                   base * 2 + [9], base[1:] * 3]
+        for blocks in (10, 12, 14, 16):
+            model = StageModel.from_weights(cfg, 0, cfg.num_layers, sd)
+            engine = Engine(Executor(model, num_blocks=blocks, block_size=BLOCK_SIZE,
+                                     max_model_len=cfg.max_position_embeddings),
+                            max_num_seqs=4, speculative=SpeculativeConfig(num_tokens=4), prefix_cache=False)
+            outs = _run(engine, prompts, params)
+            assert not [o.error for o in outs if o.error and "step failed" in o.error]
+
+
+def test_a_draft_model_that_cannot_draft_leaves_the_steps_without_drafts(tmp_path, caplog):
+    """Its own KV pool full: the step runs without drafts (said once in the log per step), the
+    tokens are those without drafts, and the draft catches up when it has room again."""
+    from helpers.hf_models import MODELS, save_random
+    from stagewise.engine.draft_model import DraftModel
+
+    hf = save_random(MODELS["llama-gqa-llama3"], tmp_path)
+    cfg = make_model("llama-gqa-llama3")[1]
+    sd = hf.state_dict()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, cfg.vocab_size, (30,), generator=g).tolist() for _ in range(4)]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = _run(Engine(_stage(cfg, sd, 0, cfg.num_layers), max_num_seqs=4), prompts, params)
+    spec = SpeculativeConfig(method="draft", draft_model=str(tmp_path), num_tokens=3)
+    engine = Engine(_stage(cfg, sd, 0, cfg.num_layers), max_num_seqs=4, speculative=spec)
+    draft = engine.speculation.drafter
+    assert isinstance(draft, DraftModel)
+    draft.executor = Executor(draft.executor.model, num_blocks=8, block_size=16, max_model_len=64)  # 2 requests
+    got = _run(engine, prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    assert "could not draft" in caplog.text and not draft.executor.requests

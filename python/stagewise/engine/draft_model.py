@@ -14,6 +14,7 @@ need to be likely, not exact, and it is the fastest the draft can run here.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -25,6 +26,7 @@ from stagewise.kv.cache import num_cache_blocks
 from stagewise.model.batch import StepBatch
 
 BLOCK_SIZE = 16
+_log = logging.getLogger("stagewise")
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -55,15 +57,24 @@ class DraftModel:
         """Per request, the tokens whose KV the draft holds."""
 
     def propose(self, requests: Sequence[tuple[Hashable, Sequence[int], int]]) -> list[tuple[int, ...]]:
+        """The drafts; none at all when the draft cannot run them (its own KV pool full, say): it
+        then forgets every request, and catches up from their tokens when next asked."""
         out: dict[Hashable, list[int]] = {}
         todo = [(rid, list(tokens), k) for rid, tokens, k in requests if len(tokens) + k <= self.max_model_len]
-        if todo:
-            first = self._catch_up(todo)
-            for (rid, _, _), token in zip(todo, first):
-                out[rid] = [token]
-            for j in range(1, max(k for _, _, k in todo)):
-                going = [rid for rid, _, k in todo if k > j]
-                out.update(zip(going, ([*out[r], t] for r, t in zip(going, self._decode(going, out)))))
+        try:
+            if todo:
+                first = self._catch_up(todo)
+                for (rid, _, _), token in zip(todo, first):
+                    out[rid] = [token]
+                for j in range(1, max(k for _, _, k in todo)):
+                    going = [rid for rid, _, k in todo if k > j]
+                    out.update(zip(going, ([*out[r], t] for r, t in zip(going, self._decode(going, out)))))
+        except Exception as err:  # noqa: BLE001 - drafts are optional: the step decodes without them
+            _log.warning("speculative: the draft model could not draft (%s: %s); the step runs without drafts",
+                         type(err).__name__, err)
+            self.executor.free(list(self._held))
+            self._held.clear()
+            return [()] * len(requests)
         return [tuple(out.get(rid, ())) for rid, _, _ in requests]
 
     def _catch_up(self, todo: list[tuple[Hashable, list[int], int]]) -> list[int]:
@@ -88,22 +99,25 @@ class DraftModel:
             ids.append(rid), lens.append(len(seq) - same), ctx.append(same)
             tokens += seq[same:]
             positions += range(same, len(seq))
-            self._held[rid] = seq
         batch = StepBatch(request_ids=ids, num_prefills=len(ids), query_lens=lens, context_lens=ctx,
                           positions=int_tensor(positions, device=ex.device),
                           token_ids=int_tensor(tokens, device=ex.device))
-        return ex.run(batch, sampling).tokens.tolist()
+        first = ex.run(batch, sampling).tokens.tolist()
+        for rid, seq, _ in todo:
+            self._held[rid] = seq
+        return first
 
     def _decode(self, rids: list[Hashable], drafts: dict[Hashable, list[int]]) -> list[int]:
         """One decode step of the draft: each request's last draft fed, the next one back."""
         ex = self.executor
         ctx = [len(self._held[rid]) for rid in rids]
         fed = [drafts[rid][-1] for rid in rids]
-        for rid, token in zip(rids, fed):
-            self._held[rid].append(token)
         batch = StepBatch(request_ids=rids, num_prefills=0, query_lens=[1] * len(rids), context_lens=ctx,
                           positions=int_tensor(ctx, device=ex.device), token_ids=int_tensor(fed, device=ex.device))
-        return ex.run(batch).tokens.tolist()
+        out = ex.run(batch).tokens.tolist()
+        for rid, token in zip(rids, fed):
+            self._held[rid].append(token)
+        return out
 
     def forget(self, request_id: Hashable) -> None:
         self._held.pop(request_id, None)

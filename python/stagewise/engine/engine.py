@@ -270,9 +270,8 @@ class Engine:
         for i, (seq, new) in enumerate(zip(seqs, per_seq)):
             if seq.request_id not in self.requests:
                 continue
-            if seq.drafts:  # the rejected drafts' slots go back
+            if seq.drafts:  # (the rejected drafts' slots go back when its next step is scheduled)
                 self.speculation.verified(seq, len(new))
-                self.scheduler.budget.truncate(seq.request_id, seq.num_cached)
             if self.prefix is not None and i >= first_decode:
                 self.prefix.written(seq, seq.num_cached)
         if self.pacer is not None:

@@ -138,6 +138,9 @@ class Executor:
                 (want := self.threads_by_tokens[batch.num_tokens > 1]) != torch.get_num_threads():
             torch.set_num_threads(want)
         try:
+            for rid, ctx in zip(batch.request_ids, batch.context_lens):  # rejected drafts' blocks back first
+                if rid in self._drafted and 0 < self.manager.num_tokens(rid) - ctx <= self._drafted[rid]:
+                    self.truncate(rid, ctx)
             if hits is not None:  # every shared block held before the step takes any (taking may evict)
                 for i, blocks in enumerate(hits):
                     if blocks:
@@ -154,12 +157,10 @@ class Executor:
                             pinned[i].remove(m)  # the request holds them now
                 else:
                     have = self.manager.num_tokens(rid) if rid in self.manager else None
-                    if have != ctx and not (have is not None and 0 < have - ctx <= self._drafted.get(rid, 0)):
+                    if have != ctx:
                         what = "continues its prefill" if i < batch.num_prefills else "decodes"
                         raise ValueError(f"request {rid!r} {what} at position {ctx} but this stage holds "
                                          f"{have} of its tokens")
-                    if have != ctx:  # its previous step's rejected drafts
-                        self.truncate(rid, ctx)
                     for m in self.managers:
                         m.append(rid, n)
                     self._drafted.pop(rid, None)

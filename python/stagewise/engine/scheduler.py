@@ -19,7 +19,10 @@ computes the blocks it would find next (questions about a document that arrive d
 prefill then compute only their own tokens). Running requests take their decode slot
 before new requests are admitted, so a request in flight is never starved by a
 newcomer; when the pool is still short, that one request fails with finish_reason
-"error" and its blocks go back to the pool for the others.
+"error" and its blocks go back to the pool for the others. Draft tokens (speculative decoding) get
+slots only from what every running request's next token left, and a request's rejected drafts
+are taken off its count when its next step is scheduled: the step in which every stage drops their
+KV, before it takes any block.
 """
 
 from __future__ import annotations
@@ -216,26 +219,30 @@ class Scheduler:
         prompts of queued requests while rows and blocks allow. ``prefill_budget`` and ``new_rows``
         (see :mod:`stagewise.engine.pacing`) lower the prompt tokens and the requests started."""
         step = ScheduledStep(prefills=[], decodes=[], failed=[])
-        verifying: list[SeqState] = []
-        for seq in list(self.running.values()):
-            if not seq.output_ids:
-                continue  # cannot happen after a completed step; guards a step that raised
+        decoding = [seq for seq in self.running.values() if seq.output_ids]  # (none only after a step that raised)
+        for seq in decoding:  # the last step's rejected drafts: every stage drops their KV as this step begins
+            if self.budget.num_tokens(seq.request_id) > seq.num_cached:
+                self.budget.truncate(seq.request_id, seq.num_cached)
+        for seq in decoding:
+            rid = seq.request_id
             try:
-                try:
-                    self.budget.append(seq.request_id, 1 + len(seq.drafts))
-                except OutOfKVBlocks:
-                    if not seq.drafts:
-                        raise
-                    seq.drafts = ()  # no room to speculate: decode one token
-                    self.budget.append(seq.request_id, 1)
+                self.budget.append(rid, 1)
             except OutOfKVBlocks as err:
-                step.failed.append((seq, f"out of KV cache blocks: request {seq.request_id!r} at "
+                step.failed.append((seq, f"out of KV cache blocks: request {rid!r} at "
                                          f"{seq.num_cached} tokens needs another block ({err})"))
-                self.finish(seq.request_id)
+                self.finish(rid)
                 continue
-            (verifying if seq.drafts else step.decodes).append(seq)
+            step.decodes.append(seq)
+        verifying: list[SeqState] = []
+        for seq in step.decodes:  # drafts take what the decodes left
+            if seq.drafts:
+                try:
+                    self.budget.append(seq.request_id, len(seq.drafts))
+                    verifying.append(seq)
+                except OutOfKVBlocks:
+                    seq.drafts = ()  # no room to speculate: decode one token
         if verifying:  # rows that verify drafts run as chunks, before the decodes
-            step.decodes[:0] = verifying
+            step.decodes = verifying + [s for s in step.decodes if not s.drafts]
         budget = self.max_prefill_tokens if prefill_budget is None else min(prefill_budget, self.max_prefill_tokens)
         for seq in list(self.running.values()):
             if budget > 0 and seq.num_prefilled < len(seq.prompt_ids):
