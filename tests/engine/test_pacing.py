@@ -13,27 +13,27 @@ import torch
 import stagewise
 from stagewise.engine import engine as engine_module
 from stagewise.engine import requests as requests_module
-from stagewise.engine.pacing import MIN_CHUNK, UNLIMITED, Budget, TpotPacer, _Line
+from stagewise.engine.pacing import MIN_CHUNK, UNLIMITED, Budget, TpotPacer, CostLine
 from stagewise.engine.params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
 
 def test_line_fits_a_line_and_has_no_slope_without_spread():
-    line = _Line(8)
+    line = CostLine(8)
     assert line.fit() is None
     for x in (1, 2, 5):
         line.add(x, 3.0 + 0.5 * x)
     a, b = line.fit()
     assert a == pytest.approx(3.0) and b == pytest.approx(0.5)
-    same = _Line(8)
+    same = CostLine(8)
     for y in (1.0, 3.0):
         same.add(4, y)
     assert same.fit() == (2.0, 0.0)
-    falling = _Line(8)
+    falling = CostLine(8)
     falling.add(1, 5.0), falling.add(2, 3.0)
     assert falling.fit() == (4.0, 0.0)  # a step never gets cheaper with more rows: no slope, the mean
-    bent = _Line(16)  # a fixed cost that the line through the points underrates at small x
+    bent = CostLine(16)  # a fixed cost that the line through the points underrates at small x
     for x, y in ((1, 20.0), (2, 21.0), (100, 150.0), (200, 280.0), (300, 410.0), (400, 540.0)):
         bent.add(x, y)
     a, b = bent.fit()
@@ -163,11 +163,11 @@ def simulate(folder, monkeypatch, tpot_target_ms):
         record = engine.requests.record
         times: dict[int, list[float]] = {}
 
-        def timed_record(seqs, tokens, logprobs=None):
+        def timed_record(seqs, tokens, logprobs=None, counts=None):
             seqs = list(seqs)
             for seq in seqs:
                 times.setdefault(seq.request_id, []).append(clock[0])
-            return record(seqs, tokens, logprobs)
+            return record(seqs, tokens, logprobs, counts)
 
         monkeypatch.setattr(engine.requests, "record", timed_record)
         done, pending = {}, list(enumerate(arrivals))

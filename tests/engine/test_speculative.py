@@ -311,3 +311,21 @@ def test_a_draft_model_that_cannot_draft_leaves_the_steps_without_drafts(tmp_pat
     got = _run(engine, prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in plain]
     assert "could not draft" in caplog.text and not draft.executor.requests
+
+
+def test_a_draft_is_made_only_while_its_chance_pays_for_the_time_it_adds():
+    """The j-th draft is accepted with a chance of about rate ** j; a step's tokens decide a share of
+    its time (fitted on stage 0's decode steps: a + b * tokens). Where tokens are nearly free (batch
+    1, reading the weights) drafts go on at a low rate; where they cost (a batch that is compute
+    bound) only likely drafts are made, and none when even the first does not pay."""
+    from stagewise.engine.speculative import Speculation
+
+    k = AdaptiveK(4)
+    k.verified("r", 4, 2)  # rate 0.57
+    assert [k.next_k("r", share) for share in (0.0, 0.3, 0.5)] == [4, 2, 1]
+    assert k.next_k("r", 0.7) == 0 and k.next_k("r", 0.0) == 1  # backs off, then probes
+    spec = Speculation(SpeculativeConfig(num_tokens=4), NgramDrafter(), max_model_len=64)
+    assert spec.token_share(16) == 0.0  # nothing timed yet: drafts are assumed free
+    for tokens in (1, 2, 4, 8, 16, 24):
+        spec.timed(tokens, 0.004 + 0.001 * tokens)
+    assert spec.token_share(1) == pytest.approx(0.2) and spec.token_share(16) == pytest.approx(0.8)

@@ -217,9 +217,9 @@ class Engine:
         had nothing to run or its step failed here) and the requests that ended."""
         if group in self.inflight:
             raise ValueError(f"Engine.launch: group {group} already has step {self.inflight[group][0]} in flight")
-        now = time.perf_counter()
         if self.speculation is not None:
             self.speculation.draft(self.scheduler.groups[group].running.values(), self.requests.params)
+        now = time.perf_counter()
         scheduled = self.scheduler.schedule(group, *self._budget(group, now))
         done = [self._end(seq.request_id, "error", message) for seq, message in scheduled.failed]
         if scheduled.empty:
@@ -230,6 +230,8 @@ class Engine:
         try:
             batch = self._batch(scheduled)
             output = self.executor.run(batch, sampling)
+            if self.speculation is not None and not scheduled.prefills:  # a decode step: what a token costs
+                self.speculation.timed(batch.num_tokens, time.perf_counter() - now)
         except RanksOutOfStep:
             raise  # the stage itself is broken: not one step's failure
         except Exception as err:  # noqa: BLE001 - a failed step ends its requests, not the engine
@@ -260,18 +262,13 @@ class Engine:
             for chunk in scheduled.prefills:
                 if chunk.seq.request_id in self.requests:
                     self.prefix.written(chunk.seq, chunk.start + chunk.length)
-        per_seq, per_lp, at = [], [], 0
-        for n in counts or [1] * len(seqs):
-            per_seq.append(tokens[at:at + n])
-            per_lp.append(None if logprobs is None else logprobs[at:at + n])
-            at += n
-        ended = self.requests.record(seqs, per_seq, per_lp)
+        ended = self.requests.record(seqs, tokens, logprobs, counts)
         first_decode = len(seqs) - len(scheduled.decodes)
-        for i, (seq, new) in enumerate(zip(seqs, per_seq)):
+        for i, seq in enumerate(seqs):
             if seq.request_id not in self.requests:
                 continue
             if seq.drafts:  # (the rejected drafts' slots go back when its next step is scheduled)
-                self.speculation.verified(seq, len(new))
+                self.speculation.verified(seq, 1 if counts is None else counts[i])
             if self.prefix is not None and i >= first_decode:
                 self.prefix.written(seq, seq.num_cached)
         if self.pacer is not None:

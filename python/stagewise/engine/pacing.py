@@ -46,7 +46,7 @@ def _floor(x: float) -> int:
     return math.floor(x + 1e-9)
 
 
-class _Line:
+class CostLine:
     """A least-squares line ``y = a + b * x`` through the last ``window`` points (b >= 0)."""
 
     def __init__(self, window: int) -> None:
@@ -96,9 +96,9 @@ class TpotPacer:
         if isinstance(target_s, bool) or not isinstance(target_s, (int, float)) or not 0 < target_s < math.inf:
             raise ValueError(f"TpotPacer: the target time per output token must be > 0 seconds, got {target_s!r}")
         self.target_s = float(target_s)
-        self._decode = _Line(window)
+        self._decode = CostLine(window)
         """seconds of a step without prompt tokens, by its rows."""
-        self._prefill = _Line(window)
+        self._prefill = CostLine(window)
         """seconds a step's prompt tokens add to its decode time, by the tokens."""
         self._started: dict[int, tuple[float, int, int]] = {}
         """group -> (start time, rows, prompt tokens) of its step in flight."""

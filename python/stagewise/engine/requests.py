@@ -12,7 +12,7 @@ takes the new tokens (:meth:`Requests.take_tokens`); nothing here calls back int
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from stagewise.engine.params import SamplingParams, TokenLogprobs
@@ -124,24 +124,28 @@ class Requests:
         """time.perf_counter() when a live request's first token was recorded (None: not yet)."""
         return self._live[request_id].first_token_s
 
-    def record(self, seqs: Iterable[SeqState], tokens: Iterable[Sequence[int]],
-               logprobs: Iterable[Sequence[TokenLogprobs | None]] | None = None) -> list[tuple[Hashable, str]]:
-        """Append each request's sampled tokens (a sequence per seq, in order: one, or the accepted
-        drafts and one more after a speculative step; ``logprobs`` beside them where asked) and
-        return ``(request_id, finish_reason)`` of those that end with them: 'stop' at a stop token,
-        'length' at ``max_new_tokens`` or the model's length; a request's tokens after the one
-        that ends it are dropped. Requests that ended meanwhile are skipped."""
-        ended, now = [], time.perf_counter()
-        seqs = list(seqs)
-        logprobs = logprobs if logprobs is not None else [None] * len(seqs)
-        for seq, new, lps in zip(seqs, tokens, logprobs, strict=True):
+    def record(self, seqs: Sequence[SeqState], tokens: Sequence[int],
+               logprobs: Sequence[TokenLogprobs | None] | None = None,
+               counts: Sequence[int] | None = None) -> list[tuple[Hashable, str]]:
+        """Append each request's sampled tokens (``counts[i]`` for ``seqs[i]``, request after request:
+        one, or the accepted drafts and one more after a speculative step; None: one each;
+        ``logprobs`` beside them where asked) and return ``(request_id, finish_reason)`` of those
+        that end with them: 'stop' at a stop token, 'length' at ``max_new_tokens`` or the model's
+        length; a request's tokens after the one that ends it are dropped. Requests that ended
+        meanwhile are skipped."""
+        ended, now, end = [], time.perf_counter(), 0
+        counts = [1] * len(seqs) if counts is None else counts
+        if len(counts) != len(seqs) or sum(counts) != len(tokens):
+            raise ValueError(f"Requests.record: {len(tokens)} tokens in {list(counts)[:8]} for {len(seqs)} requests")
+        for seq, n in zip(seqs, counts):
+            start, end = end, end + n
             req = self._live.get(seq.request_id)
             if req is None:
                 continue
             if req.first_token_s is None:
                 req.first_token_s = now
-            for i, token in enumerate(new):
-                lp = None if lps is None else lps[i]
+            for i, token in enumerate(tokens[start:end], start):
+                lp = None if logprobs is None else logprobs[i]
                 seq.output_ids.append(token)
                 if req.logprobs is not None:
                     req.logprobs.append(lp)

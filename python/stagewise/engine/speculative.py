@@ -41,6 +41,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from stagewise.engine.pacing import CostLine
 from stagewise.engine.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -155,7 +156,8 @@ class _Rate:
 @dataclass
 class AdaptiveK:
     """Each request's draft length from how many of its drafts were accepted: the full ``k`` while
-    at least ``keep`` of them are, fewer as the rate falls, none below ``stop``; after a stop it
+    at least ``keep`` of them are, fewer as the rate falls, none below ``stop``, and none whose
+    chance of being accepted does not pay for its share of a step (:meth:`next_k`); after a stop it
     drafts one token again after 1, 2, 4 ... 32 steps to see whether the text became predictable."""
 
     k: int
@@ -163,16 +165,22 @@ class AdaptiveK:
     stop: float = 0.2
     _rates: dict[Hashable, _Rate] = field(default_factory=dict)
 
-    def next_k(self, request_id: Hashable) -> int:
+    def next_k(self, request_id: Hashable, share: float = 0.0) -> int:
+        """``share``: the part of a step's time that its tokens' number decides, which one more
+        token adds in proportion (0: tokens are free, a step costs what reading the weights does;
+        near 1: compute-bound). The ``j``-th draft is accepted with a chance of about ``rate ** j``,
+        and pays for the time it adds while that is above ``share``."""
         r = self._rates.get(request_id)
         if r is None:
             return self.k
         if r.skip:
             r.skip -= 1
             return 1 if r.skip == 0 else 0
-        if r.rate < self.stop:
-            return 1
-        return self.k if r.rate >= self.keep else max(1, round(self.k * r.rate / self.keep))
+        k = self.k if r.rate >= self.keep else max(1, round(self.k * r.rate / self.keep))
+        k = sum(1 for j in range(1, k + 1) if r.rate ** j > max(share, self.stop if j == 1 else 0.0))
+        if k == 0:  # not worth a step's time now: look again later
+            r.skip, r.backoff = r.backoff, min(2 * r.backoff, 32)
+        return k
 
     def verified(self, request_id: Hashable, proposed: int, accepted: int) -> None:
         if proposed < 1:
@@ -208,11 +216,28 @@ class Speculation:
         self.config, self.drafter, self.max_model_len = config, drafter, max_model_len
         self.lengths = AdaptiveK(config.num_tokens)
         self.stats = SpeculativeStats()
+        self.costs = CostLine(64)
+        """Stage 0's decode steps: seconds against tokens (a + b * tokens)."""
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        """A decode step of ``tokens`` tokens (drafts included) took ``seconds`` on stage 0."""
+        self.costs.add(tokens, seconds)
+
+    def token_share(self, rows: int) -> float:
+        """Of a step of ``rows`` decoding rows, the part of its time its tokens' number decides
+        (``b * rows / (a + b * rows)`` from the fitted line; 0 before two step sizes were timed)."""
+        fit = self.costs.fit()
+        if fit is None or fit[1] <= 0:
+            return 0.0
+        a, b = fit
+        return b * rows / max(a + b * rows, 1e-12)
 
     def draft(self, seqs: Iterable[SeqState], params: Callable[[Hashable], SamplingParams]) -> None:
         """Set ``drafts`` of each decoding request: never past its ``max_new_tokens`` or the model's
         length (a step yields at most ``drafts + 1`` tokens)."""
         asked, wanted = [], []
+        seqs = list(seqs)
+        share = self.token_share(sum(1 for seq in seqs if seq.output_ids))  # the step's decoding rows
         for seq in seqs:
             seq.drafts = ()
             if not seq.output_ids or seq.num_prefilled < len(seq.prompt_ids):
@@ -220,7 +245,7 @@ class Speculation:
             p = params(seq.request_id)
             made = len(seq.prompt_ids) + len(seq.output_ids)
             room = min(p.max_new_tokens - len(seq.output_ids), self.max_model_len - made) - 1
-            k = min(self.lengths.next_k(seq.request_id), room,
+            k = min(self.lengths.next_k(seq.request_id, share), room,
                     room if p.max_draft_tokens is None else p.max_draft_tokens)
             if k > 0:
                 asked.append(seq)
