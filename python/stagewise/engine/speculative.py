@@ -20,9 +20,10 @@ non-speculative ones. Log-probabilities are read at each token's own position.
 message carries 1 to ``k + 1`` of them). The request's next step then starts at the first position
 not accepted: every stage and rank sees a step that continues the request before the KV it holds
 ends, and drops the rejected positions' KV (:meth:`~stagewise.kv.KVCacheManager.truncate`) before
-it writes, by at most the drafts of the request's previous step. Stage 0's block count
-(:meth:`~stagewise.kv.budget.KVBudget.truncate`) shrinks when the tokens come back, so no stage
-holds KV the others rolled back, and prefix caching names only accepted positions' blocks.
+it writes (before the step takes any block), by at most the drafts of the request's previous
+step, so no stage holds KV the others rolled back. Stage 0's block count
+(:meth:`~stagewise.kv.budget.KVBudget.truncate`) shrinks when it schedules that step, never while
+a pool still holds the blocks; prefix caching names only accepted positions' blocks.
 
 **Drafters.** :class:`NgramDrafter` (prompt lookup): the continuation of the longest earlier
 match of the sequence's last ``n`` tokens, in the prompt and the output so far; a draft model's
