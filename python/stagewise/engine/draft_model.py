@@ -55,6 +55,8 @@ class DraftModel:
         self.max_model_len = length
         self._held: dict[Hashable, list[int]] = {}
         """Per request, the tokens whose KV the draft holds."""
+        self._known: dict[Hashable, int] = {}
+        """Per request, how many of its first held tokens are its own (not drafts): those never change."""
 
     def propose(self, requests: Sequence[tuple[Hashable, Sequence[int], int]]) -> list[tuple[int, ...]]:
         """The drafts; none at all when the draft cannot run them (its own KV pool full, say): it
@@ -74,6 +76,7 @@ class DraftModel:
                          type(err).__name__, err)
             self.executor.free(list(self._held))
             self._held.clear()
+            self._known.clear()
             return [()] * len(requests)
         return [tuple(out.get(rid, ())) for rid, _, _ in requests]
 
@@ -83,11 +86,9 @@ class DraftModel:
         ex = self.executor
         ids, lens, ctx, tokens, positions, sampling = [], [], [], [], [], {}
         for rid, seq, _ in todo:
-            held = self._held.get(rid, [])
-            same = 0
-            for a, b in zip(held, seq[:-1]):  # at least the last token is fed: its logits are the draft's
-                if a != b:
-                    break
+            held, end = self._held.get(rid, []), len(seq) - 1  # the last token is fed: its logits are the draft's
+            same = min(self._known.get(rid, 0), len(held), end)
+            while same < min(len(held), end) and held[same] == seq[same]:  # the accepted drafts
                 same += 1
             if rid in ex and same == 0:
                 ex.free([rid])
@@ -104,7 +105,7 @@ class DraftModel:
                           token_ids=int_tensor(tokens, device=ex.device))
         first = ex.run(batch, sampling).tokens.tolist()
         for rid, seq, _ in todo:
-            self._held[rid] = seq
+            self._held[rid], self._known[rid] = seq, len(seq)
         return first
 
     def _decode(self, rids: list[Hashable], drafts: dict[Hashable, list[int]]) -> list[int]:
@@ -121,4 +122,5 @@ class DraftModel:
 
     def forget(self, request_id: Hashable) -> None:
         self._held.pop(request_id, None)
+        self._known.pop(request_id, None)
         self.executor.free([request_id])

@@ -138,9 +138,9 @@ class Executor:
                 (want := self.threads_by_tokens[batch.num_tokens > 1]) != torch.get_num_threads():
             torch.set_num_threads(want)
         try:
-            for rid, ctx in zip(batch.request_ids, batch.context_lens):  # rejected drafts' blocks back first
+            for rid, ctx in zip(batch.request_ids, batch.context_lens) if self._drafted else ():
                 if rid in self._drafted and 0 < self.manager.num_tokens(rid) - ctx <= self._drafted[rid]:
-                    self.truncate(rid, ctx)
+                    self.truncate(rid, ctx)  # rejected drafts' blocks back before the step takes any
             if hits is not None:  # every shared block held before the step takes any (taking may evict)
                 for i, blocks in enumerate(hits):
                     if blocks:

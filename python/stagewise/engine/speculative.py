@@ -201,12 +201,8 @@ class AdaptiveK:
 class SpeculativeStats:
     """Stage 0's count of drafted and accepted tokens since the engine started."""
 
-    steps: int = 0
-    """Verifying rows run: steps times the requests that had drafts in them."""
     proposed: int = 0
     accepted: int = 0
-    tokens: int = 0
-    """Tokens those rows produced (accepted drafts plus the last stage's own)."""
 
 
 class Speculation:
@@ -226,11 +222,18 @@ class Speculation:
 
     def token_share(self, rows: int) -> float:
         """Of a step of ``rows`` decoding rows, the part of its time its tokens' number decides
-        (``b * rows / (a + b * rows)`` from the fitted line; 0 before two step sizes were timed)."""
-        fit = self.costs.fit()
-        if fit is None or fit[1] <= 0:
+        (``b * rows / (a + b * rows)`` from the fitted line). 0 until the slope is told apart from
+        the timings' noise (at least 3 standard errors, over 8 steps or more): where steps cost
+        about the same whatever their tokens, drafts are taken as free, not cut by a chance slope."""
+        fit, pts = self.costs.fit(), self.costs.points
+        if fit is None or fit[1] <= 0 or len(pts) < 8:
             return 0.0
         a, b = fit
+        mx = sum(x for x, _ in pts) / len(pts)
+        spread = sum((x - mx) ** 2 for x, _ in pts)
+        noise = sum((y - a - b * x) ** 2 for x, y in pts) / (len(pts) - 2)
+        if spread <= 0 or b * b * spread < 9 * noise:
+            return 0.0
         return b * rows / max(a + b * rows, 1e-12)
 
     def draft(self, seqs: Iterable[SeqState], params: Callable[[Hashable], SamplingParams]) -> None:
@@ -262,9 +265,8 @@ class Speculation:
             accepted = min(tokens - 1, proposed)
             self.lengths.verified(seq.request_id, proposed, accepted)
             seq.proposed, seq.accepted = seq.proposed + proposed, seq.accepted + accepted
-            st = self.stats
-            st.steps, st.proposed, st.accepted, st.tokens = (st.steps + 1, st.proposed + proposed,
-                                                             st.accepted + accepted, st.tokens + tokens)
+            self.stats.proposed += proposed
+            self.stats.accepted += accepted
             seq.drafts = ()
 
     def forget(self, request_id: Hashable) -> None:

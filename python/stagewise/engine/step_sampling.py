@@ -7,6 +7,7 @@ speculative drafts, the accepted ones (:func:`~stagewise.engine.verify.verify`).
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -81,40 +82,31 @@ class StepSampler:
         sampled request (``ahead``: the masks of :meth:`ahead`, for the requests without drafts)."""
         if drafts is None or not any(drafts):
             return self._sample(logits, rows, ahead)
+        starts = [0, *itertools.accumulate(len(d) + 1 for d in drafts)]  # each request's first logits row
         plain = [i for i, d in enumerate(drafts) if not d]
-        firsts, at = [], 0
-        for d in drafts:
-            firsts.append(at)
-            at += len(d) + 1
-        one = self._sample(logits[[firsts[i] for i in plain]], [rows[i] for i in plain], ahead) if plain else None
         spec = [i for i, d in enumerate(drafts) if d]
-        picked = [firsts[i] + j for i in spec for j in range(len(drafts[i]) + 1)]
-        entries = [rows[i] for i in spec]
-        raw = logits[picked]
-        held, scores, consumed = any(e.constraint is not None for e in entries), raw, [0] * len(entries)
-        if held:
-            scores, consumed = self._mask_drafts(raw, entries, [drafts[i] for i in spec])
-        got = verify(scores, [drafts[i] for i in spec], [e.params for e in entries],
-                     [e.generator for e in entries], [e.history for e in entries], raw=raw)
+        tokens: list[list[int]] = [[] for _ in drafts]
+        logprobs: list[list[TokenLogprobs | None]] = [[] for _ in drafts]
+        if plain:
+            one = self._sample(logits[[starts[i] for i in plain]], [rows[i] for i in plain], ahead)
+            for j, (i, token) in enumerate(zip(plain, one.tokens.tolist())):
+                tokens[i], logprobs[i] = [token], [None if one.logprobs is None else one.logprobs[j]]
+        entries, spec_drafts = [rows[i] for i in spec], [drafts[i] for i in spec]
+        raw = logits[[row for i in spec for row in range(starts[i], starts[i + 1])]]
+        scores, consumed = self._mask_drafts(raw, entries, spec_drafts)
+        got = verify(scores, spec_drafts, [e.params for e in entries], [e.generator for e in entries],
+                     [e.history for e in entries], raw=raw)
         start = time.perf_counter()
-        for n, (e, tokens) in enumerate(zip(entries, got.tokens)):
+        for j, (i, e) in enumerate(zip(spec, entries)):
+            tokens[i], logprobs[i] = got.tokens[j], got.logprobs[j] or [None] * len(got.tokens[j])
             if e.history is not None:
-                for t in tokens:
+                for t in tokens[i]:
                     e.history.append(t)
             if e.constraint is not None:  # back to the accepted drafts, then the last token
-                e.constraint.rollback(consumed[n] - (len(tokens) - 1))
-                e.constraint.consume(tokens[-1:])
-        if held:
+                e.constraint.rollback(consumed[j] - (len(tokens[i]) - 1))
+                e.constraint.consume(tokens[i][-1:])
+        if any(e.constraint is not None for e in entries):
             self.constraint_s += time.perf_counter() - start
-        tokens: list[list[int]] = [[]] * len(drafts)
-        logprobs: list[list[TokenLogprobs | None]] = [[None]] * len(drafts)
-        plain_tokens = [] if one is None else one.tokens.tolist()
-        for j, i in enumerate(plain):
-            tokens[i] = [plain_tokens[j]]
-            logprobs[i] = [None if one.logprobs is None else one.logprobs[j]]
-        for j, i in enumerate(spec):
-            tokens[i] = got.tokens[j]
-            logprobs[i] = got.logprobs[j] or [None] * len(got.tokens[j])
         flat_lp = [lp for each in logprobs for lp in each]
         return Sampled(tokens=torch.tensor([t for each in tokens for t in each], dtype=torch.int64),
                        logprobs=flat_lp if any(lp is not None for lp in flat_lp) else None,
@@ -122,9 +114,12 @@ class StepSampler:
 
     def _mask_drafts(self, logits: torch.Tensor, entries: list[RequestSampling],
                      drafts: list[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
-        """The verified rows' logits with each constrained position's mask applied: the constraint
-        advanced through the drafts before it, up to the first draft it refuses (rejected for sure:
-        the positions after it are never read). Returns them and the drafts each constraint took."""
+        """The verified rows' logits with each constrained position's mask applied (as given when no
+        row has a constraint): the constraint advanced through the drafts before it, up to the first
+        draft it refuses (rejected for sure: the positions after it are never read). Returns them and
+        the drafts each constraint took."""
+        if all(e.constraint is None for e in entries):
+            return logits, [0] * len(entries)
         start, out, consumed, at = time.perf_counter(), logits.clone(), [], 0
         for e, d in zip(entries, drafts):
             took = 0

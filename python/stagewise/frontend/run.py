@@ -130,7 +130,7 @@ class Run:
         self._first: dict[int, float] = {}
         self._ended: dict[int, tuple[int, float | None]] = {}
         """request id -> (tokens, first token time) of the requests that ended."""
-        self._drafted = [0, 0]
+        self._draft_tokens = self._accepted_tokens = 0
         """Draft tokens proposed for the requests that ended, and those accepted (speculative decoding)."""
         self._pending: set[int] = set()
         """Requests whose output the backend has not given yet (a stop string's cancel too): a
@@ -242,8 +242,8 @@ class Run:
     def _done(self, rid: int, closed: Closed, tokens: list[int], error: str | None, out: RequestOutput) -> None:
         logprobs = self._logprobs.get(rid)
         self._ended[rid] = (len(tokens), self._first.get(rid))
-        self._drafted[0] += out.draft_tokens
-        self._drafted[1] += min(out.accepted_tokens, max(len(tokens) - 1, 0))
+        self._draft_tokens += out.draft_tokens
+        self._accepted_tokens += min(out.accepted_tokens, max(len(tokens) - 1, 0))
         self._complete(self._index[rid], self._prompts[rid], tokens, closed.text, closed.finish_reason,
                        error, None if logprobs is None else logprobs[: len(tokens)], out)
 
@@ -278,7 +278,7 @@ class Run:
                "mean_ttft_s": sum(f - self.start for f in firsts) / len(firsts) if firsts else 0.0,
                "decode_s": decode_s,
                "decode_tokens_per_s": decode_tokens / decode_s if decode_tokens and decode_s > 0 else 0.0}
-        drafted, accepted = self._drafted
+        drafted, accepted = self._draft_tokens, self._accepted_tokens
         if drafted:  # speculative decoding: each decode step gave one token and the drafts it accepted
             out.update(draft_tokens=drafted, accepted_tokens=accepted, acceptance=accepted / drafted,
                        tokens_per_step=decode_tokens / max(decode_tokens - accepted, 1))

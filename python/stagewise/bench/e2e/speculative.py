@@ -155,13 +155,10 @@ def format_table(rows: list[dict]) -> str:
             "tokens = no drafts"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|---:|---|" + "---:|" * (len(head) - 4)]
     for r in rows:
-        spec = "acceptance" in r
-        lines.append(f"| {r['task']} | {r['engine']} | {r['stages']} | {r['method'] or '-'} | {r['k'] or '-'} | "
-                     f"{r['decode_tok_s']:.1f} | {r['speedup']:.2f}x | "
-                     f"{r['tokens_per_step']:.2f} | {100 * r['acceptance']:.0f} % | " if spec else
-                     f"| {r['task']} | {r['engine']} | {r['stages']} | {r['method'] or '-'} | {r['k'] or '-'} | "
-                     f"{r['decode_tok_s']:.1f} | {r['speedup']:.2f}x | - | - | ")
-        lines[-1] += "yes |" if r["tokens_equal_no_drafts"] else "NO |"
+        drafted = (f"{r['tokens_per_step']:.2f}", f"{100 * r['acceptance']:.0f} %") if "acceptance" in r else ("-", "-")
+        cells = [r["task"], r["engine"], r["stages"], r["method"] or "-", r["k"] or "-", f"{r['decode_tok_s']:.1f}",
+                 f"{r['speedup']:.2f}x", *drafted, "yes" if r["tokens_equal_no_drafts"] else "NO"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 
