@@ -87,18 +87,20 @@ class DecoderStack : public torch::CustomClassHolder {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // One decode step of B rows through every layer. kv [layers, 2, blocks, block_size, Hk, D]: the
-  // stage's cache, layer i at kv[i]. has_residual false: residual is taken from x (stage 0).
+  // stage's cache, layer i at kv[i]; scales [layers, 2, blocks, block_size, Hk] float16 with a
+  // compact cache (int8 or fp8 codes), else None. has_residual false: residual is taken from x
+  // (stage 0).
   void decode(at::Tensor x, at::Tensor residual, bool has_residual, at::Tensor positions, at::Tensor slot_mapping,
-              at::Tensor block_tables, at::Tensor seq_lens, at::Tensor kv) {
+              at::Tensor block_tables, at::Tensor seq_lens, at::Tensor kv, OptT scales) {
     static auto attention = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                     const at::Tensor&, const at::Tensor&, double, const OptT&, const OptT&, int64_t,
-                                    int64_t)>("stagewise::decode_attention");
-    check(x, residual, kv, "decode");
+                                    int64_t, const OptT&, const OptT&)>("stagewise::decode_attention");
+    check(x, residual, kv, scales, "decode");
     at::Tensor lse = at::empty({x.size(0), hq_}, x.options().dtype(at::kFloat));
-    run(x, residual, has_residual, positions, slot_mapping, kv,
+    run(x, residual, has_residual, positions, slot_mapping, kv, scales,
         [&](at::Tensor& attn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
-            const at::Tensor& v_cache) {
-          attention.call(attn, lse, q, k_cache, v_cache, block_tables, seq_lens, scale_, k, v, 0, 0);
+            const at::Tensor& v_cache, const OptT& k_scale, const OptT& v_scale) {
+          attention.call(attn, lse, q, k_cache, v_cache, block_tables, seq_lens, scale_, k, v, 0, 0, k_scale, v_scale);
         });
   }
 
@@ -111,25 +113,25 @@ class DecoderStack : public torch::CustomClassHolder {
   // every step, stores the same values again. Each row reads its request's cache once: meant for
   // short runs of tokens (a long chunk is SDPA's work, in the Python layers).
   void extend(at::Tensor x, at::Tensor residual, bool has_residual, at::Tensor positions, at::Tensor slot_mapping,
-              at::Tensor block_tables, at::Tensor seq_lens, at::Tensor kv) {
+              at::Tensor block_tables, at::Tensor seq_lens, at::Tensor kv, OptT scales) {
     static auto attention = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                     const at::Tensor&, const at::Tensor&, double, const OptT&, const OptT&, int64_t,
-                                    int64_t)>("stagewise::decode_attention");
-    static auto cache = op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>(
-        "stagewise::reshape_and_cache");
-    check(x, residual, kv, "extend");
+                                    int64_t, const OptT&, const OptT&)>("stagewise::decode_attention");
+    static auto cache = op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                                const OptT&, const OptT&)>("stagewise::reshape_and_cache");
+    check(x, residual, kv, scales, "extend");
     TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == x.size(0) && seq_lens.dim() == 1 &&
                           seq_lens.size(0) == x.size(0),
                       "DecoderStack.extend: block_tables and seq_lens need one row per row of x (", x.size(0),
                       "), got ", block_tables.sizes(), " and ", seq_lens.sizes());
     at::Tensor lse = at::empty({x.size(0), hq_}, x.options().dtype(at::kFloat));
-    run(x, residual, has_residual, positions, slot_mapping, kv,
+    run(x, residual, has_residual, positions, slot_mapping, kv, scales,
         [&](at::Tensor& attn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
-            const at::Tensor& v_cache) {
+            const at::Tensor& v_cache, const OptT& k_scale, const OptT& v_scale) {
           at::Tensor kc = k_cache, vc = v_cache;
-          cache.call(k, v, kc, vc, slot_mapping);
+          cache.call(k, v, kc, vc, slot_mapping, k_scale, v_scale);
           attention.call(attn, lse, q, k_cache, v_cache, block_tables, seq_lens, scale_, std::nullopt, std::nullopt,
-                         0, 0);
+                         0, 0, k_scale, v_scale);
         });
   }
 
@@ -137,8 +139,8 @@ class DecoderStack : public torch::CustomClassHolder {
   // (nothing cached before it); causal attention over each prompt's own tokens, as the Python
   // layer runs it (torch's SDPA on [1, H, n, D] views, the KV heads shared by GQA).
   void prefill(at::Tensor x, at::Tensor residual, bool has_residual, at::Tensor positions, at::Tensor slot_mapping,
-               std::vector<int64_t> query_lens, at::Tensor kv) {
-    check(x, residual, kv, "prefill");
+               std::vector<int64_t> query_lens, at::Tensor kv, OptT scales) {
+    check(x, residual, kv, scales, "prefill");
     int64_t total = 0;
     for (int64_t n : query_lens) {
       TORCH_CHECK_VALUE(n > 0, "DecoderStack.prefill: every prompt needs at least one token, got ", n);
@@ -146,9 +148,9 @@ class DecoderStack : public torch::CustomClassHolder {
     }
     TORCH_CHECK_VALUE(total == x.size(0), "DecoderStack.prefill: query_lens add up to ", total, " rows, x has ",
                       x.size(0));
-    run(x, residual, has_residual, positions, slot_mapping, kv,
+    run(x, residual, has_residual, positions, slot_mapping, kv, scales,
         [&](at::Tensor& attn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
-            const at::Tensor&) {
+            const at::Tensor&, const OptT&, const OptT&) {
           int64_t start = 0;
           for (int64_t n : query_lens) {
             auto span = [&](const at::Tensor& a) { return a.narrow(0, start, n).transpose(0, 1).unsqueeze(0); };
@@ -161,18 +163,22 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
  private:
-  void check(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& kv, const char* what) const {
+  void check(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& kv, const OptT& scales,
+             const char* what) const {
     TORCH_CHECK_VALUE(x.dim() == 2 && residual.sizes() == x.sizes(), "DecoderStack.", what, ": x and residual must ",
                       "be [B, hidden] alike, got ", x.sizes(), " and ", residual.sizes());
     TORCH_CHECK_VALUE(kv.dim() == 6 && kv.size(0) == num_layers() && kv.size(1) == 2, "DecoderStack.", what,
                       ": kv must be [", num_layers(), ", 2, blocks, block_size, Hk, D], got ", kv.sizes());
+    TORCH_CHECK_VALUE(!scales.has_value() || (scales->dim() == 5 && scales->sizes() == kv.sizes().slice(0, 5)),
+                      "DecoderStack.", what, ": scales must be None or [", num_layers(),
+                      ", 2, blocks, block_size, Hk] as kv, got ", scales.has_value() ? scales->sizes() : kv.sizes());
   }
 
-  // Every layer over x (updated in place with residual); attend(attn, q, k, v, k_cache, v_cache)
-  // fills attn [B, Hq, D] before the new K/V go into the cache.
+  // Every layer over x (updated in place with residual); attend(attn, q, k, v, k_cache, v_cache,
+  // k_scale, v_scale) fills attn [B, Hq, D] before the new K/V go into the cache.
   template <typename Attend>
   void run(at::Tensor& x, at::Tensor& residual, bool has_residual, const at::Tensor& positions,
-           const at::Tensor& slot_mapping, const at::Tensor& kv, Attend&& attend) {
+           const at::Tensor& slot_mapping, const at::Tensor& kv, const OptT& scales, Attend&& attend) {
     static auto rms_norm =
         op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool)>("stagewise::rms_norm");
     static auto fused_norm =
@@ -181,8 +187,8 @@ class DecoderStack : public torch::CustomClassHolder {
     static auto qk_norm_rope = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
                                        const at::Tensor&, const at::Tensor&, double, bool, bool)>(
         "stagewise::qk_norm_rope");
-    static auto cache = op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>(
-        "stagewise::reshape_and_cache");
+    static auto cache = op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                                const OptT&, const OptT&)>("stagewise::reshape_and_cache");
     const int64_t b = x.size(0), q_cols = hq_ * d_, kv_cols = hk_ * d_;
     at::Tensor attn = at::empty({b, hq_, d_}, x.options());
     for (int64_t i = 0; i < num_layers(); ++i) {
@@ -203,8 +209,10 @@ class DecoderStack : public torch::CustomClassHolder {
         rope.call(q, k, positions, cos_sin_, neox_);
       }
       at::Tensor k_cache = kv[i][0], v_cache = kv[i][1];
-      attend(attn, q, k, v, k_cache, v_cache);
-      cache.call(k, v, k_cache, v_cache, slot_mapping);
+      OptT k_scale, v_scale;
+      if (scales.has_value()) k_scale = (*scales)[i][0], v_scale = (*scales)[i][1];
+      attend(attn, q, k, v, k_cache, v_cache, k_scale, v_scale);
+      cache.call(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
       at::Tensor h = linear(attn.view({b, q_cols}), l.o);
       fused_norm.call(h, residual, l.post_norm, eps_, false);
       at::Tensor gate_up = linear(h, l.gate_up);

@@ -35,8 +35,9 @@ void qk_norm_rope(at::Tensor& q, at::Tensor& k, const at::Tensor& q_weight,
 }
 
 void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
-                       at::Tensor& v_cache, const at::Tensor& slot_mapping) {
-  cpu::reshape_and_cache(make_reshape_and_cache_params(k, v, k_cache, v_cache, slot_mapping));
+                       at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                       const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  cpu::reshape_and_cache(make_reshape_and_cache_params(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale));
 }
 
 at::Tensor slot_mapping(const at::Tensor& block_tables, const at::Tensor& seq_index,
@@ -52,9 +53,11 @@ void decode_attention(at::Tensor& out, at::Tensor& lse, const at::Tensor& q,
                       const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                       const std::optional<at::Tensor>& k_new,
-                      const std::optional<at::Tensor>& v_new, int64_t num_splits, int64_t window) {
+                      const std::optional<at::Tensor>& v_new, int64_t num_splits, int64_t window,
+                      const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   DecodeAttentionParams p = make_decode_attention_params(
-      out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits, window);
+      out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits, window,
+      k_scale, v_scale);
   if (p.num_splits == 0) {
     p.num_splits = cpu::decode_attention_num_splits(
         p.batch, p.num_kv_heads, max_context(p), p.block_size,

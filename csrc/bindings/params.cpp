@@ -23,6 +23,7 @@ const char* dtype_name(at::ScalarType t) {
     case at::kChar: return "int8";
     case at::kByte: return "uint8";
     case at::kBool: return "bool";
+    case at::kFloat8_e4m3fn: return "float8_e4m3fn";
     default: return c10::toString(t);
   }
 }
@@ -140,6 +141,55 @@ void check_float_like(const char* op, const char* name, const at::Tensor& t, con
                       const at::Tensor& ref) {
   check_same_device(op, name, t, ref_name, ref);
   check_same_dtype(op, name, t, ref_name, ref);
+}
+
+// The paged caches k_cache and v_cache (already checked to share one shape) against the activations
+// `ref`: of ref's dtype, without scales; or compact (int8 or float8_e4m3fn codes, common.h's
+// CacheType) with their float16 scales [num_blocks, block_size, heads], contiguous, on their device.
+struct CacheArgs {
+  CacheType type;
+  void* k_scale;
+  void* v_scale;
+};
+
+CacheArgs check_caches(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache, const char* ref_name,
+                       const at::Tensor& ref, const std::optional<at::Tensor>& k_scale,
+                       const std::optional<at::Tensor>& v_scale) {
+  const at::ScalarType t = k_cache.scalar_type();
+  const bool compact = t == at::kChar || t == at::kFloat8_e4m3fn;
+  CacheArgs a{t == at::kChar ? CacheType::kInt8 : compact ? CacheType::kFp8E4M3 : CacheType::kModel, nullptr, nullptr};
+  for (auto [name, c] : {std::pair<const char*, const at::Tensor*>{"k_cache", &k_cache}, {"v_cache", &v_cache}}) {
+    if (compact) {
+      check_same_device(op, name, *c, ref_name, ref);
+      check_same_dtype(op, name, *c, "k_cache", k_cache);
+    } else {
+      const at::ScalarType ct = c->scalar_type();
+      TORCH_CHECK_TYPE(ct == at::kFloat || ct == at::kHalf || ct == at::kBFloat16 || ct == ref.scalar_type(),
+                       "stagewise.", op, ": argument '", name, "' must have the dtype of '", ref_name, "' (",
+                       dtype_name(ref.scalar_type()), "), or be a compact cache (int8 or float8_e4m3fn, with "
+                       "k_scale and v_scale), got ", dtype_name(ct));
+      check_float_like(op, name, *c, ref_name, ref);
+    }
+  }
+  if (!compact) {
+    TORCH_CHECK_VALUE(!k_scale.has_value() && !v_scale.has_value(), "stagewise.", op,
+                      ": arguments 'k_scale' and 'v_scale' belong to a compact cache (int8 or float8_e4m3fn); "
+                      "k_cache is ", dtype_name(t));
+    return a;
+  }
+  TORCH_CHECK_VALUE(k_scale.has_value() && v_scale.has_value(), "stagewise.", op, ": a compact cache (k_cache ",
+                    dtype_name(t), ") needs both 'k_scale' and 'v_scale' [num_blocks, block_size, heads] float16, got ",
+                    k_scale.has_value() ? "k_scale only" : v_scale.has_value() ? "v_scale only" : "neither");
+  for (auto [name, s] : {std::pair<const char*, const at::Tensor*>{"k_scale", &*k_scale}, {"v_scale", &*v_scale}}) {
+    check_dtype_is(op, name, *s, at::kHalf, "a compact cache's scales");
+    check_dim(op, name, *s, 3, "[num_blocks, block_size, heads]");
+    for (int64_t d = 0; d < 3; ++d) check_size(op, name, *s, d, k_cache.size(d), "as in k_cache");
+    check_contiguous(op, name, *s);
+    check_same_device(op, name, *s, "k_cache", k_cache);
+  }
+  a.k_scale = k_scale->data_ptr();
+  a.v_scale = v_scale->data_ptr();
+  return a;
 }
 
 }  // namespace
@@ -268,7 +318,9 @@ RopeParams make_qk_norm_rope_params(at::Tensor& q, at::Tensor& k, const at::Tens
 
 ReshapeAndCacheParams make_reshape_and_cache_params(const at::Tensor& k, const at::Tensor& v,
                                                     at::Tensor& k_cache, at::Tensor& v_cache,
-                                                    const at::Tensor& slot_mapping) {
+                                                    const at::Tensor& slot_mapping,
+                                                    const std::optional<at::Tensor>& k_scale,
+                                                    const std::optional<at::Tensor>& v_scale) {
   const char* op = "reshape_and_cache";
   ReshapeAndCacheParams p{};
   p.dtype = float_dtype(op, "k", k);
@@ -280,7 +332,6 @@ ReshapeAndCacheParams make_reshape_and_cache_params(const at::Tensor& k, const a
   check_last_contiguous(op, "v", v);
   for (auto [name, c] : {std::pair<const char*, at::Tensor*>{"k_cache", &k_cache},
                          {"v_cache", &v_cache}}) {
-    check_float_like(op, name, *c, "k", k);
     check_dim(op, name, *c, 4, "[num_blocks, block_size, num_heads, head_dim]");
     check_size(op, name, *c, 2, k.size(1), "num_heads, as in k");
     check_size(op, name, *c, 3, k.size(2), "head_dim, as in k");
@@ -288,6 +339,10 @@ ReshapeAndCacheParams make_reshape_and_cache_params(const at::Tensor& k, const a
   }
   TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "stagewise.reshape_and_cache: argument 'v_cache' must have the shape of 'k_cache' ",
                     shape_of(k_cache), ", got ", shape_of(v_cache));
+  const CacheArgs cache = check_caches(op, k_cache, v_cache, "k", k, k_scale, v_scale);
+  p.cache_type = cache.type;
+  p.k_scale = cache.k_scale;
+  p.v_scale = cache.v_scale;
   p.slot_type = index_dtype(op, "slot_mapping", slot_mapping);
   check_index_vector(op, "slot_mapping", slot_mapping, k.size(0), "[num_tokens]", "num_tokens, as in k", k, "k");
   p.k = k.data_ptr();
@@ -356,7 +411,8 @@ DecodeAttentionParams make_decode_attention_params(
     at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     double scale, const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
-    int64_t num_splits, int64_t window) {
+    int64_t num_splits, int64_t window, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale) {
   const char* op = "decode_attention";
   DecodeAttentionParams p{};
   p.dtype = float_dtype(op, "q", q);
@@ -367,13 +423,16 @@ DecodeAttentionParams make_decode_attention_params(
                     " (shape ", shape_of(q), ")");
   for (auto [name, c] : {std::pair<const char*, const at::Tensor*>{"k_cache", &k_cache},
                          {"v_cache", &v_cache}}) {
-    check_float_like(op, name, *c, "q", q);
     check_dim(op, name, *c, 4, "[num_blocks, block_size, num_kv_heads, head_dim]");
     check_size(op, name, *c, 3, D, "head_dim, as in q");
     check_contiguous(op, name, *c);
   }
   TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "stagewise.decode_attention: argument 'v_cache' must have the shape of 'k_cache' ",
                     shape_of(k_cache), ", got ", shape_of(v_cache));
+  const CacheArgs cache = check_caches(op, k_cache, v_cache, "q", q, k_scale, v_scale);
+  p.cache_type = cache.type;
+  p.k_scale = cache.k_scale;
+  p.v_scale = cache.v_scale;
   const int64_t Hk = k_cache.size(2);
   TORCH_CHECK_VALUE(Hk >= 1 && Hq % Hk == 0, "stagewise.decode_attention: num_q_heads (q dim 1) = ",
                     Hq, " must be a multiple of num_kv_heads (k_cache dim 2) = ", Hk);

@@ -31,7 +31,9 @@ RopeParams make_qk_norm_rope_params(at::Tensor& q, at::Tensor& k, const at::Tens
                                     bool unit_offset);
 ReshapeAndCacheParams make_reshape_and_cache_params(const at::Tensor& k, const at::Tensor& v,
                                                     at::Tensor& k_cache, at::Tensor& v_cache,
-                                                    const at::Tensor& slot_mapping);
+                                                    const at::Tensor& slot_mapping,
+                                                    const std::optional<at::Tensor>& k_scale,
+                                                    const std::optional<at::Tensor>& v_scale);
 // Checks the inputs and allocates the output ([num_tokens] int64 on their device).
 SlotMappingParams make_slot_mapping_params(at::Tensor& out, const at::Tensor& block_tables,
                                            const at::Tensor& seq_index,
@@ -43,7 +45,8 @@ DecodeAttentionParams make_decode_attention_params(
     at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     double scale, const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
-    int64_t num_splits, int64_t window);
+    int64_t num_splits, int64_t window, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale);
 // The most cached tokens a decode_attention query reads, for the split heuristics: the block
 // table's capacity, or the window when that is shorter (read without touching seq_lens, which
 // may live on the device).

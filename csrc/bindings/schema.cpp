@@ -23,14 +23,14 @@ TORCH_LIBRARY(stagewise, m) {
       "Tensor positions, Tensor cos_sin_cache, float eps, bool is_neox, bool unit_offset=False) -> ()");
   m.def(
       "reshape_and_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "Tensor slot_mapping) -> ()");
+      "Tensor slot_mapping, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> ()");
   m.def(
       "slot_mapping(Tensor block_tables, Tensor seq_index, Tensor positions, int block_size, "
       "int cp_world_size, int cp_rank, int interleave_size) -> Tensor");
   m.def(
       "decode_attention(Tensor(a!) out, Tensor(b!) lse, Tensor q, Tensor k_cache, "
       "Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_new, "
-      "Tensor? v_new, int num_splits, int window=0) -> ()");
+      "Tensor? v_new, int num_splits, int window=0, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def(
       "merge_attn_states(Tensor(a!) out, Tensor(b!) lse, Tensor out_a, Tensor lse_a, "
       "Tensor out_b, Tensor lse_b) -> ()");

@@ -7,6 +7,9 @@
 // update and accumulator rescale per head per tile (online softmax), then p·V.
 // The scattered cache rows are requested into L2 a tile ahead, in slices between
 // the heads' phases (Prefetcher), since no hardware prefetcher follows them.
+// A compact cache (int8 or e4m3 codes, a float16 scale per token and kv head) is read as
+// codes: each row's 8-value loads convert in registers (load8), a key's scale multiplies its
+// score and a value's its softmax weight, so nothing is dequantised into memory.
 // Each split leaves its normalised partial output and lse in a float32
 // workspace; a second pass per (b, g) folds the splits, then the new token
 // (k_new/v_new), in with merge_lse_rows and writes out and lse.
@@ -150,37 +153,52 @@ class Prefetcher {
 };
 
 // Attends the G query rows sc.q [G, D] of group g of sequence b over its cached
-// tokens [t0, t1). Writes out [G, D] (normalised, float32) and lse [G]; an
-// empty range gives zeros and -inf.
-template <typename T>
+// tokens [t0, t1), the caches' elements of type C (T, or a compact code). Writes
+// out [G, D] (normalised, float32) and lse [G]; an empty range gives zeros and -inf.
+template <typename T, typename C>
 STAGEWISE_ALWAYS_INLINE void attend_tokens(const DecodeAttentionParams& p, int64_t b, int64_t g,
                                            int64_t t0, int64_t t1, Scratch& sc, float* out,
                                            float* lse) {
   const int64_t G = p.num_q_heads / p.num_kv_heads, D = p.head_dim;
-  const T* k_cache = static_cast<const T*>(p.k_cache);
-  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const C* k_cache = static_cast<const C*>(p.k_cache);
+  const C* v_cache = static_cast<const C*>(p.v_cache);
   std::fill(out, out + G * D, 0.f);
   std::fill(sc.m, sc.m + G, kNegInf);
   std::fill(sc.l, sc.l + G, 0.f);
   int64_t rows[kTile];
-  const float* krows[kTile];
-  const float* vrows[kTile];
+  // The tile's rows as the dot products read them: float32 (converted into sc.k/sc.v for half
+  // dtypes), or a compact cache's codes with their scales.
+  using Row = std::conditional_t<kCompact<C>, C, float>;
+  const Row* krows[kTile];
+  const Row* vrows[kTile];
+  float k_scales[kTile], v_scales[kTile];
   RowCursor cursor(p, b, g, t0);
   // The caller prefetched this range's first kPrefetchAhead tokens; the rest go
   // one slice per head and phase, kPrefetchAhead tokens ahead.
   const int64_t from = std::min(t1, t0 + kPrefetchAhead);
-  Prefetcher<T> k_ahead(p, p.k_cache, b, g, from), v_ahead(p, p.v_cache, b, g, from);
+  Prefetcher<C> k_ahead(p, p.k_cache, b, g, from), v_ahead(p, p.v_cache, b, g, from);
   for (int64_t t = t0, n = 0; t < t1; t += n) {
     n = std::min(kTile, t1 - t);
     const auto ahead_to = [&](int64_t h) { return std::min(t1, t + kPrefetchAhead + n * (h + 1) / G); };
     cursor.next(n, rows);
     for (int64_t i = 0; i < n; ++i) {
-      krows[i] = row_as_float(k_cache + rows[i], sc.k + i * D, D);
-      vrows[i] = row_as_float(v_cache + rows[i], sc.v + i * D, D);
+      if constexpr (kCompact<C>) {
+        krows[i] = k_cache + rows[i];
+        vrows[i] = v_cache + rows[i];
+        k_scales[i] = static_cast<float>(static_cast<const c10::Half*>(p.k_scale)[rows[i] / D]);
+        v_scales[i] = static_cast<float>(static_cast<const c10::Half*>(p.v_scale)[rows[i] / D]);
+      } else {
+        krows[i] = row_as_float(k_cache + rows[i], sc.k + i * D, D);
+        vrows[i] = row_as_float(v_cache + rows[i], sc.v + i * D, D);
+      }
     }
     for (int64_t h = 0; h < G; ++h) {
       k_ahead.upto(ahead_to(h));
-      score_rows(sc.p + h * kTile, sc.q + h * D, krows, n, D, p.scale);
+      float* s = sc.p + h * kTile;
+      score_rows(s, sc.q + h * D, krows, n, D, p.scale);
+      if constexpr (kCompact<C>) {
+        for (int64_t i = 0; i < n; ++i) s[i] *= k_scales[i];
+      }
     }
     for (int64_t h = 0; h < G; ++h) {
       float* s = sc.p + h * kTile;
@@ -194,7 +212,13 @@ STAGEWISE_ALWAYS_INLINE void attend_tokens(const DecodeAttentionParams& p, int64
         for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
       }
       v_ahead.upto(ahead_to(h));
-      accumulate_rows(acc, s, vrows, n, D);
+      if constexpr (kCompact<C>) {
+        float* w = sc.k;  // the tile's weights times the values' scales (sc.k is free here)
+        for (int64_t i = 0; i < n; ++i) w[i] = s[i] * v_scales[i];
+        accumulate_rows(acc, w, vrows, n, D);
+      } else {
+        accumulate_rows(acc, s, vrows, n, D);
+      }
     }
   }
   for (int64_t h = 0; h < G; ++h) {
@@ -212,27 +236,27 @@ STAGEWISE_ALWAYS_INLINE void attend_tokens(const DecodeAttentionParams& p, int64
 using AttendFn = void (*)(const DecodeAttentionParams&, int64_t, int64_t, int64_t, int64_t,
                           Scratch&, float*, float*);
 
-template <typename T>
+template <typename T, typename C>
 void attend_tokens_baseline(const DecodeAttentionParams& p, int64_t b, int64_t g, int64_t t0,
                             int64_t t1, Scratch& sc, float* out, float* lse) {
-  attend_tokens<T>(p, b, g, t0, t1, sc, out, lse);
+  attend_tokens<T, C>(p, b, g, t0, t1, sc, out, lse);
 }
 
 #ifdef STAGEWISE_HAVE_AVX2_PATH
-template <typename T>
+template <typename T, typename C>
 STAGEWISE_TARGET_AVX2 void attend_tokens_avx2(const DecodeAttentionParams& p, int64_t b,
                                               int64_t g, int64_t t0, int64_t t1, Scratch& sc,
                                               float* out, float* lse) {
-  attend_tokens<T>(p, b, g, t0, t1, sc, out, lse);
+  attend_tokens<T, C>(p, b, g, t0, t1, sc, out, lse);
 }
 #endif
 
-template <typename T>
+template <typename T, typename C>
 AttendFn pick_attend_tokens() {
 #ifdef STAGEWISE_HAVE_AVX2_PATH
-  if (use_avx2_path()) return &attend_tokens_avx2<T>;
+  if (use_avx2_path()) return &attend_tokens_avx2<T, C>;
 #endif
-  return &attend_tokens_baseline<T>;
+  return &attend_tokens_baseline<T, C>;
 }
 
 // Work item `item` = (sequence b, kv head g, split s) and its tokens [t0, t1).
@@ -262,7 +286,7 @@ void prefetch_head(const DecodeAttentionParams& p, const Range& r) {
   Prefetcher<T>(p, p.v_cache, r.b, r.g, r.t0).upto(end);
 }
 
-template <typename T>
+template <typename T, typename C>
 void decode_attention_typed(const DecodeAttentionParams& p) {
   const int64_t B = p.batch, Hq = p.num_q_heads, Hk = p.num_kv_heads, G = Hq / Hk;
   const int64_t D = p.head_dim, S = p.num_splits;
@@ -270,14 +294,14 @@ void decode_attention_typed(const DecodeAttentionParams& p) {
   // Per-split partial results: out [B, Hk, S, G, D], lse [B, Hk, S, G].
   std::unique_ptr<float[]> part_out(new float[B * Hq * S * D]);
   std::unique_ptr<float[]> part_lse(new float[B * Hq * S]);
-  const AttendFn attend = pick_attend_tokens<T>();
+  const AttendFn attend = pick_attend_tokens<T, C>();
 
   at::parallel_for(0, B * Hk * S, 1, [&](int64_t begin, int64_t end) {
     Scratch sc(G, D);
     for (int64_t item = begin; item < end; ++item) {
       const Range r = item_range(p, item);
-      if (item == begin) prefetch_head<T>(p, r);
-      if (item + 1 < end) prefetch_head<T>(p, item_range(p, item + 1));
+      if (item == begin) prefetch_head<C>(p, r);
+      if (item + 1 < end) prefetch_head<C>(p, item_range(p, item + 1));
       const int64_t b = r.b, g = r.g, t0 = r.t0, t1 = r.t1;
       for (int64_t h = 0; h < G; ++h) {
         const T* q_row = q + b * p.q_batch_stride + (g * G + h) * p.q_head_stride;
@@ -329,7 +353,14 @@ void decode_attention(const DecodeAttentionParams& p) {
               "before the CPU kernel, got ", p.num_splits);
   check_lengths_and_blocks(p);
   if (p.batch == 0 || p.num_q_heads == 0) return;
-  dispatch_dtype(p.dtype, [&](auto tag) { decode_attention_typed<decltype(tag)>(p); });
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    switch (p.cache_type) {
+      case CacheType::kModel: decode_attention_typed<T, T>(p); break;
+      case CacheType::kInt8: decode_attention_typed<T, int8_t>(p); break;
+      case CacheType::kFp8E4M3: decode_attention_typed<T, Fp8>(p); break;
+    }
+  });
 }
 
 // Splits only pay when the (batch x kv head) work items alone cannot keep every

@@ -8,6 +8,7 @@
 // that ISA too.
 #pragma once
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -168,6 +169,38 @@ STAGEWISE_ALWAYS_INLINE void half8_to_float(const c10::Half* src, float* dst) {
   __builtin_memcpy(dst, &bits, sizeof(VecU));
 }
 
+// A compact cache's code types (common.h's CacheType): one byte a value, a float16 scale per
+// token and kv head beside them.
+using Fp8 = c10::Float8_e4m3fn;
+template <typename C>
+inline constexpr bool kCompact = std::is_same_v<C, int8_t> || std::is_same_v<C, Fp8>;
+
+// 8 int8 codes as float32 (sign-extended and converted: vpmovsxbd + vcvtdq2ps under AVX2).
+STAGEWISE_ALWAYS_INLINE void load8(VecF& out, const int8_t* src) {
+  typedef int8_t VecB __attribute__((vector_size(8)));
+  VecB b;
+  __builtin_memcpy(&b, src, sizeof(VecB));
+  out = __builtin_convertvector(b, VecF);
+}
+
+// 8 e4m3 codes as float32, exactly, in integer vector ops: a normal code's exponent and mantissa
+// move into place with the exponent rebiased (127 - 7); a subnormal one (exponent 0) is m * 2^-9.
+// Never NaN: a compact cache's codes stop at +-448 (0x7E).
+STAGEWISE_ALWAYS_INLINE void load8(VecF& out, const Fp8* src) {
+  typedef uint8_t VecUB __attribute__((vector_size(8)));
+  VecUB b;
+  __builtin_memcpy(&b, src, sizeof(VecUB));
+  const VecU w = __builtin_convertvector(b, VecU);
+  const VecU magnitude = w & 0x7Fu;
+  const VecU normal = (magnitude << 20) + (120u << 23);
+  const VecF subnormal = __builtin_convertvector((VecI)(magnitude & 7u), VecF) * 0x1.0p-9f;
+  const VecU is_subnormal = (VecU)(magnitude < 8u);
+  const VecU bits = ((w & 0x80u) << 24) | ((VecU)subnormal & is_subnormal) | (normal & ~is_subnormal);
+  __builtin_memcpy(&out, &bits, sizeof(VecU));
+}
+
+STAGEWISE_ALWAYS_INLINE void load8(VecF& out, const float* src) { vload(out, src); }
+
 // src[0..n) as float32. For float input the row itself is returned (no copy);
 // otherwise it is converted into `buf` (n floats) and `buf` is returned.
 template <typename T>
@@ -194,8 +227,8 @@ STAGEWISE_ALWAYS_INLINE void store_row(T* dst, const float* src, int64_t n) {
 // out[i] = dot(q, rows[i][0..n)) for i < NR (1 or 8). Eight rows keep eight
 // independent FMA chains in flight (enough to hide the FMA latency) and load
 // q once per step for all of them.
-template <int NR>
-STAGEWISE_ALWAYS_INLINE void dot_rows(const float* q, const float* const* rows, int64_t n,
+template <int NR, typename R>
+STAGEWISE_ALWAYS_INLINE void dot_rows(const float* q, const R* const* rows, int64_t n,
                                       float* out) {
   static_assert(NR == 1 || NR == 8, "dot_rows: 1 or 8 rows");
   VecF acc[NR];
@@ -205,7 +238,7 @@ STAGEWISE_ALWAYS_INLINE void dot_rows(const float* q, const float* const* rows, 
     VecF qv, kv;
     vload(qv, q + d);
     for (int i = 0; i < NR; ++i) {
-      vload(kv, rows[i] + d);
+      load8(kv, rows[i] + d);
       acc[i] += qv * kv;
     }
   }
@@ -215,27 +248,27 @@ STAGEWISE_ALWAYS_INLINE void dot_rows(const float* q, const float* const* rows, 
     out[0] = hsum(acc[0]);
   }
   for (; d < n; ++d) {
-    for (int i = 0; i < NR; ++i) out[i] += q[d] * rows[i][d];
+    for (int i = 0; i < NR; ++i) out[i] += q[d] * static_cast<float>(rows[i][d]);
   }
 }
 
 STAGEWISE_ALWAYS_INLINE float dot(const float* a, const float* b, int64_t n) {
   float s;
-  dot_rows<1>(a, &b, n, &s);
+  dot_rows<1, float>(a, &b, n, &s);
   return s;
 }
 
 // acc[d0, d0 + NV * kVec) += sum_{i<n} w[i] * rows[i][same columns], the NV
 // vectors held in registers across the n rows.
-template <int NV>
+template <int NV, typename R>
 STAGEWISE_ALWAYS_INLINE void accumulate_columns(float* acc, const float* w,
-                                                const float* const* rows, int64_t n, int64_t d0) {
+                                                const R* const* rows, int64_t n, int64_t d0) {
   VecF r[NV], x;
   for (int j = 0; j < NV; ++j) vload(r[j], acc + d0 + j * kVec);
   for (int64_t i = 0; i < n; ++i) {
     const float wi = w[i];
     for (int j = 0; j < NV; ++j) {
-      vload(x, rows[i] + d0 + j * kVec);
+      load8(x, rows[i] + d0 + j * kVec);
       r[j] += wi * x;
     }
   }
@@ -244,7 +277,8 @@ STAGEWISE_ALWAYS_INLINE void accumulate_columns(float* acc, const float* w,
 
 // acc[0..D) += sum_{i<n} w[i] * rows[i][0..D). Eight vectors of columns at a
 // time: eight independent FMA chains hide the FMA latency.
-STAGEWISE_ALWAYS_INLINE void accumulate_rows(float* acc, const float* w, const float* const* rows,
+template <typename R>
+STAGEWISE_ALWAYS_INLINE void accumulate_rows(float* acc, const float* w, const R* const* rows,
                                              int64_t n, int64_t D) {
   int64_t d = 0;
   for (; d + 8 * kVec <= D; d += 8 * kVec) accumulate_columns<8>(acc, w, rows, n, d);
@@ -252,17 +286,18 @@ STAGEWISE_ALWAYS_INLINE void accumulate_rows(float* acc, const float* w, const f
   for (; d + kVec <= D; d += kVec) accumulate_columns<1>(acc, w, rows, n, d);
   for (; d < D; ++d) {
     float r = acc[d];
-    for (int64_t i = 0; i < n; ++i) r += w[i] * rows[i][d];
+    for (int64_t i = 0; i < n; ++i) r += w[i] * static_cast<float>(rows[i][d]);
     acc[d] = r;
   }
 }
 
 // s[i] = scale * dot(q, rows[i]) for i < n, eight rows at a time.
-STAGEWISE_ALWAYS_INLINE void score_rows(float* s, const float* q, const float* const* rows,
+template <typename R>
+STAGEWISE_ALWAYS_INLINE void score_rows(float* s, const float* q, const R* const* rows,
                                         int64_t n, int64_t D, float scale) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) dot_rows<8>(q, rows + i, D, s + i);
-  for (; i < n; ++i) dot_rows<1>(q, rows + i, D, s + i);
+  for (; i + 8 <= n; i += 8) dot_rows<8, R>(q, rows + i, D, s + i);
+  for (; i < n; ++i) dot_rows<1, R>(q, rows + i, D, s + i);
   for (i = 0; i < n; ++i) s[i] *= scale;
 }
 

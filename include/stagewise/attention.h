@@ -12,6 +12,10 @@
 //   s_t  = scale * dot(q[b,h], key_t[g])        (float32)
 //   lse[b,h] = log(sum_t exp(s_t))                (natural log; -inf if no keys)
 //   out[b,h] = sum_t softmax(s)_t * value_t[g]    (0 if no keys), rounded to dtype.
+// A compact cache (cache_type int8 or fp8_e4m3) holds codes and a float16 scale per token and
+// kv head: key_t = float(code) * k_scale[slot], read and scaled in registers (the scale of a
+// key multiplies its score, that of a value its softmax weight); nothing is dequantised into
+// memory. k_new/v_new stay in the activations' dtype.
 // The cached context is cut into num_splits chunks computed independently and
 // merged by LSE; the new token is a further part merged the same way.
 #pragma once
@@ -30,6 +34,9 @@ struct DecodeAttentionParams {
   int64_t q_head_stride;
   const void* k_cache;     // [num_blocks, block_size, num_kv_heads, head_dim] contiguous
   const void* v_cache;     // same shape as k_cache
+  CacheType cache_type;    // kModel: the caches hold dtype; else one-byte codes with scales
+  const void* k_scale;     // compact caches: [num_blocks, block_size, num_kv_heads] float16; else null
+  const void* v_scale;
   const void* block_tables;  // [batch, max_blocks_per_seq], row stride block_table_row_stride
   IndexType block_table_type;
   int64_t block_table_row_stride;
@@ -42,7 +49,7 @@ struct DecodeAttentionParams {
   const void* v_new;       // [batch, num_kv_heads, head_dim] or null
   int64_t v_new_batch_stride;
   int64_t v_new_head_stride;
-  DType dtype;             // of out, q, caches, k_new, v_new
+  DType dtype;             // of out, q, k_new, v_new (and the caches when cache_type is kModel)
   int64_t batch;
   int64_t num_q_heads;
   int64_t num_kv_heads;

@@ -2,6 +2,9 @@
 //
 // Cache layout: [num_blocks, block_size, num_heads, head_dim], contiguous;
 // slot = block * block_size + offset_in_block. Slot -1 (kPaddingSlot) = skip.
+// A compact cache (CacheType int8 or fp8_e4m3, common.h) holds one-byte codes in that layout and
+// a float16 scale per token and head beside it, [num_blocks, block_size, num_heads] contiguous:
+// the write quantises each token's head row by itself (common.h has the formula).
 //
 // Slot mapping with context parallelism (KV sharded along the sequence): with
 // cp = cp_world_size and I = interleave_size, a virtual block spans
@@ -28,7 +31,10 @@ struct ReshapeAndCacheParams {
   void* v_cache;           // same shape as k_cache
   const void* slot_mapping;  // [num_tokens]
   IndexType slot_type;
-  DType dtype;
+  DType dtype;             // of k and v (and of the caches when cache_type is kModel)
+  CacheType cache_type;
+  void* k_scale;           // compact caches: [num_blocks, block_size, num_heads] float16; else null
+  void* v_scale;
   int64_t num_tokens;
   int64_t num_heads;
   int64_t head_dim;

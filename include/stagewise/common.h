@@ -14,6 +14,17 @@ namespace stagewise {
 // Floating point element type of activations, weights and caches.
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
+// Element type of a paged KV cache (a run's `kv_cache_dtype`): the activations' own dtype, or a
+// compact code of one byte per value with a float16 scale per token and KV head, so that a token's
+// row is quantised by itself, whichever step, chunk or rank writes it:
+//   amax  = max |x| over the row's head_dim values (float32)
+//   int8:     scale = half(amax / 127), code = clamp(rint(x / scale), -127, 127)
+//   fp8_e4m3: scale = half(amax / 448), code = e4m3(clamp(x / scale, -448, 448)), to nearest even
+//   value = float(code) * float(scale)
+// (rint: to nearest, ties to even; half(): to nearest even, capped at 65504). A row whose scale is
+// 0 (all zeros, or amax below half's range) stores codes 0.
+enum class CacheType : int32_t { kModel = 0, kInt8 = 1, kFp8E4M3 = 2 };
+
 // Element type of an index tensor (positions, slots, block tables, lengths).
 enum class IndexType : int32_t { kInt32 = 0, kInt64 = 1 };
 

@@ -46,7 +46,7 @@ class Pipeline:
                  max_num_seqs: int = 32, max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                  max_num_tokens: int | None = None, max_prefill_tokens: int = 8192, tpot_target_ms: float | None = None,
                  prefix_cache: bool = True, speculative: str | None = None, num_speculative_tokens: int = 3,
-                 load_progress: Callable[[int, int, int], None] | None = None,
+                 kv_cache_dtype: str = "auto", load_progress: Callable[[int, int, int], None] | None = None,
                  quantized: bool | None = None, linear_precision: str = "exact", max_restarts: int = 0,
                  rejoin: bool = True, max_image_pixels: int | None = None, **parallel_options: Any) -> None:
         """``load_progress(done, total, nbytes)`` follows the weight reading (see
@@ -68,6 +68,8 @@ class Pipeline:
         start; those wait or run in chunks (:mod:`stagewise.engine.pacing`). None: they start at once.
         ``prefix_cache``: a prompt whose beginning earlier requests computed starts after their KV
         blocks, on every stage (:mod:`stagewise.engine.prefix_cache`); False: from its first token.
+        ``kv_cache_dtype``: ``"int8"`` or ``"fp8_e4m3"`` stores K/V as one-byte codes with a scale per
+        token and KV head (:data:`stagewise.kv.cache.KV_CACHE_DTYPES`); ``"auto"``: the activations' dtype.
         ``speculative``: ``"ngram"`` drafts up to ``num_speculative_tokens`` tokens per request and
         step by prompt lookup, verified in one step through every stage; the tokens are those of
         decoding without it (greedy) or distributed as them (sampling)
@@ -99,6 +101,7 @@ class Pipeline:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Pipeline: {name} must be an int >= 1, got {value!r}")
         for problem in option_problems({"tpot_target_ms": tpot_target_ms, "prefix_cache": prefix_cache,
+                                        "kv_cache_dtype": kv_cache_dtype,
                                         "speculative": speculative, "num_speculative_tokens": num_speculative_tokens}):
             raise ValueError(f"Pipeline: {problem}")
         dev = resolve_device(device, here=launch_options.get("launcher") != "ray")  # Ray's nodes have the GPUs
@@ -109,15 +112,16 @@ class Pipeline:
         self._open(ckpt, dev, resolve_dtype(dtype, ckpt.config.dtype))
         if max_image_pixels is not None and self.image_processor is not None:
             self.image_processor = dataclasses.replace(self.image_processor, max_input_pixels=max_image_pixels)
+        # What the engine (in this process, or stage 0's and every stage's) is given, either way.
+        engine = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
+                      tpot_target_ms=tpot_target_ms, prefix_cache=prefix_cache, speculative=speculative,
+                      num_speculative_tokens=num_speculative_tokens, kv_cache_bytes=kv_cache_bytes,
+                      max_num_tokens=max_num_tokens, kv_cache_dtype=kv_cache_dtype, quantized=quantized,
+                      linear_precision=linear_precision)
         if processes:
             plan = process_plan(self.checkpoint, model if isinstance(model, str) else str(model.path), stages,
                                 dev.type, dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
-                                tp=tp, dcp=dcp, pcp=pcp, launch=launch_options, max_num_seqs=max_num_seqs,
-                                max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
-                                tpot_target_ms=tpot_target_ms, prefix_cache=prefix_cache, speculative=speculative,
-                                num_speculative_tokens=num_speculative_tokens, kv_cache_bytes=kv_cache_bytes,
-                                max_num_tokens=max_num_tokens, quantized=quantized,
-                                linear_precision=linear_precision, **pipeline_options)
+                                tp=tp, dcp=dcp, pcp=pcp, launch=launch_options, **engine, **pipeline_options)
             self._restart = Restart(plan, self._new_driver, launcher=launch_options,
                                     auth_token=pipeline_options.get("auth_token"), rejoin=max_restarts > 0 and rejoin,
                                     log=_log)
@@ -125,12 +129,8 @@ class Pipeline:
             self.plan = self.driver.plan
             self._recover(max_restarts)
         else:
-            self._backend = LocalBackend.load(
-                self.checkpoint, dtype=self.dtype, device=dev, quantized=quantized, linear_precision=linear_precision,
-                progress=load_progress, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens, max_prefill_tokens=max_prefill_tokens,
-                prefix_cache=prefix_cache, tpot_target_ms=tpot_target_ms, speculative=speculative,
-                num_speculative_tokens=num_speculative_tokens)
+            self._backend = LocalBackend.load(self.checkpoint, dtype=self.dtype, device=dev, progress=load_progress,
+                                              **engine)
         self.load_s = time.perf_counter() - start
 
     def _open(self, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype) -> None:

@@ -293,7 +293,7 @@ def test_bytes_per_block_and_sizing_modes():
     c = KVCache(s, num_blocks=5)
     assert c.nbytes == 5 * per_block
     for layer in range(3, 7):
-        k, v = c.layer(layer)
+        k, v = c.layer(layer)[:2]
         assert k.shape == v.shape == (5, 16, 2, 8) and k.is_contiguous() and v.is_contiguous()
         assert k.dtype == torch.bfloat16
     with pytest.raises(ValueError, match=r"layer 7 is outside this stage's range \[3, 7\)"):
@@ -342,7 +342,7 @@ def test_write_then_read_back_through_block_tables(device, dtype):
     rids = list(lengths)
     table = m.block_tables(rids, device)
     for layer in range(2):
-        k_cache, v_cache = cache.layer(layer)
+        k_cache, v_cache = cache.layer(layer)[:2]
         for row, rid in enumerate(rids):
             k, v = reference.gather_kv(k_cache, v_cache, table[row], lengths[rid])
             assert torch.equal(k, torch.cat(written[layer, rid][0]))

@@ -181,14 +181,14 @@ def test_stack_refuses_a_cache_of_other_layers():
     kv = torch.zeros(3, 2, 4, BLOCK, cfg.num_kv_heads, cfg.head_dim)
     with pytest.raises(ValueError, match=r"DecoderStack.decode: kv must be \[2, 2, blocks, block_size, Hk, D\]"):
         stage.decode_stack.decode(x, x.clone(), True, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-                                  torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), kv)
+                                  torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), kv, None)
     kv = torch.zeros(2, 2, 4, BLOCK, cfg.num_kv_heads, cfg.head_dim)
     with pytest.raises(ValueError, match="DecoderStack.prefill: query_lens add up to 3 rows, x has 1"):
         stage.decode_stack.prefill(x, x.clone(), True, torch.zeros(1, dtype=torch.long),
-                                   torch.zeros(1, dtype=torch.long), [1, 2], kv)
+                                   torch.zeros(1, dtype=torch.long), [1, 2], kv, None)
     with pytest.raises(ValueError, match="DecoderStack.prefill: every prompt needs at least one token, got 0"):
         stage.decode_stack.prefill(x, x.clone(), True, torch.zeros(1, dtype=torch.long),
-                                   torch.zeros(1, dtype=torch.long), [1, 0], kv)
+                                   torch.zeros(1, dtype=torch.long), [1, 0], kv, None)
     assert ops.cpu_isa() in ("baseline", "avx2", "avx512", "avx512vnni")
 
 

@@ -19,6 +19,7 @@ import stagewise.ops as ops
 LEVELS = ["baseline", "avx2", "avx512", "avx512vnni"]
 TESTS = Path(__file__).resolve().parents[1]
 KERNEL_TESTS = ["test_dense_linear.py", "test_quant_linear.py", "test_quant_linear_int8.py", "test_attention.py",
+                "test_compact_kv.py",
                 "test_merge.py", "test_norm.py", "test_rope.py"]
 
 

@@ -77,6 +77,32 @@ def _reshape_and_cache(dev):
     return (torch.randn(T, HK, D, device=dev), torch.randn(T, HK, D, device=dev), c["k_cache"], c["v_cache"], slots)
 
 
+def _compact(dev):
+    """An int8 cache of _paged_cache's shape: codes and float16 scales, its rows written."""
+    c = _paged_cache(dev)
+    k_cache, v_cache = (torch.zeros(c["k_cache"].shape, dtype=torch.int8, device=dev) for _ in range(2))
+    k_scale, v_scale = (torch.zeros(c["k_cache"].shape[:3], dtype=torch.float16, device=dev) for _ in range(2))
+    slots = torch.arange(k_cache.size(0) * k_cache.size(1), device=dev)
+    kv = torch.randn(len(slots), HK, D, device=dev)
+    ops.reshape_and_cache(kv, -kv, k_cache, v_cache, slots, k_scale, v_scale)
+    return c, (k_cache, v_cache, k_scale, v_scale)
+
+
+def _reshape_and_cache_compact(dev):
+    _, (k_cache, v_cache, k_scale, v_scale) = _compact(dev)
+    slots = torch.tensor([3, -1, 40, 17, 191], device=dev)
+    return (torch.randn(T, HK, D, device=dev), torch.randn(T, HK, D, device=dev), k_cache, v_cache, slots, k_scale,
+            v_scale)
+
+
+def _decode_attention_compact(dev):
+    c, (k_cache, v_cache, k_scale, v_scale) = _compact(dev)
+    new = (torch.randn(B, HK, D, device=dev), torch.randn(B, HK, D, device=dev))
+    out, lse = torch.empty(B, HQ, D, device=dev), torch.empty(B, HQ, device=dev)
+    q = torch.randn(B, HQ, D, device=dev)
+    return (out, lse, q, k_cache, v_cache, c["block_tables"], c["seq_lens"], D**-0.5, *new, 2, 0, k_scale, v_scale)
+
+
 def _slot_mapping(dev):
     c = _paged_cache(dev)
     seq_index = torch.tensor([0, 0, 1, 2, 2], dtype=torch.int32, device=dev)
@@ -134,10 +160,14 @@ OPCHECK_CASES = [
     pytest.param("rope", _rope, id="rope"),
     pytest.param("qk_norm_rope", _qk_norm_rope, id="qk_norm_rope"),
     pytest.param("reshape_and_cache", _reshape_and_cache, id="reshape_and_cache"),
+    # A compact cache: int8 codes (float8 ones have the same schema, and torch's schema check cannot
+    # compare float8 tensors: "mul" is not implemented for them).
+    pytest.param("reshape_and_cache", _reshape_and_cache_compact, id="reshape_and_cache-int8"),
     pytest.param("slot_mapping", _slot_mapping, id="slot_mapping"),
     pytest.param("decode_attention", lambda dev: _decode_attention(dev, False), id="decode_attention"),
     pytest.param("decode_attention", lambda dev: _decode_attention(dev, True), id="decode_attention-k_new"),
     pytest.param("decode_attention", lambda dev: _decode_attention(dev, True, 3), id="decode_attention-window"),
+    pytest.param("decode_attention", _decode_attention_compact, id="decode_attention-int8"),
     pytest.param("merge_attn_states", _merge_attn_states, id="merge_attn_states"),
     pytest.param("apply_token_bitmask", _apply_token_bitmask, id="apply_token_bitmask"),
     pytest.param("dense_linear", _dense_linear, id="dense_linear"),

@@ -39,6 +39,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_restarts: int = 0, 
     parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                         help="compute every prompt from its first token (default: a prompt's beginning that "
                              "earlier requests computed reuses their KV, on every stage)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8_e4m3"),
+                        help="what the KV cache stores: auto (the activations' dtype), or int8 / fp8_e4m3 codes "
+                             "with a float16 scale per token and KV head, read by attention as they are: about a "
+                             "quarter of float32's bytes, so a longer context or a larger batch fits (default auto)")
     parser.add_argument("--speculative", default=None, metavar="METHOD",
                         help="draft tokens and verify them in one step through every stage: ngram (prompt lookup: "
                              "the continuation of the text's latest earlier match); the tokens are those of "
@@ -131,6 +135,8 @@ def model_problems(args: argparse.Namespace) -> list[str]:
     if args.plan and not args.prefix_cache:
         problems.append("--no-prefix-cache is the scheduler's of stage 0; with --plan give prefix_cache: false in "
                         "the plan")
+    if args.plan and args.kv_cache_dtype != "auto":
+        problems.append("--kv-cache-dtype is every stage's; with --plan give kv_cache_dtype in the plan")
     if args.plan and args.tpot_target is not None:
         problems.append("--tpot-target is the scheduler's of stage 0; with --plan give tpot_target_ms in the plan")
     if (why := tpot_target_problem(args.tpot_target, "--tpot-target")) is not None:
@@ -257,7 +263,8 @@ def _load(args: argparse.Namespace, prog: str):
                             device=args.device, dtype=args.dtype,
                             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                             max_prefill_tokens=args.max_prefill_tokens, tpot_target_ms=args.tpot_target,
-                            prefix_cache=args.prefix_cache, speculative=args.speculative,
+                            prefix_cache=args.prefix_cache, kv_cache_dtype=args.kv_cache_dtype,
+                            speculative=args.speculative,
                             num_speculative_tokens=args.num_speculative_tokens, load_progress=bar,
                             linear_precision=args.linear_precision, **options)
         finally:  # before any message, so that the bar's line is finished first

@@ -112,19 +112,21 @@ class Engine:
                   max_num_seqs: int = 32, max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                   max_num_tokens: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE, num_groups: int = 1,
                   max_prefill_tokens: int = 8192, tpot_target_s: float | None = None,
-                  prefix_cache: bool = True, speculative: SpeculativeConfig | None = None) -> Engine:
+                  prefix_cache: bool = True, speculative: SpeculativeConfig | None = None,
+                  kv_cache_dtype: str = "auto") -> Engine:
         """An engine over ``model`` with a KV cache sized by ``kv_cache_bytes`` or
-        ``max_num_tokens`` (at most one; default: see :func:`stagewise.kv.cache.num_cache_blocks`)."""
+        ``max_num_tokens`` (at most one; default: see :func:`stagewise.kv.cache.num_cache_blocks`),
+        its values stored as ``kv_cache_dtype`` says."""
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"Engine: max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
         length = model.config.max_position_embeddings if max_model_len is None else max_model_len
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
             raise ValueError(f"Engine: max_model_len must be an int >= 1 or None, got {max_model_len!r}")
-        spec = model.kv_cache_spec(block_size, model_dtype(model))
+        spec = model.kv_cache_spec(block_size, model_dtype(model), kv_cache_dtype)
         blocks = num_cache_blocks(spec, device, max_num_seqs=max_num_seqs, max_model_len=length,
                                   kv_cache_bytes=kv_cache_bytes, max_num_tokens=max_num_tokens)
         executor = Executor(model, num_blocks=blocks, block_size=block_size, max_model_len=max_model_len,
-                            device=device, max_num_seqs=max_num_seqs)
+                            device=device, max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype)
         return cls(executor, max_num_seqs=max_num_seqs, num_groups=num_groups, max_prefill_tokens=max_prefill_tokens,
                    tpot_target_s=tpot_target_s, prefix_cache=prefix_cache, speculative=speculative)
 

@@ -62,9 +62,11 @@ class Executor:
     On the last stage the leader alone receives the logits and samples."""
 
     def __init__(self, model: StageModel, *, num_blocks: int, block_size: int, max_model_len: int | None = None,
-                 device: torch.device | str = "cpu", interleave_size: int = 1, max_num_seqs: int | None = None) -> None:
+                 device: torch.device | str = "cpu", interleave_size: int = 1, max_num_seqs: int | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         """``num_blocks``: the full-attention pool's blocks; a sliding-window group's pool holds
-        ``max_num_seqs`` rows' worth at most (None: as many blocks as the full pool)."""
+        ``max_num_seqs`` rows' worth at most (None: as many blocks as the full pool);
+        ``kv_cache_dtype``: what a K/V value is stored as (:data:`stagewise.kv.cache.KV_CACHE_DTYPES`)."""
         cfg = model.config
         max_model_len = cfg.max_position_embeddings if max_model_len is None else max_model_len
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
@@ -75,7 +77,7 @@ class Executor:
                              f"({cfg.max_position_embeddings}), got {max_model_len}")
         self.model, self.device = model, torch.device(device)
         self.max_model_len, self.block_size = max_model_len, block_size
-        spec = model.kv_cache_spec(block_size, model_dtype(model))
+        spec = model.kv_cache_spec(block_size, model_dtype(model), kv_cache_dtype)
         self.max_num_seqs, self.num_blocks = max_num_seqs, num_blocks
         sizes = group_blocks(spec, num_blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         self.kv_cache = KVCache(spec, num_blocks=sizes, device=self.device)
@@ -271,7 +273,7 @@ class Executor:
         if request_id not in self.manager:
             raise ValueError(f"export_request: this stage holds no KV for request {request_id!r}")
         spec = self.kv_cache.spec
-        k, v = read_kv(self.managers, self.kv_cache, request_id, self.manager.num_local_tokens(request_id))
+        kv = read_kv(self.managers, self.kv_cache, request_id, self.manager.num_local_tokens(request_id))
         entry = self.sampling.requests.get(request_id)
         history = None
         if entry is not None and (entry.history is not None or entry.constraint is not None):
@@ -280,8 +282,8 @@ class Executor:
                 else list(entry.history.output.elements())
             history = (prompt, output)
         return KVHandoff(request_id=request_id, layers=(spec.layer_start, spec.layer_end),
-                         num_tokens=self.manager.num_tokens(request_id), k=k, v=v,
-                         shard=self.shard(), sampling=None if entry is None else entry.params,
+                         num_tokens=self.manager.num_tokens(request_id),
+                         **dict(zip(("k", "v", "k_scale", "v_scale"), kv)), shard=self.shard(), sampling=None if entry is None else entry.params,
                          generator_state=None if entry is None or entry.generator is None
                          else entry.generator.get_state(), history=history)
 
@@ -302,9 +304,10 @@ class Executor:
         held = handoff.k.size(1)
         want = (spec.num_layers, held, spec.num_kv_heads, spec.head_dim)
         for name, t in (("k", handoff.k), ("v", handoff.v)):
-            if tuple(t.shape) != want or t.dtype != spec.dtype:
-                raise ValueError(f"import_request: tensor {name!r} must be {want} {spec.dtype}, "
-                                 f"got {(tuple(t.shape), t.dtype)}")
+            if tuple(t.shape) != want or not (t.is_floating_point() or t.dtype == torch.int8):
+                raise ValueError(f"import_request: tensor {name!r} must be {want} (K/V or a compact cache's "
+                                 f"codes), got {(tuple(t.shape), t.dtype)}")
+        handoff = handoff.in_cache_dtype(spec)  # from a stage whose cache stores another dtype: converted
         samples = self.is_last and self.leads
         if samples and handoff.sampling is None:
             raise ValueError(f"import_request: request {rid} reaches the last stage without sampling parameters")
@@ -313,7 +316,7 @@ class Executor:
         try:
             for m in self.managers:
                 m.add(rid, handoff.num_tokens)
-            write_kv(self.managers, self.kv_cache, rid, handoff.k, handoff.v)
+            write_kv(self.managers, self.kv_cache, rid, *handoff.tensors)
             if samples:
                 prompt, output = handoff.history or ([], [])
                 self.sampling.start(rid, handoff.sampling, prompt, output, handoff.generator_state)

@@ -21,6 +21,8 @@ import torch
 
 from stagewise.engine.params import SamplingParams
 from stagewise.kv import KVCache, KVCacheManager
+from stagewise.kv.cache import KV_CACHE_DTYPES, KVCacheSpec
+from stagewise.ops.reference import dequantise_kv, quantise_kv
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -65,9 +67,12 @@ class KVHandoff:
     num_tokens: int
     """The request's tokens in the cache (of which a share holds those of its positions)."""
     k: torch.Tensor
-    """``[num_layers, tokens held, Hk held, D]`` in the cache dtype, in position order (a
-    sliding-window layer: zeros before the positions its window still reaches)."""
+    """``[num_layers, tokens held, Hk held, D]`` in the cache dtype (a compact cache's codes), in
+    position order (a sliding-window layer: zeros before the positions its window still reaches)."""
     v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    """A compact cache's float16 scales ``[num_layers, tokens held, Hk held]``; None otherwise."""
+    v_scale: torch.Tensor | None = None
     shard: KVShard | None = None
     """Which share of the KV this is; None: the whole of it (every KV head, every position)."""
     sampling: SamplingParams | None = None
@@ -89,6 +94,32 @@ class KVHandoff:
         if self.k.shape != self.v.shape:
             raise ValueError(f"KVHandoff: request {self.request_id}: 'k' {tuple(self.k.shape)} and 'v' "
                              f"{tuple(self.v.shape)} differ")
+        compact = self.k.dtype in (torch.int8, torch.float8_e4m3fn)
+        for name, t in (("k_scale", self.k_scale), ("v_scale", self.v_scale)):
+            if (t is None) == compact or (t is not None and (t.shape != self.k.shape[:3] or t.dtype != torch.float16)):
+                raise ValueError(f"KVHandoff: request {self.request_id}: {name!r} must be "
+                                 + (f"float16 {tuple(self.k.shape[:3])} beside {self.k.dtype} codes" if compact
+                                    else f"None beside {self.k.dtype} K/V")
+                                 + f", got {None if t is None else (tuple(t.shape), t.dtype)}")
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """``k, v`` and, for a compact cache, their scales: what travels, indexed alike by
+        ``[layer, token, head]``."""
+        return (self.k, self.v) if self.k_scale is None else (self.k, self.v, self.k_scale, self.v_scale)
+
+    def in_cache_dtype(self, spec: KVCacheSpec) -> KVHandoff:
+        """This handoff in the values a cache of ``spec`` stores: as it is, or dequantised and
+        quantised again (a row quantised by itself, so a compact cache's codes come back the same
+        after any number of such trips)."""
+        if self.k.dtype == spec.code_dtype:
+            return self
+        k, v = (t.float() if self.k_scale is None else dequantise_kv(t, s)
+                for t, s in ((self.k, self.k_scale), (self.v, self.v_scale)))
+        if not spec.compact:
+            return replace(self, k=k.to(spec.dtype), v=v.to(spec.dtype), k_scale=None, v_scale=None)
+        (k, k_scale), (v, v_scale) = (quantise_kv(t, KV_CACHE_DTYPES[spec.kv_cache_dtype]) for t in (k, v))
+        return replace(self, k=k, v=v, k_scale=k_scale, v_scale=v_scale)
 
 
 def _group_layers(cache: KVCache, group: int) -> list[int]:
@@ -97,42 +128,48 @@ def _group_layers(cache: KVCache, group: int) -> list[int]:
 
 
 def read_kv(managers: Sequence[KVCacheManager], cache: KVCache, request_id,
-            num_held: int) -> tuple[torch.Tensor, torch.Tensor]:
+            num_held: int) -> tuple[torch.Tensor, ...]:
     """The first ``num_held`` local slots of a request in every layer: ``k, v [layers, num_held, Hk, D]``
-    (one manager per layer group of ``cache``). A sliding-window layer holds the positions its window
-    still reaches; the earlier ones, which it gave back and no query reads, are zeros."""
+    (one manager per layer group of ``cache``), and a compact cache's scales ``[layers, num_held, Hk]``
+    after them. A sliding-window layer holds the positions its window still reaches; the earlier ones,
+    which it gave back and no query reads, are zeros."""
     spec = cache.spec
-    k, v = (torch.zeros((spec.num_layers, num_held, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
-            for _ in range(2))
-    for group, (manager, storage) in enumerate(zip(managers, cache.storages)):
+    out = [torch.zeros((spec.num_layers, num_held, spec.num_kv_heads, spec.head_dim), dtype=spec.code_dtype)
+           for _ in range(2)]
+    if spec.compact:
+        out += [torch.zeros((spec.num_layers, num_held, spec.num_kv_heads), dtype=torch.float16) for _ in range(2)]
+    for group, manager in enumerate(managers):
         kept = manager.kept_from(request_id)
         base = kept // spec.block_size * spec.block_size
         blocks = torch.tensor(manager.block_ids(request_id)[kept // spec.block_size:], dtype=torch.int64,
-                              device=storage.device)
-        # storage [Lg, 2, num_blocks, block, Hk, D] -> the request's blocks -> [Lg, 2, slots, Hk, D]
-        kv = storage.index_select(2, blocks).flatten(2, 3)[:, :, kept - base:num_held - base].cpu()
+                              device=cache.storages[group].device)
         layers = _group_layers(cache, group)
-        k[layers, kept:num_held], v[layers, kept:num_held] = kv[:, 0], kv[:, 1]
-    return k, v
+        tensors = [cache.storages[group]] + ([cache.scale_storages[group]] if spec.compact else [])
+        for j, storage in enumerate(tensors):
+            # storage [Lg, 2, num_blocks, block, Hk(, D)] -> the request's blocks -> [Lg, 2, slots, Hk(, D)]
+            kv = storage.index_select(2, blocks).flatten(2, 3)[:, :, kept - base:num_held - base].cpu()
+            out[2 * j][layers, kept:num_held], out[2 * j + 1][layers, kept:num_held] = kv[:, 0], kv[:, 1]
+    return tuple(out)
 
 
-def write_kv(managers: Sequence[KVCacheManager], cache: KVCache, request_id, k: torch.Tensor,
-             v: torch.Tensor) -> None:
-    """The inverse of :func:`read_kv`: ``k, v`` into the request's blocks (a sliding-window layer
-    takes the positions its window reaches)."""
+def write_kv(managers: Sequence[KVCacheManager], cache: KVCache, request_id, *tensors: torch.Tensor) -> None:
+    """The inverse of :func:`read_kv`: ``k, v`` (and a compact cache's ``k_scale, v_scale``) into the
+    request's blocks (a sliding-window layer takes the positions its window reaches)."""
     spec = cache.spec
-    held = k.size(1)
-    for group, (manager, storage) in enumerate(zip(managers, cache.storages)):
+    held = tensors[0].size(1)
+    for group, manager in enumerate(managers):
         kept = manager.kept_from(request_id)
         base = kept // spec.block_size * spec.block_size
         blocks = torch.tensor(manager.block_ids(request_id)[kept // spec.block_size:], dtype=torch.int64,
-                              device=storage.device)
+                              device=cache.storages[group].device)
         layers = _group_layers(cache, group)
-        padded = torch.zeros((len(layers), len(blocks) * spec.block_size, spec.num_kv_heads, spec.head_dim),
-                             dtype=spec.dtype, device=storage.device)
-        for j, t in enumerate((k, v)):
-            padded[:, kept - base:held - base] = t[layers, kept:held].to(storage.device)
-            storage[:, j].index_copy_(1, blocks, padded.unflatten(1, (len(blocks), spec.block_size)))
+        storages = [cache.storages[group]] + ([cache.scale_storages[group]] if spec.compact else [])
+        for j, storage in enumerate(storages):
+            padded = torch.zeros((len(layers), len(blocks) * spec.block_size, *storage.shape[4:]),
+                                 dtype=storage.dtype, device=storage.device)
+            for i in range(2):
+                padded[:, kept - base:held - base] = tensors[2 * j + i][layers, kept:held].to(storage.device)
+                storage[:, i].index_copy_(1, blocks, padded.unflatten(1, (len(blocks), spec.block_size)))
 
 
 def split_handoff(whole: KVHandoff, shard: KVShard) -> KVHandoff:
@@ -145,7 +182,8 @@ def split_handoff(whole: KVHandoff, shard: KVShard) -> KVHandoff:
         raise ValueError(f"split_handoff: request {whole.request_id}: the handoff has {whole.k.size(2)} KV heads, "
                          f"the share {shard} is of {shard.num_kv_heads}")
     pos, (a, b) = shard.positions(whole.num_tokens), shard.kv_heads
-    return replace(whole, k=whole.k[:, pos, a:b].contiguous(), v=whole.v[:, pos, a:b].contiguous(), shard=shard)
+    cut = [t[:, pos, a:b].contiguous() for t in whole.tensors]
+    return replace(whole, **dict(zip(("k", "v", "k_scale", "v_scale"), cut)), shard=shard)
 
 
 def merge_handoffs(shares: Sequence[KVHandoff]) -> KVHandoff:
@@ -168,18 +206,22 @@ def merge_handoffs(shares: Sequence[KVHandoff]) -> KVHandoff:
                              f"{first.request_id} (layers {list(first.layers)}, {first.num_tokens} tokens, "
                              f"KV heads / cp_world_size / interleave_size {layout})")
     num_heads, cp, _ = layout
-    shape = (first.k.size(0), first.num_tokens, num_heads, first.k.size(3))
-    k, v = (torch.empty(shape, dtype=first.k.dtype) for _ in range(2))
+    whole = [torch.empty((t.size(0), first.num_tokens, num_heads, *t.shape[3:]), dtype=t.dtype)
+             for t in first.tensors]
     covered = torch.zeros((num_heads, cp), dtype=torch.bool)
     for s in shares:
         (a, b), r = s.shard.kv_heads, s.shard.cp_rank
         pos = s.shard.positions(s.num_tokens)
-        k[:, pos, a:b], v[:, pos, a:b] = s.k, s.v
+        if len(s.tensors) != len(whole) or s.k.dtype != first.k.dtype:
+            raise ValueError(f"merge_handoffs: request {first.request_id}: the share {s.shard} holds {s.k.dtype} K/V, "
+                             f"another {first.k.dtype}")
+        for dst, src in zip(whole, s.tensors):
+            dst[:, pos, a:b] = src
         covered[a:b, r] = True
     if not bool(covered.all()):
         missing = [tuple(x) for x in torch.nonzero(~covered).tolist()]
         raise ValueError(f"merge_handoffs: request {first.request_id}: no share holds (KV head, cp_rank) "
                          f"{missing[:8]}")
     leader = next((s for s in shares if s.sampling is not None), first)
-    return replace(first, k=k, v=v, shard=None, sampling=leader.sampling, generator_state=leader.generator_state,
-                   history=leader.history)
+    return replace(first, **dict(zip(("k", "v", "k_scale", "v_scale"), whole)), shard=None, sampling=leader.sampling,
+                   generator_state=leader.generator_state, history=leader.history)

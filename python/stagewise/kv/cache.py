@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -15,6 +16,33 @@ from stagewise import ops
 from stagewise.kv.window import pool_blocks
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+"""A run's ``kv_cache_dtype``: ``auto`` stores K/V in the activations' dtype; ``int8`` and
+``fp8_e4m3`` store one-byte codes with a float16 scale per token and KV head (the formula:
+``include/stagewise/common.h``, :func:`stagewise.ops.reference.quantise_kv`), about a quarter of
+float32's bytes. Per token rather than per block: a row is quantised by itself, so its bits are the
+same whichever step, chunk, rank or prefix-cache hit wrote it, and a block's later tokens never
+overflow a scale its first ones set."""
+SCALE_BYTES = 2
+"""A compact cache's float16 scale of one token's row of one KV head."""
+
+
+def check_kv_cache_dtype(value: object) -> str:
+    """``value`` if it names a :data:`KV_CACHE_DTYPES` entry; ValueError naming the choices otherwise."""
+    if not isinstance(value, str) or value not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {value!r}")
+    return value
+
+
+class LayerKV(NamedTuple):
+    """One layer's paged K/V, each ``[num_blocks, block_size, Hk, D]``, and a compact cache's float16
+    scales ``[num_blocks, block_size, Hk]`` (None for a cache in the activations' dtype)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 # Default KV size when none is given: every row at full length, but at most this share of the
 # memory left after the weights, and on CPU at most DEFAULT_CPU_KV_BYTES (a CPU run rarely fills
@@ -39,8 +67,11 @@ class KVCacheSpec:
     dtype: torch.dtype
     windows: tuple[int | None, ...] = ()
     """The attention window of each layer of the range (None: full attention); empty: all None."""
+    kv_cache_dtype: str = "auto"
+    """What a K/V value is stored as (:data:`KV_CACHE_DTYPES`)."""
 
     def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.kv_cache_dtype)
         for name, low in (("layer_start", 0), ("num_kv_heads", 1), ("head_dim", 1), ("block_size", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -59,6 +90,22 @@ class KVCacheSpec:
     @property
     def num_layers(self) -> int:
         return self.layer_end - self.layer_start
+
+    @property
+    def compact(self) -> bool:
+        """Whether K/V are one-byte codes with float16 scales."""
+        return self.kv_cache_dtype != "auto"
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        """The dtype of the K/V tensors: the activations' own, or a compact cache's codes."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
+
+    @property
+    def bytes_per_token_row(self) -> int:
+        """Bytes of one token's K (or V) of one KV head in one layer, a compact cache's scale included."""
+        elem = torch.empty((), dtype=self.code_dtype).element_size()
+        return self.head_dim * elem + (SCALE_BYTES if self.compact else 0)
 
     @property
     def group_windows(self) -> tuple[int | None, ...]:
@@ -80,10 +127,9 @@ class KVCacheSpec:
 
     def bytes_per_block(self, group: int | None = None) -> int:
         """K and V of one block in every layer of ``group`` (None: of every layer):
-        2 * layers * block_size * Hk * D * dtype size."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        2 * layers * block_size * Hk * (D * element size, plus a compact cache's scale)."""
         layers = self.num_layers if group is None else self.group_num_layers(group)
-        return 2 * layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * layers * self.block_size * self.num_kv_heads * self.bytes_per_token_row
 
     def num_blocks_for_bytes(self, kv_cache_bytes: int) -> int:
         """The most blocks that fit in ``kv_cache_bytes``; ValueError if not even one."""
@@ -105,8 +151,9 @@ class KVCacheSpec:
 class KVCache:
     """K and V caches ``[num_blocks, block_size, Hk, D]`` for each layer of the range.
 
-    Storage is one tensor per layer group ``[group layers, 2, num_blocks, block_size, Hk, D]``: a
-    single allocation is exactly :meth:`KVCacheSpec.bytes_per_block` x num_blocks
+    Storage is one tensor per layer group ``[group layers, 2, num_blocks, block_size, Hk, D]`` (and,
+    for a compact cache, its scales ``[group layers, 2, num_blocks, block_size, Hk]`` float16): an
+    allocation is exactly :meth:`KVCacheSpec.bytes_per_block` x num_blocks
     (no per-layer rounding or fragmentation), and each layer's K and V are
     contiguous views of it, as the cache ops require. Give exactly one of
     ``num_blocks`` (one for every group, or one per group), ``kv_cache_bytes`` or
@@ -142,16 +189,19 @@ class KVCache:
         # sequence's length on the CPU and skips masked slots on the GPU; prefills attend over their
         # own K/V), so the pool costs no start-up time and its pages are touched only as they fill.
         # tests/model/test_decode_stack.py runs steps and whole generations on a NaN-filled pool.
-        self.storages = [torch.empty(
-            (spec.group_num_layers(g), 2, n, spec.block_size, spec.num_kv_heads, spec.head_dim),
-            dtype=spec.dtype,
-            device=device,
-        ) for g, n in enumerate(sizes)]
+        shapes = [(spec.group_num_layers(g), 2, n, spec.block_size, spec.num_kv_heads) for g, n in enumerate(sizes)]
+        self.storages = [torch.empty((*shape, spec.head_dim), dtype=spec.code_dtype, device=device)
+                         for shape in shapes]
+        self.scale_storages = [torch.empty(shape, dtype=torch.float16, device=device)
+                               for shape in shapes] if spec.compact else None
+        """A compact cache's scales, one tensor per group beside :attr:`storages`; None otherwise."""
         where = [spec.group_of(i) for i in range(spec.layer_start, spec.layer_end)]
         self.layer_group = tuple(g for g, _ in where)
         """The group of each layer of the range (stage-local index)."""
-        # Each layer's (K, V) views, made once rather than on every step's every layer.
-        self._views = [(self.storages[g][j][0], self.storages[g][j][1]) for g, j in where]
+        # Each layer's views, made once rather than on every step's every layer.
+        self._views = [LayerKV(self.storages[g][j][0], self.storages[g][j][1],
+                               *((self.scale_storages[g][j][0], self.scale_storages[g][j][1]) if spec.compact else ()))
+                       for g, j in where]
 
     @property
     def num_blocks(self) -> int:
@@ -167,11 +217,17 @@ class KVCache:
         return self.storages[0]
 
     @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.storages)
+    def scales(self) -> torch.Tensor | None:
+        """A compact cache's scales beside :attr:`storage` (one group); None for a cache in the
+        activations' dtype."""
+        return None if self.scale_storages is None else self.scale_storages[self.storages.index(self.storage)]
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k_cache, v_cache)`` of global layer ``i``, each ``[num_blocks, block_size, Hk, D]``."""
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.storages + (self.scale_storages or []))
+
+    def layer(self, i: int) -> LayerKV:
+        """Global layer ``i``'s K/V, each ``[num_blocks, block_size, Hk, D]``, and a compact cache's scales."""
         if not self.spec.layer_start <= i < self.spec.layer_end:
             raise ValueError(f"KVCache.layer: layer {i} is outside this stage's range "
                              f"[{self.spec.layer_start}, {self.spec.layer_end})")
@@ -179,8 +235,8 @@ class KVCache:
 
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store ``k, v [T, Hk, D]`` of layer ``i`` at ``slot_mapping [T]`` (-1 = skip)."""
-        k_cache, v_cache = self.layer(i)
-        ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+        kv = self.layer(i)
+        ops.reshape_and_cache(k, v, kv.k, kv.v, slot_mapping, kv.k_scale, kv.v_scale)
 
 
 def group_blocks(spec: KVCacheSpec, full_blocks: int, *, max_num_seqs: int | None,

@@ -125,10 +125,10 @@ class StageModel(nn.Module):
             raise ValueError("StageModel: this stage has no vision tower (a text-only model, or not the first stage)")
         return self.vision(pixel_values, image_grid_thw)
 
-    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> KVCacheSpec:
         """The shape of the KV cache this stage's layers write (this TP rank's KV heads)."""
         return cache_spec(self.config, self.start_layer, self.end_layer, tp_size=self.groups.tp.size,
-                          block_size=block_size, dtype=dtype)
+                          block_size=block_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv_cache: KVCache,
@@ -179,13 +179,13 @@ class StageModel(nn.Module):
             residual = residual if has_residual else torch.empty_like(x)
             if batch.num_prefills == 0:
                 stack.decode(x, residual, has_residual, batch.positions, meta.slot_mapping, meta.block_tables,
-                             meta.seq_lens, kv_cache.storage)
+                             meta.seq_lens, kv_cache.storage, kv_cache.scales)
             elif extending:  # every token a decode row: its request's table, its length up to itself
                 stack.extend(x, residual, has_residual, batch.positions, meta.slot_mapping, meta.token_block_tables,
-                             meta.token_seq_lens, kv_cache.storage)
+                             meta.token_seq_lens, kv_cache.storage, kv_cache.scales)
             else:
                 stack.prefill(x, residual, has_residual, batch.positions, meta.slot_mapping, list(batch.query_lens),
-                              kv_cache.storage)
+                              kv_cache.storage, kv_cache.scales)
         else:
             levels = 0 if batch.deepstack is None else batch.deepstack.size(0)
             for i, layer in enumerate(self.layers):
@@ -211,13 +211,14 @@ class StageModel(nn.Module):
 
 
 def cache_spec(config: ModelConfig, start_layer: int, end_layer: int, *, tp_size: int, block_size: int,
-               dtype: torch.dtype) -> KVCacheSpec:
+               dtype: torch.dtype, kv_cache_dtype: str = "auto") -> KVCacheSpec:
     """The KV cache of layers ``[start_layer, end_layer)`` on one of ``tp_size`` tensor-parallel ranks,
-    its sliding-window layers in groups of their own."""
+    its sliding-window layers in groups of their own, its values stored as ``kv_cache_dtype`` says."""
     windows = architectures.layer_windows(config, range(start_layer, end_layer))
     return KVCacheSpec(layer_start=start_layer, layer_end=end_layer, num_kv_heads=kv_heads_per_rank(config, tp_size),
                        head_dim=config.head_dim, block_size=block_size, dtype=dtype,
-                       windows=tuple(windows) if any(w is not None for w in windows) else ())
+                       windows=tuple(windows) if any(w is not None for w in windows) else (),
+                       kv_cache_dtype=kv_cache_dtype)
 
 
 def load_stage(checkpoint: Checkpoint | str | Path, start_layer: int, end_layer: int, *,

@@ -109,13 +109,17 @@ def qk_norm_rope(
 
 
 def reshape_and_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``k, v [T, Hk, D]`` into the paged caches ``[num_blocks, block_size, Hk, D]``.
 
-    ``slot_mapping[t] = block * block_size + offset``; -1 skips the token (padding).
+    ``slot_mapping[t] = block * block_size + offset``; -1 skips the token (padding). A compact
+    cache (int8 or float8_e4m3fn codes) takes each token's head row quantised by itself and its
+    float16 scale into ``k_scale, v_scale [num_blocks, block_size, Hk]``
+    (:func:`stagewise.ops.reference.quantise_kv` is the formula).
     """
-    _ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+    _ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def slot_mapping(
@@ -152,6 +156,8 @@ def decode_attention(
     window: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-decoding of ``q [B, Hq, D]`` over the paged cache (and the new token).
 
@@ -163,7 +169,9 @@ def decode_attention(
     ``[seq_len + has_new - window, seq_len)``; those before, and their
     block-table entries, are never read. Returns ``out [B, Hq, D]`` (q's dtype)
     and ``lse [B, Hq]`` float32; a sequence with nothing to attend to gets
-    ``lse = -inf`` and ``out = 0``. ``num_splits=None`` picks a split count.
+    ``lse = -inf`` and ``out = 0``. ``num_splits=None`` picks a split count. A compact cache
+    (int8 or float8_e4m3fn codes with their float16 ``k_scale, v_scale [num_blocks, block_size,
+    Hk]``) is read as codes and scaled in registers; ``k_new, v_new`` stay in q's dtype.
     """
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"stagewise.decode_attention: argument 'num_splits' must be >= 1 or None, got {num_splits}")
@@ -174,7 +182,7 @@ def decode_attention(
     if lse is None:
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     _ops.decode_attention(out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits or 0,
-                          window or 0)
+                          window or 0, k_scale, v_scale)
     return out, lse
 
 

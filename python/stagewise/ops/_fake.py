@@ -63,7 +63,7 @@ def _qk_norm_rope(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_ne
 
 
 @_fake("reshape_and_cache", ref="k")
-def _reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
+def _reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     return None
 
 
@@ -75,7 +75,7 @@ def _slot_mapping(block_tables, seq_index, positions, block_size, cp_world_size,
 
 @_fake("decode_attention", ref="q")
 def _decode_attention(out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits,
-                      window=0):
+                      window=0, k_scale=None, v_scale=None):
     return None
 
 

@@ -58,14 +58,45 @@ def qk_norm_rope(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_neo
                 cos_sin_cache, is_neox)
 
 
-def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns updated copies of the caches."""
+# A compact cache's codes: the largest code a row's amax maps onto (include/stagewise/common.h).
+KV_CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def quantise_kv(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``x [..., D]`` as a compact cache stores them: ``(codes [..., D] code_dtype, scale [...]
+    float16)``, each row by itself: ``scale = half(amax / code_max)``, ``code = round(x / scale)``
+    (int8: to nearest even, clamped to +-127; e4m3: clamped to +-448, rounded by the cast); a row
+    whose scale is 0 (or NaN) stores codes 0."""
+    top = KV_CODE_MAX[code_dtype]
+    xf = x.float()
+    scale = (xf.abs().amax(-1) / top).clamp(max=65504.0).half()
+    s = scale.float().unsqueeze(-1)
+    y = xf / s
+    codes = y.round().clamp(-top, top) if code_dtype == torch.int8 else y.clamp(-top, top)
+    codes = torch.where(s > 0, codes, torch.zeros_like(codes)).to(code_dtype)
+    return codes, scale
+
+
+def dequantise_kv(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A compact cache's rows as float32: ``float(code) * float(scale)``."""
+    return codes.float() * scale.float().unsqueeze(-1)
+
+
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> tuple[torch.Tensor, ...]:
+    """Returns updated copies of the caches (and of the scales, after them, for a compact cache)."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
-    return k_cache, v_cache
+    if k_scale is None:
+        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+        return k_cache, v_cache
+    k_scale, v_scale = k_scale.clone(), v_scale.clone()
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        codes, s = quantise_kv(x[keep], cache.dtype)
+        cache.view(-1, *cache.shape[2:])[slots] = codes
+        scale.view(-1, scale.size(2))[slots] = s
+    return k_cache, v_cache, k_scale, v_scale
 
 
 def slot_mapping(block_tables, seq_index, positions, block_size, cp_world_size=1, cp_rank=0, interleave_size=1):
@@ -85,13 +116,18 @@ def slot_mapping(block_tables, seq_index, positions, block_size, cp_world_size=1
     return torch.where((owner == cp_rank) & (pos >= 0), slot, torch.full_like(slot, -1))
 
 
-def gather_kv(k_cache, v_cache, block_table_row, seq_len, start=0) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(k_cache, v_cache, block_table_row, seq_len, start=0, k_scale=None,
+              v_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Cached tokens ``[start, seq_len)`` of one sequence, unpaged: ``[seq_len - start, Hk, D]`` each
-    (the table's entries before ``start`` are not read)."""
+    (the table's entries before ``start`` are not read); a compact cache's dequantised to float32."""
     block_size = k_cache.size(1)
     t = torch.arange(start, seq_len, device=k_cache.device)
     blocks = block_table_row.long()[t // block_size]
-    return k_cache[blocks, t % block_size], v_cache[blocks, t % block_size]
+    k, v = k_cache[blocks, t % block_size], v_cache[blocks, t % block_size]
+    if k_scale is not None:
+        k = dequantise_kv(k, k_scale[blocks, t % block_size])
+        v = dequantise_kv(v, v_scale[blocks, t % block_size])
+    return k, v
 
 
 def attention_with_lse(q, k, v, scale) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,16 +143,19 @@ def attention_with_lse(q, k, v, scale) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_new=None, v_new=None, window=None):
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_new=None, v_new=None, window=None,
+                     k_scale=None, v_scale=None):
     """Returns (out ``[B, Hq, D]`` in q's dtype, lse ``[B, Hq]`` float32); ``window``: each query's
-    last ``window`` keys only (the new token, when given, is the last)."""
+    last ``window`` keys only (the new token, when given, is the last); ``k_scale, v_scale``: a
+    compact cache's scales (its rows read dequantised)."""
     outs, lses = [], []
     for b in range(q.size(0)):
         n = int(seq_lens[b])
         first = 0 if not window else max(0, n + (k_new is not None) - window)
-        k, v = gather_kv(k_cache, v_cache, block_tables[b], n, first)
+        k, v = gather_kv(k_cache, v_cache, block_tables[b], n, first, k_scale, v_scale)
         if k_new is not None:
-            k, v = torch.cat([k, k_new[b : b + 1]]), torch.cat([v, v_new[b : b + 1]])
+            k = torch.cat([k.to(k_new.dtype) if k_scale is None else k, k_new[b : b + 1].to(k.dtype)])
+            v = torch.cat([v.to(v_new.dtype) if v_scale is None else v, v_new[b : b + 1].to(v.dtype)])
         out, lse = attention_with_lse(q[b], k, v, scale)
         outs.append(out)
         lses.append(lse)

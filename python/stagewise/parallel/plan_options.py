@@ -13,7 +13,7 @@ LAUNCHERS = ("local", "ray")
 PLACEMENTS = ("spread", "pack", "strict_spread")
 """How a Ray launch places the stages (Ray's SPREAD, PACK and STRICT_SPREAD placement groups)."""
 OPTION_KEYS = ("dtype", "transport", "checksum", "max_num_seqs", "max_prefill_tokens", "tpot_target_ms", "prefix_cache",
-               "speculative", "num_speculative_tokens",
+               "kv_cache_dtype", "speculative", "num_speculative_tokens",
                "max_model_len", "kv_cache_bytes", "max_num_tokens", "block_size", "quantized", "linear_precision",
                "pcp", "dcp", "interleave_size", "launcher", "placement", "tls", "sampling")
 
@@ -64,6 +64,8 @@ def option_problems(options: dict[str, Any]) -> list[str]:
             problems.append(str(err))
     if get("placement", "spread") not in PLACEMENTS:
         problems.append(problem("placement", get("placement"), f"one of {PLACEMENTS}"))
+    if get("kv_cache_dtype", "auto") not in ("auto", "int8", "fp8_e4m3"):
+        problems.append(problem("kv_cache_dtype", get("kv_cache_dtype"), "auto, int8 or fp8_e4m3"))
     if get("linear_precision", "exact") not in ("exact", "int8"):
         problems.append(problem("linear_precision", get("linear_precision"), "'exact' or 'int8'"))
     for name in ("max_num_seqs", "max_prefill_tokens", "block_size", "pcp", "dcp", "interleave_size"):

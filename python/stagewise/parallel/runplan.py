@@ -10,6 +10,7 @@ A run plan is a YAML (or JSON) file::
     max_prefill_tokens: 8192     # prompt tokens per step: a longer prompt is prefilled in chunks
     tpot_target_ms: 20           # optional: new prompts wait, or run in chunks, so that streams keep this pace
     prefix_cache: true           # a prompt's beginning that earlier requests computed reuses their KV
+    kv_cache_dtype: auto         # auto | int8 | fp8_e4m3: K/V as one-byte codes with a scale per token and head
     speculative: ngram           # optional: draft tokens by prompt lookup, verified in one step
     num_speculative_tokens: 3    # most drafts per request and step
     max_model_len: 2048          # optional
@@ -125,6 +126,10 @@ class RunPlan:
     prefix_cache: bool = True
     """Stage 0's scheduler starts a request after the cached KV blocks of its prompt's beginning
     (:mod:`stagewise.engine.prefix_cache`); False: every prompt from its first token."""
+    kv_cache_dtype: str = "auto"
+    """What every stage stores a K/V value as (:data:`stagewise.kv.cache.KV_CACHE_DTYPES`): ``auto``,
+    the activations' dtype; ``int8`` or ``fp8_e4m3``, one-byte codes with a float16 scale per token
+    and KV head (about a quarter of float32's bytes)."""
     speculative: str | None = None
     """Stage 0 drafts tokens (``ngram``: prompt lookup) that one step verifies on every stage
     (:mod:`stagewise.engine.speculative`); None: one token per step."""
@@ -184,7 +189,7 @@ class RunPlan:
         body = {"version": PROTOCOL_VERSION, "config": model_config, "dtype": self.dtype, "quantized": self.quantized,
                 "block_size": self.block_size, "ranges": [[s.start_layer, s.end_layer] for s in self.stages],
                 "tp": [s.tp for s in self.stages], "pcp": self.pcp, "dcp": self.dcp,
-                "interleave_size": self.interleave_size}
+                "interleave_size": self.interleave_size, "kv_cache_dtype": self.kv_cache_dtype}
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from stagewise.engine.handoff import KVHandoff, KVShard
 from stagewise.engine.params import SamplingParams
 from stagewise.pipeline.protocol import ProtocolError
@@ -13,13 +15,18 @@ from stagewise.transport.frame import Frame, StepKind
 
 def handoff_frame(handoff: KVHandoff, *, stage: int) -> Frame:
     """The frame of one request's KV on ``stage`` (or one rank's share of it): tensors ``k`` and
-    ``v`` (and the generator's state on the last stage), the layer range, the share and the
-    sampling parameters in ``control``; the request in ``request_id`` and its cached tokens in
-    ``token_index``."""
-    tensors = {"k": handoff.k, "v": handoff.v}
+    ``v`` (a compact cache's codes, with ``k_scale`` and ``v_scale``; e4m3 codes travel as their
+    bytes, ``control['kv_codes']`` naming them) and the generator's state on the last stage; the layer
+    range, the share and the sampling parameters in ``control``; the request in ``request_id`` and its
+    cached tokens in ``token_index``."""
+    fp8 = handoff.k.dtype == torch.float8_e4m3fn
+    names = ("k", "v", "k_scale", "v_scale")
+    tensors = {n: t.view(torch.uint8) if fp8 and n in "kv" else t for n, t in zip(names, handoff.tensors)}
     if handoff.generator_state is not None:
         tensors["generator_state"] = handoff.generator_state
     control = {"layers": list(handoff.layers)}
+    if fp8:
+        control["kv_codes"] = "float8_e4m3fn"
     if handoff.shard is not None:
         control["shard"] = {**dataclasses.asdict(handoff.shard), "kv_heads": list(handoff.shard.kv_heads)}
     if handoff.sampling is not None:
@@ -55,9 +62,16 @@ def handoff_from_frame(frame: Frame) -> KVHandoff:
     k, v = frame.tensors.get("k"), frame.tensors.get("v")
     if k is None or v is None:
         raise ProtocolError(f"tensors 'k'/'v': a KV_HANDOFF frame carries both, got {sorted(frame.tensors)}")
+    codes = control.get("kv_codes")
+    if codes is not None:
+        if codes != "float8_e4m3fn" or k.dtype != torch.uint8 or v.dtype != torch.uint8:
+            raise ProtocolError(f"control['kv_codes']: float8_e4m3fn codes travel as uint8, got {codes!r} with "
+                                f"{k.dtype} k")
+        k, v = k.view(torch.float8_e4m3fn), v.view(torch.float8_e4m3fn)
     try:
         return KVHandoff(request_id=frame.request_id, layers=(layers[0], layers[1]), num_tokens=frame.token_index,
-                         k=k, v=v, shard=shard, sampling=params, generator_state=frame.tensors.get("generator_state"),
+                         k=k, v=v, k_scale=frame.tensors.get("k_scale"), v_scale=frame.tensors.get("v_scale"),
+                         shard=shard, sampling=params, generator_state=frame.tensors.get("generator_state"),
                          history=None if history is None else (history[0], history[1]))
     except ValueError as err:
         raise ProtocolError(f"tensors 'k'/'v': {err}") from None

@@ -167,7 +167,7 @@ class StageProcess:
         executor = self.executor = Executor(model, num_blocks=setup.num_blocks, block_size=self.plan.block_size,
                                             max_model_len=max_model_len, device=device,
                                             interleave_size=self.plan.interleave_size,
-                                            max_num_seqs=self.plan.max_num_seqs)
+                                            max_num_seqs=self.plan.max_num_seqs, kv_cache_dtype=self.plan.kv_cache_dtype)
         self.stats.reset()  # and the collectives' counters (its world's outlive a rejoin): from here
         self._counters_base = stage_setup.step_counters(executor)
         if self.rank > 0:

@@ -57,7 +57,7 @@ def kv_capacity(plan: RunPlan, index: int, cfg, dtype: torch.dtype, device: torc
     spec = plan.stages[index]
     ranks = plan.stage_ranks()[index]
     cache = cache_spec(cfg, spec.start_layer, spec.end_layer, tp_size=spec.tp, block_size=plan.block_size,
-                       dtype=dtype)
+                       dtype=dtype, kv_cache_dtype=plan.kv_cache_dtype)
     return num_cache_blocks(cache, device, max_num_seqs=plan.max_num_seqs, max_model_len=max_model_len,
                             kv_cache_bytes=plan.kv_cache_bytes, max_num_tokens=plan.max_num_tokens,
                             cp_world_size=ranks.pcp * ranks.dcp)

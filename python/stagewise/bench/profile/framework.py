@@ -66,6 +66,7 @@ def cp_combine_s(rows: int = 1, heads: int = 4, head_dim: int = 64, context: int
     from stagewise import ops
     from stagewise.bench.profile.runtime import StepWork
     from stagewise.model.collectives import SINGLE, StageGroups
+    from stagewise.kv.cache import LayerKV
     from stagewise.model.layers.context_parallel import decode_attention_cp
 
     block = 16
@@ -77,7 +78,7 @@ def cp_combine_s(rows: int = 1, heads: int = 4, head_dim: int = 64, context: int
     groups = StageGroups(tp=_Mirror(), dcp=_Mirror(), pcp=SINGLE)
     q2 = torch.cat([q, q], 1)
     work = StepWork()
-    cp = min(median_step_s(lambda: decode_attention_cp(q, k, v, tables, lens, 0.125, groups), calls, work)
+    cp = min(median_step_s(lambda: decode_attention_cp(q, LayerKV(k, v), tables, lens, 0.125, groups), calls, work)
              for _ in range(5))
     alone = min(median_step_s(lambda: ops.decode_attention(q2, k, v, tables, lens, 0.125), calls, work)
                 for _ in range(5))

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from stagewise import ops
+from stagewise.int_tensors import int_tensor
+from stagewise.kv.cache import LayerKV
 from stagewise.model.batch import StepBatch
 from stagewise.model.kv_metadata import KVMetadata
 from stagewise.model.collectives import StageGroups
@@ -81,11 +83,11 @@ class Attention(nn.Module):
         self.q_norm = None if q_norm is None else nn.Parameter(q_norm, requires_grad=False)
         self.k_norm = None if k_norm is None else nn.Parameter(k_norm, requires_grad=False)
 
-    def forward(self, x: torch.Tensor, batch: StepBatch, meta: KVMetadata,
-                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """``x [T, hidden]`` -> ``[T, hidden]``; writes this layer's K/V into ``kv = (k_cache, v_cache)``,
-        each ``[num_blocks, block_size, Hk, D]``. Under prefill context parallelism ``x`` and ``batch`` are
-        this rank's rows (``meta.pcp.batch``) and ``meta`` is built from the full step."""
+    def forward(self, x: torch.Tensor, batch: StepBatch, meta: KVMetadata, kv: LayerKV) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``; writes this layer's K/V into ``kv`` (each
+        ``[num_blocks, block_size, Hk, D]``, with a compact cache's scales). Under prefill context
+        parallelism ``x`` and ``batch`` are this rank's rows (``meta.pcp.batch``) and ``meta`` is built
+        from the full step."""
         t, hq, hk, d = x.size(0), self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv(x).split([hq * d, hk * d, hk * d], dim=-1)
         q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
@@ -94,22 +96,34 @@ class Attention(nn.Module):
         if self.groups.cp_size > 1:
             return self.o(cp_attention(q, k, v, batch, meta, kv, self.scale, self.groups).view(t, hq * d))
         out = torch.empty((t, hq, d), dtype=x.dtype, device=x.device)
-        k_cache, v_cache = kv
+        scales = dict(k_scale=kv.k_scale, v_scale=kv.v_scale)
         if meta.token_seq_lens is not None and self.window is None:
             # Short runs after each cache (drafts being verified): every token a decode row over the
             # cache, the step's K/V written first so that each sees those before it; the C++ layer loop
             # (DecoderStack.extend) runs the same ops in this order.
-            ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-            ops.decode_attention(q, k_cache, v_cache, meta.token_block_tables, meta.token_seq_lens, self.scale, out=out)
-            ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            ops.reshape_and_cache(k, v, kv.k, kv.v, meta.slot_mapping, **scales)
+            ops.decode_attention(q, kv.k, kv.v, meta.token_block_tables, meta.token_seq_lens, self.scale, out=out,
+                                 **scales)
+            ops.reshape_and_cache(k, v, kv.k, kv.v, meta.slot_mapping, **scales)
             return self.o(out.view(t, hq * d))
+        # A compact cache is read only by the kernel (no float copy of it): a later chunk's tokens
+        # attend as decode rows over the cache, which holds the step's K/V first (a sliding-window
+        # layer, whose step stores only what later queries see, dequantises its window's cached tokens).
+        rows_over_cache = kv.k_scale is not None and self.window is None and any(batch.context_lens)
+        if rows_over_cache:
+            ops.reshape_and_cache(k, v, kv.k, kv.v, meta.slot_mapping, **scales)
         for i, ((start, n), ctx) in enumerate(zip(batch.prefill_spans(), batch.context_lens)):
+            if ctx and rows_over_cache:
+                lens = int_tensor(range(ctx + 1, ctx + n + 1), device=x.device)
+                ops.decode_attention(q[start : start + n], kv.k, kv.v, meta.block_tables[i : i + 1].expand(n, -1),
+                                     lens, self.scale, out=out[start : start + n], **scales)
+                continue
             # [1, H, n, D] views; enable_gqa lets the Hq / Hk query heads share a KV head.
             qs, ks, vs = (a[start : start + n].transpose(0, 1).unsqueeze(0) for a in (q, k, v))
             first = 0 if self.window is None else max(0, ctx - self.window + 1)  # the oldest key any query sees
             if first < ctx:  # a later chunk: the cached tokens it sees first, then the chunk
-                ks, vs = (torch.cat([cached_tokens(c, meta.block_tables[i], ctx, first).transpose(0, 1).unsqueeze(0),
-                                     a], 2) for c, a in ((k_cache, ks), (v_cache, vs)))
+                cached = cached_tokens(kv, meta.block_tables[i], ctx, first)
+                ks, vs = (torch.cat([c.to(a.dtype).transpose(0, 1).unsqueeze(0), a], 2) for c, a in zip(cached, (ks, vs)))
             mask = None
             if ctx or (self.window is not None and n > self.window):
                 mask = _mask(first, ctx, n, self.window, x.device)
@@ -118,9 +132,9 @@ class Attention(nn.Module):
             out[start : start + n] = o[0].transpose(0, 1)
         p, r = batch.num_prefill_tokens, batch.num_prefills
         if p < t:
-            ops.decode_attention(q[p:], k_cache, v_cache, meta.block_tables[r:], meta.seq_lens[r:], self.scale,
-                                 k_new=k[p:], v_new=v[p:], out=out[p:], window=self.window)
-        ops.reshape_and_cache(k, v, kv[0], kv[1], meta.slot_mapping)
+            ops.decode_attention(q[p:], kv.k, kv.v, meta.block_tables[r:], meta.seq_lens[r:], self.scale,
+                                 k_new=k[p:], v_new=v[p:], out=out[p:], window=self.window, **scales)
+        ops.reshape_and_cache(k, v, kv.k, kv.v, meta.slot_mapping, **scales)
         return self.o(out.view(t, hq * d))
 
 
@@ -133,10 +147,14 @@ def _mask(first: int, ctx: int, n: int, window: int | None, device: torch.device
     return mask if window is None else mask & (keys > queries - window)
 
 
-def cached_tokens(cache: torch.Tensor, block_table: torch.Tensor, n: int, first: int = 0) -> torch.Tensor:
-    """The tokens at positions ``first .. n - 1`` a request holds in one layer's ``cache [num_blocks,
-    block_size, Hk, D]``, in position order, from its ``block_table [max_blocks_per_seq]``:
-    ``[n - first, Hk, D]``."""
-    block_size = cache.size(1)
-    t = torch.arange(first, n, device=cache.device)
-    return cache[block_table.long()[t // block_size], t % block_size]
+def cached_tokens(kv: LayerKV, block_table: torch.Tensor, n: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V at positions ``first .. n - 1`` a request holds in one layer's cache, in position
+    order, from its ``block_table [max_blocks_per_seq]``: ``[n - first, Hk, D]`` each (a compact
+    cache's dequantised to float32)."""
+    block_size = kv.k.size(1)
+    t = torch.arange(first, n, device=kv.k.device)
+    blocks, offsets = block_table.long()[t // block_size], t % block_size
+    if kv.k_scale is None:
+        return kv.k[blocks, offsets], kv.v[blocks, offsets]
+    return tuple(c[blocks, offsets].float() * s[blocks, offsets].float().unsqueeze(-1)
+                 for c, s in ((kv.k, kv.k_scale), (kv.v, kv.v_scale)))

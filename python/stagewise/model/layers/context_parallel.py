@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from stagewise import ops
+from stagewise.kv.cache import LayerKV
 from stagewise.model.batch import StepBatch
 from stagewise.model.kv_metadata import KVMetadata, PcpSplit
 from stagewise.model.collectives import Collectives, StageGroups
@@ -103,8 +104,8 @@ def merge_partials(rows: torch.Tensor, out_like: torch.Tensor, heads: slice) -> 
     return out
 
 
-def decode_attention_cp(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        local_seq_lens: torch.Tensor, scale: float, groups: StageGroups) -> torch.Tensor:
+def decode_attention_cp(q: torch.Tensor, kv: LayerKV, block_tables: torch.Tensor, local_seq_lens: torch.Tensor,
+                        scale: float, groups: StageGroups) -> torch.Tensor:
     """Query rows ``q [B, Hq, D]`` (this rank's heads) over every CP rank's shard -> ``[B, Hq, D]``;
     row ``b`` reads the first ``local_seq_lens[b]`` tokens of ``block_tables[b]`` here (a decode row:
     all its tokens; a prefill chunk's row: those up to its position). The new tokens must already be
@@ -116,7 +117,8 @@ def decode_attention_cp(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     for the cost of gathering the outputs of every head (small at decode: ``B * dcp * Hq * D``)."""
     dcp, pcp = groups.dcp, groups.pcp
     q_group = dcp.all_gather(q, dim=1)  # [B, dcp * Hq, D]: the heads of the DCP group's ranks, in rank order
-    out, lse = ops.decode_attention(q_group, k_cache, v_cache, block_tables, local_seq_lens, scale)
+    out, lse = ops.decode_attention(q_group, kv.k, kv.v, block_tables, local_seq_lens, scale, k_scale=kv.k_scale,
+                                    v_scale=kv.v_scale)
     if groups.cp_size == 1:
         return out
     rows = pcp.all_gather(dcp.all_gather(_packed(out, lse), dim=0), dim=0)  # [cp, n]: cp-rank order
@@ -142,7 +144,7 @@ def _pcp_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: t
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch, meta: KVMetadata,
-                 kv: tuple[torch.Tensor, torch.Tensor], scale: float, groups: StageGroups) -> torch.Tensor:
+                 kv: LayerKV, scale: float, groups: StageGroups) -> torch.Tensor:
     """Attention of this rank's rows ``q [T_rank, Hq, D]``, ``k, v [T_rank, Hk, D]`` (rope applied)
     under context parallelism -> ``[T_rank, Hq, D]``; writes this rank's share of the step's K/V.
 
@@ -152,14 +154,12 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepB
     chunk's queries are all-gathered with its K/V, so every PCP rank attends its shard with all of
     them, and each keeps its own rows of the result."""
     check_metadata(groups, meta)
-    k_cache, v_cache = kv
     p = batch.num_prefill_tokens
     split = meta.pcp
     if split is None:
-        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        ops.reshape_and_cache(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
         if p == 0:  # a decode step: every row reads the cache, in row order (meta.cp_rows is all of them)
-            return decode_attention_cp(q.contiguous(), k_cache, v_cache, meta.cp_block_tables, meta.cp_local_lens,
-                                       scale, groups)
+            return decode_attention_cp(q.contiguous(), kv, meta.cp_block_tables, meta.cp_local_lens, scale, groups)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for (start, n), ctx in zip(batch.prefill_spans(), batch.context_lens):
             if ctx:
@@ -186,10 +186,9 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepB
             k_all, v_all = torch.cat([k_all, k[p:]]), torch.cat([v_all, v[p:]])
         else:
             k_all, v_all = k, v
-        ops.reshape_and_cache(k_all, v_all, k_cache, v_cache, meta.slot_mapping)
+        ops.reshape_and_cache(k_all, v_all, kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
     if meta.cp_rows.numel():
-        res = decode_attention_cp(q_cached.contiguous(), k_cache, v_cache, meta.cp_block_tables, meta.cp_local_lens,
-                                  scale, groups)
+        res = decode_attention_cp(q_cached.contiguous(), kv, meta.cp_block_tables, meta.cp_local_lens, scale, groups)
         if split is None:
             out[meta.cp_rows] = res
         else:
