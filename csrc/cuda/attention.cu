@@ -12,6 +12,10 @@
 //     the log2 domain (one warp per head), then P.V (lane = head_dim slice, the
 //     4 warps each take a quarter of the tokens). Writes the normalised
 //     partial output and its LSE of each (split, head) to the workspace.
+//     A compact cache (one-byte codes, attention.h) streams its codes the same
+//     way, converted to float where they are read; the tokens' float16 scales
+//     go to shared memory as floats beside them: a key's scale multiplies its
+//     score, a value's its softmax weight in P.V (not the running sum).
 //  2. decode_combine_kernel, one warp per (sequence, query head): merges the
 //     splits and the new token (logit scale * q.k_new, value v_new) by LSE.
 // merge_attn_states_kernel merges two partial results elementwise; it and the
@@ -66,21 +70,24 @@ constexpr int kTile = 32;  // tokens per stage: one per lane in the score step
 constexpr int kStages = 2;
 constexpr int kMaxGroup = 8;  // query heads per CTA; larger groups use several CTAs
 
-// Compile-time shape of the per-split kernel for storage type T, head_dim D and
-// GC query heads per CTA. Shared memory offsets are in bytes.
-template <typename T, int D, int GC>
+// Compile-time shape of the per-split kernel for cache element type C (the
+// activations' type, or a one-byte code), head_dim D and GC query heads per CTA.
+// Shared memory offsets are in bytes.
+template <typename C, int D, int GC>
 struct DecodeShape {
-  static constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte chunk
+  static constexpr bool kCompact = sizeof(C) == 1;  // codes with per-token scales
+  static constexpr int kVec = 16 / static_cast<int>(sizeof(C));  // elements per 16-byte chunk
   static constexpr int kChunks = D / kVec;                        // chunks per K/V row
-  static constexpr int kRowBytes = D * static_cast<int>(sizeof(T));
+  static constexpr int kRowBytes = D * static_cast<int>(sizeof(C));
   // K rows are padded by 16 bytes: in the score step lane t reads row t, and a
-  // row stride of 4 banks mod 32 keeps those 16-byte reads conflict-free.
+  // row stride of an odd number of 16-byte units keeps the 8 lanes of each
+  // phase of those 16-byte reads on distinct banks.
   static constexpr int kKStride = kRowBytes + 16;
   static constexpr int kRowStep = kThreads / kChunks;  // tile rows one pass of the CTA copies
   static constexpr int kCopiesPerThread = kTile / kRowStep;
   static constexpr int kQkDims = D / kWarps;            // head_dim slice of a warp, score step
   static constexpr int kPvDims = D / 32;                // head_dim slice of a lane, P.V step
-  static constexpr int kPvWords = kPvDims * static_cast<int>(sizeof(T)) / 4;
+  static constexpr int kPvBytes = kPvDims * static_cast<int>(sizeof(C));
   static constexpr int kPvTokens = kTile / kWarps;      // tokens of a warp, P.V step
   static constexpr int kHeadsPerWarp = (GC + kWarps - 1) / kWarps;  // softmax step
 
@@ -91,13 +98,16 @@ struct DecodeShape {
   static constexpr int kOffRed = kOffQ + GC * D * 4;            // [kWarps][GC][kTile] f32
   static constexpr int kOffP = kOffRed + kWarps * GC * kTile * 4;  // [kTile][GC] f32
   static constexpr int kOffValid = kOffP + kTile * GC * 4;      // [kStages][kTile] int
-  static constexpr int kOffScale = kOffValid + kStages * kTile * 4;  // [GC] f32
+  // Compact caches: [kStages][kTile] f32 key scales, then as many value scales.
+  static constexpr int kOffCodeScale = kOffValid + kStages * kTile * 4;
+  static constexpr int kOffScale = kOffCodeScale + (kCompact ? 2 * kStages * kTile * 4 : 0);  // [GC] f32
   static constexpr int kOffL = kOffScale + GC * 4;              // [GC] f32
   static constexpr int kOffM = kOffL + GC * 4;                  // [GC] f32
   static constexpr int kSmemBytes = kOffM + GC * 4;
 
   static_assert(kThreads % kChunks == 0 && kTile % kRowStep == 0, "copy mapping");
-  static_assert(kQkDims % kVec == 0 && kPvWords >= 1, "head_dim slices");
+  static_assert((kKStride / 16) % 2 == 1, "conflict-free K rows");
+  static_assert(kQkDims % kVec == 0 && kPvBytes >= 2, "head_dim slices");
   static_assert(kOffRed % 16 == 0 && kOffP % 16 == 0, "16-byte aligned shared arrays");
 };
 
@@ -108,23 +118,53 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// Zero of a cache element type C: from_float for the activations' types, the
+// all-zero byte for a code (codes have no from_float).
+template <typename C>
+__device__ __forceinline__ C cache_zero() {
+  if constexpr (sizeof(C) == 1) {
+    return C{};
+  } else {
+    return from_float<C>(0.f);
+  }
+}
+
 // Copies one 16-byte chunk of a cache row (element offset src) into shared
 // memory, or zero-fills it when src < 0 (masked token). With async, cp.async
 // (the source must be 16-byte aligned); else element by element through registers.
-template <typename T>
-__device__ __forceinline__ void copy_chunk(unsigned char* dst, const T* cache, int64_t src, bool async) {
-  constexpr int kN = 16 / static_cast<int>(sizeof(T));
+template <typename C>
+__device__ __forceinline__ void copy_chunk(unsigned char* dst, const C* cache, int64_t src, bool async) {
+  constexpr int kN = 16 / static_cast<int>(sizeof(C));
   if (async) {
     const uint32_t dst_addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-    const T* from = src >= 0 ? cache + src : cache;
+    const C* from = src >= 0 ? cache + src : cache;
     const int bytes = src >= 0 ? 16 : 0;  // 0 reads nothing and fills zeros
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_addr), "l"(from),
                  "r"(bytes)
                  : "memory");
   } else {
-    T* to = reinterpret_cast<T*>(dst);
+    C* to = reinterpret_cast<C*>(dst);
 #pragma unroll
-    for (int e = 0; e < kN; ++e) to[e] = src >= 0 ? cache[src + e] : from_float<T>(0.f);
+    for (int e = 0; e < kN; ++e) to[e] = src >= 0 ? cache[src + e] : cache_zero<C>();
+  }
+}
+
+// The kN values of C at p (shared memory, aligned to their size) as floats:
+// whole 32-bit words, or one 16-bit pair of codes (head_dim 64, one byte each).
+template <typename C, int kN>
+__device__ __forceinline__ void load_values(const unsigned char* p, float (&f)[kN]) {
+  constexpr int kBytes = kN * static_cast<int>(sizeof(C));
+  if constexpr (kBytes >= 4) {
+    uint32_t w[kBytes / 4];
+    detail::load_words(p, w);
+    detail::unpack<C>(w, f);
+  } else {
+    static_assert(kBytes == 2 && sizeof(C) == 1, "a pair of one-byte codes");
+    const uint32_t w[1] = {*reinterpret_cast<const uint16_t*>(p)};
+    float f4[4];
+    detail::unpack<C>(w, f4);
+    f[0] = f4[0];
+    f[1] = f4[1];
   }
 }
 
@@ -138,14 +178,17 @@ struct DecodeLaunch {
 
 // Workspace: partial outputs [batch, num_q_heads, num_splits, D] f32, then
 // their LSEs [batch, num_q_heads, num_splits] f32 (natural log, -inf: empty).
-template <typename T, int D, int GC>
+// T: the type of q; C: the caches' element type (T, int8_t or __nv_fp8_e4m3).
+template <typename T, typename C, int D, int GC>
 __global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeAttentionParams p, DecodeLaunch l) {
-  using S = DecodeShape<T, D, GC>;
+  using S = DecodeShape<C, D, GC>;
   extern __shared__ __align__(16) unsigned char smem[];
   float* q_s = reinterpret_cast<float*>(smem + S::kOffQ);
   float* red_s = reinterpret_cast<float*>(smem + S::kOffRed);
   float* p_s = reinterpret_cast<float*>(smem + S::kOffP);
   int* valid_s = reinterpret_cast<int*>(smem + S::kOffValid);
+  float* k_scale_s = reinterpret_cast<float*>(smem + S::kOffCodeScale);  // compact caches only
+  float* v_scale_s = k_scale_s + kStages * kTile;
   float* scale_s = reinterpret_cast<float*>(smem + S::kOffScale);
   float* l_s = reinterpret_cast<float*>(smem + S::kOffL);
   float* m_s = reinterpret_cast<float*>(smem + S::kOffM);
@@ -183,10 +226,16 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeAttentionP
     q_s[i] = h < num_heads ? to_float(q[(head0 + h) * p.q_head_stride + i % D]) * q_scale : 0.f;
   }
 
-  const T* k_cache = static_cast<const T*>(p.k_cache);
-  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const C* k_cache = static_cast<const C*>(p.k_cache);
+  const C* v_cache = static_cast<const C*>(p.v_cache);
   const int chunk_col = tid % S::kChunks;  // fixed 16-byte column of this thread's copies
   const int row0 = tid / S::kChunks;
+  // Compact caches: the scales of the rows this thread copies (chunk_col 0), loaded
+  // when the tile is issued and stored to shared memory by store_scales, one tile's
+  // work later, so the load's latency hides behind it (cp.async moves 4 bytes or
+  // more, and a scale is 2).
+  __half k_scale_r[S::kCopiesPerThread];
+  __half v_scale_r[S::kCopiesPerThread];
   auto issue_tile = [&](int tile, int stage) {
     unsigned char* k_tile = smem + stage * S::kStageBytes;
     unsigned char* v_tile = k_tile + kTile * S::kKStride;
@@ -194,19 +243,39 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeAttentionP
     for (int r = 0; r < S::kCopiesPerThread; ++r) {
       const int t = row0 + r * S::kRowStep;
       const uint32_t token = begin + static_cast<uint32_t>(tile * kTile + t);
-      int64_t src = -1;  // element offset of the chunk in either cache; -1: masked
+      int64_t row = -1;  // the token's (slot, kv head) row in the caches and scales; -1: masked
       if (token < end) {
         uint32_t block_index, offset;
         l.block_size.divmod(token, block_index, offset);
         const int64_t block = load_index(p.block_tables, p.block_table_type,
                                          b * p.block_table_row_stride + block_index);
         if (block >= 0 && block < p.num_blocks) {  // else masked, never read
-          src = ((block * p.block_size + offset) * p.num_kv_heads + kv_head) * D + chunk_col * S::kVec;
+          row = (block * p.block_size + offset) * p.num_kv_heads + kv_head;
         }
       }
-      if (chunk_col == 0) valid_s[stage * kTile + t] = src >= 0;
+      const int64_t src = row >= 0 ? row * D + chunk_col * S::kVec : -1;  // element offset of the chunk
+      if (chunk_col == 0) {
+        valid_s[stage * kTile + t] = row >= 0;
+        if constexpr (S::kCompact) {
+          const __half zero = __float2half_rn(0.f);
+          k_scale_r[r] = row >= 0 ? static_cast<const __half*>(p.k_scale)[row] : zero;
+          v_scale_r[r] = row >= 0 ? static_cast<const __half*>(p.v_scale)[row] : zero;
+        }
+      }
       copy_chunk(k_tile + t * S::kKStride + chunk_col * 16, k_cache, src, l.async_copy);
       copy_chunk(v_tile + t * S::kRowBytes + chunk_col * 16, v_cache, src, l.async_copy);
+    }
+  };
+  auto store_scales = [&](int stage) {
+    if constexpr (S::kCompact) {
+      if (chunk_col == 0) {
+#pragma unroll
+        for (int r = 0; r < S::kCopiesPerThread; ++r) {
+          const int t = row0 + r * S::kRowStep;
+          k_scale_s[stage * kTile + t] = __half2float(k_scale_r[r]);
+          v_scale_s[stage * kTile + t] = __half2float(v_scale_r[r]);
+        }
+      }
     }
   };
 
@@ -221,7 +290,10 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeAttentionP
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_tiles) issue_tile(s, s);
+    if (s < num_tiles) {
+      issue_tile(s, s);
+      store_scales(s);
+    }
     cp_async_commit();
   }
   for (int tile = 0; tile < num_tiles; ++tile) {
@@ -235,15 +307,13 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeAttentionP
     // Scores: lane = token; this warp's head_dim slice; partial dots to red_s.
     {
       const unsigned char* k_row = smem + stage * S::kStageBytes + lane * S::kKStride +
-                                   warp * S::kQkDims * static_cast<int>(sizeof(T));
+                                   warp * S::kQkDims * static_cast<int>(sizeof(C));
       const float* q_w = q_s + warp * S::kQkDims;
       float part[GC] = {};
 #pragma unroll
       for (int c = 0; c < S::kQkDims / S::kVec; ++c) {
-        uint32_t kw[4];
-        detail::load_words(k_row + c * 16, kw);
         float kf[S::kVec];
-        detail::unpack<T>(kw, kf);
+        load_values<C>(k_row + c * 16, kf);
 #pragma unroll
         for (int h = 0; h < GC; ++h) {
 #pragma unroll
@@ -261,6 +331,9 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeAttentionP
     // Online softmax: warp owns heads warp, warp + kWarps, ...; lane = token.
     {
       const bool valid = valid_s[stage * kTile + lane] != 0;
+      // Compact caches: the scales of this token's key and value (else 1, folded away).
+      const float k_scale = S::kCompact ? k_scale_s[stage * kTile + lane] : 1.f;
+      const float v_scale = S::kCompact ? v_scale_s[stage * kTile + lane] : 1.f;
 #pragma unroll
       for (int j = 0; j < S::kHeadsPerWarp; ++j) {
         const int h = warp + j * kWarps;
@@ -268,14 +341,14 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeAttentionP
           float s = 0.f;
 #pragma unroll
           for (int w = 0; w < kWarps; ++w) s += red_s[(w * GC + h) * kTile + lane];
-          s = valid ? s : -INFINITY;
+          s = valid ? s * k_scale : -INFINITY;
           const float m_new = fmaxf(m_run[j], detail::warp_max(s));
           // Old max -inf: nothing accumulated yet, and exp2(-inf - -inf) would be NaN.
           const float rescale = m_run[j] == -INFINITY ? 0.f : exp2f(m_run[j] - m_new);
           const float prob = valid ? exp2f(s - m_new) : 0.f;
           l_run[j] = l_run[j] * rescale + prob;
           m_run[j] = m_new;
-          p_s[lane * GC + h] = prob;
+          p_s[lane * GC + h] = prob * v_scale;
           if (lane == 0) scale_s[h] = rescale;
         }
       }
@@ -295,10 +368,8 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeAttentionP
       for (int i = 0; i < S::kPvTokens; ++i) {
         const int t = warp * S::kPvTokens + i;
         if (valid_s[stage * kTile + t] == 0) continue;  // masked or past the end (warp-uniform)
-        uint32_t vw[S::kPvWords];
-        detail::load_words(v_tile + t * S::kRowBytes + lane * S::kPvDims * static_cast<int>(sizeof(T)), vw);
         float vf[S::kPvDims];
-        detail::unpack<T>(vw, vf);
+        load_values<C>(v_tile + t * S::kRowBytes + lane * S::kPvBytes, vf);
         float prob[GC];
         if constexpr (GC % 4 == 0) {
 #pragma unroll
@@ -320,6 +391,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeAttentionP
         }
       }
     }
+    if (next < num_tiles) store_scales(next % kStages);  // that stage's scales are free too
     __syncthreads();  // stage, red_s, p_s and scale_s free for the next tile
   }
   cp_async_wait<0>();  // nothing may still land in the stages reused below
@@ -410,9 +482,9 @@ __global__ void __launch_bounds__(kThreads) decode_combine_kernel(DecodeAttentio
   if (lane == 0) p.lse[bh] = lse;
 }
 
-template <typename T, int D, int GC>
+template <typename T, typename C, int D, int GC>
 cudaError_t launch_decode(const DecodeAttentionParams& p, int group, cudaStream_t stream) {
-  using S = DecodeShape<T, D, GC>;
+  using S = DecodeShape<C, D, GC>;
   if (p.max_blocks_per_seq * p.block_size > INT32_MAX) return cudaErrorInvalidValue;
   DecodeLaunch l;
   l.group = group;
@@ -423,7 +495,7 @@ cudaError_t launch_decode(const DecodeAttentionParams& p, int group, cudaStream_
   const int64_t grid_x = p.batch * p.num_splits;
   const int64_t grid_y = p.num_kv_heads * l.head_chunks;
   if (grid_x > INT32_MAX || grid_y > 65535) return cudaErrorInvalidConfiguration;
-  auto* kernel = decode_split_kernel<T, D, GC>;
+  auto* kernel = decode_split_kernel<T, C, D, GC>;
   if (S::kSmemBytes > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes);
@@ -439,13 +511,13 @@ cudaError_t launch_decode(const DecodeAttentionParams& p, int group, cudaStream_
   return cudaGetLastError();
 }
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 cudaError_t dispatch_group(const DecodeAttentionParams& p, cudaStream_t stream) {
   const int group = static_cast<int>(p.num_q_heads / p.num_kv_heads);
-  if (group <= 1) return launch_decode<T, D, 1>(p, group, stream);
-  if (group <= 2) return launch_decode<T, D, 2>(p, group, stream);
-  if (group <= 4) return launch_decode<T, D, 4>(p, group, stream);
-  return launch_decode<T, D, kMaxGroup>(p, group, stream);
+  if (group <= 1) return launch_decode<T, C, D, 1>(p, group, stream);
+  if (group <= 2) return launch_decode<T, C, D, 2>(p, group, stream);
+  if (group <= 4) return launch_decode<T, C, D, 4>(p, group, stream);
+  return launch_decode<T, C, D, kMaxGroup>(p, group, stream);
 }
 
 // ---- merge_attn_states --------------------------------------------------------------
@@ -508,17 +580,21 @@ size_t decode_attention_workspace_floats(int64_t batch, int64_t num_q_heads, int
 cudaError_t decode_attention(const DecodeAttentionParams& p, cudaStream_t stream) {
   if (p.batch <= 0 || p.num_q_heads <= 0) return cudaSuccess;
   if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0 || p.num_splits < 1 ||
-      p.block_size < 1 || p.workspace == nullptr) {
+      p.block_size < 1 || p.workspace == nullptr ||
+      (p.cache_type != CacheType::kModel && (p.k_scale == nullptr || p.v_scale == nullptr))) {
     return cudaErrorInvalidValue;
   }
   return detail::dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    switch (p.head_dim) {
-      case 64: return dispatch_group<T, 64>(p, stream);
-      case 128: return dispatch_group<T, 128>(p, stream);
-      case 256: return dispatch_group<T, 256>(p, stream);
-      default: return cudaErrorInvalidValue;
-    }
+    return detail::dispatch_cache<T>(p.cache_type, [&](auto code_tag) {
+      using C = decltype(code_tag);
+      switch (p.head_dim) {
+        case 64: return dispatch_group<T, C, 64>(p, stream);
+        case 128: return dispatch_group<T, C, 128>(p, stream);
+        case 256: return dispatch_group<T, C, 256>(p, stream);
+        default: return cudaErrorInvalidValue;
+      }
+    });
   });
 }
 

@@ -1,10 +1,12 @@
 // Device helpers shared by the CUDA kernels of csrc/cuda: float conversion of
-// the storage types, packed 32-bit-word loads/stores (16-byte vectors),
-// warp/block reductions, and host-side dtype dispatch and alignment checks.
+// the storage types (and of the compact KV cache codes), packed 32-bit-word
+// loads/stores (16-byte vectors), warp/block reductions, and host-side dtype and
+// cache type dispatch and alignment checks.
 // No torch headers: kernels take raw pointers and a stream.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -44,7 +46,8 @@ __device__ __forceinline__ float round_to(float v) { return to_float<T>(from_flo
 
 // ---- packed words -------------------------------------------------------------
 // A run of kWords 32-bit words holds kWords * 4 / sizeof(T) values of T,
-// element 0 in the low half of word 0 (little endian, as in memory).
+// element 0 in the lowest bits of word 0 (little endian, as in memory). T may
+// also be a compact cache code, int8_t or __nv_fp8_e4m3 (unpack only).
 
 template <typename T, int kWords>
 inline constexpr int kValuesIn = kWords * 4 / static_cast<int>(sizeof(T));
@@ -96,7 +99,20 @@ __device__ __forceinline__ void unpack(const uint32_t (&w)[kWords], float (&f)[k
       // A bfloat16 is the high half of the float32 with the same value.
       f[2 * i] = __uint_as_float(w[i] << 16);
       f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    } else if constexpr (std::is_same_v<T, int8_t>) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) f[4 * i + j] = static_cast<float>(static_cast<int8_t>(w[i] >> (8 * j)));
+    } else if constexpr (std::is_same_v<T, __nv_fp8_e4m3>) {
+      // Two codes at a time to half (exact: every e4m3 value is a half), then to float.
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const __half2 h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[i] >> (16 * j)), __NV_E4M3);
+        const float2 v = __half22float2(h);
+        f[4 * i + 2 * j] = v.x;
+        f[4 * i + 2 * j + 1] = v.y;
+      }
     } else {
+      static_assert(std::is_same_v<T, __half>, "float, bfloat16, half, int8_t or __nv_fp8_e4m3");
       __half2 h;
       memcpy(&h, &w[i], sizeof(h));
       const float2 v = __half22float2(h);
@@ -194,6 +210,18 @@ cudaError_t dispatch_dtype(DType d, F&& f) {
     case DType::kFloat32: return f(float{});
     case DType::kFloat16: return f(__half{});
     case DType::kBFloat16: return f(__nv_bfloat16{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Calls f(C{}) with C the element type of a paged KV cache of type c beside
+// activations of storage type T: T itself, or a one-byte code (common.h).
+template <typename T, typename F>
+cudaError_t dispatch_cache(CacheType c, F&& f) {
+  switch (c) {
+    case CacheType::kModel: return f(T{});
+    case CacheType::kInt8: return f(int8_t{});
+    case CacheType::kFp8E4M3: return f(__nv_fp8_e4m3{});
   }
   return cudaErrorInvalidValue;
 }
