@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/attention_codes.h"
 #include "cpu/attention_rows.h"
 #include "stagewise/attention.h"
 
@@ -89,7 +90,8 @@ struct Scratch {
 };
 
 // Walks the cache rows of kv head g of sequence b, token by token from t0:
-// yields element offsets into k_cache/v_cache [num_blocks, block_size, Hk, D],
+// yields row indices (slot * Hk + g) of k_cache/v_cache [num_blocks, block_size, Hk, D]
+// (times head_dim: element offsets; a compact cache's scale index as they are),
 // reading only the block table entries of the tokens it yields.
 class RowCursor {
  public:
@@ -104,7 +106,7 @@ class RowCursor {
         block_ = -1;
       }
       if (block_ < 0) block_ = block_id(p_, b_, block_index_);
-      rows[i] = ((block_ * p_.block_size + offset_) * p_.num_kv_heads + g_) * p_.head_dim;
+      rows[i] = (block_ * p_.block_size + offset_) * p_.num_kv_heads + g_;
     }
   }
 
@@ -122,7 +124,7 @@ STAGEWISE_ALWAYS_INLINE void prefetch_rows(const T* base, const int64_t* rows, i
   constexpr int64_t kLine = 64;
   const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
   for (int64_t i = 0; i < n; ++i) {
-    const char* row = reinterpret_cast<const char*>(base + rows[i]);
+    const char* row = reinterpret_cast<const char*>(base + rows[i] * D);
     for (int64_t off = 0; off < bytes; off += kLine) __builtin_prefetch(row + off, 0, kPrefetchLocality);
   }
 }
@@ -153,9 +155,11 @@ class Prefetcher {
 };
 
 // Attends the G query rows sc.q [G, D] of group g of sequence b over its cached
-// tokens [t0, t1), the caches' elements of type C (T, or a compact code). Writes
-// out [G, D] (normalised, float32) and lse [G]; an empty range gives zeros and -inf.
-template <typename T, typename C>
+// tokens [t0, t1), the caches' elements of type C (T, or a compact code; kIsa: the
+// copy's level, 0 baseline, 1 AVX2, 2 AVX-512, which picks the compact tile loops of
+// attention_codes.h). Writes out [G, D] (normalised, float32) and lse [G]; an empty
+// range gives zeros and -inf.
+template <typename T, typename C, int kIsa>
 STAGEWISE_ALWAYS_INLINE void attend_tokens(const DecodeAttentionParams& p, int64_t b, int64_t g,
                                            int64_t t0, int64_t t1, Scratch& sc, float* out,
                                            float* lse) {
@@ -183,21 +187,28 @@ STAGEWISE_ALWAYS_INLINE void attend_tokens(const DecodeAttentionParams& p, int64
     cursor.next(n, rows);
     for (int64_t i = 0; i < n; ++i) {
       if constexpr (kCompact<C>) {
-        krows[i] = k_cache + rows[i];
-        vrows[i] = v_cache + rows[i];
-        k_scales[i] = static_cast<float>(static_cast<const c10::Half*>(p.k_scale)[rows[i] / D]);
-        v_scales[i] = static_cast<float>(static_cast<const c10::Half*>(p.v_scale)[rows[i] / D]);
+        krows[i] = k_cache + rows[i] * D;
+        vrows[i] = v_cache + rows[i] * D;
+        k_scales[i] = static_cast<float>(static_cast<const c10::Half*>(p.k_scale)[rows[i]]);
+        v_scales[i] = static_cast<float>(static_cast<const c10::Half*>(p.v_scale)[rows[i]]);
       } else {
-        krows[i] = row_as_float(k_cache + rows[i], sc.k + i * D, D);
-        vrows[i] = row_as_float(v_cache + rows[i], sc.v + i * D, D);
+        krows[i] = row_as_float(k_cache + rows[i] * D, sc.k + i * D, D);
+        vrows[i] = row_as_float(v_cache + rows[i] * D, sc.v + i * D, D);
       }
     }
     for (int64_t h = 0; h < G; ++h) {
       k_ahead.upto(ahead_to(h));
       float* s = sc.p + h * kTile;
-      score_rows(s, sc.q + h * D, krows, n, D, p.scale);
-      if constexpr (kCompact<C>) {
-        for (int64_t i = 0; i < n; ++i) s[i] *= k_scales[i];
+      if constexpr (!kCompact<C>) {
+        score_rows(s, sc.q + h * D, krows, n, D, p.scale);
+#ifdef STAGEWISE_HAVE_AVX2_PATH
+      } else if constexpr (kIsa == 2) {
+        score_codes_avx512(s, sc.q + h * D, krows, k_scales, n, D, p.scale);
+      } else if constexpr (kIsa == 1) {
+        score_codes_avx2(s, sc.q + h * D, krows, k_scales, n, D, p.scale);
+#endif
+      } else {
+        score_codes_generic(s, sc.q + h * D, krows, k_scales, n, D, p.scale);
       }
     }
     for (int64_t h = 0; h < G; ++h) {
@@ -215,7 +226,16 @@ STAGEWISE_ALWAYS_INLINE void attend_tokens(const DecodeAttentionParams& p, int64
       if constexpr (kCompact<C>) {
         float* w = sc.k;  // the tile's weights times the values' scales (sc.k is free here)
         for (int64_t i = 0; i < n; ++i) w[i] = s[i] * v_scales[i];
-        accumulate_rows(acc, w, vrows, n, D);
+#ifdef STAGEWISE_HAVE_AVX2_PATH
+        if constexpr (kIsa == 2) {
+          accumulate_codes_avx512(acc, w, vrows, n, D);
+        } else if constexpr (kIsa == 1) {
+          accumulate_codes_avx2(acc, w, vrows, n, D);
+        } else
+#endif
+        {
+          accumulate_codes_generic(acc, w, vrows, n, D);
+        }
       } else {
         accumulate_rows(acc, s, vrows, n, D);
       }
@@ -239,7 +259,7 @@ using AttendFn = void (*)(const DecodeAttentionParams&, int64_t, int64_t, int64_
 template <typename T, typename C>
 void attend_tokens_baseline(const DecodeAttentionParams& p, int64_t b, int64_t g, int64_t t0,
                             int64_t t1, Scratch& sc, float* out, float* lse) {
-  attend_tokens<T, C>(p, b, g, t0, t1, sc, out, lse);
+  attend_tokens<T, C, 0>(p, b, g, t0, t1, sc, out, lse);
 }
 
 #ifdef STAGEWISE_HAVE_AVX2_PATH
@@ -247,13 +267,24 @@ template <typename T, typename C>
 STAGEWISE_TARGET_AVX2 void attend_tokens_avx2(const DecodeAttentionParams& p, int64_t b,
                                               int64_t g, int64_t t0, int64_t t1, Scratch& sc,
                                               float* out, float* lse) {
-  attend_tokens<T, C>(p, b, g, t0, t1, sc, out, lse);
+  attend_tokens<T, C, 1>(p, b, g, t0, t1, sc, out, lse);
+}
+
+// A compact cache's copy at AVX-512 (its codes sixteen to a register).
+template <typename T, typename C>
+STAGEWISE_TARGET_AVX512 void attend_tokens_avx512(const DecodeAttentionParams& p, int64_t b,
+                                                  int64_t g, int64_t t0, int64_t t1, Scratch& sc,
+                                                  float* out, float* lse) {
+  attend_tokens<T, C, 2>(p, b, g, t0, t1, sc, out, lse);
 }
 #endif
 
 template <typename T, typename C>
 AttendFn pick_attend_tokens() {
 #ifdef STAGEWISE_HAVE_AVX2_PATH
+  if constexpr (kCompact<C>) {
+    if (cpu_isa() >= Isa::kAvx512) return &attend_tokens_avx512<T, C>;
+  }
   if (use_avx2_path()) return &attend_tokens_avx2<T, C>;
 #endif
   return &attend_tokens_baseline<T, C>;
