@@ -95,8 +95,24 @@ class DecoderStack : public torch::CustomClassHolder {
     static auto attention = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                     const at::Tensor&, const at::Tensor&, double, const OptT&, const OptT&, int64_t,
                                     int64_t, const OptT&, const OptT&)>("stagewise::decode_attention");
+    static auto cache = op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                                const OptT&, const OptT&)>("stagewise::reshape_and_cache");
     check(x, residual, kv, scales, "decode");
     at::Tensor lse = at::empty({x.size(0), hq_}, x.options().dtype(at::kFloat));
+    if (scales.has_value()) {
+      // A compact cache: the new K/V go in first and each row reads them as stored (its length and
+      // itself), as the Python layers do, so that every query sees the cache's values.
+      const at::Tensor lens = seq_lens + 1;
+      run(x, residual, has_residual, positions, slot_mapping, kv, scales,
+          [&](at::Tensor& attn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& k_cache, const at::Tensor& v_cache, const OptT& k_scale, const OptT& v_scale) {
+            at::Tensor kc = k_cache, vc = v_cache;
+            cache.call(k, v, kc, vc, slot_mapping, k_scale, v_scale);
+            attention.call(attn, lse, q, k_cache, v_cache, block_tables, lens, scale_, std::nullopt, std::nullopt,
+                           0, 0, k_scale, v_scale);
+          });
+      return;
+    }
     run(x, residual, has_residual, positions, slot_mapping, kv, scales,
         [&](at::Tensor& attn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const OptT& k_scale, const OptT& v_scale) {

@@ -20,6 +20,8 @@ SUITES = {
     "shm": ("stagewise.bench.transport.shm", "the shared-memory ring against loopback sockets"),
     "profile": ("stagewise.bench.profile", "this machine as a planner device profile (JSON)"),
     "serve": ("stagewise.bench.serve", "stagewise serve against llama.cpp's OpenAI server under load"),
+    "kv": ("stagewise.bench.kv", "the compact KV cache (int8, fp8): bytes, decode speed beside llama.cpp's q8_0 "
+                                 "cache, and its error"),
     "structured": ("stagewise.bench.structured", "structured output: the grammar engines, and the mask's share of "
                                                  "decode time"),
 }  # fmt: skip

@@ -77,10 +77,18 @@ def system_info(lib) -> str:
     return lib.llama_print_system_info().decode(errors="replace").strip()
 
 
-class LlamaCpp:
-    """One model and one context sized for ``max_seqs`` sequences of ``max_len`` tokens."""
+KV_TYPES = {"f16": 1, "q8_0": 8}
+"""llama.cpp's KV cache types a benchmark may ask for (GGML type ids): its default, and q8_0 (blocks
+of 32 values with an f16 scale, which needs flash attention for V)."""
 
-    def __init__(self, lib, path: str | Path, threads: int, max_seqs: int, max_len: int) -> None:
+
+class LlamaCpp:
+    """One model and one context sized for ``max_seqs`` sequences of ``max_len`` tokens; ``kv_type``
+    (None: llama.cpp's default context) sets K and V's cache type, with flash attention on and each
+    sequence's KV apart (not one unified cache every sequence's attention scans)."""
+
+    def __init__(self, lib, path: str | Path, threads: int, max_seqs: int, max_len: int,
+                 kv_type: str | None = None) -> None:
         self.lib, self.max_seqs = lib, max_seqs
         quiet(lib)
         lib.llama_backend_init()
@@ -94,6 +102,10 @@ class LlamaCpp:
         cparams.n_ctx = max_seqs * max_len
         cparams.n_batch = max(512, max_seqs * max_len)  # a whole batch of prompts in one llama_decode
         cparams.n_threads = cparams.n_threads_batch = threads
+        if kv_type is not None:
+            cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
+            cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            cparams.kv_unified = False
         self.ctx = lib.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise ValueError("llama.cpp could not create a context")
@@ -123,25 +135,34 @@ class LlamaCpp:
         if rc != 0:
             raise RuntimeError(f"llama.cpp: llama_decode returned {rc}")
 
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list[list[int]]]:
-        """Greedy ``new_tokens`` tokens after each prompt (EOS ignored): (TTFT seconds, seconds from
-        the first token to the last, the tokens of each row)."""
-        lib, rows = self.lib, len(prompts)
-        if rows > self.max_seqs:
-            raise ValueError(f"llama.cpp baseline: {rows} prompts, the context holds {self.max_seqs}")
-        lib.llama_memory_clear(lib.llama_get_memory(self.ctx), True)
-        start = time.perf_counter()
+    def prefill(self, prompts: list[list[int]]) -> list[int]:
+        """Every prompt into an empty cache, one sequence each; the greedy token after each."""
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
         entries, outputs = [], []
         for s, p in enumerate(prompts):
             entries += [(tok, pos, s, pos == len(p) - 1) for pos, tok in enumerate(p)]
             outputs.append(len(entries) - 1)
         self._fill(entries)
         self._decode()
-        out = [[lib.llama_sampler_sample(self.sampler, self.ctx, i)] for i in outputs]
+        return [self.lib.llama_sampler_sample(self.sampler, self.ctx, i) for i in outputs]
+
+    def step(self, tokens: list[int], positions: list[int]) -> list[int]:
+        """One decode step of every sequence (``tokens[s]`` at ``positions[s]``); the next tokens."""
+        self._fill([(tok, pos, s, True) for s, (tok, pos) in enumerate(zip(tokens, positions))])
+        self._decode()
+        return [self.lib.llama_sampler_sample(self.sampler, self.ctx, s) for s in range(len(tokens))]
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list[list[int]]]:
+        """Greedy ``new_tokens`` tokens after each prompt (EOS ignored): (TTFT seconds, seconds from
+        the first token to the last, the tokens of each row)."""
+        rows = len(prompts)
+        if rows > self.max_seqs:
+            raise ValueError(f"llama.cpp baseline: {rows} prompts, the context holds {self.max_seqs}")
+        start = time.perf_counter()
+        out = [[tok] for tok in self.prefill(prompts)]
         first = time.perf_counter()
         for step in range(1, new_tokens):
-            self._fill([(out[s][-1], len(p) + step - 1, s, True) for s, p in enumerate(prompts)])
-            self._decode()
-            for s in range(rows):
-                out[s].append(lib.llama_sampler_sample(self.sampler, self.ctx, s))
+            nxt = self.step([o[-1] for o in out], [len(p) + step - 1 for p in prompts])
+            for o, tok in zip(out, nxt):
+                o.append(tok)
         return first - start, time.perf_counter() - first, out

@@ -35,6 +35,24 @@ def check_kv_cache_dtype(value: object) -> str:
     return value
 
 
+def kv_row_bytes(head_dim: int, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one token's K (or V) of one KV head in one layer: ``head_dim * dtype_bytes`` in the
+    activations' dtype (``auto``), else ``head_dim`` one-byte codes plus the row's float16 scale.
+    The one formula of a row's size: the cache allocates by it (:attr:`KVCacheSpec.bytes_per_token_row`)
+    and the planner prices memory and cache reads by it, so a plan's KV is what a stage holds."""
+    code = KV_CACHE_DTYPES[check_kv_cache_dtype(kv_cache_dtype)]
+    return head_dim * dtype_bytes if code is None else head_dim * code.itemsize + SCALE_BYTES
+
+
+def as_stored(x: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
+    """K or V rows ``x [..., D]`` as a compact cache of ``code_dtype`` codes gives them back (quantised
+    and dequantised, in x's dtype): what a query that reads the cache sees, for the attention that
+    runs over a step's own K/V (a prompt's first chunk) rather than over the cache."""
+    from stagewise.ops.reference import dequantise_kv, quantise_kv
+
+    return dequantise_kv(*quantise_kv(x, code_dtype)).to(x.dtype)
+
+
 class LayerKV(NamedTuple):
     """One layer's paged K/V, each ``[num_blocks, block_size, Hk, D]``, and a compact cache's float16
     scales ``[num_blocks, block_size, Hk]`` (None for a cache in the activations' dtype)."""
@@ -104,8 +122,7 @@ class KVCacheSpec:
     @property
     def bytes_per_token_row(self) -> int:
         """Bytes of one token's K (or V) of one KV head in one layer, a compact cache's scale included."""
-        elem = torch.empty((), dtype=self.code_dtype).element_size()
-        return self.head_dim * elem + (SCALE_BYTES if self.compact else 0)
+        return kv_row_bytes(self.head_dim, self.dtype.itemsize, self.kv_cache_dtype)
 
     @property
     def group_windows(self) -> tuple[int | None, ...]:

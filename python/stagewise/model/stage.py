@@ -174,7 +174,10 @@ class StageModel(nn.Module):
         stack = self.decode_stack if batch.num_tokens > 0 and split is None else None
         extending = stack is not None and meta.token_seq_lens is not None and batch.mrope_positions is None \
             and batch.visual_rows is None
-        if stack is not None and (batch.num_prefills == 0 or extending or _fresh_prompts(batch)):
+        # A compact cache's prompts run in the Python layers, whose first chunks attend over their K/V as
+        # stored (model/layers/attention.py); the C++ loop attends over them as computed.
+        fresh = _fresh_prompts(batch) and not kv_cache.spec.compact
+        if stack is not None and (batch.num_prefills == 0 or extending or fresh):
             has_residual = residual is not None
             residual = residual if has_residual else torch.empty_like(x)
             if batch.num_prefills == 0:

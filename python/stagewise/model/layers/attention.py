@@ -8,6 +8,13 @@ length. Decode requests attend with :func:`stagewise.ops.decode_attention` over
 their cached tokens plus the new token's k/v passed as ``k_new/v_new``. Then every
 token's K/V is written to the cache with :func:`stagewise.ops.reshape_and_cache`.
 
+A compact cache (``kv_cache_dtype`` int8 or fp8_e4m3: codes with a scale per token and KV head)
+takes the step's K/V first, and every query reads them as stored: decode rows and a later chunk's
+tokens through ``decode_attention`` over the codes (a chunk's tokens as decode rows, each up to
+itself), a first chunk by SDPA over its own K/V quantised and dequantised
+(:func:`stagewise.kv.cache.as_stored`). So a prompt's tokens come out the same however it is
+chunked, cached or laid out.
+
 Under tensor parallelism a rank runs its own query heads and KV heads (the loader gives it those
 rows of q, k and v) against its own cache, and the output projection's partial sums are reduced
 by its :class:`RowParallelLinear`.
@@ -32,7 +39,7 @@ from torch import nn
 
 from stagewise import ops
 from stagewise.int_tensors import int_tensor
-from stagewise.kv.cache import LayerKV
+from stagewise.kv.cache import LayerKV, as_stored
 from stagewise.model.batch import StepBatch
 from stagewise.model.kv_metadata import KVMetadata
 from stagewise.model.collectives import StageGroups
@@ -106,14 +113,17 @@ class Attention(nn.Module):
                                  **scales)
             ops.reshape_and_cache(k, v, kv.k, kv.v, meta.slot_mapping, **scales)
             return self.o(out.view(t, hq * d))
-        # A compact cache is read only by the kernel (no float copy of it): a later chunk's tokens
-        # attend as decode rows over the cache, which holds the step's K/V first (a sliding-window
-        # layer, whose step stores only what later queries see, dequantises its window's cached tokens).
-        rows_over_cache = kv.k_scale is not None and self.window is None and any(batch.context_lens)
-        if rows_over_cache:
+        compact = kv.k_scale is not None
+        if compact:
+            # Every query reads K/V as the cache holds them, whatever step, chunk or layout brought
+            # them: the step's K/V go in first; decode rows and later chunks read them there through
+            # the kernel (no float copy of the cache), a prompt's first chunk attends over its own
+            # K/V as stored. So chunking, prefix-cache hits, drafts and layouts all see the same values.
             ops.reshape_and_cache(k, v, kv.k, kv.v, meta.slot_mapping, **scales)
+            if batch.num_prefills:
+                k, v = as_stored(k, kv.k.dtype), as_stored(v, kv.v.dtype)
         for i, ((start, n), ctx) in enumerate(zip(batch.prefill_spans(), batch.context_lens)):
-            if ctx and rows_over_cache:
+            if ctx and compact and self.window is None:  # a later chunk: every token a decode row
                 lens = int_tensor(range(ctx + 1, ctx + n + 1), device=x.device)
                 ops.decode_attention(q[start : start + n], kv.k, kv.v, meta.block_tables[i : i + 1].expand(n, -1),
                                      lens, self.scale, out=out[start : start + n], **scales)
@@ -131,10 +141,14 @@ class Attention(nn.Module):
                                                enable_gqa=hq != hk)
             out[start : start + n] = o[0].transpose(0, 1)
         p, r = batch.num_prefill_tokens, batch.num_prefills
-        if p < t:
+        if p < t and compact:  # the new tokens are in the cache: each row reads its length and itself
+            ops.decode_attention(q[p:], kv.k, kv.v, meta.block_tables[r:], meta.seq_lens[r:] + 1, self.scale,
+                                 out=out[p:], window=self.window, **scales)
+        elif p < t:
             ops.decode_attention(q[p:], kv.k, kv.v, meta.block_tables[r:], meta.seq_lens[r:], self.scale,
-                                 k_new=k[p:], v_new=v[p:], out=out[p:], window=self.window, **scales)
-        ops.reshape_and_cache(k, v, kv.k, kv.v, meta.slot_mapping, **scales)
+                                 k_new=k[p:], v_new=v[p:], out=out[p:], window=self.window)
+        if not compact:
+            ops.reshape_and_cache(k, v, kv.k, kv.v, meta.slot_mapping)
         return self.o(out.view(t, hq * d))
 
 

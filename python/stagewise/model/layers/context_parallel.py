@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from stagewise import ops
-from stagewise.kv.cache import LayerKV
+from stagewise.kv.cache import LayerKV, as_stored
+from stagewise.ops.reference import dequantise_kv, quantise_kv
 from stagewise.model.batch import StepBatch
 from stagewise.model.kv_metadata import KVMetadata, PcpSplit
 from stagewise.model.collectives import Collectives, StageGroups
@@ -143,6 +144,29 @@ def _pcp_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: t
         out[first : first + n] = o[0].transpose(0, 1)
 
 
+def _gather_prefill(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, split: PcpSplit,
+                    group: Collectives) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Every PCP rank's prefill rows of ``k, v`` (and ``q``, when given) in one all-gather, in the
+    step's order. A compact cache's rows travel as they will be stored, codes and scales (about a
+    quarter of float32's bytes), and come back as stored (:func:`stagewise.kv.cache.as_stored`),
+    which is what every query of a compact cache reads."""
+    hq = 0 if q is None else q.size(1)
+    parts = [] if q is None else [q]
+    if kv.k_scale is None:
+        whole = gather_rows(torch.cat([*parts, k, v], dim=1), split.prefill_pad, split.prefill_restore, group)
+        q_all, k_all, v_all = whole.split([hq, k.size(1), k.size(1)], dim=1)
+        return (None if q is None else q_all), k_all, v_all
+    stored = [*quantise_kv(k, kv.k.dtype), *quantise_kv(v, kv.v.dtype)]  # codes, scales, codes, scales
+    rows = [t.reshape(t.size(0), -1).view(torch.uint8) for t in (*parts, *stored)]
+    whole = gather_rows(torch.cat(rows, dim=1), split.prefill_pad, split.prefill_restore, group)
+    cut = whole.split([r.size(1) for r in rows], dim=1)
+    n = whole.size(0)
+    back = [c.contiguous().view(t.dtype).view(n, *t.shape[1:]) for c, t in zip(cut, (*parts, *stored))]
+    q_all = None if q is None else back.pop(0)
+    k_all, v_all = (dequantise_kv(c, sc).to(k.dtype) for c, sc in (back[:2], back[2:]))
+    return q_all, k_all, v_all
+
+
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch, meta: KVMetadata,
                  kv: LayerKV, scale: float, groups: StageGroups) -> torch.Tensor:
     """Attention of this rank's rows ``q [T_rank, Hq, D]``, ``k, v [T_rank, Hk, D]`` (rope applied)
@@ -161,6 +185,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepB
         if p == 0:  # a decode step: every row reads the cache, in row order (meta.cp_rows is all of them)
             return decode_attention_cp(q.contiguous(), kv, meta.cp_block_tables, meta.cp_local_lens, scale, groups)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if kv.k_scale is not None:  # a first chunk attends over its K/V as the cache holds them
+            k, v = as_stored(k, kv.k.dtype), as_stored(v, kv.v.dtype)
         for (start, n), ctx in zip(batch.prefill_spans(), batch.context_lens):
             if ctx:
                 continue
@@ -175,11 +201,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepB
         if split.prefill_spans:
             # One all-gather of the prefill rows' K and V (and, for chunks after a prompt's first,
             # their queries); the full chunks live only for this layer.
-            hq, hk = q.size(1), k.size(1)
             later = any(span[4] for span in split.prefill_spans)
-            parts = [q[:p], k[:p], v[:p]] if later else [k[:p], v[:p]]
-            whole = gather_rows(torch.cat(parts, dim=1), split.prefill_pad, split.prefill_restore, groups.pcp)
-            q_all, k_all, v_all = whole.split([hq if later else 0, hk, hk], dim=1)
+            q_all, k_all, v_all = _gather_prefill(q[:p] if later else None, k[:p], v[:p], kv, split, groups.pcp)
             _pcp_prefill(q[:p], k_all, v_all, batch.positions[:p], split, scale, out)
             if later:  # the full step's queries, of which the cached rows are taken
                 q_cached = torch.cat([q_all, q[p:]])[meta.cp_rows]
