@@ -65,7 +65,7 @@ def split_layers(config, profiles, *, prec, dtype: str = "float32", context: int
     fixed = ([framework_time(profiles[0], "engine", 0)] if s_count == 1 else
              [framework_time(profiles[0], "head", 0) + framework_time(profiles[0], "tokens", 0)]
              + [framework_time(p, "middle", 0) for p in profiles[1:-1]] + [framework_time(profiles[-1], "last", 0)])
-    per_token = shapes.kv_bytes_per_token_layer(config, prec.kv)
+    per_token = shapes.kv_bytes_per_token_layer(config, prec.kv, kv_cache_dtype=prec.kv_cache_dtype)
     layer_bytes = [shapes.count(config, shapes.layer_tensors(config, layer)) * prec.weight_bytes(1, prec.weight_quant)
                    + per_token * kv_tokens_of(config, range(layer, layer + 1), tokens=kv_tokens) for layer in range(n)]
     first_bytes = shapes.count(config, shapes.embedding_tensors(config) + shapes.vision_tensors(config)) \
@@ -193,7 +193,7 @@ def measured_split(plan: RunPlan, checkpoint, start, log=None, token: str | None
     profiles = [dataclasses.replace(p, memory_bytes=p.memory_bytes // where.count(w)) for p, w in zip(profiles, where)]
     dtype = "float32" if plan.dtype == "auto" else plan.dtype
     prec = Workload(input_length=1, output_length=1, weight_dtype=dtype, kv_dtype=dtype, weight_quant=weight_quant,
-                    embed_quant=embed_quant).precision()
+                    embed_quant=embed_quant, kv_cache_dtype=plan.kv_cache_dtype).precision()
     context = min(512, plan.max_model_len or 512)
     split = split_layers(checkpoint.config, profiles, prec=prec, dtype=dtype, context=context,
                          kv_tokens=(plan.max_model_len or checkpoint.config.max_position_embeddings or 2048))

@@ -22,6 +22,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from stagewise.kv.cache import kv_row_bytes
 from stagewise.model import architectures
 from stagewise.model.config import ModelConfig
 from stagewise.model.rows import SPLITS, TensorShape, kv_heads_per_rank, linear_rows, norm_rows
@@ -232,6 +233,8 @@ def decode_read_params(config: ModelConfig, layer: int) -> int:
     return total
 
 
-def kv_bytes_per_token_layer(config: ModelConfig, kv_bytes: int, tp: int = 1) -> int:
-    """K and V of one token in one layer on one TP rank (``2 * kv_heads * head_dim * bytes``)."""
-    return 2 * kv_heads_per_rank(config, tp) * config.head_dim * kv_bytes
+def kv_bytes_per_token_layer(config: ModelConfig, kv_bytes: int = 2, tp: int = 1, kv_cache_dtype: str = "auto") -> int:
+    """K and V of one token in one layer on one TP rank: ``2 * kv_heads * row``, a row
+    (:func:`stagewise.kv.cache.kv_row_bytes`) ``head_dim * kv_bytes`` in the activations' dtype
+    (``auto``) or a compact cache's ``head_dim`` codes and scale."""
+    return 2 * kv_heads_per_rank(config, tp) * kv_row_bytes(config.head_dim, kv_bytes, kv_cache_dtype)

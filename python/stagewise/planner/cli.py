@@ -3,10 +3,10 @@
     stagewise plan MODEL --num-devices 8 [--tp-sizes 1 2] [--pp-sizes [1 2 4]] [--pcp-sizes ..]
                    [--dcp-sizes ..] [--ep-sizes ..] [--moe-dp-sizes ..] [--input-length 2048] [--output-length 512] [--batch 8]
                    [--device-profile h100-sxm|FILE] [--partition even|ceil|balanced] [--json]
-                   [--plot FILE.png] [--trace FILE.json]
+                   [--kv-cache-dtype auto|int8|fp8_e4m3] [--plot FILE.png] [--trace FILE.json]
     stagewise plan --config serving.yaml [MODEL]
-    stagewise plan memory CONFIG --stages 2 4 8 [--max-ctx T] [--kv-dtype bf16] [--batch 1] [--tp 1]
-                          [--dcp 1] [--pcp 1] [--json]
+    stagewise plan memory CONFIG --stages 2 4 8 [--max-ctx T] [--kv-dtype bf16] [--kv-cache-dtype int8]
+                          [--batch 1] [--tp 1] [--dcp 1] [--pcp 1] [--json]
     stagewise plan ranks --world-size 8 --tp 2 --pp 4 [--ep 1] [--rank 4] [--json]
     stagewise plan validate MODEL --stages 1 2 3 [--transport tcp] [--device-profile FILE]
 
@@ -22,6 +22,7 @@ import json
 import sys
 from pathlib import Path
 
+from stagewise.kv.cache import KV_CACHE_DTYPES, kv_row_bytes
 from stagewise.model.config import ModelConfig
 from stagewise.planner import report
 from stagewise.planner.models import PlanError, builtin_models, resolve_model
@@ -32,6 +33,9 @@ DEFAULT_INPUT_LENGTH = 2048
 DEFAULT_OUTPUT_LENGTH = 512
 """The workload when neither the command line nor a serving YAML gives one: a long-ish chat or
 RAG prompt and a medium answer, the case most layout questions are about."""
+KV_CACHE_HELP = ("what the runtime stores K/V as (a run plan's kv_cache_dtype): auto (default), the dtype "
+                 "--kv-dtype names; int8 or fp8_e4m3, one-byte codes with a float16 scale per token and KV head, "
+                 "head_dim + 2 bytes a row instead of head_dim x the dtype's")
 EVEN_CEIL = ("even: L // S layers per stage, the first (L mod S) stages one more; ceil: ceil(L / S) per stage from "
              "the first, the last stages fewer")
 PARTITIONS = f"{EVEN_CEIL}; balanced: the embedding and LM head weigh on the edge stages"
@@ -101,6 +105,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default=None, help="a measured transport of the profile as the PP link (e.g. tcp)")
     p.add_argument("--weight-dtype", default=None, help="bf16, fp16, fp32 or fp8 (default: the config's, else bf16)")
     p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: the weights')")
+    p.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default=None, help=KV_CACHE_HELP)
     p.add_argument("--weight-quant", default=None, help="GGUF block type the decoder linears run in (q4_0, q4_1, "
                                                        "q8_0; time only, default dense)")
     p.add_argument("--embed-quant", default=None, help="GGUF block type of the embedding / LM head (time only)")
@@ -130,7 +135,18 @@ def _dtype_default(config: ModelConfig) -> str:
     return {torch.float32: "float32", torch.float16: "float16"}.get(config.dtype, "bfloat16")
 
 
-def _workload(args: argparse.Namespace, config: ModelConfig, input_length: int, output_length: int):
+def _kv_cache_dtype(args: argparse.Namespace, given: str | None = None) -> str:
+    """``--kv-cache-dtype``, else ``given`` (a serving YAML's), else ``auto``; PlanError when
+    ``--kv-dtype`` is given too, as both would say what K/V are stored as."""
+    kcd = args.kv_cache_dtype or given or "auto"
+    if kcd != "auto" and args.kv_dtype:
+        raise PlanError(f"--kv-dtype {args.kv_dtype} and kv_cache_dtype {kcd} both say what K/V are stored as: "
+                        f"{kcd} stores one-byte codes with a float16 scale; leave out --kv-dtype")
+    return kcd
+
+
+def _workload(args: argparse.Namespace, config: ModelConfig, input_length: int, output_length: int,
+              kv_cache_dtype: str = "auto"):
     from stagewise.planner.estimate import Workload
 
     for name, value in (("--input-length", input_length), ("--output-length", output_length),
@@ -153,49 +169,14 @@ def _workload(args: argparse.Namespace, config: ModelConfig, input_length: int, 
                     microbatches=args.microbatches, weight_dtype=wd, kv_dtype=args.kv_dtype or wd,
                     memory_fraction=args.memory_fraction, weight_quant=(args.weight_quant or "").lower(),
                     embed_quant=(args.embed_quant or "").lower(), image_tokens=getattr(args, "image_tokens", 0),
-                    prefix_share=share, speculative_tokens=drafts, acceptance=acceptance if drafts else 0.0)
+                    prefix_share=share, speculative_tokens=drafts, acceptance=acceptance if drafts else 0.0,
+                    kv_cache_dtype=kv_cache_dtype)
 
 
 def _profile(args: argparse.Namespace):
     from stagewise.planner.profiles import load_profile
 
     return load_profile(args.device_profile).with_transport(args.transport)
-
-
-# --- formatting ---------------------------------------------------------------------------------
-
-def _timeline(est, decode_steps: int = 4):
-    from stagewise.planner.timeline import phase_events
-
-    events = phase_events(est.prefill, "prefill")
-    t = est.prefill.pipeline.latency_s
-    for k in range(decode_steps):
-        step = phase_events(est.decode, f"decode{k}", t)
-        events += step
-        # Each step drawn as one pass from idle (its groups may overrun the steady-state step time).
-        t = max(t + est.decode.pipeline.latency_s, max(e.start_s + e.dur_s for e in step))
-    return events
-
-
-def _write_pictures(args, est, name: str, profile) -> list[str]:
-    written = []
-    if not (args.plot or args.trace):
-        return written
-    events = _timeline(est)
-    title = f"{name} {est.layout.label()} on {profile.name}: prefill then decode steps"
-    if args.trace:
-        from stagewise.trace import write_chrome_trace
-
-        write_chrome_trace(args.trace, events, num_stages=est.plan.num_stages, process="predicted",
-                           other={"model": name, "parallel": est.layout.label(), "profile": profile.name,
-                                  "stage_ranges": est.plan.ranges, "units": "seconds in args, us in ts/dur"})
-        written.append(str(args.trace))
-    if args.plot:
-        from stagewise.planner.timeline import write_png
-
-        write_png(args.plot, events, num_stages=est.plan.num_stages, title=title)
-        written.append(str(args.plot))
-    return written
 
 
 # --- commands -----------------------------------------------------------------------------------
@@ -209,7 +190,7 @@ def run_search(argv: list[str]) -> int:
     from stagewise.planner.memory import nominal_params
     from stagewise.planner.validate import load_latest
 
-    serving = None
+    serving, kv_cache_dtype = None, _kv_cache_dtype(args)
     if args.config is not None:
         from stagewise.planner.serving import load_serving_yaml
 
@@ -224,6 +205,7 @@ def run_search(argv: list[str]) -> int:
             args.batch = serving.batch
         if serving.device_profile and args.device_profile == "h100-sxm":
             args.device_profile = serving.device_profile
+        kv_cache_dtype = _kv_cache_dtype(args, serving.kv_cache_dtype)
         if any(getattr(args, n) is not None for n in SIZE_ARGS) or args.num_devices is not None:
             raise PlanError("--config gives the layout; leave out --num-devices and the --*-sizes lists")
     if args.model is None:
@@ -231,7 +213,7 @@ def run_search(argv: list[str]) -> int:
     config, name = resolve_model(args.model)
     input_length = DEFAULT_INPUT_LENGTH if args.input_length is None else args.input_length
     output_length = DEFAULT_OUTPUT_LENGTH if args.output_length is None else args.output_length
-    workload = _workload(args, config, input_length, output_length)
+    workload = _workload(args, config, input_length, output_length, kv_cache_dtype)
     profile = _profile(args)
     total = args.total_params or nominal_params(name)
     if serving is not None:
@@ -252,7 +234,9 @@ def run_search(argv: list[str]) -> int:
             pp_sizes=args.pp_sizes, ep_sizes=args.ep_sizes, moe_dp_sizes=args.moe_dp_sizes,
             pcp_sizes=args.pcp_sizes, dcp_sizes=args.dcp_sizes, partition=args.partition, total_params=total)
     validation = load_latest()
-    written = _write_pictures(args, results[0], name, profile)
+    from stagewise.planner.timeline import write_pictures
+
+    written = write_pictures(results[0], name, profile, plot=args.plot, trace=args.trace)
     view = dict(name=name, config=config, workload=workload, profile=profile, validation=validation,
                 num_devices=num_devices, top=args.top)
     if args.json:
@@ -275,6 +259,7 @@ def run_memory(argv: list[str]) -> int:
     p.add_argument("--max-ctx", type=int, default=None, help="tokens per sequence (default max_position_embeddings)")
     p.add_argument("--weight-dtype", default=None, help="default: the config's dtype, else bf16")
     p.add_argument("--kv-dtype", default=None, help="default: the weights' dtype")
+    p.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default=None, help=KV_CACHE_HELP)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--tp", type=int, default=1, help="bytes of one TP rank of each stage (default 1)")
     p.add_argument("--dcp", type=int, default=1, help="decode context parallel: the TP ranks holding one KV head "
@@ -284,21 +269,27 @@ def run_memory(argv: list[str]) -> int:
     p.add_argument("--partition", default="even", choices=("even", "ceil"), help=f"{EVEN_CEIL} (default even)")
     p.add_argument("--total-params", type=float, default=None,
                    help="nominal parameters for the rough estimate (default: from the model name, else the exact count)")
+    p.add_argument("--memory-gib", type=float, default=None, metavar="GIB",
+                   help="memory of one rank for weights and KV: each table then names the largest batch of "
+                        "sequences of the context that fits")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     from stagewise.model import shapes
     from stagewise.parallel.plan import StagePlan
-    from stagewise.planner.memory import check_layout, format_tables, nominal_params, stage_memory
+    from stagewise.planner.memory import check_layout, format_tables, max_batch, nominal_params, stage_memory
     from stagewise.planner.profiles import DTYPE_BYTES, dtype_name
 
     config, name = resolve_model(args.model)
     bad = [s for s in args.stages if s < 1]
+    if args.memory_gib is not None and not args.memory_gib > 0:
+        raise PlanError(f"--memory-gib must be a positive number, got {args.memory_gib}")
     if bad or min(args.batch, args.tp, args.dcp, args.pcp) < 1 or (args.max_ctx is not None and args.max_ctx < 1):
         raise PlanError(f"--stages, --batch, --tp, --dcp, --pcp and --max-ctx must be positive integers, got "
                         f"stages={args.stages}, batch={args.batch}, tp={args.tp}, dcp={args.dcp}, pcp={args.pcp}, "
                         f"max_ctx={args.max_ctx}")
     wd = dtype_name(args.weight_dtype or _dtype_default(config))
-    kd = dtype_name(args.kv_dtype or wd)
+    kd, kcd = dtype_name(args.kv_dtype or wd), _kv_cache_dtype(args)
+    row = kv_row_bytes(config.head_dim, DTYPE_BYTES[kd], kcd)
     tokens = args.max_ctx or config.max_position_embeddings
     ctx_label = "max_ctx" if args.max_ctx is None else f"T={tokens}"
     nominal = args.total_params or nominal_params(name)
@@ -312,18 +303,26 @@ def run_memory(argv: list[str]) -> int:
     for S in args.stages:
         plan = StagePlan.for_model(config, S, args.partition, allow_empty=args.partition == "ceil")
         mem = stage_memory(config, plan, tokens=tokens, batch=args.batch, weight_bytes=DTYPE_BYTES[wd],
-                           kv_bytes_per_elem=DTYPE_BYTES[kd], total_params=nominal, sharding=sharding)
+                           kv_bytes_per_elem=DTYPE_BYTES[kd], total_params=nominal, sharding=sharding,
+                           kv_cache_dtype=kcd)
         plans.append({"num_stages": S, "stages": [m.to_dict() for m in mem]})
+        fit = None
+        if args.memory_gib is not None:
+            plans[-1]["max_batch"] = max_batch(mem, args.memory_gib * 2**30)
+            fit = f"In {args.memory_gib:g} GiB a rank holds {plans[-1]['max_batch']:,} sequences of {tokens:,} tokens."
         short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8": "fp8"}
-        tables.append(format_tables(mem, weight_dtype=short[wd], kv_dtype=short[kd], ctx_label=ctx_label,
-                                    nominal_label=nominal_label))
+        tables.append(format_tables(mem, weight_dtype=short[wd], kv_dtype=short[kd] if kcd == "auto" else kcd,
+                                    ctx_label=ctx_label, nominal_label=nominal_label, fit=fit))
     if args.json:
         print(json.dumps({"model": name, "num_layers": config.num_layers, "tokens": tokens, "batch": args.batch,
-                          "tp": args.tp, "dcp": args.dcp, "pcp": args.pcp, "weight_dtype": wd, "kv_dtype": kd, "total_params_exact": exact_total,
+                          "tp": args.tp, "dcp": args.dcp, "pcp": args.pcp, "weight_dtype": wd, "kv_dtype": kd,
+                          "kv_cache_dtype": kcd, "kv_bytes_per_token_row": row, "total_params_exact": exact_total,
                           "total_params_rough": nominal or exact_total, "plans": plans}, indent=2))
     else:
         print(f"{name}: {config.num_layers} decoder layers, {exact_total:,} parameters counted from the tensor shapes, "
               f"KV at {tokens:,} tokens x batch {args.batch}, partition {args.partition}"
+              + (f", KV as {kcd} codes and a float16 scale, {row} bytes a token row of a KV head (K, and again V)"
+                 if kcd != "auto" else "")
               + (f", one of {args.tp} TP ranks" if args.tp > 1 else "")
               + (f", each sequence's KV spread over pcp x dcp = {args.pcp} x {args.dcp} ranks"
                  if args.pcp * args.dcp > 1 else "") + "\n")

@@ -12,7 +12,9 @@ bytes/s) + op_overhead``; an all-reduce costs ``2 (n - 1) / n * bytes / bandwidt
 reduced before it is scattered).
 
 What grows with what: attention FLOPs with the (causal, windowed) query-key pairs, its bytes with
-the cached context; MoE layers compute ``num_experts_per_tok`` experts per token and read the
+the cached context, each token's K/V row as the cache stores it (:meth:`Precision.kv_row`: an
+int8 or fp8 cache reads ``head_dim + 2`` bytes a row, the float16 scale included; its dequantise
+FLOPs are not priced); MoE layers compute ``num_experts_per_tok`` experts per token and read the
 experts the microbatch touches (``E * (1 - (1 - k/E)^T)`` expected under uniform routing).
 Per-rank work under TP: heads, MLP width and vocab divided by ``tp`` (KV heads replicated beyond);
 expert FLOPs are shared by the stage's ``tp`` ranks, expert bytes by ``ep * moe_tp`` (the MoE
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stagewise.kv.cache import kv_row_bytes
 from stagewise.model import architectures, shapes
 from stagewise.model.config import ModelConfig
 from stagewise.model.rows import kv_heads_per_rank
@@ -82,14 +85,23 @@ class Precision:
     weight: int = 2
     act: int = 2
     kv: int = 2
+    """Bytes of a K/V value in the activations' dtype (what ``kv_cache_dtype`` ``auto`` stores)."""
     compute_dtype: str = "bfloat16"
     weight_quant: str = ""
     """GGUF block type of the decoder layers' linears (empty: dense ``weight``-byte weights)."""
     embed_quant: str = ""
     """GGUF block type of the embedding / LM head."""
 
+    kv_cache_dtype: str = "auto"
+    """What the cache stores a K/V value as (:data:`stagewise.kv.cache.KV_CACHE_DTYPES`)."""
+
     def weight_bytes(self, n: float, quant: str = "") -> float:
         return n * QUANT_BITS[quant] / 8 if quant else n * self.weight
+
+    def kv_row(self, head_dim: int) -> int:
+        """Bytes of one token's K (or V) of one KV head in the cache, a compact cache's scale included:
+        what a KV write stores and an attention reads (:func:`~stagewise.kv.cache.kv_row_bytes`)."""
+        return kv_row_bytes(head_dim, self.kv, self.kv_cache_dtype)
 
 
 def linear_op(name: str, prec: Precision, *, tokens: int, n_in: int, n_out: int, layer: int | None,
@@ -123,7 +135,7 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
     h, d = config.hidden_size, config.head_dim
     hq, hk = config.num_heads // tp, kv_heads_per_rank(config, tp)
     work = architectures.of(config).layer_work(config, layer)
-    w, a, kv = prec.weight, prec.act, prec.kv
+    w, a, row = prec.weight, prec.act, prec.kv_row(d)
     decode = new_tokens == 1
     T_all = rows * new_tokens
     T = rows * _tokens_per_rank(new_tokens, sharding)  # this rank's tokens through the linears
@@ -134,7 +146,7 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
     if not decode and pcp > 1:
         ops.append(Op("kv_all_gather", "comm", 0, 2 * T_all * hk * d * a, layer, "tp", pcp,
                       collective="all_gather"))
-    ops.append(Op("kv_write", "vec", 0, T_all * 2 * hk * d * (a + kv) / cp, layer))
+    ops.append(Op("kv_write", "vec", 0, T_all * 2 * hk * (d * a + row) / cp, layer))
     keys = min(context + new_tokens, work.window or context + new_tokens)
     if decode and cp > 1:
         if dcp > 1:
@@ -145,7 +157,7 @@ def layer_ops(config: ModelConfig, layer: int, *, rows: int, new_tokens: int, co
         heads = hq
         pairs = rows * _causal_pairs(context, new_tokens, work.window)
         pairs = -(-pairs // pcp) if not decode else pairs
-    cache = rows * keys * 2 * hk * d * kv
+    cache = rows * keys * 2 * hk * row
     ops.append(Op("attention", "attention", 4 * heads * d * pairs, cache + 2 * T * heads * d * a, layer,
                   decode=decode, cache_bytes=cache))
     if decode and cp > 1:  # the combine, as layers/context_parallel.py runs it

@@ -21,13 +21,15 @@ first's) before the steady state, so TPOT = decode time / steps = ``tpot_steady_
 (output_length - 1)``. On a CPU profile, stage processes that compute at the same time slow each
 other (:func:`slowdown` at the mean number busy). tokens/s = ``dp * batch * output_length / (TTFT
 + (output_length - 1) * TPOT)``. A layout fits when every stage's weights plus KV (at the full
-``input_length + output_length``) fit in ``memory_fraction`` of a device.
+``input_length + output_length``, stored as ``kv_cache_dtype`` says) fit in ``memory_fraction`` of a
+device; ``max_batch`` is the most sequences per replica that would.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from stagewise.kv.cache import check_kv_cache_dtype
 from stagewise.model import architectures, shapes
 from stagewise.model.config import ModelConfig
 from stagewise.parallel.plan import StagePlan
@@ -54,6 +56,7 @@ class Workload:
     microbatches: int | None = None
     weight_dtype: str = "bfloat16"
     kv_dtype: str = "bfloat16"
+    """A K/V value's dtype while ``kv_cache_dtype`` is ``auto`` (the runtime: the activations')."""
     memory_fraction: float = 0.9
     weight_quant: str = ""
     """GGUF block type the decoder linears run in (``q4_1`` ...; empty: dense ``weight_dtype``)."""
@@ -74,6 +77,14 @@ class Workload:
     acceptance: float = 0.0
     """The chance each draft is accepted (given the ones before it were): a step then yields
     ``(1 - a ** (k + 1)) / (1 - a)`` tokens per row."""
+    kv_cache_dtype: str = "auto"
+    """What the cache stores a K/V value as (:data:`stagewise.kv.cache.KV_CACHE_DTYPES`): ``auto``,
+    ``kv_dtype``; ``int8`` or ``fp8_e4m3``, one-byte codes with a float16 scale per token and KV head."""
+
+    @property
+    def kv_label(self) -> str:
+        """How reports name what K/V are stored as."""
+        return self.kv_dtype if self.kv_cache_dtype == "auto" else f"{self.kv_cache_dtype} (+ float16 scales)"
 
     @property
     def tokens_per_step(self) -> float:
@@ -106,6 +117,7 @@ class Workload:
             raise ValueError(f"workload: microbatches must be an int >= 1, got {self.microbatches!r}")
         object.__setattr__(self, "weight_dtype", dtype_name(self.weight_dtype))
         object.__setattr__(self, "kv_dtype", dtype_name(self.kv_dtype))
+        check_kv_cache_dtype(self.kv_cache_dtype)
         for name in ("weight_quant", "embed_quant"):
             if getattr(self, name) and getattr(self, name) not in QUANT_BITS:
                 raise ValueError(f"workload: {name} must be one of {sorted(QUANT_BITS)} or empty, "
@@ -119,7 +131,7 @@ class Workload:
         act_dtype = self.weight_dtype if self.weight_dtype != "float8" else "bfloat16"
         return compute.Precision(weight=w, act=DTYPE_BYTES[act_dtype], kv=DTYPE_BYTES[self.kv_dtype],
                                  compute_dtype=self.weight_dtype, weight_quant=self.weight_quant,
-                                 embed_quant=self.embed_quant)
+                                 embed_quant=self.embed_quant, kv_cache_dtype=self.kv_cache_dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +175,8 @@ class LayoutEstimate:
     """One decode step of every microbatch in the steady state."""
     fill_s: float = 0.0
     """From the first microbatch's first token to the last one's (0 for one microbatch)."""
+    max_batch: int = 0
+    """The most sequences per replica whose KV fits beside the weights (:func:`memory.max_batch`)."""
 
     @property
     def decode_bubble_s(self) -> float:
@@ -190,8 +204,8 @@ class LayoutEstimate:
                 "moe_tp": lay.moe_tp, "moe_dp": lay.moe_dp, "partition": self.plan.policy,
                 "stage_ranges": self.plan.ranges, "stages": [s.to_dict() for s in self.stage_memory],
                 "weight_bytes_per_rank": self.weight_bytes_per_rank, "kv_bytes_per_rank": self.kv_bytes_per_rank,
-                "memory_per_rank": self.memory_per_rank, "fits": self.fits, "ttft_s": self.ttft_s,
-                "tpot_s": self.tpot_s, "tpot_steady_s": self.tpot_steady_s, "fill_s": self.fill_s,
+                "memory_per_rank": self.memory_per_rank, "fits": self.fits, "max_batch": self.max_batch,
+                "ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "tpot_steady_s": self.tpot_steady_s, "fill_s": self.fill_s,
                 "decode_bubble_s": self.decode_bubble_s, "tokens_per_s": self.tokens_per_s, "prefill": phase(self.prefill),
                 "decode": phase(self.decode), "notes": self.notes}
 
@@ -338,9 +352,10 @@ def estimate_layout(config: ModelConfig, layout: ParallelConfig, workload: Workl
     total_tokens = workload.input_length + workload.output_length
     stage_mem = memory.stage_memory(config, plan, tokens=total_tokens, batch=workload.batch,
                                     weight_bytes=prec.weight, kv_bytes_per_elem=prec.kv,
-                                    total_params=total_params, sharding=sharding)
+                                    total_params=total_params, sharding=sharding,
+                                    kv_cache_dtype=workload.kv_cache_dtype)
     per_stage = [s.weight_bytes_exact + s.kv_bytes for s in stage_mem]
-    need = max(per_stage)
+    need, budget = max(per_stage), workload.memory_fraction * profile.memory_bytes
     m = workload.microbatches or min(workload.batch, layout.pp)
     m = min(m, workload.batch)
     cached = workload.cached_tokens  # the vision tower runs while any of the image is left to compute
@@ -370,6 +385,6 @@ def estimate_layout(config: ModelConfig, layout: ParallelConfig, workload: Workl
         layout=layout, plan=plan, stage_memory=stage_mem,
         weight_bytes_per_rank=max(s.weight_bytes_exact for s in stage_mem),
         kv_bytes_per_rank=max(s.kv_bytes for s in stage_mem), memory_per_rank=need,
-        fits=need <= workload.memory_fraction * profile.memory_bytes, prefill=prefill, decode=decode,
+        fits=need <= budget, max_batch=memory.max_batch(stage_mem, budget), prefill=prefill, decode=decode,
         ttft_s=ttft, tpot_s=tpot, tokens_per_s=layout.dp * workload.batch * workload.output_length / total,
         notes=notes, tpot_steady_s=steady, fill_s=fill)

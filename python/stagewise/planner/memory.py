@@ -8,9 +8,12 @@ Two weight estimates per stage:
   plus embedding and vision tower on stage 0, final norm and LM head on the last stage.
 
 KV cache: only the stage's own layers,
-``2 * kv_heads * head_dim * bytes * batch * sum over its layers of the tokens each keeps`` per rank:
-``kv_heads`` those of one TP rank (:func:`~stagewise.model.rows.kv_heads_per_rank`); a full-attention
-layer keeps ``ceil(T / (pcp * dcp))`` tokens, context parallel spreading every sequence over the
+``2 * kv_heads * row * batch * sum over its layers of the tokens each keeps`` per rank, ``row`` the
+bytes of one token of one KV head as the cache stores it (:func:`stagewise.kv.cache.kv_row_bytes`,
+the runtime's own formula): ``head_dim * bytes`` with ``kv_cache_dtype`` ``auto``, ``head_dim + 2``
+(one-byte codes and a float16 scale) with ``int8`` or ``fp8_e4m3``; ``kv_heads`` those of one TP
+rank (:func:`~stagewise.model.rows.kv_heads_per_rank`); a full-attention layer keeps
+``ceil(T / (pcp * dcp))`` tokens, context parallel spreading every sequence over the
 ``pcp * dcp`` ranks that share a KV head (the interleaved mapping); a sliding-window layer keeps
 ``min(T, window)``, the tokens its window reaches (the runtime gives the others' blocks back,
 :mod:`stagewise.kv.window`), and cannot be context parallel. DCP reuses the TP ranks that hold
@@ -49,6 +52,8 @@ class StageMemory:
     weight_bytes_rough: int
     weight_bytes_exact: int
     kv_bytes: int
+    kv_bytes_per_sequence: int
+    """KV of one sequence (``kv_bytes`` is ``batch`` of them): what each more sequence costs."""
     owns: tuple[str, ...]
     """Non-layer parts: vision, embedding, final_norm, lm_head."""
 
@@ -84,21 +89,24 @@ def kv_tokens(config: ModelConfig, layers: range, *, tokens: int, cp: int = 1) -
 
 
 def kv_bytes(config: ModelConfig, layers: range, *, tokens: int, batch: int = 1, kv_bytes_per_elem: int = 2,
-             tp: int = 1, cp: int = 1) -> int:
+             tp: int = 1, cp: int = 1, kv_cache_dtype: str = "auto") -> int:
     """KV cache of ``layers`` for ``batch`` sequences of ``tokens`` tokens on one TP rank, each
-    sequence spread over ``cp = pcp * dcp`` context-parallel ranks (:func:`kv_tokens`)."""
+    sequence spread over ``cp = pcp * dcp`` context-parallel ranks (:func:`kv_tokens`), stored as
+    ``kv_cache_dtype`` says (:func:`stagewise.model.shapes.kv_bytes_per_token_layer`)."""
     if batch < 0:
         raise ValueError(f"kv_bytes: batch must be >= 0, got {batch}")
-    per_token = shapes.kv_bytes_per_token_layer(config, kv_bytes_per_elem, tp)
+    per_token = shapes.kv_bytes_per_token_layer(config, kv_bytes_per_elem, tp, kv_cache_dtype)
     return per_token * batch * kv_tokens(config, layers, tokens=tokens, cp=cp)
 
 
 def stage_memory(config: ModelConfig, plan: StagePlan, *, tokens: int, batch: int = 1, weight_bytes: int = 2,
                  kv_bytes_per_elem: int = 2, total_params: float | None = None,
-                 sharding: shapes.Sharding = shapes.Sharding()) -> list[StageMemory]:
-    """Per stage, one rank's weights (rough and exact) and KV at ``tokens`` tokens per sequence
-    (ValueError when the model cannot take ``sharding``)."""
+                 sharding: shapes.Sharding = shapes.Sharding(), kv_cache_dtype: str = "auto") -> list[StageMemory]:
+    """Per stage, one rank's weights (rough and exact) and KV at ``tokens`` tokens per sequence,
+    stored as ``kv_cache_dtype`` says (ValueError when the model cannot take ``sharding``)."""
     check_layout(config, sharding)
+    if batch < 0:
+        raise ValueError(f"kv_bytes: batch must be >= 0, got {batch}")
     exact_total = shapes.count(config, shapes.model_tensors(config))
     total = exact_total if total_params is None else total_params
     out = []
@@ -107,14 +115,29 @@ def stage_memory(config: ModelConfig, plan: StagePlan, *, tokens: int, batch: in
                                        last=info.is_last_stage)
         owns = tuple(p for p in ("vision", "embedding", "final_norm", "lm_head") if any(t.part == p for t in tensors))
         rough = round(total * weight_bytes * info.num_layers / config.num_layers / sharding.tp)
+        one = kv_bytes(config, range(info.start_layer, info.end_layer), tokens=tokens,
+                       kv_bytes_per_elem=kv_bytes_per_elem, tp=sharding.tp, cp=sharding.pcp * sharding.dcp,
+                       kv_cache_dtype=kv_cache_dtype)
         out.append(StageMemory(
             stage=info.stage_id, start_layer=info.start_layer, end_layer=info.end_layer, num_layers=info.num_layers,
             weight_bytes_rough=rough, weight_bytes_exact=shapes.count(config, tensors, sharding) * weight_bytes,
-            kv_bytes=kv_bytes(config, range(info.start_layer, info.end_layer), tokens=tokens, batch=batch,
-                              kv_bytes_per_elem=kv_bytes_per_elem, tp=sharding.tp,
-                              cp=sharding.pcp * sharding.dcp),
-            owns=owns))
+            kv_bytes=one * batch, kv_bytes_per_sequence=one, owns=owns))
     return out
+
+
+def max_batch(stages: list[StageMemory], budget_bytes: float) -> int:
+    """The most sequences a rank of every stage holds in ``budget_bytes``: its weights, then as
+    many sequences' KV (``kv_bytes_per_sequence``) as the rest takes, the tightest stage deciding;
+    0 when some stage's weights alone overflow it. A compact KV cache raises it about as much as
+    it shrinks a row (int8 beside float32: ``4 * head_dim / (head_dim + 2)`` times the room)."""
+    if any(s.weight_bytes_exact > budget_bytes for s in stages):
+        return 0
+    # A stage without layers keeps no KV: only its weights limit it (checked above).
+    fits = [int((budget_bytes - s.weight_bytes_exact) // s.kv_bytes_per_sequence)
+            for s in stages if s.kv_bytes_per_sequence]
+    if not fits:
+        raise ValueError("max_batch: no stage keeps any KV (0 tokens per sequence?), so memory sets no batch limit")
+    return min(fits)
 
 
 def _rough_gb(nbytes: float) -> str:
@@ -136,8 +159,9 @@ def _md(header: list[str], rows: list[list[str]], align: list[str]) -> list[str]
 
 
 def format_tables(stages: list[StageMemory], *, weight_dtype: str, kv_dtype: str, ctx_label: str,
-                  nominal_label: str) -> str:
-    """The rough, layer-proportional table followed by the exact count, Markdown."""
+                  nominal_label: str, fit: str | None = None) -> str:
+    """The rough, layer-proportional table followed by the exact count, Markdown (``fit``: a line
+    after it, the batch that fits a rank's memory)."""
     wd, kd = weight_dtype.upper(), kv_dtype.upper()
     S = len(stages)
     rough = _md(["Stage", "Decoder layers", "#layers", f"Weights ({wd}, rough)", f"KV @ {ctx_label} ({kd}, rough)"],
@@ -152,4 +176,4 @@ def format_tables(stages: list[StageMemory], *, weight_dtype: str, kv_dtype: str
     return "\n".join([f"#### S = {S}", "", f"Rough (layer-proportional, {nominal_label}):", "", *rough, "",
                       "Exact (from the config's tensor shapes):", "", *exact, "",
                       f"Largest stage: {largest.stage} needs {_exact(largest.weight_bytes_exact + largest.kv_bytes)} "
-                      "per rank (weights + KV)."])
+                      "per rank (weights + KV)."] + ([fit] if fit else []))

@@ -20,7 +20,7 @@ def confidence(est, workload, profile, config, validation: Validation | None) ->
                                  architecture=config.architecture, profile_name=profile.name,
                                  profile_kind=profile.kind, weight_quant=workload.weight_quant,
                                  embed_quant=workload.embed_quant, weight_dtype=workload.weight_dtype,
-                                 prefix_share=workload.prefix_share)
+                                 prefix_share=workload.prefix_share, kv_cache_dtype=workload.kv_cache_dtype)
 
 
 def _shared(reasons: list[tuple[str, ...]]) -> list[str]:
@@ -40,31 +40,34 @@ def format_search(results, rejected, *, name, config, workload, profile, validat
              + (f", {workload.speculative_tokens} drafts a step at {workload.acceptance:.0%} acceptance "
                 f"({workload.tokens_per_step:.2f} tokens a step)" if workload.speculative_tokens else "")
              + f", output {workload.output_length}, batch {workload.batch} per replica, "
-             f"weights {workload.weight_dtype}, KV {workload.kv_dtype}",
+             f"weights {workload.weight_dtype}, KV {workload.kv_label}",
              validation.describe() if validation else "no validation on record: no prediction has been checked"]
     if shared:
         lines.append(f"{'Every layout below' if len(shown) > 1 else 'This layout'} is not validated: "
                      + "; ".join(shared))
     lines.append("")
-    header = ["#", "parallel", "stages", "weights/rank", "KV/rank", "fits", "TTFT ms", "TPOT ms", "tok/s",
-              "expected error", "why not validated"]
+    header = ["#", "parallel", "stages", "weights/rank", "KV/rank", "fits", "max batch", "TTFT ms", "TPOT ms",
+              "tok/s", "expected error", "why not validated"]
     table: list[list[str]] = []
     breakdowns = []
     for i, (r, c) in enumerate(zip(shown, conf), 1):
         own = [w for w in c.not_validated_because if w not in shared]
         why = "; ".join(own) if own else ("as above" if shared else "-")
         table.append([str(i), r.layout.label(), str(r.plan), _gib(r.weight_bytes_per_rank), _gib(r.kv_bytes_per_rank),
-                      "yes" if r.fits else "NO", f"{1e3 * r.ttft_s:.2f}", f"{1e3 * r.tpot_s:.3f}",
+                      "yes" if r.fits else "NO", str(r.max_batch), f"{1e3 * r.ttft_s:.2f}", f"{1e3 * r.tpot_s:.3f}",
                       f"{r.tokens_per_s:.1f}", c.label(), why])
         breakdowns.append(f"{i}. {r.layout.label()}  prefill: {r.prefill.breakdown_line()}")
         breakdowns.append(f"{' ' * len(str(i))}  {' ' * len(r.layout.label())}  decode:  {r.decode.breakdown_line()}")
     widths = [max(len(row[k]) for row in [header, *table]) for k in range(len(header))]
-    right = {0, 3, 4, 6, 7, 8}
+    right = {0, 3, 4, 6, 7, 8, 9}
     for row in [header, *table]:
         lines.append("  ".join(c.rjust(w) if k in right else c.ljust(w)
                                for k, (c, w) in enumerate(zip(row, widths))).rstrip())
     if len(shown) < len(results):
         lines.append(f"({len(results) - len(shown)} more layouts not shown)")
+    lines.append(f"max batch: the most sequences per replica whose KV ({workload.kv_label}, "
+                 f"{workload.input_length + workload.output_length} tokens each) fits beside the weights in "
+                 f"{workload.memory_fraction:.0%} of a device")
     froms = sorted({c.error_from for c in conf if c.validated})
     if froms:
         lines.append(f"expected error: the largest error the validation measured ({'; '.join(froms)})")
@@ -88,6 +91,7 @@ def search_json(results, rejected, *, name, config, workload, profile, validatio
             "workload": {"input_length": workload.input_length, "output_length": workload.output_length,
                          "batch": workload.batch, "microbatches": workload.microbatches,
                          "weight_dtype": workload.weight_dtype, "kv_dtype": workload.kv_dtype,
+                         "kv_cache_dtype": workload.kv_cache_dtype,
                          "weight_quant": workload.weight_quant or None, "embed_quant": workload.embed_quant or None,
                          "prefix_share": workload.prefix_share,
                          "speculative_tokens": workload.speculative_tokens, "acceptance": workload.acceptance},

@@ -6,6 +6,7 @@
     batch: 8                   # optional, sequences per replica
     prefix_share: 0.5          # optional: the share of each prompt found in the prefix cache
     device_profile: h100-sxm   # optional
+    kv_cache_dtype: int8       # optional: auto (default) | int8 | fp8_e4m3, as a run plan's key
     parallel_config:
       world_size: 8
       tp_size: 2
@@ -26,10 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stagewise.kv.cache import check_kv_cache_dtype
 from stagewise.parallel.ranks import ParallelConfig
 
 PARALLEL_KEYS = ("world_size", "tp_size", "pp_size", "dp_size", "ep_size", "moe_dp_size", "pcp_size", "dcp_size")
-TOP_KEYS = ("model", "input_length", "output_length", "batch", "device_profile", "parallel_config", "prefix_share")
+TOP_KEYS = ("model", "input_length", "output_length", "batch", "device_profile", "parallel_config", "prefix_share",
+            "kv_cache_dtype")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +44,8 @@ class ServingConfig:
     batch: int | None = None
     device_profile: str | None = None
     prefix_share: float | None = None
+    kv_cache_dtype: str | None = None
+    """What the stages store K/V as (a run plan's ``kv_cache_dtype``); None: not given."""
 
 
 def _int(where: str, d: dict, key: str, default: Any = None) -> Any:
@@ -89,9 +94,15 @@ def parse_serving(data: Any, where: str = "serving config") -> ServingConfig:
     share = data.get("prefix_share")
     if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1):
         raise ValueError(f"{where}: field 'prefix_share' must be a number in [0, 1], got {share!r}")
+    kv_cache_dtype = data.get("kv_cache_dtype")
+    if kv_cache_dtype is not None:
+        try:
+            check_kv_cache_dtype(kv_cache_dtype)
+        except ValueError as err:
+            raise ValueError(f"{where}: field {err}") from None
     return ServingConfig(parallel=parallel, model=model, input_length=_int(where, data, "input_length"),
                          output_length=_int(where, data, "output_length"), batch=_int(where, data, "batch"),
-                         device_profile=profile, prefix_share=share)
+                         device_profile=profile, prefix_share=share, kv_cache_dtype=kv_cache_dtype)
 
 
 def load_serving_yaml(path: str | Path) -> ServingConfig:

@@ -1,5 +1,6 @@
 """The predicted pipeline timeline of one phase: events per stage (compute, comm, bubble), as a
-Chrome trace (:mod:`stagewise.trace`) or a PNG picture.
+Chrome trace (:mod:`stagewise.trace`) or a PNG picture; :func:`write_pictures` draws a layout's
+prefill and first decode steps for ``stagewise plan --plot/--trace``.
 
 Schedule (fill-drain): microbatch ``j`` runs on stage ``i`` after it left stage ``i - 1`` and
 after microbatch ``j - 1`` left stage ``i``; on a stage it receives, computes and sends (the hops'
@@ -18,7 +19,7 @@ import zlib
 from pathlib import Path
 
 from stagewise.planner.estimate import PhaseEstimate
-from stagewise.trace import TraceEvent
+from stagewise.trace import TraceEvent, write_chrome_trace
 
 
 def phase_events(phase: PhaseEstimate, label: str, offset_s: float = 0.0) -> list[TraceEvent]:
@@ -147,3 +148,34 @@ def write_png(path: str | Path, events: list[TraceEvent], *, num_stages: int, ti
     path = Path(path)
     path.write_bytes(c.png())
     return path
+
+
+def layout_events(est, decode_steps: int = 4) -> list[TraceEvent]:
+    """A layout's prefill, then ``decode_steps`` decode steps, on one timeline."""
+    events = phase_events(est.prefill, "prefill")
+    t = est.prefill.pipeline.latency_s
+    for k in range(decode_steps):
+        step = phase_events(est.decode, f"decode{k}", t)
+        events += step
+        # Each step drawn as one pass from idle (its groups may overrun the steady-state step time).
+        t = max(t + est.decode.pipeline.latency_s, max(e.start_s + e.dur_s for e in step))
+    return events
+
+
+def write_pictures(est, name: str, profile, *, plot: Path | None, trace: Path | None) -> list[str]:
+    """``stagewise plan --plot/--trace``: the best layout's timeline as a PNG and a Chrome trace;
+    the files written."""
+    written: list[str] = []
+    if not (plot or trace):
+        return written
+    events = layout_events(est)
+    title = f"{name} {est.layout.label()} on {profile.name}: prefill then decode steps"
+    if trace:
+        write_chrome_trace(trace, events, num_stages=est.plan.num_stages, process="predicted",
+                           other={"model": name, "parallel": est.layout.label(), "profile": profile.name,
+                                  "stage_ranges": est.plan.ranges, "units": "seconds in args, us in ts/dur"})
+        written.append(str(trace))
+    if plot:
+        write_png(plot, events, num_stages=est.plan.num_stages, title=title)
+        written.append(str(plot))
+    return written

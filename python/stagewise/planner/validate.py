@@ -202,6 +202,10 @@ class Validation:
         w = self.data.get("workload", {})
         return w.get("weight_quant") or "", w.get("embed_quant") or "", w.get("dtype")
 
+    def _kv_cache_dtype(self) -> str:
+        """What the validated runs stored K/V as; a record from before compact caches: ``auto``."""
+        return self.data.get("workload", {}).get("kv_cache_dtype") or "auto"
+
     def describe(self) -> str:
         """The validated range and the largest errors measured in it, in one line."""
         r = self.data.get("range", {})
@@ -211,16 +215,17 @@ class Validation:
             return f"{lo}" if lo == hi else f"{lo}..{hi}"
 
         dcp = "" if list(r.get("dcp", [1, 1])) == [1, 1] else f"DCP {span('dcp', [1, 1])}, "
+        kv = "" if self._kv_cache_dtype() == "auto" else f", {self._kv_cache_dtype()} KV cache"
         return (f"latest validation ({self.data.get('date_utc', '?')}) covers {self.data.get('model')} "
                 f"({', '.join(r.get('architectures', ['?']))}) on {', '.join(r.get('profiles', ['?']))}: "
                 f"PP {span('stages', [1, 1])}, TP {span('tp', [1, 1])}, {dcp}batch {span('batch', [1, 1])}, "
                 f"input {span('input_length', ['?', '?'])}, output {span('output_length', ['?', '?'])}, "
-                f"{_weights(*self._quant())}; largest errors there: {_band(self.expected_error_pct)}")
+                f"{_weights(*self._quant())}{kv}; largest errors there: {_band(self.expected_error_pct)}")
 
     def confidence(self, *, tp: int, pp: int, batch: int, input_length: int, output_length: int,
                    architecture: str, profile_name: str, profile_kind: str, weight_quant: str = "",
                    embed_quant: str = "", weight_dtype: str | None = None, pcp: int = 1,
-                   dcp: int = 1, prefix_share: float = 0.0) -> Confidence:
+                   dcp: int = 1, prefix_share: float = 0.0, kv_cache_dtype: str = "auto") -> Confidence:
         """The band of one prediction when the validation covers its case, else why it does not."""
         r, why = self.data.get("range", {}), []
         for name, value, key in (("PP", pp, "stages"), ("TP", tp, "tp"), ("PCP", pcp, "pcp"), ("DCP", dcp, "dcp"),
@@ -243,6 +248,9 @@ class Validation:
                 weight_dtype is not None and v_dtype is not None and weight_dtype != v_dtype):
             why.append(f"{_weights(weight_quant, embed_quant, weight_dtype)} not validated "
                        f"(only {_weights(v_weight, v_embed, v_dtype)})")
+        v_kv = self._kv_cache_dtype()
+        if kv_cache_dtype != v_kv:
+            why.append(f"KV cache {kv_cache_dtype} not validated (only {v_kv})")
         if prefix_share:  # validation runs compute every prompt whole
             why.append(f"a prefix-cache share of {prefix_share:.0%} not validated (only whole prompts)")
         if why:

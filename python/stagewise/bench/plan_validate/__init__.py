@@ -6,13 +6,14 @@ out: a new folder ``bench/results/<device>-<date>``) and, as the planner's lates
 (every allowed (stages, tp, dcp); a (tp, dcp) the model's heads do not allow is skipped, saying
 why); ``--heads Q/KV`` runs a GGUF model regrouped into other heads (:func:`regrouped_model`), for
 TP/DCP sizes its own heads do not allow (SmolLM2's 9 / 3: ``--heads 8/1`` for tp 2 and dcp 2;
-:mod:`stagewise.bench.regroup`). The runs: :mod:`~stagewise.bench.plan_validate.runs`; the
-comparison with a device profile's prediction: :mod:`~stagewise.bench.plan_validate.compare`; with
-``--partition measured``, a measured split's: :mod:`~stagewise.bench.plan_validate.split`.
-With ``--tiny`` (or ``STAGEWISE_BENCH_TINY=1``) it runs at toy sizes (16
-prompt and 4 new tokens, one repeat unless given, the profile measured quickly) to check that the
-command works, and keeps the planner's validation record as it is: toy numbers must not become the
-planner's expected error.
+:mod:`stagewise.bench.regroup`); ``--kv-cache-dtype int8`` (or ``fp8_e4m3``) runs every cell's
+pipeline with a compact KV cache and prices it so, its record saying which. The runs:
+:mod:`~stagewise.bench.plan_validate.runs`; the comparison with a device profile's prediction:
+:mod:`~stagewise.bench.plan_validate.compare`; with ``--partition measured``, a measured split's:
+:mod:`~stagewise.bench.plan_validate.split`. With ``--tiny`` (or ``STAGEWISE_BENCH_TINY=1``) it runs
+at toy sizes (16 prompt and 4 new tokens, one repeat unless given, the profile measured quickly) to
+check that the command works, and keeps the planner's validation record as it is: toy numbers must
+not become the planner's expected error.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 from pathlib import Path
 
 from stagewise.bench.options import tiny_from_environment
+from stagewise.kv.cache import KV_CACHE_DTYPES
 
 
 def main(argv: list[str]) -> int:
@@ -48,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
                         "hidden/Q dims, every other tensor as it is: for TP/DCP sizes its own heads do not allow "
                         "(SmolLM2: 8/1 allows tp 2 and dcp 2); tokens are meaningless, timings keep its shapes")
     p.add_argument("--transport", default=None, help="the runtime's transport between stages (e.g. tcp)")
+    p.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
+                   help="what every cell's pipeline stores K/V as (Pipeline(kv_cache_dtype=...)), and the prediction "
+                        "prices: auto, the activations' dtype (default); int8 or fp8_e4m3, one-byte codes with a "
+                        "float16 scale per token and KV head")
     p.add_argument("--partition", choices=["measured"], default=None,
                    help="measured: check the prediction of --partition measured (each stage's node measured, the "
                         "layers split by it) against the run on that split, at batch 1 (bench/plan_validate/split.py)")

@@ -104,11 +104,13 @@ def _cell(args, profile, config, work: Workload, B: int, S: int, tp: int, dcp: i
     log(f"{where}: background load {background if background is not None else 0:.2f}, {n * tp} busy "
         f"process(es) now {slow:.2f}x the profile's pace; predicted TTFT {1e3 * est.ttft_s:.1f} ms, "
         f"TPOT {1e3 * est.tpot_s:.2f} ms; measuring ...")
-    layout = {"tp": tp, "dcp": dcp} if (tp, dcp) != (1, 1) else {}
+    options = {"tp": tp, "dcp": dcp} if (tp, dcp) != (1, 1) else {}
+    if args.kv_cache_dtype != "auto":
+        options["kv_cache_dtype"] = args.kv_cache_dtype
     try:
         measured = runs.measure(args.model, S, batch=B, input_length=args.input_length,
                                 output_length=args.output_length, transport=args.transport,
-                                repeats=args.repeats, log=log, **layout)
+                                repeats=args.repeats, log=log, **options)
     except (NotImplementedError, ValueError, RuntimeError, TimeoutError) as err:
         raise ValueError(str(err)) from None
     over = ranks_outnumber_cores(parallel, run_profile)
@@ -151,7 +153,7 @@ def run(args, ckpt, info: dict, model_name: str, model_note: str, layouts: list[
     def workload(batch: int) -> Workload:
         return Workload(input_length=args.input_length, output_length=args.output_length, batch=batch,
                         microbatches=args.microbatches, weight_dtype="float32", kv_dtype="float32",
-                        weight_quant=weight_quant, embed_quant=embed_quant)
+                        weight_quant=weight_quant, embed_quant=embed_quant, kv_cache_dtype=args.kv_cache_dtype)
     if profile.kind == "cpu" and any(tp > 1 for tp, _ in layouts) and "tp_link" not in profile.measured.get("raw", {}):
         log("note: this profile's TP link was not measured (no tp_link among its measurements); the TP cells' "
             "collectives are priced at its 'tp' link as given")
@@ -167,7 +169,7 @@ def run(args, ckpt, info: dict, model_name: str, model_note: str, layouts: list[
     wl = {"batch": list(args.batch), "tp": [tp for tp, _ in layouts], "dcp": [d for _, d in layouts],
           "input_length": args.input_length, "output_length": args.output_length,
           "microbatches": args.microbatches, "dtype": "float32", "threads": args.threads,
-          "weight_quant": weight_quant, "embed_quant": embed_quant}
+          "weight_quant": weight_quant, "embed_quant": embed_quant, "kv_cache_dtype": args.kv_cache_dtype}
     info = {**info, "load_average_before": list(load_before), "load_average_after": list(load_after)}
     data = val.summary(rows, model=model_name, architecture=config.architecture,
                        profile={"name": profile.name, "kind": profile.kind, "source": profile.source},
@@ -184,7 +186,8 @@ def run(args, ckpt, info: dict, model_name: str, model_note: str, layouts: list[
         f"layouts (TP, DCP): {', '.join(f'({t}, {d})' for t, d in layouts)}"
         + "".join(f"; skipped tp={t} dcp={d}: {why}" for t, d, why in skipped) + "  ",
         f"Workload: float32 activations, {weight_quant or 'dense'} linears, {embed_quant or 'dense'} "
-        f"embedding/LM head, batch {' and '.join(map(str, args.batch))}, prompt {args.input_length}, {args.output_length} new tokens; "
+        f"embedding/LM head, {args.kv_cache_dtype} KV cache, batch {' and '.join(map(str, args.batch))}, "
+        f"prompt {args.input_length}, {args.output_length} new tokens; "
         f"median of {args.repeats} runs  ", f"Profile: {profile.name} ({profile.source})  ",
         f"Load average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load_before)}; after: "
         f"{', '.join(f'{x:.2f}' for x in load_after)} (2-core machine, shared)", "",

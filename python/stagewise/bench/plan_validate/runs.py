@@ -83,9 +83,11 @@ def decode_spans(trace) -> tuple[float, float]:
 
 
 def measure(model: str, stages: int, *, batch: int, input_length: int, output_length: int,
-            transport: str | None = None, repeats: int = 3, log=print, tp: int = 1, dcp: int = 1) -> MeasuredRun:
+            transport: str | None = None, repeats: int = 3, log=print, tp: int = 1, dcp: int = 1,
+            kv_cache_dtype: str = "auto") -> MeasuredRun:
     """Run ``model`` split into ``stages`` stages of ``tp`` ranks (``dcp`` of them sharding each KV
-    head's sequence) on this machine and time it (median of ``repeats``).
+    head's sequence), K/V stored as ``kv_cache_dtype`` says, on this machine and time it (median of
+    ``repeats``).
 
     The one place that talks to the runtime: one stage of one rank runs the single-process engine,
     anything else the stage processes (:class:`stagewise.Pipeline` with ``stages=S, tp=T,
@@ -104,6 +106,6 @@ def measure(model: str, stages: int, *, batch: int, input_length: int, output_le
     if dcp > 1:
         options["interleave_size"] = 1  # tokens dealt to the DCP ranks in turn, as the planner splits them
     pipe = Pipeline(model, stages=stages, tp=tp, dcp=dcp, dtype="float32", max_num_seqs=batch,
-                    max_model_len=max_len, max_num_tokens=batch * max_len, **options)
+                    max_model_len=max_len, max_num_tokens=batch * max_len, kv_cache_dtype=kv_cache_dtype, **options)
     return time_runs(pipe, stages, batch=batch, input_length=input_length, output_length=output_length,
                      repeats=repeats, log=log, tp=tp, dcp=dcp)
