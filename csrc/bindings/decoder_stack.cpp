@@ -103,7 +103,7 @@ class DecoderStack : public torch::CustomClassHolder {
       // A compact cache: the new K/V go in first and each row reads them as stored (its length and
       // itself), as the Python layers do, so that every query sees the cache's values.
       const at::Tensor lens = seq_lens + 1;
-      run(x, residual, has_residual, positions, slot_mapping, kv, scales,
+      run(x, residual, has_residual, positions, slot_mapping, kv, scales, /*cache_after=*/false,
           [&](at::Tensor& attn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& k_cache, const at::Tensor& v_cache, const OptT& k_scale, const OptT& v_scale) {
             at::Tensor kc = k_cache, vc = v_cache;
@@ -113,7 +113,7 @@ class DecoderStack : public torch::CustomClassHolder {
           });
       return;
     }
-    run(x, residual, has_residual, positions, slot_mapping, kv, scales,
+    run(x, residual, has_residual, positions, slot_mapping, kv, scales, /*cache_after=*/true,
         [&](at::Tensor& attn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const OptT& k_scale, const OptT& v_scale) {
           attention.call(attn, lse, q, k_cache, v_cache, block_tables, seq_lens, scale_, k, v, 0, 0, k_scale, v_scale);
@@ -125,8 +125,7 @@ class DecoderStack : public torch::CustomClassHolder {
   // block_tables [B, W] and seq_lens [B] are per row: the row's request's table, and the tokens the
   // row attends to, itself included (its position + 1). Each layer writes the step's K/V into the
   // cache first, then decode_attention reads every row's span of it, so a token sees those before
-  // it in the same step (the causal mask over the new ones); the write after attention, as for
-  // every step, stores the same values again. Each row reads its request's cache once: meant for
+  // it in the same step (the causal mask over the new ones). Each row reads its request's cache once: meant for
   // short runs of tokens (a long chunk is SDPA's work, in the Python layers).
   void extend(at::Tensor x, at::Tensor residual, bool has_residual, at::Tensor positions, at::Tensor slot_mapping,
               at::Tensor block_tables, at::Tensor seq_lens, at::Tensor kv, OptT scales) {
@@ -141,7 +140,7 @@ class DecoderStack : public torch::CustomClassHolder {
                       "DecoderStack.extend: block_tables and seq_lens need one row per row of x (", x.size(0),
                       "), got ", block_tables.sizes(), " and ", seq_lens.sizes());
     at::Tensor lse = at::empty({x.size(0), hq_}, x.options().dtype(at::kFloat));
-    run(x, residual, has_residual, positions, slot_mapping, kv, scales,
+    run(x, residual, has_residual, positions, slot_mapping, kv, scales, /*cache_after=*/false,
         [&](at::Tensor& attn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const OptT& k_scale, const OptT& v_scale) {
           at::Tensor kc = k_cache, vc = v_cache;
@@ -164,7 +163,7 @@ class DecoderStack : public torch::CustomClassHolder {
     }
     TORCH_CHECK_VALUE(total == x.size(0), "DecoderStack.prefill: query_lens add up to ", total, " rows, x has ",
                       x.size(0));
-    run(x, residual, has_residual, positions, slot_mapping, kv, scales,
+    run(x, residual, has_residual, positions, slot_mapping, kv, scales, /*cache_after=*/true,
         [&](at::Tensor& attn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
             const at::Tensor&, const OptT&, const OptT&) {
           int64_t start = 0;
@@ -191,10 +190,12 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   // Every layer over x (updated in place with residual); attend(attn, q, k, v, k_cache, v_cache,
-  // k_scale, v_scale) fills attn [B, Hq, D] before the new K/V go into the cache.
+  // k_scale, v_scale) fills attn [B, Hq, D], and then, with cache_after, the new K/V go into the
+  // cache (without: attend wrote them first).
   template <typename Attend>
   void run(at::Tensor& x, at::Tensor& residual, bool has_residual, const at::Tensor& positions,
-           const at::Tensor& slot_mapping, const at::Tensor& kv, const OptT& scales, Attend&& attend) {
+           const at::Tensor& slot_mapping, const at::Tensor& kv, const OptT& scales, bool cache_after,
+           Attend&& attend) {
     static auto rms_norm =
         op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool)>("stagewise::rms_norm");
     static auto fused_norm =
@@ -228,7 +229,7 @@ class DecoderStack : public torch::CustomClassHolder {
       OptT k_scale, v_scale;
       if (scales.has_value()) k_scale = (*scales)[i][0], v_scale = (*scales)[i][1];
       attend(attn, q, k, v, k_cache, v_cache, k_scale, v_scale);
-      cache.call(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
+      if (cache_after) cache.call(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
       at::Tensor h = linear(attn.view({b, q_cols}), l.o);
       fused_norm.call(h, residual, l.post_norm, eps_, false);
       at::Tensor gate_up = linear(h, l.gate_up);

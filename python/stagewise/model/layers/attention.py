@@ -111,7 +111,6 @@ class Attention(nn.Module):
             ops.reshape_and_cache(k, v, kv.k, kv.v, meta.slot_mapping, **scales)
             ops.decode_attention(q, kv.k, kv.v, meta.token_block_tables, meta.token_seq_lens, self.scale, out=out,
                                  **scales)
-            ops.reshape_and_cache(k, v, kv.k, kv.v, meta.slot_mapping, **scales)
             return self.o(out.view(t, hq * d))
         compact = kv.k_scale is not None
         if compact:
