@@ -165,10 +165,14 @@ def write_kv(managers: Sequence[KVCacheManager], cache: KVCache, request_id, *te
         layers = _group_layers(cache, group)
         storages = [cache.storages[group]] + ([cache.scale_storages[group]] if spec.compact else [])
         for j, storage in enumerate(storages):
+            # e4m3 codes are copied as their bytes (torch has no index_copy of float8 on the CPU)
+            as_bytes = storage.dtype == torch.float8_e4m3fn
+            storage = storage.view(torch.uint8) if as_bytes else storage
             padded = torch.zeros((len(layers), len(blocks) * spec.block_size, *storage.shape[4:]),
                                  dtype=storage.dtype, device=storage.device)
             for i in range(2):
-                padded[:, kept - base:held - base] = tensors[2 * j + i][layers, kept:held].to(storage.device)
+                part = tensors[2 * j + i][layers, kept:held]
+                padded[:, kept - base:held - base] = (part.view(torch.uint8) if as_bytes else part).to(storage.device)
                 storage[:, i].index_copy_(1, blocks, padded.unflatten(1, (len(blocks), spec.block_size)))
 
 
