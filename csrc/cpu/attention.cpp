@@ -196,19 +196,22 @@ STAGEWISE_ALWAYS_INLINE void attend_tokens(const DecodeAttentionParams& p, int64
         vrows[i] = row_as_float(v_cache + rows[i] * D, sc.v + i * D, D);
       }
     }
-    for (int64_t h = 0; h < G; ++h) {
-      k_ahead.upto(ahead_to(h));
-      float* s = sc.p + h * kTile;
-      if constexpr (!kCompact<C>) {
-        score_rows(s, sc.q + h * D, krows, n, D, p.scale);
+    if constexpr (kCompact<C>) {  // every head at once: each code widened once for the group
+      k_ahead.upto(ahead_to(G - 1));
 #ifdef STAGEWISE_HAVE_AVX2_PATH
-      } else if constexpr (kIsa == 2) {
-        score_codes_avx512(s, sc.q + h * D, krows, k_scales, n, D, p.scale);
+      if constexpr (kIsa == 2) {
+        score_codes_avx512(sc.p, kTile, sc.q, G, krows, k_scales, n, D, p.scale);
       } else if constexpr (kIsa == 1) {
-        score_codes_avx2(s, sc.q + h * D, krows, k_scales, n, D, p.scale);
+        score_codes_avx2(sc.p, kTile, sc.q, G, krows, k_scales, n, D, p.scale);
+      } else
 #endif
-      } else {
-        score_codes_generic(s, sc.q + h * D, krows, k_scales, n, D, p.scale);
+      {
+        score_codes_generic(sc.p, kTile, sc.q, G, krows, k_scales, n, D, p.scale);
+      }
+    } else {
+      for (int64_t h = 0; h < G; ++h) {
+        k_ahead.upto(ahead_to(h));
+        score_rows(sc.p + h * kTile, sc.q + h * D, krows, n, D, p.scale);
       }
     }
     for (int64_t h = 0; h < G; ++h) {
@@ -222,22 +225,24 @@ STAGEWISE_ALWAYS_INLINE void attend_tokens(const DecodeAttentionParams& p, int64
       if (alpha != 1.f) {
         for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
       }
-      v_ahead.upto(ahead_to(h));
       if constexpr (kCompact<C>) {
-        float* w = sc.k;  // the tile's weights times the values' scales (sc.k is free here)
-        for (int64_t i = 0; i < n; ++i) w[i] = s[i] * v_scales[i];
-#ifdef STAGEWISE_HAVE_AVX2_PATH
-        if constexpr (kIsa == 2) {
-          accumulate_codes_avx512(acc, w, vrows, n, D);
-        } else if constexpr (kIsa == 1) {
-          accumulate_codes_avx2(acc, w, vrows, n, D);
-        } else
-#endif
-        {
-          accumulate_codes_generic(acc, w, vrows, n, D);
-        }
+        for (int64_t i = 0; i < n; ++i) s[i] *= v_scales[i];  // the weights times the values' scales
       } else {
+        v_ahead.upto(ahead_to(h));
         accumulate_rows(acc, s, vrows, n, D);
+      }
+    }
+    if constexpr (kCompact<C>) {
+      v_ahead.upto(ahead_to(G - 1));
+#ifdef STAGEWISE_HAVE_AVX2_PATH
+      if constexpr (kIsa == 2) {
+        accumulate_codes_avx512(out, sc.p, kTile, G, vrows, n, D);
+      } else if constexpr (kIsa == 1) {
+        accumulate_codes_avx2(out, sc.p, kTile, G, vrows, n, D);
+      } else
+#endif
+      {
+        accumulate_codes_generic(out, sc.p, kTile, G, vrows, n, D);
       }
     }
   }

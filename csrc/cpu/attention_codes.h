@@ -19,20 +19,51 @@
 
 namespace stagewise::cpu {
 
-// s[i] = scale * k_scales[i] * dot(q, rows[i][0..D)) for i < n.
+// Every function here works on the G query heads of one kv head at once, so that each code is
+// widened once for all of them (a GQA group of 3 reads its keys once, not 3 times):
+//   score_codes_*:      s[h * s_stride + i] = scale * k_scales[i] * dot(q[h * D ..], rows[i]),
+//   accumulate_codes_*: acc[h * D + d] += sum_{i<n} w[h * w_stride + i] * rows[i][d]
+// (w: the softmax weights times the values' scales), for h < G, i < n, d < D.
 template <typename C>
-STAGEWISE_ALWAYS_INLINE void score_codes_generic(float* s, const float* q, const C* const* rows,
-                                                 const float* k_scales, int64_t n, int64_t D,
-                                                 float scale) {
-  score_rows(s, q, rows, n, D, scale);
-  for (int64_t i = 0; i < n; ++i) s[i] *= k_scales[i];
+STAGEWISE_ALWAYS_INLINE void score_codes_generic(float* s, int64_t s_stride, const float* q, int64_t G,
+                                                 const C* const* rows, const float* k_scales, int64_t n,
+                                                 int64_t D, float scale) {
+  for (int64_t h = 0; h < G; ++h) {
+    float* sh = s + h * s_stride;
+    score_rows(sh, q + h * D, rows, n, D, scale);
+    for (int64_t i = 0; i < n; ++i) sh[i] *= k_scales[i];
+  }
 }
 
-// acc[0..D) += sum_{i<n} w[i] * rows[i][0..D) (w: softmax weights times the values' scales).
 template <typename C>
-STAGEWISE_ALWAYS_INLINE void accumulate_codes_generic(float* acc, const float* w, const C* const* rows,
-                                                      int64_t n, int64_t D) {
-  accumulate_rows(acc, w, rows, n, D);
+STAGEWISE_ALWAYS_INLINE void accumulate_codes_generic(float* acc, const float* w, int64_t w_stride, int64_t G,
+                                                      const C* const* rows, int64_t n, int64_t D) {
+  for (int64_t h = 0; h < G; ++h) accumulate_rows(acc + h * D, w + h * w_stride, rows, n, D);
+}
+
+// The tails the vector loops leave (columns past the last whole vector), and the scales.
+template <typename C>
+inline void finish_scores(float* s, int64_t s_stride, const float* q, int64_t G, const C* const* rows,
+                          const float* k_scales, int64_t n, int64_t D, int64_t done, float scale) {
+  for (int64_t h = 0; h < G; ++h) {
+    for (int64_t i = 0; i < n; ++i) {
+      float& x = s[h * s_stride + i];
+      for (int64_t d = done; d < D; ++d) x += q[h * D + d] * static_cast<float>(rows[i][d]);
+      x *= scale * k_scales[i];
+    }
+  }
+}
+
+template <typename C>
+inline void finish_columns(float* acc, const float* w, int64_t w_stride, int64_t G, const C* const* rows,
+                           int64_t n, int64_t D, int64_t done) {
+  for (int64_t h = 0; h < G; ++h) {
+    for (int64_t d = done; d < D; ++d) {
+      float r = acc[h * D + d];
+      for (int64_t i = 0; i < n; ++i) r += w[h * w_stride + i] * static_cast<float>(rows[i][d]);
+      acc[h * D + d] = r;
+    }
+  }
 }
 
 #ifdef STAGEWISE_HAVE_AVX2_PATH
@@ -70,56 +101,101 @@ STAGEWISE_TARGET_AVX2 inline void sum4x8_avx2(__m256 a, __m256 b, __m256 c, __m2
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
-template <typename C>
-STAGEWISE_TARGET_AVX2 void score_codes_avx2(float* s, const float* q, const C* const* rows,
-                                            const float* k_scales, int64_t n, int64_t D, float scale) {
-  const int64_t D8 = D / 8 * 8;
+// HN heads (1..4) of one head group over the rows two at a time: 2 * HN accumulators.
+template <typename C, int HN>
+STAGEWISE_TARGET_AVX2 void score_heads_avx2(float* s, int64_t s_stride, const float* q, const C* const* rows,
+                                            int64_t n, int64_t D8, int64_t D) {
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {  // four rows: four independent FMA chains, q loaded once for them
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (; i + 2 <= n; i += 2) {
+    __m256 a[HN][2];
+    for (int h = 0; h < HN; ++h) a[h][0] = a[h][1] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D8; d += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + d);
-      a0 = _mm256_fmadd_ps(qv, codes8_avx2(rows[i] + d), a0);
-      a1 = _mm256_fmadd_ps(qv, codes8_avx2(rows[i + 1] + d), a1);
-      a2 = _mm256_fmadd_ps(qv, codes8_avx2(rows[i + 2] + d), a2);
-      a3 = _mm256_fmadd_ps(qv, codes8_avx2(rows[i + 3] + d), a3);
+      const __m256 k0 = codes8_avx2(rows[i] + d), k1 = codes8_avx2(rows[i + 1] + d);
+      for (int h = 0; h < HN; ++h) {
+        const __m256 qv = _mm256_loadu_ps(q + h * D + d);
+        a[h][0] = _mm256_fmadd_ps(qv, k0, a[h][0]);
+        a[h][1] = _mm256_fmadd_ps(qv, k1, a[h][1]);
+      }
     }
-    sum4x8_avx2(a0, a1, a2, a3, s + i);
+    for (int h = 0; h < HN; h += 2) {  // four sums at a time: rows i, i + 1 of heads h, h + 1
+      float sums[4];
+      const __m256 z = _mm256_setzero_ps();
+      sum4x8_avx2(a[h][0], a[h][1], h + 1 < HN ? a[h + 1][0] : z, h + 1 < HN ? a[h + 1][1] : z, sums);
+      s[h * s_stride + i] = sums[0];
+      s[h * s_stride + i + 1] = sums[1];
+      if (h + 1 < HN) {
+        s[(h + 1) * s_stride + i] = sums[2];
+        s[(h + 1) * s_stride + i + 1] = sums[3];
+      }
+    }
   }
   for (; i < n; ++i) {
-    __m256 a = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D8; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), codes8_avx2(rows[i] + d), a);
-    s[i] = sum8_avx2(a);
-  }
-  for (i = 0; i < n; ++i) {
-    for (int64_t d = D8; d < D; ++d) s[i] += q[d] * static_cast<float>(rows[i][d]);
-    s[i] *= scale * k_scales[i];
+    for (int h = 0; h < HN; ++h) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D8; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), codes8_avx2(rows[i] + d), a);
+      s[h * s_stride + i] = sum8_avx2(a);
+    }
   }
 }
 
 template <typename C>
-STAGEWISE_TARGET_AVX2 void accumulate_codes_avx2(float* acc, const float* w, const C* const* rows, int64_t n,
-                                                 int64_t D) {
-  int64_t d = 0;
-  for (; d + 64 <= D; d += 64) {  // 64 columns held in eight registers across the rows
-    __m256 r[8];
-    for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(acc + d + 8 * j);
-    for (int64_t i = 0; i < n; ++i) {
-      const __m256 wi = _mm256_set1_ps(w[i]);
-      for (int j = 0; j < 8; ++j) r[j] = _mm256_fmadd_ps(wi, codes8_avx2(rows[i] + d + 8 * j), r[j]);
+STAGEWISE_TARGET_AVX2 void score_codes_avx2(float* s, int64_t s_stride, const float* q, int64_t G,
+                                            const C* const* rows, const float* k_scales, int64_t n, int64_t D,
+                                            float scale) {
+  const int64_t D8 = D / 8 * 8;
+  for (int64_t h = 0; h < G; h += 4) {
+    float* sh = s + h * s_stride;
+    const float* qh = q + h * D;
+    switch (std::min<int64_t>(4, G - h)) {
+      case 1: score_heads_avx2<C, 1>(sh, s_stride, qh, rows, n, D8, D); break;
+      case 2: score_heads_avx2<C, 2>(sh, s_stride, qh, rows, n, D8, D); break;
+      case 3: score_heads_avx2<C, 3>(sh, s_stride, qh, rows, n, D8, D); break;
+      default: score_heads_avx2<C, 4>(sh, s_stride, qh, rows, n, D8, D); break;
     }
-    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(acc + d + 8 * j, r[j]);
   }
-  for (; d + 8 <= D; d += 8) {
-    __m256 r = _mm256_loadu_ps(acc + d);
-    for (int64_t i = 0; i < n; ++i) r = _mm256_fmadd_ps(_mm256_set1_ps(w[i]), codes8_avx2(rows[i] + d), r);
-    _mm256_storeu_ps(acc + d, r);
+  finish_scores(s, s_stride, q, G, rows, k_scales, n, D, D8, scale);
+}
+
+// HN heads' 16 columns from d0, in 2 * HN registers across the rows.
+template <typename C, int HN>
+STAGEWISE_TARGET_AVX2 void accumulate_heads_avx2(float* acc, const float* w, int64_t w_stride, const C* const* rows,
+                                                 int64_t n, int64_t D, int64_t d0) {
+  __m256 r[HN][2];
+  for (int h = 0; h < HN; ++h) {
+    r[h][0] = _mm256_loadu_ps(acc + h * D + d0);
+    r[h][1] = _mm256_loadu_ps(acc + h * D + d0 + 8);
   }
-  for (; d < D; ++d) {
-    float r = acc[d];
-    for (int64_t i = 0; i < n; ++i) r += w[i] * static_cast<float>(rows[i][d]);
-    acc[d] = r;
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 x0 = codes8_avx2(rows[i] + d0), x1 = codes8_avx2(rows[i] + d0 + 8);
+    for (int h = 0; h < HN; ++h) {
+      const __m256 wi = _mm256_set1_ps(w[h * w_stride + i]);
+      r[h][0] = _mm256_fmadd_ps(wi, x0, r[h][0]);
+      r[h][1] = _mm256_fmadd_ps(wi, x1, r[h][1]);
+    }
   }
+  for (int h = 0; h < HN; ++h) {
+    _mm256_storeu_ps(acc + h * D + d0, r[h][0]);
+    _mm256_storeu_ps(acc + h * D + d0 + 8, r[h][1]);
+  }
+}
+
+template <typename C>
+STAGEWISE_TARGET_AVX2 void accumulate_codes_avx2(float* acc, const float* w, int64_t w_stride, int64_t G,
+                                                 const C* const* rows, int64_t n, int64_t D) {
+  const int64_t D16 = D / 16 * 16;
+  for (int64_t h = 0; h < G; h += 4) {
+    for (int64_t d0 = 0; d0 < D16; d0 += 16) {
+      float* ah = acc + h * D;
+      const float* wh = w + h * w_stride;
+      switch (std::min<int64_t>(4, G - h)) {
+        case 1: accumulate_heads_avx2<C, 1>(ah, wh, w_stride, rows, n, D, d0); break;
+        case 2: accumulate_heads_avx2<C, 2>(ah, wh, w_stride, rows, n, D, d0); break;
+        case 3: accumulate_heads_avx2<C, 3>(ah, wh, w_stride, rows, n, D, d0); break;
+        default: accumulate_heads_avx2<C, 4>(ah, wh, w_stride, rows, n, D, d0); break;
+      }
+    }
+  }
+  finish_columns(acc, w, w_stride, G, rows, n, D, D16);
 }
 
 // ---- AVX-512: sixteen values a register ---------------------------------------------------------
@@ -146,67 +222,103 @@ STAGEWISE_TARGET_AVX512 inline __m256 halves_avx512(__m512 v) {
   return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
 }
 
-template <typename C>
-STAGEWISE_TARGET_AVX512 void score_codes_avx512(float* s, const float* q, const C* const* rows,
-                                                const float* k_scales, int64_t n, int64_t D, float scale) {
-  const int64_t D16 = D / 16 * 16;
+template <typename C, int HN>
+STAGEWISE_TARGET_AVX512 void score_heads_avx512(float* s, int64_t s_stride, const float* q, const C* const* rows,
+                                                int64_t n, int64_t D16, int64_t D) {
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (; i + 2 <= n; i += 2) {
+    __m512 a[HN][2];
+    for (int h = 0; h < HN; ++h) a[h][0] = a[h][1] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D16; d += 16) {
-      const __m512 qv = _mm512_loadu_ps(q + d);
-      a0 = _mm512_fmadd_ps(qv, codes16_avx512(rows[i] + d), a0);
-      a1 = _mm512_fmadd_ps(qv, codes16_avx512(rows[i + 1] + d), a1);
-      a2 = _mm512_fmadd_ps(qv, codes16_avx512(rows[i + 2] + d), a2);
-      a3 = _mm512_fmadd_ps(qv, codes16_avx512(rows[i + 3] + d), a3);
+      const __m512 k0 = codes16_avx512(rows[i] + d), k1 = codes16_avx512(rows[i + 1] + d);
+      for (int h = 0; h < HN; ++h) {
+        const __m512 qv = _mm512_loadu_ps(q + h * D + d);
+        a[h][0] = _mm512_fmadd_ps(qv, k0, a[h][0]);
+        a[h][1] = _mm512_fmadd_ps(qv, k1, a[h][1]);
+      }
     }
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(halves_avx512(a0), halves_avx512(a1)),
-                                    _mm256_hadd_ps(halves_avx512(a2), halves_avx512(a3)));
-    _mm_storeu_ps(s + i, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    for (int h = 0; h < HN; h += 2) {
+      float sums[4];
+      const __m256 z = _mm256_setzero_ps();
+      sum4x8_avx2(halves_avx512(a[h][0]), halves_avx512(a[h][1]), h + 1 < HN ? halves_avx512(a[h + 1][0]) : z,
+                  h + 1 < HN ? halves_avx512(a[h + 1][1]) : z, sums);
+      s[h * s_stride + i] = sums[0];
+      s[h * s_stride + i + 1] = sums[1];
+      if (h + 1 < HN) {
+        s[(h + 1) * s_stride + i] = sums[2];
+        s[(h + 1) * s_stride + i + 1] = sums[3];
+      }
+    }
   }
   for (; i < n; ++i) {
-    __m512 a = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D16; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), codes16_avx512(rows[i] + d), a);
-    s[i] = _mm512_reduce_add_ps(a);
-  }
-  for (i = 0; i < n; ++i) {
-    for (int64_t d = D16; d < D; ++d) s[i] += q[d] * static_cast<float>(rows[i][d]);
-    s[i] *= scale * k_scales[i];
+    for (int h = 0; h < HN; ++h) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D16; d += 16) {
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + d), codes16_avx512(rows[i] + d), a);
+      }
+      s[h * s_stride + i] = _mm512_reduce_add_ps(a);
+    }
   }
 }
 
 template <typename C>
-STAGEWISE_TARGET_AVX512 void accumulate_codes_avx512(float* acc, const float* w, const C* const* rows,
-                                                     int64_t n, int64_t D) {
-  int64_t d = 0;
-  for (; d + 128 <= D; d += 128) {  // 128 columns held in eight registers across the rows
-    __m512 r[8];
-    for (int j = 0; j < 8; ++j) r[j] = _mm512_loadu_ps(acc + d + 16 * j);
-    for (int64_t i = 0; i < n; ++i) {
-      const __m512 wi = _mm512_set1_ps(w[i]);
-      for (int j = 0; j < 8; ++j) r[j] = _mm512_fmadd_ps(wi, codes16_avx512(rows[i] + d + 16 * j), r[j]);
+STAGEWISE_TARGET_AVX512 void score_codes_avx512(float* s, int64_t s_stride, const float* q, int64_t G,
+                                                const C* const* rows, const float* k_scales, int64_t n, int64_t D,
+                                                float scale) {
+  const int64_t D16 = D / 16 * 16;
+  for (int64_t h = 0; h < G; h += 4) {
+    float* sh = s + h * s_stride;
+    const float* qh = q + h * D;
+    switch (std::min<int64_t>(4, G - h)) {
+      case 1: score_heads_avx512<C, 1>(sh, s_stride, qh, rows, n, D16, D); break;
+      case 2: score_heads_avx512<C, 2>(sh, s_stride, qh, rows, n, D16, D); break;
+      case 3: score_heads_avx512<C, 3>(sh, s_stride, qh, rows, n, D16, D); break;
+      default: score_heads_avx512<C, 4>(sh, s_stride, qh, rows, n, D16, D); break;
     }
-    for (int j = 0; j < 8; ++j) _mm512_storeu_ps(acc + d + 16 * j, r[j]);
   }
-  for (; d + 64 <= D; d += 64) {
-    __m512 r[4];
-    for (int j = 0; j < 4; ++j) r[j] = _mm512_loadu_ps(acc + d + 16 * j);
-    for (int64_t i = 0; i < n; ++i) {
-      const __m512 wi = _mm512_set1_ps(w[i]);
-      for (int j = 0; j < 4; ++j) r[j] = _mm512_fmadd_ps(wi, codes16_avx512(rows[i] + d + 16 * j), r[j]);
+  finish_scores(s, s_stride, q, G, rows, k_scales, n, D, D16, scale);
+}
+
+// HN heads' 32 columns from d0, in 2 * HN registers across the rows.
+template <typename C, int HN>
+STAGEWISE_TARGET_AVX512 void accumulate_heads_avx512(float* acc, const float* w, int64_t w_stride,
+                                                     const C* const* rows, int64_t n, int64_t D, int64_t d0) {
+  __m512 r[HN][2];
+  for (int h = 0; h < HN; ++h) {
+    r[h][0] = _mm512_loadu_ps(acc + h * D + d0);
+    r[h][1] = _mm512_loadu_ps(acc + h * D + d0 + 16);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const __m512 x0 = codes16_avx512(rows[i] + d0), x1 = codes16_avx512(rows[i] + d0 + 16);
+    for (int h = 0; h < HN; ++h) {
+      const __m512 wi = _mm512_set1_ps(w[h * w_stride + i]);
+      r[h][0] = _mm512_fmadd_ps(wi, x0, r[h][0]);
+      r[h][1] = _mm512_fmadd_ps(wi, x1, r[h][1]);
     }
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + d + 16 * j, r[j]);
   }
-  for (; d + 16 <= D; d += 16) {
-    __m512 r = _mm512_loadu_ps(acc + d);
-    for (int64_t i = 0; i < n; ++i) r = _mm512_fmadd_ps(_mm512_set1_ps(w[i]), codes16_avx512(rows[i] + d), r);
-    _mm512_storeu_ps(acc + d, r);
+  for (int h = 0; h < HN; ++h) {
+    _mm512_storeu_ps(acc + h * D + d0, r[h][0]);
+    _mm512_storeu_ps(acc + h * D + d0 + 16, r[h][1]);
   }
-  for (; d < D; ++d) {
-    float r = acc[d];
-    for (int64_t i = 0; i < n; ++i) r += w[i] * static_cast<float>(rows[i][d]);
-    acc[d] = r;
+}
+
+template <typename C>
+STAGEWISE_TARGET_AVX512 void accumulate_codes_avx512(float* acc, const float* w, int64_t w_stride, int64_t G,
+                                                     const C* const* rows, int64_t n, int64_t D) {
+  const int64_t D32 = D / 32 * 32;
+  for (int64_t h = 0; h < G; h += 4) {
+    for (int64_t d0 = 0; d0 < D32; d0 += 32) {
+      float* ah = acc + h * D;
+      const float* wh = w + h * w_stride;
+      switch (std::min<int64_t>(4, G - h)) {
+        case 1: accumulate_heads_avx512<C, 1>(ah, wh, w_stride, rows, n, D, d0); break;
+        case 2: accumulate_heads_avx512<C, 2>(ah, wh, w_stride, rows, n, D, d0); break;
+        case 3: accumulate_heads_avx512<C, 3>(ah, wh, w_stride, rows, n, D, d0); break;
+        default: accumulate_heads_avx512<C, 4>(ah, wh, w_stride, rows, n, D, d0); break;
+      }
+    }
   }
+  finish_columns(acc, w, w_stride, G, rows, n, D, D32);
 }
 
 #endif  // STAGEWISE_HAVE_AVX2_PATH

@@ -83,7 +83,8 @@ def _paged(seq_lens, heads, head_dim, block_size, codes, device, dtype):
 
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 @pytest.mark.parametrize("with_new", [False, True])
-@pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=lambda h: f"hq{h[0]}-hk{h[1]}")
+# GQA groups of 4, 1, 3 and 6 query heads: the kernels take a group's heads four at a time
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4), (9, 3), (12, 2)], ids=lambda h: f"hq{h[0]}-hk{h[1]}")
 @pytest.mark.parametrize("codes", CODES, ids=CODE_IDS.get)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128, 91])
@@ -110,7 +111,7 @@ def test_attention_matches_reference_and_plain_attention(device, head_dim, dtype
         if with_new:
             k, v = torch.cat([k, new[0][b : b + 1]]), torch.cat([v, new[1][b : b + 1]])
         exact, _ = reference.attention_with_lse(q[b], k, v, head_dim**-0.5)
-        tol = 0.05 if codes == torch.int8 else 0.25
+        tol = 0.05 if codes == torch.int8 else 0.5  # e4m3 keeps 3 mantissa bits: up to 1/16 of a value
         assert_close(out[b].float(), exact.float(), rtol=0, atol=tol + TOLERANCES[dtype]["atol"])
 
 
