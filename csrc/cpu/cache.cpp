@@ -8,7 +8,6 @@
 #include <type_traits>
 
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
@@ -40,10 +39,10 @@ constexpr float kCodeMax = std::is_same_v<C, int8_t> ? 127.f : 448.f;
 // Quantises one head row src[0..D) into codes dst and returns its scale, as common.h's CacheType
 // says: the same bits whichever step, chunk or rank writes the row.
 template <typename T, typename C>
-c10::Half quantise_row(const T* src, C* dst, int64_t D) {
+c10::Half quantise_row(const Storage<T>* src, C* dst, int64_t D) {
   float amax = 0.f;
   for (int64_t d = 0; d < D; ++d) {
-    const float a = std::abs(static_cast<float>(src[d]));
+    const float a = std::abs(to_float<T>(src[d]));
     amax = a > amax || std::isnan(a) ? a : amax;  // a NaN row keeps a NaN scale: its values read NaN
   }
   const c10::Half scale(std::min(amax / kCodeMax<C>, 65504.f));
@@ -53,7 +52,7 @@ c10::Half quantise_row(const T* src, C* dst, int64_t D) {
     return scale;
   }
   for (int64_t d = 0; d < D; ++d) {
-    const float x = static_cast<float>(src[d]) / s;
+    const float x = to_float<T>(src[d]) / s;
     if constexpr (std::is_same_v<C, int8_t>) {
       dst[d] = static_cast<int8_t>(std::clamp(std::nearbyint(x), -127.f, 127.f));
     } else {
@@ -66,18 +65,18 @@ c10::Half quantise_row(const T* src, C* dst, int64_t D) {
 // Quantises token t of src [num_tokens, num_heads, head_dim] into cache row `slot` of a compact
 // cache, and its scales into scale[slot * num_heads + h].
 template <typename T, typename C>
-void quantise_token(const T* src, int64_t token_stride, int64_t head_stride, C* cache, c10::Half* scale,
+void quantise_token(const Storage<T>* src, int64_t token_stride, int64_t head_stride, C* cache, c10::Half* scale,
                     int64_t t, int64_t slot, const ReshapeAndCacheParams& p) {
   for (int64_t h = 0; h < p.num_heads; ++h) {
     const int64_t row = slot * p.num_heads + h;
-    scale[row] = quantise_row(src + t * token_stride + h * head_stride, cache + row * p.head_dim, p.head_dim);
+    scale[row] = quantise_row<T>(src + t * token_stride + h * head_stride, cache + row * p.head_dim, p.head_dim);
   }
 }
 
 template <typename T, typename C>
 void reshape_and_cache_compact(const ReshapeAndCacheParams& p) {
-  const T* k = static_cast<const T*>(p.k);
-  const T* v = static_cast<const T*>(p.v);
+  const Storage<T>* k = static_cast<const Storage<T>*>(p.k);
+  const Storage<T>* v = static_cast<const Storage<T>*>(p.v);
   C* k_cache = static_cast<C*>(p.k_cache);
   C* v_cache = static_cast<C*>(p.v_cache);
   c10::Half* k_scale = static_cast<c10::Half*>(p.k_scale);
@@ -86,8 +85,8 @@ void reshape_and_cache_compact(const ReshapeAndCacheParams& p) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = load_index(p.slot_mapping, p.slot_type, t);
       if (slot == kPaddingSlot) continue;
-      quantise_token(k, p.k_token_stride, p.k_head_stride, k_cache, k_scale, t, slot, p);
-      quantise_token(v, p.v_token_stride, p.v_head_stride, v_cache, v_scale, t, slot, p);
+      quantise_token<T>(k, p.k_token_stride, p.k_head_stride, k_cache, k_scale, t, slot, p);
+      quantise_token<T>(v, p.v_token_stride, p.v_head_stride, v_cache, v_scale, t, slot, p);
     }
   });
 }
@@ -141,20 +140,14 @@ void reshape_and_cache(const ReshapeAndCacheParams& p) {
   check_indices_in_range("reshape_and_cache", "slot_mapping", p.slot_mapping, p.slot_type,
                          p.num_tokens, kPaddingSlot, p.num_slots, " (-1 = padding)");
   if (p.cache_type != CacheType::kModel) {
-    const auto run = [&](auto tag) {
+    return dispatch_dtype(p.dtype, [&](auto tag) {
       using T = decltype(tag);
       if (p.cache_type == CacheType::kInt8) {
         reshape_and_cache_compact<T, int8_t>(p);
       } else {
         reshape_and_cache_compact<T, c10::Float8_e4m3fn>(p);
       }
-    };
-    switch (p.dtype) {
-      case DType::kFloat32: run(float{}); break;
-      case DType::kBFloat16: run(c10::BFloat16{}); break;
-      case DType::kFloat16: run(c10::Half{}); break;
-    }
-    return;
+    });
   }
   const int64_t elem = dtype_size(p.dtype);
   const char* k = static_cast<const char*>(p.k);

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from stagewise.engine.handoff import KVHandoff, KVShard, read_kv, split_handoff, write_kv
+from stagewise.engine.handoff import KVHandoff, KVShard, read_kv, split_handoff, tensor_fields, write_kv
 from stagewise.engine.params import SamplingRequest
 from stagewise.engine.step_meta import StepMetadata
 from stagewise.engine.step_sampling import Sampled, StepSampler, checkpoint_vocabulary
@@ -283,7 +283,7 @@ class Executor:
             history = (prompt, output)
         return KVHandoff(request_id=request_id, layers=(spec.layer_start, spec.layer_end),
                          num_tokens=self.manager.num_tokens(request_id),
-                         **dict(zip(("k", "v", "k_scale", "v_scale"), kv)), shard=self.shard(), sampling=None if entry is None else entry.params,
+                         **tensor_fields(kv), shard=self.shard(), sampling=None if entry is None else entry.params,
                          generator_state=None if entry is None or entry.generator is None
                          else entry.generator.get_state(), history=history)
 

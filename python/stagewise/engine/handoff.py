@@ -57,6 +57,15 @@ class KVShard:
         return self.num_kv_heads, self.cp_world_size, self.interleave_size
 
 
+TENSOR_FIELDS = ("k", "v", "k_scale", "v_scale")
+"""A handoff's tensors in the order :attr:`KVHandoff.tensors` and :func:`read_kv` give them."""
+
+
+def tensor_fields(tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``k, v`` (and a compact cache's scales) as a handoff's keyword arguments."""
+    return dict(zip(TENSOR_FIELDS, tensors))
+
+
 @dataclass(kw_only=True, slots=True)
 class KVHandoff:
     """One request's KV on one stage (or one rank's share of it)."""
@@ -144,8 +153,7 @@ def read_kv(managers: Sequence[KVCacheManager], cache: KVCache, request_id,
         blocks = torch.tensor(manager.block_ids(request_id)[kept // spec.block_size:], dtype=torch.int64,
                               device=cache.storages[group].device)
         layers = _group_layers(cache, group)
-        tensors = [cache.storages[group]] + ([cache.scale_storages[group]] if spec.compact else [])
-        for j, storage in enumerate(tensors):
+        for j, storage in enumerate(cache.group_tensors(group)):
             # storage [Lg, 2, num_blocks, block, Hk(, D)] -> the request's blocks -> [Lg, 2, slots, Hk(, D)]
             kv = storage.index_select(2, blocks).flatten(2, 3)[:, :, kept - base:num_held - base].cpu()
             out[2 * j][layers, kept:num_held], out[2 * j + 1][layers, kept:num_held] = kv[:, 0], kv[:, 1]
@@ -163,8 +171,7 @@ def write_kv(managers: Sequence[KVCacheManager], cache: KVCache, request_id, *te
         blocks = torch.tensor(manager.block_ids(request_id)[kept // spec.block_size:], dtype=torch.int64,
                               device=cache.storages[group].device)
         layers = _group_layers(cache, group)
-        storages = [cache.storages[group]] + ([cache.scale_storages[group]] if spec.compact else [])
-        for j, storage in enumerate(storages):
+        for j, storage in enumerate(cache.group_tensors(group)):
             # e4m3 codes are copied as their bytes (torch has no index_copy of float8 on the CPU)
             as_bytes = storage.dtype == torch.float8_e4m3fn
             storage = storage.view(torch.uint8) if as_bytes else storage
@@ -187,7 +194,7 @@ def split_handoff(whole: KVHandoff, shard: KVShard) -> KVHandoff:
                          f"the share {shard} is of {shard.num_kv_heads}")
     pos, (a, b) = shard.positions(whole.num_tokens), shard.kv_heads
     cut = [t[:, pos, a:b].contiguous() for t in whole.tensors]
-    return replace(whole, **dict(zip(("k", "v", "k_scale", "v_scale"), cut)), shard=shard)
+    return replace(whole, **tensor_fields(cut), shard=shard)
 
 
 def merge_handoffs(shares: Sequence[KVHandoff]) -> KVHandoff:
@@ -227,5 +234,5 @@ def merge_handoffs(shares: Sequence[KVHandoff]) -> KVHandoff:
         raise ValueError(f"merge_handoffs: request {first.request_id}: no share holds (KV head, cp_rank) "
                          f"{missing[:8]}")
     leader = next((s for s in shares if s.sampling is not None), first)
-    return replace(first, **dict(zip(("k", "v", "k_scale", "v_scale"), whole)), shard=None, sampling=leader.sampling,
+    return replace(first, **tensor_fields(whole), shard=None, sampling=leader.sampling,
                    generator_state=leader.generator_state, history=leader.history)

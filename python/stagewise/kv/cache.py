@@ -239,6 +239,10 @@ class KVCache:
         activations' dtype."""
         return None if self.scale_storages is None else self.scale_storages[self.storages.index(self.storage)]
 
+    def group_tensors(self, group: int) -> list[torch.Tensor]:
+        """Layer group ``group``'s storage and, for a compact cache, its scales beside it."""
+        return [self.storages[group]] + ([] if self.scale_storages is None else [self.scale_storages[group]])
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.storages + (self.scale_storages or []))

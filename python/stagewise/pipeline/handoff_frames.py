@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from stagewise.engine.handoff import KVHandoff, KVShard
+from stagewise.engine.handoff import KVHandoff, KVShard, tensor_fields
 from stagewise.engine.params import SamplingParams
 from stagewise.pipeline.protocol import ProtocolError
 from stagewise.transport.frame import Frame, StepKind
@@ -20,8 +20,7 @@ def handoff_frame(handoff: KVHandoff, *, stage: int) -> Frame:
     range, the share and the sampling parameters in ``control``; the request in ``request_id`` and its
     cached tokens in ``token_index``."""
     fp8 = handoff.k.dtype == torch.float8_e4m3fn
-    names = ("k", "v", "k_scale", "v_scale")
-    tensors = {n: t.view(torch.uint8) if fp8 and n in "kv" else t for n, t in zip(names, handoff.tensors)}
+    tensors = {n: t.view(torch.uint8) if fp8 and n in "kv" else t for n, t in tensor_fields(handoff.tensors).items()}
     if handoff.generator_state is not None:
         tensors["generator_state"] = handoff.generator_state
     control = {"layers": list(handoff.layers)}
