@@ -105,7 +105,9 @@ def measure(model: str, stages: int, *, batch: int, input_length: int, output_le
     options = {} if not processes else {"transport": transport or "auto", "threads": 1}
     if dcp > 1:
         options["interleave_size"] = 1  # tokens dealt to the DCP ranks in turn, as the planner splits them
+    # No prefix cache: the runs repeat their prompts, and the planner predicts a prompt computed whole.
     pipe = Pipeline(model, stages=stages, tp=tp, dcp=dcp, dtype="float32", max_num_seqs=batch,
-                    max_model_len=max_len, max_num_tokens=batch * max_len, kv_cache_dtype=kv_cache_dtype, **options)
+                    max_model_len=max_len, max_num_tokens=batch * max_len, kv_cache_dtype=kv_cache_dtype,
+                    prefix_cache=False, **options)
     return time_runs(pipe, stages, batch=batch, input_length=input_length, output_length=output_length,
                      repeats=repeats, log=log, tp=tp, dcp=dcp)

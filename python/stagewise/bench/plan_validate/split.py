@@ -55,7 +55,7 @@ def measured_cell(args, checkpoint, stages: int, log) -> list[dict]:
     max_len = args.input_length + args.output_length + 1
     plan = RunPlan.from_dict({"model": args.model, "partition": "measured", "dtype": "float32", "max_num_seqs": 1,
                               "max_model_len": max_len, "transport": args.transport or "auto",
-                              "kv_cache_dtype": args.kv_cache_dtype,
+                              "kv_cache_dtype": args.kv_cache_dtype, "prefix_cache": False,
                               "stages": [{"threads": t} for t in threads]}, checkpoint.config.num_layers)
     placed, split = measured_split(plan, checkpoint, lambda p, **kw: start_stages(p, "local", **kw),
                                    log=lambda line: log(f"  {line}"), remeasure=args.remeasure)
