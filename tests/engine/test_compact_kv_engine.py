@@ -33,6 +33,7 @@ from stagewise.transport import decode_frame, encode_frame
 transformers = pytest.importorskip("transformers")
 
 from helpers.compact_kv import MODELS, as_run, assert_same_run, clear_prompts, greedy, prompts  # noqa: E402
+from helpers.groups import NoCollectives  # noqa: E402
 from helpers.hf_models import save_random  # noqa: E402
 
 COMPACT = ["int8", "fp8_e4m3"]
@@ -284,18 +285,6 @@ def test_a_handoff_converts_between_a_compact_and_a_float_cache(folders, kv_cach
         assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scales, want_scales)
 
 
-class _Sized:
-    """A rank's place in a group, for loading its shard (nothing here runs a collective)."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self.size, self.rank = size, rank
-
-    def all_reduce(self, t):
-        raise AssertionError("no step runs in this test")
-
-    all_gather = gather = reduce_scatter = all_reduce
-
-
 def _shards(tp: int, dcp: int, pcp: int, hk: int, interleave: int) -> list[KVShard]:
     """Every rank's share, in the stage's rank order (PCP-major, then TP; DCP ranks are adjacent TP ranks)."""
     out = []
@@ -333,7 +322,7 @@ def test_a_rank_of_a_tp_dcp_stage_takes_its_share_of_a_compact_handoff(folders, 
     they came; a float rank of the same place takes their values."""
     folder = folders("llama-mqa")
     whole = _whole(kv_cache_dtype, hk=1, n=21)
-    groups = StageGroups(tp=_Sized(2, 1), dcp=_Sized(2, 1))
+    groups = StageGroups(tp=NoCollectives(2, 1), dcp=NoCollectives(2, 1))
     rank = Executor(load_stage(folder, 0, 2, dtype="float32", groups=groups), num_blocks=8, block_size=4,
                     max_model_len=64, interleave_size=2, kv_cache_dtype=kv_cache_dtype)
     rank.import_request(whole)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from helpers.groups import NoCollectives
 
 from stagewise import ops
 from stagewise.engine.executor import Executor
@@ -105,18 +106,6 @@ def test_a_missing_or_foreign_share_is_named():
         handoff_frames.handoff_from_frame(frame)
 
 
-class _Sized:
-    """A rank's place in a group, for loading its shard (nothing here runs a collective)."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self.size, self.rank = size, rank
-
-    def all_reduce(self, t):
-        raise AssertionError("no step runs in this test")
-
-    all_gather = gather = reduce_scatter = all_reduce
-
-
 @pytest.fixture(scope="module")
 def mqa_folder(tmp_path_factory):
     torch.manual_seed(0)
@@ -130,7 +119,7 @@ def mqa_folder(tmp_path_factory):
 def test_a_rank_of_a_tp_dcp_stage_takes_its_share_of_a_whole_handoff_and_gives_it_back(mqa_folder):
     """A whole request (e.g. from a stage of one process) moves into rank (tp 1, dcp 1) of a
     tp=2, dcp=2 stage of an MQA model: the rank keeps the positions it owns, and exports them."""
-    groups = StageGroups(tp=_Sized(2, 1), dcp=_Sized(2, 1))
+    groups = StageGroups(tp=NoCollectives(2, 1), dcp=NoCollectives(2, 1))
     rank = Executor(load_stage(mqa_folder, 0, 2, dtype="float32", groups=groups), num_blocks=8, block_size=4,
                     max_model_len=64, interleave_size=2)
     assert rank.shard() == KVShard(kv_heads=(0, 1), num_kv_heads=1, cp_world_size=2, cp_rank=1, interleave_size=2)

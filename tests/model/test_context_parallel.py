@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import cp_scenario
+from helpers.groups import NoCollectives
 from stagewise.engine.handoff import KVHandoff, KVShard, merge_handoffs, split_handoff
 from stagewise.kv import KVCacheManager, KVCacheSpec
 from stagewise.kv.cache import num_cache_blocks
@@ -151,33 +152,21 @@ def test_a_rank_sizes_its_cache_for_its_share_of_each_row():
     assert num_cache_blocks(spec, "cpu", max_num_seqs=4, max_model_len=1024, cp_world_size=4) == one // 4
 
 
-class _Sized:
-    """A group that only knows its size and rank (for the layout checks)."""
-
-    def __init__(self, size: int, rank: int = 0) -> None:
-        self.size, self.rank = size, rank
-
-    def all_reduce(self, t):
-        raise AssertionError("no collective runs in a layout check")
-
-    all_gather = gather = reduce_scatter = all_reduce
-
-
 def test_layout_rules_are_checked_with_the_valid_sizes():
     assert valid_dcp_sizes(num_kv_heads=2, tp_size=8) == [1, 2, 4]
     assert valid_dcp_sizes(num_kv_heads=8, tp_size=4) == [1]
     with pytest.raises(ValueError, match=r"dcp=4 must divide .* 4 / 2 .*valid dcp sizes: \[1, 2\]"):
-        check_groups(StageGroups(tp=_Sized(4), dcp=_Sized(4)), num_kv_heads=2, tp_size=4, local_kv_heads=1)
+        check_groups(StageGroups(tp=NoCollectives(4), dcp=NoCollectives(4)), num_kv_heads=2, tp_size=4, local_kv_heads=1)
     with pytest.raises(ValueError, match=r"valid dcp sizes: \[1\]"):
-        check_groups(StageGroups(tp=_Sized(2), dcp=_Sized(2)), num_kv_heads=2, tp_size=2, local_kv_heads=1)
-    check_groups(StageGroups(tp=_Sized(4), dcp=_Sized(2)), num_kv_heads=2, tp_size=4, local_kv_heads=1)
+        check_groups(StageGroups(tp=NoCollectives(2), dcp=NoCollectives(2)), num_kv_heads=2, tp_size=2, local_kv_heads=1)
+    check_groups(StageGroups(tp=NoCollectives(4), dcp=NoCollectives(2)), num_kv_heads=2, tp_size=4, local_kv_heads=1)
     with pytest.raises(ValueError, match="interleave_size must divide block_size=16"):
         KVCacheManager(block_size=16, num_blocks=4, max_blocks_per_seq=2, cp_world_size=2, interleave_size=6)
     m = KVCacheManager(block_size=16, num_blocks=4, max_blocks_per_seq=2)
     m.add(0, 3)
     meta = KVMetadata.build(_step([3], []), m, "cpu")
     with pytest.raises(ValueError, match=r"cp_world_size=1, cp_rank=0; .* need cp_world_size=2"):
-        check_metadata(StageGroups(tp=_Sized(2), dcp=_Sized(2, 1)), meta)
+        check_metadata(StageGroups(tp=NoCollectives(2), dcp=NoCollectives(2, 1)), meta)
     check_metadata(StageGroups(), meta)
     assert StageGroups().cp_size == 1 and SINGLE.size == 1
 

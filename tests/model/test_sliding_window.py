@@ -16,6 +16,7 @@ from stagewise.model.stage import StageModel
 
 transformers = pytest.importorskip("transformers")
 
+from helpers.groups import NoCollectives  # noqa: E402
 from helpers.hf_models import BLOCK_SIZE, make_model  # noqa: E402
 
 WINDOWED = ["mistral-window", "gemma3"]
@@ -67,20 +68,8 @@ def test_the_cpp_layer_loop_says_it_takes_no_window():
                                         "have a sliding window")
 
 
-class _Sized:
-    """A group that only knows its size and rank (no collective is reached)."""
-
-    def __init__(self, size: int, rank: int = 0) -> None:
-        self.size, self.rank = size, rank
-
-    def all_reduce(self, t):
-        raise AssertionError("no collective runs before the check")
-
-    all_gather = gather = reduce_scatter = all_reduce
-
-
 def test_context_parallel_refuses_a_window():
     hf, cfg = make_model("mistral-window")
     with pytest.raises(ValueError, match=r"Attention: layer 0 has a sliding window of 4 tokens, which context parallel "
                                          r"attention does not apply \(cp_size=2\)"):
-        StageModel.from_weights(cfg, 0, 1, hf.state_dict(), groups=StageGroups(pcp=_Sized(2)))
+        StageModel.from_weights(cfg, 0, 1, hf.state_dict(), groups=StageGroups(pcp=NoCollectives(2)))

@@ -24,6 +24,7 @@ from stagewise.model.loader import open_checkpoint  # noqa: E402
 from stagewise.model.stage import StageModel, load_stage  # noqa: E402
 
 from helpers.gguf_files import gguf_as_hf, write_gguf  # noqa: E402
+from helpers.groups import NoCollectives  # noqa: E402
 from helpers.tp_ranks import (JOINS, NUM_STEPS, WorldFailed, check_steps, hf_step_logits, load_stages, prompts,  # noqa: E402
                               run_steps, run_world)
 
@@ -149,17 +150,6 @@ def test_bytes_of_a_decode_step(cases, worlds):
 
 
 # ---- bad input, in one process: every check comes before any collective or read ----------------
-
-class NoCollectives:
-    """Rank ``rank`` of a group of ``size`` whose collectives must not be reached."""
-
-    def __init__(self, size: int, rank: int = 0) -> None:
-        self.size, self.rank = size, rank
-
-    def _never(self, *args, **kwargs):
-        raise AssertionError("a collective was called before the checks failed")
-
-    all_reduce = all_gather = gather = reduce_scatter = _never
 
 
 def _config(**kw):
