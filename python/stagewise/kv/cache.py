@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from stagewise import ops
+from stagewise.ops.reference import dequantise_kv, quantise_kv
 from stagewise.kv.window import pool_blocks
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -48,8 +49,6 @@ def as_stored(x: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
     """K or V rows ``x [..., D]`` as a compact cache of ``code_dtype`` codes gives them back (quantised
     and dequantised, in x's dtype): what a query that reads the cache sees, for the attention that
     runs over a step's own K/V (a prompt's first chunk) rather than over the cache."""
-    from stagewise.ops.reference import dequantise_kv, quantise_kv
-
     return dequantise_kv(*quantise_kv(x, code_dtype)).to(x.dtype)
 
 
@@ -228,16 +227,19 @@ class KVCache:
     @property
     def storage(self) -> torch.Tensor:
         """The one tensor of a cache whose layers form one group."""
-        if len(self.storages) != 1:
-            raise ValueError(f"KVCache.storage: the layers form {len(self.storages)} groups (windows "
-                             f"{list(self.spec.group_windows)}), each with its own tensor; see storages")
-        return self.storages[0]
+        return self._only_group("storage")[0]
 
     @property
     def scales(self) -> torch.Tensor | None:
         """A compact cache's scales beside :attr:`storage` (one group); None for a cache in the
         activations' dtype."""
-        return None if self.scale_storages is None else self.scale_storages[self.storages.index(self.storage)]
+        return self._only_group("scales")[1]
+
+    def _only_group(self, what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if len(self.storages) != 1:
+            raise ValueError(f"KVCache.{what}: the layers form {len(self.storages)} groups (windows "
+                             f"{list(self.spec.group_windows)}), each with its own tensor; see storages")
+        return self.storages[0], None if self.scale_storages is None else self.scale_storages[0]
 
     def group_tensors(self, group: int) -> list[torch.Tensor]:
         """Layer group ``group``'s storage and, for a compact cache, its scales beside it."""
