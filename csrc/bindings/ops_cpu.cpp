@@ -66,6 +66,15 @@ void decode_attention(at::Tensor& out, at::Tensor& lse, const at::Tensor& q,
   cpu::decode_attention(p);
 }
 
+void extend_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& block_tables,
+                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                      int64_t window, const std::optional<at::Tensor>& k_scale,
+                      const std::optional<at::Tensor>& v_scale) {
+  cpu::extend_attention(make_extend_attention_params(out, q, k_cache, v_cache, block_tables, query_start_loc,
+                                                     seq_lens, scale, window, k_scale, v_scale));
+}
+
 void merge_attn_states(at::Tensor& out, at::Tensor& lse, const at::Tensor& out_a,
                        const at::Tensor& lse_a, const at::Tensor& out_b, const at::Tensor& lse_b) {
   cpu::merge_attn_states(make_merge_attn_states_params(out, lse, out_a, lse_a, out_b, lse_b));
@@ -199,6 +208,7 @@ TORCH_LIBRARY_IMPL(stagewise, CPU, m) {
   m.impl("reshape_and_cache", &reshape_and_cache);
   m.impl("slot_mapping", &slot_mapping);
   m.impl("decode_attention", &decode_attention);
+  m.impl("extend_attention", &extend_attention);
   m.impl("merge_attn_states", &merge_attn_states);
   m.impl("apply_token_bitmask", &apply_token_bitmask);
   m.impl("dense_linear", &dense_linear);

@@ -102,6 +102,28 @@ void decode_attention(at::Tensor& out, at::Tensor& lse, const at::Tensor& q,
   STAGEWISE_CUDA_CALL("decode_attention", q, cuda::decode_attention(p, stream_));
 }
 
+// No fused CUDA kernel of its own yet: each token of a run attends as a decode row over the cache
+// up to itself (decode_attention's split kernel), its sequence's table row repeated and its length
+// its position + 1; all on the device, without a host sync.
+void extend_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& block_tables,
+                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                      int64_t window, const std::optional<at::Tensor>& k_scale,
+                      const std::optional<at::Tensor>& v_scale) {
+  make_extend_attention_params(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window,
+                               k_scale, v_scale);  // its checks
+  const int64_t T = q.size(0);
+  if (T == 0) return;
+  const c10::cuda::CUDAGuard guard(q.device());
+  const at::Tensor starts = query_start_loc.to(at::kLong);
+  const at::Tensor seq = at::repeat_interleave(starts.slice(0, 1) - starts.slice(0, 0, -1), T);
+  const at::Tensor lens = seq_lens.to(at::kLong).index_select(0, seq) - starts.index_select(0, seq + 1) +
+                          at::arange(T, starts.options()) + 1;
+  at::Tensor lse = at::empty({T, q.size(1)}, q.options().dtype(at::kFloat));
+  decode_attention(out, lse, q, k_cache, v_cache, block_tables.index_select(0, seq).contiguous(),
+                   lens.to(at::kInt), scale, std::nullopt, std::nullopt, 0, window, k_scale, v_scale);
+}
+
 void merge_attn_states(at::Tensor& out, at::Tensor& lse, const at::Tensor& out_a,
                        const at::Tensor& lse_a, const at::Tensor& out_b, const at::Tensor& lse_b) {
   auto p = make_merge_attn_states_params(out, lse, out_a, lse_a, out_b, lse_b);
@@ -215,6 +237,7 @@ TORCH_LIBRARY_IMPL(stagewise, CUDA, m) {
   m.impl("reshape_and_cache", &reshape_and_cache);
   m.impl("slot_mapping", &slot_mapping);
   m.impl("decode_attention", &decode_attention);
+  m.impl("extend_attention", &extend_attention);
   m.impl("merge_attn_states", &merge_attn_states);
   m.impl("apply_token_bitmask", &apply_token_bitmask);
   m.impl("quant_linear", &quant_linear);

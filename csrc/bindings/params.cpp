@@ -505,6 +505,76 @@ DecodeAttentionParams make_decode_attention_params(
   return p;
 }
 
+ExtendAttentionParams make_extend_attention_params(
+    at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+    int64_t window, const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  const char* op = "extend_attention";
+  ExtendAttentionParams p{};
+  p.dtype = float_dtype(op, "q", q);
+  check_dim(op, "q", q, 3, "[num_tokens, num_q_heads, head_dim]");
+  check_last_contiguous(op, "q", q);
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
+  TORCH_CHECK_VALUE(D >= 1, "stagewise.extend_attention: argument 'q' dim 2 (head_dim) must be >= 1, got ", D,
+                    " (shape ", shape_of(q), ")");
+  for (auto [name, c] : {std::pair<const char*, const at::Tensor*>{"k_cache", &k_cache},
+                         {"v_cache", &v_cache}}) {
+    check_dim(op, name, *c, 4, "[num_blocks, block_size, num_kv_heads, head_dim]");
+    check_size(op, name, *c, 3, D, "head_dim, as in q");
+    check_contiguous(op, name, *c);
+  }
+  TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "stagewise.extend_attention: argument 'v_cache' must have "
+                    "the shape of 'k_cache' ", shape_of(k_cache), ", got ", shape_of(v_cache));
+  const CacheArgs cache = check_caches(op, k_cache, v_cache, "q", q, k_scale, v_scale);
+  p.cache_type = cache.type;
+  p.k_scale = cache.k_scale;
+  p.v_scale = cache.v_scale;
+  const int64_t Hk = k_cache.size(2);
+  TORCH_CHECK_VALUE(Hk >= 1 && Hq % Hk == 0, "stagewise.extend_attention: num_q_heads (q dim 1) = ", Hq,
+                    " must be a multiple of num_kv_heads (k_cache dim 2) = ", Hk);
+  TORCH_CHECK_VALUE(k_cache.size(1) >= 1, "stagewise.extend_attention: argument 'k_cache' dim 1 (block_size) must "
+                    "be >= 1, got ", k_cache.size(1), " (shape ", shape_of(k_cache), ")");
+  p.block_table_type = index_dtype(op, "block_tables", block_tables);
+  check_dim(op, "block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]");
+  check_last_contiguous(op, "block_tables", block_tables);
+  check_same_device(op, "block_tables", block_tables, "q", q);
+  const int64_t B = block_tables.size(0);
+  p.seq_lens_type = index_dtype(op, "seq_lens", seq_lens);
+  check_index_vector(op, "seq_lens", seq_lens, B, "[num_seqs]", "num_seqs, as in block_tables", q, "q");
+  p.query_start_loc_type = index_dtype(op, "query_start_loc", query_start_loc);
+  check_index_vector(op, "query_start_loc", query_start_loc, B + 1, "[num_seqs + 1]",
+                     "num_seqs + 1, as in block_tables", q, "q");
+  check_float_like(op, "out", out, "q", q);
+  TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "stagewise.extend_attention: argument 'out' must have the shape of "
+                    "'q' ", shape_of(q), ", got ", shape_of(out));
+  check_last_contiguous(op, "out", out);
+  TORCH_CHECK_VALUE(window >= 0, "stagewise.extend_attention: argument 'window' must be >= 0 (0: no window), got ",
+                    window);
+  p.out = out.data_ptr();
+  p.out_token_stride = out.stride(0);
+  p.out_head_stride = out.stride(1);
+  p.q = q.data_ptr();
+  p.q_token_stride = q.stride(0);
+  p.q_head_stride = q.stride(1);
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.block_tables = block_tables.data_ptr();
+  p.block_table_row_stride = block_tables.stride(0);
+  p.max_blocks_per_seq = block_tables.size(1);
+  p.query_start_loc = query_start_loc.data_ptr();
+  p.seq_lens = seq_lens.data_ptr();
+  p.num_seqs = B;
+  p.num_tokens = T;
+  p.num_q_heads = Hq;
+  p.num_kv_heads = Hk;
+  p.head_dim = D;
+  p.block_size = k_cache.size(1);
+  p.num_blocks = k_cache.size(0);
+  p.scale = static_cast<float>(scale);
+  p.window = window;
+  return p;
+}
+
 TokenBitmaskParams make_token_bitmask_params(at::Tensor& logits, const at::Tensor& bitmask,
                                              const at::Tensor& rows) {
   const char* op = "apply_token_bitmask";

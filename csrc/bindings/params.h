@@ -47,6 +47,10 @@ DecodeAttentionParams make_decode_attention_params(
     double scale, const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
     int64_t num_splits, int64_t window, const std::optional<at::Tensor>& k_scale,
     const std::optional<at::Tensor>& v_scale);
+ExtendAttentionParams make_extend_attention_params(
+    at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+    int64_t window, const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
 // The most cached tokens a decode_attention query reads, for the split heuristics: the block
 // table's capacity, or the window when that is shorter (read without touching seq_lens, which
 // may live on the device).

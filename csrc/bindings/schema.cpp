@@ -32,6 +32,10 @@ TORCH_LIBRARY(stagewise, m) {
       "Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_new, "
       "Tensor? v_new, int num_splits, int window=0, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def(
+      "extend_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, int window=0, "
+      "Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
+  m.def(
       "merge_attn_states(Tensor(a!) out, Tensor(b!) lse, Tensor out_a, Tensor lse_a, "
       "Tensor out_b, Tensor lse_b) -> ()");
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");

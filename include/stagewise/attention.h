@@ -73,6 +73,45 @@ inline int64_t window_first_token(int64_t seq_len, bool has_new, int64_t window)
   return first > 0 ? first : 0;
 }
 
+// Attention of runs of new tokens over a paged cache that already holds them: a prompt's chunk
+// after its request's cached tokens (a later chunk, a prefix-cache hit), the drafts a row verifies,
+// a prompt from its first token. Sequence b's run is the q rows [query_start_loc[b],
+// query_start_loc[b + 1]) (n_b tokens), the last n_b of its seq_lens[b] cached tokens; its token i,
+// at position pos = seq_lens[b] - n_b + i, attends over the cached tokens [first, pos] (first =
+// max(0, pos - window + 1) with window > 0, else 0): causal, a sliding window's keys only. Scores,
+// softmax and a compact cache's codes as decode_attention's; out[t, h] rounded to dtype.
+struct ExtendAttentionParams {
+  void* out;               // [num_tokens, num_q_heads, head_dim], last dim contiguous
+  int64_t out_token_stride;
+  int64_t out_head_stride;
+  const void* q;           // [num_tokens, num_q_heads, head_dim], last dim contiguous
+  int64_t q_token_stride;
+  int64_t q_head_stride;
+  const void* k_cache;     // [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+  const void* v_cache;
+  CacheType cache_type;
+  const void* k_scale;     // compact caches: [num_blocks, block_size, num_kv_heads] float16; else null
+  const void* v_scale;
+  const void* block_tables;  // [num_seqs, max_blocks_per_seq], row stride block_table_row_stride
+  IndexType block_table_type;
+  int64_t block_table_row_stride;
+  int64_t max_blocks_per_seq;
+  const void* query_start_loc;  // [num_seqs + 1]: 0, then each run's end row, ending at num_tokens
+  IndexType query_start_loc_type;
+  const void* seq_lens;    // [num_seqs] cached tokens per sequence, its run included
+  IndexType seq_lens_type;
+  DType dtype;             // of out and q (and the caches when cache_type is kModel)
+  int64_t num_seqs;
+  int64_t num_tokens;
+  int64_t num_q_heads;
+  int64_t num_kv_heads;
+  int64_t head_dim;
+  int64_t block_size;
+  int64_t num_blocks;
+  float scale;
+  int64_t window;          // > 0: keys a query attends to at most, itself included; 0: all before it
+};
+
 struct MergeAttnStatesParams {
   void* out;               // [num_tokens, num_heads, head_dim], last dim contiguous
   int64_t out_token_stride;
@@ -102,6 +141,9 @@ namespace cpu {
 // block table.
 void decode_attention(const DecodeAttentionParams& p);
 void merge_attn_states(const MergeAttnStatesParams& p);
+// Raises before computing anything when the runs, lengths or block ids (in each query's window)
+// are out of range.
+void extend_attention(const ExtendAttentionParams& p);
 // Heuristic split count: enough (batch x kv head x split) work items for the
 // thread pool, never more than the context (the window, when there is one) has
 // blocks.

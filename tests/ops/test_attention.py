@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from helpers.kernels import DEVICES, DTYPES, TOLERANCES, assert_close, poison_, strided
+from helpers.kernels import DEVICES, DTYPES, TOLERANCES, assert_close, paged_kv, poison_, strided
 
 import stagewise.ops as ops
 from stagewise.ops import reference
@@ -33,37 +33,6 @@ HEAD_DIMS = (64, 128, 256, 91, 7)  # 91: every vector width + a scalar tail
 DEVICE_HEAD_DIM_CASES = [pytest.param(*d.values, h, marks=d.marks, id=f"{d.values[0]}-d{h}")
                          for d in (pytest.param(x) if isinstance(x, str) else x for x in DEVICES) for h in HEAD_DIMS
                          if d.values[0] == "cpu" or h in DEVICE_HEAD_DIMS]
-
-
-def paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, table_dtype=torch.int32,
-             spare_columns=1):
-    """Per-sequence K/V ``[L_b, Hk, D]`` scattered into randomly permuted cache blocks.
-
-    Returns ``k_cache, v_cache [num_blocks, block_size, Hk, D], block_tables
-    [B, max_blocks], seqs`` with ``seqs[b] = (k_b, v_b)`` unpaged. Blocks (and
-    block tails) no sequence uses hold noise of another scale; table entries
-    beyond a sequence's blocks point at random valid blocks or are -1.
-    """
-    shape = (num_kv_heads, head_dim)
-    blocks_needed = [math.ceil(n / block_size) for n in seq_lens]
-    max_blocks = max(blocks_needed + [0]) + spare_columns
-    num_blocks = sum(blocks_needed) + 3
-    k_cache = (5 * torch.randn(num_blocks, block_size, *shape)).to(dtype)
-    v_cache = (5 * torch.randn(num_blocks, block_size, *shape)).to(dtype)
-    perm = torch.randperm(num_blocks)
-    tables = torch.where(torch.rand(len(seq_lens), max_blocks) < 0.5,
-                         torch.randint(0, num_blocks, (len(seq_lens), max_blocks)), -1)
-    seqs, first = [], 0
-    for b, n in enumerate(seq_lens):
-        k, v = torch.randn(n, *shape).to(dtype), torch.randn(n, *shape).to(dtype)
-        ids = perm[first : first + blocks_needed[b]]
-        first += blocks_needed[b]
-        tables[b, : len(ids)] = ids
-        t = torch.arange(n)
-        k_cache[ids[t // block_size], t % block_size] = k
-        v_cache[ids[t // block_size], t % block_size] = v
-        seqs.append((k.to(device), v.to(device)))
-    return k_cache.to(device), v_cache.to(device), tables.to(device, table_dtype), seqs
 
 
 def plain_attention(q, seqs, scale, k_new=None, v_new=None):

@@ -100,6 +100,20 @@ def _decode_attention(dev):
     )
 
 
+def _extend_attention(dev):
+    return dict(
+        out=_f(T, HQ, D, device=dev),
+        q=_f(T, HQ, D, device=dev),
+        k_cache=_f(NUM_BLOCKS, BLOCK_SIZE, HK, D, device=dev),
+        v_cache=_f(NUM_BLOCKS, BLOCK_SIZE, HK, D, device=dev),
+        block_tables=_i(2, 0, 1, 3, device=dev, dtype=torch.int32).view(B, MAX_BLOCKS),
+        query_start_loc=_i(0, 2, 3, device=dev, dtype=torch.int32),
+        seq_lens=_i(5, 3, device=dev, dtype=torch.int32),
+        scale=D**-0.5,
+        window=0,
+    )
+
+
 def _merge_attn_states(dev):
     return dict(
         out=_f(T, HQ, D, device=dev),
@@ -143,6 +157,7 @@ VALID = {
     "reshape_and_cache": _reshape_and_cache,
     "slot_mapping": _slot_mapping,
     "decode_attention": _decode_attention,
+    "extend_attention": _extend_attention,
     "merge_attn_states": _merge_attn_states,
     "apply_token_bitmask": _apply_token_bitmask,
     "dense_linear": _dense_linear,
@@ -160,6 +175,7 @@ DEVICE_REF = {
     "reshape_and_cache": "k",
     "slot_mapping": "block_tables",
     "decode_attention": "q",
+    "extend_attention": "q",
     "merge_attn_states": "out_a",
     "apply_token_bitmask": "logits",
     "dense_linear": "x",
@@ -482,6 +498,33 @@ CASES = [
     _case("decode_attention", ValueError, "argument 'num_splits' must be in [1, 1024] (or 0/None for the heuristic), "
           "got 4294967296", ("set", "num_splits", 2**32)),
     _case("decode_attention", ValueError, "argument 'window' must be >= 0 (0: no window), got -3",
+          ("set", "window", -3)),
+    # extend_attention(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window)
+    _case("extend_attention", TypeError, "argument 'q' must be float32, float16 or bfloat16, got int32",
+          ("dtype", "q", torch.int32)),
+    _case("extend_attention", TypeError, "argument 'k_cache' must have the dtype of 'q' (float32), got float16",
+          ("dtype", "k_cache", torch.float16)),
+    _case("extend_attention", TypeError, "argument 'query_start_loc' must be int32 or int64, got float32",
+          ("dtype", "query_start_loc", torch.float32)),
+    _case("extend_attention", TypeError, "argument 'out' must have the dtype of 'q' (float32), got bfloat16",
+          ("dtype", "out", torch.bfloat16)),
+    _case("extend_attention", ValueError,
+          "argument 'q' must have 3 dims [num_tokens, num_q_heads, head_dim], got 2 dims with shape [3, 32]",
+          ("shape", "q", (T, HQ * D))),
+    _case("extend_attention", ValueError, "argument 'seq_lens' dim 0 (num_seqs, as in block_tables) must be 2, got 3",
+          ("shape", "seq_lens", (3,))),
+    _case("extend_attention", ValueError,
+          "argument 'query_start_loc' dim 0 (num_seqs + 1, as in block_tables) must be 3, got 2",
+          ("shape", "query_start_loc", (2,))),
+    _case("extend_attention", ValueError, "argument 'out' must have the shape of 'q' [3, 4, 8], got [3, 4, 4]",
+          ("shape", "out", (T, HQ, 4))),
+    _case("extend_attention", ValueError, "num_q_heads (q dim 1) = 3 must be a multiple of num_kv_heads (k_cache "
+          "dim 2) = 2", ("shape", "q", (T, 3, D)), ("shape", "out", (T, 3, D))),
+    _case("extend_attention", ValueError, "argument 'q' must have a contiguous last dim (stride 1), got strides "
+          "[64, 16, 2]", ("last_dim", "q")),
+    _case("extend_attention", ValueError, "argument 'seq_lens' must be contiguous, got shape [2] with strides [4]",
+          ("rows", "seq_lens")),
+    _case("extend_attention", ValueError, "argument 'window' must be >= 0 (0: no window), got -3",
           ("set", "window", -3)),
     # merge_attn_states(out, lse, out_a, lse_a, out_b, lse_b)
     _case("merge_attn_states", TypeError, "argument 'out_a' must be float32, float16 or bfloat16, got int32",

@@ -1,7 +1,7 @@
 """The one instruction-set dispatch of the CPU kernels (csrc/cpu/isa.h): STAGEWISE_CPU_ISA caps the
 level, read once per process, so every copy of every kernel runs here, each in a process of its own,
 against the same tests as the default level: the dense linear, the quantised linears (exact and int8,
-every block type), attention, merge, the norms and rope. The levels are those this CPU has, but the
+every block type), attention (decode and extend), merge, the norms and rope. The levels are those this CPU has, but the
 one this process runs, which is the rest of the suite (a level the CPU lacks runs where the CPU has
 it: STAGEWISE_CPU_ISA only caps the level)."""
 
@@ -19,6 +19,7 @@ import stagewise.ops as ops
 LEVELS = ["baseline", "avx2", "avx512", "avx512vnni"]
 TESTS = Path(__file__).resolve().parents[1]
 KERNEL_TESTS = ["test_dense_linear.py", "test_quant_linear.py", "test_quant_linear_int8.py", "test_attention.py",
+                "test_extend_attention.py",
                 "test_compact_kv.py",
                 "test_merge.py", "test_norm.py", "test_rope.py"]
 

@@ -118,6 +118,15 @@ def _decode_attention(dev, new_tokens: bool, window: int = 0):
     return (out, lse, q, c["k_cache"], c["v_cache"], c["block_tables"], c["seq_lens"], D**-0.5, *new, 2, window)
 
 
+def _extend_attention(dev, window: int = 0, compact: bool = False):
+    """Runs of 3, 1 and 16 tokens: the last of each sequence's 37, 1 and 16 cached ones."""
+    c, caches = _compact(dev) if compact else (_paged_cache(dev), None)
+    starts = torch.tensor([0, 3, 4, 20], dtype=torch.int32, device=dev)
+    q = torch.randn(20, HQ, D, device=dev)
+    kv = caches if compact else (c["k_cache"], c["v_cache"], None, None)
+    return (torch.empty_like(q), q, *kv[:2], c["block_tables"], starts, c["seq_lens"], D**-0.5, window, *kv[2:])
+
+
 def _merge_attn_states(dev):
     out_a, out_b = torch.randn(T, HQ, D, device=dev), torch.randn(T, HQ, D, device=dev)
     lse_a, lse_b = torch.randn(T, HQ, device=dev), torch.randn(T, HQ, device=dev)
@@ -168,6 +177,9 @@ OPCHECK_CASES = [
     pytest.param("decode_attention", lambda dev: _decode_attention(dev, True), id="decode_attention-k_new"),
     pytest.param("decode_attention", lambda dev: _decode_attention(dev, True, 3), id="decode_attention-window"),
     pytest.param("decode_attention", _decode_attention_compact, id="decode_attention-int8"),
+    pytest.param("extend_attention", _extend_attention, id="extend_attention"),
+    pytest.param("extend_attention", lambda dev: _extend_attention(dev, window=5), id="extend_attention-window"),
+    pytest.param("extend_attention", lambda dev: _extend_attention(dev, compact=True), id="extend_attention-int8"),
     pytest.param("merge_attn_states", _merge_attn_states, id="merge_attn_states"),
     pytest.param("apply_token_bitmask", _apply_token_bitmask, id="apply_token_bitmask"),
     pytest.param("dense_linear", _dense_linear, id="dense_linear"),
@@ -244,6 +256,10 @@ def test_fake_shapes_and_dtypes():
         for new in ((None, None), (kn, torch.empty_like(kn))):
             out, lse = ops.decode_attention(qd, k_cache, v_cache, block_tables, seq_lens, D**-0.5, *new)
             assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((B, HQ, D), dt, (B, HQ), torch.float32)
+
+        out = ops.extend_attention(q, k_cache, v_cache, block_tables, torch.empty(B + 1, dtype=torch.int32), seq_lens,
+                                   D**-0.5)
+        assert (out.shape, out.dtype) == ((T, HQ, D), dt)
 
         out, lse = ops.merge_attn_states(q, torch.empty(T, HQ), torch.empty_like(q), torch.empty(T, HQ))
         assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((T, HQ, D), dt, (T, HQ), torch.float32)

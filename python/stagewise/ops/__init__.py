@@ -29,6 +29,7 @@ __all__ = [
     "reshape_and_cache",
     "slot_mapping",
     "decode_attention",
+    "extend_attention",
     "merge_attn_states",
     "apply_token_bitmask",
     "dense_linear",
@@ -184,6 +185,36 @@ def decode_attention(
     _ops.decode_attention(out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits or 0,
                           window or 0, k_scale, v_scale)
     return out, lse
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of runs of new tokens ``q [T, Hq, D]`` whose K/V the paged cache already holds:
+    sequence ``b``'s run is the rows ``query_start_loc[b] .. query_start_loc[b + 1]`` (``[B + 1]``,
+    from 0 to T), the last tokens of its ``seq_lens[b]`` cached ones; each attends causally over the
+    cache up to itself (``window``: its last ``window`` keys, itself included). A prompt's chunk
+    after its cached tokens, drafts being verified, a whole prompt. Returns ``out [T, Hq, D]`` (q's
+    dtype). A compact cache as :func:`decode_attention`'s. On the CPU the tokens of a run share
+    every K/V row they read; on CUDA each runs as a decode row."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"stagewise.extend_attention: argument 'window' must be an int >= 1 or None, got {window!r}")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _ops.extend_attention(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window or 0,
+                          k_scale, v_scale)
+    return out
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:

@@ -79,6 +79,12 @@ def _decode_attention(out, lse, q, k_cache, v_cache, block_tables, seq_lens, sca
     return None
 
 
+@_fake("extend_attention", ref="q")
+def _extend_attention(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window=0,
+                      k_scale=None, v_scale=None):
+    return None
+
+
 @_fake("merge_attn_states", ref="out_a")
 def _merge_attn_states(out, lse, out_a, lse_a, out_b, lse_b):
     return None

@@ -162,6 +162,23 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_new=N
     return torch.stack(outs).to(q.dtype), torch.stack(lses)
 
 
+def extend_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window=None,
+                     k_scale=None, v_scale=None) -> torch.Tensor:
+    """``out [T, Hq, D]`` in q's dtype: sequence ``b``'s run, the q rows ``query_start_loc[b] ..
+    query_start_loc[b + 1]``, is the last of its ``seq_lens[b]`` cached tokens; each of its tokens
+    attends over the cached tokens up to itself (``window``: its last ``window`` of them)."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for b in range(block_tables.size(0)):
+        start, end, n = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
+        k, v = gather_kv(k_cache, v_cache, block_tables[b], n, 0, k_scale, v_scale)
+        for i in range(end - start):
+            pos = n - (end - start) + i
+            first = 0 if not window else max(0, pos - window + 1)
+            o, _ = attention_with_lse(q[start + i], k[first : pos + 1], v[first : pos + 1], scale)
+            out[start + i] = o.to(q.dtype)
+    return out
+
+
 def merge_attn_states(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
     """LSE merge of two partial results; a -inf side contributes nothing."""
     m = torch.maximum(lse_a, lse_b)

@@ -33,7 +33,8 @@ from stagewise.bench.kernels import flashinfer as fi
 EPS = 1e-6
 BLOCK = 16
 OPS = ("rms_norm", "fused_add_rms_norm", "rope", "qk_norm_rope", "reshape_and_cache", "slot_mapping",
-       "decode_attention", "merge_attn_states", "dense_linear", "quant_linear", "quant_linear_int8")  # fmt: skip
+       "decode_attention", "extend_attention", "merge_attn_states", "dense_linear", "quant_linear",
+       "quant_linear_int8")  # fmt: skip
 
 # Sizes per preset and device. Attention shapes are Llama-3-8B / Qwen3-8B like
 # (32 query heads, 8 KV heads, head_dim 128) unless a size says otherwise.
@@ -52,6 +53,10 @@ SIZES = {
     "decode_attention": {"cpu": [dict(B=8, ctx=1024), dict(B=1, ctx=4096)],
                          "cuda": [dict(B=64, ctx=8192), dict(B=64, ctx=8192, Hq=64), dict(B=1, ctx=32768)],
                          "tiny": [dict(B=2, ctx=40, Hq=4, Hk=2, D=32)]},
+    # 16 tokens after a 1,024-token cached prefix in SmolLM2's heads (a prefix-cache hit), a 512-token prompt.
+    "extend_attention": {"cpu": [dict(n=16, ctx=1040, Hq=9, Hk=3, D=64), dict(n=512, ctx=512)],
+                         "cuda": [dict(n=16, ctx=8192), dict(n=2048, ctx=8192)],
+                         "tiny": [dict(n=5, ctx=40, Hq=4, Hk=2, D=32)]},
     "merge_attn_states": {"cpu": [dict(N=64)], "cuda": [dict(N=64), dict(N=16384)],
                           "tiny": [dict(N=3, H=4, D=32)]},
     # A decode step of a dense float32 model of hidden 2048 (a random Qwen3-VL's: MLP 6144, a 32000-row LM
@@ -267,6 +272,37 @@ def _decode_attention(dtype, dev, B, ctx, Hq=32, Hk=8, D=128) -> Case:
                 **fi.decode(q, kc, vc, tables, seq_lens, D**-0.5, BLOCK))  # fmt: skip
 
 
+def torch_extend_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
+    """Pure-torch attention of runs after a cache (the baseline of extend_attention): per sequence,
+    its cached K/V gathered whole blocks at a time, then SDPA with the causal mask offset by the
+    cached length."""
+    outs = []
+    for b in range(block_tables.size(0)):
+        start, end, n = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
+        blocks = block_tables[b, : -(-n // k_cache.size(1))].long()
+        k, v = (c[blocks].flatten(0, 1)[:n].transpose(0, 1)[None] for c in (k_cache, v_cache))
+        keys, queries = torch.arange(n, device=q.device), torch.arange(n - end + start, n, device=q.device)
+        o = torch.nn.functional.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], k, v, scale=scale,
+                                                             attn_mask=keys <= queries[:, None], enable_gqa=True)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _extend_attention(dtype, dev, n, ctx, Hq=32, Hk=8, D=128) -> Case:
+    per_seq = math.ceil(ctx / BLOCK)
+    kc, vc = (_randn(per_seq, BLOCK, Hk, D, dtype=dtype, dev=dev) for _ in range(2))
+    tables = torch.randperm(per_seq, device=dev, dtype=torch.int32).view(1, per_seq)
+    starts, lens = torch.tensor([0, n], dtype=torch.int32, device=dev), torch.tensor([ctx], dtype=torch.int32, device=dev)
+    q = _randn(n, Hq, D, dtype=dtype, dev=dev)
+    out = torch.empty_like(q)
+    args = (q, kc, vc, tables, starts, lens, D**-0.5)
+    # q and out, the K and V rows of the cache (read once), the table entries.
+    nbytes = 2 * n * Hq * D * q.element_size() + 2 * ctx * Hk * D * q.element_size() + per_seq * 4
+    return Case(op="extend_attention", name=f"{n} after {ctx - n} q{Hq}/kv{Hk}x{D}", dtype=dtype, nbytes=nbytes,
+                ours=lambda: ops.extend_attention(*args, out=out), baseline=torch_extend_attention, baseline_args=args,
+                validate=_same(ops.extend_attention, ref.extend_attention, args))  # fmt: skip
+
+
 def _merge(dtype, dev, N, H=32, D=128) -> Case:
     a, b = _randn(N, H, D, dtype=dtype, dev=dev), _randn(N, H, D, dtype=dtype, dev=dev)
     lse_a, lse_b = torch.randn(N, H, device=dev) * 2 + 5, torch.randn(N, H, device=dev) * 2 + 5
@@ -355,6 +391,7 @@ _BUILDERS = {
     "reshape_and_cache": _reshape_and_cache,
     "slot_mapping": _slot_mapping,
     "decode_attention": _decode_attention,
+    "extend_attention": _extend_attention,
     "merge_attn_states": _merge,
     "dense_linear": _dense_linear,
     "quant_linear": _quant_linear,
