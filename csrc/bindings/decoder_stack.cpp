@@ -15,8 +15,9 @@
 // One step, per layer (x [B, hidden] and residual [B, hidden], updated in place):
 //   residual += x; x = rms_norm(residual)        (the first layer of stage 0: residual = x)
 //   qkv = linear(x); rope (or Qwen3's qk_norm_rope) on q, k
-//   attn = decode_attention(q over the cache plus k, v)   (a prompt step: SDPA over each prompt)
-//   reshape_and_cache(k, v)
+//   attn = decode_attention(q over the cache plus k, v); reshape_and_cache(k, v)
+//     (a step with prompt tokens: reshape_and_cache(k, v) first, then extend_attention over the
+//     prompt runs and decode_attention over the decode rows)
 //   x = linear_o(attn); residual += x; x = rms_norm(residual)
 //   gate, up = linear_gate_up(x); x = linear_down(act(gate) * up)
 #include <ATen/ATen.h>
@@ -120,59 +121,56 @@ class DecoderStack : public torch::CustomClassHolder {
         });
   }
 
-  // A step of rows whose new tokens follow their request's cache, several rows per request where
-  // it brings several tokens (a row verifying speculative drafts, a draft model catching up).
-  // block_tables [B, W] and seq_lens [B] are per row: the row's request's table, and the tokens the
-  // row attends to, itself included (its position + 1). Each layer writes the step's K/V into the
-  // cache first, then decode_attention reads every row's span of it, so a token sees those before
-  // it in the same step (the causal mask over the new ones). Each row reads its request's cache once: meant for
-  // short runs of tokens (a long chunk is SDPA's work, in the Python layers).
+  // A step with prompt tokens: P runs of new tokens, each after its request's cache (a prompt from
+  // its first token, a later chunk, a prefix-cache hit, drafts being verified), then decode rows.
+  // The runs are x's first query_start_loc[P] rows, one after another (query_start_loc [P + 1], from
+  // 0); block_tables [R, W] holds each run's request's table, then each decode row's; seq_lens [R]
+  // a run's request's tokens after the step (its cache and the run), a decode row's before its new
+  // token. Each layer writes the step's K/V into the cache first; the runs attend causally over the
+  // cache through extend_attention (a run's tokens share every K/V row they read), the decode rows
+  // as in decode().
   void extend(at::Tensor x, at::Tensor residual, bool has_residual, at::Tensor positions, at::Tensor slot_mapping,
-              at::Tensor block_tables, at::Tensor seq_lens, at::Tensor kv, OptT scales) {
+              at::Tensor block_tables, at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor kv, OptT scales) {
+    static auto runs = op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
+                               const OptT&, const OptT&)>("stagewise::extend_attention");
     static auto attention = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                     const at::Tensor&, const at::Tensor&, double, const OptT&, const OptT&, int64_t,
                                     int64_t, const OptT&, const OptT&)>("stagewise::decode_attention");
     static auto cache = op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
                                 const OptT&, const OptT&)>("stagewise::reshape_and_cache");
     check(x, residual, kv, scales, "extend");
-    TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == x.size(0) && seq_lens.dim() == 1 &&
-                          seq_lens.size(0) == x.size(0),
-                      "DecoderStack.extend: block_tables and seq_lens need one row per row of x (", x.size(0),
-                      "), got ", block_tables.sizes(), " and ", seq_lens.sizes());
-    at::Tensor lse = at::empty({x.size(0), hq_}, x.options().dtype(at::kFloat));
+    const int64_t num_runs = query_start_loc.dim() == 1 ? query_start_loc.size(0) - 1 : -1;
+    TORCH_CHECK_VALUE(num_runs >= 1 && query_start_loc.device().is_cpu(), "DecoderStack.extend: query_start_loc "
+                      "must be a CPU tensor [P + 1] of at least one run, got ", query_start_loc.sizes());
+    const int64_t run_rows = query_start_loc[num_runs].item<int64_t>(), rows = x.size(0);
+    const int64_t decodes = rows - run_rows, lines = num_runs + decodes;
+    TORCH_CHECK_VALUE(run_rows >= 0 && run_rows <= rows && block_tables.dim() == 2 &&
+                          block_tables.size(0) == lines && seq_lens.dim() == 1 && seq_lens.size(0) == lines,
+                      "DecoderStack.extend: the runs' ", run_rows, " rows of x (", rows, ") and its other rows need ",
+                      "one row of block_tables and seq_lens per run and per decode row (", lines, "), got ",
+                      block_tables.sizes(), " and ", seq_lens.sizes());
+    const at::Tensor run_tables = block_tables.narrow(0, 0, num_runs), run_lens = seq_lens.narrow(0, 0, num_runs);
+    const at::Tensor tables = block_tables.narrow(0, num_runs, decodes);
+    const at::Tensor lens = seq_lens.narrow(0, num_runs, decodes) + (scales.has_value() ? 1 : 0);
+    at::Tensor lse = at::empty({decodes, hq_}, x.options().dtype(at::kFloat));
     run(x, residual, has_residual, positions, slot_mapping, kv, scales, /*cache_after=*/false,
         [&](at::Tensor& attn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const OptT& k_scale, const OptT& v_scale) {
           at::Tensor kc = k_cache, vc = v_cache;
           cache.call(k, v, kc, vc, slot_mapping, k_scale, v_scale);
-          attention.call(attn, lse, q, k_cache, v_cache, block_tables, seq_lens, scale_, std::nullopt, std::nullopt,
-                         0, 0, k_scale, v_scale);
-        });
-  }
-
-  // A prompt step: prompts of query_lens tokens, one after another in x, each from position 0
-  // (nothing cached before it); causal attention over each prompt's own tokens, as the Python
-  // layer runs it (torch's SDPA on [1, H, n, D] views, the KV heads shared by GQA).
-  void prefill(at::Tensor x, at::Tensor residual, bool has_residual, at::Tensor positions, at::Tensor slot_mapping,
-               std::vector<int64_t> query_lens, at::Tensor kv, OptT scales) {
-    check(x, residual, kv, scales, "prefill");
-    int64_t total = 0;
-    for (int64_t n : query_lens) {
-      TORCH_CHECK_VALUE(n > 0, "DecoderStack.prefill: every prompt needs at least one token, got ", n);
-      total += n;
-    }
-    TORCH_CHECK_VALUE(total == x.size(0), "DecoderStack.prefill: query_lens add up to ", total, " rows, x has ",
-                      x.size(0));
-    run(x, residual, has_residual, positions, slot_mapping, kv, scales, /*cache_after=*/true,
-        [&](at::Tensor& attn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
-            const at::Tensor&, const OptT&, const OptT&) {
-          int64_t start = 0;
-          for (int64_t n : query_lens) {
-            auto span = [&](const at::Tensor& a) { return a.narrow(0, start, n).transpose(0, 1).unsqueeze(0); };
-            at::Tensor o = at::scaled_dot_product_attention(span(q), span(k), span(v), std::nullopt, 0.0,
-                                                            /*is_causal=*/true, scale_, /*enable_gqa=*/hq_ != hk_);
-            attn.narrow(0, start, n).copy_(o[0].transpose(0, 1));
-            start += n;
+          at::Tensor run_out = attn.narrow(0, 0, run_rows);
+          runs.call(run_out, q.narrow(0, 0, run_rows), k_cache, v_cache, run_tables, query_start_loc, run_lens,
+                    scale_, 0, k_scale, v_scale);
+          if (decodes == 0) return;
+          at::Tensor out = attn.narrow(0, run_rows, decodes);
+          const at::Tensor qd = q.narrow(0, run_rows, decodes);
+          if (scales.has_value()) {  // each decode row reads its new K/V as stored, as in decode()
+            attention.call(out, lse, qd, k_cache, v_cache, tables, lens, scale_, std::nullopt, std::nullopt, 0, 0,
+                           k_scale, v_scale);
+          } else {
+            attention.call(out, lse, qd, k_cache, v_cache, tables, lens, scale_, k.narrow(0, run_rows, decodes),
+                           v.narrow(0, run_rows, decodes), 0, 0, k_scale, v_scale);
           }
         });
   }
@@ -282,8 +280,7 @@ TORCH_LIBRARY_FRAGMENT(stagewise, m) {
       .def("set_linear", &DecoderStack::set_linear)
       .def("num_layers", &DecoderStack::num_layers)
       .def("decode", &DecoderStack::decode)
-      .def("extend", &DecoderStack::extend)
-      .def("prefill", &DecoderStack::prefill);
+      .def("extend", &DecoderStack::extend);
 }
 
 }  // namespace stagewise::glue

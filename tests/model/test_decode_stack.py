@@ -1,11 +1,11 @@
 """The C++ layer loop (model/decode_stack.py, csrc/bindings/decoder_stack.cpp) against the Python
-layers it stands in for: the same ops in the same order, so decode steps and prompt steps from
-position 0 give the same bits — the
-logits, the hidden states a stage sends on, and every K/V it writes. Weights: dense (float32 and
-bfloat16, Llama with biases, Qwen3's q/k norms) and GGUF blocks (exact and int8), stages first,
-middle and last, with decode rows at different context lengths. A verifying step (speculative
-decoding: several rows of a request after its cache) runs each token as a decode row, the step's
-K/V written first, in both: the same bits too."""
+layers it stands in for: the same ops in the same order, so decode steps and steps with prompt
+rows give the same bits — the logits, the hidden states a stage sends on, and every K/V it writes.
+Weights: dense (float32 and bfloat16, Llama with biases, Qwen3's q/k norms) and GGUF blocks (exact
+and int8), stages first, middle and last, with decode rows at different context lengths. A step
+that mixes runs of tokens after their request's cache (verifying drafts, a later prompt chunk)
+with a decode row attends the runs through extend_attention, the step's K/V written first, in
+both: the same bits too, over a float32 cache and a compact int8 one."""
 
 from __future__ import annotations
 
@@ -97,13 +97,13 @@ def test_decode_stack_equals_python_layers(kind, part):
     assert fast[0][-1].isfinite().all()
 
 
-def _verify_step(stage: StageModel, hidden_in: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _verify_step(stage: StageModel, hidden_in: bool, kv_cache_dtype: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """The prompts, then one step in which request 0 verifies 3 drafts, request 1 one, request 2
-    decodes; (that step's output, the cache)."""
+    decodes; (that step's output, the cache's storage)."""
     cfg = stage.config
     manager = KVCacheManager(block_size=BLOCK, num_blocks=32, max_blocks_per_seq=8)
-    cache = KVCache(stage.kv_cache_spec(BLOCK, torch.float32), num_blocks=32)
-    cache.storage.fill_(float("nan"))
+    cache = KVCache(stage.kv_cache_spec(BLOCK, torch.float32, kv_cache_dtype), num_blocks=32)
+    cache.storage.fill_(float("nan") if kv_cache_dtype == "auto" else 0)
     g = torch.Generator().manual_seed(5)
     lens = [len(p) for p in PROMPTS]
     out = None
@@ -122,19 +122,20 @@ def _verify_step(stage: StageModel, hidden_in: bool) -> tuple[torch.Tensor, torc
     return out, cache.storage
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("part", ["whole", "last", "middle"])
 @pytest.mark.parametrize("kind", ["q4_1", "llama-bias", "qwen3"])
-def test_verifying_steps_through_the_stack_equal_the_python_layers(kind, part):
+def test_verifying_steps_through_the_stack_equal_the_python_layers(kind, part, kv_cache_dtype):
     cfg, weights, dtype = _model(kind)
     start, end = {"whole": (0, 3), "middle": (1, 2), "last": (1, 3)}[part]
     stage = StageModel.from_weights(cfg, start, end, weights, dtype=dtype)
     calls = []
     real = stage.decode_stack
     stage.decode_stack = type("Spy", (), {"__getattr__": lambda _, name: calls.append(name) or getattr(real, name)})()
-    fast = _verify_step(stage, hidden_in=start > 0)
-    assert calls == ["prefill", "extend"]
+    fast = _verify_step(stage, hidden_in=start > 0, kv_cache_dtype=kv_cache_dtype)
+    assert calls == ["extend", "extend"]
     stage.decode_stack = None
-    slow = _verify_step(stage, hidden_in=start > 0)
+    slow = _verify_step(stage, hidden_in=start > 0, kv_cache_dtype=kv_cache_dtype)
     if end == cfg.num_layers:
         assert fast[0].shape == (4 + 2 + 1, cfg.vocab_size)  # logits at every verified position
     assert torch.equal(fast[0], slow[0])
@@ -183,12 +184,14 @@ def test_stack_refuses_a_cache_of_other_layers():
         stage.decode_stack.decode(x, x.clone(), True, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                                   torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), kv, None)
     kv = torch.zeros(2, 2, 4, BLOCK, cfg.num_kv_heads, cfg.head_dim)
-    with pytest.raises(ValueError, match="DecoderStack.prefill: query_lens add up to 3 rows, x has 1"):
-        stage.decode_stack.prefill(x, x.clone(), True, torch.zeros(1, dtype=torch.long),
-                                   torch.zeros(1, dtype=torch.long), [1, 2], kv, None)
-    with pytest.raises(ValueError, match="DecoderStack.prefill: every prompt needs at least one token, got 0"):
-        stage.decode_stack.prefill(x, x.clone(), True, torch.zeros(1, dtype=torch.long),
-                                   torch.zeros(1, dtype=torch.long), [1, 0], kv, None)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"DecoderStack.extend: the runs' 3 rows of x \(1\) and its other rows need"):
+        stage.decode_stack.extend(x, x.clone(), True, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                                  tables, torch.tensor([0, 3], dtype=torch.int32), lens, kv, None)
+    with pytest.raises(ValueError, match=r"DecoderStack.extend: query_start_loc must be a CPU tensor \[P \+ 1\] of "
+                                         r"at least one run, got \[1\]"):
+        stage.decode_stack.extend(x, x.clone(), True, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                                  tables, torch.zeros(1, dtype=torch.int32), lens, kv, None)
     assert ops.cpu_isa() in ("baseline", "avx2", "avx512", "avx512vnni")
 
 

@@ -4,10 +4,9 @@ runs the same ops as the Python layers, in the same order, from C++.
 
 Why: at batch 1 a layer's kernels take tens of microseconds and driving them from Python costs
 about as much again (``stagewise bench profile`` measures the framework's cost per layer). The
-stack serves steps whose rows all decode one token, steps of prompts that all start at position 0
-(without images), and steps whose prompt rows are all short runs of tokens after their request's
-cache (speculative decoding's verifying rows: ``KVMetadata.token_block_tables``); longer chunks
-after a cache and mixed steps run the Python layers. It runs the
+stack serves every step without images: decode steps (``decode``) and steps with prompt rows
+(``extend``: each prompt row a run of tokens after its request's cache, a prompt from its first
+token included, attended by ``extend_attention``; the step's decode rows beside them). It runs the
 pre-norm :class:`~stagewise.model.layers.decoder.DecoderLayer` with RMSNorms and a dense gated MLP,
 on one tensor-parallel rank on the CPU. Which stages get one is decided by
 ``StageModel.python_loop_reason``: an architecture whose entry says the loop takes its layers

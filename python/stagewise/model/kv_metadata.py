@@ -16,19 +16,6 @@ from stagewise.int_tensors import int_tensor
 from stagewise.kv import KVCacheManager
 from stagewise.model.batch import StepBatch, _fail
 
-SHORT_CHUNK = 16
-"""The most tokens a row after its request's cache may bring for the step to run every token as a
-decode row (:attr:`KVMetadata.token_block_tables`): each reads the request's cache once, which a
-longer chunk pays more for than SDPA over the gathered cache."""
-
-
-def short_chunks(batch: StepBatch) -> bool:
-    """Whether every prefill row of ``batch`` is a run of at most :data:`SHORT_CHUNK` tokens after its
-    request's cache (the other rows decode)."""
-    p = batch.num_prefills
-    return p > 0 and min(batch.context_lens[:p]) > 0 and max(batch.query_lens[:p]) <= SHORT_CHUNK
-
-
 @dataclass(kw_only=True, slots=True, frozen=True)
 class PcpSplit:
     """One prefill-context-parallel rank's share of a step, from :func:`split_for_pcp`.
@@ -170,15 +157,15 @@ class KVMetadata:
     cp_block_tables: torch.Tensor | None = None
     """``[N, max_blocks_per_seq]`` int32: the block table of each ``cp_rows`` row's request."""
     cp_local_lens: torch.Tensor | None = None
-    token_block_tables: torch.Tensor | None = None
-    """``[T, max_blocks_per_seq]`` int32, when every prefill row of the step is a short run of tokens
-    after its request's cache (:data:`SHORT_CHUNK`; a row verifying speculative drafts, a draft model
-    catching up) and nothing is context parallel: each token's request's table. Attention then runs
-    every token as a decode row over the cache, the step's K/V written first."""
-    token_seq_lens: torch.Tensor | None = None
-    """``[T]`` int32 with ``token_block_tables``: the tokens each token attends to, itself included."""
     """``[N]`` int32: of each ``cp_rows`` row's request, the tokens this rank stores at positions up to
     the row's own (the step writes its tokens first): the row's causal limit on this rank's shard."""
+    query_start_loc: torch.Tensor | None = None
+    """``[P + 1]`` int32, when the step has P prefill rows and nothing is context parallel: where each
+    prompt run's tokens start among the step's rows, then where the last ends (from 0)."""
+    extend_lens: torch.Tensor | None = None
+    """``[R]`` int32 with ``query_start_loc``: each prefill row's request's tokens after the step (its
+    cache and its run: what the run attends over), then each decode row's cached tokens (as
+    ``seq_lens``)."""
 
     def __post_init__(self) -> None:
         if self.slot_mapping.dim() != 1:
@@ -217,10 +204,11 @@ class KVMetadata:
             seq = [batch.context_lens[j] + row - first[j] for row, j in zip(rows, requests)]
             lens = manager.num_local_positions(torch.tensor(seq, dtype=torch.int64, device=device) + 1)
             cp["cp_local_lens"] = lens.to(torch.int32)
-        elif short_chunks(batch):  # each token a decode row: its request's table, the length up to itself
-            cp["token_block_tables"] = block_tables.repeat_interleave(int_tensor(batch.query_lens, device=device), 0)
-            cp["token_seq_lens"] = int_tensor([c + j for c, n in zip(batch.context_lens, batch.query_lens)
-                                               for j in range(1, n + 1)], torch.int32, device)
+        elif batch.num_prefills:  # the prompt runs for extend_attention
+            p = batch.num_prefills
+            cp["query_start_loc"] = int_tensor([0, *itertools.accumulate(batch.query_lens[:p])], torch.int32, device)
+            cp["extend_lens"] = int_tensor([c + n if i < p else c for i, (c, n) in
+                                            enumerate(zip(batch.context_lens, batch.query_lens))], torch.int32, device)
         return cls(slot_mapping=manager.slot_mapping(spans, device, block_tables=shared), block_tables=block_tables,
                    seq_lens=int_tensor(batch.context_lens, torch.int32, device),
                    cp_world_size=manager.cp_world_size, cp_rank=manager.cp_rank, pcp=pcp, **cp)

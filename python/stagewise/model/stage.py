@@ -50,8 +50,8 @@ class StageModel(nn.Module):
         self.embedding, self.final_norm, self.lm_head = embedding, final_norm, lm_head
         self.vision = vision
         device = next((p.device for p in self.parameters()), torch.device("cpu"))
-        # Decode steps and prompt steps from position 0 run the layer loop in C++ where it can:
-        # same ops, same bits (see _fresh_prompts). Where it cannot, python_loop_reason says why.
+        # Steps without images run the layer loop in C++ where it can: the same ops as the Python
+        # layers, the same bits. Where it cannot, python_loop_reason says why.
         self.python_loop_reason = _python_loop_reason(config, device, groups, range(start_layer, end_layer))
         self.decode_stack = None
         if self.python_loop_reason is None:
@@ -172,23 +172,15 @@ class StageModel(nn.Module):
         if batch.pixel_values is not None:
             raise ValueError("StageModel.forward: the step still holds pixel_values; run encode_images first")
         stack = self.decode_stack if batch.num_tokens > 0 and split is None else None
-        extending = stack is not None and meta.token_seq_lens is not None and batch.mrope_positions is None \
-            and batch.visual_rows is None
-        # A compact cache's prompts run in the Python layers, whose first chunks attend over their K/V as
-        # stored (model/layers/attention.py); the C++ loop attends over them as computed.
-        fresh = _fresh_prompts(batch) and not kv_cache.spec.compact
-        if stack is not None and (batch.num_prefills == 0 or extending or fresh):
+        if stack is not None and batch.mrope_positions is None and batch.visual_rows is None:
             has_residual = residual is not None
             residual = residual if has_residual else torch.empty_like(x)
             if batch.num_prefills == 0:
                 stack.decode(x, residual, has_residual, batch.positions, meta.slot_mapping, meta.block_tables,
                              meta.seq_lens, kv_cache.storage, kv_cache.scales)
-            elif extending:  # every token a decode row: its request's table, its length up to itself
-                stack.extend(x, residual, has_residual, batch.positions, meta.slot_mapping, meta.token_block_tables,
-                             meta.token_seq_lens, kv_cache.storage, kv_cache.scales)
-            else:
-                stack.prefill(x, residual, has_residual, batch.positions, meta.slot_mapping, list(batch.query_lens),
-                              kv_cache.storage, kv_cache.scales)
+            else:  # prompt runs after each request's cache, then decode rows
+                stack.extend(x, residual, has_residual, batch.positions, meta.slot_mapping, meta.block_tables,
+                             meta.query_start_loc, meta.extend_lens, kv_cache.storage, kv_cache.scales)
         else:
             levels = 0 if batch.deepstack is None else batch.deepstack.size(0)
             for i, layer in enumerate(self.layers):
@@ -263,9 +255,3 @@ def _python_loop_reason(config: ModelConfig, device: torch.device, groups: Stage
         return f"the C++ layer loop attends over every cached token, and layers {windowed} have a sliding window"
     return None
 
-
-def _fresh_prompts(batch: StepBatch) -> bool:
-    """Whether every row of ``batch`` belongs to a prompt that starts at position 0 in it, without
-    images: a step the C++ layer loop runs as the Python layers would."""
-    return (batch.num_prefills == len(batch.query_lens) and not any(batch.context_lens)
-            and batch.mrope_positions is None and batch.visual_rows is None)

@@ -1,19 +1,18 @@
-"""Self-attention over the paged KV cache: rotary, prefill by SDPA, decode by flash-decoding.
+"""Self-attention over the paged KV cache: rotary, prompts by extend attention, decode by
+flash-decoding.
 
-A prompt's first chunk (often the whole prompt) starts from an empty cache, so it
-attends causally over itself with torch SDPA (GQA without repeating K/V); a later
-chunk of a chunked prefill attends by SDPA over the request's cached tokens,
-gathered from its blocks, and itself, with the causal mask offset by the cached
-length. Decode requests attend with :func:`stagewise.ops.decode_attention` over
-their cached tokens plus the new token's k/v passed as ``k_new/v_new``. Then every
-token's K/V is written to the cache with :func:`stagewise.ops.reshape_and_cache`.
+Every token's K/V is written to the cache first (:func:`stagewise.ops.reshape_and_cache`). A step's
+prompt rows (a prompt from its first token, a later chunk of a chunked prefill, a prefix-cache
+hit, the drafts a row verifies) are runs of tokens after their request's cache: they attend
+causally over the cache, themselves included, with :func:`stagewise.ops.extend_attention`, one
+call for every run, whose tokens share each K/V row they read. Decode requests attend with
+:func:`stagewise.ops.decode_attention` over their cached tokens plus the new token's k/v passed
+as ``k_new/v_new``. The C++ layer loop (:mod:`stagewise.model.decode_stack`) runs the same ops.
 
 A compact cache (``kv_cache_dtype`` int8 or fp8_e4m3: codes with a scale per token and KV head)
-takes the step's K/V first, and every query reads them as stored: decode rows and a later chunk's
-tokens through ``decode_attention`` over the codes (a chunk's tokens as decode rows, each up to
-itself), a first chunk by SDPA over its own K/V quantised and dequantised
-(:func:`stagewise.kv.cache.as_stored`). So a prompt's tokens come out the same however it is
-chunked, cached or laid out.
+is read as stored by every query: prompt runs read the codes through ``extend_attention``, and a
+decode row reads its own new K/V from the cache too (``seq_lens + 1``, no ``k_new``). So a prompt's
+tokens come out the same however it is chunked, cached or laid out.
 
 Under tensor parallelism a rank runs its own query heads and KV heads (the loader gives it those
 rows of q, k and v) against its own cache, and the output projection's partial sums are reduced
@@ -21,7 +20,8 @@ by its :class:`RowParallelLinear`.
 
 A layer with a sliding ``window`` (Mistral's, Gemma's sliding layers) lets the query at position
 ``q`` see the keys ``k`` with ``q - window < k <= q``, as transformers' sliding mask does: in
-prefill through the SDPA mask (a later chunk gathers only the cached tokens its window reaches),
+prefill through an SDPA mask over the chunk and the cached tokens its window reaches (its cache
+does not keep a long chunk's first tokens, which extend attention would read),
 in decode through :func:`stagewise.ops.decode_attention`'s ``window``. Its cache (a pool of its
 own, :mod:`stagewise.kv.window`) holds only the tokens the window still reaches: a step stores
 the positions a later query sees (the slot mapping skips the others), and the blocks before the
@@ -38,7 +38,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from stagewise import ops
-from stagewise.int_tensors import int_tensor
 from stagewise.kv.cache import LayerKV, as_stored
 from stagewise.model.batch import StepBatch
 from stagewise.model.kv_metadata import KVMetadata
@@ -104,51 +103,43 @@ class Attention(nn.Module):
             return self.o(cp_attention(q, k, v, batch, meta, kv, self.scale, self.groups).view(t, hq * d))
         out = torch.empty((t, hq, d), dtype=x.dtype, device=x.device)
         scales = dict(k_scale=kv.k_scale, v_scale=kv.v_scale)
-        if meta.token_seq_lens is not None and self.window is None:
-            # Short runs after each cache (drafts being verified): every token a decode row over the
-            # cache, the step's K/V written first so that each sees those before it; the C++ layer loop
-            # (DecoderStack.extend) runs the same ops in this order.
-            ops.reshape_and_cache(k, v, kv.k, kv.v, meta.slot_mapping, **scales)
-            ops.decode_attention(q, kv.k, kv.v, meta.token_block_tables, meta.token_seq_lens, self.scale, out=out,
-                                 **scales)
-            return self.o(out.view(t, hq * d))
         compact = kv.k_scale is not None
-        if compact:
-            # Every query reads K/V as the cache holds them, whatever step, chunk or layout brought
-            # them: the step's K/V go in first; decode rows and later chunks read them there through
-            # the kernel (no float copy of the cache), a prompt's first chunk attends over its own
-            # K/V as stored. So chunking, prefix-cache hits, drafts and layouts all see the same values.
-            ops.reshape_and_cache(k, v, kv.k, kv.v, meta.slot_mapping, **scales)
-            if batch.num_prefills:
-                k, v = as_stored(k, kv.k.dtype), as_stored(v, kv.v.dtype)
-        for i, ((start, n), ctx) in enumerate(zip(batch.prefill_spans(), batch.context_lens)):
-            if ctx and compact and self.window is None:  # a later chunk: every token a decode row
-                lens = int_tensor(range(ctx + 1, ctx + n + 1), device=x.device)
-                ops.decode_attention(q[start : start + n], kv.k, kv.v, meta.block_tables[i : i + 1].expand(n, -1),
-                                     lens, self.scale, out=out[start : start + n], **scales)
-                continue
-            # [1, H, n, D] views; enable_gqa lets the Hq / Hk query heads share a KV head.
-            qs, ks, vs = (a[start : start + n].transpose(0, 1).unsqueeze(0) for a in (q, k, v))
-            first = 0 if self.window is None else max(0, ctx - self.window + 1)  # the oldest key any query sees
-            if first < ctx:  # a later chunk: the cached tokens it sees first, then the chunk
-                cached = cached_tokens(kv, meta.block_tables[i], ctx, first)
-                ks, vs = (torch.cat([c.to(a.dtype).transpose(0, 1).unsqueeze(0), a], 2) for c, a in zip(cached, (ks, vs)))
-            mask = None
-            if ctx or (self.window is not None and n > self.window):
-                mask = _mask(first, ctx, n, self.window, x.device)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                                               enable_gqa=hq != hk)
-            out[start : start + n] = o[0].transpose(0, 1)
+        # The step's K/V go into the cache first; every prompt query reads them there, as stored,
+        # whatever step, chunk or layout brought them. A decode row never reads its own slot but for
+        # a compact cache's (see below).
+        ops.reshape_and_cache(k, v, kv.k, kv.v, meta.slot_mapping, **scales)
         p, r = batch.num_prefill_tokens, batch.num_prefills
+        if r and self.window is None:
+            ops.extend_attention(q[:p], kv.k, kv.v, meta.block_tables[:r], meta.query_start_loc, meta.extend_lens[:r],
+                                 self.scale, out=out[:p], **scales)
+        elif r:
+            self._window_prompts(q, k, v, batch, meta, kv, out)
         if p < t and compact:  # the new tokens are in the cache: each row reads its length and itself
             ops.decode_attention(q[p:], kv.k, kv.v, meta.block_tables[r:], meta.seq_lens[r:] + 1, self.scale,
                                  out=out[p:], window=self.window, **scales)
         elif p < t:
             ops.decode_attention(q[p:], kv.k, kv.v, meta.block_tables[r:], meta.seq_lens[r:], self.scale,
                                  k_new=k[p:], v_new=v[p:], out=out[p:], window=self.window)
-        if not compact:
-            ops.reshape_and_cache(k, v, kv.k, kv.v, meta.slot_mapping)
         return self.o(out.view(t, hq * d))
+
+    def _window_prompts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch,
+                        meta: KVMetadata, kv: LayerKV, out: torch.Tensor) -> None:
+        """A sliding-window layer's prompt rows into ``out``: its cache keeps only the positions a
+        later query sees (a long chunk's first tokens are never stored), so each chunk attends by
+        SDPA over its own K/V (as stored) and the cached tokens its window reaches."""
+        if kv.k_scale is not None:
+            k, v = as_stored(k, kv.k.dtype), as_stored(v, kv.v.dtype)
+        for i, ((start, n), ctx) in enumerate(zip(batch.prefill_spans(), batch.context_lens)):
+            # [1, H, n, D] views; enable_gqa lets the Hq / Hk query heads share a KV head.
+            qs, ks, vs = (a[start : start + n].transpose(0, 1).unsqueeze(0) for a in (q, k, v))
+            first = max(0, ctx - self.window + 1)  # the oldest key any query sees
+            if first < ctx:  # a later chunk: the cached tokens it sees first, then the chunk
+                cached = cached_tokens(kv, meta.block_tables[i], ctx, first)
+                ks, vs = (torch.cat([c.to(a.dtype).transpose(0, 1).unsqueeze(0), a], 2) for c, a in zip(cached, (ks, vs)))
+            mask = _mask(first, ctx, n, self.window, q.device) if ctx or n > self.window else None
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                               enable_gqa=self.num_heads != self.num_kv_heads)
+            out[start : start + n] = o[0].transpose(0, 1)
 
 
 def _mask(first: int, ctx: int, n: int, window: int | None, device: torch.device) -> torch.Tensor:
