@@ -109,6 +109,18 @@ def test_a_group_idle_between_budgets_and_a_failed_step_add_no_time_between_step
     assert pacer.between_s == pytest.approx(0.2 * 0.002) and len(pacer._decode.points) == 1
 
 
+def test_prompts_alone_are_not_priced():
+    """A step of prompts with nothing decoding (a long prompt whose attention grows with its
+    square) prices nothing: the prompt line is fitted on chunks beside decodes, which it budgets."""
+    pacer = TpotPacer(0.020)
+    timed(pacer, 9, rows=1, tokens=0, seconds=0.005)
+    pacer.started(9, 1, 1000, 100.0, decoding=False)
+    pacer.ended(9, 100.9)
+    assert pacer._prefill.fit() is None
+    timed(pacer, 9, rows=2, tokens=16, seconds=0.005 + 0.016)
+    assert pacer._prefill.fit() == (pytest.approx(0.016), 0.0)
+
+
 @pytest.mark.parametrize("target", [0, -1.0, float("nan"), float("inf"), True, "20"])
 def test_bad_targets_are_refused(target):
     with pytest.raises(ValueError, match="target time per output token"):

@@ -79,3 +79,34 @@ def test_a_budget_below_one_token_is_refused_naming_the_option(budget):
     with pytest.raises(ValueError, match="max_prefill_tokens"):
         GroupedScheduler(scheduler(1).budget, num_groups=2, max_num_seqs=2, max_model_len=32,
                          max_prefill_tokens=budget)
+
+
+def grouped(groups: int = 2, rows: int = 8) -> GroupedScheduler:
+    blocks = KVBudget([GroupPool(window=None, num_blocks=64)], block_size=4, max_blocks_per_seq=8)
+    return GroupedScheduler(blocks, num_groups=groups, max_num_seqs=rows, max_model_len=32)
+
+
+def test_groups_admit_from_one_queue_each_its_fair_share():
+    """Requests wait in one queue: whichever group is scheduled starts them, up to its share of
+    the requests running and waiting, so a request never waits behind a group while another could
+    start it, and the groups stay as full as each other."""
+    s = grouped()
+    for rid in "abcde":
+        s.add(SeqState(request_id=rid, prompt_ids=[1, 2, 3]))
+    first = s.schedule(0)
+    assert [c.seq.request_id for c in first.prefills] == ["a", "b", "c"]  # ceil(5 / 2) = 3
+    second = s.schedule(1)
+    assert [c.seq.request_id for c in second.prefills] == ["d", "e"]
+    for seq in first.sampled + second.sampled:
+        seq.output_ids.append(7)
+    s.finish("d"), s.finish("e")  # group 1 empties: the next request goes there, not behind group 0
+    s.add(SeqState(request_id="f", prompt_ids=[4]))
+    assert s.schedule(0).prefills == [] and s.status().waiting == 1
+    assert [c.seq.request_id for c in s.schedule(1).prefills] == ["f"]
+    assert s.finish("f").request_id == "f" and s.finish("a").request_id == "a" and s.finish("zz") is None
+    with pytest.raises(ValueError, match="request id 'b' is already in use"):
+        s.add(SeqState(request_id="b", prompt_ids=[1]))
+    s.add(SeqState(request_id="g", prompt_ids=[1]))
+    with pytest.raises(ValueError, match="request id 'g' is already in use"):
+        s.add(SeqState(request_id="g", prompt_ids=[1]))
+    assert s.finish("g").row is None and not s.waiting  # a waiting request is taken off the queue

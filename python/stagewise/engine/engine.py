@@ -244,7 +244,7 @@ class Engine:
         self.inflight[group] = (step_id, scheduled)
         if self.pacer is not None:
             self.pacer.started(group, len(scheduled.seqs) + sum(len(s.drafts) for s in scheduled.decodes),
-                               sum(c.length for c in scheduled.prefills), now)
+                               sum(c.length for c in scheduled.prefills), now, decoding=bool(scheduled.decodes))
         return LaunchedStep(group=group, step_id=step_id, batch=batch, output=output, sampling=sampling), done
 
     def complete(self, group: int, step_id: int, request_ids, tokens: list[int],

@@ -18,7 +18,8 @@ requests can spare:
 The costs are fitted on this stage's own recent steps, so they follow the batch, the threads and
 the machine: a decode step of ``r`` rows takes ``a + b * r``; a step's ``n`` prompt tokens add
 ``fixed + per_token * n`` (``fixed``: the layer loop a step with a prompt takes instead of the
-decode loop). Each is a least-squares line through a window of steps. Before any decode step was
+decode loop), on the steps that ran prompt tokens beside decodes. Each is a least-squares line
+through a window of steps. Before any decode step was
 timed the pacer limits nothing; the first prompt beside decodes runs a small chunk, which prices
 the ones after it. The prompt cost errs high: its line is raised until 90 % of the recent steps
 lie under it (a step's fixed cost is not quite a constant), and a step beside decodes runs at least
@@ -101,7 +102,7 @@ class TpotPacer:
         self._prefill = CostLine(window)
         """seconds a step's prompt tokens add to its decode time, by the tokens."""
         self._started: dict[int, tuple[float, int, int]] = {}
-        """group -> (start time, rows, prompt tokens) of its step in flight."""
+        """group -> (start time, rows, prompt tokens; -1: prompts alone) of its step in flight."""
         self._ended: dict[int, float] = {}
         """group -> when its last step came back."""
         self.between_s = 0.0
@@ -110,9 +111,13 @@ class TpotPacer:
 
     # ---- what the steps cost -------------------------------------------------------------
 
-    def started(self, group: int, rows: int, prompt_tokens: int, now: float) -> None:
-        """A step of ``rows`` rows (decoding or prefilling) and ``prompt_tokens`` prompt tokens."""
-        self._started[group] = (now, rows, prompt_tokens)
+    def started(self, group: int, rows: int, prompt_tokens: int, now: float, *, decoding: bool = True) -> None:
+        """A step of ``rows`` rows (decoding or prefilling) and ``prompt_tokens`` prompt tokens;
+        ``decoding``: some of its rows decode. Prompt tokens are priced on such steps only, the
+        ones a budget is for: a step of prompts alone (nothing streams, no budget) may be a long
+        prompt whose attention grows with its square, which a line through it would price wrongly
+        for every short chunk after it."""
+        self._started[group] = (now, rows, prompt_tokens if decoding or not prompt_tokens else -1)
 
     def ended(self, group: int, now: float | None) -> None:
         """The step of ``group`` came back (its tokens were recorded at ``now``; None: it failed,
@@ -126,6 +131,8 @@ class TpotPacer:
             return
         began, rows, tokens = start
         seconds = now - began
+        if tokens < 0:  # prompts alone: not priced
+            return
         if tokens == 0:
             self._decode.add(rows, seconds)
         elif (decode := self.decode_s(rows)) is not None:

@@ -281,11 +281,15 @@ class Scheduler:
 
 
 class GroupedScheduler:
-    """``num_groups`` schedulers (the microbatches of a pipeline) over one KV pool.
+    """``num_groups`` schedulers (the microbatches of a pipeline) over one KV pool and one queue.
 
-    A new request joins the group with the fewest requests (lowest index on ties) and stays
-    there; each group is scheduled on its own, so up to ``num_groups`` steps can be in flight.
-    The ``max_num_seqs`` rows are dealt out to the groups as evenly as possible."""
+    Requests wait in one FIFO queue; the group whose step is being scheduled admits from it, so a
+    request never waits behind one group while another could start it. A request stays in the
+    group that admitted it. Each group admits at most its fair share, the requests running and
+    waiting over the groups (rounded up), less its own running ones: the groups stay about as
+    full as each other, so that every stage has a microbatch to work on. Each group is scheduled
+    on its own, so up to ``num_groups`` steps can be in flight. The ``max_num_seqs`` rows are
+    dealt out to the groups as evenly as possible."""
 
     def __init__(self, budget: KVBudget, *, num_groups: int, max_num_seqs: int, max_model_len: int,
                  max_prefill_tokens: int = 8192, prefix: PrefixLookup | None = None) -> None:
@@ -297,12 +301,15 @@ class GroupedScheduler:
         base, extra = divmod(max_num_seqs, num_groups)
         self.budget = budget
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.waiting: deque[SeqState] = deque()
+        """The one queue every group admits from."""
         self.groups: list[Scheduler] = []
         for g in range(num_groups):
-            self.groups.append(Scheduler(budget, max_num_seqs=base + (g < extra), max_model_len=max_model_len,
-                                         max_prefill_tokens=max_prefill_tokens,
-                                         pool_busy_elsewhere=lambda g=g: self._busy_besides(g), prefix=prefix))
-        self._owner: dict[Hashable, int] = {}
+            group = Scheduler(budget, max_num_seqs=base + (g < extra), max_model_len=max_model_len,
+                              max_prefill_tokens=max_prefill_tokens,
+                              pool_busy_elsewhere=lambda g=g: self._busy_besides(g), prefix=prefix)
+            group.waiting = self.waiting
+            self.groups.append(group)
 
     def _busy_besides(self, group: int) -> bool:
         return any(s.running for i, s in enumerate(self.groups) if i != group)
@@ -312,22 +319,20 @@ class GroupedScheduler:
         return len(self.groups)
 
     def add(self, seq: SeqState) -> None:
-        if seq.request_id in self._owner:
+        if any(seq.request_id in s.running for s in self.groups):
             raise ValueError(f"Scheduler.add: request id {seq.request_id!r} is already in use")
-        loads = [len(s.running) + len(s.waiting) for s in self.groups]
-        g = loads.index(min(loads))
-        self.groups[g].add(seq)
-        self._owner[seq.request_id] = g
+        self.groups[0].add(seq)  # (the shared queue: checked against it there)
 
     def finish(self, request_id: Hashable) -> SeqState | None:
-        g = self._owner.pop(request_id, None)
-        return None if g is None else self.groups[g].finish(request_id)
+        group = next((s for s in self.groups if request_id in s.running), self.groups[0])
+        return group.finish(request_id)
 
     def schedule(self, group: int, prefill_budget: int | None = None, new_rows: int | None = None) -> ScheduledStep:
-        step = self.groups[group].schedule(prefill_budget, new_rows)
-        for seq, _ in step.failed:
-            self._owner.pop(seq.request_id, None)
-        return step
+        if len(self.groups) > 1 and self.waiting:
+            running = [len(s.running) for s in self.groups]
+            fair = -(-(sum(running) + len(self.waiting)) // len(self.groups)) - running[group]
+            new_rows = max(fair, 0) if new_rows is None else min(new_rows, max(fair, 0))
+        return self.groups[group].schedule(prefill_budget, new_rows)
 
     def has_work(self, group: int) -> bool:
         return self.groups[group].has_unfinished()
@@ -336,6 +341,6 @@ class GroupedScheduler:
         return any(s.has_unfinished() for s in self.groups)
 
     def status(self) -> SchedulerStatus:
-        return SchedulerStatus(waiting=sum(len(s.waiting) for s in self.groups),
+        return SchedulerStatus(waiting=len(self.waiting),
                                running=sum(len(s.running) for s in self.groups), max_num_seqs=self.max_num_seqs,
                                free_blocks=self.budget.num_free_blocks, total_blocks=self.budget.num_blocks)
