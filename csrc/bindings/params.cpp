@@ -192,6 +192,41 @@ CacheArgs check_caches(const char* op, const at::Tensor& k_cache, const at::Tens
   return a;
 }
 
+// The query and paged caches of an attention op (decode_attention, extend_attention): q
+// [rows, Hq, D], caches [num_blocks, block_size, Hk, D] of q's dtype or compact with their scales.
+struct PagedQuery {
+  DType dtype;
+  int64_t rows, num_q_heads, num_kv_heads, head_dim;
+  CacheArgs cache;
+};
+
+PagedQuery check_paged_query(const char* op, const char* q_layout, const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const std::optional<at::Tensor>& k_scale,
+                             const std::optional<at::Tensor>& v_scale) {
+  PagedQuery a{};
+  a.dtype = float_dtype(op, "q", q);
+  check_dim(op, "q", q, 3, q_layout);
+  check_last_contiguous(op, "q", q);
+  a.rows = q.size(0), a.num_q_heads = q.size(1), a.head_dim = q.size(2);
+  TORCH_CHECK_VALUE(a.head_dim >= 1, "stagewise.", op, ": argument 'q' dim 2 (head_dim) must be >= 1, got ",
+                    a.head_dim, " (shape ", shape_of(q), ")");
+  for (auto [name, c] : {std::pair<const char*, const at::Tensor*>{"k_cache", &k_cache}, {"v_cache", &v_cache}}) {
+    check_dim(op, name, *c, 4, "[num_blocks, block_size, num_kv_heads, head_dim]");
+    check_size(op, name, *c, 3, a.head_dim, "head_dim, as in q");
+    check_contiguous(op, name, *c);
+  }
+  TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "stagewise.", op, ": argument 'v_cache' must have the shape "
+                    "of 'k_cache' ", shape_of(k_cache), ", got ", shape_of(v_cache));
+  a.cache = check_caches(op, k_cache, v_cache, "q", q, k_scale, v_scale);
+  a.num_kv_heads = k_cache.size(2);
+  TORCH_CHECK_VALUE(a.num_kv_heads >= 1 && a.num_q_heads % a.num_kv_heads == 0, "stagewise.", op,
+                    ": num_q_heads (q dim 1) = ", a.num_q_heads, " must be a multiple of num_kv_heads (k_cache dim 2) = ",
+                    a.num_kv_heads);
+  TORCH_CHECK_VALUE(k_cache.size(1) >= 1, "stagewise.", op, ": argument 'k_cache' dim 1 (block_size) must be >= 1, "
+                    "got ", k_cache.size(1), " (shape ", shape_of(k_cache), ")");
+  return a;
+}
+
 }  // namespace
 
 RmsNormParams make_rms_norm_params(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
@@ -415,29 +450,12 @@ DecodeAttentionParams make_decode_attention_params(
     const std::optional<at::Tensor>& v_scale) {
   const char* op = "decode_attention";
   DecodeAttentionParams p{};
-  p.dtype = float_dtype(op, "q", q);
-  check_dim(op, "q", q, 3, "[batch, num_q_heads, head_dim]");
-  check_last_contiguous(op, "q", q);
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  TORCH_CHECK_VALUE(D >= 1, "stagewise.decode_attention: argument 'q' dim 2 (head_dim) must be >= 1, got ", D,
-                    " (shape ", shape_of(q), ")");
-  for (auto [name, c] : {std::pair<const char*, const at::Tensor*>{"k_cache", &k_cache},
-                         {"v_cache", &v_cache}}) {
-    check_dim(op, name, *c, 4, "[num_blocks, block_size, num_kv_heads, head_dim]");
-    check_size(op, name, *c, 3, D, "head_dim, as in q");
-    check_contiguous(op, name, *c);
-  }
-  TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "stagewise.decode_attention: argument 'v_cache' must have the shape of 'k_cache' ",
-                    shape_of(k_cache), ", got ", shape_of(v_cache));
-  const CacheArgs cache = check_caches(op, k_cache, v_cache, "q", q, k_scale, v_scale);
-  p.cache_type = cache.type;
-  p.k_scale = cache.k_scale;
-  p.v_scale = cache.v_scale;
-  const int64_t Hk = k_cache.size(2);
-  TORCH_CHECK_VALUE(Hk >= 1 && Hq % Hk == 0, "stagewise.decode_attention: num_q_heads (q dim 1) = ",
-                    Hq, " must be a multiple of num_kv_heads (k_cache dim 2) = ", Hk);
-  TORCH_CHECK_VALUE(k_cache.size(1) >= 1, "stagewise.decode_attention: argument 'k_cache' dim 1 (block_size) must be >= 1, got ",
-                    k_cache.size(1), " (shape ", shape_of(k_cache), ")");
+  const PagedQuery pq = check_paged_query(op, "[batch, num_q_heads, head_dim]", q, k_cache, v_cache, k_scale, v_scale);
+  const int64_t B = pq.rows, Hq = pq.num_q_heads, Hk = pq.num_kv_heads, D = pq.head_dim;
+  p.dtype = pq.dtype;
+  p.cache_type = pq.cache.type;
+  p.k_scale = pq.cache.k_scale;
+  p.v_scale = pq.cache.v_scale;
   p.block_table_type = index_dtype(op, "block_tables", block_tables);
   check_dim(op, "block_tables", block_tables, 2, "[batch, max_blocks_per_seq]");
   check_size(op, "block_tables", block_tables, 0, B, "batch, as in q");
@@ -511,29 +529,13 @@ ExtendAttentionParams make_extend_attention_params(
     int64_t window, const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   const char* op = "extend_attention";
   ExtendAttentionParams p{};
-  p.dtype = float_dtype(op, "q", q);
-  check_dim(op, "q", q, 3, "[num_tokens, num_q_heads, head_dim]");
-  check_last_contiguous(op, "q", q);
-  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
-  TORCH_CHECK_VALUE(D >= 1, "stagewise.extend_attention: argument 'q' dim 2 (head_dim) must be >= 1, got ", D,
-                    " (shape ", shape_of(q), ")");
-  for (auto [name, c] : {std::pair<const char*, const at::Tensor*>{"k_cache", &k_cache},
-                         {"v_cache", &v_cache}}) {
-    check_dim(op, name, *c, 4, "[num_blocks, block_size, num_kv_heads, head_dim]");
-    check_size(op, name, *c, 3, D, "head_dim, as in q");
-    check_contiguous(op, name, *c);
-  }
-  TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "stagewise.extend_attention: argument 'v_cache' must have "
-                    "the shape of 'k_cache' ", shape_of(k_cache), ", got ", shape_of(v_cache));
-  const CacheArgs cache = check_caches(op, k_cache, v_cache, "q", q, k_scale, v_scale);
-  p.cache_type = cache.type;
-  p.k_scale = cache.k_scale;
-  p.v_scale = cache.v_scale;
-  const int64_t Hk = k_cache.size(2);
-  TORCH_CHECK_VALUE(Hk >= 1 && Hq % Hk == 0, "stagewise.extend_attention: num_q_heads (q dim 1) = ", Hq,
-                    " must be a multiple of num_kv_heads (k_cache dim 2) = ", Hk);
-  TORCH_CHECK_VALUE(k_cache.size(1) >= 1, "stagewise.extend_attention: argument 'k_cache' dim 1 (block_size) must "
-                    "be >= 1, got ", k_cache.size(1), " (shape ", shape_of(k_cache), ")");
+  const PagedQuery pq = check_paged_query(op, "[num_tokens, num_q_heads, head_dim]", q, k_cache, v_cache, k_scale,
+                                          v_scale);
+  const int64_t T = pq.rows, Hq = pq.num_q_heads, Hk = pq.num_kv_heads, D = pq.head_dim;
+  p.dtype = pq.dtype;
+  p.cache_type = pq.cache.type;
+  p.k_scale = pq.cache.k_scale;
+  p.v_scale = pq.cache.v_scale;
   p.block_table_type = index_dtype(op, "block_tables", block_tables);
   check_dim(op, "block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]");
   check_last_contiguous(op, "block_tables", block_tables);
