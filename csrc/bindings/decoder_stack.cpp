@@ -124,13 +124,14 @@ class DecoderStack : public torch::CustomClassHolder {
   // A step with prompt tokens: P runs of new tokens, each after its request's cache (a prompt from
   // its first token, a later chunk, a prefix-cache hit, drafts being verified), then decode rows.
   // The runs are x's first query_start_loc[P] rows, one after another (query_start_loc [P + 1], from
-  // 0); block_tables [R, W] holds each run's request's table, then each decode row's; seq_lens [R]
-  // a run's request's tokens after the step (its cache and the run), a decode row's before its new
-  // token. Each layer writes the step's K/V into the cache first; the runs attend causally over the
+  // 0); block_tables [R, W] and seq_lens [R] (cached tokens before the step) hold each run's request,
+  // then each decode row's, as decode() takes them; run_lens [P]: each run's request's tokens after
+  // the step (its cache and the run, what it attends over). Each layer writes the step's K/V into the cache first; the runs attend causally over the
   // cache through extend_attention (a run's tokens share every K/V row they read), the decode rows
   // as in decode().
   void extend(at::Tensor x, at::Tensor residual, bool has_residual, at::Tensor positions, at::Tensor slot_mapping,
-              at::Tensor block_tables, at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor kv, OptT scales) {
+              at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor run_lens,
+              at::Tensor kv, OptT scales) {
     static auto runs = op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
                                const OptT&, const OptT&)>("stagewise::extend_attention");
@@ -146,11 +147,13 @@ class DecoderStack : public torch::CustomClassHolder {
     const int64_t run_rows = query_start_loc[num_runs].item<int64_t>(), rows = x.size(0);
     const int64_t decodes = rows - run_rows, lines = num_runs + decodes;
     TORCH_CHECK_VALUE(run_rows >= 0 && run_rows <= rows && block_tables.dim() == 2 &&
-                          block_tables.size(0) == lines && seq_lens.dim() == 1 && seq_lens.size(0) == lines,
+                          block_tables.size(0) == lines && seq_lens.dim() == 1 && seq_lens.size(0) == lines &&
+                          run_lens.dim() == 1 && run_lens.size(0) == num_runs,
                       "DecoderStack.extend: the runs' ", run_rows, " rows of x (", rows, ") and its other rows need ",
-                      "one row of block_tables and seq_lens per run and per decode row (", lines, "), got ",
-                      block_tables.sizes(), " and ", seq_lens.sizes());
-    const at::Tensor run_tables = block_tables.narrow(0, 0, num_runs), run_lens = seq_lens.narrow(0, 0, num_runs);
+                      "one row of block_tables and seq_lens per run and per decode row (", lines, ") and run_lens ",
+                      "per run (", num_runs, "), got ", block_tables.sizes(), ", ", seq_lens.sizes(), " and ",
+                      run_lens.sizes());
+    const at::Tensor run_tables = block_tables.narrow(0, 0, num_runs);
     const at::Tensor tables = block_tables.narrow(0, num_runs, decodes);
     const at::Tensor lens = seq_lens.narrow(0, num_runs, decodes) + (scales.has_value() ? 1 : 0);
     at::Tensor lse = at::empty({decodes, hq_}, x.options().dtype(at::kFloat));

@@ -6,12 +6,12 @@
 // tokens times the G = Hq / Hk query heads of group g are its M query rows, which share every K/V
 // tile they read. Unlike decode rows, where each token would read the whole cache on its own, a
 // cached row is read (and converted, for half dtypes and compact codes) once per work item. Keys
-// go kKeys at a time, as a small matrix product: the tile's K rows transposed into [D, kKeys]
-// (a compact key's scale folded in), then scores[m, 0..kKeys) = sum_d q[m, d] * kt[d, :] for R rows
-// at a time with the K vector loaded once per d; an online softmax per row (causal and window
-// bounds as -inf); p·V from the V rows, each V vector loaded once for several rows. The loops are
-// written once in 16-float vectors and compiled per ISA level (baseline, AVX2, AVX-512 with wider
-// row blocks), picked at run time by cpu_isa().
+// go K at a time (NK vectors of W floats), as a small matrix product: the tile's K rows transposed
+// into [D, K] (a compact key's scale folded in), then scores[m, 0..K) = sum_d q[m, d] * kt[d, :]
+// for R rows at a time with each K vector loaded once per d; an online softmax per row (causal and
+// window bounds as -inf); p·V from the V rows, each V vector loaded once for several rows. The
+// loops are written once in vector extensions and compiled per ISA level (W = 16 floats with
+// AVX-512, 8 with AVX2 and the baseline), picked at run time by cpu_isa().
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 

@@ -187,11 +187,11 @@ def test_stack_refuses_a_cache_of_other_layers():
     tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"DecoderStack.extend: the runs' 3 rows of x \(1\) and its other rows need"):
         stage.decode_stack.extend(x, x.clone(), True, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-                                  tables, torch.tensor([0, 3], dtype=torch.int32), lens, kv, None)
+                                  tables, lens, torch.tensor([0, 3], dtype=torch.int32), lens, kv, None)
     with pytest.raises(ValueError, match=r"DecoderStack.extend: query_start_loc must be a CPU tensor \[P \+ 1\] of "
                                          r"at least one run, got \[1\]"):
         stage.decode_stack.extend(x, x.clone(), True, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-                                  tables, torch.zeros(1, dtype=torch.int32), lens, kv, None)
+                                  tables, lens, torch.zeros(1, dtype=torch.int32), lens, kv, None)
     assert ops.cpu_isa() in ("baseline", "avx2", "avx512", "avx512vnni")
 
 

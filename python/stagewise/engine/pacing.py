@@ -101,8 +101,8 @@ class TpotPacer:
         """seconds of a step without prompt tokens, by its rows."""
         self._prefill = CostLine(window)
         """seconds a step's prompt tokens add to its decode time, by the tokens."""
-        self._started: dict[int, tuple[float, int, int]] = {}
-        """group -> (start time, rows, prompt tokens; -1: prompts alone) of its step in flight."""
+        self._started: dict[int, tuple[float, int, int, bool]] = {}
+        """group -> (start time, rows, prompt tokens, whether some rows decode) of its step in flight."""
         self._ended: dict[int, float] = {}
         """group -> when its last step came back."""
         self.between_s = 0.0
@@ -117,7 +117,7 @@ class TpotPacer:
         ones a budget is for: a step of prompts alone (nothing streams, no budget) may be a long
         prompt whose attention grows with its square, which a line through it would price wrongly
         for every short chunk after it."""
-        self._started[group] = (now, rows, prompt_tokens if decoding or not prompt_tokens else -1)
+        self._started[group] = (now, rows, prompt_tokens, decoding)
 
     def ended(self, group: int, now: float | None) -> None:
         """The step of ``group`` came back (its tokens were recorded at ``now``; None: it failed,
@@ -129,13 +129,11 @@ class TpotPacer:
         self._ended[group] = now
         if start is None:
             return
-        began, rows, tokens = start
+        began, rows, tokens, decoding = start
         seconds = now - began
-        if tokens < 0:  # prompts alone: not priced
-            return
         if tokens == 0:
             self._decode.add(rows, seconds)
-        elif (decode := self.decode_s(rows)) is not None:
+        elif decoding and (decode := self.decode_s(rows)) is not None:
             self._prefill.add(tokens, max(seconds - decode, 0.0))
 
     def decode_s(self, rows: int) -> float | None:

@@ -149,12 +149,13 @@ class Scheduler:
 
     def __init__(self, budget: KVBudget, *, max_num_seqs: int, max_model_len: int,
                  max_prefill_tokens: int = 8192, pool_busy_elsewhere: Callable[[], bool] | None = None,
-                 prefix: PrefixLookup | None = None) -> None:
+                 prefix: PrefixLookup | None = None, waiting: deque[SeqState] | None = None) -> None:
         """``pool_busy_elsewhere`` tells whether others hold blocks of the same pool (microbatch
         groups of a pipeline): a prompt that does not fit then waits instead of failing.
         ``prefix``: the prefix cache (:mod:`stagewise.engine.prefix_cache`): an admitted request's
         prefill starts after its cached tokens, and the queue's head waits while a prefill in
-        flight computes the blocks it would find."""
+        flight computes the blocks it would find. ``waiting``: a queue shared with other schedulers
+        (microbatch groups), which admit from it too (None: its own)."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                             ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -166,7 +167,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_prefill_tokens = max_prefill_tokens
-        self.waiting: deque[SeqState] = deque()
+        self.waiting: deque[SeqState] = deque() if waiting is None else waiting
         self.running: dict[Hashable, SeqState] = {}  # in admission order
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._busy_elsewhere = pool_busy_elsewhere or (lambda: False)
@@ -305,11 +306,10 @@ class GroupedScheduler:
         """The one queue every group admits from."""
         self.groups: list[Scheduler] = []
         for g in range(num_groups):
-            group = Scheduler(budget, max_num_seqs=base + (g < extra), max_model_len=max_model_len,
-                              max_prefill_tokens=max_prefill_tokens,
-                              pool_busy_elsewhere=lambda g=g: self._busy_besides(g), prefix=prefix)
-            group.waiting = self.waiting
-            self.groups.append(group)
+            self.groups.append(Scheduler(budget, max_num_seqs=base + (g < extra), max_model_len=max_model_len,
+                                         max_prefill_tokens=max_prefill_tokens,
+                                         pool_busy_elsewhere=lambda g=g: self._busy_besides(g), prefix=prefix,
+                                         waiting=self.waiting))
 
     def _busy_besides(self, group: int) -> bool:
         return any(s.running for i, s in enumerate(self.groups) if i != group)

@@ -1,4 +1,4 @@
-"""A stage's decode steps with the layer loop in C++: :func:`build_decode_stack` hands a stage's
+"""A stage's steps with the layer loop in C++: :func:`build_decode_stack` hands a stage's
 decoder layers to ``torch.classes.stagewise.DecoderStack`` (csrc/bindings/decoder_stack.cpp), which
 runs the same ops as the Python layers, in the same order, from C++.
 

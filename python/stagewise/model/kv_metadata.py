@@ -162,10 +162,9 @@ class KVMetadata:
     query_start_loc: torch.Tensor | None = None
     """``[P + 1]`` int32, when the step has P prefill rows and nothing is context parallel: where each
     prompt run's tokens start among the step's rows, then where the last ends (from 0)."""
-    extend_lens: torch.Tensor | None = None
-    """``[R]`` int32 with ``query_start_loc``: each prefill row's request's tokens after the step (its
-    cache and its run: what the run attends over), then each decode row's cached tokens (as
-    ``seq_lens``)."""
+    run_lens: torch.Tensor | None = None
+    """``[P]`` int32 with ``query_start_loc``: each prompt run's request's tokens after the step (its
+    cache and the run: what the run attends over)."""
 
     def __post_init__(self) -> None:
         if self.slot_mapping.dim() != 1:
@@ -207,8 +206,8 @@ class KVMetadata:
         elif batch.num_prefills:  # the prompt runs for extend_attention
             p = batch.num_prefills
             cp["query_start_loc"] = int_tensor([0, *itertools.accumulate(batch.query_lens[:p])], torch.int32, device)
-            cp["extend_lens"] = int_tensor([c + n if i < p else c for i, (c, n) in
-                                            enumerate(zip(batch.context_lens, batch.query_lens))], torch.int32, device)
+            cp["run_lens"] = int_tensor([c + n for c, n in zip(batch.context_lens[:p], batch.query_lens[:p])],
+                                        torch.int32, device)
         return cls(slot_mapping=manager.slot_mapping(spans, device, block_tables=shared), block_tables=block_tables,
                    seq_lens=int_tensor(batch.context_lens, torch.int32, device),
                    cp_world_size=manager.cp_world_size, cp_rank=manager.cp_rank, pcp=pcp, **cp)

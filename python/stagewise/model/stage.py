@@ -180,7 +180,7 @@ class StageModel(nn.Module):
                              meta.seq_lens, kv_cache.storage, kv_cache.scales)
             else:  # prompt runs after each request's cache, then decode rows
                 stack.extend(x, residual, has_residual, batch.positions, meta.slot_mapping, meta.block_tables,
-                             meta.query_start_loc, meta.extend_lens, kv_cache.storage, kv_cache.scales)
+                             meta.seq_lens, meta.query_start_loc, meta.run_lens, kv_cache.storage, kv_cache.scales)
         else:
             levels = 0 if batch.deepstack is None else batch.deepstack.size(0)
             for i, layer in enumerate(self.layers):

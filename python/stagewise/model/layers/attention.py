@@ -110,7 +110,7 @@ class Attention(nn.Module):
         ops.reshape_and_cache(k, v, kv.k, kv.v, meta.slot_mapping, **scales)
         p, r = batch.num_prefill_tokens, batch.num_prefills
         if r and self.window is None:
-            ops.extend_attention(q[:p], kv.k, kv.v, meta.block_tables[:r], meta.query_start_loc, meta.extend_lens[:r],
+            ops.extend_attention(q[:p], kv.k, kv.v, meta.block_tables[:r], meta.query_start_loc, meta.run_lens,
                                  self.scale, out=out[:p], **scales)
         elif r:
             self._window_prompts(q, k, v, batch, meta, kv, out)
