@@ -5,6 +5,7 @@ and greedy tokens must equal its. (The CLI answering "Paris" is in test_engine.p
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import pytest
@@ -103,6 +104,33 @@ def test_greedy_tokens_equal_transformers_generate(reference, pipe):
         assert c.finish_reason == ("stop" if expected[-1] in pipe.config.eos_token_ids else "length")
         assert c.text == tok.decode([t for t in expected if t not in pipe.config.eos_token_ids])
     assert "Paris" in outs[0].text
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_the_gpu_against_transformers_on_the_gpu(reference, dtype):
+    """The pipeline on a GPU against transformers' float32 model on the same GPU. float32 (the GGUF
+    blocks through the CUDA quant_linear): greedy tokens equal its generate. bfloat16 (dense
+    weights): along its own tokens, each token's float32 logit (teacher-forced) is within one logit
+    of that position's best, where a wrong kernel's tokens are not."""
+    tok, model = reference
+    gpu = copy.deepcopy(model).to("cuda")
+    with stagewise.Pipeline("smollm2-135m", device="cuda", dtype=dtype) as pipe:
+        outs = pipe.generate(QUESTIONS, chat=True, max_new_tokens=NEW_TOKENS)
+    for question, c in zip(QUESTIONS, outs):
+        ids = hf_chat_ids(tok, question)
+        assert c.prompt_token_ids == ids and c.token_ids
+        with torch.no_grad():
+            if dtype == "float32":
+                out = gpu.generate(torch.tensor([ids], device="cuda"), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                   attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"))
+                assert c.token_ids == out[0, len(ids):].tolist(), (question, c.text)
+                continue
+            logits = gpu(torch.tensor([ids + c.token_ids], device="cuda")).logits[0, len(ids) - 1:-1].float()
+        chosen = logits.gather(1, torch.tensor(c.token_ids, device="cuda")[:, None])[:, 0]
+        gap = logits.max(dim=1).values - chosen
+        assert gap.max().item() <= 1.0, (question, c.text, gap.tolist())
 
 
 def test_int8_mode_runs_its_reference_maths(monkeypatch):

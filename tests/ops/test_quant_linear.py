@@ -36,7 +36,9 @@ def _expected(x, w, bias):
 
 def _check(actual: torch.Tensor, x, w, bias) -> None:
     """float32 sums in any order stay within a few float32 ulps (2^-23) of sum |x * w| (16 allowed);
-    a half output then adds its one rounding (half an ulp of the value: 2^-9 bf16, 2^-12 fp16)."""
+    a half output then adds its one rounding (half an ulp of the value: 2^-9 bf16, 2^-12 fp16).
+    Any device's result is checked on the CPU."""
+    actual, x, bias = actual.cpu(), x.cpu(), None if bias is None else bias.cpu()
     scale = x.double().abs() @ w.double().abs().T + (0 if bias is None else bias.double().abs())
     expected = _expected(x, w, bias)
     rounding = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[actual.dtype]
@@ -54,14 +56,15 @@ def test_reference_dequantize_matches_gguf(name):
 
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("name,shape", CASES, ids=[f"{n}-{s[0]}x{s[1]}" for n, s in CASES])
-def test_quant_linear_float32(name, shape, batch):
+def test_quant_linear_float32(name, shape, batch, device):
     qweight = _quantize(name, *shape)
     w = _dequantize(qweight, name)
     x = torch.randn(batch, shape[1])
     bias = torch.randn(shape[0]) if batch % 2 else None
-    out = poison_(torch.empty(batch, shape[0]))
+    out = poison_(torch.empty(batch, shape[0], device=device))
 
-    result = ops.quant_linear(x, qweight, ops.QTYPES[name], bias, out=out)
+    result = ops.quant_linear(x.to(device), qweight.to(device), ops.QTYPES[name],
+                              None if bias is None else bias.to(device), out=out)
 
     assert result is out
     _check(out, x, w, bias)
@@ -95,12 +98,12 @@ def test_a_prompt_splits_its_tiles_over_the_threads_in_inference_mode(threads):
 @pytest.mark.parametrize("rows", [16, 40])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", QTYPES)
-def test_quant_linear_half_activations(name, dtype, rows):
+def test_quant_linear_half_activations(name, dtype, rows, device):
     n, k = shapes(name)[2]
     qweight = _quantize(name, n, k)
     x, bias = torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
 
-    out = ops.quant_linear(x, qweight, ops.QTYPES[name], bias)
+    out = ops.quant_linear(x.to(device), qweight.to(device), ops.QTYPES[name], bias.to(device))
 
     assert out.dtype == dtype
     _check(out, x, _dequantize(qweight, name), bias)
@@ -108,17 +111,17 @@ def test_quant_linear_half_activations(name, dtype, rows):
 
 @pytest.mark.parametrize("rows", [16, 40])
 @pytest.mark.parametrize("name", QTYPES)
-def test_quant_linear_strided_rows_and_leading_dims(name, rows):
+def test_quant_linear_strided_rows_and_leading_dims(name, rows, device):
     n, k = shapes(name)[2]
-    qweight = _quantize(name, n, k)
-    w = _dequantize(qweight, name)
-    x = strided(torch.randn(rows, k), pad=5)  # rows k + 5 floats apart
-    out = strided(poison_(torch.empty(rows, n)), pad=3)
-    bias = torch.randn(n)
+    qweight = _quantize(name, n, k).to(device)
+    w = _dequantize(qweight.cpu(), name)
+    x = strided(torch.randn(rows, k, device=device), pad=5)  # rows k + 5 floats apart
+    out = strided(poison_(torch.empty(rows, n, device=device)), pad=3)
+    bias = torch.randn(n, device=device)
     ops.quant_linear(x, qweight, ops.QTYPES[name], bias, out=out)
     _check(out, x, w, bias)
 
-    x3 = torch.randn(2, rows // 2, k)
+    x3 = torch.randn(2, rows // 2, k, device=device)
     y3 = ops.quant_linear(x3, qweight, ops.QTYPES[name])
     assert y3.shape == (2, rows // 2, n)
     _check(y3.reshape(rows, n), x3.reshape(rows, k), w, None)

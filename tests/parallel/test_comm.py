@@ -30,7 +30,8 @@ def test_bad_groups_and_ranks_are_refused():
         comm.init_world(rank=2, world_size=2, store=("127.0.0.1", 1))
     with pytest.raises(ValueError, match="backend must be"):
         comm.init_world(rank=0, world_size=2, store=("127.0.0.1", 1), backend="mpi")
-    assert comm.backend_for(["cuda:0", "cuda:1"]) == "nccl"
+    assert comm.backend_for(["cuda:0", "cuda:1"]) == comm.backend_for(["cuda"]) == "nccl"
+    assert comm.backend_for(["cuda:0", "cuda"]) == comm.backend_for(["cuda:1", "cuda:1"]) == "gloo"  # one GPU
     assert comm.backend_for(["cuda:0", "cpu"]) == comm.backend_for([]) == "gloo"
 
 
@@ -91,11 +92,16 @@ def test_a_local_world_listens_on_loopback_whatever_interface_gloo_is_told(local
     del store
 
 
-def _rank(rank: int, world: int, store: tuple[str, int], out) -> None:
-    world_group = comm.init_world(rank=rank, world_size=world, store=store)
+def _rank(rank: int, world: int, store: tuple[str, int], out, device: str = "cpu") -> None:
+    if device != "cpu":
+        torch.cuda.set_device(device)
+    backend = comm.backend_for([device] * world)
+    world_group = comm.init_world(rank=rank, world_size=world, store=store, backend=backend)
+    torch.set_default_device(device)
     try:
         t = torch.full((3,), float(rank + 1))
         world_group.all_reduce(t)
+        assert t.device.type == torch.device(device).type
         b = torch.full((2,), float(rank))
         world_group.broadcast(b, src=world - 1)
         gathered = world_group.all_gather(torch.tensor([rank, 10 * rank]))
@@ -119,12 +125,18 @@ def _rank(rank: int, world: int, store: tuple[str, int], out) -> None:
         comm.destroy_world()
 
 
-def test_gloo_collectives_between_processes():
-    world = 4
+@pytest.mark.parametrize("world, device", [
+    (4, "cpu"),
+    pytest.param(2, "cuda:0", id="2-ranks-sharing-one-gpu", marks=[
+        pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_gloo_collectives_between_processes(world, device):
+    """Four CPU processes; and two processes on one GPU, which NCCL refuses ("Duplicate GPU"):
+    their world runs gloo, each collective of a CUDA tensor through a host copy (a TP stage's
+    all-reduce path when its ranks share a GPU)."""
     store, address = comm.host_store("127.0.0.1")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, address, out)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, address, out, device)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -150,4 +162,37 @@ def test_gloo_collectives_between_processes():
             pair = [0, 1] if rank < 2 else [2, 3]
             assert sub == [float(sum(pair)), pair.index(rank)]
     assert all(p.exitcode == 0 for p in procs)
+    del store
+
+
+def _nccl_world_of_one(store: tuple[str, int], out) -> None:
+    torch.cuda.set_device(0)
+    world = comm.init_world(rank=0, world_size=1, store=store, backend=comm.backend_for(["cuda:0"]))
+    try:
+        t = torch.arange(4.0, device="cuda")
+        comm.dist.all_reduce(t)  # NCCL's own, on a world of one
+        group = comm.Group.new([0])
+        out.put((comm.dist.get_backend(), t.tolist(), world.size, group.all_reduce(t).tolist(),
+                 group.all_gather(t).tolist()))
+    finally:
+        comm.destroy_world()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_nccl_world_of_one_gpu_rank():
+    store, address = comm.host_store("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_nccl_world_of_one, args=(address, out))
+    proc.start()
+    try:
+        backend, summed, size, grouped, gathered = out.get(timeout=120)
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    assert (backend, size) == ("nccl", 1)
+    assert summed == grouped == gathered == [0.0, 1.0, 2.0, 3.0]
+    assert proc.exitcode == 0
     del store

@@ -1,5 +1,6 @@
 """Process groups and collectives over torch.distributed: gloo between CPU processes, NCCL
-between GPUs; a group whose ranks are all CPU processes on one host runs its collectives over
+between GPUs, one rank to a GPU (NCCL refuses two ranks on one GPU: such a world runs gloo, whose
+collectives take a CUDA tensor through a host copy); a group whose ranks are all CPU processes on one host runs its collectives over
 shared memory instead (:mod:`stagewise.parallel.shm_group`). A :class:`Group` of one rank does
 nothing, so single-process code calls the same collectives at no cost.
 
@@ -41,8 +42,12 @@ def host_store(host: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[dist
 
 
 def backend_for(devices: list[str]) -> str:
-    """NCCL when every rank runs on a GPU, gloo otherwise (one backend for the whole group)."""
-    return "nccl" if devices and all(torch.device(d).type == "cuda" for d in devices) else "gloo"
+    """NCCL when every rank runs on a GPU of its own, gloo otherwise (one backend for the whole
+    group; NCCL refuses two ranks on one GPU, "Duplicate GPU detected")."""
+    gpus = [torch.device(d) for d in devices]
+    if not gpus or any(d.type != "cuda" for d in gpus):
+        return "gloo"
+    return "nccl" if len({d.index or 0 for d in gpus}) == len(gpus) else "gloo"
 
 
 def loopback_interface() -> str | None:
@@ -106,6 +111,17 @@ class Group:
         self.calls = 0
         self.bytes = 0
         """Bytes of the tensors this rank handed to collectives."""
+        self._host_only = len(ranks) > 1 and shm is None and dist.is_initialized() \
+            and dist.get_backend() == "gloo"  # the world's: its subgroups take the same
+        """gloo carries host tensors only: a CUDA tensor's collective runs on a host copy."""
+
+    def _via_host(self, op: str, t: torch.Tensor, *args):
+        """Collective ``op`` of a CUDA tensor over gloo: on a host copy, the result back on ``t``'s
+        device (in place for the in-place collectives)."""
+        out = getattr(self, op)(t.cpu(), *args)
+        if op in ("all_reduce", "broadcast"):
+            return t.copy_(out)
+        return None if out is None else out.to(t.device)
 
     def _count(self, start: float, t: torch.Tensor) -> None:
         self.seconds += time.perf_counter() - start
@@ -145,6 +161,8 @@ class Group:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the group, in place; returns ``t``."""
+        if self._host_only and t.is_cuda:
+            return self._via_host("all_reduce", t)
         if self.size > 1:
             start = time.perf_counter()
             if self.shm is not None:
@@ -156,6 +174,8 @@ class Group:
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``t`` of group rank ``src`` on every rank, in place; returns ``t``."""
+        if self._host_only and t.is_cuda:
+            return self._via_host("broadcast", t, src)
         if self.size > 1:
             start = time.perf_counter()
             if self.shm is not None:
@@ -167,6 +187,8 @@ class Group:
 
     def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Every rank's ``t`` (same shape on each) concatenated along ``dim``, in rank order."""
+        if self._host_only and t.is_cuda:
+            return self._via_host("all_gather", t, dim)
         if self.size == 1:
             return t
         start = time.perf_counter()
@@ -184,6 +206,8 @@ class Group:
     def gather(self, t: torch.Tensor, dim: int = 0, dst: int = 0) -> torch.Tensor | None:
         """Every rank's ``t`` (same shape on each) concatenated along ``dim`` on group rank
         ``dst``, in rank order; None on the other ranks."""
+        if self._host_only and t.is_cuda:
+            return self._via_host("gather", t, dim, dst)
         if self.size == 1:
             return t
         start = time.perf_counter()
@@ -206,6 +230,8 @@ class Group:
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """The sum of every rank's ``t`` (same shape on each), split into ``size`` equal chunks
         along ``dim``: group rank ``i`` gets chunk ``i``."""
+        if self._host_only and t.is_cuda:
+            return self._via_host("reduce_scatter", t, dim)
         if self.size == 1:
             return t
         start, src = time.perf_counter(), self._chunks_first("reduce_scatter", t, dim)
@@ -221,6 +247,8 @@ class Group:
         """``t`` split into ``size`` equal chunks along ``dim``; chunk ``i`` goes to group rank
         ``i``, and the chunks received (one from each rank, in rank order) are concatenated
         along ``dim``."""
+        if self._host_only and t.is_cuda:
+            return self._via_host("all_to_all", t, dim)
         if self.size == 1:
             return t
         start, src = time.perf_counter(), self._chunks_first("all_to_all", t, dim)
