@@ -116,7 +116,9 @@ void extend_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   if (T == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   const at::Tensor starts = query_start_loc.to(at::kLong);
-  const at::Tensor seq = at::repeat_interleave(starts.slice(0, 1) - starts.slice(0, 0, -1), T);
+  // Each token's sequence: sequence i repeated by its run's length (output_size: no host sync).
+  const at::Tensor seq =
+      at::repeat_interleave(starts.slice(0, 1) - starts.slice(0, 0, -1), std::optional<int64_t>(T));
   const at::Tensor lens = seq_lens.to(at::kLong).index_select(0, seq) - starts.index_select(0, seq + 1) +
                           at::arange(T, starts.options()) + 1;
   at::Tensor lse = at::empty({T, q.size(1)}, q.options().dtype(at::kFloat));
@@ -139,6 +141,14 @@ void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweigh
                   const std::optional<at::Tensor>& bias) {
   auto p = make_quant_linear_params(out, x, qweight, qtype, bias);
   STAGEWISE_CUDA_CALL("quant_linear", x, cuda::quant_linear(p, stream_));
+}
+
+// CPU only (F.linear serves a GPU): arguments are checked as everywhere, then a clear error.
+void dense_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias) {
+  (void)make_dense_linear_params(out, x, weight, bias);
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "stagewise.dense_linear: runs on the CPU only, got x on ", x.device(),
+                              "; use F.linear there");
 }
 
 // The int8 mode is a CPU kernel only: arguments are checked as everywhere, then a clear error.
@@ -197,7 +207,8 @@ at::Tensor cuda_ipc_open(const at::Tensor& handle, int64_t nbytes, int64_t devic
   // GPU the bytes are reached through peer access (torch would otherwise insist on the owner).
   at::Tensor buf = at::for_blob(ptr, {nbytes})
                        .deleter(unmap)
-                       .options(at::TensorOptions().dtype(at::kByte))
+                       .options(at::TensorOptions().dtype(at::kByte).device(
+                           at::kCUDA, static_cast<c10::DeviceIndex>(device)))  // its dispatch key too
                        .target_device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)))
                        .make_tensor();
   mapping.release();
@@ -242,6 +253,7 @@ TORCH_LIBRARY_IMPL(stagewise, CUDA, m) {
   m.impl("apply_token_bitmask", &apply_token_bitmask);
   m.impl("quant_linear", &quant_linear);
   m.impl("quant_linear_int8", &quant_linear_int8);
+  m.impl("dense_linear", &dense_linear);
   m.impl("cuda_ring_wait", &cuda_ring_wait);
   m.impl("cuda_ring_signal", &cuda_ring_signal);
 }

@@ -49,6 +49,12 @@ struct LseMerge {
 };
 
 __device__ __forceinline__ LseMerge lse_merge(float lse_a, float lse_b) {
+  // A NaN comes out as NaN (torch.maximum's rule): fmaxf would drop it, and the row would pass for
+  // an empty one.
+  if (isnan(lse_a) || isnan(lse_b)) {
+    const float nan = __int_as_float(0x7fc00000);
+    return {nan, nan, nan};
+  }
   const float m = fmaxf(lse_a, lse_b);
   if (m == -INFINITY) return {0.f, 0.f, -INFINITY};
   const float ea = expf(lse_a - m);
@@ -57,9 +63,12 @@ __device__ __forceinline__ LseMerge lse_merge(float lse_a, float lse_b) {
   return {ea / total, eb / total, m + logf(total)};
 }
 
-// A side of weight 0 is dropped, not multiplied: a NaN there cannot leak out.
+// A side of weight 0 is dropped, not multiplied: a NaN there cannot leak out, and the other side
+// (of weight exactly 1 then) comes back bit for bit, -0.0 included (-0.0 + 0.0 would be +0.0).
 __device__ __forceinline__ float lse_blend(const LseMerge& w, float a, float b) {
-  return (w.wa == 0.f ? 0.f : w.wa * a) + (w.wb == 0.f ? 0.f : w.wb * b);
+  if (w.wb == 0.f) return w.wa == 0.f ? 0.f : w.wa * a;
+  if (w.wa == 0.f) return w.wb * b;
+  return w.wa * a + w.wb * b;
 }
 
 // ---- decode: per-split kernel -----------------------------------------------------

@@ -88,6 +88,10 @@ cudaError_t ipc_get_handle(void* ptr, uint8_t* handle) {
 }
 
 cudaError_t ipc_open(const uint8_t* handle, void** ptr) {
+  // The device's context must exist first (a process that has only selected the device has
+  // none yet: "invalid device context"); cudaFree(nullptr) creates it.
+  const cudaError_t ctx = cudaFree(nullptr);
+  if (ctx != cudaSuccess) return ctx;
   cudaIpcMemHandle_t h;
   memcpy(&h, handle, sizeof h);
   // Lazy peer access: the peer's allocation may live on another GPU.

@@ -64,10 +64,13 @@ def test_random_messages_between_two_processes_on_one_gpu(direction):
     if direction == "creator-writes":
         peer = spawn("cuda-read", name, seed, count)
         # The first message is filled behind ~0.5 s of GPU work: its commit must not wait for it.
+        # It is on the GPU before that work is queued: a copy from host memory would itself wait.
+        sent = list(messages(seed, count, slot_bytes))
+        first = as_tensor(sent[0], "cuda")
         torch.cuda._sleep(int(0.5 * torch.cuda.get_device_properties(0).clock_rate * 1000))
         t0 = time.monotonic()
-        for i, data in enumerate(messages(seed, count, slot_bytes)):
-            ring.send(as_tensor(data, "cuda"), timeout=60)
+        for i, data in enumerate(sent):
+            ring.send(first if i == 0 else as_tensor(data, "cuda"), timeout=60)
             if i == 0:
                 assert time.monotonic() - t0 < 0.25, "the first commit waited for the GPU"
         ring.close()  # waits until the reader has drained the ring and detached

@@ -13,6 +13,7 @@ import torch
 
 from stagewise import _C  # noqa: F401  (loads the library; registers torch.ops.stagewise)
 from stagewise.ops import _fake  # noqa: F401  (registers the fake implementations)
+from stagewise.ops import reference
 from stagewise.ops.qtypes import (  # noqa: F401  (re-exported)
     QTYPES,
     QUANT_BLOCK_BYTES,
@@ -182,6 +183,10 @@ def decode_attention(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    if _off_the_cuda_kernels(q):
+        ref_out, ref_lse = reference.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new,
+                                                      window, k_scale, v_scale)
+        return out.copy_(ref_out), lse.copy_(ref_lse)
     _ops.decode_attention(out, lse, q, k_cache, v_cache, block_tables, seq_lens, scale, k_new, v_new, num_splits or 0,
                           window or 0, k_scale, v_scale)
     return out, lse
@@ -212,9 +217,23 @@ def extend_attention(
         raise ValueError(f"stagewise.extend_attention: argument 'window' must be an int >= 1 or None, got {window!r}")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if _off_the_cuda_kernels(q):
+        return out.copy_(reference.extend_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                                                    scale, window, k_scale, v_scale))
     _ops.extend_attention(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window or 0,
                           k_scale, v_scale)
     return out
+
+
+CUDA_HEAD_DIMS = (64, 128, 256)
+"""The head sizes the CUDA attention kernels are compiled for (every common model's: SmolLM2 and
+Falcon 64, Llama and Qwen 128, Gemma 256). On a GPU, :func:`decode_attention` and
+:func:`extend_attention` run any other through the pure-torch reference (:mod:`stagewise.ops.reference`):
+correct, a loop over the batch in Python, and not capturable in a CUDA graph."""
+
+
+def _off_the_cuda_kernels(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.dim() == 3 and q.size(-1) not in CUDA_HEAD_DIMS
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
