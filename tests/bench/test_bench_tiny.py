@@ -12,7 +12,7 @@ import pytest
 from stagewise.bench import e2e, options, plan_validate
 from stagewise.bench.cli import main as bench_main
 from stagewise.bench.plan_validate import runs
-from stagewise.bench.transport.channels import MEASURED
+from stagewise.bench.transport.channels import TRANSPORTS as SUITE_TRANSPORTS
 from stagewise.planner import validate
 from stagewise.planner.validate import MeasuredRun
 from stagewise.transport.registry import TRANSPORTS
@@ -51,8 +51,9 @@ def test_transports_help_names_what_the_suite_measures(monkeypatch):
 
     transport.add_arguments(parser)
     text = " ".join(parser.format_help().split())
-    assert f"comma-separated subset of {','.join(MEASURED)}" in text
-    assert "shm" in MEASURED and {m.removesuffix("-tls") for m in MEASURED} <= set(TRANSPORTS)  # tcp-tls: tcp in TLS
+    assert f"comma-separated subset of {','.join(SUITE_TRANSPORTS)} (default: all" in text
+    assert "shm" in SUITE_TRANSPORTS and "cuda-ipc" in SUITE_TRANSPORTS
+    assert {m.removesuffix("-tls") for m in SUITE_TRANSPORTS} <= set(TRANSPORTS)  # tcp-tls: tcp in TLS
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,16 @@
 """The run of `stagewise bench transport`: one-way latency and GB/s of each transport, 8 KB ... 64 MB
 frames.
 
-Every transport is a row family of :data:`MEASURED`: a function that starts an echo peer in a
-spawned process and returns this side's channel. ``shm`` is a pair of one-way shared-memory
-rings (one per direction, as between pipeline stages), set up over TCP; ``tcp-tls`` is TCP inside
-mutual TLS, as between hosts with the plan's ``tls`` (on loopback here, with throwaway
-certificates: the cost of the encryption itself); the cuda-ipc ring is not here yet (it needs a
-GPU).
-Frames carry one bfloat16 "hidden" tensor of the given size, like a decode or prefill step.
+Every transport between two processes of the host is a row family of :data:`MEASURED`: a function
+that starts an echo peer in a spawned process and returns this side's channel. ``shm`` is a pair of
+one-way shared-memory rings (one per direction, as between pipeline stages), set up over TCP;
+``tcp-tls`` is TCP inside mutual TLS, as between hosts with the plan's ``tls`` (on loopback here,
+with throwaway certificates: the cost of the encryption itself). ``cuda-ipc`` (frames of CUDA
+tensors between two processes on one GPU, beside the device-to-device copy) has its own section,
+:mod:`~stagewise.bench.transport.cuda_ipc`; where it cannot run (no GPU, an extension without CUDA)
+it is recorded as skipped, with the reason. :data:`TRANSPORTS` names them all.
+Frames carry one bfloat16 "hidden" tensor of the given size, like a decode or prefill step; the
+timing is :func:`~stagewise.bench.transport.pingpong.measure`'s:
 
 - latency: ping-pong, the peer sends each frame back; one-way = median round trip / 2 (includes
   encode, checksum, send, receive, decode on both sides);
@@ -31,68 +34,14 @@ from collections.abc import Callable
 import torch
 
 from stagewise.bench import report
-from stagewise.transport import Frame, Hello, StepKind, checksum
+from stagewise.bench.transport import cuda_ipc
+from stagewise.bench.transport.pingpong import HELLO, accept_pair, dial_pair, echo, frame, measure, size_text
+from stagewise.transport import Frame, StepKind, checksum
 from stagewise.transport import tcp, torch_dist
 
 SIZES = [8 << 10, 64 << 10, 512 << 10, 4 << 20, 32 << 20, 64 << 20]
 QUICK_SIZES = [8 << 10, 1 << 20, 16 << 20]
-HIDDEN = 1024
-WINDOW = 4
-HELLO = Hello(fingerprint="bench/transport", stage_from=0, stage_to=1)
-
-
-class _Duplex:
-    """Two one-way shm links as one channel: frames out through one ring, in through the other
-    (as between pipeline stages, where each direction has its own ring)."""
-
-    def __init__(self, out, inn) -> None:
-        self.out, self.inn = out, inn
-
-    def send(self, frame) -> None:
-        self.out.send(frame)
-
-    def recv(self, timeout=None):
-        return self.inn.recv(timeout)
-
-    @property
-    def checksum(self) -> bool:
-        return self.out.checksum
-
-    @checksum.setter
-    def checksum(self, value: bool) -> None:
-        self.out.checksum = self.inn.checksum = value
-
-    @property
-    def verify_checksum(self) -> bool:
-        return self.inn.verify_checksum
-
-    @verify_checksum.setter
-    def verify_checksum(self, value: bool) -> None:
-        self.out.verify_checksum = self.inn.verify_checksum = value
-
-    def close(self) -> None:
-        self.out.close()
-        self.inn.close()
-
-
 SHM_SLOT_BYTES = (64 << 20) + (1 << 20)
-
-
-def _shm_pair(port: int | None, check: bool):
-    """Peer side (``port`` given): dial the bench's listener for the ring towards it, then accept
-    the bench's ring towards this side. Bench side: the reverse."""
-    from stagewise.transport.rings import open_link
-
-    opts = dict(checksum=check, verify_checksum=check)
-    if port is not None:
-        out = open_link("shm", hello=HELLO, host="127.0.0.1", port=port, slot_bytes=SHM_SLOT_BYTES,
-                        num_slots=WINDOW + 1, timeout=60, **opts)
-        lis = tcp.listen(hello=HELLO, **opts)
-        out.send(Frame(step_kind=StepKind.CONTROL, control={"port": lis.address[1]}))
-        inn = open_link("shm", hello=HELLO, listener=lis, timeout=60, **opts)
-        lis.close()
-        return _Duplex(out, inn)
-    raise ValueError("_shm_pair: the bench side is _start_shm")
 
 
 def _peer(kind: str, port: int, check: bool, tls=None) -> None:
@@ -101,24 +50,11 @@ def _peer(kind: str, port: int, check: bool, tls=None) -> None:
     if kind == "tcp":
         ch = tcp.connect("127.0.0.1", port, hello=HELLO, timeout=60, checksum=check, verify_checksum=check, tls=tls)
     elif kind == "shm":
-        ch = _shm_pair(port, check)
+        ch = dial_pair("shm", port, slot_bytes=SHM_SLOT_BYTES, check=check)
     else:
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
         ch = torch_dist.open_channel(0, hello=HELLO, timeout=60, checksum=check, verify_checksum=check)
-    while True:
-        f = ch.recv()
-        ctl = f.control or {}
-        if ctl.get("stop"):
-            break
-        if "set_checksum" in ctl:  # takes effect from the next frame on, on both sides
-            ch.checksum = ch.verify_checksum = ctl["set_checksum"]
-            ch.send(Frame(step_kind=StepKind.HEARTBEAT))
-            continue
-        if "ack" not in ctl:
-            ch.send(f)
-        elif ctl["ack"]:
-            ch.send(Frame(step_kind=StepKind.HEARTBEAT))
-    ch.close()
+    echo(ch)
 
 
 def _start_tcp(check: bool, tls=None):
@@ -168,60 +104,22 @@ def _start_torch(check: bool):
 def _start_shm(check: bool):
     import multiprocessing as mp
 
-    from stagewise.transport.rings import open_link
-
-    opts = dict(checksum=check, verify_checksum=check)
-    lis = tcp.listen(hello=HELLO, **opts)
-    proc = mp.get_context("spawn").Process(target=_peer, args=("shm", lis.address[1], check), daemon=True)
-    proc.start()
-    inn = open_link("shm", hello=HELLO, listener=lis, timeout=120, **opts)
-    lis.close()
-    port = inn.recv(60).control["port"]
-    out = open_link("shm", hello=HELLO, host="127.0.0.1", port=port, slot_bytes=SHM_SLOT_BYTES,
-                    num_slots=WINDOW + 1, timeout=60, **opts)
-    return _Duplex(out, inn), proc
+    with tcp.listen(hello=HELLO, checksum=check, verify_checksum=check) as lis:
+        proc = mp.get_context("spawn").Process(target=_peer, args=("shm", lis.address[1], check), daemon=True)
+        proc.start()
+        try:
+            return accept_pair("shm", lis, slot_bytes=SHM_SLOT_BYTES, check=check), proc
+        except BaseException:
+            proc.kill()
+            raise
 
 
 MEASURED: dict[str, Callable] = {"tcp": _start_tcp, "tcp-tls": _start_tcp_tls, "shm": _start_shm,
                                  "torch": _start_torch}
 """name -> start(checksum) -> (channel to an echo peer, peer process). The peer follows
 {"set_checksum": bool} control frames, so one peer serves both settings."""
-
-
-def _frame(nbytes: int, ack: bool | None = None) -> Frame:
-    hidden = torch.randn(1, nbytes // (2 * HIDDEN), HIDDEN).to(torch.bfloat16)
-    return Frame(step_kind=StepKind.PREFILL, tensors={"hidden": hidden}, control=None if ack is None else {"ack": ack})
-
-
-def _repeats(est_s: float, quick: bool) -> int:
-    return max(3, min(30 if quick else 200, int((0.2 if quick else 0.5) / max(est_s, 1e-6))))
-
-
-def measure(ch, nbytes: int, quick: bool) -> dict:
-    f = _frame(nbytes)
-    for _ in range(2):
-        ch.send(f)
-        ch.recv()
-    t0 = time.perf_counter()
-    ch.send(f)
-    ch.recv()
-    rtts = []
-    for _ in range(_repeats(time.perf_counter() - t0, quick)):
-        t0 = time.perf_counter()
-        ch.send(f)
-        ch.recv()
-        rtts.append(time.perf_counter() - t0)
-    burst = [_frame(nbytes, ack=False)] * (WINDOW - 1) + [_frame(nbytes, ack=True)]
-    times = []
-    for _ in range(max(3, min(10, _repeats(WINDOW * statistics.median(rtts) / 2, quick) // 4))):
-        t0 = time.perf_counter()
-        for b in burst:
-            ch.send(b)
-        ch.recv()
-        times.append(time.perf_counter() - t0)
-    one_way = statistics.median(rtts) / 2
-    return {"bytes": nbytes, "one_way_us": one_way * 1e6, "pingpong_gbps": nbytes / one_way / 1e9,
-            "stream_gbps": WINDOW * nbytes / statistics.median(times) / 1e9, "repeats": len(rtts)}  # fmt: skip
+TRANSPORTS = (*MEASURED, cuda_ipc.NAME)
+"""What ``--transports`` may name, and its default."""
 
 
 def checksum_gbps(nbytes: int = 64 << 20, digest=checksum.digest) -> float:
@@ -242,7 +140,7 @@ def codec_us(nbytes: int = 8 << 10, repeats: int = 2000) -> dict:
     checksum on and off."""
     from stagewise.transport import codec
 
-    f = _frame(nbytes)
+    f = frame(nbytes)
     out = {}
     for check in (True, False):
         prepared = codec.prepare_frame(f, checksum=check)
@@ -267,10 +165,10 @@ def codec_us(nbytes: int = 8 << 10, repeats: int = 2000) -> dict:
 
 
 def run(args, log: Callable[[str], None]) -> int:
-    names = [n.strip() for n in (args.transports or ",".join(MEASURED)).split(",") if n.strip()]
-    unknown = [n for n in names if n not in MEASURED]
+    names = [n.strip() for n in (args.transports or ",".join(TRANSPORTS)).split(",") if n.strip()]
+    unknown = [n for n in names if n not in TRANSPORTS]
     if unknown or not names:
-        log(f"stagewise bench: --transports must name some of {', '.join(MEASURED)}, got {args.transports!r}")
+        log(f"stagewise bench: --transports must name some of {', '.join(TRANSPORTS)}, got {args.transports!r}")
         return 2
     sizes = [8 << 10, 64 << 10] if args.tiny else QUICK_SIZES if args.quick else SIZES
     info = report.machine_info("cpu")
@@ -284,23 +182,17 @@ def run(args, log: Callable[[str], None]) -> int:
     codec_cost = codec_us()
     log(f"{info['device_name']}: copy bandwidth {copy_bw['gbps']:.1f} GB/s, {checksum.NAME} {hash_gbps:.2f} GB/s, "
         f"8 KB frame encode {codec_cost['encode_on']:.1f} µs / decode {codec_cost['decode_on']:.1f} µs")
-    rows = []
+    rows, skipped, gpu = [], [], None
     for name in names:
-        ch, proc = MEASURED[name](True)
-        try:
-            for check in (True, False):
-                ch.send(Frame(step_kind=StepKind.CONTROL, control={"set_checksum": check}))
-                ch.recv()
-                ch.checksum = ch.verify_checksum = check
-                for nbytes in sizes:
-                    log(f"{name} checksum={'on' if check else 'off'} {nbytes} bytes")
-                    rows.append({"transport": name, "checksum": check, **measure(ch, nbytes, args.quick or args.tiny)})
-            ch.send(Frame(step_kind=StepKind.CONTROL, control={"stop": True}))
-            proc.join(30)
-        finally:
-            ch.close()
-            if proc.is_alive():
-                proc.kill()
+        if name == cuda_ipc.NAME:
+            why = cuda_ipc.unavailable()
+            if why is None:
+                gpu = cuda_ipc.run(sizes, args.quick or args.tiny, log)
+            else:
+                log(f"{name}: skipped: {why}")
+                skipped.append({"transport": name, "why": why})
+            continue
+        rows += _measure_host(name, sizes, args.quick or args.tiny, log)
     for r in rows:
         r["pct_copy"] = 100 * r["stream_gbps"] / copy_bw["gbps"]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -309,16 +201,38 @@ def run(args, log: Callable[[str], None]) -> int:
                 checksum_cached_gbps=hash_cached_gbps, checksum_reference_gbps=reference_gbps,
                 load_average={"start": list(load_start), "end": list(os.getloadavg())})  # fmt: skip
     stem.with_suffix(".json").write_text(json.dumps({"machine": info, "copy_bandwidth": copy_bw, "codec_us": codec_cost,
-                                                     "rows": rows}, indent=2) + "\n")  # fmt: skip
+                                                     "rows": rows, cuda_ipc.NAME: gpu, "skipped": skipped},
+                                                    indent=2) + "\n")  # fmt: skip
     md = _markdown(info, copy_bw, rows, codec_cost)
+    if gpu is not None:
+        md += "\n".join(cuda_ipc.markdown(gpu)) + "\n"
+    if skipped:
+        md += "\n" + "".join(f"Skipped {s['transport']}: {s['why']}  \n" for s in skipped)
     stem.with_suffix(".md").write_text(md)
     print(md)
     log(f"wrote {stem}.json and {stem}.md")
-    return 0
+    return 1 if gpu is not None and gpu["error"] else 0
 
 
-def _size(n: int) -> str:
-    return f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
+def _measure_host(name: str, sizes: list[int], quick: bool, log) -> list[dict]:
+    """The rows of one transport of :data:`MEASURED`, checksum on and off."""
+    rows = []
+    ch, proc = MEASURED[name](True)
+    try:
+        for check in (True, False):
+            ch.send(Frame(step_kind=StepKind.CONTROL, control={"set_checksum": check}))
+            ch.recv()
+            ch.checksum = ch.verify_checksum = check
+            for nbytes in sizes:
+                log(f"{name} checksum={'on' if check else 'off'} {nbytes} bytes")
+                rows.append({"transport": name, "checksum": check, **measure(ch, nbytes, quick)})
+        ch.send(Frame(step_kind=StepKind.CONTROL, control={"stop": True}))
+        proc.join(30)
+    finally:
+        ch.close()
+        if proc.is_alive():
+            proc.kill()
+    return rows
 
 
 def _markdown(info: dict, copy_bw: dict, rows: list[dict], codec_cost: dict | None = None) -> str:
@@ -345,6 +259,6 @@ def _markdown(info: dict, copy_bw: dict, rows: list[dict], codec_cost: dict | No
         "|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['transport']} | {'on' if r['checksum'] else 'off'} | {_size(r['bytes'])} | "
+        lines.append(f"| {r['transport']} | {'on' if r['checksum'] else 'off'} | {size_text(r['bytes'])} | "
                      f"{r['one_way_us']:.1f} | {r['pingpong_gbps']:.2f} | {r['stream_gbps']:.2f} | {r['pct_copy']:.0f}% |")  # fmt: skip
     return "\n".join(lines) + "\n"
