@@ -1,5 +1,6 @@
 """Smoke tests of `stagewise bench kernels` (toy sizes, few repeats; no timing assertions),
-and the vectorised decode-attention baseline against the reference."""
+and the attention baselines (vectorised, SDPA, FlexAttention over the paged cache) against the
+reference."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import re
 
 import pytest
 import torch
+from helpers.kernels import TOLERANCES, paged_kv
 
 import stagewise.ops
 from stagewise.bench import report
 from stagewise.bench.cli import main
+from stagewise.bench.kernels import attention_baselines as ab
 from stagewise.bench.kernels import cases
 from stagewise.bench.kernels import report as table
 from stagewise.cli import main as cli_main
@@ -136,7 +139,7 @@ def test_torch_decode_attention_matches_reference(with_new, dtype):
     k_new = torch.randn(5, hk, d).to(dtype) if with_new else None
     v_new = torch.randn(5, hk, d).to(dtype) if with_new else None
     args = (q, k_cache, v_cache, tables, seq_lens, d**-0.5, k_new, v_new)
-    out, lse = cases.torch_decode_attention(*args)
+    out, lse = ab.torch_decode_attention(*args)
     out_ref, lse_ref = ref.decode_attention(*args)
     assert out.shape == (5, hq, d) and out.dtype == dtype and lse.shape == (5, hq) and lse.dtype == torch.float32
     # Both compute in float32 and round once at the end: float32 accumulation order
@@ -146,3 +149,70 @@ def test_torch_decode_attention_matches_reference(with_new, dtype):
     torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-5)
     if not with_new:  # nothing to attend to: lse -inf, output 0
         assert torch.isneginf(lse[0]).all() and (out[0] == 0).all()
+
+
+def _paged(dtype, device, seq_lens):
+    """Paged K/V (block 4, 2 KV heads of 16) whose tables point anywhere, or at -1, past each length."""
+    k_cache, v_cache, tables, _ = paged_kv(seq_lens, 2, 16, 4, dtype, device)
+    return k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_pages_and_sdpa_decode_match_reference(device, dtype):
+    k_cache, v_cache, tables, seq_lens = _paged(dtype, device, [0, 1, 4, 13, 30])  # empty, partial, full blocks
+    q = torch.randn(5, 8, 16, device=device).to(dtype)
+    k_new, v_new = (torch.randn(5, 2, 16, device=device).to(dtype) for _ in range(2))
+    gathered = ab.gather_pages(k_cache, tables, k_new)
+    assert gathered.shape == (5, tables.size(1) * 4 + 1, 2, 16) and gathered.is_contiguous()
+    for b, n in enumerate(seq_lens.tolist()):
+        torch.testing.assert_close(gathered[b, :n], ref.gather_kv(k_cache, v_cache, tables[b], n, 0, None, None)[0],
+                                   rtol=0, atol=0)  # fmt: skip
+        assert torch.equal(gathered[b, -1], k_new[b])
+    args = (q, k_cache, v_cache, tables, seq_lens, 16**-0.5, k_new, v_new)
+    out = ab.sdpa_decode_attention(*args)
+    assert out.shape == q.shape and out.dtype == dtype
+    torch.testing.assert_close(out, ref.decode_attention(*args)[0], **TOLERANCES[dtype])
+
+
+_EAGER_FLEX = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+@_EAGER_FLEX
+@pytest.mark.parametrize("with_new", [False, True])
+def test_flex_decode_matches_reference(device, with_new):
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from torch.nn.attention.flex_attention import flex_attention  # eager: the compiled one is the GPU run's
+
+    k_cache, v_cache, tables, seq_lens = _paged(torch.float32, device, [1, 4, 13, 30] if not with_new else [0, 5, 32])
+    b = seq_lens.numel()
+    q = torch.randn(b, 8, 16, device=device)
+    k_new, v_new = (torch.randn(b, 2, 16, device=device) if with_new else None for _ in range(2))
+    args = (q, k_cache, v_cache, tables, seq_lens, 16**-0.5, k_new, v_new)
+    out = ab.flex_decode(*args, flex=flex_attention)()
+    torch.testing.assert_close(out, ref.decode_attention(*args)[0], **TOLERANCES[torch.float32])
+
+
+@_EAGER_FLEX
+def test_flex_extend_matches_reference(device):
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from torch.nn.attention.flex_attention import flex_attention
+
+    k_cache, v_cache, tables, seq_lens = _paged(torch.float32, device, [7, 30, 12])
+    starts = torch.tensor([0, 3, 3, 15], dtype=torch.int32, device=device)  # runs of 3, 0 and 12 tokens
+    q = torch.randn(15, 8, 16, device=device)
+    args = (q, k_cache, v_cache, tables, starts, seq_lens, 16**-0.5)
+    out = ab.flex_extend(*args, flex=flex_attention)()
+    torch.testing.assert_close(out, ref.extend_attention(*args), **TOLERANCES[torch.float32])
+
+
+def test_attention_rows_have_the_further_baselines(tmp_path):
+    """On the CPU: SDPA checked against ours and timed, flex n/a with its reason, both in the table."""
+    data = _run(tmp_path, "--no-compile", "--ops", "decode_attention,extend_attention")
+    (decode,) = _rows(data, "decode_attention")
+    assert decode["sdpa_ms"] > 0 and decode["sdpa_speedup"] > 0 and decode["notes"]["sdpa_max_err"] < 5e-2
+    assert decode["flex_ms"] is None and decode["notes"]["flex"] == ab.FLEX_NOTE_CPU
+    (extend,) = _rows(data, "extend_attention")
+    assert extend["sdpa_ms"] is None and extend["notes"]["sdpa"].startswith("= ref")
+    assert "Max abs error of the further baselines against ours" in data["md"]
+    assert all(set(case.others) <= set(table.OTHERS) for case in (
+        cases.build_case(op, dtype, size, "cpu") for op, dtype, size in cases.case_specs("cpu", list(cases.OPS), "tiny")))

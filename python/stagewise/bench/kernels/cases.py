@@ -3,9 +3,11 @@
 Each case holds its own buffers and runs OURS (``stagewise.ops``) on them; the
 pure-torch baseline is ``stagewise.ops.reference`` except for decode_attention,
 whose reference is a per-sequence Python loop: there the baseline is the
-vectorised :func:`torch_decode_attention` below, and for the linears, whose
-baseline is ``F.linear``. ``nbytes`` is the least the op must read plus write,
-counted from the shapes (never measured).
+vectorised ``attention_baselines.torch_decode_attention``, and for the linears,
+whose baseline is ``F.linear``. The attention cases also have SDPA and
+FlexAttention over the same paged cache (``Case.others``, from
+:mod:`~stagewise.bench.kernels.attention_baselines`). ``nbytes`` is the least
+the op must read plus write, counted from the shapes (never measured).
 
 dense_linear's weights are several copies that together exceed the caches, a
 different one for each call (``Case.rotate``): as in a decode step, every call
@@ -22,13 +24,15 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from stagewise import ops
 from stagewise.ops import reference as ref
+from stagewise.bench.kernels import attention_baselines as ab
 from stagewise.bench.kernels import flashinfer as fi
+from stagewise.bench.kernels.attention_baselines import torch_decode_attention, torch_extend_attention
 
 EPS = 1e-6
 BLOCK = 16
@@ -102,6 +106,9 @@ class Case:
     rotate: Callable[[], None] | None = None
     """Run before every timed call of ours and of the baselines (timed with it, a fraction of a microsecond):
     points the case's weights at the next of several copies."""
+    others: dict[str, Callable[[], object] | str] = field(default_factory=dict)
+    """Further baselines by column (``report.OTHERS``): a callable returning ours' first output (checked
+    against ours, then timed), or why there is none."""
 
 
 def case_specs(device: str, ops_wanted: list[str], preset: str) -> list[tuple[str, torch.dtype, dict]]:
@@ -132,35 +139,6 @@ def max_abs_err(actual, expected) -> float:
     if isinstance(actual, torch.Tensor):
         actual, expected = (actual,), (expected,)
     return max((a.double() - e.double()).abs().max().item() if a.numel() else 0.0 for a, e in zip(actual, expected))
-
-
-def torch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_new=None, v_new=None):
-    """Vectorised pure-torch decode attention (the baseline of decode_attention).
-
-    q ``[B, Hq, D]``; caches ``[num_blocks, block_size, Hk, D]``; block_tables
-    ``[B, max_blocks]``; seq_lens ``[B]``; k_new/v_new ``[B, Hk, D]`` or None.
-    Returns out ``[B, Hq, D]`` in q's dtype and lse ``[B, Hq]`` float32.
-    Every sequence is padded to the block table's capacity and masked by its
-    length: no host sync, static shapes, so it also compiles with dynamic=False.
-    GQA uses a ``[Hk, Hq / Hk]`` view of the query heads, the expansion of K/V
-    to Hq heads without copying them.
-    """
-    b, hq, d = q.shape
-    num_blocks, block_size, hk, _ = k_cache.shape
-    blocks = block_tables.long().clamp(0, num_blocks - 1)  # entries past seq_len may be anything
-    k = k_cache[blocks].flatten(1, 2)  # [B, Lmax, Hk, D]
-    v = v_cache[blocks].flatten(1, 2)
-    valid = torch.arange(k.size(1), device=q.device)[None, :] < seq_lens[:, None].long()  # [B, Lmax]
-    if k_new is not None:
-        k, v = torch.cat([k, k_new[:, None]], 1), torch.cat([v, v_new[:, None]], 1)
-        valid = torch.cat([valid, valid.new_ones(b, 1)], 1)
-    qg = q.float().view(b, hk, hq // hk, d)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * scale  # [B, Hk, G, L] float32
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, -1)  # -inf where nothing is attended
-    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
-    return out.reshape(b, hq, d).to(q.dtype), lse.reshape(b, hq)
 
 
 def _randn(*shape, dtype, dev):
@@ -269,23 +247,7 @@ def _decode_attention(dtype, dev, B, ctx, Hq=32, Hk=8, D=128) -> Case:
     return Case(op="decode_attention", name=f"B={B} ctx={ctx} q{Hq}/kv{Hk}x{D}", dtype=dtype, nbytes=nbytes,
                 ours=lambda: ops.decode_attention(*args, out=out, lse=lse), baseline=torch_decode_attention,
                 baseline_args=args, validate=_same(ops.decode_attention, ref.decode_attention, args),
-                **fi.decode(q, kc, vc, tables, seq_lens, D**-0.5, BLOCK))  # fmt: skip
-
-
-def torch_extend_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
-    """Pure-torch attention of runs after a cache (the baseline of extend_attention): per sequence,
-    its cached K/V gathered whole blocks at a time, then SDPA with the causal mask offset by the
-    cached length."""
-    outs = []
-    for b in range(block_tables.size(0)):
-        start, end, n = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
-        blocks = block_tables[b, : -(-n // k_cache.size(1))].long()
-        k, v = (c[blocks].flatten(0, 1)[:n].transpose(0, 1)[None] for c in (k_cache, v_cache))
-        keys, queries = torch.arange(n, device=q.device), torch.arange(n - end + start, n, device=q.device)
-        o = torch.nn.functional.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], k, v, scale=scale,
-                                                             attn_mask=keys <= queries[:, None], enable_gqa=True)
-        outs.append(o[0].transpose(0, 1))
-    return torch.cat(outs)
+                others=ab.decode_baselines(args), **fi.decode(q, kc, vc, tables, seq_lens, D**-0.5, BLOCK))  # fmt: skip
 
 
 def _extend_attention(dtype, dev, n, ctx, Hq=32, Hk=8, D=128) -> Case:
@@ -300,7 +262,8 @@ def _extend_attention(dtype, dev, n, ctx, Hq=32, Hk=8, D=128) -> Case:
     nbytes = 2 * n * Hq * D * q.element_size() + 2 * ctx * Hk * D * q.element_size() + per_seq * 4
     return Case(op="extend_attention", name=f"{n} after {ctx - n} q{Hq}/kv{Hk}x{D}", dtype=dtype, nbytes=nbytes,
                 ours=lambda: ops.extend_attention(*args, out=out), baseline=torch_extend_attention, baseline_args=args,
-                validate=_same(ops.extend_attention, ref.extend_attention, args))  # fmt: skip
+                validate=_same(ops.extend_attention, ref.extend_attention, args),
+                others=ab.extend_baselines(args))  # fmt: skip
 
 
 def _merge(dtype, dev, N, H=32, D=128) -> Case:

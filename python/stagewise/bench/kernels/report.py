@@ -23,6 +23,10 @@ class Row:
     compile_ms: float | None = None
     """The same baseline under torch.compile."""
     flashinfer_ms: float | None = None
+    sdpa_ms: float | None = None
+    """Attention: torch's SDPA over each sequence's pages gathered into contiguous K/V (the gather timed)."""
+    flex_ms: float | None = None
+    """Attention: FlexAttention (compiled) over the same gathered K/V, the lengths a block mask."""
     max_err: float | None = None
     """Max abs error of ours against stagewise.ops.reference, checked once before timing."""
     gbps: float | None = None
@@ -33,7 +37,12 @@ class Row:
     error: str | None = None
     """Why ours has no timing (it raised)."""
     notes: dict | None = None
-    """Why a baseline has no timing, and other details (repeats, compile seconds)."""
+    """Why a baseline has no timing, and other details (repeats, compile seconds, ``<other>_max_err``:
+    a further baseline's max abs error against ours)."""
+
+
+OTHERS = ("sdpa", "flex")
+"""The further baselines a case may have (``Case.others``), each with its ``<name>_ms`` field."""
 
 
 def ratio(baseline_ms: float | None, ours_ms: float | None) -> float | None:
@@ -42,7 +51,8 @@ def ratio(baseline_ms: float | None, ours_ms: float | None) -> float | None:
 
 
 COLUMNS = ["op", "case", "dtype", "ours ms", "ref ms", "ref/ours", "compile ms", "compile/ours",
-           "flashinfer ms", "bytes", "GB/s", "% copy BW", "% read BW", "max err"]  # fmt: skip
+           "flashinfer ms", "sdpa ms", "sdpa/ours", "flex ms", "flex/ours",
+           "bytes", "GB/s", "% copy BW", "% read BW", "max err"]  # fmt: skip
 
 
 def _ms(v):
@@ -60,17 +70,21 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
+def _timing(row: Row, name: str) -> str:
+    """A baseline's time, or the reason it has none (shortened)."""
+    ms = getattr(row, f"{name}_ms")
+    return _ms(ms) if ms is not None else (row.notes or {}).get(name, "-")[:24]
+
+
 def cells(row: Row) -> list[str]:
-    """The table cells of one row; a missing timing shows its reason (shortened)."""
-    notes = row.notes or {}
+    """The table cells of one row."""
     ours = "ERROR" if row.error else _ms(row.ours_ms)
     return [
         row.op, row.case, row.dtype, ours,
-        _ms(row.ref_ms) if row.ref_ms is not None else notes.get("ref", "-")[:24],
-        _x(ratio(row.ref_ms, row.ours_ms)),
-        _ms(row.compile_ms) if row.compile_ms is not None else notes.get("compile", "-")[:24],
-        _x(ratio(row.compile_ms, row.ours_ms)),
-        _ms(row.flashinfer_ms) if row.flashinfer_ms is not None else notes.get("flashinfer", "-")[:24],
+        _timing(row, "ref"), _x(ratio(row.ref_ms, row.ours_ms)),
+        _timing(row, "compile"), _x(ratio(row.compile_ms, row.ours_ms)),
+        _timing(row, "flashinfer"),
+        *(c for name in OTHERS for c in (_timing(row, name), _x(ratio(getattr(row, f"{name}_ms"), row.ours_ms)))),
         _bytes(row.nbytes),
         "-" if row.gbps is None else f"{row.gbps:.1f}",
         "-" if row.pct_copy is None else f"{row.pct_copy:.0f}%",
@@ -107,7 +121,9 @@ def write_markdown(path: Path, info: dict, copy_bw: dict, rows: list[Row], read_
     lines = ["# stagewise kernels", ""] + [f"{h}  " for h in _header(info, copy_bw, read_bw)] + [""]
     lines += [
         "Median times; ours = stagewise.ops, ref = pure-torch baseline (stagewise.ops.reference; "
-        "a vectorised gather for decode_attention), compile = torch.compile of ref. "
+        "a vectorised gather for decode_attention), compile = torch.compile of ref; "
+        "sdpa and flex (attention) = torch's scaled_dot_product_attention and FlexAttention (compiled once) over "
+        "each sequence's pages gathered into contiguous K/V, the gather timed, their output checked against ours. "
         "Ratios > 1 mean ours is faster. Bytes = least bytes the op must read + write; "
         "% copy BW = ours' GB/s over the measured copy bandwidth (a DRAM-sized copy: cases that fit "
         "in cache can exceed 100%); % read BW the same over the measured read bandwidth (a DRAM-sized sum), "
@@ -119,7 +135,14 @@ def write_markdown(path: Path, info: dict, copy_bw: dict, rows: list[Row], read_
     lines += ["| " + " | ".join(c.replace("|", "/") for c in cells(r)) + " |" for r in rows]
     notes = [f"- {r.op} {r.case} {r.dtype}: {r.error}" for r in rows if r.error]
     notes += [f"- {r.op} {r.case} {r.dtype}: {k}: {v}" for r in rows for k, v in (r.notes or {}).items()
-              if k in ("ref", "compile", "flashinfer") and v.startswith("n/a")]  # fmt: skip
+              if k in ("ref", "compile", "flashinfer", *OTHERS) and v.startswith("n/a")]  # fmt: skip
+    checked = []
+    for r in rows:
+        errs = [f"{name} {r.notes[f'{name}_max_err']:.1e}" for name in OTHERS if f"{name}_max_err" in (r.notes or {})]
+        if errs:
+            checked.append(f"- {r.op} {r.case} {r.dtype}: {', '.join(errs)}")
+    if checked:
+        lines += ["", "Max abs error of the further baselines against ours:", ""] + checked
     if notes:
         lines += ["", "Errors and missing baselines:", ""] + notes
     path.write_text("\n".join(lines) + "\n")
@@ -132,6 +155,8 @@ def write_json(path: Path, info: dict, copy_bw: dict, rows: list[Row], read_bw: 
         d["ref_speedup"] = ratio(r.ref_ms, r.ours_ms)
         d["compile_speedup"] = ratio(r.compile_ms, r.ours_ms)
         d["flashinfer_speedup"] = ratio(r.flashinfer_ms, r.ours_ms)
+        for name in OTHERS:
+            d[f"{name}_speedup"] = ratio(getattr(r, f"{name}_ms"), r.ours_ms)
         out.append(d)
     path.write_text(json.dumps({"machine": info, "copy_bandwidth": copy_bw, "read_bandwidth": read_bw, "rows": out},
                                indent=2) + "\n")

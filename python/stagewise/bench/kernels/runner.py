@@ -1,6 +1,7 @@
 """The run of ``stagewise bench kernels`` (:mod:`stagewise.bench.kernels`): for every case, validate
 OURS against the reference once (max abs error), then time OURS, the pure-torch baseline,
-torch.compile of that baseline and FlashInfer when available (median after warm-up), and express
+torch.compile of that baseline, FlashInfer when available and, for attention, SDPA and FlexAttention
+over the same paged cache (each checked against OURS first; median after warm-up), and express
 OURS as GB/s and as a percentage of the copy and of the read bandwidth measured in the same run
 (the read one is the ceiling of ops that mostly read, such as a decode step's linears). An op that
 raises becomes an error row and the run goes on.
@@ -112,8 +113,37 @@ def measure(
             row.flashinfer_ms = time_fn(case.flashinfer, device, policy).median_ms
         except Exception as e:
             notes["flashinfer"] = f"n/a: {_describe(e)}"
+    if case.others:
+        _measure_others(case, device, policy, row, notes)
     row.notes = notes
     return row
+
+
+def _measure_others(case: cases.Case, device: str, policy: TimingPolicy, row: table.Row, notes: dict) -> None:
+    """The case's further baselines (``Case.others``): each run once and checked against ours' first
+    output (that first call is where FlexAttention compiles: ``<name>_first_call_s``), then timed."""
+    expected = None
+    if row.error is None:  # ours ran: its outputs, to check each against
+        expected = case.ours()
+        expected = expected[0] if isinstance(expected, tuple) else expected
+    for name, other in case.others.items():
+        if isinstance(other, str):
+            notes[name] = other
+            continue
+        try:
+            t0 = time.perf_counter()
+            got = other()
+            _sync(device)
+            notes[f"{name}_first_call_s"] = round(time.perf_counter() - t0, 2)
+            if expected is not None:
+                err = cases.max_abs_err(got, expected)
+                if not math.isfinite(err):
+                    raise ValueError(f"output differs from ours by {err}")
+                notes[f"{name}_max_err"] = err
+            del got
+            setattr(row, f"{name}_ms", time_fn(other, device, policy).median_ms)
+        except Exception as e:
+            notes[name] = f"n/a: {_describe(e)}"
 
 
 def run(args: argparse.Namespace, log) -> int:
