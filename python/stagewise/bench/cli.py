@@ -58,6 +58,11 @@ def main(argv: list[str]) -> int:
 
     from stagewise.bench import report
 
+    # Refused before anything is named after the device (the results folder) or run on it.
+    if getattr(args, "device", None) == "cuda" and not torch.cuda.is_available():
+        print(f"stagewise bench: --device cuda was asked for, but torch {torch.__version__} sees no CUDA device",
+              file=sys.stderr)
+        return 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.out is None:  # never over the committed results unless --out says so

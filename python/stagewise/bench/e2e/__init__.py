@@ -8,7 +8,9 @@
 - ``--launcher ray`` (:mod:`~stagewise.bench.e2e.launchers`): the Ray launcher beside the local one;
 - ``--recovery`` (:mod:`~stagewise.bench.e2e.recovery`): a stage killed or hung mid-generation;
 - ``--speculative ngram`` (:mod:`~stagewise.bench.e2e.speculative`): decode with drafts against
-  without, on a rewriting task and an open one, beside llama.cpp's prompt lookup.
+  without, on a rewriting task and an open one, beside llama.cpp's prompt lookup;
+- ``--cuda-graphs`` (:mod:`~stagewise.bench.e2e.graphs`): the batch-1 decode step on a GPU, eager
+  against replayed from a CUDA graph, beside the memory floor.
 
 Every mode's prompts are :mod:`~stagewise.bench.e2e.prompts`'.
 """
@@ -16,19 +18,29 @@ Every mode's prompts are :mod:`~stagewise.bench.e2e.prompts`'.
 from __future__ import annotations
 
 import argparse
+import sys
 
+from stagewise.bench.e2e import random_models
 from stagewise.bench.options import add_common
 from stagewise.transport.registry import TRANSPORTS
 
 SIZES = {"batch_sizes": ("1,16", "1"), "prompt_len": (128, 8), "new_tokens": (64, 4), "repeats": (3, 1)}
 """The sizes when not given: (full, --tiny)."""
+DTYPES = ("float32", "bfloat16", "float16")
+"""--dtype's choices: :data:`stagewise.model.loader.stage_weights.DTYPES`' names (without importing torch)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser, "e2e", device=True)
     parser.add_argument("--model", default="smollm2-135m",
-                        help="folder, .gguf file, smollm2-135m, or random-qwen3-vl (a random Qwen3-VL of hidden 2048, "
-                             "8 layers, ViT depth 8, built with transformers on first use)")
+                        help="folder, .gguf file, smollm2-135m, or a random model built once in the temp folder on "
+                             "first use: random-qwen3-vl (a Qwen3-VL of hidden 2048, 8 layers, ViT depth 8, float32), "
+                             "random-llama3-8b (Llama-3-8B's shape, bfloat16)")
+    parser.add_argument("--random-layers", type=int, default=None, metavar="N",
+                        help="a random model's decoder layers (default: its own, 32 for random-llama3-8b)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                        help="the dtype ours and transformers compute in, weights and activations (default: float32; "
+                             "int8 linears run in float32 only)")
     parser.add_argument("--image", default=None, metavar="WxH",
                         help="a vision model: every prompt starts with an image of this size, e.g. 448x448")
     parser.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes (default: 1,16; --tiny: 1)")
@@ -75,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     modes.add_argument("--heads", default=None, metavar="Q/KV",
                        help="--tp: run the GGUF model regrouped into Q query and KV key-value heads, every other "
                             "tensor as it is (SmolLM2's 9/3 allow tp 3 only; 8/1 allows tp 2 and dcp 2)")
+    modes.add_argument("--cuda-graphs", action="store_true",
+                       help="--device cuda: the batch-1 decode step eager and replayed from a CUDA graph, checked "
+                            "equal, each beside the memory floor (--prompt-len, --new-tokens - 1 steps, --dtype)")
     modes.add_argument("--pipeline-partition", dest="partition", default="balanced",
                        help="--stages: the partition policy (default: balanced)")
     modes.add_argument("--pipeline-transport", dest="transport", default="auto", choices=TRANSPORTS,
@@ -90,6 +105,15 @@ def resolve_sizes(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, log) -> int:
     resolve_sizes(args)
+    if args.cuda_graphs:  # it refuses without a GPU before a random model is built
+        from stagewise.bench.e2e import graphs
+
+        return graphs.run(args, log=log)
+    try:
+        args.model = random_models.resolve(args.model, args.random_layers, log)
+    except ValueError as err:
+        print(f"stagewise bench e2e: {err}", file=sys.stderr)
+        return 2
     if args.speculative:
         from stagewise.bench.e2e import speculative as mode
     elif args.tp or args.dcp:

@@ -1,7 +1,8 @@
 """The baselines `stagewise bench e2e` runs beside stagewise on the same checkpoint, threads and
-prompt token ids: transformers ``generate`` (float32, the reference of every model) and llama.cpp
-(``--baseline llama.cpp``: the same GGUF file through llama-cpp-python, its batch API for parallel
-sequences). Each answers :meth:`run` with a :class:`Run`: time to first token, decode time, tokens.
+prompt token ids: transformers ``generate`` (in ours' dtype, float32 by default: the reference of
+every model) and llama.cpp (``--baseline llama.cpp``: the same GGUF file through llama-cpp-python,
+its batch API for parallel sequences). Each answers :meth:`run` with a :class:`Run`: time to first
+token, decode time, tokens.
 """
 
 from __future__ import annotations
@@ -82,9 +83,10 @@ def run_transformers(model, prompts: list[list[int]], new_tokens: int, extra: di
 class TransformersBaseline:
     name, label = "transformers", "hf"
 
-    def __init__(self, ckpt: Checkpoint, device: str) -> None:
-        self.model = load_transformers(ckpt, torch.float32, device)
-        self.info = {"transformers": __import__("transformers").__version__, "dtype": "float32"}
+    def __init__(self, ckpt: Checkpoint, device: str, dtype: torch.dtype = torch.float32) -> None:
+        self.model = load_transformers(ckpt, dtype, device)
+        self.info = {"transformers": __import__("transformers").__version__,
+                     "dtype": str(self.model.dtype).removeprefix("torch.")}
         self.images = None
         """(ImageInputs, image token id) of every row, when the prompts hold an image."""
         self.image_token_id = None if ckpt.config.vision_config is None else ckpt.config.vision_config.image_token_id
@@ -125,10 +127,11 @@ class LlamaCppBaseline:
 
 
 def open_baseline(name: str, ckpt: Checkpoint, *, device: str, threads: int, max_seqs: int, max_len: int,
-                  install: bool, log=print):
-    """The baseline called ``name`` (:data:`BASELINES`), loaded."""
+                  install: bool, dtype: torch.dtype = torch.float32, log=print):
+    """The baseline called ``name`` (:data:`BASELINES`), loaded; ``dtype``: transformers' (llama.cpp
+    runs the GGUF file as it is)."""
     if name == "transformers":
-        return TransformersBaseline(ckpt, device)
+        return TransformersBaseline(ckpt, device, dtype)
     if name == "llama.cpp":
         if device != "cpu":
             raise ValueError(f"bench e2e: the llama.cpp baseline runs on the CPU here, got --device {device}")

@@ -1,6 +1,5 @@
-"""Image prompts for `stagewise bench e2e --image WxH` on a vision model (Qwen3-VL), and the random
-Qwen3-VL of a realistic shape that `--model random-qwen3-vl` builds (with transformers, seeded,
-saved once in the temp folder).
+"""Image prompts for `stagewise bench e2e --image WxH` on a vision model (Qwen3-VL, such as
+``--model random-qwen3-vl``, :mod:`stagewise.bench.e2e.random_models`).
 
 Each row's prompt is one image (its placeholder tokens between vision start and end, as the chat
 template puts them) followed by the row's text ids. The image is preprocessed once, outside the
@@ -10,44 +9,11 @@ the prefill and the decode, not the image decoding.
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import numpy as np
 import torch
 
 from stagewise.engine.images import ImageInputs
 from stagewise.model.loader import Checkpoint
-
-RANDOM_VL = "random-qwen3-vl"
-# Hidden 2048, 8 decoder layers (GQA 16/8 of 128), ViT of depth 8 (Qwen3-VL's 1152 wide, patch 16)
-# with DeepStack at blocks 1, 3, 5; a 32k vocabulary keeps the embedding from dominating.
-RANDOM_VL_SHAPE = dict(
-    vision=dict(depth=8, hidden_size=1152, num_heads=16, intermediate_size=4304, out_hidden_size=2048, patch_size=16,
-                temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=2304,
-                deepstack_visual_indexes=[1, 3, 5]),
-    text=dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
-              head_dim=128, intermediate_size=6144, max_position_embeddings=4096,
-              rope_parameters=dict(rope_type="default", rope_theta=5e6, mrope_section=[24, 20, 20],
-                                   mrope_interleaved=True)),
-    tokens=dict(image_token_id=31995, video_token_id=31996, vision_start_token_id=31997, vision_end_token_id=31998))
-"""The processor's pixel bounds: Qwen3-VL's published ones."""
-
-
-def random_vl_model(log=print) -> Path:
-    """The folder of the random Qwen3-VL (built on first use; float32, bfloat16 stated nowhere)."""
-    import transformers
-
-    folder = Path(tempfile.gettempdir()) / f"stagewise-{RANDOM_VL}-v1"
-    if (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file():
-        return folder
-    log(f"bench e2e: building {RANDOM_VL} in {folder} (once)")
-    torch.manual_seed(0)
-    s = RANDOM_VL_SHAPE
-    model = transformers.Qwen3VLForConditionalGeneration(
-        transformers.Qwen3VLConfig(vision_config=s["vision"], text_config=s["text"], **s["tokens"]))
-    model.save_pretrained(folder)
-    return folder
 
 
 def image_prompts(ckpt: Checkpoint, prompts: list[list[int]], size: tuple[int, int]

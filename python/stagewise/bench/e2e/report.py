@@ -87,15 +87,16 @@ def write(out: Path, info: dict, copy_bw: dict, rows: list[dict], agree: dict, s
         f"torch threads; torch {info['torch']}  ",
         *([f"{isa_line(info)}  "] if info.get("cpu_isa") else []), *systems,
         f"Date (UTC): {info['date_utc']}; commit: {info['git_commit']}  ",
-        f"Model: {info['model']}, float32 activations, greedy, EOS ignored; median of {info['repeats']} runs  ",
+        f"Model: {info['model']}, {info.get('dtype', 'float32')} activations, greedy, EOS ignored; median of "
+        f"{info['repeats']} runs  ",
         f"Baselines: {baselines}  ",
         f"Copy bandwidth (read + write): {copy_bw['gbps']:.1f} GB/s  ",
         f"Load average (1, 5, 15 min) at start / end: {load}", "",
         "ours = stagewise.Pipeline; every baseline on the same weights, threads and prompt token ids, its runs "
         "taking turns with ours. TTFT = submit to first token; tok/s = tokens after each row's first, summed over "
         "the batch, over the time from first to last token; x = ours over the baseline (> 1: ours is faster). "
-        "linears = ours' linear precision: exact (float32 maths on the exact dequantised weights) or int8 "
-        "(activations quantised to int8 per block of 32, llama.cpp's scheme: approximate). rows = B: rows whose "
+        "linears = ours' linear precision: exact (maths in the activations' dtype on the exact dequantised "
+        "weights) or int8 (activations quantised to int8 per block of 32, llama.cpp's scheme: approximate). rows = B: rows whose "
         "tokens all equal the baseline's; prefix B: mean count of leading tokens equal to the baseline's. floor = "
         "tokens/s if each decode step only read its weights and KV cache at the copy bandwidth.", "",
         format_table(rows), "", *agreement_lines(agree), *startup_lines(startup)]
