@@ -106,7 +106,11 @@ step_build() {
 step_tests() {
   has_gpu && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
     >"$WORK/nvidia-smi.csv" 2>&1
-  run tests 240 "${PYTEST[@]}" --junitxml="$WORK/tests.xml" "${XDIST[@]}" tests
+  # The kernels first, the engine path (whole models against transformers) on its own: a test that
+  # crashes its process there (a restarted worker costs seconds) cannot eat the kernels' time.
+  # -v names each test as it ends, so the log says which one a crash was in.
+  run tests-ops 180 "${PYTEST[@]}" -v --junitxml="$WORK/tests-ops.xml" "${XDIST[@]}" tests --ignore=tests/model
+  run tests-model 180 "${PYTEST[@]}" -v --junitxml="$WORK/tests-model.xml" "${XDIST[@]}" tests/model
 }
 
 step_kernels() {
@@ -147,7 +151,7 @@ step_smollm2() {
     note "smollm2: skipped, the SmolLM2 GGUF is not here (yet)"
     return 0
   fi
-  run smollm2-tests 300 "${PYTEST[@]}" --junitxml="$WORK/smollm2-tests.xml" tests/model/test_smollm2.py
+  run smollm2-tests 300 "${PYTEST[@]}" -v --junitxml="$WORK/smollm2-tests.xml" tests/model/test_smollm2.py
   # shellcheck disable=SC2046
   run e2e-smollm2 240 "${SW[@]}" bench e2e $(bench_args) --model smollm2-135m --batch-sizes 1,16 --repeats 2 \
     --linear-precision exact --out "$WORK/e2e-smollm2"
@@ -157,7 +161,7 @@ step_smollm2() {
 
 step_retest() {
   [ -d "$WORK/pytest-cache" ] || return 0
-  run retest 300 "${PYTEST[@]}" --junitxml="$WORK/retest.xml" --last-failed --last-failed-no-failures none tests
+  run retest 300 "${PYTEST[@]}" -v --junitxml="$WORK/retest.xml" --last-failed --last-failed-no-failures none tests
 }
 
 for s in "${STEPS[@]}"; do
