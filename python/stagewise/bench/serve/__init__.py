@@ -17,6 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="a GGUF file or smollm2-135m (default)")
     parser.add_argument("--linear-precision", default="exact,int8", metavar="exact,int8",
                         help="ours' linear precisions, a row group each with the TPOT target (default: exact,int8)")
+    parser.add_argument("--kv-cache-dtype", default="auto", metavar="auto,int8",
+                        help="ours' KV cache: auto (the activations' dtype), int8, fp8_e4m3 (serve "
+                             "--kv-cache-dtype); several: the TPOT target's row groups once each (default auto)")
     parser.add_argument("--stages", default=None, metavar="S",
                         help="ours as a pipeline of S stage processes (default 1)")
     parser.add_argument("--rates", default=None, metavar="0.5,1,2,4",

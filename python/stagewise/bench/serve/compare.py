@@ -95,7 +95,7 @@ class Server:
 
 
 def _ours(model: str, threads: int | None, env: dict, precision: str, target_ms: float | None,
-          stages: int = 1, prefix_cache: bool = True) -> Server:
+          stages: int = 1, prefix_cache: bool = True, kv_cache_dtype: str = "auto") -> Server:
     """``threads`` None: the server's own choice (on the CPU every core, one fewer for a step of one
     token); ``stages`` > 1: a pipeline of that many stage processes."""
     port = _free_port()
@@ -105,11 +105,14 @@ def _ours(model: str, threads: int | None, env: dict, precision: str, target_ms:
     argv += ([] if stages == 1 else ["--stages", str(stages)])
     argv += ([] if target_ms is None else ["--tpot-target", f"{target_ms:g}"])
     argv += ([] if prefix_cache else ["--no-prefix-cache"])
+    argv += ([] if kv_cache_dtype == "auto" else ["--kv-cache-dtype", kv_cache_dtype])
     return Server("stagewise", argv, "/health", {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"})
 
 
-def _name(precision: str, target_ms: float | None, stages: int = 1, prefix_cache: bool = True) -> str:
-    return (f"stagewise {precision}" + ("" if stages == 1 else f", {stages} stages")
+def _name(precision: str, target_ms: float | None, stages: int = 1, prefix_cache: bool = True,
+          kv_cache_dtype: str = "auto") -> str:
+    return (f"stagewise {precision}" + ("" if kv_cache_dtype == "auto" else f", {kv_cache_dtype} KV cache")
+            + ("" if stages == 1 else f", {stages} stages")
             + ("" if target_ms is None else f", TPOT target {target_ms:g} ms")
             + ("" if prefix_cache else ", no prefix cache"))
 
@@ -194,6 +197,10 @@ def run(args, log=print) -> int:
     except ValueError:
         log(f"stagewise bench: serve --stages takes one number of stages >= 1, got {args.stages!r}")
         return 2
+    kv_dtypes = [k.strip() for k in args.kv_cache_dtype.split(",") if k.strip()]
+    if not kv_dtypes or any(k not in ("auto", "int8", "fp8_e4m3") for k in kv_dtypes):
+        log(f"stagewise bench: --kv-cache-dtype takes auto, int8 and/or fp8_e4m3, got {args.kv_cache_dtype!r}")
+        return 2
     caches = [c.strip() for c in args.prefix_cache.split(",") if c.strip()]
     if not caches or any(c not in ("on", "off") for c in caches):
         log(f"stagewise bench: --prefix-cache takes on and/or off, got {args.prefix_cache!r}")
@@ -229,7 +236,7 @@ def run(args, log=print) -> int:
     info = report.machine_info("cpu")
     info.update(model=str(ckpt.path), threads=threads, cores=cores,
                 stagewise_threads=args.threads or "its default (on the CPU every core, one fewer for a step of one token)",
-                requests_per_rate=n, rates=rates, stages=stages, workload=args.workload,
+                requests_per_rate=n, rates=rates, stages=stages, workload=args.workload, kv_cache_dtypes=kv_dtypes,
                 prompt_median=shapes[0].median, output_median=shapes[1].median)
 
     def measure(name: str, server: Server, model: str, extra: dict) -> None:
@@ -263,11 +270,11 @@ def run(args, log=print) -> int:
         measure("vLLM", Server("vLLM", argv, "/health", {**env, **extra_env}), args.model, {"ignore_eos": True})
     target = _target(args, rows)
     info["tpot_target_ms"], info["tpot_target_auto"] = target, args.tpot_target == "auto"
-    runs = [(precisions[0], None, cache == "on") for cache in caches]
-    runs += [(p, target, caches[0] == "on") for p in precisions] if target is not None else []
-    for precision, target_ms, cache in runs:
-        measure(_name(precision, target_ms, stages, cache),
-                _ours(args.model, args.threads, env, precision, target_ms, stages, cache), args.model,
+    runs = [(precisions[0], None, cache == "on", kv_dtypes[0]) for cache in caches]
+    runs += [(p, target, caches[0] == "on", kv) for kv in kv_dtypes for p in precisions] if target is not None else []
+    for precision, target_ms, cache, kv in runs:
+        measure(_name(precision, target_ms, stages, cache, kv),
+                _ours(args.model, args.threads, env, precision, target_ms, stages, cache, kv), args.model,
                 {"ignore_eos": True})
     compare = _budget_compare(rows)
     out = Path(args.out)
