@@ -102,6 +102,7 @@ def test_the_comparison_at_equal_p99_tpot_and_the_target_it_gives():
     (["--linear-precision", "int4"], "--linear-precision takes exact and/or int8"),
     (["--tpot-target", "0"], "--tpot-target takes auto, none or milliseconds > 0"),
     (["--tpot-target", "fast"], "--tpot-target takes auto, none or milliseconds > 0"),
+    (["--kv-cache-dtype", "int4"], "--kv-cache-dtype takes auto, int8 and/or fp8_e4m3, got 'int4'"),
     (["--stages", "1,2"], "serve --stages takes one number of stages >= 1, got '1,2'"),
     (["--stages", "0"], "serve --stages takes one number of stages >= 1, got '0'"),
     (["--server-baseline", "sglang"], "--server-baseline takes llama.cpp, vllm (both: llama.cpp,vllm) or none"),
@@ -110,3 +111,16 @@ def test_the_comparison_at_equal_p99_tpot_and_the_target_it_gives():
 def test_bad_serve_options_are_named(argv, message, capsys):
     assert main(["bench", "serve", "--tiny", "--server-baseline", "none", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_compact_kv_cache_run_is_started_and_named_with_it(monkeypatch):
+    import stagewise.bench.serve.compare as compare
+
+    started = []
+    monkeypatch.setattr(compare, "Server", lambda name, argv, health, env: started.append(argv))
+    compare._ours("smollm2-135m", 1, {}, "int8", 13.7, 2, True, "int8")
+    compare._ours("smollm2-135m", 1, {}, "int8", 13.7, 2, True)
+    with_kv, default = started
+    assert with_kv[with_kv.index("--kv-cache-dtype") + 1] == "int8" and "--kv-cache-dtype" not in default
+    assert compare._name("int8", 13.7, 2, True, "int8") == "stagewise int8, int8 KV cache, 2 stages, TPOT target 13.7 ms"
+    assert compare._name("int8", 13.7, 2) == "stagewise int8, 2 stages, TPOT target 13.7 ms"
