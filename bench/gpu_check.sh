@@ -4,7 +4,7 @@
 # bfloat16, the decode step under CUDA graphs, the cuda-ipc hop). Each step has its own time limit
 # and log; after each step the logs and results so far are packed into $OUT/gpu-check.tgz, so a run
 # stopped early still returns what it finished. $OUT/summary.txt lists every step's exit code and
-# seconds, and the failed tests.
+# seconds; the run's last lines name what failed, in each log's own words.
 #
 #   OUT=DIR bench/gpu_check.sh [STEP ...]
 #
@@ -43,9 +43,10 @@ pack() {
 run() {
   local name=$1 limit=$2 start=$SECONDS rc
   shift 2
-  timeout -k 10 "$limit" "$@" >"$WORK/$name.log" 2>&1
+  # SIGINT first: pytest then still writes its summary and its JUnit file; a hang is killed 30 s on.
+  timeout -s INT -k 30 "$limit" "$@" >"$WORK/$name.log" 2>&1
   rc=$?
-  note "$name: rc=$rc in $((SECONDS - start)) s$([ $rc -eq 124 ] && echo " (stopped at its ${limit} s limit)")"
+  note "$name: rc=$rc in $((SECONDS - start)) s$([ $rc -eq 124 ] || [ $rc -eq 137 ] && echo " (stopped at its ${limit} s limit)")"
   pack
   return $rc
 }
@@ -60,7 +61,7 @@ SW=("$PY" -m stagewise.cli)
 # pytest over the CUDA-marked tests, with this machine's cache (for `retest`); in parallel and with
 # a per-test limit where the plugins are there.
 PYTEST=("$PY" -m pytest -q -m cuda -o cache_dir="$WORK/pytest-cache" -rfE)
-"$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout=300)
+"$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout=120)  # below every step's limit
 "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "$JOBS") || XDIST=()
 
 step_deps() {

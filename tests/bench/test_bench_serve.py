@@ -102,7 +102,7 @@ def test_the_comparison_at_equal_p99_tpot_and_the_target_it_gives():
     (["--linear-precision", "int4"], "--linear-precision takes exact and/or int8"),
     (["--tpot-target", "0"], "--tpot-target takes auto, none or milliseconds > 0"),
     (["--tpot-target", "fast"], "--tpot-target takes auto, none or milliseconds > 0"),
-    (["--kv-cache-dtype", "int4"], "--kv-cache-dtype takes auto, int8 and/or fp8_e4m3, got 'int4'"),
+    (["--kv-cache-dtype", "int4"], "--kv-cache-dtype takes auto, int8, fp8_e4m3 (several: comma-separated), got 'int4'"),
     (["--stages", "1,2"], "serve --stages takes one number of stages >= 1, got '1,2'"),
     (["--stages", "0"], "serve --stages takes one number of stages >= 1, got '0'"),
     (["--server-baseline", "sglang"], "--server-baseline takes llama.cpp, vllm (both: llama.cpp,vllm) or none"),

@@ -32,6 +32,8 @@ def test_bad_groups_and_ranks_are_refused():
         comm.init_world(rank=0, world_size=2, store=("127.0.0.1", 1), backend="mpi")
     assert comm.backend_for(["cuda:0", "cuda:1"]) == comm.backend_for(["cuda"]) == "nccl"
     assert comm.backend_for(["cuda:0", "cuda"]) == comm.backend_for(["cuda:1", "cuda:1"]) == "gloo"  # one GPU
+    assert comm.backend_for(["cuda:0", "cuda:0"], ["10.0.0.1", "10.0.0.2"]) == "nccl"  # a GPU on each host
+    assert comm.backend_for(["cuda:0", "cuda:0"], ["10.0.0.1", "10.0.0.1"]) == "gloo"
     assert comm.backend_for(["cuda:0", "cpu"]) == comm.backend_for([]) == "gloo"
 
 

@@ -25,6 +25,7 @@ def test_gpu_stages_equal_one_process(tmp_path, stages, transport):
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
     with stagewise.Pipeline(str(tmp_path), device="cuda", max_model_len=64) as single:
         want = [c.token_ids for c in single.generate(prompt_token_ids=prompts, max_new_tokens=6, ignore_eos=True)]
+    assert [len(t) for t in want] == [6, 6, 6]  # a step that failed on both sides would compare equal
     with stagewise.Pipeline(str(tmp_path), stages=stages, device="cuda", transport=transport, max_model_len=64) as pipe:
         got = [c.token_ids for c in pipe.generate(prompt_token_ids=prompts, max_new_tokens=6, ignore_eos=True)]
     assert got == want

@@ -41,13 +41,15 @@ def host_store(host: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[dist
     return store, (host, store.port)
 
 
-def backend_for(devices: list[str]) -> str:
+def backend_for(devices: list[str], hosts: list[str] | None = None) -> str:
     """NCCL when every rank runs on a GPU of its own, gloo otherwise (one backend for the whole
-    group; NCCL refuses two ranks on one GPU, "Duplicate GPU detected")."""
+    group; NCCL refuses two ranks on one GPU, "Duplicate GPU detected"). ``hosts``: each rank's
+    host (default: all on one), so that ``cuda:0`` of two hosts are two GPUs."""
     gpus = [torch.device(d) for d in devices]
     if not gpus or any(d.type != "cuda" for d in gpus):
         return "gloo"
-    return "nccl" if len({d.index or 0 for d in gpus}) == len(gpus) else "gloo"
+    where = list(zip(hosts if hosts is not None else [""] * len(gpus), (d.index or 0 for d in gpus), strict=True))
+    return "nccl" if len(set(where)) == len(where) else "gloo"
 
 
 def loopback_interface() -> str | None:

@@ -84,7 +84,8 @@ def join_stage_groups(plan: RunPlan, stage: int, rank: int, store: tuple[str, in
         raise ValueError(f"stage {stage} rank {rank}: the stage's torch.distributed world needs its store")
     all_ranks = plan.stage_ranks()
     devices = [s.rank_device(r) for s, ranks in zip(plan.stages, all_ranks) for r in range(ranks.size)]
-    backend = comm.backend_for([devices[w] for w in world])
+    hosts = [s.host for s, ranks in zip(plan.stages, all_ranks) for _ in range(ranks.size)]
+    backend = comm.backend_for([devices[w] for w in world], [hosts[w] for w in world])
     me = world.index(all_ranks[stage].first + rank)
     comm.init_world(rank=me, world_size=len(world), store=store, backend=backend, timeout_s=timeout_s,
                     local=not spans_run(hop_transports))

@@ -197,9 +197,12 @@ def run(args, log=print) -> int:
     except ValueError:
         log(f"stagewise bench: serve --stages takes one number of stages >= 1, got {args.stages!r}")
         return 2
+    from stagewise.kv.cache import KV_CACHE_DTYPES
+
     kv_dtypes = [k.strip() for k in args.kv_cache_dtype.split(",") if k.strip()]
-    if not kv_dtypes or any(k not in ("auto", "int8", "fp8_e4m3") for k in kv_dtypes):
-        log(f"stagewise bench: --kv-cache-dtype takes auto, int8 and/or fp8_e4m3, got {args.kv_cache_dtype!r}")
+    if not kv_dtypes or any(k not in KV_CACHE_DTYPES for k in kv_dtypes):
+        log(f"stagewise bench: --kv-cache-dtype takes {', '.join(KV_CACHE_DTYPES)} (several: comma-separated), got "
+            f"{args.kv_cache_dtype!r}")
         return 2
     caches = [c.strip() for c in args.prefix_cache.split(",") if c.strip()]
     if not caches or any(c not in ("on", "off") for c in caches):

@@ -249,8 +249,8 @@ def _markdown(info: dict, copy_bw: dict, rows: list[dict], codec_cost: dict | No
          f"({codec_cost['encode_off']:.1f} without checksum), decode as views {codec_cost['decode_on']:.1f} µs "
          f"({codec_cost['decode_off']:.1f})  " if codec_cost else ""),
         f"Load average (1, 5, 15 min) at the start: {', '.join(f'{x:.2f}' for x in info['load_average']['start'])}; "
-        f"at the end: {', '.join(f'{x:.2f}' for x in info['load_average']['end'])} (a shared 2-core machine: other "
-        f"processes compete for the cores)" if "load_average" in info else "", "",
+        f"at the end: {', '.join(f'{x:.2f}' for x in info['load_average']['end'])} (the machine's "
+        f"{info.get('cpu_count', '?')} CPUs may be shared: other processes compete for them)" if "load_average" in info else "", "",
         "Frames of one bfloat16 hidden tensor, sender and echo peer in two processes on this machine. "
         "One-way = median ping-pong round trip / 2, encode + checksum + send + receive + decode included; "
         "pingpong GB/s = bytes / one-way; stream GB/s = 4 frames back to back, acknowledged, median. "

@@ -192,6 +192,9 @@ def run(sizes: list[int], quick: bool, log) -> dict:
                     f"{message['d2d'][-1]['gbps']:.0f} GB/s (frame bytes)")
     except (OSError, TimeoutError, ValueError) as err:
         section["error"] = f"{type(err).__name__}: {err}"
+    except BaseException:  # Ctrl-C: the children are ended as after an error, not waited for
+        section["error"] = "interrupted"
+        raise
     finally:
         for p in procs.values():  # after an error, give them time to close their rings, then kill
             if p.pid is None:
