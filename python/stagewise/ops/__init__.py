@@ -9,6 +9,8 @@ rely on; in-place ops say so.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from stagewise import _C  # noqa: F401  (loads the library; registers torch.ops.stagewise)
@@ -232,8 +234,18 @@ Falcon 64, Llama and Qwen 128, Gemma 256). On a GPU, :func:`decode_attention` an
 correct, a loop over the batch in Python, and not capturable in a CUDA graph."""
 
 
+_warned_head_dims: set[int] = set()
+
+
 def _off_the_cuda_kernels(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dim() == 3 and q.size(-1) not in CUDA_HEAD_DIMS
+    """Whether ``q``'s attention runs the reference (said once per head size: never a quiet fallback)."""
+    off = q.is_cuda and q.dim() == 3 and q.size(-1) not in CUDA_HEAD_DIMS
+    if off and q.size(-1) not in _warned_head_dims:
+        _warned_head_dims.add(q.size(-1))
+        warnings.warn(f"stagewise: no CUDA attention kernel for head_dim {q.size(-1)} (they take "
+                      f"{', '.join(map(str, CUDA_HEAD_DIMS))}): attention runs the pure-torch reference, slowly",
+                      RuntimeWarning, stacklevel=3)
+    return off
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
