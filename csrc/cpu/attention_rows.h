@@ -306,10 +306,16 @@ STAGEWISE_ALWAYS_INLINE void score_rows(float* s, const float* q, const R* const
 //   out = (w_a * a + w_b * b) / (w_a + w_b),   returns max + log(w_a + w_b),
 // the maths of reference.merge_attn_states. A side with lse = -inf attended to
 // nothing: the other side is copied bit for bit, whatever the empty side holds
-// (its row is never read); both empty gives out = 0 and -inf. `out` may alias
-// `a` or `b` (element-wise).
+// (its row is never read); both empty gives out = 0 and -inf. A NaN lse on either
+// side gives NaN out and lse (torch.maximum's rule; never taken for an empty side).
+// `out` may alias `a` or `b` (element-wise).
 STAGEWISE_ALWAYS_INLINE float merge_lse_rows(float lse_a, const float* a, float lse_b,
                                              const float* b, float* out, int64_t n) {
+  if (std::isnan(lse_a) || std::isnan(lse_b)) {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::fill(out, out + n, nan);
+    return nan;
+  }
   if (lse_b == kNegInf || lse_a == kNegInf) {
     const bool a_empty = lse_a == kNegInf;
     if (a_empty && lse_b == kNegInf) {

@@ -73,6 +73,25 @@ def test_no_tokens(device):
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_nan_lse_gives_nan_out_and_lse(device, dtype):
+    """A NaN lse (a split whose softmax sum is NaN: a NaN query) is never taken for an empty side:
+    against -inf, a finite lse or another NaN, that row's out and lse come out NaN, as the
+    reference's (torch.maximum propagates NaN); every other row is merged as usual."""
+    a, lse_a, b, lse_b = partials(6, 2, 64, dtype, device)
+    lse_a[0, 0], lse_b[0, 0] = math.nan, -math.inf
+    lse_a[1, 1], lse_b[2, 0] = math.nan, math.nan
+    lse_a[3, 0], lse_b[3, 0] = -math.inf, math.nan
+    out, lse = poisoned_outputs(6, 2, 64, dtype, device)
+    ops.merge_attn_states(a, lse_a, b, lse_b, out=out, lse=lse)
+    ref_out, ref_lse = reference.merge_attn_states(a, lse_a, b, lse_b)
+    bad = lse_a.isnan() | lse_b.isnan()
+    assert ref_lse[bad].isnan().all() and ref_out[bad].isnan().all()
+    assert lse[bad].isnan().all() and out[bad].isnan().all()
+    assert_close(out[~bad], ref_out[~bad])
+    assert_close(lse[~bad], ref_lse[~bad], **LSE_TOL)
+
+
 @pytest.mark.parametrize("empty_side", ["a", "b"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_empty_side_returns_other_exactly(device, dtype, empty_side):

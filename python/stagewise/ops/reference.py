@@ -180,12 +180,13 @@ def extend_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_len
 
 
 def merge_attn_states(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
-    """LSE merge of two partial results; a -inf side contributes nothing."""
+    """LSE merge of two partial results; a -inf side contributes nothing; a NaN lse on either
+    side gives NaN out and lse."""
     m = torch.maximum(lse_a, lse_b)
     m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
     wa, wb = torch.exp(lse_a - m_safe), torch.exp(lse_b - m_safe)
     total = wa + wb
-    lse = torch.where(total > 0, m_safe + torch.log(total), torch.full_like(m, float("-inf")))
+    lse = torch.where((total > 0) | total.isnan(), m_safe + torch.log(total), torch.full_like(m, float("-inf")))
     denom = torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)
     out = (out_a.float() * wa.unsqueeze(-1) + out_b.float() * wb.unsqueeze(-1)) / denom
     return out.to(out_a.dtype), lse
