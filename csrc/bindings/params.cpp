@@ -227,6 +227,32 @@ PagedQuery check_paged_query(const char* op, const char* q_layout, const at::Ten
   return a;
 }
 
+
+// The fields DecodeAttentionParams and ExtendAttentionParams share, named alike: the query's dtype,
+// the paged cache and its table, seq_lens, and the scores' scale and window (the index types are set
+// by the checks that read them).
+template <typename P>
+void set_paged_cache(P& p, const PagedQuery& pq, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window) {
+  p.dtype = pq.dtype;
+  p.cache_type = pq.cache.type;
+  p.k_scale = pq.cache.k_scale;
+  p.v_scale = pq.cache.v_scale;
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.block_tables = block_tables.data_ptr();
+  p.block_table_row_stride = block_tables.stride(0);
+  p.max_blocks_per_seq = block_tables.size(1);
+  p.seq_lens = seq_lens.data_ptr();
+  p.num_q_heads = pq.num_q_heads;
+  p.num_kv_heads = pq.num_kv_heads;
+  p.head_dim = pq.head_dim;
+  p.block_size = k_cache.size(1);
+  p.num_blocks = k_cache.size(0);
+  p.scale = static_cast<float>(scale);
+  p.window = window;
+}
+
 }  // namespace
 
 RmsNormParams make_rms_norm_params(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
@@ -452,10 +478,6 @@ DecodeAttentionParams make_decode_attention_params(
   DecodeAttentionParams p{};
   const PagedQuery pq = check_paged_query(op, "[batch, num_q_heads, head_dim]", q, k_cache, v_cache, k_scale, v_scale);
   const int64_t B = pq.rows, Hq = pq.num_q_heads, Hk = pq.num_kv_heads, D = pq.head_dim;
-  p.dtype = pq.dtype;
-  p.cache_type = pq.cache.type;
-  p.k_scale = pq.cache.k_scale;
-  p.v_scale = pq.cache.v_scale;
   p.block_table_type = index_dtype(op, "block_tables", block_tables);
   check_dim(op, "block_tables", block_tables, 2, "[batch, max_blocks_per_seq]");
   check_size(op, "block_tables", block_tables, 0, B, "batch, as in q");
@@ -505,20 +527,8 @@ DecodeAttentionParams make_decode_attention_params(
   p.q = q.data_ptr();
   p.q_batch_stride = q.stride(0);
   p.q_head_stride = q.stride(1);
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.block_tables = block_tables.data_ptr();
-  p.block_table_row_stride = block_tables.stride(0);
-  p.max_blocks_per_seq = block_tables.size(1);
-  p.seq_lens = seq_lens.data_ptr();
-  p.window = window;
+  set_paged_cache(p, pq, k_cache, v_cache, block_tables, seq_lens, scale, window);
   p.batch = B;
-  p.num_q_heads = Hq;
-  p.num_kv_heads = Hk;
-  p.head_dim = D;
-  p.block_size = k_cache.size(1);
-  p.num_blocks = k_cache.size(0);
-  p.scale = static_cast<float>(scale);
   p.num_splits = static_cast<int>(num_splits);
   return p;
 }
@@ -531,11 +541,6 @@ ExtendAttentionParams make_extend_attention_params(
   ExtendAttentionParams p{};
   const PagedQuery pq = check_paged_query(op, "[num_tokens, num_q_heads, head_dim]", q, k_cache, v_cache, k_scale,
                                           v_scale);
-  const int64_t T = pq.rows, Hq = pq.num_q_heads, Hk = pq.num_kv_heads, D = pq.head_dim;
-  p.dtype = pq.dtype;
-  p.cache_type = pq.cache.type;
-  p.k_scale = pq.cache.k_scale;
-  p.v_scale = pq.cache.v_scale;
   p.block_table_type = index_dtype(op, "block_tables", block_tables);
   check_dim(op, "block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]");
   check_last_contiguous(op, "block_tables", block_tables);
@@ -558,22 +563,10 @@ ExtendAttentionParams make_extend_attention_params(
   p.q = q.data_ptr();
   p.q_token_stride = q.stride(0);
   p.q_head_stride = q.stride(1);
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.block_tables = block_tables.data_ptr();
-  p.block_table_row_stride = block_tables.stride(0);
-  p.max_blocks_per_seq = block_tables.size(1);
+  set_paged_cache(p, pq, k_cache, v_cache, block_tables, seq_lens, scale, window);
   p.query_start_loc = query_start_loc.data_ptr();
-  p.seq_lens = seq_lens.data_ptr();
   p.num_seqs = B;
-  p.num_tokens = T;
-  p.num_q_heads = Hq;
-  p.num_kv_heads = Hk;
-  p.head_dim = D;
-  p.block_size = k_cache.size(1);
-  p.num_blocks = k_cache.size(0);
-  p.scale = static_cast<float>(scale);
-  p.window = window;
+  p.num_tokens = pq.rows;
   return p;
 }
 

@@ -389,13 +389,8 @@ void decode_attention(const DecodeAttentionParams& p) {
               "before the CPU kernel, got ", p.num_splits);
   check_lengths_and_blocks(p);
   if (p.batch == 0 || p.num_q_heads == 0) return;
-  dispatch_dtype(p.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    switch (p.cache_type) {
-      case CacheType::kModel: decode_attention_typed<T, T>(p); break;
-      case CacheType::kInt8: decode_attention_typed<T, int8_t>(p); break;
-      case CacheType::kFp8E4M3: decode_attention_typed<T, Fp8>(p); break;
-    }
+  dispatch_dtype_and_cache(p.dtype, p.cache_type, [&](auto t, auto c) {
+    decode_attention_typed<decltype(t), decltype(c)>(p);
   });
 }
 

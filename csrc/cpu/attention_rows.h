@@ -175,6 +175,20 @@ using Fp8 = c10::Float8_e4m3fn;
 template <typename C>
 inline constexpr bool kCompact = std::is_same_v<C, int8_t> || std::is_same_v<C, Fp8>;
 
+// Calls fn(T{}, C{}) with T the storage type of `dtype` and C the element type of a paged KV cache
+// of type `cache` beside it: T itself, or a one-byte code.
+template <typename Fn>
+void dispatch_dtype_and_cache(DType dtype, CacheType cache, Fn&& fn) {
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    switch (cache) {
+      case CacheType::kModel: fn(T{}, T{}); break;
+      case CacheType::kInt8: fn(T{}, int8_t{}); break;
+      case CacheType::kFp8E4M3: fn(T{}, Fp8{}); break;
+    }
+  });
+}
+
 // 8 int8 codes as float32 (sign-extended and converted: vpmovsxbd + vcvtdq2ps under AVX2).
 STAGEWISE_ALWAYS_INLINE void load8(VecF& out, const int8_t* src) {
   typedef int8_t VecB __attribute__((vector_size(8)));

@@ -400,13 +400,8 @@ void extend_attention_typed(const ExtendAttentionParams& p) {
 void extend_attention(const ExtendAttentionParams& p) {
   check_runs(p);
   if (p.num_tokens == 0 || p.num_q_heads == 0) return;
-  dispatch_dtype(p.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    switch (p.cache_type) {
-      case CacheType::kModel: extend_attention_typed<T, T>(p); break;
-      case CacheType::kInt8: extend_attention_typed<T, int8_t>(p); break;
-      case CacheType::kFp8E4M3: extend_attention_typed<T, Fp8>(p); break;
-    }
+  dispatch_dtype_and_cache(p.dtype, p.cache_type, [&](auto t, auto c) {
+    extend_attention_typed<decltype(t), decltype(c)>(p);
   });
 }
 
