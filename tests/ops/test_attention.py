@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from helpers.kernels import DEVICES, DTYPES, TOLERANCES, assert_close, paged_kv, poison_, strided
+from helpers.kernels import DEVICES, DTYPES, HAS_CUDA, TOLERANCES, assert_close, paged_kv, poison_, strided
 
 import stagewise.ops as ops
 from stagewise.ops import reference
@@ -283,3 +283,26 @@ def test_window_checks_only_its_blocks(device):
     tables[1, 5] = 999  # tokens 80-95: in it
     with pytest.raises(IndexError, match=r"block_tables\[1\]\[5\] = 999 is out of range \[0, 64\)"):
         ops.decode_attention(q, k_cache, v_cache, tables, lens, 0.1, window=40)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("head_dim", [16, 32, 91])
+def test_other_head_dims_on_cuda(head_dim, monkeypatch):
+    """The CUDA kernel takes head_dim 64, 128, 256: the op itself refuses others with a ValueError
+    (not a crash), and stagewise.ops runs them through the reference, saying so once."""
+    seq_lens = [0, 17, 100]
+    k_cache, v_cache, tables, seqs = paged_kv(seq_lens, 2, head_dim, 16, torch.float32, "cuda")
+    q = torch.randn(len(seq_lens), 4, head_dim, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    out, lse = poisoned_outputs(len(seq_lens), 4, head_dim, torch.float32, "cuda")
+    with pytest.raises(ValueError, match=rf"^stagewise\.decode_attention: on CUDA head_dim must be 64, 128 or 256, "
+                                         rf"got {head_dim}"):
+        torch.ops.stagewise.decode_attention(out, lse, q, k_cache, v_cache, tables, lens, 0.25, None, None, 0, 0,
+                                             None, None)
+    monkeypatch.setattr(ops, "_warned_head_dims", set())
+    with pytest.warns(RuntimeWarning, match=f"no CUDA attention kernel for head_dim {head_dim}"):
+        ops.decode_attention(q, k_cache, v_cache, tables, lens, 0.25, out=out, lse=lse)
+    plain_out, plain_lse = plain_attention(q, seqs, 0.25)
+    assert_close(out, plain_out.float())
+    assert_close(lse, plain_lse.float())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.kernels import DEVICES, DTYPES, assert_close, paged_kv, poison_
+from helpers.kernels import DEVICES, DTYPES, HAS_CUDA, assert_close, paged_kv, poison_
 
 import stagewise.ops as ops
 from stagewise.ops import reference
@@ -180,3 +180,21 @@ def test_window_reads_only_its_blocks():
     with pytest.raises(ValueError, match="argument 'window' must be an int >= 1 or None, got 0"):
         ops.extend_attention(q, k_cache, v_cache, tables, starts, lens, 0.25, window=0)
 
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_other_head_dims_on_cuda(head_dim, monkeypatch):
+    """Head sizes the CUDA kernel is not built for: a ValueError from the op itself (not a crash),
+    the reference's result through stagewise.ops, with a warning."""
+    q, k_cache, v_cache, tables, starts, lens, seqs = _runs(RUNS, (8, 2), head_dim, torch.float32, "cuda")
+    out = poison_(torch.empty_like(q))
+    with pytest.raises(ValueError, match=rf"^stagewise\.decode_attention: on CUDA head_dim must be 64, 128 or 256, "
+                                         rf"got {head_dim}"):
+        torch.ops.stagewise.extend_attention(out, q, k_cache, v_cache, tables, starts, lens, 0.25, 0, None, None)
+    monkeypatch.setattr(ops, "_warned_head_dims", set())
+    with pytest.warns(RuntimeWarning, match=f"no CUDA attention kernel for head_dim {head_dim}"):
+        ops.extend_attention(q, k_cache, v_cache, tables, starts, lens, 0.25, out=out)
+    exact = plain_extend(q.cpu(), RUNS, [(k.cpu(), v.cpu()) for k, v in seqs], 0.25)
+    assert_close(out.double().cpu(), exact, dtype=torch.float32)
