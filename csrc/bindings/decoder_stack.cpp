@@ -126,9 +126,9 @@ class DecoderStack : public torch::CustomClassHolder {
   // The runs are x's first query_start_loc[P] rows, one after another (query_start_loc [P + 1], from
   // 0); block_tables [R, W] and seq_lens [R] (cached tokens before the step) hold each run's request,
   // then each decode row's, as decode() takes them; run_lens [P]: each run's request's tokens after
-  // the step (its cache and the run, what it attends over). Each layer writes the step's K/V into the cache first; the runs attend causally over the
-  // cache through extend_attention (a run's tokens share every K/V row they read), the decode rows
-  // as in decode().
+  // the step (its cache and the run, what it attends over). Each layer writes the step's K/V into
+  // the cache first; the runs attend causally over the cache through extend_attention (a run's
+  // tokens share every K/V row they read), the decode rows as in decode().
   void extend(at::Tensor x, at::Tensor residual, bool has_residual, at::Tensor positions, at::Tensor slot_mapping,
               at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor run_lens,
               at::Tensor kv, OptT scales) {

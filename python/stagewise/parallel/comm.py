@@ -1,8 +1,9 @@
 """Process groups and collectives over torch.distributed: gloo between CPU processes, NCCL
 between GPUs, one rank to a GPU (NCCL refuses two ranks on one GPU: such a world runs gloo, whose
-collectives take a CUDA tensor through a host copy); a group whose ranks are all CPU processes on one host runs its collectives over
-shared memory instead (:mod:`stagewise.parallel.shm_group`). A :class:`Group` of one rank does
-nothing, so single-process code calls the same collectives at no cost.
+collectives take a CUDA tensor through a host copy, :func:`_through_host`); a group whose ranks
+are all CPU processes on one host runs its collectives over shared memory instead
+(:mod:`stagewise.parallel.shm_group`). A :class:`Group` of one rank does nothing, so
+single-process code calls the same collectives at no cost.
 
 A world is bootstrapped through a ``TCPStore``: one process hosts it (:func:`host_store`; in a
 pipeline the world's first rank, :mod:`stagewise.parallel.groups`) and every rank joins it as a
@@ -11,6 +12,7 @@ client (:func:`init_world`).
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -97,6 +99,23 @@ def destroy_world() -> None:
         dist.destroy_process_group()
 
 
+def _through_host(in_place: bool):
+    """A collective of :class:`Group` that gloo carries for host tensors only: on a gloo group a
+    CUDA tensor's runs on a host copy, the result back on its device (into the tensor itself for
+    the in-place collectives)."""
+    def wrap(collective):
+        @functools.wraps(collective)
+        def run(self: Group, t: torch.Tensor, *args, **kwargs):
+            if not (self._host_only and t.is_cuda):
+                return collective(self, t, *args, **kwargs)
+            out = collective(self, t.cpu(), *args, **kwargs)
+            if in_place:
+                return t.copy_(out)
+            return None if out is None else out.to(t.device)
+        return run
+    return wrap
+
+
 class Group:
     """The ranks of one tensor- or context-parallel group. ``ranks`` are global ranks; a group
     of one rank needs no process group at all; ``shm``: this rank's end of the group's
@@ -116,14 +135,6 @@ class Group:
         self._host_only = len(ranks) > 1 and shm is None and dist.is_initialized() \
             and dist.get_backend() == "gloo"  # the world's: its subgroups take the same
         """gloo carries host tensors only: a CUDA tensor's collective runs on a host copy."""
-
-    def _via_host(self, op: str, t: torch.Tensor, *args):
-        """Collective ``op`` of a CUDA tensor over gloo: on a host copy, the result back on ``t``'s
-        device (in place for the in-place collectives)."""
-        out = getattr(self, op)(t.cpu(), *args)
-        if op in ("all_reduce", "broadcast"):
-            return t.copy_(out)
-        return None if out is None else out.to(t.device)
 
     def _count(self, start: float, t: torch.Tensor) -> None:
         self.seconds += time.perf_counter() - start
@@ -161,10 +172,9 @@ class Group:
         """This process's index in the group."""
         return 0 if self.size == 1 else self.ranks.index(dist.get_rank())
 
+    @_through_host(in_place=True)
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the group, in place; returns ``t``."""
-        if self._host_only and t.is_cuda:
-            return self._via_host("all_reduce", t)
         if self.size > 1:
             start = time.perf_counter()
             if self.shm is not None:
@@ -174,10 +184,9 @@ class Group:
             self._count(start, t)
         return t
 
+    @_through_host(in_place=True)
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``t`` of group rank ``src`` on every rank, in place; returns ``t``."""
-        if self._host_only and t.is_cuda:
-            return self._via_host("broadcast", t, src)
         if self.size > 1:
             start = time.perf_counter()
             if self.shm is not None:
@@ -187,10 +196,9 @@ class Group:
             self._count(start, t)
         return t
 
+    @_through_host(in_place=False)
     def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Every rank's ``t`` (same shape on each) concatenated along ``dim``, in rank order."""
-        if self._host_only and t.is_cuda:
-            return self._via_host("all_gather", t, dim)
         if self.size == 1:
             return t
         start = time.perf_counter()
@@ -205,11 +213,10 @@ class Group:
             return out
         return torch.cat(out.chunk(self.size), dim=dim)
 
+    @_through_host(in_place=False)
     def gather(self, t: torch.Tensor, dim: int = 0, dst: int = 0) -> torch.Tensor | None:
         """Every rank's ``t`` (same shape on each) concatenated along ``dim`` on group rank
         ``dst``, in rank order; None on the other ranks."""
-        if self._host_only and t.is_cuda:
-            return self._via_host("gather", t, dim, dst)
         if self.size == 1:
             return t
         start = time.perf_counter()
@@ -229,11 +236,10 @@ class Group:
                              "chunks")
         return t.movedim(dim, 0).contiguous()
 
+    @_through_host(in_place=False)
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """The sum of every rank's ``t`` (same shape on each), split into ``size`` equal chunks
         along ``dim``: group rank ``i`` gets chunk ``i``."""
-        if self._host_only and t.is_cuda:
-            return self._via_host("reduce_scatter", t, dim)
         if self.size == 1:
             return t
         start, src = time.perf_counter(), self._chunks_first("reduce_scatter", t, dim)
@@ -245,12 +251,11 @@ class Group:
         self._count(start, t)
         return out.movedim(0, dim)
 
+    @_through_host(in_place=False)
     def all_to_all(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """``t`` split into ``size`` equal chunks along ``dim``; chunk ``i`` goes to group rank
         ``i``, and the chunks received (one from each rank, in rank order) are concatenated
         along ``dim``."""
-        if self._host_only and t.is_cuda:
-            return self._via_host("all_to_all", t, dim)
         if self.size == 1:
             return t
         start, src = time.perf_counter(), self._chunks_first("all_to_all", t, dim)
